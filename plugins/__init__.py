@@ -1,0 +1,1 @@
+"""Memory plugins shipped with rlm, one file each (installed as ``rlm.plugins``)."""

@@ -1,0 +1,178 @@
+"""The plugin contract: what a memory plugin declares and what the core asks of it.
+
+A plugin is one class with a typed config (a dataclass named ``Config`` on the class). It says
+which slots it takes at which layers (``claims``), builds the module for each claim (``build``),
+and may contribute optimizer parameter groups, Lightning callbacks, per-batch preparation of the
+context, and its count of parameters not used per token. Aux losses and metrics are written into
+the :class:`~rlm.plugin.context.Context` during forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import nn
+
+from rlm.plugin.context import Context
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from rlm.model.config import ModelConfig
+
+
+class Slot(str, enum.Enum):
+    """Named places in the model that plugins fill."""
+
+    EMBED = "embed"
+    """Token embedding: tokens (B, T) -> (B, T, d). Whole model, no layer."""
+    ATTN = "attn"
+    """Self-attention of block i: (B, T, d) -> (B, T, d)."""
+    CROSS_ATTN = "cross_attn"
+    """Cross-attention of block i, absent by default: (B, T, d) -> (B, T, d), added to the residual."""
+    FFN = "ffn"
+    """FFN of block i: (B, T, d) -> (B, T, d)."""
+    STACK = "stack"
+    """The loop over blocks: (B, T, d) -> (B, T, d). Whole model, no layer."""
+
+
+LAYERLESS = (Slot.EMBED, Slot.STACK)
+
+
+class Mode(str, enum.Enum):
+    """How a claim fills its slot."""
+
+    REPLACE = "replace"
+    """The plugin's module takes the slot's place; exclusive."""
+    ADD = "add"
+    """The plugin's module runs beside the slot's module on the same input; outputs are summed."""
+    WRAP = "wrap"
+    """The plugin's module receives the slot's current module and calls it itself."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A plugin's claim on one slot at some layers (None for whole-model slots)."""
+
+    slot: Slot
+    mode: Mode
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slot", Slot(self.slot))
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if self.slot in LAYERLESS and self.layers is not None:
+            raise ValueError(f"slot {self.slot.value!r} is model-wide and takes no layers, got {self.layers}")
+        if self.slot not in LAYERLESS:
+            if not self.layers:
+                raise ValueError(f"slot {self.slot.value!r} needs a non-empty list of layers")
+            object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+
+
+@dataclass
+class ParamGroup:
+    """An optimizer parameter group a plugin asks for; None fields inherit the module's optimizer settings."""
+
+    name: str
+    params: list[nn.Parameter]
+    lr: float | None = None
+    weight_decay: float | None = None
+    betas: tuple[float, float] | None = None
+    schedule: bool = True
+    """Whether the warmup/cosine schedule scales this group's learning rate (False: constant lr)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further optimizer options for the group."""
+
+
+class Plugin(nn.Module):
+    """Base class of every plugin. Subclasses set ``name``, ``Config`` and implement ``claims`` and ``build``.
+
+    The plugin object is an ``nn.Module`` owned by the model, so state shared across layers (for
+    example values shared by several memory layers) lives on it and is checkpointed with the model.
+    """
+
+    name: ClassVar[str] = ""
+    """Short name used in configs and the registry."""
+    Config: ClassVar[type] = object
+    """A dataclass holding the plugin's options; it validates itself in ``__post_init__``."""
+    order: ClassVar[int] = 100
+    """Plugins are built in ascending (order, name), whatever order the config lists them in."""
+    conflicts_with: ClassVar[tuple[str, ...]] = ()
+    """Names of plugins that cannot be used together with this one."""
+
+    def __init__(self, config: Any, model_config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model_config = model_config
+        self.label = self.name  # the key under model.plugins; set by the assembler
+
+    def claims(self) -> list[Claim]:
+        """The slots this plugin takes."""
+        raise NotImplementedError
+
+    def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
+        """Build the module for ``claim`` at ``layer``.
+
+        ``current`` is the slot's module at that moment (None for an absent cross-attention): a
+        REPLACE module takes its place, an ADD module runs beside it, a WRAP module must call it.
+        Every returned module is called as ``module(x, ctx)`` (the embedding slot: ``(tokens, ctx)``).
+        """
+        raise NotImplementedError
+
+    # Optional parts of the contract; defaults do nothing.
+
+    def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
+        """Fill ``ctx.extras[self.name]`` from the batch before forward (for example the batch's neighbours)."""
+
+    def param_groups(self) -> list[ParamGroup]:
+        """Optimizer groups for this plugin's parameters; parameters not listed use the default groups."""
+        return []
+
+    def callbacks(self) -> list[pl.Callback]:
+        """Lightning callbacks this plugin needs (index rebuilds, memory statistics, ...)."""
+        return []
+
+    def inactive_parameters(self) -> int:
+        """Parameters of this plugin that a single token does not use (for 'active parameters per token')."""
+        return 0
+
+    def attach(self, model: nn.Module) -> None:
+        """Called once after every plugin has been built, with the assembled model."""
+
+
+def config_fields(config_cls: type) -> list[str]:
+    """Names of the fields of a plugin's config dataclass."""
+    return [f.name for f in dataclasses.fields(config_cls)] if dataclasses.is_dataclass(config_cls) else []
+
+
+def make_config(plugin_cls: type[Plugin], args: dict[str, Any] | None) -> Any:
+    """Build ``plugin_cls.Config`` from a dict, rejecting unknown keys with the list of accepted ones."""
+    args = dict(args or {})
+    known = config_fields(plugin_cls.Config)
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise ValueError(
+            f"plugin {plugin_cls.name!r}: unknown option(s) {unknown}; accepted: {known}"
+        )
+    return plugin_cls.Config(**args)
+
+
+def check_layers(name: str, layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    """Validate a typed layer list against the model depth; negative indices count from the end."""
+    if isinstance(layers, str) or not isinstance(layers, Iterable):
+        raise ValueError(f"plugin {name!r}: layers must be a list of integers such as [1, 3], got {layers!r}")
+    out = []
+    for i in layers:
+        if not isinstance(i, int) or not -n_layers <= i < n_layers:
+            raise ValueError(
+                f"plugin {name!r}: layer {i!r} is out of range for a model of {n_layers} layers "
+                f"(accepted: 0..{n_layers - 1} or -{n_layers}..-1)"
+            )
+        out.append(i % n_layers)
+    if len(set(out)) != len(out):
+        raise ValueError(f"plugin {name!r}: layer list {list(layers)} repeats a layer")
+    return tuple(sorted(out))

@@ -1,0 +1,105 @@
+"""Finding plugins: a small name table, the ``rlm.plugins`` entry-point group, or a ``class_path``.
+
+The core never imports a concrete plugin module except through this table's strings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from importlib.metadata import entry_points
+from typing import Any
+
+from rlm.plugin.base import Plugin, make_config
+
+# Built-in plugins: short name -> "module:Class". Imported lazily, only when named.
+BUILTIN: dict[str, str] = {
+    "tokenid": "rlm.plugins.tokenid:TokenIDPlugin",
+    "moe": "rlm.plugins.moe:MoEPlugin",
+    "partial_experts": "rlm.plugins.partial_experts:PartialExpertsPlugin",
+    "pkm": "rlm.plugins.pkm:PKMPlugin",
+    "altup": "rlm.plugins.altup:AltUpPlugin",
+    "retrieval": "rlm.plugins.retrieval:RetrievalPlugin",
+}
+
+ENTRY_POINT_GROUP = "rlm.plugins"
+
+
+def _builtin_available(target: str) -> bool:
+    module = target.split(":")[0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_plugins() -> list[str]:
+    """Every plugin name that can be resolved: built-ins and third-party entry points."""
+    names = {n for n, t in BUILTIN.items() if _builtin_available(t)} | set(_entry_points())
+    return sorted(names)
+
+
+def load_class(path: str) -> type:
+    """Import ``package.module.Class`` or ``package.module:Class``."""
+    module, _, attr = path.replace(":", ".").rpartition(".") if ":" not in path else path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"class_path {path!r} must look like 'package.module.Class'")
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot import plugin class_path {path!r}: {err}") from err
+    return obj
+
+
+def resolve(name: str, class_path: str | None = None) -> type[Plugin]:
+    """The plugin class for a config entry: by class_path if given, else by registered name."""
+    if class_path:
+        cls = load_class(class_path)
+    elif name in BUILTIN and _builtin_available(BUILTIN[name]):
+        cls = load_class(BUILTIN[name])
+    elif name in (eps := _entry_points()):
+        cls = eps[name].load()
+    else:
+        raise ValueError(f"unknown plugin {name!r}; known plugins: {known_plugins()} (or give a class_path)")
+    if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+        raise ValueError(f"plugin {name!r} resolves to {cls!r}, which is not a subclass of rlm.plugin.Plugin")
+    return cls
+
+
+def parse_spec(name: str, spec: Any) -> tuple[type[Plugin], dict[str, Any]] | None:
+    """Read one entry of ``model.plugins``. Returns None for a disabled plugin (``null`` or ``false``).
+
+    Accepted forms: ``{}`` / ``true`` (defaults), ``{field: value, ...}``, or
+    ``{class_path: pkg.mod.Class, init_args: {field: value}}``.
+    """
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        spec = {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"plugin {name!r}: expected a mapping of options, got {spec!r}")
+    spec = dict(spec)
+    class_path = spec.pop("class_path", None)
+    if "init_args" in spec:
+        init_args = spec.pop("init_args") or {}
+        if spec:
+            raise ValueError(f"plugin {name!r}: keys {sorted(spec)} beside init_args; put options inside init_args")
+        spec = dict(init_args)
+    return resolve(name, class_path), spec
+
+
+def validate_specs(specs: dict[str, Any] | None) -> list[str]:
+    """Every problem in a ``model.plugins`` mapping, as messages (empty when it is valid)."""
+    problems = []
+    for name, spec in (specs or {}).items():
+        try:
+            parsed = parse_spec(name, spec)
+            if parsed is not None:
+                make_config(parsed[0], parsed[1])
+        except (ValueError, TypeError) as err:
+            problems.append(str(err))
+    return problems
