@@ -1,0 +1,7 @@
+"""``python -m rlm`` runs the rlm command."""
+
+import sys
+
+from rlm.cli import main
+
+sys.exit(main())

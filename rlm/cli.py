@@ -1,0 +1,133 @@
+"""The ``rlm`` command: a small table of subcommands.
+
+``fit``, ``validate`` and ``test`` run LightningCLI on the deep-merged ``--config`` files; ``generate``
+samples from a checkpoint; ``index`` and ``experiment`` hand over to their own parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from pytorch_lightning.cli import LightningCLI
+
+from rlm.config_merge import merge_configs, split_config_args, write_merged
+
+
+class RLMCLI(LightningCLI):
+    """LightningCLI with the data module's vocabulary linked into the model config."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data.vocab_size", "model.model.vocab_size")
+
+
+def run_lightning(command: str, args: list[str]) -> int:
+    """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
+    from rlm.data import RLMDataModule
+    from rlm.lightning import LMModule
+
+    configs, rest = split_config_args(args)
+    merged_path = write_merged(merge_configs(configs)) if configs else None
+    try:
+        RLMCLI(
+            LMModule,
+            RLMDataModule,
+            args=[command, *(["--config", merged_path] if merged_path else []), *rest],
+            parser_kwargs={"parser_mode": "omegaconf"},
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,
+        )
+    finally:
+        if merged_path:
+            os.unlink(merged_path)
+    return 0
+
+
+def run_generate(command: str, args: list[str]) -> int:
+    """``rlm generate --ckpt PATH --prompt TEXT``: sample a continuation."""
+    import torch
+
+    from rlm.data import RLMDataModule
+    from rlm.generate import sample
+    from rlm.lightning import LMModule
+
+    p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
+    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(args)
+    if not os.path.isfile(a.ckpt):
+        p.error(f"--ckpt {a.ckpt!r} does not exist")
+    ckpt = torch.load(a.ckpt, map_location="cpu", weights_only=False)
+    data_hp = ckpt.get("datamodule_hyper_parameters")
+    if not data_hp:
+        p.error(f"{a.ckpt!r} holds no data module settings, so its tokenizer cannot be found")
+    data = RLMDataModule(**{**data_hp, "progress": False})
+    data.prepare_data()
+    data.setup("predict")
+    module = LMModule.load_from_checkpoint(a.ckpt, map_location="cpu")
+    tok = data.tokenizer
+    gen = torch.Generator().manual_seed(a.seed)
+    out = sample(module, [tok.bos_id, *tok.encode(a.prompt)], a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen)
+    print(a.prompt + tok.decode(out))
+    return 0
+
+
+def run_index(command: str, args: list[str]) -> int:
+    """``rlm index build|search|eval|info``."""
+    from rlm.index.cli import main as index_main
+
+    return index_main(args) or 0
+
+
+def run_experiment(command: str, args: list[str]) -> int:
+    """``rlm experiment run|report``."""
+    from rlm.experiment import main as experiment_main
+
+    return experiment_main(args) or 0
+
+
+COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
+    "fit": (run_lightning, "train a model (LightningCLI; stack --config files)"),
+    "validate": (run_lightning, "evaluate on the validation split"),
+    "test": (run_lightning, "evaluate on the test split"),
+    "generate": (run_generate, "sample text from a checkpoint"),
+    "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
+    "experiment": (run_experiment, "run plugin comparisons and report them"),
+}
+
+
+def usage() -> str:
+    """The top-level help text."""
+    lines = ["usage: rlm COMMAND [args]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`rlm COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rlm`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"rlm: unknown command {command!r}; known commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command][0](command, rest)
+    except (ValueError, FileNotFoundError) as err:
+        if os.environ.get("RLM_DEBUG"):
+            raise
+        print(f"rlm {command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

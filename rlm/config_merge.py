@@ -1,0 +1,73 @@
+"""Composing stacked YAML config files before LightningCLI sees them.
+
+LightningCLI replaces a dict-valued argument (such as ``model.plugins``) wholesale when two config files
+set it, so plugin fragments would not stack. We deep-merge every ``--config`` file first (OmegaConf.merge:
+mappings merge key by key, so plugins merge by name) and hand LightningCLI one merged file. A file may
+name others to start from with a top-level ``include: [path, ...]`` (relative to that file).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_FLAGS = ("--config", "-c")
+
+
+def load_config(path: str | Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
+    """Load one YAML file with its ``include`` chain merged underneath it."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    if path in _stack:
+        raise ValueError(f"config include cycle: {' -> '.join(str(p) for p in (*_stack, path))}")
+    cfg = OmegaConf.load(path)
+    if not isinstance(cfg, DictConfig):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
+    includes = cfg.pop("include", None) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged = OmegaConf.create()
+    for inc in includes:
+        merged = OmegaConf.merge(merged, load_config(path.parent / inc, (*_stack, path)))
+    return OmegaConf.merge(merged, cfg)
+
+
+def merge_configs(paths: list[str | Path]) -> dict[str, Any]:
+    """Deep-merge config files in order (later files win key by key) and resolve interpolations."""
+    merged = OmegaConf.create()
+    for p in paths:
+        merged = OmegaConf.merge(merged, load_config(p))
+    return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+
+
+def split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--config FILE`` / ``--config=FILE`` arguments from the rest."""
+    configs, rest = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in CONFIG_FLAGS:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{arg} needs a file name")
+            configs.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            configs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return configs, rest
+
+
+def write_merged(cfg: dict[str, Any], directory: str | None = None) -> str:
+    """Write a merged config to a fresh temporary YAML file and return its path."""
+    fd, path = tempfile.mkstemp(prefix="rlm-config-", suffix=".yaml", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    return path

@@ -1,0 +1,164 @@
+"""The plugin contract: registry, slot claims and conflicts, context, parameter groups, ordering."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from rlm.lightning import LMModule
+from rlm.model import ModelConfig, Transformer
+from rlm.plugin import Claim, Context, Mode, Plugin, Slot, known_plugins, resolve
+from rlm.plugin.registry import validate_specs
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq_len=32)
+EVERY = "everyslot_plugin.EverySlotPlugin"
+
+
+@dataclass
+class _FFNConfig:
+    layers: list[int] = field(default_factory=lambda: [1])
+
+
+class _ReplaceFFN(Plugin):
+    """Replaces the FFN with a zero map at its layers."""
+
+    name = "replace_ffn"
+    Config = _FFNConfig
+
+    def claims(self):
+        return [Claim(Slot.FFN, Mode.REPLACE, tuple(self.config.layers))]
+
+    def build(self, claim, layer, current):
+        return _Zero()
+
+
+class _Zero(nn.Module):
+    def forward(self, x, ctx):
+        return torch.zeros_like(x)
+
+
+def test_registry_lists_known_and_rejects_unknown():
+    assert "tokenid" in known_plugins()
+    with pytest.raises(ValueError, match=r"unknown plugin 'nope'; known plugins: \[.*'tokenid'"):
+        resolve("nope")
+
+
+def test_class_path_resolution_and_bad_class_path():
+    assert resolve("anything", EVERY).name == "everyslot"
+    with pytest.raises(ValueError, match="cannot import plugin class_path"):
+        resolve("x", "no.such.module.Plugin")
+    with pytest.raises(ValueError, match="not a subclass of rlm.plugin.Plugin"):
+        resolve("x", "torch.nn.Linear")
+
+
+def test_unknown_option_lists_accepted_fields():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['rnak'\]; accepted: \['layers', 'rank', 'init_std'\]"):
+        Transformer(CFG, {"tokenid": {"rnak": 2}})
+    assert validate_specs({"tokenid": {"rnak": 2}, "nope": {}, "ok": None}) == [
+        "plugin 'tokenid': unknown option(s) ['rnak']; accepted: ['layers', 'rank', 'init_std']",
+        f"unknown plugin 'nope'; known plugins: {known_plugins()} (or give a class_path)",
+    ]
+
+
+def test_layer_validation():
+    with pytest.raises(ValueError, match="layer 5 is out of range for a model of 3 layers"):
+        Transformer(CFG, {"tokenid": {"layers": [5]}})
+    with pytest.raises(ValueError, match="must be a list of integers"):
+        Transformer(CFG, {"tokenid": {"layers": "1,2"}})
+
+
+def test_conflicting_replace_claims_name_both_plugins_and_the_layer():
+    spec = {
+        "a": {"class_path": f"{__name__}._ReplaceFFN", "init_args": {"layers": [0, 2]}},
+        "b": {"class_path": f"{__name__}._ReplaceFFN", "init_args": {"layers": [2]}},
+    }
+    with pytest.raises(ValueError, match="plugins 'a' and 'b' both replace the ffn slot of layer 2"):
+        Transformer(CFG, spec)
+
+
+def test_every_slot_is_filled_and_called():
+    model = Transformer(CFG, {"every": {"class_path": EVERY, "init_args": {"layers": [1]}}})
+    assert model.blocks[1].cross_attn is not None and model.blocks[1].cross_norm is not None
+    assert model.blocks[0].cross_attn is None
+    ctx = Context(tokens=torch.randint(0, 64, (2, 8)))
+    model(ctx.tokens, ctx)
+    calls = ctx.extras["calls"]
+    expected = {"embed:replace", "embed:add", "stack:wrap", "attn:wrap@1", "cross_attn:replace@1", "ffn:add@1", "ffn:wrap@1"}
+    assert set(calls) == expected
+    assert calls.index("stack:wrap") < calls.index("attn:wrap@1") < calls.index("cross_attn:replace@1")
+    assert "everyslot" in ctx.aux_losses and "everyslot_norm" in ctx.metrics
+
+
+def test_absent_cross_attention_cannot_be_wrapped():
+    class _WrapCross(_ReplaceFFN):
+        def claims(self):
+            return [Claim(Slot.CROSS_ATTN, Mode.WRAP, (0,))]
+
+    globals()["_WrapCross"] = _WrapCross
+    with pytest.raises(ValueError, match="wants to wrap the cross_attn slot of layer 0, which no plugin fills"):
+        Transformer(CFG, {"w": {"class_path": f"{__name__}._WrapCross"}})
+
+
+def test_claim_validation():
+    with pytest.raises(ValueError, match="model-wide and takes no layers"):
+        Claim(Slot.STACK, Mode.WRAP, (0,))
+    with pytest.raises(ValueError, match="needs a non-empty list of layers"):
+        Claim(Slot.FFN, Mode.ADD, ())
+
+
+def test_build_order_does_not_depend_on_config_order():
+    a = {"tokenid": {"layers": [0], "rank": 2}, "every": {"class_path": EVERY}}
+    b = dict(reversed(list(a.items())))
+    torch.manual_seed(1)
+    m1 = Transformer(CFG, a)
+    torch.manual_seed(1)
+    m2 = Transformer(CFG, b)
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    assert list(s1) == list(s2)
+    for k in s1:
+        assert_close(s1[k], s2[k])
+
+
+def test_disabled_plugin_is_skipped():
+    model = Transformer(CFG, {"tokenid": None})
+    assert len(model.plugins) == 0 and model.added_parameters() == 0
+
+
+def test_context_aux_losses_sum_and_weights():
+    ctx = Context(tokens=torch.zeros(1, 2, dtype=torch.long))
+    ctx.add_loss("x", torch.tensor(1.0), 0.5)
+    ctx.add_loss("x", torch.tensor(2.0), 0.5)
+    ctx.add_loss("y", torch.tensor(4.0), 0.25)
+    assert_close(ctx.total_aux_loss(), torch.tensor(2.5))
+    with pytest.raises(ValueError, match="weights 0.5 and 1.0"):
+        ctx.add_loss("x", torch.tensor(1.0), 1.0)
+    assert Context(tokens=torch.zeros(1, 2, dtype=torch.long)).total_aux_loss() is None
+
+
+def test_lm_module_honours_plugin_groups_and_aux_loss():
+    module = LMModule(CFG, {"every": {"class_path": EVERY}})
+    groups = {g["name"]: g for g in module.parameter_groups()}
+    gain = module.model.plugins["every"].gain
+    assert [p for p in groups["everyslot_gain"]["params"]] == [gain]
+    assert groups["everyslot_gain"]["lr"] == 1e-4 and groups["everyslot_gain"]["schedule"] is False
+    assert all(p is not gain for g in ("decay", "no_decay") for p in groups[g]["params"])
+    # Norm weights and embeddings are not decayed; matrices are.
+    no_decay = {id(p) for p in groups["no_decay"]["params"]}
+    assert id(module.model.norm.weight) in no_decay and id(module.model.head.weight) in no_decay
+    assert id(module.model.blocks[0].attn.inner.qkv.weight) not in no_decay
+    n_grouped = sum(len(g["params"]) for g in groups.values())
+    assert n_grouped == len(list(module.model.parameters()))
+    batch = {"tokens": torch.randint(0, 64, (2, 8)), "targets": torch.randint(0, 64, (2, 8))}
+    lm, total, ctx, n = module._loss(batch, "train")
+    assert ctx.extras["everyslot"] == {"prepared": True}
+    value, weight = ctx.aux_losses["everyslot"]
+    assert_close(total, lm + weight * value)
+    assert n == 16
+
+
+def test_parameter_accounting():
+    model = Transformer(CFG, {"tokenid": {"layers": [0, 1], "rank": 0}})
+    assert model.added_parameters() == 2 * 64 * 32
+    assert model.active_parameters() == model.num_parameters() - 2 * 63 * 32
