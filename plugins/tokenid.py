@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
+from rlm.plugins._experts import PartialEntries
 
 
 @dataclass
@@ -40,29 +39,14 @@ class TokenIDConfig:
 
 
 class TokenIDTable(nn.Module):
-    """One layer's table: vocab entries of rank 0 (a vector) or rank r (U, V)."""
+    """One layer's table of vocab entries, rank 0 (a vector) or rank r (U, V), read by the token's id."""
 
     def __init__(self, vocab: int, d: int, rank: int, init_std: float) -> None:
         super().__init__()
-        self.rank, self.d = rank, d
-        if rank == 0:
-            self.b = nn.Embedding(vocab, d)
-            nn.init.normal_(self.b.weight, 0.0, init_std) if init_std else nn.init.zeros_(self.b.weight)
-        else:
-            self.u = nn.Embedding(vocab, d * rank)
-            self.v = nn.Embedding(vocab, rank * d)
-            nn.init.normal_(self.u.weight, 0.0, init_std or d**-0.5)
-            nn.init.normal_(self.v.weight, 0.0, init_std) if init_std else nn.init.zeros_(self.v.weight)
+        self.entries = PartialEntries(vocab, d, rank, init_std)
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        ids = ctx.tokens  # (B, T)
-        if self.rank == 0:
-            return self.b(ids).to(x.dtype)  # (B, T, d)
-        B, T, d = x.shape
-        u = self.u(ids).view(B, T, d, self.rank).to(x.dtype)  # (B, T, d, r)
-        v = self.v(ids).view(B, T, self.rank, d).to(x.dtype)  # (B, T, r, d)
-        h = F.relu(torch.einsum("btd,btdr->btr", x, u))  # (B, T, r)
-        return torch.einsum("btr,btrd->btd", h, v)
+        return self.entries(x, ctx.tokens.unsqueeze(-1))  # (B, T, d): entry of each token's own id
 
 
 class TokenIDPlugin(Plugin):

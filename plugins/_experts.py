@@ -1,0 +1,163 @@
+"""Expert computations shared by the routed plugins (moe, partial_experts, tokenid).
+
+- :class:`Experts`: N FFN experts stored as stacked (N, d, h) / (N, h, d) weights, and :func:`dispatch`, which
+  groups (token, choice) assignments by expert with one stable sort and runs all experts at once, either as
+  one grouped matmul over the sorted tokens (``torch._grouped_mm``) or as a batched matmul over (N, C, d)
+  capacity buffers. There is no Python loop over tokens or experts, and no per-expert slicing of the stacked
+  weights (each slice's gradient would be a full-size tensor).
+- :class:`PartialEntries`: a table of partial experts V relu(U^T x) of rank r, or constant vectors at rank 0
+  (Baykal et al. 2023), read with embedding gathers so only the looked-up rows are touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+DISPATCH_MODES = ("auto", "grouped", "bmm")
+
+
+@dataclass
+class Plan:
+    """Where each kept (token, choice) assignment goes, sorted by expert (token order within an expert)."""
+
+    assignment: Tensor
+    """Kept assignments as indices into the choice-major flattening of the (S, k) routing, (A,)."""
+    token: Tensor
+    """Source token of each kept assignment, (A,)."""
+    expert: Tensor
+    """Expert of each kept assignment (non-decreasing), (A,)."""
+    position: Tensor
+    """Position of each kept assignment within its expert's queue, (A,)."""
+    counts: Tensor
+    """Kept assignments per expert, (N,)."""
+    dropped: Tensor
+    """Fraction of the valid assignments that went over capacity (0-d float)."""
+
+
+def plan(index: Tensor, valid: Tensor, n: int, capacity: int | None) -> Plan:
+    """Group the assignments index (S, k) by expert; padding (valid False) and assignments past capacity drop out.
+
+    Choices are flattened choice-major, so every token's first choice claims capacity before any second
+    choice (GShard, Lepikhin et al. 2020); within one choice, earlier tokens come first.
+    """
+    S, k = index.shape
+    expert = index.t().reshape(-1)  # (A0,) with A0 = k * S
+    valid = valid.reshape(-1).repeat(k)  # (A0,)
+    expert = torch.where(valid, expert, n)  # padding goes to a sentinel expert n, never computed
+    order = torch.argsort(expert, stable=True)  # (A0,)
+    counts = torch.bincount(expert, minlength=n + 1)  # (N + 1,)
+    start = torch.cumsum(counts, 0) - counts
+    e_sorted = expert[order]
+    position = torch.arange(order.numel(), device=index.device) - start[e_sorted]
+    keep = e_sorted < n
+    if capacity is not None:
+        keep &= position < capacity
+    order, e_sorted, position = order[keep], e_sorted[keep], position[keep]
+    counts = counts[:n] if capacity is None else counts[:n].clamp(max=capacity)
+    n_valid = valid.sum().clamp(min=1)
+    dropped = 1.0 - order.numel() / n_valid.float()
+    return Plan(order, order % S, e_sorted, position, counts, dropped)
+
+
+def _activation(name: str, h: Tensor) -> Tensor:
+    if name == "swiglu":
+        gate, h = h.chunk(2, dim=-1)
+        return F.silu(gate) * h
+    return F.gelu(h) if name == "gelu" else F.relu(h)
+
+
+class Experts(nn.Module):
+    """N FFN experts with stacked weights: up (N, d, [2]h) and down (N, h, d)."""
+
+    def __init__(self, n: int, d: int, hidden: int, activation: str, init_std: float, out_std: float) -> None:
+        super().__init__()
+        if activation not in ("swiglu", "gelu", "relu"):
+            raise ValueError(
+                f"expert activation {activation!r} is unknown; expected 'swiglu', 'gelu' or 'relu'"
+            )
+        self.activation, self.hidden = activation, hidden
+        width = 2 * hidden if activation == "swiglu" else hidden
+        self.up = nn.Parameter(torch.randn(n, d, width) * init_std)
+        self.down = nn.Parameter(torch.randn(n, hidden, d) * out_std)
+
+    def grouped_ok(self, x: Tensor) -> bool:
+        """Whether torch._grouped_mm can run here: CPU (its CUDA kernel wants bf16 on sm90) and 16-byte rows."""
+        align = 16 // x.element_size()
+        return (
+            hasattr(torch, "_grouped_mm")
+            and x.device.type == "cpu"
+            and x.shape[-1] % align == 0
+            and self.hidden % align == 0
+        )
+
+    def forward(self, x: Tensor, p: Plan, capacity: int | None, mode: str) -> Tensor:
+        """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d)."""
+        if mode == "auto":
+            mode = "grouped" if self.grouped_ok(x) else "bmm"
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape) + 0 * (
+                self.up.sum() + self.down.sum()
+            )  # keep the weights in the graph
+        if mode == "grouped":
+            offs = torch.cumsum(p.counts, 0).to(torch.int32)  # (N,) end of each expert's rows
+            h = torch._grouped_mm(x, self.up.to(x.dtype), offs=offs)  # (A, [2]h)
+            return torch._grouped_mm(
+                _activation(self.activation, h), self.down.to(x.dtype), offs=offs
+            )  # (A, d)
+        # Capacity buffers: slot e*C + position holds the assignment; empty slots compute zeros.
+        n, d = self.up.shape[0], x.shape[-1]
+        C = capacity if capacity is not None else int(p.counts.max())  # dropless: the largest queue
+        slot = p.expert * C + p.position  # (A,)
+        buf = x.new_zeros(n * C, d).index_copy(0, slot, x).view(n, C, d)  # (N, C, d)
+        h = _activation(self.activation, torch.bmm(buf, self.up.to(x.dtype)))  # (N, C, h)
+        out = torch.bmm(h, self.down.to(x.dtype)).view(n * C, d)  # (N*C, d)
+        return out.index_select(0, slot)  # (A, d)
+
+
+def dispatch(
+    x: Tensor, index: Tensor, weight: Tensor, valid: Tensor, experts: Experts, capacity: int | None, mode: str
+) -> tuple[Tensor, Plan]:
+    """sum_{i in top-k} w_i(x) E_i(x) for x (S, d), index/weight (S, k); dropped and padding tokens get 0."""
+    p = plan(index, valid, experts.up.shape[0], capacity)
+    out = experts(x.index_select(0, p.token), p, capacity, mode)  # (A, d)
+    gate = weight.t().reshape(-1).index_select(0, p.assignment).to(x.dtype)  # (A,)
+    y = x.new_zeros(x.shape).index_add(0, p.token, out * gate.unsqueeze(-1))  # (S, d)
+    return y, p
+
+
+class PartialEntries(nn.Module):
+    """A table of n partial experts: rank 0 a vector b_i (n, d); rank r U_i, V_i of shape d x r (Baykal et al.)."""
+
+    def __init__(self, n: int, d: int, rank: int, init_std: float) -> None:
+        super().__init__()
+        self.rank, self.d = rank, d
+        if rank == 0:
+            self.b = nn.Embedding(n, d)
+            nn.init.normal_(self.b.weight, 0.0, init_std) if init_std else nn.init.zeros_(self.b.weight)
+        else:
+            self.u = nn.Embedding(n, d * rank)  # row i is U_i flattened, (d, r)
+            self.v = nn.Embedding(n, rank * d)  # row i is V_i^T flattened, (r, d)
+            nn.init.normal_(self.u.weight, 0.0, init_std or d**-0.5)
+            # V at zero (by default) makes the added entries start at 0: training starts from the base model.
+            nn.init.normal_(self.v.weight, 0.0, init_std) if init_std else nn.init.zeros_(self.v.weight)
+
+    def num_parameters(self) -> int:
+        """Parameters of the table: n*d at rank 0, 2*rank*n*d at rank r."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, x: Tensor, index: Tensor, weight: Tensor | None = None) -> Tensor:
+        """sum_j w_j f_{index_j}(x) for x (..., d) and index/weight (..., k) (weight None means 1)."""
+        if self.rank == 0:
+            f = self.b(index).to(x.dtype)  # (..., k, d)
+        else:
+            u = self.u(index).unflatten(-1, (self.d, self.rank)).to(x.dtype)  # (..., k, d, r)
+            v = self.v(index).unflatten(-1, (self.rank, self.d)).to(x.dtype)  # (..., k, r, d)
+            h = F.relu(torch.einsum("...d,...kdr->...kr", x, u))  # (..., k, r)
+            f = torch.einsum("...kr,...krd->...kd", h, v)  # (..., k, d)
+        if weight is not None:
+            f = f * weight.to(x.dtype).unsqueeze(-1)
+        return f.sum(dim=-2)  # (..., d)

@@ -1,0 +1,214 @@
+"""Lookup functions shared by the routed plugins (moe, partial_experts): which entries a token reads.
+
+Baykal et al., 'The Power of External Memory in Increasing Predictive Model Capacity' (2023), Sec. 3: a
+memory-augmented layer outputs L(x) + sum_{i in q(x, id)} w_i(x) f_i(x), with the lookup q one of
+
+- ``softmax``: a learned router, h(x) = W x, p = softmax(h), top-k entries weighted by p (Shazeer 2017;
+  Fedus 2021). Computed in float32 with multiplicative input jitter U(1-eps, 1+eps) while training.
+- ``token_id``: the token's vocabulary id picks the entry (weight 1). With fewer entries than the vocabulary,
+  a fixed table maps ids to entries: a seeded hash that gives every entry the same number of ids, or a
+  frequency-balanced table built from token counts (greedy largest-first into the lightest entry).
+- ``lsh``: hyperplane LSH of the token vector (weight 1). Random unit directions fixed at init; along each,
+  ``lsh_slabs - 1`` equispaced parallel hyperplanes cut the line into slabs; the cells of that grid are the
+  buckets, so buckets = lsh_slabs ** directions (lsh_slabs = 2 is sign hashing, Charikar 2002).
+
+Token-ID and LSH have no parameters to learn and need no aux loss.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LOOKUPS = ("softmax", "token_id", "lsh")
+TOKEN_MAPS = ("hash", "balanced")
+
+
+@dataclass
+class LookupOptions:
+    """Options of the lookup function, shared by the routed plugins' configs."""
+
+    lookup: str = "softmax"
+    """How a token picks its entries: 'softmax' (learned router), 'token_id' (vocabulary id) or 'lsh'."""
+    top_k: int = 1
+    """Entries per token (softmax only; token_id and lsh pick exactly one)."""
+    renormalize: bool = False
+    """Softmax top-k: divide the k gate values by their sum (with top_k 1 this would fix the gate at 1 and cut the
+    router off from the LM loss, so it is rejected)."""
+    router_jitter: float = 0.01
+    """Softmax: multiplicative jitter U(1-eps, 1+eps) on the router input while training (Switch); 0 disables."""
+    token_map: str = "hash"
+    """token_id with fewer entries than the vocabulary: 'hash' (fixed seeded map, equal ids per entry) or
+    'balanced' (equal token frequency per entry; needs token_counts)."""
+    token_counts: str | None = None
+    """token_id 'balanced': path of a .npy array of per-id token counts, shape (vocab,)."""
+    lsh_slabs: int = 2
+    """lsh: slabs per random direction (2 = one hyperplane through the origin); entries must be a power of it."""
+    lsh_width: float = 1.0
+    """lsh: spacing of the parallel hyperplanes, in units of the rms-normalised token's projection (std ~1)."""
+    lookup_seed: int = 0
+    """Seed of the fixed token_id hash and the LSH directions (so the buckets are reproducible)."""
+
+    def __post_init__(self) -> None:
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"lookup={self.lookup!r} is unknown; expected one of {LOOKUPS}")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
+        if self.lookup != "softmax" and self.top_k != 1:
+            raise ValueError(
+                f"lookup={self.lookup!r} picks exactly one entry per token; top_k must be 1, got {self.top_k}"
+            )
+        if self.lookup == "softmax" and self.renormalize and self.top_k == 1:
+            raise ValueError(
+                "renormalize=True with top_k=1 makes every gate 1, so the router gets no LM gradient; "
+                "use renormalize=False (Switch) or top_k >= 2"
+            )
+        if not 0.0 <= self.router_jitter < 1.0:
+            raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
+        if self.token_map not in TOKEN_MAPS:
+            raise ValueError(f"token_map={self.token_map!r} is unknown; expected one of {TOKEN_MAPS}")
+        if self.token_map == "balanced" and not self.token_counts:
+            raise ValueError(
+                "token_map='balanced' needs token_counts: a .npy file of per-id counts, shape (vocab,)"
+            )
+        if not isinstance(self.lsh_slabs, int) or self.lsh_slabs < 2:
+            raise ValueError(f"lsh_slabs must be an integer >= 2, got {self.lsh_slabs!r}")
+        if self.lsh_width <= 0:
+            raise ValueError(f"lsh_width must be positive, got {self.lsh_width}")
+
+
+@dataclass
+class Routing:
+    """A lookup's answer for S tokens: k entries each, their weights, and the router's float32 logits."""
+
+    index: Tensor
+    """Entry of each (token, choice), (S, k) long."""
+    weight: Tensor
+    """Weight w_i(x) of each (token, choice), (S, k) float32."""
+    logits: Tensor | None = None
+    """Router logits h(x), (S, N) float32; None for lookups without a router."""
+
+
+class SoftmaxRouter(nn.Module):
+    """Learned router in float32: top-k of softmax(W x), x jittered multiplicatively while training."""
+
+    def __init__(self, d: int, n: int, options: LookupOptions, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d) * init_std)  # float32 whatever the model's dtype
+        self.k, self.renormalize, self.jitter = options.top_k, options.renormalize, options.router_jitter
+        if self.k > n:
+            raise ValueError(f"top_k={self.k} exceeds the number of entries {n}")
+
+    def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:
+        x = x.float()  # (S, d): the router stays in float32 (Fedus 2021, Sec. 2.4)
+        if training and self.jitter > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        logits = F.linear(x, self.weight.float())  # (S, N)
+        probs = logits.softmax(dim=-1)
+        weight, index = probs.topk(self.k, dim=-1)  # (S, k)
+        if self.renormalize:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        return Routing(index, weight, logits)
+
+
+def hash_table(vocab: int, n: int, seed: int) -> Tensor:
+    """A fixed id -> entry map giving each of the n entries floor/ceil(vocab/n) ids, shuffled by ``seed``."""
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    table = torch.empty(vocab, dtype=torch.long)
+    table[perm] = torch.arange(vocab) % n
+    return table
+
+
+def balanced_table(counts: np.ndarray, n: int) -> Tensor:
+    """An id -> entry map equalising token frequency: ids by decreasing count into the lightest entry (LPT)."""
+    heap = [(0, e) for e in range(n)]  # (load, entry)
+    table = np.empty(len(counts), dtype=np.int64)
+    for i in np.argsort(-counts, kind="stable"):
+        load, e = heapq.heappop(heap)
+        table[i] = e
+        heapq.heappush(heap, (load + int(counts[i]), e))
+    return torch.from_numpy(table)
+
+
+def load_counts(path: str, vocab: int) -> np.ndarray:
+    """Per-id token counts from a .npy file, checked against the vocabulary size."""
+    if not Path(path).is_file():
+        raise ValueError(f"token_counts file {path!r} does not exist")
+    counts = np.load(path)
+    if counts.shape != (vocab,) or (counts < 0).any():
+        raise ValueError(
+            f"token_counts {path!r} must hold {vocab} non-negative counts, got shape {counts.shape}"
+        )
+    return counts
+
+
+class TokenIDLookup(nn.Module):
+    """The token's vocabulary id (mapped through a fixed table when there are fewer entries) picks one entry."""
+
+    def __init__(self, vocab: int, n: int, options: LookupOptions) -> None:
+        super().__init__()
+        if n > vocab:
+            raise ValueError(
+                f"token_id lookup: {n} entries but only {vocab} token ids; use at most {vocab} entries"
+            )
+        if n == vocab:
+            table = torch.arange(vocab)
+        elif options.token_map == "hash":
+            table = hash_table(vocab, n, options.lookup_seed)
+        else:
+            table = balanced_table(load_counts(options.token_counts, vocab), n)
+        self.register_buffer("table", table)  # (vocab,) long, checkpointed so buckets survive a resume
+
+    def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:
+        index = self.table[tokens.reshape(-1)].unsqueeze(-1)  # (S, 1)
+        return Routing(index, torch.ones(index.shape, device=x.device))
+
+
+def lsh_directions(d: int, n: int, options: LookupOptions) -> tuple[Tensor, Tensor]:
+    """Random unit directions (d, m) and the equispaced cut positions (slabs - 1,) of an LSH grid with n cells."""
+    s = options.lsh_slabs
+    m = round(math.log(n, s))
+    if s**m != n:
+        raise ValueError(
+            f"lsh lookup: {n} entries is not a power of lsh_slabs={s}; accepted: {[s**i for i in range(1, 8)]}"
+        )
+    g = torch.Generator().manual_seed(options.lookup_seed)
+    directions = F.normalize(torch.randn(d, m, generator=g), dim=0)
+    cuts = (torch.arange(s - 1, dtype=torch.float32) - (s - 2) / 2) * options.lsh_width  # symmetric about 0
+    return directions, cuts
+
+
+class LSHLookup(nn.Module):
+    """Hyperplane LSH: the grid cell of the rms-normalised token vector, cells = lsh_slabs ** directions."""
+
+    def __init__(self, d: int, n: int, options: LookupOptions) -> None:
+        super().__init__()
+        directions, cuts = lsh_directions(d, n, options)
+        self.register_buffer("directions", directions)  # (d, m), fixed at init
+        self.register_buffer("cuts", cuts)  # (s - 1,)
+        self.register_buffer("radix", options.lsh_slabs ** torch.arange(directions.shape[1]))  # (m,)
+
+    def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:
+        x = x.detach().float()  # buckets are fixed functions of x: no gradient through the hash
+        x = x * torch.rsqrt(
+            x.pow(2).mean(dim=-1, keepdim=True) + 1e-6
+        )  # so the cuts see projections of std ~1
+        slab = torch.bucketize(x @ self.directions, self.cuts)  # (S, m) in [0, s)
+        index = (slab * self.radix).sum(dim=-1, keepdim=True)  # (S, 1) mixed-radix cell number
+        return Routing(index, torch.ones(index.shape, device=x.device))
+
+
+def build_lookup(options: LookupOptions, d: int, n: int, vocab: int, init_std: float = 0.02) -> nn.Module:
+    """The lookup module for n entries: called as ``lookup(x (S, d), tokens (S,), training) -> Routing``."""
+    if options.lookup == "softmax":
+        return SoftmaxRouter(d, n, options, init_std)
+    if options.lookup == "token_id":
+        return TokenIDLookup(vocab, n, options)
+    return LSHLookup(d, n, options)

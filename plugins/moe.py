@@ -1,0 +1,177 @@
+"""Mixture of experts (Shazeer et al. 2017; Switch, Fedus et al. 2021): the FFN of chosen layers becomes N experts.
+
+    y = sum_{i in top-k} w_i(x) E_i(x)
+
+where the lookup (plugins/_lookup.py) is the learned softmax router (w = p, renormalised over the k or not),
+Token-ID or LSH hashing (w = 1, Roller et al. 2021 'Hash layers'). Each expert has capacity
+C = ceil(k * tokens / N * capacity_factor) assignments (k = 1 gives Switch's tokens/N * capacity_factor);
+assignments past it are dropped, and a token with all its choices dropped passes by the residual
+unchanged. capacity_factor 0 is dropless. Softmax routing adds, each when its coefficient is non-zero:
+
+    moe_balance = N * sum_i f_i P_i          (Switch eq. 4; f_i: share of tokens whose argmax is i,
+                                              P_i: mean router probability of i; weight balance_coef)
+    moe_z       = mean_x logsumexp(h(x))^2   (ST-MoE, Zoph et al. 2022, eq. 5; weight z_coef)
+
+both over non-padding tokens only, summed over the MoE layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
+from rlm.plugins._experts import DISPATCH_MODES, Experts, dispatch
+from rlm.plugins._lookup import LookupOptions, build_lookup
+
+
+@dataclass
+class MoEConfig(LookupOptions):
+    """Options of the mixture-of-experts FFN (the lookup options come first, from LookupOptions)."""
+
+    layers: list[int] = field(default_factory=lambda: [1, 3])
+    """Layers whose FFN is replaced by the experts."""
+    num_experts: int = 8
+    """Number of experts N."""
+    expert_hidden: int | None = None
+    """Hidden width of each expert; None means the model's dense FFN width (each expert as wide as the FFN)."""
+    capacity_factor: float = 1.25
+    """Expert capacity = k * tokens / N * capacity_factor; 0 means dropless (no token is ever dropped)."""
+    balance_coef: float = 0.01
+    """alpha of the load-balancing loss alpha * N * sum_i f_i P_i (Switch: 1e-2); 0 skips it."""
+    z_coef: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(h)^2) (ST-MoE: 1e-3); 0 skips it."""
+    dispatch: str = "auto"
+    """'grouped' (tokens sorted by expert, one grouped matmul), 'bmm' (capacity buffers (N, C, d) and a batched
+    matmul) or 'auto' (grouped where torch._grouped_mm runs: CPU with 16-byte aligned widths; else bmm)."""
+    log_per_expert: bool = True
+    """Log every expert's load fraction (moe_load/l{layer}_e{i}); the max load is always logged."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ValueError(f"moe.num_experts must be a positive integer, got {self.num_experts!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
+        if self.expert_hidden is not None and self.expert_hidden < 1:
+            raise ValueError(
+                f"moe.expert_hidden must be a positive integer or null, got {self.expert_hidden}"
+            )
+        if self.capacity_factor < 0:
+            raise ValueError(f"moe.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}")
+        if self.balance_coef < 0 or self.z_coef < 0:
+            raise ValueError(
+                f"moe loss coefficients must be >= 0, got balance_coef={self.balance_coef}, "
+                f"z_coef={self.z_coef}"
+            )
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"moe.dispatch={self.dispatch!r} is unknown; expected one of {DISPATCH_MODES}")
+
+
+def balance_loss(probs: Tensor, top1: Tensor, valid: Tensor) -> Tensor:
+    """N * sum_i f_i P_i over valid tokens: probs (S, N) float32, top1 (S,) argmax expert, valid (S,) bool."""
+    n = probs.shape[-1]
+    w = valid.float()
+    denom = w.sum().clamp(min=1.0)
+    f = torch.zeros(n, device=probs.device).index_add(0, top1, w) / denom  # (N,) share of argmax
+    P = (probs * w.unsqueeze(-1)).sum(0) / denom  # (N,) mean probability
+    return n * (f * P).sum()
+
+
+def z_loss(logits: Tensor, valid: Tensor) -> Tensor:
+    """mean over valid tokens of logsumexp(h)^2, logits (S, N) float32."""
+    w = valid.float()
+    return (torch.logsumexp(logits, dim=-1).pow(2) * w).sum() / w.sum().clamp(min=1.0)
+
+
+class MoELayer(nn.Module):
+    """One layer's experts and lookup; called as ``layer(x (B, T, d), ctx)``."""
+
+    def __init__(self, config: MoEConfig, model_config, layer: int) -> None:
+        super().__init__()
+        c, mc = config, model_config
+        self.config, self.layer = c, layer
+        hidden = c.expert_hidden or mc.hidden
+        activation = "swiglu" if mc.ffn == "gated" else "gelu"
+        # Output projections get GPT-2's scaled init, as the dense FFN's do in the core.
+        self.experts = Experts(
+            c.num_experts,
+            mc.d_model,
+            hidden,
+            activation,
+            mc.init_std,
+            mc.init_std / math.sqrt(2 * mc.n_layers),
+        )
+        self.lookup = build_lookup(c, mc.d_model, c.num_experts, mc.vocab_size, mc.init_std)
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments each expert takes: ceil(k * tokens / N * capacity_factor), None when dropless."""
+        c = self.config
+        if c.capacity_factor == 0:
+            return None
+        return max(1, math.ceil(c.top_k * tokens / c.num_experts * c.capacity_factor))
+
+    def forward(self, x: Tensor, ctx: Context) -> Tensor:
+        B, T, d = x.shape
+        flat = x.reshape(B * T, d)  # (S, d)
+        valid = ctx.valid_mask().reshape(-1)  # (S,)
+        route = self.lookup(flat, ctx.tokens.reshape(-1), ctx.training)
+        y, p = dispatch(
+            flat, route.index, route.weight, valid, self.experts, self.capacity(B * T), self.config.dispatch
+        )
+        self._report(ctx, route, valid, p)
+        return y.view(B, T, d)
+
+    def _report(self, ctx: Context, route, valid: Tensor, p) -> None:
+        c, tag = self.config, f"l{self.layer}"
+        if route.logits is not None:
+            if c.balance_coef > 0:
+                probs = route.logits.softmax(dim=-1)
+                loss = balance_loss(probs, route.index[:, 0], valid)
+                ctx.add_loss("moe_balance", loss, c.balance_coef)
+                ctx.log(f"moe_balance/{tag}", loss)
+            if c.z_coef > 0:
+                loss = z_loss(route.logits, valid)
+                ctx.add_loss("moe_z", loss, c.z_coef)
+                ctx.log(f"moe_z/{tag}", loss)
+        with torch.no_grad():
+            first = route.index[:, 0][valid]
+            load = torch.bincount(first, minlength=c.num_experts).float() / max(first.numel(), 1)  # (N,)
+            ctx.log(f"moe_load_max/{tag}", load.max())
+            ctx.log(f"moe_dropped/{tag}", p.dropped)
+            if c.log_per_expert:
+                for i, value in enumerate(load.unbind()):
+                    ctx.log(f"moe_load/{tag}_e{i}", value)
+
+
+class MoEPlugin(Plugin):
+    """Replaces the FFN at the chosen layers with a mixture of N experts."""
+
+    name = "moe"
+    Config = MoEConfig
+    order = 20
+
+    def __init__(self, config: MoEConfig, model_config) -> None:
+        super().__init__(config, model_config)
+        self.layers = check_layers(self.name, config.layers, model_config.n_layers)
+
+    def claims(self) -> list[Claim]:
+        return [Claim(Slot.FFN, Mode.REPLACE, self.layers)]
+
+    def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
+        return MoELayer(self.config, self.model_config, layer)
+
+    def expert_parameters(self) -> int:
+        """Parameters of one layer's N experts."""
+        c, mc = self.config, self.model_config
+        hidden = c.expert_hidden or mc.hidden
+        per_expert = mc.d_model * hidden * (3 if mc.ffn == "gated" else 2)
+        return c.num_experts * per_expert
+
+    def inactive_parameters(self) -> int:
+        # A token runs k of the N experts: the other (N - k) / N of the expert weights are unused for it.
+        c = self.config
+        return len(self.layers) * self.expert_parameters() * (c.num_experts - c.top_k) // c.num_experts
