@@ -24,8 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-from rlm.plugins._experts import DISPATCH_MODES, Experts, dispatch
-from rlm.plugins._lookup import LookupOptions, build_lookup
+
+from ._experts import DISPATCH_MODES, Experts, dispatch
+from ._lookup import LookupOptions, build_lookup
 
 
 @dataclass

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-from rlm.plugins._experts import PartialEntries
-from rlm.plugins._lookup import LookupOptions, build_lookup
+
+from ._experts import PartialEntries
+from ._lookup import LookupOptions, build_lookup
 
 
 @dataclass

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-from rlm.plugins._experts import PartialEntries
+
+from ._experts import PartialEntries
 
 
 @dataclass

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from rlm.plugins.moe import MoEConfig, MoELayer, MoEPlugin, balance_loss, z_loss
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
-from rlm.plugins.moe import MoEConfig, MoELayer, MoEPlugin, balance_loss, z_loss
 
 D, V = 32, 64
 
