@@ -1,0 +1,54 @@
+"""Running the real ``rlm`` command in a subprocess, for smoke tests of any plugin.
+
+Use ``fit_args(*fragments)`` to stack plugin fragments on the tiny test configuration, and ``run_rlm`` to
+run it in a scratch directory with a token cache shared by the whole test session.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+TINY = [
+    CONFIGS / "default.yaml",
+    CONFIGS / "data" / "tiny.yaml",
+    CONFIGS / "model" / "tiny.yaml",
+    REPO / "tests" / "configs" / "fast.yaml",
+]
+
+
+def fit_args(*fragments: str | Path, command: str = "fit") -> list[str]:
+    """``fit --config ...`` for the tiny test setup with extra config files stacked on top."""
+    args = [command]
+    for path in [*TINY, *fragments]:
+        path = Path(path)
+        args += ["--config", str(path if path.is_absolute() else REPO / path)]
+    return args
+
+
+def run_rlm(args: list[str], cwd: Path, cache: Path, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m rlm ARGS`` in ``cwd``; raise with its output if it fails and ``check`` is set."""
+    env = {**os.environ, "RLM_CACHE": str(cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlm", *map(str, args)],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rlm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    """Rows of the CSV logger's metrics.csv under ``run_dir`` (runs/test/version_0 by default)."""
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def column(rows: list[dict[str, str]], name: str) -> list[float]:
+    """The non-empty values of one metrics.csv column, in order."""
+    return [float(r[name]) for r in rows if r.get(name) not in (None, "")]
