@@ -1,0 +1,291 @@
+"""Alternating Updates (Baykal et al., 'Alternating Updates for Efficient Transformers', NeurIPS 2023;
+also section 5 of 'The Power of External Memory in Increasing Predictive Model Capacity').
+
+The token representation is widened to K blocks of width d; every transformer block still has width d
+and computes only one selected block j* per layer. Around layer l (Algorithm 1 of the AltUp paper):
+
+    predict:  x_hat^i = sum_j p_ij x^j                         (K*K trainable scalars, init identity)
+    compute:  x_tilde = L(x_hat^{j*})                          (the unchanged width-d block)
+    correct:  x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})   (K trainable scalars, init 1)
+
+The block runs on the *predicted* block x_hat^{j*}, as in the paper's algorithm (and in Gemma 3n); with
+p = identity this is the stored x^{j*}. With g = 1 every block receives the layer's residual update, so
+at initialisation Recycled-AltUp is exactly the base model and K=1 is the base model for any variant.
+
+How this differs from the plain stack:
+- The K blocks live in one (K, B, T, d) tensor (block index first, so the selected block x_hat[j] is
+  contiguous for the width-d layer). Predict is one (K, K) @ (K, B*T*d) matmul, correct one broadcast
+  addcmul: O(K^2 d) per token and no Python loop over blocks or tokens in the per-layer path.
+- Embedding (block 0 is always the model's own (V, d) embedding, so Token-ID input tables and the tied
+  head keep working): 'wide' adds a (V, (K-1)*d) table (AltUp), 'recycled' replicates the width-d
+  embedding K times (Recycled-AltUp, no embedding parameters), 'project' adds a (V, e) table for any
+  extra width e (not necessarily a multiple of d), divides it into K-1 pieces and projects each to d.
+- Before the final norm and head the K blocks are reduced to width d: 'mean' (default; the final
+  RMSNorm makes it the same as the sum), 'first' (block 0, the one fed by the model's own embedding),
+  or 'project' (a learned (K*d -> d) map initialised to the mean).
+- update 'sum' is the paper's Table 1 baseline: the extra embedding blocks are summed into the token
+  embedding and the stack is the ordinary one (same parameters as AltUp, the base model's compute).
+- router=True (beyond the paper; as in Gemma 3n): p and g become input dependent,
+  p(x) = P + tanh(W_p rms(x^{j*})), g = G + tanh(W_g rms(x_tilde)), with W zero-initialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot
+
+EMBEDDINGS = ("wide", "recycled", "project")
+UPDATES = ("altup", "sum")
+SELECTIONS = ("alternating", "same")
+REDUCTIONS = ("mean", "first", "project")
+
+
+def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"altup.{name}={value!r} is unknown; accepted: {list(accepted)}")
+
+
+@dataclass
+class AltUpConfig:
+    """Options of Alternating Updates and its variants."""
+
+    k: int = 2
+    """Number of width-d blocks of the widened representation (K; 1 gives back the base model)."""
+    embedding: str = "wide"
+    """How the K blocks are embedded: 'wide' (extra (V, (K-1)*d) table, AltUp), 'recycled' (the width-d
+    embedding replicated K times, Recycled-AltUp, no extra parameters) or 'project' (extra (V, extra_width)
+    table divided into K-1 pieces, each projected to d)."""
+    extra_width: int | None = None
+    """Width e of the extra embedding for embedding='project' (any e >= K-1, not only multiples of d)."""
+    update: str = "altup"
+    """'altup' (predict / compute / correct around every block) or 'sum' (Table 1 baseline: the extra
+    embedding is added to the token embedding, the stack is unchanged)."""
+    selection: str = "alternating"
+    """Which block layer l computes: 'alternating' (j* = l mod K) or 'same' (always block 0, SameUp)."""
+    reduce: str = "mean"
+    """How the K blocks become width d before the final norm and head: 'mean', 'first' or 'project'."""
+    router: bool = False
+    """Input-dependent coefficients (a zero-initialised router adds tanh(W rms(x)) to p and g)."""
+    init_std: float | None = None
+    """Initial std of the extra embedding table; None means the model's init_std."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(
+                f"altup.k must be a positive integer (K >= 2 widens; 1 is the base model), got {self.k!r}"
+            )
+        _check_choice("embedding", self.embedding, EMBEDDINGS)
+        _check_choice("update", self.update, UPDATES)
+        _check_choice("selection", self.selection, SELECTIONS)
+        _check_choice("reduce", self.reduce, REDUCTIONS)
+        if self.embedding == "project":
+            if not isinstance(self.extra_width, int) or self.extra_width < max(self.k - 1, 1):
+                raise ValueError(
+                    f"altup.extra_width must be an integer >= k-1={self.k - 1} (and >= 1) with "
+                    f"embedding='project', got {self.extra_width!r}"
+                )
+        elif self.extra_width is not None:
+            raise ValueError(f"altup.extra_width={self.extra_width} is only used with embedding='project'")
+        if self.update == "sum":
+            if self.embedding == "recycled":
+                raise ValueError(
+                    "altup.update='sum' needs an extra embedding; use embedding 'wide' or 'project'"
+                )
+            if self.k < 2:
+                raise ValueError(f"altup.update='sum' needs k >= 2 (an extra embedding to add), got {self.k}")
+        if self.init_std is not None and self.init_std < 0:
+            raise ValueError(f"altup.init_std must be >= 0 or null, got {self.init_std}")
+
+
+class ExtraEmbedding(nn.Module):
+    """The K-1 extra blocks of the widened embedding, read from ``ctx.tokens``: (K-1, B, T, d)."""
+
+    def __init__(self, vocab: int, d: int, k: int, extra_width: int | None, init_std: float) -> None:
+        super().__init__()
+        self.k, self.d = k, d
+        width = extra_width if extra_width is not None else (k - 1) * d
+        self.table = nn.Embedding(vocab, width)
+        nn.init.normal_(self.table.weight, 0.0, init_std)
+        self.pieces: list[int] = []
+        self.proj: nn.Parameter | None = None
+        if extra_width is not None:
+            # Divide-and-project: K-1 pieces as even as possible, piece c (width w_c) projected to d by its
+            # own (w_c, d) map, stored as one (K-1, w_max, d) tensor whose rows past w_c stay zero.
+            base, rem = divmod(extra_width, k - 1)
+            self.pieces = [base + (c < rem) for c in range(k - 1)]
+            proj = torch.zeros(k - 1, self.pieces[0], d)
+            for c, w in enumerate(self.pieces):
+                nn.init.normal_(proj[c, :w], 0.0, w**-0.5)  # keeps each coordinate's scale (std init_std)
+            self.proj = nn.Parameter(proj)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        e = self.table(tokens)  # (B, T, width)
+        B, T, _ = e.shape
+        if self.proj is None:
+            return e.view(B, T, self.k - 1, self.d).permute(2, 0, 1, 3)  # (K-1, B, T, d)
+        w_max = self.pieces[0]
+        pieces = [F.pad(piece, (0, w_max - piece.shape[-1])) for piece in e.split(self.pieces, dim=-1)]
+        return torch.einsum("cbtw,cwd->cbtd", torch.stack(pieces), self.proj.to(e.dtype))  # (K-1, B, T, d)
+
+
+class Router(nn.Module):
+    """Input-dependent offsets of the coefficients: tanh(W rms(x)) with W zero-initialised (offset 0 at init)."""
+
+    def __init__(self, d: int, n_layers: int, outputs: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_layers, outputs, d))
+
+    def forward(self, x: Tensor, layer: int) -> Tensor:
+        return torch.tanh(F.linear(F.rms_norm(x, (x.shape[-1],)), self.weight[layer]))  # (B, T, outputs)
+
+
+class AltUpStack(nn.Module):
+    """The stack slot under AltUp: widen, predict / compute / correct around every block, reduce."""
+
+    def __init__(self, blocks: nn.ModuleList, cfg: AltUpConfig, vocab: int, d: int, init_std: float) -> None:
+        super().__init__()
+        # The same ModuleList as the plain stack, so parameter names (stack.blocks.i...) match the base model.
+        self.blocks = blocks
+        self.k, self.d, self.cfg = cfg.k, d, cfg
+        n = len(blocks)
+        self.selected = [(layer % cfg.k) if cfg.selection == "alternating" else 0 for layer in range(n)]
+        self.p = nn.Parameter(torch.eye(cfg.k).repeat(n, 1, 1))  # (L, K, K), predict, init identity
+        self.g = nn.Parameter(torch.ones(n, cfg.k))  # (L, K), correct, init 1
+        self.extra = (
+            ExtraEmbedding(vocab, d, cfg.k, cfg.extra_width, init_std)
+            if cfg.embedding != "recycled" and cfg.k > 1
+            else None
+        )
+        self.p_router = Router(d, n, cfg.k * cfg.k) if cfg.router else None
+        self.g_router = Router(d, n, cfg.k) if cfg.router else None
+        self.out_proj = None
+        if cfg.reduce == "project":
+            self.out_proj = nn.Parameter(torch.eye(d).repeat(cfg.k, 1, 1) / cfg.k)  # (K, d, d), init = mean
+
+    def widen(self, x: Tensor, ctx: Context) -> Tensor:
+        """The K blocks (K, B, T, d) from the embedding output x (B, T, d)."""
+        if self.extra is None:
+            return x.unsqueeze(0).expand(self.k, *x.shape)  # Recycled-AltUp: replicate
+        return torch.cat((x.unsqueeze(0), self.extra(ctx.tokens).to(x.dtype)), dim=0)
+
+    def predict(self, xs: Tensor, layer: int) -> Tensor:
+        """x_hat^i = sum_j p_ij x^j for the (K, B, T, d) blocks; with a router p is per token."""
+        p = self.p[layer].to(xs.dtype)  # (K, K)
+        if self.p_router is None:
+            return torch.einsum("ij,jbtd->ibtd", p, xs)
+        j = self.selected[layer]
+        dp = self.p_router(xs[j], layer).unflatten(-1, (self.k, self.k))  # (B, T, K, K)
+        return torch.einsum("btij,jbtd->ibtd", p + dp.to(xs.dtype), xs)
+
+    def correct(self, x_hat: Tensor, x_tilde: Tensor, layer: int) -> Tensor:
+        """x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*}), one broadcast over the K blocks."""
+        delta = x_tilde - x_hat[self.selected[layer]]  # (B, T, d)
+        g = self.g[layer].to(x_hat.dtype).view(self.k, 1, 1, 1)  # (K, 1, 1, 1)
+        if self.g_router is not None:
+            g = g + self.g_router(x_tilde, layer).permute(2, 0, 1).unsqueeze(-1).to(
+                x_hat.dtype
+            )  # (K, B, T, 1)
+        return torch.addcmul(x_hat, g, delta.unsqueeze(0))
+
+    def reduce(self, xs: Tensor) -> Tensor:
+        """The K blocks (K, B, T, d) as one width-d representation (B, T, d)."""
+        if self.cfg.reduce == "first":
+            return xs[0]
+        if self.cfg.reduce == "mean":
+            return xs.mean(0)
+        return torch.einsum("kbtd,kde->bte", xs, self.out_proj.to(xs.dtype))
+
+    def forward(self, x: Tensor, ctx: Context) -> Tensor:
+        xs = self.widen(x, ctx)  # (K, B, T, d)
+        for layer, block in enumerate(self.blocks):
+            x_hat = self.predict(xs, layer)  # (K, B, T, d)
+            x_tilde = block(x_hat[self.selected[layer]], ctx)  # (B, T, d), the only width-d layer call
+            xs = self.correct(x_hat, x_tilde, layer)
+        return self.reduce(xs)
+
+
+class SumEmbedding(nn.Module):
+    """Table 1's 'sum' baseline: the extra embedding blocks summed, added to the token embedding (B, T, d)."""
+
+    def __init__(self, extra: ExtraEmbedding) -> None:
+        super().__init__()
+        self.extra = extra
+
+    def forward(self, tokens: Tensor, ctx: Context) -> Tensor:
+        return self.extra(tokens).sum(0)
+
+
+class AltUpPlugin(Plugin):
+    """Alternating Updates: a K*d representation computed by width-d blocks (wraps the stack slot)."""
+
+    name = "altup"
+    Config = AltUpConfig
+    order = 200  # wraps the stack after the plugins that fill slots inside the blocks
+
+    def __init__(self, config: AltUpConfig, model_config) -> None:
+        super().__init__(config, model_config)
+        c = model_config
+        self.init_std = c.init_std if config.init_std is None else config.init_std
+        # The built module, for param_groups; a plain attribute, not a submodule, so the model's state dict
+        # holds its parameters once (under stack.* or embed.add.*), not again under plugins.altup.*.
+        object.__setattr__(self, "module", None)
+
+    def claims(self) -> list[Claim]:
+        if self.config.update == "sum":
+            return [Claim(Slot.EMBED, Mode.ADD)]
+        return [Claim(Slot.STACK, Mode.WRAP)]
+
+    def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
+        c, cfg = self.model_config, self.config
+        if cfg.update == "sum":
+            extra = ExtraEmbedding(c.vocab_size, c.d_model, cfg.k, cfg.extra_width, self.init_std)
+            module: nn.Module = SumEmbedding(extra)
+        else:
+            module = AltUpStack(self._plain_blocks(current), cfg, c.vocab_size, c.d_model, self.init_std)
+        object.__setattr__(self, "module", module)
+        return module
+
+    def _plain_blocks(self, current: nn.Module | None) -> nn.ModuleList:
+        """The blocks of the plain stack this plugin wraps (another wrapper there is an error)."""
+        blocks = getattr(current, "blocks", None)
+        if not isinstance(blocks, nn.ModuleList):
+            raise ValueError(
+                f"plugin {self.label!r} wraps the plain stack of blocks, but the stack slot holds "
+                f"{type(current).__name__}; only one plugin may wrap the stack"
+            )
+        return blocks
+
+    def param_groups(self) -> list[ParamGroup]:
+        # The coefficients are scalars around the identity and the extra table is an embedding: weight
+        # decay would pull p towards 0 (not the identity) and shrink the table, so neither is decayed.
+        m = self.module
+        if m is None:
+            return []
+        no_decay = [] if isinstance(m, SumEmbedding) else [m.p, m.g]
+        extra = m.extra
+        if extra is not None:
+            no_decay.append(extra.table.weight)
+        return [ParamGroup("altup_no_decay", no_decay, weight_decay=0.0)] if no_decay else []
+
+    def added_parameters(self) -> int:
+        """Parameters over the base model: extra embedding (and projection), coefficients, router, reduction."""
+        if self.module is None:
+            return 0
+        block_params = set(self.module.blocks.parameters()) if isinstance(self.module, AltUpStack) else set()
+        return sum(p.numel() for p in self.module.parameters() if p not in block_params)
+
+    def inactive_parameters(self) -> int:
+        # A token reads one row of the extra table: the other V-1 rows are inactive for it.
+        extra = getattr(self.module, "extra", None)
+        if extra is None:
+            return 0
+        vocab, width = extra.table.weight.shape
+        return (vocab - 1) * width
+
+
+__all__ = ["AltUpConfig", "AltUpPlugin", "AltUpStack", "ExtraEmbedding", "SumEmbedding"]
