@@ -1,0 +1,238 @@
+"""RLMDataModule: corpus -> cached tokenizer and token array -> segments -> windows -> loaders."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader
+
+from rlm.data.corpus import Document, fingerprint, read_corpus
+from rlm.data.segments import SegmentTable
+from rlm.data.store import CacheKey, TokenStore, build_store
+from rlm.data.tokenizer import MODEL_TYPES, Tokenizer
+from rlm.data.windows import TrainLoader, Windows, eval_loader
+
+_MIN_VOCAB = 4 + 256 + 1  # special ids, the 256 byte-fallback pieces, at least one learned piece
+
+
+class RLMDataModule(pl.LightningDataModule):
+    """Language-modelling windows over a tokenized corpus, with global segment ids for retrieval.
+
+    Args:
+        corpus: "stdlib" (this interpreter's standard library sources); a file, directory or glob; "hf:NAME"
+            (a Hugging Face dataset name, or the path of one saved with save_to_disk); or a list of these.
+        hf_split: Split of a Hugging Face dataset.
+        hf_config: Configuration name of a Hugging Face dataset.
+        text_field: Column holding the text in a Hugging Face dataset.
+        extensions: File name endings read from directories.
+        max_documents: Keep only the first N documents (sorted order), for quick runs; None keeps all.
+        vocab_size: sentencepiece vocabulary size, special ids (pad 0, unk 1, bos 2, eos 3) included.
+        seq_len: Training window length in tokens; a multiple of segment_len.
+        segment_len: Retrieval segment length in tokens.
+        batch_size: Training batch size (per device).
+        val_batch_size: Validation/test batch size; None uses batch_size.
+        val_fraction: Fraction of documents held out for validation (split by document, seeded).
+        seed: Seed of the split, the tokenizer trainer and the training order.
+        cache_dir: Where tokenizers and token arrays are cached; None uses $RLM_CACHE or ~/.cache/rlm.
+        num_workers: Loader worker processes (0: batches are sliced from the memory map in the main process).
+        tokenizer_model_type: sentencepiece model type: bpe, unigram, char or word.
+        max_tokenizer_chars: Characters of training text the tokenizer trainer sees.
+        progress: Show progress bars while reading, training the tokenizer and encoding.
+    """
+
+    def __init__(
+        self,
+        corpus: str | list[str] = "stdlib",
+        hf_split: str = "train",
+        hf_config: str | None = None,
+        text_field: str = "text",
+        extensions: list[str] = [".py", ".txt", ".md"],  # noqa: B006 (copied below; jsonargparse shows it)
+        max_documents: int | None = None,
+        vocab_size: int = 4096,
+        seq_len: int = 256,
+        segment_len: int = 64,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+        cache_dir: str | None = None,
+        num_workers: int = 0,
+        tokenizer_model_type: str = "bpe",
+        max_tokenizer_chars: int = 20_000_000,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size)
+        _positive(max_tokenizer_chars=max_tokenizer_chars)
+        if max_documents is not None:
+            _positive(max_documents=max_documents)
+        if val_batch_size is not None:
+            _positive(val_batch_size=val_batch_size)
+        if vocab_size < _MIN_VOCAB:
+            raise ValueError(
+                f"vocab_size={vocab_size}; accepted: >= {_MIN_VOCAB} (4 special ids + 256 byte pieces)"
+            )
+        if seq_len % segment_len:
+            raise ValueError(f"seq_len={seq_len} is not a multiple of segment_len={segment_len}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction={val_fraction}; accepted: 0 <= val_fraction < 1")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers}; accepted: >= 0")
+        if tokenizer_model_type not in MODEL_TYPES:
+            raise ValueError(f"tokenizer_model_type={tokenizer_model_type!r}; accepted: {list(MODEL_TYPES)}")
+        self.save_hyperparameters()
+        self.corpus = corpus
+        self.hf_split, self.hf_config, self.text_field = hf_split, hf_config, text_field
+        self.extensions = list(extensions)
+        self.max_documents = max_documents
+        self.vocab_size_requested = vocab_size
+        self.seq_len, self.segment_len = seq_len, segment_len
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.val_fraction, self.seed = val_fraction, seed
+        self.cache_dir = Path(
+            cache_dir or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm"
+        ).expanduser()
+        self.num_workers = num_workers
+        self.tokenizer_model_type, self.max_tokenizer_chars = tokenizer_model_type, max_tokenizer_chars
+        self.progress = progress
+        self._docs: list[Document] | None = None
+        self._key: CacheKey | None = None
+        self._store: TokenStore | None = None
+        self._segments: SegmentTable | None = None
+        self._windows: dict[str, Windows] = {}
+
+    # ---- building and loading the cache ------------------------------------------------------------------
+    def documents(self) -> list[Document]:
+        """The corpus's documents (read once, then kept)."""
+        if self._docs is None:
+            self._docs = read_corpus(
+                self.corpus,
+                extensions=self.extensions,
+                max_documents=self.max_documents,
+                hf_split=self.hf_split,
+                hf_config=self.hf_config,
+                text_field=self.text_field,
+                progress=self.progress,
+            )
+        return self._docs
+
+    def cache_key(self) -> CacheKey:
+        """What the cache entry depends on (reads the corpus to fingerprint it)."""
+        if self._key is None:
+            self._key = CacheKey(
+                corpus=fingerprint(self.documents()),
+                vocab_size=self.vocab_size_requested,
+                model_type=self.tokenizer_model_type,
+                seed=self.seed,
+                val_fraction=self.val_fraction,
+                max_tokenizer_chars=self.max_tokenizer_chars,
+            )
+        return self._key
+
+    def cache_path(self) -> Path:
+        """Directory of this configuration's tokenizer and token arrays."""
+        return self.cache_dir / self.cache_key().digest()
+
+    def prepare_data(self) -> None:
+        """Train the tokenizer and encode the corpus unless the cache already has them (rank 0 only)."""
+        root = self.cache_path()
+        if not TokenStore.exists(root):
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            build_store(root, self.documents(), self.cache_key(), progress=self.progress)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the cache (building it first when prepare_data was not called), cut segments and windows."""
+        if self._store is not None:
+            return
+        self.prepare_data()
+        store = TokenStore(self.cache_path())
+        longest = int(store.doc_lengths.max())
+        if longest < self.seq_len:
+            raise ValueError(
+                f"seq_len={self.seq_len} but the longest document has {longest} tokens; use a smaller seq_len"
+            )
+        tag = f"{self.cache_key().digest()}/segment_len={self.segment_len}"
+        fp = hashlib.sha256(tag.encode()).hexdigest()[:20]
+        segments = SegmentTable(store.tokens, store.doc_offsets, self.segment_len, store.tokenizer.pad_id, fp)
+        self._windows = {
+            "train": Windows(segments, store.doc_offsets, store.train_docs, self.seq_len),
+            "val": Windows(segments, store.doc_offsets, store.val_docs, self.seq_len),
+        }
+        self._store, self._segments = store, segments
+        self._docs = None  # the text lives in the cache now; text_of() decodes it
+
+    # ---- loaders ---------------------------------------------------------------------------------------
+    def train_dataloader(self) -> TrainLoader:
+        """Shuffled, sharded by the attached trainer's rank, resumable (see TrainLoader)."""
+        trainer = self.trainer  # set by Lightning when attached
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        return TrainLoader(self.windows("train"), self.batch_size, self.seed, rank, world, self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation windows in a fixed order; an empty list when val_fraction is 0."""
+        windows = self.windows("val")
+        return eval_loader(windows, self.val_batch_size, self.num_workers) if len(windows) else []
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The held-out documents again (there is no separate test split)."""
+        return self.val_dataloader()
+
+    # ---- what the rest of rlm reads ----------------------------------------------------------------------
+    def windows(self, split: str) -> Windows:
+        """The 'train' or 'val' windows."""
+        self._check_setup()
+        if split not in self._windows:
+            raise ValueError(f"split={split!r}; accepted: {list(self._windows)}")
+        return self._windows[split]
+
+    @property
+    def store(self) -> TokenStore:
+        """Tokens (memory map), document offsets, train/val document ids, names."""
+        self._check_setup()
+        return self._store
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The corpus's sentencepiece tokenizer."""
+        return self.store.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def segments(self) -> SegmentTable:
+        """Global segment table over all documents."""
+        self._check_setup()
+        return self._segments
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies corpus + tokenizer + segment_len (as SegmentTable.fingerprint)."""
+        return self.segments.fingerprint
+
+    def text_of(self, doc_id: int) -> str:
+        """The text of document `doc_id`, decoded from the cache."""
+        if not 0 <= doc_id < self.store.n_docs:
+            raise ValueError(f"doc_id={doc_id}; accepted: 0 <= doc_id < {self.store.n_docs}")
+        return self.tokenizer.decode(self.store.doc_tokens(doc_id))
+
+    def decode(self, ids) -> str:
+        """Text of token ids (a list, array or tensor); special ids are dropped."""
+        return self.tokenizer.decode(np.asarray(ids).reshape(-1).tolist())
+
+    def _check_setup(self) -> None:
+        if self._store is None:
+            raise RuntimeError("RLMDataModule is not set up yet: call prepare_data() and setup() first")
+
+
+def _positive(**values: int) -> None:
+    """Raise ValueError naming the first value that is not a positive integer."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name}={value}; accepted: a positive integer")

@@ -1,0 +1,166 @@
+"""The tokenized corpus on disk: one token array (memory-mapped), document offsets, the split, the tokenizer.
+
+Layout of one cache entry, `<cache_dir>/<key digest>/`:
+  tokenizer.model   sentencepiece model trained on the training documents only
+  tokens.npy        every document as [bos] + ids + [eos], concatenated; uint16 (uint32 above 65535 ids)
+  doc_offsets.npy   int64 (n_docs + 1,): document d is tokens[doc_offsets[d]:doc_offsets[d + 1]]
+  train_docs.npy, val_docs.npy   int64 document ids, sorted, disjoint
+  meta.json         the key and the documents' names
+The entry is built in a temporary directory and renamed into place, so a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from rlm.data.corpus import Document
+from rlm.data.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+_ENCODE_BATCH = 64  # documents per sentencepiece call: big enough for its threads, small for a smooth bar
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything the tokenizer and the token cache depend on."""
+
+    corpus: str
+    """sha256 of the documents' names and contents."""
+    vocab_size: int
+    """Requested sentencepiece vocabulary size."""
+    model_type: str
+    """sentencepiece model type."""
+    seed: int
+    """Seed of the document split and the tokenizer trainer."""
+    val_fraction: float
+    """Fraction of documents held out (the tokenizer never sees them)."""
+    max_tokenizer_chars: int
+    """Characters of training text the tokenizer trainer sees."""
+
+    def digest(self) -> str:
+        """A short, stable name for this key."""
+        payload = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, val) document ids: a seeded permutation, the first round(val_fraction * n) held out."""
+    n_val = round(val_fraction * n_docs)
+    if val_fraction > 0 and n_docs > 1:
+        n_val = min(max(n_val, 1), n_docs - 1)  # keep at least one document on each side
+    perm = np.random.default_rng(seed).permutation(n_docs)
+    return np.sort(perm[n_val:]).astype(np.int64), np.sort(perm[:n_val]).astype(np.int64)
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    """The smallest unsigned type that holds every id."""
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+def _encode_all(tok: Tokenizer, docs: Sequence[Document], progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, doc_offsets) for every document, each as [bos] + ids + [eos]."""
+    dtype = token_dtype(tok.vocab_size)
+    pieces, lengths = [], np.zeros(len(docs), dtype=np.int64)
+    with tqdm(total=len(docs), desc="encoding corpus", unit="doc", disable=not progress, leave=False) as bar:
+        for first in range(0, len(docs), _ENCODE_BATCH):
+            batch = docs[first : first + _ENCODE_BATCH]
+            for i, ids in enumerate(tok.encode_batch([d.text for d in batch]), start=first):
+                pieces.append(np.array([tok.bos_id, *ids, tok.eos_id], dtype=dtype))
+                lengths[i] = len(ids) + 2
+            bar.update(len(batch))
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return np.concatenate(pieces), offsets
+
+
+def build_store(root: Path, docs: Sequence[Document], key: CacheKey, progress: bool = True) -> None:
+    """Split, train the tokenizer on the training documents, encode everything; publish atomically at `root`."""
+    tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        train, val = split_documents(len(docs), key.val_fraction, key.seed)
+        if progress:
+            tqdm.write(
+                f"training a {key.model_type} tokenizer (vocab {key.vocab_size}) on {len(train)} documents"
+            )
+        tok = Tokenizer.train(
+            (docs[i].text for i in train),
+            tmp / "tokenizer.model",
+            vocab_size=key.vocab_size,
+            model_type=key.model_type,
+            max_chars=key.max_tokenizer_chars,
+            seed=key.seed,
+        )
+        tokens, offsets = _encode_all(tok, docs, progress)
+        for name, array in [
+            ("tokens", tokens),
+            ("doc_offsets", offsets),
+            ("train_docs", train),
+            ("val_docs", val),
+        ]:
+            np.save(tmp / f"{name}.npy", array)
+        meta = {"format": FORMAT_VERSION, "key": asdict(key), "names": [d.name for d in docs]}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.replace(tmp, root)
+        except OSError:
+            if not (
+                root / "meta.json"
+            ).exists():  # not a concurrent builder that won the race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class TokenStore:
+    """A built cache entry, memory-mapped; pickles as its path (cheap to send to loader workers)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.tokens: np.ndarray = np.load(self.root / "tokens.npy", mmap_mode="r")
+        """All documents' tokens, concatenated (memory-mapped)."""
+        self.doc_offsets: np.ndarray = np.load(self.root / "doc_offsets.npy")
+        """(n_docs + 1,) int64 start of each document in `tokens`."""
+        self.train_docs: np.ndarray = np.load(self.root / "train_docs.npy")
+        """Sorted training document ids."""
+        self.val_docs: np.ndarray = np.load(self.root / "val_docs.npy")
+        """Sorted validation document ids."""
+        self.tokenizer = Tokenizer(self.root / "tokenizer.model")
+        meta = json.loads((self.root / "meta.json").read_text())
+        self.names: list[str] = meta["names"]
+        """Document names, by id."""
+
+    def __getstate__(self) -> dict[str, str]:
+        return {"root": str(self.root)}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["root"])
+
+    @staticmethod
+    def exists(root: str | os.PathLike[str]) -> bool:
+        """Whether a complete entry is at `root` (meta.json is written last, inside the atomic rename)."""
+        return (Path(root) / "meta.json").is_file()
+
+    @property
+    def n_docs(self) -> int:
+        """Number of documents."""
+        return len(self.doc_offsets) - 1
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        """(n_docs,) tokens per document, bos and eos included."""
+        return np.diff(self.doc_offsets)
+
+    def doc_tokens(self, doc: int) -> np.ndarray:
+        """Tokens of one document, [bos] + ids + [eos]."""
+        return self.tokens[self.doc_offsets[doc] : self.doc_offsets[doc + 1]]

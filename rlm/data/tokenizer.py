@@ -1,0 +1,141 @@
+"""A sentencepiece tokenizer trained on the corpus, with fixed special ids (pad=0, unk=1, bos=2, eos=3)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Iterable, Iterator
+
+import sentencepiece as spm
+
+MODEL_TYPES = ("bpe", "unigram", "char", "word")
+# Sentences longer than this (bytes) are dropped by the trainer; chunks of _CHUNK_CHARS stay well below it.
+_MAX_SENTENCE_BYTES = 16384
+_CHUNK_CHARS = 2000
+
+
+def _chunks(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+    """Cut texts at line ends into pieces of at most _CHUNK_CHARS characters; stop after `max_chars` in all."""
+    total = 0
+    for text in texts:
+        start = 0
+        while start < len(text) and total < max_chars:
+            end = min(start + _CHUNK_CHARS, len(text))
+            if end < len(text):  # prefer to cut after a newline, so the trainer sees whole lines
+                newline = text.rfind("\n", start, end)
+                end = newline + 1 if newline > start else end
+            total += end - start
+            yield text[start:end]
+            start = end
+        if total >= max_chars:
+            return
+
+
+class Tokenizer:
+    """A sentencepiece model on disk; encodes any text (byte fallback) and decodes it back exactly."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        self._sp = spm.SentencePieceProcessor(model_file=self.path)
+
+    # The processor is a C++ object: ship the path to worker processes and reopen there.
+    def __getstate__(self) -> dict[str, str]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["path"])
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special ids included."""
+        return self._sp.get_piece_size()
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id (0)."""
+        return self._sp.pad_id()
+
+    @property
+    def unk_id(self) -> int:
+        """Unknown-piece id (1); unused in practice since bytes fall back to byte pieces."""
+        return self._sp.unk_id()
+
+    @property
+    def bos_id(self) -> int:
+        """Beginning-of-document id (2)."""
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-document id (3)."""
+        return self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without bos/eos."""
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:
+        """Token ids of several texts at once (sentencepiece's threads)."""
+        return self._sp.encode(texts, num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; pad/bos/eos are dropped."""
+        return self._sp.decode([int(i) for i in ids])
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        path: str | os.PathLike[str],
+        *,
+        vocab_size: int,
+        model_type: str = "bpe",
+        max_chars: int = 20_000_000,
+        seed: int = 0,
+    ) -> Tokenizer:
+        """Train on `texts` (at most `max_chars` characters), write the model atomically to `path`."""
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"tokenizer_model_type={model_type!r}; accepted: {list(MODEL_TYPES)}")
+        spm.set_random_generator_seed(seed)
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=_chunks(texts, max_chars),
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                pad_id=0,
+                unk_id=1,
+                bos_id=2,
+                eos_id=3,
+                byte_fallback=True,  # any text encodes, none maps to unk
+                character_coverage=1.0,
+                # Code: keep text exactly as written (indentation, newlines), so decode(encode(x)) == x.
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                add_dummy_prefix=False,
+                allow_whitespace_only_pieces=True,
+                split_digits=True,
+                max_sentence_length=_MAX_SENTENCE_BYTES,
+                num_threads=os.cpu_count() or 1,
+                minloglevel=2,
+            )
+        except RuntimeError as err:
+            raise _vocab_error(err, vocab_size) from err
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(model.getvalue())
+        os.replace(tmp, path)
+        return cls(path)
+
+
+def _vocab_error(err: RuntimeError, vocab_size: int) -> Exception:
+    """Turn sentencepiece's 'Vocabulary size too high' into a ValueError naming the largest size that works."""
+    found = re.search(r"Vocabulary size too high.*?<=\s*(\d+)", str(err))
+    if found:
+        return ValueError(
+            f"vocab_size={vocab_size} is too large for this corpus's training split; "
+            f"the largest that works is {found.group(1)} (use a smaller vocab_size or a larger corpus)"
+        )
+    return ValueError(f"sentencepiece could not train a tokenizer with vocab_size={vocab_size}: {err}")

@@ -1,0 +1,185 @@
+"""Training/validation samples: fixed windows inside one document, batched; the resumable training loader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from rlm.data.segments import SegmentTable
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+
+
+class Windows:
+    """The windows of some documents: inputs doc[s:s+T], targets doc[s+1:s+T+1], for s = 0, T, 2T, ...
+
+    Windows start at multiples of seq_len (hence of segment_len), so each covers whole segments. A
+    window exists while it has at least one target; the last of a document is padded.
+    """
+
+    def __init__(
+        self, segments: SegmentTable, doc_offsets: np.ndarray, docs: np.ndarray, seq_len: int
+    ) -> None:
+        if seq_len % segments.segment_len:
+            raise ValueError(
+                f"seq_len={seq_len} is not a multiple of segment_len={segments.segment_len}; "
+                "windows must cover whole segments"
+            )
+        self.segments = segments
+        self.seq_len = seq_len
+        self.doc_offsets = doc_offsets
+        n = np.diff(doc_offsets)[docs]  # (D,) tokens per document, bos/eos included (>= 2)
+        n_win = (n - 2) // seq_len + 1  # ceil((n - 1) / seq_len): n - 1 targets per document
+        first = np.concatenate([[0], np.cumsum(n_win)])
+        self.doc = np.repeat(docs, n_win).astype(np.int64)
+        """(W,) document of each window."""
+        self.start = (np.arange(first[-1]) - np.repeat(first[:-1], n_win)) * seq_len
+        """(W,) offset of each window inside its document."""
+
+    def __len__(self) -> int:
+        return len(self.doc)
+
+    def collate(self, index: Any) -> dict[str, Tensor]:
+        """The batch of windows `index` (a sequence of window numbers), in the batch format of rlm.data."""
+        index = np.asarray(index, dtype=np.int64)
+        seg, T = self.segments, self.seq_len
+        docs, starts = self.doc[index], self.start[index]  # (B,)
+        base = self.doc_offsets[docs]  # (B,)
+        pos = starts[:, None] + np.arange(T + 1)  # (B, T+1) offsets inside the document, +1 for the target
+        real = pos < (self.doc_offsets[docs + 1] - base)[:, None]  # (B, T+1)
+        toks = np.full(pos.shape, seg.pad_id, dtype=np.int64)
+        toks[real] = seg.corpus_tokens[(base[:, None] + pos)[real]]
+        return {
+            "tokens": torch.from_numpy(np.ascontiguousarray(toks[:, :T])),
+            "targets": torch.from_numpy(np.where(real[:, 1:], toks[:, 1:], IGNORE_INDEX)),
+            "mask": torch.from_numpy(np.ascontiguousarray(real[:, :T])),
+            "segment_ids": torch.from_numpy(seg.window_segments(docs, starts, T // seg.segment_len)),
+            "doc_ids": torch.from_numpy(docs),
+            "starts": torch.from_numpy(starts),
+        }
+
+
+class _Batches(Dataset):
+    """Map-style view for worker processes: key = an array of window numbers, item = that batch."""
+
+    def __init__(self, windows: Windows) -> None:
+        self.windows = windows
+
+    def __getitem__(self, index: np.ndarray) -> dict[str, Tensor]:
+        return self.windows.collate(index)
+
+
+class _Indices(Dataset):
+    """Window numbers 0..n-1; the DataLoader's collate_fn turns a list of them into a batch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0) -> DataLoader:
+    """Validation/test batches in a fixed order (Lightning adds a DistributedSampler under DDP)."""
+    return DataLoader(
+        _Indices(len(windows)),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=windows.collate,
+        num_workers=num_workers,
+    )
+
+
+class TrainLoader:
+    """Shuffled training batches, deterministic in (seed, epoch), sharded by rank, resumable mid-epoch.
+
+    Not a DataLoader on purpose: Lightning would replace a DataLoader's sampler. Each epoch the windows
+    are permuted with rng(seed, epoch); the first len(self) * batch_size * world_size of them are dealt
+    round-robin to the ranks (equal batches per rank, the remainder dropped).
+
+    The loader counts its own epochs: an epoch ends when all its batches have been handed out, and the
+    next iteration starts the next one. Lightning's epoch number is not used, because it disagrees with
+    the data after a run stopped by max_steps (Lightning then counts the unfinished epoch as done) and
+    under limit_train_batches (then successive Lightning epochs walk on through one permutation).
+    `state_dict()` counts the batches handed out, which is what Lightning 2.6 has trained on: its fetcher
+    does not prefetch from a loader that has a length (checked by the resume test in tests/test_data.py).
+    """
+
+    def __init__(
+        self,
+        windows: Windows,
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} with world_size={world_size}; accepted: 0 <= rank < world_size")
+        if len(windows) < batch_size * world_size:
+            raise ValueError(
+                f"only {len(windows)} training windows, fewer than batch_size={batch_size} x world_size={world_size}; "
+                "use a smaller batch_size or seq_len, or a larger corpus"
+            )
+        self.windows, self.batch_size, self.seed = windows, batch_size, seed
+        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
+        self.epoch = 0
+        """Epoch being (or last) drawn from."""
+        self.position = 0
+        """Batches of `epoch` already handed out."""
+
+    def __len__(self) -> int:
+        return len(self.windows) // (self.batch_size * self.world_size)
+
+    def epoch_batches(self, epoch: int) -> np.ndarray:
+        """(len(self), batch_size) window numbers of this rank's batches in `epoch`."""
+        perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+        n = len(self)
+        return perm[: n * self.batch_size * self.world_size][self.rank :: self.world_size].reshape(
+            n, self.batch_size
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        # A generator: nothing runs until the first next(), so a load_state_dict() after iter() still counts.
+        if self.position >= len(self):  # the last epoch was used up: start the next
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self.epoch_batches(self.epoch)[self.position :]
+        if self.num_workers > 0:
+            batches = DataLoader(
+                _Batches(self.windows), batch_size=None, sampler=list(order), num_workers=self.num_workers
+            )
+        else:
+            batches = map(self.windows.collate, order)
+        for batch in batches:
+            self.position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader is (epoch, batches handed out in it) and what must match to resume exactly."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "windows": len(self.windows),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where `state` left off; the data and sharding must be the ones it was saved with."""
+        for name in ("seed", "batch_size", "world_size", "windows"):
+            mine = len(self.windows) if name == "windows" else getattr(self, name)
+            if state[name] != mine:
+                raise ValueError(
+                    f"cannot resume the training loader exactly: checkpoint has {name}={state[name]}, "
+                    f"this run has {name}={mine}"
+                )
+        self.epoch, self.position = state["epoch"], state["position"]

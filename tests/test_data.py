@@ -1,0 +1,372 @@
+"""rlm.data: corpus reading, tokenizer cache, segments, windows, sharding and exact resume under Lightning."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+import yaml
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from rlm.data import IGNORE_INDEX, RLMDataModule, SegmentTable, Tokenizer, TrainLoader, read_corpus
+from rlm.data.corpus import stdlib_paths
+from rlm.data.store import split_documents
+
+SEQ, SEG = 32, 8
+
+
+def _write_corpus(root, n_docs=24, seed=0):
+    """ASCII documents of pseudo-random words, lengths from a few words to a few hundred."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    root.mkdir(parents=True, exist_ok=True)
+    texts = {}
+    for d in range(n_docs):
+        n_words = int(rng.integers(3, 300))
+        words = ["".join(rng.choice(letters, int(rng.integers(1, 8)))) for _ in range(n_words)]
+        lines = [" ".join(words[i : i + 9]) for i in range(0, n_words, 9)]
+        texts[f"doc{d:03d}.txt"] = "\n".join(lines) + "\n"
+        (root / f"doc{d:03d}.txt").write_text(texts[f"doc{d:03d}.txt"])
+    return texts
+
+
+def _dm(corpus, cache, **kw):
+    args = dict(vocab_size=300, seq_len=SEQ, segment_len=SEG, batch_size=4, val_fraction=0.2, progress=False)
+    return RLMDataModule(corpus=str(corpus), cache_dir=str(cache), **{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return root, _write_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def dm(corpus, tmp_path_factory):
+    module = _dm(corpus[0], tmp_path_factory.mktemp("cache"))
+    module.prepare_data()
+    module.setup("fit")
+    return module
+
+
+# ---- split, cache, round trip --------------------------------------------------------------------------
+def test_split_is_deterministic_disjoint_and_complete():
+    train, val = split_documents(100, 0.2, seed=3)
+    again = split_documents(100, 0.2, seed=3)
+    other = split_documents(100, 0.2, seed=4)
+    assert np.array_equal(train, again[0]) and np.array_equal(val, again[1])
+    assert not np.array_equal(val, other[1])
+    assert len(val) == 20 and not set(train) & set(val) and sorted({*train, *val}) == list(range(100))
+    assert len(split_documents(3, 0.01, 0)[1]) == 1  # a nonzero fraction holds out at least one document
+
+
+def test_store_round_trip(dm, corpus):
+    store, tok = dm.store, dm.tokenizer
+    names = sorted(corpus[1])
+    assert [n.rsplit("/", 1)[-1] for n in store.names] == names
+    assert store.tokens.dtype == np.uint16 and isinstance(store.tokens, np.memmap)
+    assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3) and dm.vocab_size == 300
+    for d, name in enumerate(names):
+        ids = store.doc_tokens(d)
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert tok.decode(ids[1:-1]) == corpus[1][name] == dm.text_of(d)
+        assert ids[1:-1].tolist() == tok.encode(corpus[1][name])
+    assert store.doc_offsets[0] == 0 and store.doc_offsets[-1] == len(store.tokens)
+    assert not set(store.train_docs) & set(store.val_docs)
+    assert sorted({*store.train_docs, *store.val_docs}) == list(range(len(names)))
+
+
+def test_tokenizer_encodes_any_text(dm):
+    text = "déjà vu ☃ \t\n  x = 1\r\n"  # none of these characters is in the ASCII training corpus
+    assert dm.tokenizer.decode(dm.tokenizer.encode(text)) == text
+    assert dm.decode(torch.tensor([[2, *dm.tokenizer.encode("ab")], [3, 0, 0]])) == "ab"
+
+
+def test_cache_is_reused(dm, corpus, monkeypatch):
+    model = dm.cache_path() / "tokenizer.model"
+    mtime = model.stat().st_mtime_ns
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the tokenizer was trained again")
+
+    monkeypatch.setattr(Tokenizer, "train", no_training)
+    again = _dm(corpus[0], dm.cache_dir)
+    again.prepare_data()
+    again.setup()
+    assert again.cache_path() == dm.cache_path() and model.stat().st_mtime_ns == mtime
+    assert again.fingerprint == dm.fingerprint
+    assert _dm(corpus[0], dm.cache_dir, seed=1).cache_key() != dm.cache_key()  # another split, another entry
+    assert (
+        _dm(corpus[0], dm.cache_dir, segment_len=4).cache_path() == dm.cache_path()
+    )  # segments are not cached
+
+
+# ---- segments and windows ------------------------------------------------------------------------------
+def test_segment_table_matches_documents(dm):
+    seg, store = dm.segments, dm.store
+    assert isinstance(seg, SegmentTable) and seg.segment_len == SEG
+    ids = []
+    for d in range(store.n_docs):
+        doc = store.doc_tokens(d)
+        r = seg.doc_segments(d)
+        ids.extend(r)
+        assert len(r) == -(-len(doc) // SEG)
+        for k, s in enumerate(r):
+            assert seg.doc[s] == d and seg.start[s] == store.doc_offsets[d] + k * SEG
+            assert seg.length[s] == min(SEG, len(doc) - k * SEG)
+            expected = np.zeros(SEG, dtype=np.int64)
+            expected[: seg.length[s]] = doc[k * SEG : (k + 1) * SEG]
+            np.testing.assert_array_equal(seg.tokens(np.array([s]))[0], expected)
+    assert ids == list(range(len(seg)))  # global ids, contiguous per document, in document order
+
+
+def _expected_row(store, seg, doc, start):
+    """Brute-force window: tokens/targets/mask/segment ids for one (doc, start)."""
+    toks = store.doc_tokens(doc).astype(np.int64)
+    tokens, targets, mask = np.zeros(SEQ, np.int64), np.full(SEQ, IGNORE_INDEX), np.zeros(SEQ, bool)
+    for t in range(SEQ):
+        if start + t < len(toks):
+            tokens[t], mask[t] = toks[start + t], True
+        if start + t + 1 < len(toks):
+            targets[t] = toks[start + t + 1]
+    segs = [
+        seg.doc_segments(doc)[start // SEG + j] if start + j * SEG < len(toks) else -1
+        for j in range(SEQ // SEG)
+    ]
+    return tokens, targets, mask, np.array(segs)
+
+
+def test_windows_cover_documents_and_match_brute_force(dm):
+    store, seg = dm.store, dm.segments
+    for split, docs in [("train", store.train_docs), ("val", store.val_docs)]:
+        w = dm.windows(split)
+        expected = [(d, s) for d in docs for s in range(0, len(store.doc_tokens(d)) - 1, SEQ)]
+        assert list(zip(w.doc.tolist(), w.start.tolist())) == expected
+        batch = w.collate(np.arange(len(w)))
+        assert batch["tokens"].dtype == torch.long and batch["mask"].dtype == torch.bool
+        for i, (d, s) in enumerate(expected):
+            tokens, targets, mask, segs = _expected_row(store, seg, d, s)
+            assert batch["doc_ids"][i] == d and batch["starts"][i] == s
+            np.testing.assert_array_equal(batch["tokens"][i].numpy(), tokens)
+            np.testing.assert_array_equal(batch["targets"][i].numpy(), targets)
+            np.testing.assert_array_equal(batch["mask"][i].numpy(), mask)
+            np.testing.assert_array_equal(batch["segment_ids"][i].numpy(), segs)
+            # the segments' own tokens are the window's tokens, segment by segment
+            real = segs >= 0
+            np.testing.assert_array_equal(
+                seg.tokens(segs[real]).reshape(-1), tokens.reshape(-1, SEG)[real].reshape(-1)
+            )
+
+
+def test_last_window_is_padded(dm):
+    w, store = dm.windows("train"), dm.store
+    left = (
+        np.diff(store.doc_offsets)[w.doc] - w.start
+    )  # tokens from each window's start to its document's end
+    i = int(np.flatnonzero((left > 1) & (left <= SEQ - SEG))[0])  # a last window with an all-padding segment
+    n = int(left[i])
+    b = w.collate([i])
+    assert b["mask"][0, :n].all() and not b["mask"][0, n:].any()
+    assert (b["tokens"][0, n:] == 0).all() and b["tokens"][0, n - 1] == dm.tokenizer.eos_id
+    assert (b["targets"][0, : n - 1] >= 0).all() and (b["targets"][0, n - 1 :] == IGNORE_INDEX).all()
+    assert b["targets"][0, n - 2] == dm.tokenizer.eos_id
+    assert (b["segment_ids"][0, -(-n // SEG) :] == -1).all() and (
+        b["segment_ids"][0, : -(-n // SEG)] >= 0
+    ).all()
+
+
+# ---- loaders -------------------------------------------------------------------------------------------
+def _keys(batches):
+    return [tuple(zip(b["doc_ids"].tolist(), b["starts"].tolist())) for b in batches]
+
+
+def test_train_loader_shards_evenly_and_reshuffles(dm):
+    w = dm.windows("train")
+    for world in (1, 2, 3):
+        loaders = [TrainLoader(w, 4, seed=0, rank=r, world_size=world) for r in range(world)]
+        assert len({len(x) for x in loaders}) == 1 and len(loaders[0]) == len(w) // (4 * world)
+        seen = [k for x in loaders for b in _keys(x) for k in b]
+        assert len(seen) == len(set(seen)) == len(loaders[0]) * 4 * world  # disjoint, remainder dropped
+    loader = TrainLoader(w, 4, seed=0)
+    first, second = _keys(loader), _keys(loader)  # a second pass is the next epoch
+    assert loader.epoch == 1 and first != second and sorted(first) != first
+    assert _keys(TrainLoader(w, 4, seed=0)) == first and _keys(TrainLoader(w, 4, seed=1)) != first
+    with pytest.raises(ValueError, match="rank=2 with world_size=2"):
+        TrainLoader(w, 4, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="fewer than batch_size=1000"):
+        TrainLoader(w, 1000)
+
+
+def test_train_loader_state_round_trip(dm):
+    w = dm.windows("train")
+    full = _keys(TrainLoader(w, 4, seed=5))
+    loader = TrainLoader(w, 4, seed=5)
+    it = iter(loader)
+    head = _keys([next(it) for _ in range(3)])
+    resumed = TrainLoader(w, 4, seed=5)
+    resumed.load_state_dict(loader.state_dict())
+    assert head + _keys(resumed) == full
+    with pytest.raises(ValueError, match="checkpoint has world_size=1, this run has world_size=2"):
+        TrainLoader(w, 4, seed=5, world_size=2).load_state_dict(loader.state_dict())
+
+
+@pytest.mark.slow
+def test_workers_give_the_same_batches(corpus, dm):
+    with_workers = _dm(corpus[0], dm.cache_dir, num_workers=1)
+    with_workers.setup()
+    assert _keys(with_workers.train_dataloader()) == _keys(dm.train_dataloader())
+    got, want = list(with_workers.val_dataloader()), list(dm.val_dataloader())
+    assert len(got) == len(want) and all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(got, want))
+
+
+class _Recorder(pl.LightningModule):
+    """Records which windows each training step saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[tuple] = []  # one tuple of (doc, start) per batch
+
+    def training_step(self, batch, batch_idx):
+        self.seen.extend(_keys([batch]))
+        return (self.w * batch["tokens"].float().mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(corpus, cache, batch_size, steps, ckpt_in=None, ckpt_out=None, every_step_to=None):
+    """Fit a recorder; save a checkpoint at the end (ckpt_out) and/or after every step (into every_step_to)."""
+    every = (
+        [ModelCheckpoint(every_step_to, "{step}", save_top_k=-1, every_n_train_steps=1)]
+        if every_step_to
+        else []
+    )
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        callbacks=every,
+        enable_checkpointing=bool(every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    model = _Recorder()
+    trainer.fit(model, datamodule=_dm(corpus, cache, batch_size=batch_size), ckpt_path=ckpt_in)
+    if ckpt_out:
+        trainer.save_checkpoint(ckpt_out)
+    return model.seen
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_is_exact_with_a_real_trainer(corpus, dm, tmp_path):
+    """2N steps in one go == N steps, checkpoint, resume; with checkpoints saved during training by
+    ModelCheckpoint and by trainer.save_checkpoint after a run stopped by max_steps."""
+    per_epoch = 4  # batches per epoch, so that a few steps cross an epoch boundary
+    bs = len(dm.windows("train")) // per_epoch
+    total = 2 * per_epoch + 1
+    straight = _fit(corpus[0], dm.cache_dir, bs, total, every_step_to=tmp_path)
+    epoch0, epoch1 = straight[:per_epoch], straight[per_epoch : 2 * per_epoch]
+    assert len(straight) == total and epoch0 != epoch1  # each entry is one batch; epochs are reshuffled
+    assert sorted(k for b in epoch0 for k in b) == sorted(k for b in epoch1 for k in b)
+    for first in (3, 4, 6):  # mid-epoch, exactly at the epoch's end, into the second epoch
+        tail = _fit(corpus[0], dm.cache_dir, bs, total, ckpt_in=tmp_path / f"step={first}.ckpt")
+        assert straight[:first] + tail == straight, f"resumed from the ModelCheckpoint of step {first}"
+        ckpt = tmp_path / f"stopped{first}.ckpt"
+        head = _fit(corpus[0], dm.cache_dir, bs, first, ckpt_out=ckpt)
+        tail = _fit(corpus[0], dm.cache_dir, bs, total, ckpt_in=ckpt)
+        assert head + tail == straight, f"resumed after max_steps={first}"
+
+
+# ---- corpora -------------------------------------------------------------------------------------------
+def test_hf_saved_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"row {i} " + "lorem ipsum dolor sit amet " * (i + 1) for i in range(6)] + [""]
+    datasets.Dataset.from_dict({"body": texts, "n": list(range(7))}).save_to_disk(str(tmp_path / "ds"))
+    docs = read_corpus(f"hf:{tmp_path / 'ds'}", text_field="body", progress=False)
+    assert [d.text for d in docs] == texts[:-1]  # the empty row is dropped
+    assert len(read_corpus(f"hf:{tmp_path / 'ds'}", text_field="body", max_documents=2, progress=False)) == 2
+    with pytest.raises(ValueError, match=r"text_field='text' is not a column .*\['body', 'n'\]"):
+        read_corpus(f"hf:{tmp_path / 'ds'}", progress=False)
+
+
+def test_files_directories_globs_and_lists(tmp_path, corpus):
+    (tmp_path / "a.md").write_text("alpha")
+    (tmp_path / "b.bin").write_text("skipped by extension")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.py").write_text("gamma")
+    (tmp_path / "sub" / "d.py").write_bytes(b"\xff\xfe not utf-8")
+    with pytest.warns(UserWarning, match="skipped 1 unreadable"):
+        docs = read_corpus(str(tmp_path), progress=False)
+    assert [d.text for d in docs] == ["alpha", "gamma"]
+    assert [d.text for d in read_corpus(str(tmp_path / "*.md"), progress=False)] == ["alpha"]
+    both = read_corpus(
+        [str(tmp_path / "a.md"), str(corpus[0] / "doc00*.txt")], max_documents=3, progress=False
+    )
+    assert [d.name.rsplit("/", 1)[-1] for d in both] == ["a.md", "doc000.txt", "doc001.txt"]
+
+
+def test_stdlib_corpus(tmp_path):
+    paths = stdlib_paths()
+    assert paths == sorted(paths) and len(paths) > 100
+    bad = {"test", "tests", "idlelib", "idle_test", "site-packages"}
+    assert not any(bad & set(p.parts) or p.name.startswith("test_") for p in paths)
+    module = RLMDataModule(
+        max_documents=12, vocab_size=512, seq_len=64, segment_len=16, cache_dir=str(tmp_path), progress=False
+    )
+    module.setup()
+    assert module.store.n_docs == 12 and module.store.names == sorted(module.store.names)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert module.text_of(0) == (root / module.store.names[0]).read_text(encoding="utf-8")
+    assert next(iter(module.train_dataloader()))["tokens"].shape == (8, 64)
+
+
+def test_configs_construct_a_datamodule(tmp_path):
+    root = Path(__file__).resolve().parents[1] / "configs" / "data"
+    for name in ("stdlib.yaml", "tiny.yaml"):
+        args = yaml.safe_load((root / name).read_text())["data"]
+        RLMDataModule(**{**args, "cache_dir": str(tmp_path)})  # every key is a constructor argument
+
+
+# ---- errors --------------------------------------------------------------------------------------------
+def test_corpus_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="corpus path '.*nope' does not exist; accepted: 'stdlib'"):
+        read_corpus(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match=r"corpus glob '.*\*\.zzz' matched no files"):
+        read_corpus(str(tmp_path / "*.zzz"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="has no non-empty documents"):
+        read_corpus(str(tmp_path))
+    with pytest.raises(ValueError, match="corpus is an empty list"):
+        read_corpus([])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seq_len": 30}, "seq_len=30 is not a multiple of segment_len=8"),
+        ({"vocab_size": 100}, "vocab_size=100; accepted: >= 261"),
+        ({"val_fraction": 1.0}, "val_fraction=1.0; accepted: 0 <= val_fraction < 1"),
+        ({"batch_size": 0}, "batch_size=0; accepted: a positive integer"),
+        ({"tokenizer_model_type": "wordpiece"}, "tokenizer_model_type='wordpiece'; accepted: \\['bpe'"),
+    ],
+)
+def test_argument_errors(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _dm(tmp_path, tmp_path, **kwargs)
+
+
+def test_vocab_too_large_names_the_largest_that_works(corpus, tmp_path):
+    with pytest.raises(ValueError, match=r"vocab_size=60000 is too large .* the largest that works is \d+"):
+        _dm(corpus[0], tmp_path, vocab_size=60000).setup()
+
+
+def test_seq_len_longer_than_every_document(corpus, dm, tmp_path):
+    longest = int(dm.store.doc_lengths.max())
+    with pytest.raises(ValueError, match=f"seq_len=4096 but the longest document has {longest} tokens"):
+        _dm(corpus[0], dm.cache_dir, seq_len=4096).setup()
