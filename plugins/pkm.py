@@ -1,0 +1,305 @@
+"""Product key memory (Lample et al. 2019, 'Large Memory Layers with Product Keys'), in the FFN slot.
+
+For a token x of width d, at each chosen layer (Lample et al. Sec. 3):
+    q = BN(W_q x)                        query, (H, k_dim); batch norm over real tokens raises key usage
+    per head h: q = (q1, q2); top-k of q1.C_h and of q2.C'_h (n sub-keys each), k*k candidate sums,
+        exact top-k of those: slots I_h, scores s_h              (n^2 slots searched at O(n + k^2) cost)
+    w_h = softmax(s_h)                   over the k selected scores
+    m(x) = sum_h sum_{i in I_h} w_hi v_i  one EmbeddingBag (mode sum) over H*k rows of the value table
+    y = m(x)                             or, gated (Berges et al. 2024, 'Memory Layers at Scale'):
+    y = W_o (m(x) * silu(W_g x))
+The layer replaces the dense FFN or runs beside it (mode 'add'). Value tables live on the plugin (one
+shared by every memory layer by default) so they are registered once. Values train with their own Adam
+group (lr 1e-3, constant, no decay); on one process the plugin updates them itself with a row-wise lazy
+Adam that reads and writes only the touched rows (``sparse``), under a distributed strategy they get
+ordinary dense gradients for DDP/FSDP to reduce. Validation logs usage and KL to uniform per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
+
+from ._pkm_ops import MaskedBatchNorm, RowAdam, product_key_topk, slot_stats, value_lookup
+
+SPARSE_CHOICES = ("auto", "true", "false")
+
+
+@dataclass
+class PKMConfig:
+    """Options of the product key memory."""
+
+    layers: list[int] | None = None
+    """Layers whose FFN slot gets a memory; None means the middle layer [n_layers // 2]."""
+    mode: str = "replace"
+    """'replace': the memory takes the FFN's place (the paper); 'add': it runs beside the FFN."""
+    n_keys: int = 512
+    """Sub-keys per half and head (n); the memory has n^2 slots (512 -> 262,144)."""
+    heads: int = 4
+    """Memory heads H, each with its own query and sub-key sets over the same value table."""
+    topk: int = 32
+    """Slots selected per head (k); also the top-k taken in each half."""
+    k_dim: int = 256
+    """Query width per head; each half (sub-key width) is k_dim / 2."""
+    query_batchnorm: bool = True
+    """Batch norm on the query (Lample et al. Sec. 3.3: raises key usage); padding is left out of its statistics."""
+    shared_values: bool = True
+    """One value table for every memory layer (else one table per layer)."""
+    gated: bool = False
+    """Gated output W_o (m(x) * silu(W_g x)) as in later memory-layer work (Berges et al. 2024)."""
+    value_dropout: float = 0.0
+    """Dropout on the memory output m(x) during training."""
+    values_lr: float = 1e-3
+    """Constant Adam learning rate of the values (Lample et al.: 1e-3, higher than the rest), no weight decay."""
+    sparse: bool | str = "auto"
+    """Row-wise lazy Adam on the values: 'auto' (on unless torch.distributed runs), true, or false (dense grads)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("replace", "add"):
+            raise ValueError(f"pkm.mode={self.mode!r} is unknown; expected 'replace' or 'add'")
+        for name in ("n_keys", "heads", "topk", "k_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"pkm.{name} must be a positive integer, got {value!r}")
+        if self.topk > self.n_keys:
+            raise ValueError(f"pkm.topk={self.topk} must be at most pkm.n_keys={self.n_keys}")
+        if self.k_dim % 2:
+            raise ValueError(f"pkm.k_dim={self.k_dim} must be even (it is split into two sub-key halves)")
+        if not 0.0 <= self.value_dropout < 1.0:
+            raise ValueError(f"pkm.value_dropout must be in [0, 1), got {self.value_dropout}")
+        if self.values_lr <= 0:
+            raise ValueError(f"pkm.values_lr must be positive, got {self.values_lr}")
+        if isinstance(self.sparse, bool):
+            self.sparse = "true" if self.sparse else "false"
+        if self.sparse not in SPARSE_CHOICES:
+            raise ValueError(
+                f"pkm.sparse={self.sparse!r} is unknown; expected one of {SPARSE_CHOICES} (or a bool)"
+            )
+
+    @property
+    def slots(self) -> int:
+        """Number of memory slots n^2."""
+        return self.n_keys * self.n_keys
+
+
+class PKMLayer(nn.Module):
+    """One memory layer: query network, product keys, and a read of the plugin's value table."""
+
+    def __init__(self, config: PKMConfig, d: int, owner: PKMPlugin, table: str, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.heads, self.topk, self.half = c.heads, c.topk, c.k_dim // 2
+        self.layer, self.table = layer, table
+        self.value_dropout = c.value_dropout
+        self.query = nn.Linear(d, c.heads * c.k_dim, bias=False)
+        nn.init.normal_(self.query.weight, 0.0, d**-0.5)
+        self.norm = MaskedBatchNorm(c.heads * c.k_dim) if c.query_batchnorm else None
+        # Sub-keys C, C' per head, (H, 2, n, k_dim/2); uniform init as in the paper's code (XLM).
+        bound = 1.0 / math.sqrt(self.half)
+        self.keys = nn.Parameter(torch.empty(c.heads, 2, c.n_keys, self.half).uniform_(-bound, bound))
+        self.gate = self.out = None
+        if c.gated:
+            self.gate = nn.Linear(d, d, bias=False)
+            self.out = nn.Linear(d, d, bias=False)
+            nn.init.normal_(self.gate.weight, 0.0, d**-0.5)
+            nn.init.normal_(self.out.weight, 0.0, d**-0.5)
+        # Summed read weight per slot over an evaluation epoch (usage / KL). Non-persistent and written only
+        # in eval mode under no_grad while the plugin's callback has armed it: it never enters checkpoints,
+        # gradients or the training forward, so it is not per-step state in the sense of the contract.
+        self.register_buffer("slot_weight", torch.zeros(0, dtype=torch.float64), persistent=False)
+        self.collecting = False
+        object.__setattr__(
+            self, "_owner", owner
+        )  # a plain reference: the table is registered on the plugin only
+
+    def lookup(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Selected slots and their softmax weights for x (N, d) with padding mask valid (N,): each (N, H, k)."""
+        q = self.query(x)  # (N, H * k_dim)
+        if self.norm is not None:
+            q = self.norm(q, valid)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # search and softmax in at least float32
+        q = q.to(dtype).view(-1, self.heads, 2, self.half)  # (N, H, 2, k_dim/2)
+        keys = self.keys.to(dtype)
+        scores, slots = product_key_topk(q[:, :, 0], q[:, :, 1], keys[:, 0], keys[:, 1], self.topk)
+        return slots, scores.softmax(dim=-1)  # (N, H, k) each
+
+    def forward(self, x: Tensor, ctx: Context) -> Tensor:
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)
+        valid = ctx.valid_mask().reshape(B * T)
+        slots, weights = self.lookup(xf, valid)  # (N, H, k)
+        values = self._owner.values[self.table]
+        sink = self._owner.row_optimizer if (self._owner.sparse_active and torch.is_grad_enabled()) else None
+        hk = self.heads * self.topk
+        m = value_lookup(slots.view(-1, hk), weights.view(-1, hk).to(values.dtype), values, sink, self.table)
+        m = F.dropout(m, self.value_dropout, self.training)  # (N, d)
+        if self.gate is not None:
+            m = self.out(m.to(x.dtype) * F.silu(self.gate(xf)))
+        if self.collecting and not self.training:
+            self._record(slots, weights, valid)
+        return m.view(B, T, d).to(x.dtype)
+
+    @torch.no_grad()
+    def _record(self, slots: Tensor, weights: Tensor, valid: Tensor) -> None:
+        w = weights * valid.view(-1, 1, 1)  # padding reads nothing
+        self.slot_weight.index_add_(0, slots.reshape(-1), w.reshape(-1).double())
+
+    def start_stats(self, slots: int) -> None:
+        """Zero the per-slot weights and start accumulating them (eval mode only)."""
+        self.slot_weight = torch.zeros(slots, dtype=torch.float64, device=self.keys.device)
+        self.collecting = True
+
+    def stop_stats(self) -> Tensor:
+        """Stop accumulating; the summed weights (slots,), summed over ranks when distributed."""
+        self.collecting = False
+        w = self.slot_weight
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(w)
+        return w
+
+
+class PKMPlugin(Plugin):
+    """Product key memory layers in the FFN slot of chosen layers."""
+
+    name = "pkm"
+    Config = PKMConfig
+    order = 60
+
+    def __init__(self, config: PKMConfig, model_config) -> None:
+        super().__init__(config, model_config)
+        n_layers = model_config.n_layers
+        self.layers = check_layers(
+            self.name, config.layers if config.layers is not None else [n_layers // 2], n_layers
+        )
+        d = model_config.d_model
+        keys = ["shared"] if config.shared_values else [f"layer{i}" for i in self.layers]
+        # Values: normal(0, d^-1/2) as in the paper's code. The only copy of each table is registered here.
+        self.values = nn.ParameterDict(
+            {k: nn.Parameter(torch.randn(config.slots, d) * d**-0.5) for k in keys}
+        )
+        self.row_optimizer = RowAdam(lr=config.values_lr)
+        for k, table in self.values.items():
+            self.row_optimizer.add_table(k, table)
+        self.memories: dict[int, PKMLayer] = {}  # plain dict: the layers are registered in their blocks
+        self._sparse: bool | None = None  # resolved at setup (needs to know whether torch.distributed runs)
+
+    def claims(self) -> list[Claim]:
+        return [Claim(Slot.FFN, Mode(self.config.mode), self.layers)]
+
+    def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
+        table = "shared" if self.config.shared_values else f"layer{layer}"
+        memory = PKMLayer(self.config, self.model_config.d_model, self, table, layer)
+        self.memories[layer] = memory
+        return memory
+
+    # ----- values: sparse or dense -----
+
+    @property
+    def sparse_active(self) -> bool:
+        """Whether the values are being updated by the row-wise lazy Adam (resolved by ``resolve_sparse``)."""
+        return bool(self._sparse)
+
+    def resolve_sparse(self, distributed: bool | None = None) -> bool:
+        """Choose the sparse or dense value update from the config and whether training is distributed."""
+        if distributed is None:
+            distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        choice = self.config.sparse
+        if choice == "true" and distributed:
+            raise ValueError(
+                "pkm.sparse=true updates the values on each process alone; under a distributed strategy "
+                "use sparse: auto or false (dense gradients that DDP/FSDP reduce)"
+            )
+        self._sparse = choice == "true" or (choice == "auto" and not distributed)
+        for table in self.values.values():
+            # Sparse: the values are not handed to the main optimizer (the LMModule skips requires_grad=False).
+            table.requires_grad_(not self._sparse)
+        return self._sparse
+
+    def param_groups(self) -> list[ParamGroup]:
+        if self._sparse is None:
+            self.resolve_sparse()
+        if self._sparse:
+            return []  # updated by self.row_optimizer, see PKMCallback.on_before_optimizer_step
+        return [
+            ParamGroup(
+                name="pkm_values",
+                params=list(self.values.values()),
+                lr=self.config.values_lr,
+                weight_decay=0.0,
+                schedule=False,
+            )
+        ]
+
+    def callbacks(self) -> list[pl.Callback]:
+        return [PKMCallback(self)]
+
+    def inactive_parameters(self) -> int:
+        # A token reads H*k rows of its table per memory layer; every other row is inactive for it.
+        d, c = self.model_config.d_model, self.config
+        per_table = len(self.layers) if c.shared_values else 1
+        return len(self.values) * max(c.slots - per_table * c.heads * c.topk, 0) * d
+
+    # ----- validation statistics -----
+
+    def start_stats(self) -> None:
+        """Start accumulating per-slot read weights in every memory layer."""
+        for memory in self.memories.values():
+            memory.start_stats(self.config.slots)
+
+    def stop_stats(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """Stop accumulating; (usage, KL to uniform) per memory layer."""
+        return {layer: slot_stats(memory.stop_stats()) for layer, memory in sorted(self.memories.items())}
+
+
+class PKMCallback(pl.Callback):
+    """Resolves sparse/dense at setup, steps the row-wise value optimizer, logs usage and KL at validation."""
+
+    def __init__(self, plugin: PKMPlugin) -> None:
+        self.plugin = plugin
+
+    @property
+    def state_key(self) -> str:
+        return f"PKMCallback[{self.plugin.label}]"
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.plugin.resolve_sparse(distributed=trainer.world_size > 1)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        # Runs after the (accumulated) backward and before the main step, once per optimizer step.
+        if self.plugin.sparse_active:
+            self.plugin.row_optimizer.step()
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plugin.start_stats()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(pl_module, "val")
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plugin.start_stats()
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(pl_module, "test")
+
+    def _log(self, pl_module: pl.LightningModule, stage: str) -> None:
+        for layer, (usage, kl) in self.plugin.stop_stats().items():
+            prefix = f"{stage}/{self.plugin.label}/layer{layer}"
+            pl_module.log(f"{prefix}/usage", usage.float(), rank_zero_only=True)
+            pl_module.log(f"{prefix}/kl_uniform", kl.float(), rank_zero_only=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.plugin.row_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.plugin.row_optimizer.load_state_dict(state_dict)

@@ -1,0 +1,372 @@
+"""Product key memory: exact search, output, gradients, sparse Adam, statistics, optimizer group, CLI runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from rlm.plugins._pkm_ops import MaskedBatchNorm, RowAdam, coalesce_rows, product_key_topk, slot_stats
+from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
+from torch.testing import assert_close
+
+from rlm.model import ModelConfig, Transformer
+from rlm.plugin import Context
+
+RUN = "runs/test/version_0"
+
+
+def brute_force_topk(q: torch.Tensor, keys1: torch.Tensor, keys2: torch.Tensor, k: int):
+    """Top-k over all n^2 concatenated keys cat(C_i, C'_j), slot i*n+j. q: (N, H, dk); keys: (H, n, dk/2)."""
+    H, n, _ = keys1.shape
+    i = torch.arange(n).repeat_interleave(n)  # slot s = i*n + j
+    j = torch.arange(n).repeat(n)
+    full = torch.cat([keys1[:, i], keys2[:, j]], dim=-1)  # (H, n^2, dk)
+    scores = torch.einsum("nhd,hsd->nhs", q, full)  # (N, H, n^2)
+    return scores.topk(k, dim=-1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_product_key_search_is_exact(seed, heads, k):
+    g = torch.Generator().manual_seed(seed)
+    n, dh, N = 16, 8, 40
+    q = torch.randn(N, heads, 2 * dh, generator=g, dtype=torch.float64)
+    keys = torch.randn(heads, 2, n, dh, generator=g, dtype=torch.float64)
+    scores, slots = product_key_topk(q[..., :dh], q[..., dh:], keys[:, 0], keys[:, 1], k)
+    ref_scores, ref_slots = brute_force_topk(q, keys[:, 0], keys[:, 1], k)
+    assert torch.equal(slots, ref_slots)
+    assert_close(scores, ref_scores)
+
+
+def small_layer(**kw) -> tuple[PKMPlugin, PKMLayer]:
+    """A plugin with one memory at layer 0 of a tiny model (d=32, n=8 -> 64 slots) in float64."""
+    args = dict(layers=[0], n_keys=8, heads=2, topk=4, k_dim=12, sparse="false") | kw
+    mc = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2)
+    plugin = PKMPlugin(PKMConfig(**args), mc)
+    layer = plugin.build(plugin.claims()[0], 0, None)
+    return plugin.double(), layer.double()
+
+
+def naive_memory(layer: PKMLayer, values: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The paper's equations token by token: BN over valid rows, brute-force top-k, softmax, gather and sum."""
+    q = x @ layer.query.weight.T  # (N, H*dk)
+    if layer.norm is not None:
+        rows = q[valid]
+        mean, var = rows.mean(0), rows.var(0, unbiased=False)
+        q = (q - mean) / torch.sqrt(var + layer.norm.eps) * layer.norm.weight + layer.norm.bias
+    q = q.view(len(x), layer.heads, -1)
+    out = []
+    for t in range(len(x)):
+        acc = torch.zeros(values.shape[1], dtype=x.dtype)
+        for h in range(layer.heads):
+            scores, slots = brute_force_topk(
+                q[t : t + 1, h : h + 1], layer.keys[h : h + 1, 0], layer.keys[h : h + 1, 1], layer.topk
+            )
+            w = torch.softmax(scores[0, 0], dim=0)
+            for wi, s in zip(w, slots[0, 0]):
+                acc = acc + wi * values[s]
+        if layer.gate is not None:
+            acc = layer.out.weight @ (acc * torch.nn.functional.silu(layer.gate.weight @ x[t]))
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("batchnorm", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_output_equals_naive_gather_and_sum(batchnorm, gated):
+    plugin, layer = small_layer(query_batchnorm=batchnorm, gated=gated)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    ctx = Context(tokens=torch.zeros(2, 5, dtype=torch.long), mask=mask)
+    y = layer(x, ctx)
+    ref = naive_memory(layer, plugin.values["shared"], x.view(10, 32), mask.view(10)).view(2, 5, 32)
+    assert_close(y, ref)
+
+
+@pytest.mark.parametrize("sparse", ["false", "true"])
+def test_gradients_match_the_dense_reference(sparse):
+    plugin, layer = small_layer(sparse=sparse, gated=True)
+    plugin.resolve_sparse(distributed=False)
+    values = plugin.values["shared"]
+    x = torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    ctx = Context(tokens=torch.zeros(2, 6, dtype=torch.long), mask=mask)
+    target = torch.randn(2, 6, 32, dtype=torch.float64)
+    (layer(x, ctx) * target).sum().backward()
+    got = {
+        "x": x.grad,
+        "query": layer.query.weight.grad,
+        "keys": layer.keys.grad,
+        "gate": layer.gate.weight.grad,
+    }
+    if sparse == "true":
+        assert values.grad is None and not values.requires_grad
+        rows, row_grad = plugin.row_optimizer.pending("shared")
+        got_values = torch.zeros_like(values).index_copy_(0, rows, row_grad)
+    else:
+        got_values = values.grad
+    # Reference: autograd through the naive per-token equations on fresh leaves.
+    x2 = x.detach().clone().requires_grad_(True)
+    v2 = values.detach().clone().requires_grad_(True)
+    for p in layer.parameters():
+        p.grad = None
+    (naive_memory(layer, v2, x2.view(12, 32), mask.view(12)).view(2, 6, 32) * target).sum().backward()
+    want = {
+        "x": x2.grad,
+        "query": layer.query.weight.grad,
+        "keys": layer.keys.grad,
+        "gate": layer.gate.weight.grad,
+    }
+    for name in got:
+        assert_close(got[name], want[name], msg=lambda m, name=name: f"{name}: {m}")
+    assert_close(got_values, v2.grad)
+    touched = v2.grad.abs().sum(1) > 0
+    assert 0 < int(touched.sum()) < values.shape[0]  # only some rows are touched, and only those get gradient
+
+
+def test_coalesced_rows_equal_a_dense_index_add():
+    slots = torch.randint(0, 20, (30, 6))
+    weights = torch.rand(30, 6, dtype=torch.float64)
+    grad = torch.randn(30, 5, dtype=torch.float64)
+    rows, row_grad = coalesce_rows(slots, weights, grad)
+    dense = torch.zeros(20, 5, dtype=torch.float64)
+    for t in range(30):
+        for j in range(6):
+            dense[slots[t, j]] += weights[t, j] * grad[t]
+    assert torch.equal(rows, slots.unique())
+    assert_close(row_grad, dense[rows])
+
+
+def test_masked_batchnorm_statistics_by_hand():
+    bn = MaskedBatchNorm(3, momentum=0.5).double()
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        bn.bias.copy_(torch.tensor([0.0, -1.0, 3.0]))
+    x = torch.tensor(
+        [[1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [5.0, 8.0, 2.0], [100.0, -50.0, 7.0]], dtype=torch.float64
+    )
+    mask = torch.tensor([True, True, True, False])  # the padded row must not move the statistics
+    y = bn(x, mask).detach()
+    for c in range(3):
+        vals = [float(x[i, c]) for i in range(3)]
+        mean = sum(vals) / 3
+        var = sum((v - mean) ** 2 for v in vals) / 3
+        for i in range(4):
+            want = (float(x[i, c]) - mean) / math.sqrt(var + bn.eps) * float(bn.weight[c].detach()) + float(
+                bn.bias[c].detach()
+            )
+            assert abs(float(y[i, c]) - want) < 1e-9
+        unbiased = var * 3 / 2
+        assert abs(float(bn.running_mean[c]) - 0.5 * mean) < 1e-12
+        assert abs(float(bn.running_var[c]) - (0.5 + 0.5 * unbiased)) < 1e-12
+    # Gradients equal those of torch's batch norm on the valid rows alone.
+    x1 = x.clone().requires_grad_(True)
+    (bn(x1, mask)[:3] ** 2).sum().backward()
+    x2 = x[:3].clone().requires_grad_(True)
+    ref = torch.nn.functional.batch_norm(
+        x2, None, None, bn.weight.detach(), bn.bias.detach(), training=True, eps=bn.eps
+    )
+    (ref**2).sum().backward()
+    assert_close(x1.grad[:3], x2.grad)
+    bn.eval()
+    assert_close(
+        bn(x, mask), (x - bn.running_mean) / torch.sqrt(bn.running_var + bn.eps) * bn.weight + bn.bias
+    )
+
+
+def test_row_adam_matches_torch_sparse_adam():
+    table = torch.randn(30, 4)
+    ref = table.clone().requires_grad_(True)
+    opt = RowAdam(lr=0.01)
+    opt.add_table("t", table)
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.01)
+    for step in range(4):
+        rows = torch.randperm(30)[: 5 + step]
+        g = torch.randn(len(rows), 4)
+        # Two layers sharing the table: their gradients for the same rows must be summed.
+        opt.add_grad("t", rows.sort().values, g[rows.argsort()])
+        opt.add_grad("t", rows[:2].sort().values, torch.ones(2, 4))
+        dense = torch.zeros(30, 4).index_add_(0, rows, g).index_add_(0, rows[:2], torch.ones(2, 4))
+        untouched = dense.abs().sum(1) == 0
+        before = table.clone()
+        opt.step()
+        ref.grad = dense.to_sparse()
+        ref_opt.step()
+        assert_close(table, ref.detach())
+        assert torch.equal(table[untouched], before[untouched])
+    assert not opt.grads
+
+
+def test_sparse_step_equals_dense_adam_on_first_step():
+    mc = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2)
+    specs = {"pkm": dict(layers=[0, 1], n_keys=8, heads=2, topk=4, k_dim=12)}
+    torch.manual_seed(1)
+    dense = Transformer(mc, {"pkm": specs["pkm"] | {"sparse": "false"}})
+    sparse = Transformer(mc, {"pkm": specs["pkm"] | {"sparse": "true"}})
+    sparse.load_state_dict(dense.state_dict())
+    tokens = torch.randint(0, 50, (2, 7))
+    for model in (dense, sparse):
+        model.plugins["pkm"].resolve_sparse(distributed=False)
+        model(tokens, Context(tokens=tokens)).square().mean().backward()
+    values = dense.plugins["pkm"].values["shared"]
+    torch.optim.Adam([values], lr=1e-3).step()
+    sparse.plugins["pkm"].row_optimizer.step()
+    # From zero moments Adam moves only rows with a gradient, so dense and lazy agree on step one.
+    assert_close(sparse.plugins["pkm"].values["shared"], values.detach())
+
+
+def test_usage_and_kl_on_a_hand_made_pattern():
+    usage, kl = slot_stats(torch.tensor([2.0, 2.0, 0.0, 0.0]))
+    assert_close(usage, torch.tensor(0.5, dtype=torch.float64))
+    assert_close(kl, torch.tensor(math.log(2), dtype=torch.float64))  # log 4 + 2 * 0.5 log 0.5
+    usage, kl = slot_stats(torch.full((8,), 3.0))
+    assert float(usage) == 1.0 and abs(float(kl)) < 1e-12
+    usage, kl = slot_stats(torch.tensor([1.0, 3.0, 0.0]))
+    assert_close(
+        kl, torch.tensor(math.log(3) + 0.25 * math.log(0.25) + 0.75 * math.log(0.75), dtype=torch.float64)
+    )
+
+
+def test_validation_statistics_accumulate_valid_reads_per_layer():
+    plugin, layer = small_layer()
+    plugin.memories = {0: layer}
+    layer.eval()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    ctx = Context(tokens=torch.zeros(2, 5, dtype=torch.long), mask=mask, stage="val")
+    plugin.start_stats()
+    with torch.no_grad():
+        layer(x, ctx)
+        layer(x, ctx)
+    slots, weights = layer.lookup(x.view(10, 32), mask.view(10))
+    want = torch.zeros(64, dtype=torch.float64)
+    for t in range(10):
+        if mask.view(10)[t]:
+            want.index_add_(0, slots[t].reshape(-1), 2 * weights[t].reshape(-1))
+    assert_close(layer.slot_weight, want)
+    ((usage, kl),) = plugin.stop_stats().values()
+    assert_close(usage, (want > 0).double().mean())
+    assert_close(kl, slot_stats(want)[1])
+    with torch.no_grad():
+        layer(x, ctx)  # stopped: nothing more is added
+    assert_close(layer.slot_weight, want)
+
+
+def test_values_are_shared_and_registered_once():
+    mc = ModelConfig(vocab_size=50, d_model=32, n_layers=4, n_heads=2)
+    model = Transformer(mc, {"pkm": dict(layers=[1, 2], n_keys=8, topk=2, k_dim=8)})
+    names = [n for n, p in model.named_parameters() if p.shape == (64, 32)]
+    assert names == ["plugins.pkm.values.shared"]
+    assert model.blocks[1].ffn.table == model.blocks[2].ffn.table == "shared"
+    per_layer = Transformer(
+        mc, {"pkm": dict(layers=[1, 2], n_keys=8, topk=2, k_dim=8, shared_values=False, mode="add")}
+    )
+    assert sorted(per_layer.plugins["pkm"].values) == ["layer1", "layer2"]
+    assert len(per_layer.blocks[1].ffn_add) == 1 and type(per_layer.blocks[1].ffn).__name__ == "FeedForward"
+    default = Transformer(mc, {"pkm": {"n_keys": 8, "topk": 2, "k_dim": 8}})
+    assert type(default.blocks[2].ffn).__name__ == "PKMLayer"  # middle layer by default
+
+
+def test_param_group_reaches_the_optimizer_with_its_lr():
+    from rlm.lightning import LMModule
+
+    mc = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2)
+    spec = dict(layers=[1], n_keys=8, topk=2, k_dim=8, values_lr=1e-3)
+    module = LMModule(model=mc, plugins={"pkm": spec | {"sparse": "false"}})
+    conf = module.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    (group,) = [g for g in opt.param_groups if g["name"] == "pkm_values"]
+    values = module.model.plugins["pkm"].values["shared"]
+    assert group["params"] == [values] and group["lr"] == 1e-3 and group["weight_decay"] == 0.0
+    assert all(values is not p for g in opt.param_groups if g is not group for p in g["params"])
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    assert group["lr"] == 1e-3  # constant while the other groups warm up
+    # Sparse: the values are updated by the plugin's row optimizer and never reach AdamW.
+    module = LMModule(model=mc, plugins={"pkm": spec | {"sparse": "true"}})
+    opt = module.configure_optimizers()["optimizer"]
+    values = module.model.plugins["pkm"].values["shared"]
+    assert all(values is not p for g in opt.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"mode": "wrap"}, "'replace' or 'add'"),
+        ({"topk": 40, "n_keys": 32}, "at most"),
+        ({"k_dim": 7}, "even"),
+        ({"sparse": "maybe"}, "auto"),
+        ({"heads": 0}, "positive"),
+        ({"value_dropout": 1.0}, "[0, 1)"),
+    ],
+)
+def test_bad_config_is_a_clear_error(kw, words):
+    with pytest.raises(ValueError, match=None) as err:
+        PKMConfig(**kw)
+    assert words in str(err.value)
+
+
+def test_sparse_true_is_refused_under_distributed_training():
+    plugin, _ = small_layer(sparse=True)
+    assert plugin.config.sparse == "true"
+    with pytest.raises(ValueError, match="distributed"):
+        plugin.resolve_sparse(distributed=True)
+    plugin, _ = small_layer(sparse="auto")
+    assert plugin.resolve_sparse(distributed=True) is False and plugin.param_groups()
+
+
+def test_config_fragment_builds_the_default_model():
+    with open(CONFIGS / "plugins" / "pkm.yaml") as f:
+        spec = yaml.safe_load(f)["model"]["plugins"]["pkm"]
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(), {"pkm": spec})
+    assert type(model.blocks[2].ffn).__name__ == "PKMLayer"
+    assert model.plugins["pkm"].values["shared"].shape == (512 * 512, 256)
+
+
+def pkm_fragment(tmp_path, **kw) -> str:
+    """A small PKM fragment for the 2-layer tiny model."""
+    spec = dict(layers=[1], n_keys=16, heads=2, topk=4, k_dim=32) | kw
+    path = tmp_path / "pkm_tiny.yaml"
+    path.write_text(yaml.safe_dump({"model": {"plugins": {"pkm": spec}}}))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_fit_with_pkm_alone_and_stacked_logs_usage(tmp_path, rlm_cache):
+    alone, stacked = tmp_path / "alone", tmp_path / "stacked"
+    alone.mkdir(), stacked.mkdir()
+    run_rlm(fit_args(pkm_fragment(tmp_path)), alone, rlm_cache)
+    run_rlm(
+        fit_args(CONFIGS / "plugins" / "tokenid.yaml", pkm_fragment(tmp_path, mode="add")), stacked, rlm_cache
+    )
+    for run in (alone, stacked):
+        rows = read_metrics(run / RUN)
+        assert len(column(rows, "train/loss")) == 6
+        usage = column(rows, "val/pkm/layer1/usage")
+        assert usage and all(0 < u <= 1 for u in usage)
+        assert column(rows, "val/pkm/layer1/kl_uniform")
+    assert (alone / "runs/test/ckpt/last.ckpt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_two_cpu_processes_with_dense_values(tmp_path, rlm_cache):
+    args = fit_args(pkm_fragment(tmp_path))
+    args += [
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=4",
+    ]
+    proc = run_rlm(args, tmp_path, rlm_cache)
+    rows = read_metrics(tmp_path / RUN)
+    assert len(column(rows, "train/loss")) == 4
+    assert column(rows, "val/pkm/layer1/usage")
+    assert "distributed_backend=gloo" in proc.stdout + proc.stderr
