@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def test_split_is_deterministic_disjoint_and_complete():
 def test_store_round_trip(dm, corpus):
     store, tok = dm.store, dm.tokenizer
     names = sorted(corpus[1])
-    assert [n.rsplit("/", 1)[-1] for n in store.names] == names
+    assert store.names == names  # relative to the corpus directory
     assert store.tokens.dtype == np.uint16 and isinstance(store.tokens, np.memmap)
     assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3) and dm.vocab_size == 300
     for d, name in enumerate(names):
@@ -122,6 +123,9 @@ def test_segment_table_matches_documents(dm):
             expected[: seg.length[s]] = doc[k * SEG : (k + 1) * SEG]
             np.testing.assert_array_equal(seg.tokens(np.array([s]))[0], expected)
     assert ids == list(range(len(seg)))  # global ids, contiguous per document, in document order
+    np.testing.assert_array_equal(seg.start - store.doc_offsets[seg.doc], seg.offset)
+    train_ids = seg.ids_of_docs(store.train_docs)
+    assert train_ids.tolist() == [s for d in store.train_docs for s in seg.doc_segments(d)]
 
 
 def _expected_row(store, seg, doc, start):
@@ -199,6 +203,24 @@ def test_train_loader_shards_evenly_and_reshuffles(dm):
         TrainLoader(w, 4, rank=2, world_size=2)
     with pytest.raises(ValueError, match="fewer than batch_size=1000"):
         TrainLoader(w, 1000)
+
+
+def test_datamodule_shards_by_the_attached_trainer(dm, monkeypatch):
+    per_rank = []
+    for rank in range(3):
+        monkeypatch.setattr(dm, "trainer", SimpleNamespace(global_rank=rank, world_size=3))
+        loader = dm.train_dataloader()
+        assert (loader.rank, loader.world_size) == (rank, 3)
+        per_rank.append([k for b in _keys(loader) for k in b])
+    assert len({len(keys) for keys in per_rank}) == 1
+    assert not set(per_rank[0]) & set(per_rank[1]) and not set(per_rank[1]) & set(per_rank[2])
+
+
+def test_no_validation_documents(corpus, tmp_path):
+    module = _dm(corpus[0], tmp_path, val_fraction=0.0)
+    module.setup()
+    assert len(module.store.val_docs) == 0 and module.val_dataloader() == []
+    assert len(module.store.train_docs) == len(corpus[1])
 
 
 def test_train_loader_state_round_trip(dm):
@@ -303,7 +325,7 @@ def test_files_directories_globs_and_lists(tmp_path, corpus):
     (tmp_path / "sub" / "d.py").write_bytes(b"\xff\xfe not utf-8")
     with pytest.warns(UserWarning, match="skipped 1 unreadable"):
         docs = read_corpus(str(tmp_path), progress=False)
-    assert [d.text for d in docs] == ["alpha", "gamma"]
+    assert [(d.name, d.text) for d in docs] == [("a.md", "alpha"), ("sub/c.py", "gamma")]
     assert [d.text for d in read_corpus(str(tmp_path / "*.md"), progress=False)] == ["alpha"]
     both = read_corpus(
         [str(tmp_path / "a.md"), str(corpus[0] / "doc00*.txt")], max_documents=3, progress=False

@@ -61,11 +61,12 @@ def _expand_path(spec: str, extensions: Sequence[str]) -> list[Path]:
 
 
 def _read_files(
-    paths: list[Path], root: Path | None, limit: int | None, progress: bool
+    paths: list[Path], root: Path | None, limit: int | None, progress: bool, warn: bool = True
 ) -> Iterator[Document]:
     """Read UTF-8 files in order, skipping unreadable ones, stopping after `limit` non-empty documents.
 
-    Names are relative to `root` when given (the stdlib, so its fingerprint does not depend on where Python lives).
+    Names are relative to `root` when given (a directory, or the stdlib), so the corpus fingerprint does
+    not depend on where the directory lives or how its path was spelled.
     """
     skipped, kept = 0, 0
     for path in tqdm(paths, desc="reading corpus", unit="file", disable=not progress, leave=False):
@@ -79,7 +80,7 @@ def _read_files(
         if text:
             kept += 1
             yield Document(str(path.relative_to(root)) if root else str(path), text)
-    if skipped and root is None:  # the stdlib has a few non-UTF-8 files by design; users' files should not
+    if skipped and warn:
         warnings.warn(f"skipped {skipped} unreadable or non-UTF-8 file(s) in the corpus", stacklevel=3)
 
 
@@ -129,11 +130,14 @@ def read_corpus(
             break
         if spec == "stdlib":
             root = Path(sysconfig.get_paths()["stdlib"])
-            docs.extend(_read_files(stdlib_paths(), root, left, progress))
+            # the stdlib has a few deliberately non-UTF-8 files: skip them quietly
+            docs.extend(_read_files(stdlib_paths(), root, left, progress, warn=False))
         elif spec.startswith("hf:"):
             docs.extend(_load_hf(spec[3:], hf_split, hf_config, text_field, left))
         else:
-            docs.extend(_read_files(_expand_path(spec, extensions), None, left, progress))
+            is_dir = Path(spec).expanduser().is_dir() and not _GLOB_CHARS.intersection(spec)
+            root = Path(spec).expanduser() if is_dir else None
+            docs.extend(_read_files(_expand_path(spec, extensions), root, left, progress))
     if not docs:
         raise ValueError(f"corpus {corpus!r} has no non-empty documents; accepted: {ACCEPTED}")
     return docs

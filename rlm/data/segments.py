@@ -33,7 +33,9 @@ class SegmentTable:
         self.doc = np.repeat(np.arange(len(doc_len), dtype=np.int64), n_seg)
         """(S,) document of each segment."""
         k = np.arange(len(self.doc), dtype=np.int64) - self.first[self.doc]  # index of the segment in its doc
-        self.start = doc_offsets[self.doc] + k * segment_len
+        self.offset = k * segment_len
+        """(S,) offset of each segment's first token inside its document (orders a document's segments)."""
+        self.start = doc_offsets[self.doc] + self.offset
         """(S,) absolute offset of each segment's first token in the token array."""
         self.length = np.minimum(segment_len, doc_offsets[self.doc + 1] - self.start)
         """(S,) real tokens in each segment (segment_len except maybe a document's last)."""
@@ -60,6 +62,13 @@ class SegmentTable:
     def doc_segments(self, doc: int) -> range:
         """The ids of document `doc`'s segments, in order."""
         return range(int(self.first[doc]), int(self.first[doc + 1]))
+
+    def ids_of_docs(self, docs: np.ndarray) -> np.ndarray:
+        """Segment ids of the given documents (for example the training split), in order."""
+        docs = np.asarray(docs, dtype=np.int64)
+        counts = self.first[docs + 1] - self.first[docs]
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        return np.repeat(self.first[docs], counts) + within
 
     def tokens(self, ids: np.ndarray) -> np.ndarray:
         """(len(ids), segment_len) tokens of the given segments, padded with pad_id."""
