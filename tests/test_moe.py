@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
 from rlm.plugins.moe import MoEConfig, MoELayer, MoEPlugin, balance_loss, z_loss
 from torch.testing import assert_close
 
@@ -221,3 +222,44 @@ def test_bad_config_is_a_clear_error(kw, words):
 def test_layer_list_is_checked():
     with pytest.raises(ValueError, match="out of range"):
         MoEPlugin(MoEConfig(layers=[5]), model_config())
+
+
+# ---- the real `rlm fit` (tests/cli_helpers.py); the tiny model has 2 layers, so MoE goes to layer 1 only.
+
+MOE_TINY = "model:\n  plugins:\n    moe:\n      layers: [1]\n      num_experts: 4\n"
+
+
+@pytest.mark.slow
+def test_fit_with_moe_logs_losses_and_routing(tmp_path, rlm_cache):
+    (tmp_path / "moe_tiny.yaml").write_text(MOE_TINY)
+    run_rlm(fit_args(CONFIGS / "plugins" / "moe.yaml", tmp_path / "moe_tiny.yaml"), tmp_path, rlm_cache)
+    rows = read_metrics(tmp_path / "runs/test/version_0")
+    for name in (
+        "train/loss",
+        "train/aux/moe_balance",
+        "train/aux/moe_z",
+        "train/moe_load_max/l1",
+        "train/moe_dropped/l1",
+        "train/moe_load/l1_e3",
+        "val/loss",
+        "val/aux/moe_balance",
+    ):
+        assert column(rows, name), f"{name} was not logged"
+    assert all(0.0 <= v <= 1.0 for v in column(rows, "train/moe_dropped/l1"))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_two_cpu_processes_with_moe(tmp_path, rlm_cache):
+    (tmp_path / "moe_tiny.yaml").write_text(MOE_TINY)
+    args = fit_args(CONFIGS / "plugins" / "moe.yaml", tmp_path / "moe_tiny.yaml") + [
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=4",
+    ]
+    proc = run_rlm(args, tmp_path, rlm_cache)
+    rows = read_metrics(tmp_path / "runs/test/version_0")
+    assert len(column(rows, "train/loss")) == 4
+    assert column(rows, "train/aux/moe_balance") and column(rows, "val/loss")
+    assert "distributed_backend=gloo" in proc.stdout + proc.stderr

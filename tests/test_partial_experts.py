@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
 from rlm.plugins.partial_experts import PartialExpertsConfig, PartialExpertsLayer, PartialExpertsPlugin
 from torch.testing import assert_close
 
@@ -107,3 +108,14 @@ def test_bad_config():
         PartialExpertsConfig(buckets=0)
     with pytest.raises(ValueError, match="not a power"):
         PartialExpertsLayer(PartialExpertsConfig(lookup="lsh", buckets=10), model_config())
+
+
+@pytest.mark.slow
+def test_fit_with_partial_experts(tmp_path, rlm_cache):
+    run_rlm(
+        fit_args(CONFIGS / "plugins" / "partial_experts.yaml") + ["--trainer.max_steps=3"],
+        tmp_path,
+        rlm_cache,
+    )
+    rows = read_metrics(tmp_path / "runs/test/version_0")
+    assert len(column(rows, "train/loss")) == 3 and column(rows, "val/loss")

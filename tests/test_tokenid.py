@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
 from rlm.plugins.tokenid import TokenIDConfig, TokenIDPlugin
 from torch.testing import assert_close
 
@@ -59,3 +60,24 @@ def test_starts_from_the_base_model():
 def test_bad_config():
     with pytest.raises(ValueError, match="rank"):
         TokenIDConfig(rank=-2)
+
+
+@pytest.mark.slow
+def test_fit_with_tokenid_partial_experts_and_moe_stacked(tmp_path, rlm_cache):
+    """Three routed plugins at once, fragments listed in an order unlike their build order."""
+    (tmp_path / "moe_tiny.yaml").write_text(
+        "model:\n  plugins:\n    moe:\n      layers: [1]\n      num_experts: 4\n"
+    )
+    plugins = CONFIGS / "plugins"
+    args = fit_args(
+        plugins / "tokenid.yaml",
+        plugins / "partial_experts.yaml",
+        plugins / "moe.yaml",
+        tmp_path / "moe_tiny.yaml",
+    )
+    run_rlm(args + ["--trainer.max_steps=3"], tmp_path, rlm_cache)
+    rows = read_metrics(tmp_path / "runs/test/version_0")
+    assert len(column(rows, "train/loss")) == 3
+    assert column(rows, "train/aux/moe_balance") and column(rows, "val/loss")
+    state = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
+    assert set(state["hyper_parameters"]["plugins"]) == {"tokenid", "partial_experts", "moe"}
