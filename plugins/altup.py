@@ -173,24 +173,32 @@ class AltUpStack(nn.Module):
             return x.unsqueeze(0).expand(self.k, *x.shape)  # Recycled-AltUp: replicate
         return torch.cat((x.unsqueeze(0), self.extra(ctx.tokens).to(x.dtype)), dim=0)
 
-    def predict(self, xs: Tensor, layer: int) -> Tensor:
-        """x_hat^i = sum_j p_ij x^j for the (K, B, T, d) blocks; with a router p is per token."""
+    def predict(self, xs: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """The selected predicted block x_hat^{j*} = sum_j p_{j*j} x^j (B, T, d), and p: (K, K), or with a
+        router (B, T, K, K). Only row j* is computed here; the other rows are folded into ``correct``."""
+        j = self.selected[layer]
         p = self.p[layer].to(xs.dtype)  # (K, K)
         if self.p_router is None:
-            return torch.einsum("ij,jbtd->ibtd", p, xs)
-        j = self.selected[layer]
-        dp = self.p_router(xs[j], layer).unflatten(-1, (self.k, self.k))  # (B, T, K, K)
-        return torch.einsum("btij,jbtd->ibtd", p + dp.to(xs.dtype), xs)
+            return (p[j] @ xs.reshape(self.k, -1)).view(xs.shape[1:]), p
+        p = p + self.p_router(xs[j], layer).unflatten(-1, (self.k, self.k)).to(xs.dtype)  # (B, T, K, K)
+        return torch.einsum("btj,jbtd->btd", p[..., j, :], xs), p
 
-    def correct(self, x_hat: Tensor, x_tilde: Tensor, layer: int) -> Tensor:
-        """x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*}), one broadcast over the K blocks."""
-        delta = x_tilde - x_hat[self.selected[layer]]  # (B, T, d)
-        g = self.g[layer].to(x_hat.dtype).view(self.k, 1, 1, 1)  # (K, 1, 1, 1)
-        if self.g_router is not None:
-            g = g + self.g_router(x_tilde, layer).permute(2, 0, 1).unsqueeze(-1).to(
-                x_hat.dtype
-            )  # (K, B, T, 1)
-        return torch.addcmul(x_hat, g, delta.unsqueeze(0))
+    def correct(self, xs: Tensor, p: Tensor, x_tilde: Tensor, layer: int) -> Tensor:
+        """All K corrected blocks (K, B, T, d) from the old blocks xs, p from ``predict`` and x_tilde.
+
+        Predict and correct fused: x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})
+                                           = sum_k (p_ik - g_i p_{j*k}) x^k + g_i x_tilde,
+        one (K, K) @ (K, B*T*d) matmul plus a rank-1 update, whose backward is again matmuls (no
+        (K, B, T, d) temporaries from slicing x_hat). With K=1, p=1, g=1 it returns x_tilde exactly.
+        """
+        j = self.selected[layer]
+        g = self.g[layer].to(xs.dtype)  # (K,)
+        if self.g_router is None:
+            m = p - torch.outer(g, p[j])  # (K, K)
+            return (m @ xs.reshape(self.k, -1)).addr_(g, x_tilde.reshape(-1)).view(xs.shape)
+        g = g + self.g_router(x_tilde, layer).to(xs.dtype)  # (B, T, K)
+        m = p - g[..., :, None] * p[..., j, None, :]  # (B, T, K, K)
+        return torch.einsum("btik,kbtd->ibtd", m, xs) + g.permute(2, 0, 1)[..., None] * x_tilde
 
     def reduce(self, xs: Tensor) -> Tensor:
         """The K blocks (K, B, T, d) as one width-d representation (B, T, d)."""
@@ -201,12 +209,19 @@ class AltUpStack(nn.Module):
         return torch.einsum("kbtd,kde->bte", xs, self.out_proj.to(xs.dtype))
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        xs = self.widen(x, ctx)  # (K, B, T, d)
+        # Predict and correct run outside autocast: under bf16 autocast their matmuls would round the K-block
+        # residual stream to bf16 at every layer, which the plain stack's fp32 residual adds never do.
+        exact = torch.autocast(x.device.type, enabled=False)
+        with exact:
+            xs = self.widen(x, ctx)  # (K, B, T, d)
         for layer, block in enumerate(self.blocks):
-            x_hat = self.predict(xs, layer)  # (K, B, T, d)
-            x_tilde = block(x_hat[self.selected[layer]], ctx)  # (B, T, d), the only width-d layer call
-            xs = self.correct(x_hat, x_tilde, layer)
-        return self.reduce(xs)
+            with exact:
+                x_sel, p = self.predict(xs, layer)  # (B, T, d)
+            x_tilde = block(x_sel, ctx)  # (B, T, d), the only width-d layer call
+            with exact:
+                xs = self.correct(xs, p, x_tilde, layer)
+        with exact:
+            return self.reduce(xs)
 
 
 class SumEmbedding(nn.Module):
