@@ -107,11 +107,13 @@ class SoftmaxRouter(nn.Module):
             raise ValueError(f"top_k={self.k} exceeds the number of entries {n}")
 
     def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:
-        x = x.float()  # (S, d): the router stays in float32 (Fedus 2021, Sec. 2.4)
-        if training and self.jitter > 0:
-            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-        logits = F.linear(x, self.weight.float())  # (S, N)
-        probs = logits.softmax(dim=-1)
+        # The router stays in float32, autocast or not (Fedus 2021, Sec. 2.4: 'selective precision').
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.float()  # (S, d)
+            if training and self.jitter > 0:
+                x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            logits = F.linear(x, self.weight.float())  # (S, N)
+            probs = logits.softmax(dim=-1)
         weight, index = probs.topk(self.k, dim=-1)  # (S, k)
         if self.renormalize:
             weight = weight / weight.sum(dim=-1, keepdim=True)

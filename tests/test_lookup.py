@@ -33,6 +33,9 @@ def test_router_runs_in_float32_under_bfloat16_inputs():
     router = SoftmaxRouter(D, 4, LookupOptions())
     r = router(torch.randn(5, D, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.long), training=True)
     assert r.logits.dtype == torch.float32 and r.weight.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = router(torch.randn(5, D), torch.zeros(5, dtype=torch.long), training=True)
+    assert r.logits.dtype == torch.float32
 
 
 def test_hash_table_is_fixed_and_balanced():

@@ -263,3 +263,13 @@ def test_ddp_two_cpu_processes_with_moe(tmp_path, rlm_cache):
     assert len(column(rows, "train/loss")) == 4
     assert column(rows, "train/aux/moe_balance") and column(rows, "val/loss")
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_moe_on_gpu_matches_cpu():
+    layer = MoELayer(MoEConfig(layers=[0], num_experts=4, top_k=2, capacity_factor=1.0), model_config(), 0)
+    x, tokens = torch.randn(2, 16, D), torch.randint(0, V, (2, 16))
+    ref = layer(x, Context(tokens=tokens, stage="val"))
+    gpu = layer.cuda()(x.cuda(), Context(tokens=tokens.cuda(), stage="val"))
+    assert_close(gpu.cpu(), ref, atol=1e-4, rtol=1e-3)
