@@ -17,10 +17,14 @@ from rlm.config_merge import merge_configs, split_config_args, write_merged
 
 
 class RLMCLI(LightningCLI):
-    """LightningCLI with the data module's vocabulary linked into the model config."""
+    """LightningCLI with the data module's vocabulary copied into the model config."""
 
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data.vocab_size", "model.model.vocab_size")
+    def before_instantiate_classes(self) -> None:
+        # Not parser.link_arguments: jsonargparse 4.53 then rejects every field of the optional ModelConfig
+        # ("does not accept option 'model.model.d_model'"), so the copy is made after parsing instead.
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if cfg.get("model.model") is not None:
+            cfg.model.model.vocab_size = cfg.data.vocab_size
 
 
 def run_lightning(command: str, args: list[str]) -> int:
