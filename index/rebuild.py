@@ -1,0 +1,431 @@
+"""The index rebuild callback: re-embed every training segment with the current embedder, rebuild the
+index and the neighbour table on a schedule (MARGE-style retrieval, Komatsuzaki 2020 section 5.4:
+the embeddings go stale as the embedder trains, so the index is rebuilt every I steps).
+
+Modes: 'blocking' (training waits) and 'background' (a frozen snapshot of the embedder embeds and
+indexes in a thread while training continues on the old table; the new one is swapped in at a step
+boundary with one reference assignment). Under DDP each rank embeds its contiguous share of the segments,
+the shares are all-gathered, rank 0 builds and writes the index directory and every rank loads that
+same directory, so all ranks train on the same table. The state (last rebuild step, embedder identity,
+index path) is checkpointed; on resume the index is reused only if it is the one the checkpoint names.
+
+This module knows no plugin: it talks to a ``MemoryOwner`` (snapshot an embedder, take a new memory).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from rlm.index.build import IndexConfig, build_index
+from rlm.index.protocol import Embedder, embed_all
+from rlm.index.search import SegmentTable as IndexSegments
+from rlm.index.search import neighbour_table, search_neighbours
+from rlm.index.store import (
+    IndexMismatchError,
+    IndexNotFoundError,
+    _save_npy,
+    atomic_dir,
+    load_index_dir,
+    write_dir_contents,
+)
+
+NEIGHBOURS, ROWS = "neighbours.npy", "rows.npy"
+
+
+# ----- the schedule -----
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When to rebuild: piecewise intervals [(start, stop, every)], 'every N' is [(0, inf, N)], 'never' is []."""
+
+    pieces: tuple[tuple[int, float, int], ...]
+
+    GRAMMAR = "'never', 'every N', or piecewise 'A-B:N,B-C:M' (every N steps while A <= step < B, ...)"
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        """Parse the schedule grammar; a ValueError names the bad text and the grammar."""
+        if not isinstance(text, str):
+            raise ValueError(f"rebuild schedule must be a string: {cls.GRAMMAR}; got {text!r}")
+        s = text.strip().lower()
+        if s == "never":
+            return cls(())
+        try:
+            if s.startswith("every"):
+                every = int(s[len("every") :].strip())
+                if every <= 0:
+                    raise ValueError
+                return cls(((0, float("inf"), every),))
+            pieces = []
+            for part in s.split(","):
+                span, every = part.split(":")
+                lo, hi = span.split("-")
+                lo, hi, every = int(lo), int(hi), int(every)
+                if lo < 0 or hi <= lo or every <= 0:
+                    raise ValueError
+                pieces.append((lo, hi, every))
+        except ValueError:
+            raise ValueError(f"bad rebuild schedule {text!r}; accepted: {cls.GRAMMAR}") from None
+        pieces.sort()
+        for (_, hi, _), (lo, _, _) in zip(pieces, pieces[1:]):
+            if lo < hi:
+                raise ValueError(f"bad rebuild schedule {text!r}: ranges overlap; accepted: {cls.GRAMMAR}")
+        return cls(tuple(pieces))
+
+    def interval(self, step: int) -> int | None:
+        """The rebuild interval in force at `step`, None where no range covers it."""
+        return next((every for lo, hi, every in self.pieces if lo <= step < hi), None)
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether to rebuild at `step` when the last rebuild was at `last` (robust to resuming anywhere)."""
+        every = self.interval(step)
+        return every is not None and step - last >= every
+
+
+# ----- what the plugin reads -----
+
+
+@dataclass
+class RetrievalMemory:
+    """An index over the training segments and their precomputed neighbour table."""
+
+    segments: Any
+    """The data's segment table (rlm.data.SegmentTable: tokens(ids), doc, start, length, segment_len, pad_id)."""
+    rows: np.ndarray
+    """(R,) global segment id of each index row."""
+    index: Any
+    """Searchable index over the R rows (search(x, k) -> (scores, row ids))."""
+    index_segments: IndexSegments
+    """(document, offset) of each row, for the causal filter."""
+    neighbours: np.ndarray
+    """(S, k) global neighbour ids of every global segment id (-1: none, or not a training segment)."""
+    identity: dict[str, Any]
+    """The embedder identity that produced the vectors."""
+    step: int
+    """Training step of the rebuild."""
+    path: Path | None = None
+    """The index directory it was written to or loaded from."""
+    row_of: np.ndarray = field(init=False)
+    """(S,) index row of each global segment id, -1 when it is not indexed."""
+
+    def __post_init__(self) -> None:
+        self.row_of = np.full(len(self.segments), -1, dtype=np.int64)
+        self.row_of[self.rows] = np.arange(len(self.rows))
+
+    def search(self, queries: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
+        """(Q, k) global neighbour ids of query vectors; query_ids are global ids (-1: outside), filtered causally."""
+        rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
+        found = search_neighbours(self.index, queries, k, rows, self.index_segments).ids
+        return np.where(found >= 0, self.rows[np.maximum(found, 0)], -1)
+
+
+@runtime_checkable
+class MemoryOwner(Protocol):
+    """What the callback needs from the retriever (implemented by the retrieval plugin)."""
+
+    prepare_seconds: float
+    """Time the owner spent on retrieval in the last step (for the retrieval-time fraction)."""
+
+    def snapshot(self, step: int) -> Embedder:
+        """A frozen copy of the embedder, safe to run in another thread."""
+        ...
+
+    def use_memory(self, memory: RetrievalMemory | None) -> None:
+        """Take a new memory (an atomic swap)."""
+        ...
+
+
+# ----- building, writing, loading -----
+
+
+def indexed_rows(segments: Any, docs: np.ndarray) -> np.ndarray:
+    """Global ids of every segment of `docs` (the training documents), in order."""
+    return np.flatnonzero(np.isin(segments.doc, np.asarray(docs)))
+
+
+def embed_rows(
+    embedder: Embedder,
+    segments: Any,
+    rows: np.ndarray,
+    batch_size: int,
+    rank: int,
+    world: int,
+    progress: bool,
+) -> np.ndarray:
+    """This rank's shard (rlm.index.protocol.shard_range) of the rows' embeddings, float32."""
+    L = segments.segment_len
+
+    def tokens_of(i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = rows[i]
+        mask = np.arange(L) < segments.length[ids][:, None]  # (b, L)
+        return torch.from_numpy(segments.tokens(ids)), torch.from_numpy(mask)
+
+    return embed_all(embedder, tokens_of, len(rows), batch_size, rank, world, progress and rank == 0)
+
+
+def build_memory(
+    vectors: np.ndarray,
+    segments: Any,
+    rows: np.ndarray,
+    k: int,
+    identity: dict[str, Any],
+    step: int,
+    index_config: IndexConfig,
+    path: Path | None,
+) -> RetrievalMemory:
+    """Index the rows' vectors, find every row's k causal neighbours, and write it all to `path` (atomically)."""
+    built = build_index(vectors, index_config)
+    index_segments = IndexSegments(segments.doc[rows], segments.start[rows])
+    found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
+    neighbours = np.full((len(segments), k), -1, dtype=np.int64)
+    neighbours[rows] = np.where(found >= 0, rows[np.maximum(found, 0)], -1)
+    if path is not None:
+        with atomic_dir(path) as tmp:
+            _save_npy(tmp / NEIGHBOURS, neighbours)
+            _save_npy(tmp / ROWS, rows)
+            write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, {"k": k})
+    return RetrievalMemory(segments, rows, built, index_segments, neighbours, identity, step, path)
+
+
+def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> RetrievalMemory:
+    """Load a written memory, refusing one from another corpus, embedder or k (IndexMismatchError)."""
+    loaded = load_index_dir(path, expect_fingerprint=segments.fingerprint, expect_embedder=identity)
+    if loaded.meta.get("k") != k:
+        raise IndexMismatchError(f"index at {path} has k={loaded.meta.get('k')}, this run wants k={k}")
+    neighbours = np.load(path / NEIGHBOURS)
+    rows = np.load(path / ROWS)
+    return RetrievalMemory(
+        segments, rows, loaded.index, loaded.segments, neighbours, identity, int(identity["step"]), path
+    )
+
+
+# ----- the callback -----
+
+
+class RebuildCallback(pl.Callback):
+    """Rebuilds the retriever's index and neighbour table on a schedule (see the module docstring)."""
+
+    def __init__(
+        self,
+        owner: MemoryOwner,
+        k: int,
+        schedule: str = "every 1000",
+        mode: str = "blocking",
+        index_config: IndexConfig | None = None,
+        index_dir: str | None = None,
+        batch_size: int = 256,
+        progress: bool = True,
+        label: str = "retrieval",
+        keep: int = 2,
+    ) -> None:
+        if mode not in ("blocking", "background"):
+            raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
+        self.owner, self.k, self.mode, self.label = owner, k, mode, label
+        self.schedule = Schedule.parse(schedule)
+        self.index_config = index_config or IndexConfig(target_recall=None)
+        self.index_dir, self.batch_size, self.progress, self.keep = index_dir, batch_size, progress, keep
+        self.last_step = -1
+        """Step of the rebuild whose table is in use (-1: none yet)."""
+        self.identity: dict[str, Any] | None = None
+        """Identity of the embedder that produced the table in use."""
+        self.path: str | None = None
+        """Index directory of the table in use."""
+        self.history: list[tuple[int, str]] = []
+        """(step, 'built' | 'reused') of every table taken, in order (for logs and tests)."""
+        self.last_seconds = 0.0
+        """Duration of the last rebuild (in the background: the thread's time)."""
+        self._job: threading.Thread | None = None
+        self._job_result: dict[str, Any] = {}
+        self._step_start: float | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"RebuildCallback[{self.label}]"
+
+    # ----- checkpoint state -----
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self.last_step, "identity": self.identity, "index_dir": self.path, "k": self.k}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_step, self.identity, self.path = state["last_step"], state["identity"], state["index_dir"]
+        self._restored_k = state.get("k")
+
+    # ----- hooks -----
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._root = Path(self.index_dir or Path(trainer.default_root_dir) / "retrieval_index")
+        dm = trainer.datamodule
+        if dm is None:
+            raise ValueError(
+                "the retrieval rebuild callback needs a datamodule (trainer.fit(model, datamodule=...))"
+            )
+        self.segments, self.rows = dm.segments, indexed_rows(dm.segments, dm.store.train_docs)
+        self._writer = trainer.global_rank == 0
+        if self._try_reuse():
+            return
+        self._rebuild_blocking(trainer, trainer.global_step)  # the first table is built at fit start
+
+    def _try_reuse(self) -> bool:
+        """Load the index directory the checkpoint names, when it exists and matches; else False."""
+        if self.path is None or self.identity is None or getattr(self, "_restored_k", None) != self.k:
+            return False
+        try:
+            memory = load_memory(Path(self.path), self.segments, self.identity, self.k)
+        except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
+            return False
+        self._take(memory, "reused")
+        return True
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self._job is not None:
+            self._collect(trainer, wait=False)
+        if self._job is None and self.schedule.due(step, self.last_step):
+            if self.mode == "blocking":
+                self._rebuild_blocking(trainer, step)
+            else:
+                self._start_background(trainer, step)
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_start is None:
+            return
+        step_s = time.perf_counter() - self._step_start
+        p = self.label
+        pl_module.log(f"train/{p}/retrieval_fraction", float(self.owner.prepare_seconds) / max(step_s, 1e-9))
+        pl_module.log(f"train/{p}/steps_since_rebuild", float(trainer.global_step - self.last_step))
+        pl_module.log(f"train/{p}/rebuild_s", float(self.last_seconds))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._job is not None:  # finish (and keep) a rebuild still running, so nothing dangles
+            self._collect(trainer, wait=True)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._job is not None:
+            self._job.join()
+            self._job = None
+
+    # ----- rebuilding -----
+
+    def _path_for(self, step: int) -> Path:
+        return self._root / f"step-{step:09d}"
+
+    def _rebuild_blocking(self, trainer: pl.Trainer, step: int) -> None:
+        start = time.perf_counter()
+        embedder = self.owner.snapshot(step)
+        rank, world = trainer.global_rank, trainer.world_size
+        shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, self.progress)
+        memory = self._finish(trainer, shard, embedder.embedder_identity(), step)
+        self.last_seconds = time.perf_counter() - start
+        self._take(memory, "built")
+
+    def _finish(
+        self, trainer: pl.Trainer, shard: np.ndarray, identity: dict[str, Any], step: int
+    ) -> RetrievalMemory:
+        """Gather the shards, build on rank 0, and give every rank the memory rank 0 wrote."""
+        path = self._path_for(step)
+        if trainer.world_size == 1:
+            return build_memory(
+                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path
+            )
+        vectors = gather_shards(trainer, shard, len(self.rows))
+        if trainer.global_rank == 0:
+            build_memory(vectors, self.segments, self.rows, self.k, identity, step, self.index_config, path)
+        trainer.strategy.barrier("retrieval-rebuild")
+        return load_memory(path, self.segments, identity, self.k)
+
+    def _start_background(self, trainer: pl.Trainer, step: int) -> None:
+        embedder = self.owner.snapshot(step)  # copied now, on the main thread, at a step boundary
+        rank, world = trainer.global_rank, trainer.world_size
+        result: dict[str, Any] = {"step": step, "start": time.perf_counter()}
+
+        def work() -> None:
+            try:
+                shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, False)
+                result["identity"] = embedder.embedder_identity()
+                if world == 1:  # no collective is needed: the whole rebuild runs here
+                    result["memory"] = build_memory(
+                        shard,
+                        self.segments,
+                        self.rows,
+                        self.k,
+                        result["identity"],
+                        step,
+                        self.index_config,
+                        self._path_for(step),
+                    )
+                else:
+                    result["shard"] = shard
+            except BaseException as err:  # reported on the main thread
+                result["error"] = err
+            result["end"] = time.perf_counter()
+
+        self._job_result = result
+        self._job = threading.Thread(target=work, name=f"{self.label}-rebuild", daemon=True)
+        self._job.start()
+
+    def _collect(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Swap in a finished background rebuild (all ranks agree it finished before any collective)."""
+        if wait:
+            self._job.join()
+        done = not self._job.is_alive()
+        if trainer.world_size > 1:
+            done = trainer.strategy.reduce_boolean_decision(done, all=True)
+        if not done:
+            return
+        self._job.join()
+        self._job, result = None, self._job_result
+        if "error" in result:
+            raise RuntimeError(f"background index rebuild of step {result['step']} failed") from result[
+                "error"
+            ]
+        memory = result.get("memory")
+        if memory is None:
+            memory = self._finish(trainer, result["shard"], result["identity"], result["step"])
+        self.last_seconds = result["end"] - result["start"]
+        self._take(memory, "built")
+
+    def _take(self, memory: RetrievalMemory, how: str) -> None:
+        self.owner.use_memory(memory)
+        self.last_step, self.identity = memory.step, memory.identity
+        self.path = str(memory.path) if memory.path is not None else None
+        self.history.append((memory.step, how))
+        self._prune(memory.path)
+
+    def _prune(self, current: Path | None) -> None:
+        """Delete all but the newest `keep` rebuild directories (the current one always stays)."""
+        if current is None or not self._writer or not self._root.exists():
+            return
+        old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p != current)
+        for p in old[: max(0, len(old) - (self.keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def gather_shards(trainer: pl.Trainer, shard: np.ndarray, total: int) -> np.ndarray:
+    """All ranks' contiguous shards, in rank order (all_gather through the strategy; shards padded to one size)."""
+    world, dev = trainer.world_size, trainer.strategy.root_device
+    dims = trainer.strategy.all_gather(
+        torch.tensor(shard.shape[1] if len(shard) else 0, device=dev)
+    )  # (world,)
+    counts = trainer.strategy.all_gather(torch.tensor(len(shard), device=dev))  # (world,)
+    padded = torch.zeros(-(-total // world) + 1, int(dims.max()), dtype=torch.float32, device=dev)
+    if len(shard):
+        padded[: len(shard)] = torch.from_numpy(shard).to(dev)
+    parts = trainer.strategy.all_gather(padded)  # (world, size, dim)
+    return torch.cat([parts[r, : int(counts[r])] for r in range(world)]).cpu().numpy()

@@ -1,0 +1,139 @@
+"""Segment embedders of the retriever: the LM's own lower layers ("shared", as MARGE shares its encoder,
+Lewis et al. 2020) or a small separate encoder. Both return per-token states (the cross-attention's keys
+and values) and the mean-pooled, L2-normalised embedding e(.) of a segment's first ``pool_len`` tokens.
+
+The blocks are causal, so the states of a segment's first L tokens do not depend on the continuation
+appended after it: e(z) computed on [z, z+1] equals e(z) computed on z alone (what the index holds).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlm.model.config import ModelConfig
+from rlm.model.layers import TokenEmbedding
+from rlm.model.transformer import Block
+from rlm.plugin import Context
+
+
+def masked_mean_unit(states: Tensor, mask: Tensor) -> Tensor:
+    """L2-normalised mean of states (N, L, D) over real tokens mask (N, L); rows with no real token give 0."""
+    w = mask.to(states.dtype).unsqueeze(-1)  # (N, L, 1)
+    mean = (states * w).sum(1) / w.sum(1).clamp(min=1.0)  # (N, D)
+    return F.normalize(mean.float(), dim=-1)
+
+
+class SegmentEncoder(nn.Module):
+    """Common interface: tokens (N, M), mask (N, M) -> (states (N, M, D), e (N, D) over the first pool_len)."""
+
+    dim: int
+
+    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        """Per-token states (N, M, D)."""
+        raise NotImplementedError
+
+    def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
+        states = self.run(tokens, mask)  # (N, M, D)
+        p = pool_len or tokens.shape[1]
+        return states, masked_mean_unit(states[:, :p], mask[:, :p])
+
+
+class SharedEncoder(SegmentEncoder):
+    """The LM's embedding slot and its first ``n_layers`` blocks; gradients flow into the LM's weights.
+
+    The LM's modules are held as unregistered references (they are registered once, in the model)."""
+
+    def __init__(self, model_config: ModelConfig, n_layers: int) -> None:
+        super().__init__()
+        self.dim, self.n_layers = model_config.d_model, n_layers
+        object.__setattr__(self, "_parts", None)
+
+    def bind(self, model: nn.Module) -> None:
+        """Point at the model's embedding and lower blocks (called from Plugin.attach)."""
+        object.__setattr__(self, "_parts", (model.embed, list(model.blocks[: self.n_layers])))
+
+    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        if self._parts is None:
+            raise RuntimeError(
+                "the shared retrieval encoder is not bound to a model yet (Plugin.attach not called)"
+            )
+        embed, blocks = self._parts
+        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
+        x = embed(tokens, ctx)  # (N, M, d)
+        for block in blocks:
+            x = block(x, ctx)
+        return x
+
+    def weights(self) -> list[Tensor]:
+        """The tensors that determine the embeddings (for the identity hash)."""
+        embed, blocks = self._parts
+        return [p for m in (embed, *blocks) for p in m.state_dict().values()]
+
+
+class SeparateEncoder(SegmentEncoder):
+    """A small encoder of its own: token table and ``n_layers`` width-``dim`` blocks, then an RMSNorm."""
+
+    def __init__(self, model_config: ModelConfig, n_layers: int, dim: int) -> None:
+        super().__init__()
+        heads = max(1, dim // 32)
+        cfg = replace(model_config, d_model=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=None, d_ff=None)
+        self.dim = dim
+        self.embed = TokenEmbedding(cfg)
+        nn.init.normal_(self.embed.table.weight, 0.0, cfg.init_std)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(n_layers))
+        self.norm = nn.RMSNorm(dim, eps=cfg.norm_eps)
+
+    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
+        x = self.embed(tokens, ctx)  # (N, M, dim)
+        for block in self.blocks:
+            x = block(x, ctx)
+        return self.norm(x)
+
+    def weights(self) -> list[Tensor]:
+        """The tensors that determine the embeddings (for the identity hash)."""
+        return list(self.state_dict().values())
+
+
+def weights_hash(tensors: list[Tensor]) -> str:
+    """sha256 of the tensors' bytes: two embedders with equal weights hash equally."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def config_hash(*configs: object) -> str:
+    """sha256 of dataclass configs as sorted JSON."""
+    payload = json.dumps([asdict(c) for c in configs], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class FrozenEmbedder:
+    """A snapshot of an encoder (a deep copy in eval mode) that embeds segments for an index rebuild.
+
+    Implements rlm.index's Embedder protocol; safe to run in a background thread while the live
+    encoder keeps training, since it shares no tensors with it."""
+
+    def __init__(self, encoder: SegmentEncoder, identity: dict) -> None:
+        self.encoder = copy.deepcopy(encoder).eval().requires_grad_(False)
+        self.identity = dict(identity)
+
+    @torch.no_grad()
+    def embed_segments(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        """(S, L) tokens and mask -> (S, D) float32 unit vectors."""
+        device = next(iter(self.encoder.parameters()), torch.empty(0)).device
+        if isinstance(self.encoder, SharedEncoder):
+            device = self.encoder._parts[0].main.weight.device
+        return self.encoder(tokens.to(device), mask.to(device))[1].float()
+
+    def embedder_identity(self) -> dict:
+        """Which embedder and weights produced the vectors."""
+        return dict(self.identity)
