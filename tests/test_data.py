@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
@@ -392,3 +393,31 @@ def test_seq_len_longer_than_every_document(corpus, dm, tmp_path):
     longest = int(dm.store.doc_lengths.max())
     with pytest.raises(ValueError, match=f"seq_len=4096 but the longest document has {longest} tokens"):
         _dm(corpus[0], dm.cache_dir, seq_len=4096).setup()
+
+
+@pytest.mark.slow
+def test_benchmark_script_smoke(corpus, tmp_path):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data.py"
+    spec = importlib.util.spec_from_file_location("benchmark_data", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = [
+        "--corpus",
+        str(corpus[0]),
+        "--vocab-size",
+        "300",
+        "--seq-len",
+        str(SEQ),
+        "--segment-len",
+        str(SEG),
+    ]
+    out = bench.main([*args, "--batch-sizes", "4", "--batches", "3", "--cache-dir", str(tmp_path)])
+    assert out.splitlines()[0].endswith("speed-up |") and len(out.splitlines()) == 3
+
+
+def test_damaged_cache_is_refused(corpus, tmp_path):
+    module = _dm(corpus[0], tmp_path)
+    module.setup()
+    np.save(module.cache_path() / "doc_offsets.npy", np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match="token cache .* is inconsistent .*: delete it to rebuild"):
+        _dm(corpus[0], tmp_path).setup()

@@ -33,13 +33,10 @@ class Document:
 
 def stdlib_paths() -> list[Path]:
     """The running interpreter's standard-library .py files, sorted, without test suites or site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     paths = []
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root).parts
-        if _STDLIB_SKIP_DIRS.intersection(parts[:-1]) or parts[-1].startswith("test_"):
-            continue
-        paths.append(path)
+    for dirpath, dirnames, filenames in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]  # prune: site-packages is huge
+        paths += [Path(dirpath, f) for f in filenames if f.endswith(".py") and not f.startswith("test_")]
     return sorted(paths)
 
 

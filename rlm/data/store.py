@@ -139,6 +139,23 @@ class TokenStore:
         meta = json.loads((self.root / "meta.json").read_text())
         self.names: list[str] = meta["names"]
         """Document names, by id."""
+        self._verify(meta)
+
+    def _verify(self, meta: dict) -> None:
+        """Refuse an entry whose arrays disagree (a damaged or foreign cache), naming what to delete."""
+        n = len(self.names)
+        problems = [
+            meta.get("format") != FORMAT_VERSION and f"format {meta.get('format')} != {FORMAT_VERSION}",
+            len(self.doc_offsets) != n + 1 and f"{len(self.doc_offsets)} offsets for {n} documents",
+            self.doc_offsets[-1] != len(self.tokens)
+            and f"offsets end at {self.doc_offsets[-1]}, not {len(self.tokens)}",
+            len(self.train_docs) + len(self.val_docs) != n and "the split does not cover every document",
+        ]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError(
+                f"token cache {self.root} is inconsistent ({'; '.join(problems)}): delete it to rebuild"
+            )
 
     def __getstate__(self) -> dict[str, str]:
         return {"root": str(self.root)}
