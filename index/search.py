@@ -1,0 +1,138 @@
+"""Batched, filtered search of a whole table of queries: the neighbour tables of DESIGN.md 'Retrieval'.
+
+Filters follow MARGE for causal LMs (Komatsuzaki 2020): the neighbours of segment S_t condition the
+prediction of S_{t+1}, so a query segment must never retrieve itself, its target S_{t+1}, or any later
+segment of its own document; its earlier segments S_0..S_{t-1} and every other document are allowed.
+Filtering is over-fetch-and-filter with a refill loop: rows left with fewer than k allowed results are
+searched again with twice the fetch size, until they are full or the index has nothing more to give, so
+the result equals filtering the index's full ranking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from rlm.index.build import as_unit_float32
+from tqdm.auto import tqdm
+
+
+@dataclass
+class SegmentTable:
+    """Where each indexed segment comes from: segment id s is (doc[s], offset[s])."""
+
+    doc: np.ndarray
+    """Document id of each segment, (S,) int64."""
+    offset: np.ndarray
+    """Token offset of each segment inside its document, (S,) int64 (orders segments within a document)."""
+
+    def __post_init__(self) -> None:
+        self.doc = np.asarray(self.doc, dtype=np.int64)
+        self.offset = np.asarray(self.offset, dtype=np.int64)
+        if self.doc.ndim != 1 or self.doc.shape != self.offset.shape:
+            raise ValueError(
+                f"doc and offset must be 1-D of one length, got {self.doc.shape} and {self.offset.shape}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.doc)
+
+
+@dataclass
+class Neighbours:
+    """A neighbour table: row q holds query q's top-k allowed results, best first."""
+
+    ids: np.ndarray
+    """Segment ids, (Q, k) int64; -1 where fewer than k results were allowed."""
+    scores: np.ndarray
+    """Cosine similarities, (Q, k) float32; -inf where ids is -1."""
+
+
+def allowed(
+    cand: np.ndarray,
+    query_ids: np.ndarray,
+    segments: SegmentTable | None,
+    exclude_self: bool,
+    causal: bool,
+) -> np.ndarray:
+    """(Q, F) bool: which candidate ids (Q, F) query rows may keep; query id -1 means an outside query."""
+    keep = cand >= 0
+    inside = (query_ids >= 0)[:, None]  # (Q, 1): outside queries are never filtered
+    if exclude_self:
+        keep &= ~(inside & (cand == query_ids[:, None]))
+    if causal:
+        if segments is None:
+            raise ValueError("causal filtering needs the segment table (document and offset of each segment)")
+        safe_c, safe_q = np.where(keep, cand, 0), np.maximum(query_ids, 0)
+        same_doc = segments.doc[safe_c] == segments.doc[safe_q][:, None]  # (Q, F)
+        # S_{t+1} and later are the target and its future; S_t itself is excluded only by exclude_self
+        later = segments.offset[safe_c] > segments.offset[safe_q][:, None]
+        keep &= ~(inside & same_doc & later)
+    return keep
+
+
+def _compact(ids: np.ndarray, scores: np.ndarray, keep: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's first k kept (ids, scores), order preserved, padded with (-1, -inf)."""
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]  # kept columns first, in rank order
+    out_ids = np.take_along_axis(ids, order, 1)
+    out_scores = np.take_along_axis(scores, order, 1).astype(np.float32)
+    dropped = ~np.take_along_axis(keep, order, 1)
+    out_ids[dropped], out_scores[dropped] = -1, -np.inf
+    if out_ids.shape[1] < k:
+        pad = k - out_ids.shape[1]
+        out_ids = np.pad(out_ids, ((0, 0), (0, pad)), constant_values=-1)
+        out_scores = np.pad(out_scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return out_ids, out_scores
+
+
+def search_neighbours(
+    index,
+    queries: np.ndarray,
+    k: int,
+    query_ids: np.ndarray | None = None,
+    segments: SegmentTable | None = None,
+    exclude_self: bool = True,
+    causal: bool = True,
+    batch_size: int = 4096,
+    fetch: int | None = None,
+    progress: bool = False,
+) -> Neighbours:
+    """Top-k neighbours of every query, filtered (see the module docstring).
+
+    index: anything with search(x, k) -> (scores, ids) and ntotal (faiss index, BuiltIndex, TorchExactIndex).
+    queries: (Q, d) vectors; query_ids: (Q,) segment id of each query (-1: not a segment, no filter);
+    None means query q is segment q (a neighbour table of the whole index).
+    fetch: first fetch size per query (default 2k + 8, enough for most rows; the rest are refilled).
+    """
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    q = as_unit_float32(queries, "queries")
+    query_ids = (
+        np.arange(len(q), dtype=np.int64) if query_ids is None else np.asarray(query_ids, dtype=np.int64)
+    )
+    if query_ids.shape != (len(q),):
+        raise ValueError(f"query_ids must have shape ({len(q)},), got {query_ids.shape}")
+    if segments is not None and len(segments) < index.ntotal:
+        raise ValueError(f"segment table has {len(segments)} rows but the index holds {index.ntotal} vectors")
+    filtering = exclude_self or causal
+    ids = np.full((len(q), k), -1, dtype=np.int64)
+    scores = np.full((len(q), k), -np.inf, dtype=np.float32)
+    first = fetch or (2 * k + 8 if filtering else k)
+    for lo in tqdm(range(0, len(q), batch_size), desc="neighbours", disable=not progress, unit="batch"):
+        rows = np.arange(lo, min(lo + batch_size, len(q)))
+        size = min(first, index.ntotal)
+        while len(rows):
+            s, i = index.search(q[rows], size)  # (R, size)
+            keep = allowed(i, query_ids[rows], segments, exclude_self, causal) if filtering else i >= 0
+            ids[rows], scores[rows] = _compact(i, s, keep, k)
+            # refill rows short of k whose search came back full (the index may hold more allowed ones)
+            short = (keep.sum(1) < k) & (i[:, -1] >= 0) & (size < index.ntotal)
+            rows, size = rows[short], min(2 * size, index.ntotal)
+    return Neighbours(ids, scores)
+
+
+def neighbour_table(
+    index, vectors: np.ndarray, k: int, segments: SegmentTable | None, causal: bool = True, **kwargs
+) -> Neighbours:
+    """Every indexed segment's top-k allowed neighbours (query s is segment s, never its own neighbour)."""
+    return search_neighbours(index, vectors, k, None, segments, exclude_self=True, causal=causal, **kwargs)

@@ -1,0 +1,278 @@
+"""Index directories on disk: the faiss file, the embeddings' metadata and the segment map.
+
+Layout of DIR:
+    meta.json           count, dim, metric, factory, search params, corpus fingerprint, embedder identity,
+                        and the byte size of every other file (checked on load); written last
+    index.faiss         the faiss index (absent for the exact 'torch' index)
+    index.ivfdata       inverted lists of an index merged on disk from shards (see shards.py)
+    vectors.npy         the L2-normalised vectors (optional for faiss indices; needed by 'eval')
+    segment_doc.npy     (S,) document id of each segment id
+    segment_offset.npy  (S,) token offset of each segment in its document
+
+A directory is written under a temporary sibling name and renamed into place, so a crash mid-write never
+leaves a directory at DIR that loads (faiss contrib/ checkpoints follow the same write-then-rename rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+from rlm.index.build import (
+    TORCH,
+    BuiltIndex,
+    IndexConfig,
+    TorchExactIndex,
+    as_unit_float32,
+    build_index,
+    gpu_available,
+    set_search_params,
+    to_gpu,
+)
+from rlm.index.search import Neighbours, SegmentTable, search_neighbours
+
+FORMAT_VERSION = 1
+META, INDEX, IVFDATA, VECTORS = "meta.json", "index.faiss", "index.ivfdata", "vectors.npy"
+SEG_DOC, SEG_OFFSET = "segment_doc.npy", "segment_offset.npy"
+EMBEDDER_KEYS = ("name", "config_hash", "weights_hash", "step")
+MMAP_ABOVE = 2**30
+"""Indices larger than this (bytes) are memory-mapped on load unless told otherwise."""
+
+
+class IndexMismatchError(ValueError):
+    """The index directory was built from another corpus or by another embedder than expected."""
+
+
+class IndexNotFoundError(FileNotFoundError):
+    """No complete index directory at the path (missing, interrupted write, or damaged)."""
+
+
+@dataclass
+class IndexDir:
+    """A loaded index directory."""
+
+    path: Path
+    """Where it was loaded from."""
+    meta: dict[str, Any]
+    """The parsed meta.json."""
+    index: Any
+    """faiss.Index or TorchExactIndex, search parameters already set."""
+    segments: SegmentTable
+    """The segment-id -> (document, offset) map."""
+    vectors: np.ndarray | None
+    """The indexed vectors (memory-mapped), when the directory stores them."""
+
+    def search(self, queries: np.ndarray, k: int, **filters: Any) -> Neighbours:
+        """Filtered top-k search of outside queries (query_ids=-1) or of segments (pass query_ids)."""
+        filters.setdefault("query_ids", np.full(len(queries), -1, dtype=np.int64))
+        return search_neighbours(self.index, queries, k, segments=self.segments, **filters)
+
+
+def corpus_fingerprint(*arrays: np.ndarray, chunk: int = 2**24) -> str:
+    """sha256 (hex, first 16 chars) of the arrays' dtypes, shapes and bytes, read chunk by chunk (mmap-friendly)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.asarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        flat = a.reshape(-1)
+        step = max(1, chunk // max(1, a.itemsize))
+        for lo in range(0, flat.size, step):
+            h.update(np.ascontiguousarray(flat[lo : lo + step]).tobytes())
+    return h.hexdigest()[:16]
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary sibling directory; on success it replaces `path`, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            # rename(2) cannot replace a non-empty directory: move the old one aside first
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:  # a file object, so numpy does not append '.npy' to the name
+        np.save(f, np.asarray(array))
+
+
+def write_dir_contents(
+    tmp: Path,
+    built: BuiltIndex | None,
+    segments: SegmentTable,
+    fingerprint: str,
+    embedder: dict[str, Any],
+    vectors: np.ndarray | None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write an index directory's files into `tmp` (meta.json last); the caller renames `tmp` into place."""
+    count = built.ntotal if built is not None else len(vectors)
+    if len(segments) != count:
+        raise ValueError(f"segment table has {len(segments)} rows for {count} vectors")
+    missing = [key for key in EMBEDDER_KEYS if key not in embedder]
+    if missing:
+        raise ValueError(f"embedder identity lacks {missing}; expected keys {list(EMBEDDER_KEYS)}")
+    if built is not None and built.factory != TORCH:
+        faiss.write_index(built.cpu_index(), str(tmp / INDEX))
+    elif vectors is None:
+        raise ValueError("the exact 'torch' index stores its vectors: pass them")
+    if vectors is not None:
+        _save_npy(tmp / VECTORS, vectors)
+    _save_npy(tmp / SEG_DOC, segments.doc)
+    _save_npy(tmp / SEG_OFFSET, segments.offset)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "count": int(count),
+        "dim": int(built.index.d if built is not None else vectors.shape[1]),
+        "metric": "inner_product",
+        "normalised": True,
+        "factory": built.factory if built is not None else TORCH,
+        "search_params": built.search_params if built is not None else {},
+        "tuned_recall": built.tuned_recall if built is not None else None,
+        "fingerprint": fingerprint,
+        "embedder": {key: embedder[key] for key in EMBEDDER_KEYS},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "faiss_version": faiss.__version__,
+        **(extra or {}),
+    }
+    meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+
+
+def save_index_dir(
+    path: str | os.PathLike,
+    built: BuiltIndex,
+    segments: SegmentTable,
+    fingerprint: str,
+    embedder: dict[str, Any],
+    vectors: np.ndarray | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Atomically write an index directory at `path` (replacing any previous one)."""
+    with atomic_dir(path) as tmp:
+        write_dir_contents(tmp, built, segments, fingerprint, embedder, vectors, extra)
+    return Path(path)
+
+
+def build_index_dir(
+    path: str | os.PathLike,
+    vectors: np.ndarray,
+    segments: SegmentTable,
+    fingerprint: str,
+    embedder: dict[str, Any],
+    config: IndexConfig | None = None,
+    store_vectors: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> IndexDir:
+    """Build an index over `vectors` (row i = segment id i) and write it as an index directory at `path`."""
+    config = config or IndexConfig()
+    built = build_index(vectors, config)
+    keep = built.index.vectors if built.factory == TORCH else None
+    if store_vectors and keep is None:
+        keep = as_unit_float32(vectors)
+    save_index_dir(path, built, segments, fingerprint, embedder, keep, extra)
+    return load_index_dir(path, gpu=config.gpu)
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The metadata of a complete index directory, after checking every listed file is there, full size."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except FileNotFoundError:
+        raise IndexNotFoundError(
+            f"no index at {path}: {META} is missing (not an index directory, or its write was interrupted)"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise IndexNotFoundError(f"damaged index at {path}: {META} is not valid JSON ({err})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise IndexNotFoundError(
+            f"index at {path} has format {meta.get('format_version')}, expected {FORMAT_VERSION}"
+        )
+    for name, size in meta["files"].items():
+        actual = (path / name).stat().st_size if (path / name).exists() else None
+        if actual != size:
+            raise IndexNotFoundError(
+                f"damaged index at {path}: {name} is {actual} bytes, meta.json says {size}"
+            )
+    return meta
+
+
+def check_identity(
+    meta: dict[str, Any], path: Path, expect_fingerprint: str | None, expect_embedder: dict[str, Any] | None
+) -> None:
+    """Raise IndexMismatchError when the index is from another corpus or embedder than expected."""
+    if expect_fingerprint is not None and meta["fingerprint"] != expect_fingerprint:
+        raise IndexMismatchError(
+            f"index at {path} was built from corpus {meta['fingerprint']!r}, but the current corpus is "
+            f"{expect_fingerprint!r}: rebuild it for this data (rlm index build)"
+        )
+    if expect_embedder:
+        diff = {
+            key: (meta["embedder"].get(key), value)
+            for key, value in expect_embedder.items()
+            if meta["embedder"].get(key) != value
+        }
+        if diff:
+            detail = ", ".join(
+                f"{key}: index has {have!r}, expected {want!r}" for key, (have, want) in diff.items()
+            )
+            raise IndexMismatchError(
+                f"index at {path} was built by another embedder ({detail}): its vectors are stale; rebuild it"
+            )
+
+
+def load_index_dir(
+    path: str | os.PathLike,
+    expect_fingerprint: str | None = None,
+    expect_embedder: dict[str, Any] | None = None,
+    mmap: bool | None = None,
+    gpu: bool | None = None,
+) -> IndexDir:
+    """Load and check an index directory.
+
+    expect_fingerprint / expect_embedder (a subset of {name, config_hash, weights_hash, step}) refuse an
+    index from another corpus or embedder with IndexMismatchError. mmap: memory-map the index (None: when
+    larger than MMAP_ABOVE); gpu: move it to the GPU (None: when faiss has one and it is not mapped).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    check_identity(meta, path, expect_fingerprint, expect_embedder)
+    vectors = np.load(path / VECTORS, mmap_mode="r") if (path / VECTORS).exists() else None
+    segments = SegmentTable(np.load(path / SEG_DOC, mmap_mode="r"), np.load(path / SEG_OFFSET, mmap_mode="r"))
+    if meta["factory"] == TORCH:
+        index = TorchExactIndex(vectors)
+    else:
+        on_disk = (path / IVFDATA).exists()
+        if mmap is None:
+            mmap = (path / INDEX).stat().st_size > MMAP_ABOVE
+        # ONDISK_SAME_DIR: the merged inverted lists are found next to the index file, wherever it was moved
+        flags = (faiss.IO_FLAG_MMAP if mmap else 0) | (faiss.IO_FLAG_ONDISK_SAME_DIR if on_disk else 0)
+        index = faiss.read_index(str(path / INDEX), flags)
+        if (gpu if gpu is not None else gpu_available() and not (mmap or on_disk)) and gpu_available():
+            index, _ = to_gpu(index)
+        set_search_params(index, meta["search_params"])
+    return IndexDir(path, meta, index, segments, vectors)
