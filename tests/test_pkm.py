@@ -352,7 +352,12 @@ def test_fit_with_pkm_alone_and_stacked_logs_usage(tmp_path, rlm_cache):
         usage = column(rows, "val/pkm/layer1/usage")
         assert usage and all(0 < u <= 1 for u in usage)
         assert column(rows, "val/pkm/layer1/kl_uniform")
-    assert (alone / "runs/test/ckpt/last.ckpt").exists()
+    # One process: values updated by the row-wise Adam, whose moments are checkpointed by the callback.
+    ckpt = torch.load(alone / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
+    state = ckpt["callbacks"]["PKMCallback[pkm]"]["state"]["shared"]
+    assert float(state["step"]) == 6 and state["exp_avg"].abs().sum() > 0
+    groups = [g.get("name") for opt in ckpt["optimizer_states"] for g in opt["param_groups"]]
+    assert "pkm_values" not in groups
 
 
 @pytest.mark.slow
@@ -370,3 +375,10 @@ def test_ddp_two_cpu_processes_with_dense_values(tmp_path, rlm_cache):
     assert len(column(rows, "train/loss")) == 4
     assert column(rows, "val/pkm/layer1/usage")
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
+    # Distributed: dense value gradients reduced by DDP, values in their own AdamW group, no row-wise state.
+    ckpt = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
+    assert not ckpt["callbacks"]["PKMCallback[pkm]"]["state"]
+    (group,) = [
+        g for opt in ckpt["optimizer_states"] for g in opt["param_groups"] if g.get("name") == "pkm_values"
+    ]
+    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.0
