@@ -123,7 +123,7 @@ def dispatch(
 ) -> tuple[Tensor, Plan]:
     """sum_{i in top-k} w_i(x) E_i(x) for x (S, d), index/weight (S, k); dropped and padding tokens get 0."""
     p = plan(index, valid, experts.up.shape[0], capacity)
-    out = experts(x.index_select(0, p.token), p, capacity, mode)  # (A, d)
+    out = experts(x.index_select(0, p.token), p, capacity, mode).to(x.dtype)  # (A, d); autocast may give bf16
     gate = weight.t().reshape(-1).index_select(0, p.assignment).to(x.dtype)  # (A,)
     y = x.new_zeros(x.shape).index_add(0, p.token, out * gate.unsqueeze(-1))  # (S, d)
     return y, p

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 
-from ._experts import DISPATCH_MODES, Experts, dispatch
-from ._lookup import LookupOptions, build_lookup
+from ._experts import DISPATCH_MODES, Experts, Plan, dispatch
+from ._lookup import LookupOptions, Routing, build_lookup
 
 
 @dataclass
@@ -126,7 +126,7 @@ class MoELayer(nn.Module):
         self._report(ctx, route, valid, p)
         return y.view(B, T, d)
 
-    def _report(self, ctx: Context, route, valid: Tensor, p) -> None:
+    def _report(self, ctx: Context, route: Routing, valid: Tensor, p: Plan) -> None:
         c, tag = self.config, f"l{self.layer}"
         if route.logits is not None:
             if c.balance_coef > 0:

@@ -273,3 +273,17 @@ def test_moe_on_gpu_matches_cpu():
     ref = layer(x, Context(tokens=tokens, stage="val"))
     gpu = layer.cuda()(x.cuda(), Context(tokens=tokens.cuda(), stage="val"))
     assert_close(gpu.cpu(), ref, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dispatch", ["grouped", "bmm"])
+def test_moe_under_bfloat16_autocast(dispatch):
+    layer = MoELayer(
+        MoEConfig(layers=[0], num_experts=4, capacity_factor=0, dispatch=dispatch), model_config(), 0
+    )
+    x, tokens = torch.randn(2, 8, D), torch.randint(0, V, (2, 8))
+    ref = layer(x, Context(tokens=tokens, stage="val"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ctx = Context(tokens=tokens, stage="val")
+        y = layer(x, ctx)
+    assert ctx.aux_losses["moe_z"][0].dtype == torch.float32
+    assert_close(y.float(), ref, atol=0.05, rtol=0.05)
