@@ -1,6 +1,8 @@
 """MoE numerics against a naive reference that loops over choices, tokens and experts (Switch / top-k)."""
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +289,31 @@ def test_moe_under_bfloat16_autocast(dispatch):
         y = layer(x, ctx)
     assert ctx.aux_losses["moe_z"][0].dtype == torch.float32
     assert_close(y.float(), ref, atol=0.05, rtol=0.05)
+
+
+def test_benchmark_script_smoke(capsys):
+    """benchmarks/experts.py at toy sizes: every row runs and the ratio column is last."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "experts.py"
+    spec = importlib.util.spec_from_file_location("benchmark_experts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(
+        [
+            "--d",
+            "32",
+            "--batch",
+            "1",
+            "--seq",
+            "16",
+            "--experts",
+            "2",
+            "--vocab",
+            "64",
+            "--repeat",
+            "1",
+            "--no-model",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "| dense FFN |" in out and "moe N=2 top-1 lsh" in out and "FFN + tokenid rank 4" in out
+    assert "x dense FFN |" in out.splitlines()[2]
