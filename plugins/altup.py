@@ -221,7 +221,14 @@ class AltUpStack(nn.Module):
             with exact:
                 xs = self.correct(xs, p, x_tilde, layer)
         with exact:
+            self.log_coefficients(ctx)
             return self.reduce(xs)
+
+    def log_coefficients(self, ctx: Context) -> None:
+        """How far the static coefficients moved from their initialisation (p = identity, g = 1)."""
+        eye = torch.eye(self.k, device=self.p.device)
+        ctx.log("altup_p_drift", (self.p.detach() - eye).abs().mean())
+        ctx.log("altup_g_mean", self.g.detach().mean())
 
 
 class SumEmbedding(nn.Module):

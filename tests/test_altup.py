@@ -3,9 +3,12 @@ block selection, embedding variants and their parameter counts, the sum baseline
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
 from rlm.plugins.altup import AltUpConfig, AltUpPlugin, AltUpStack
 from torch.testing import assert_close
 
@@ -305,3 +308,48 @@ def test_composes_with_plugins_inside_the_blocks_in_any_order():
     tok = tokens()
     assert_close(a.eval()(tok), b.eval()(tok))
     assert_close(a(tok), reference_logits(a, tok))  # the Token-ID table runs inside the computed block
+
+
+# --- the real `rlm fit` (tests/cli_helpers.py) -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_fit_with_altup_and_tokenid(tmp_path, rlm_cache):
+    fragments = [CONFIGS / "plugins" / "tokenid.yaml", CONFIGS / "plugins" / "altup.yaml"]
+    run_rlm(fit_args(*fragments), tmp_path, rlm_cache)
+    rows = read_metrics(tmp_path / "runs/test/version_0")
+    losses = column(rows, "train/loss")
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+    assert column(rows, "val/loss")
+    assert column(rows, "train/altup_p_drift")[-1] > 0  # the coefficients were trained
+    state = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
+    assert state["hyper_parameters"]["plugins"]["altup"]["k"] == 2
+    assert {"model.stack.p", "model.stack.g", "model.stack.extra.table.weight"} <= set(state["state_dict"])
+    assert any(
+        k.startswith("model.stack.blocks.0.ffn_add.0.") for k in state["state_dict"]
+    )  # Token-ID inside
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_two_cpu_processes_with_recycled_altup_and_moe(tmp_path, rlm_cache):
+    # MoE in layer 1 of the 2-layer tiny model, inside the blocks AltUp computes.
+    (tmp_path / "moe_tiny.yaml").write_text(
+        "model:\n  plugins:\n    moe:\n      layers: [1]\n      num_experts: 4\n"
+    )
+    fragments = ["altup.yaml", "altup_recycled.yaml", "moe.yaml"]
+    args = fit_args(*(CONFIGS / "plugins" / f for f in fragments), tmp_path / "moe_tiny.yaml") + [
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=4",
+    ]
+    proc = run_rlm(args, tmp_path, rlm_cache)
+    rows = read_metrics(tmp_path / "runs/test/version_0")
+    assert len(column(rows, "train/loss")) == 4
+    assert (
+        column(rows, "val/loss")
+        and column(rows, "train/altup_p_drift")
+        and column(rows, "train/aux/moe_balance")
+    )
+    assert "distributed_backend=gloo" in proc.stdout + proc.stderr
