@@ -3,7 +3,9 @@ block selection, embedding variants and their parameter counts, the sum baseline
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,6 +310,21 @@ def test_composes_with_plugins_inside_the_blocks_in_any_order():
     tok = tokens()
     assert_close(a.eval()(tok), b.eval()(tok))
     assert_close(a(tok), reference_logits(a, tok))  # the Token-ID table runs inside the computed block
+
+
+def test_benchmark_script_smoke(capsys):
+    """benchmarks/altup.py at toy sizes: every variant runs and the ratio to the base model is the last column."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_altup", Path(__file__).resolve().parents[1] / "benchmarks" / "altup.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = "--d 32 --layers 2 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 1 --rounds 1 --warmup 0 --device cpu"
+    rows = bench.main(args.split())
+    assert [r[0] for r in rows] == ["base", "AltUp K=2", "Recycled-AltUp K=2", "AltUp K=4"]
+    assert rows[0][-1] == 1.0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert lines[0].endswith("| ratio to base |") and len(lines) == 2 + len(rows)
 
 
 # --- the real `rlm fit` (tests/cli_helpers.py) -----------------------------------------------------------
