@@ -1,0 +1,50 @@
+"""Experiments: train several variants of a model with several seeds, then tabulate and plot them.
+
+``rlm experiment run FILE`` trains every (variant, seed) of an experiment file, one ordinary ``rlm fit``
+subprocess after another, skipping runs that already finished; ``rlm experiment check FILE`` validates the
+file and prints the plan with each variant's parameter counts, training nothing; ``rlm experiment report DIR``
+rebuilds the tables and plots from the finished runs in DIR.
+
+The experiment file (YAML; every path in it is relative to the file itself)::
+
+    name: lookups              # optional, default: the file's stem; names the output directory
+    description: |             # optional: what the experiment asks and what the paper found
+      ...
+    base: [../default.yaml]    # config files every run starts from, deep-merged in order (rlm fit --config)
+    common:                    # optional mapping merged into every run after the variant's configs
+      trainer: {max_steps: 300}
+    seeds: [0, 1]              # optional, default [0]; each run sets seed_everything to its seed
+    baseline: baseline         # the variant the others are compared with (default: the first variant)
+    output: ../../runs/x       # optional output directory (default: runs/experiments/NAME under the cwd)
+    report_metrics: ["val/*"]  # optional fnmatch patterns of the plugin metrics shown in results.md
+    variants:                  # name -> what differs from the base; {} or null is the base itself
+      baseline: {}
+      tokenid:
+        description: ...       # optional, one line shown in results.md
+        configs: [../plugins/tokenid.yaml]                 # config fragments stacked after base
+        set: {model: {plugins: {tokenid: {rank: 0}}}}      # a config mapping merged last
+
+A run's config is, deep-merged in this order (mappings merge key by key, lists are replaced):
+``base`` files, the variant's ``configs``, ``common``, the variant's ``set``, and finally the runner's own
+keys: ``seed_everything``, the log and checkpoint directories (every logger's ``save_dir`` and every
+``ModelCheckpoint``'s ``dirpath`` point into the run directory, a CSVLogger and a last-checkpoint are added
+when missing), no progress bar, and the :class:`TrainClock` callback that logs ``time/train_s``.
+The data split (``data.seed``) is not varied with the seed, so every run is validated on the same documents.
+
+Layout of the output directory: ``experiment.json`` (the resolved experiment), ``results.csv``,
+``results.md``, ``val_loss_vs_step.png``, ``val_loss_vs_time.png``, ``loss_vs_added_params.png``, and one
+directory per run, ``VARIANT/seedK/``, holding ``config.yaml`` (the merged config it was trained with),
+``fit.log`` (the subprocess output), ``logs/version_0/metrics.csv``, ``ckpt/`` and, once it finished,
+``summary.json`` -- the marker that makes a later ``run`` skip it. A run directory without ``summary.json``
+is resumed from ``ckpt/last.ckpt`` when its config is unchanged, and started afresh otherwise.
+
+Validation happens before anything trains and lists every problem of the file at once: the file's own
+structure, missing config files, plugin specs (:func:`rlm.plugin.registry.validate_specs`), every override
+parsed by the real ``rlm fit`` parser, and each variant's model built on the meta device.
+"""
+
+from rlm.experiment.cli import main
+from rlm.experiment.spec import Experiment, ExperimentError, Variant, load_experiment
+from rlm.experiment.timing import TrainClock
+
+__all__ = ["Experiment", "ExperimentError", "TrainClock", "Variant", "load_experiment", "main"]

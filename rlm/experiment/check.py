@@ -1,0 +1,200 @@
+"""Validating an experiment before anything trains, listing every problem at once.
+
+Four passes, each collecting messages rather than stopping at the first: the file's structure
+(:func:`~rlm.experiment.spec.parse_experiment`), each variant's plugin specs
+(:func:`rlm.plugin.registry.validate_specs`), each variant's merged config parsed by the real ``rlm fit``
+parser (jsonargparse reports one error per parse, so a failing variant is parsed again one override at a
+time to name each bad key), and each variant's model built on the meta device (layer ranges, slot
+conflicts, the model config's own checks), which also gives its parameter counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from rlm.experiment.spec import (
+    Experiment,
+    ExperimentError,
+    flatten,
+    merge,
+    parse_experiment,
+    run_config,
+    unflatten,
+)
+from rlm.plugin.registry import validate_specs
+
+CHECK_DIR = Path(tempfile.gettempdir()) / "rlm-experiment-check"
+"""A run directory for configs that are only parsed (nothing is written there)."""
+
+
+@dataclass
+class ParamCounts:
+    """A model's parameter counts."""
+
+    total: int
+    """Distinct parameters."""
+    added: int
+    """Parameters the plugins add over the base model."""
+    active: int
+    """Parameters a single token uses (total minus what the plugins report as unused per token)."""
+
+
+def count_parameters(model_cfg: dict[str, Any], plugins: dict[str, Any] | None) -> ParamCounts:
+    """Parameter counts of a model built from its config on the meta device (no memory, no init cost)."""
+    from rlm.model.config import ModelConfig
+    from rlm.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**model_cfg), plugins or {})
+    return ParamCounts(model.num_parameters(), model.added_parameters(), model.active_parameters())
+
+
+def _fit_parser() -> argparse.ArgumentParser:
+    """The parser ``rlm fit`` uses (jsonargparse via LightningCLI), built without parsing or running."""
+    from rlm.cli import RLMCLI
+    from rlm.data import RLMDataModule
+    from rlm.lightning import LMModule
+
+    class ParseOnly(RLMCLI):
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            self.config = parser.get_defaults()
+
+        def instantiate_classes(self) -> None:
+            pass
+
+    cli = ParseOnly(
+        LMModule,
+        RLMDataModule,
+        args=[],
+        run=False,
+        parser_kwargs={"parser_mode": "omegaconf", "exit_on_error": False},
+        seed_everything_default=False,
+    )
+    return cli.parser
+
+
+def _condense(message: str) -> str:
+    """jsonargparse's multi-line union errors reduced to the lines that name the problem."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    noise = (
+        "Does not validate against any",
+        "Subtypes:",
+        "Errors:",
+        "Expected a <class 'NoneType'>",
+        "Given value",
+        "Subclass types expect",
+        "- a class path",
+        "- a dict",
+        "Not a valid subclass",
+    )
+    kept = [ln for ln in lines[1:] if not any(n in ln for n in noise)]
+    return " ".join([lines[0], *kept]) if lines else message
+
+
+class ConfigParser:
+    """Parses merged run configs with the ``rlm fit`` parser; returns the namespace or the error."""
+
+    def __init__(self) -> None:
+        self.parser = _fit_parser()
+
+    def parse(self, cfg: dict[str, Any]) -> tuple[Any, str | None]:
+        fd, path = tempfile.mkstemp(prefix="rlm-experiment-", suffix=".yaml")
+        try:
+            with os.fdopen(fd, "w") as f:
+                yaml.safe_dump(cfg, f, sort_keys=False)
+            return self.parser.parse_args(["--config", path]), None
+        except (argparse.ArgumentError, ValueError, TypeError, KeyError) as err:
+            return None, _condense(str(err))
+        finally:
+            os.unlink(path)
+
+
+def _without(mapping: dict[str, Any], keys: set[str]) -> dict[str, Any]:
+    """A nested mapping without the given dotted leaves."""
+    out: dict[str, Any] = {}
+    for key, value in flatten(mapping):
+        if key not in keys:
+            out = merge([], out, unflatten(key, value))
+    return out
+
+
+def _blame(exp: Experiment, name: str, parser: ConfigParser) -> tuple[list[str], dict[str, set[str]]]:
+    """Which single overrides of a failing variant fail on their own: messages, and the bad keys per place."""
+    files = [*exp.base, *exp.variants[name].configs]
+    problems, bad = [], {"common": set(), "set": set()}
+    for place, where, mapping in (
+        ("common", "common", exp.common),
+        ("set", f"variant {name!r}: set", exp.variants[name].set),
+    ):
+        for key, value in flatten(mapping):
+            _, err = parser.parse(
+                run_config(merge(files, unflatten(key, value), skip_missing=True), 0, CHECK_DIR)
+            )
+            if err:
+                problems.append(f"{where}.{key} = {value!r}: {err}")
+                bad[place].add(key)
+    return problems, bad
+
+
+def _instantiate_configs(ns: Any, plugins: dict[str, Any]) -> ParamCounts:
+    """Run the model, optimizer and data configs' own checks; the model's parameter counts."""
+    from rlm.data import RLMDataModule
+    from rlm.lightning import OptimConfig
+
+    if ns.model.optim is not None:
+        OptimConfig(**ns.model.optim.as_dict())
+    RLMDataModule(**ns.data.as_dict())
+    model_cfg = ns.model.model.as_dict() if ns.model.model is not None else {}
+    model_cfg["vocab_size"] = ns.data.vocab_size  # as rlm fit copies it
+    return count_parameters(model_cfg, plugins)
+
+
+def check_experiment(path: str | Path) -> tuple[Experiment, dict[str, ParamCounts]]:
+    """Validate everything about an experiment file; raise :class:`ExperimentError` listing every problem."""
+    exp, problems = parse_experiment(path)
+    if exp is None:
+        raise ExperimentError(path, problems)
+    parser: ConfigParser | None = None
+    counts: dict[str, ParamCounts] = {}
+    for name, variant in exp.variants.items():
+        files = [*exp.base, *variant.configs]
+        try:
+            cfg = merge(files, exp.common, variant.set, skip_missing=True)
+        except (ValueError, FileNotFoundError) as err:
+            problems.append(f"variant {name!r}: {err}")
+            continue
+        plugins = ((cfg.get("model") or {}).get("plugins")) or {}
+        plugin_problems = (
+            validate_specs(plugins) if isinstance(plugins, dict) else ["model.plugins must be a mapping"]
+        )
+        problems += [f"variant {name!r}: {p}" for p in plugin_problems]
+        parser = parser or ConfigParser()
+        ns, err = parser.parse(run_config(cfg, exp.seeds[0], CHECK_DIR))
+        if err:
+            # Name each bad override, then go on without them to find the variant's other problems.
+            blamed, bad = _blame(exp, name, parser)
+            problems += [p for p in blamed if p not in problems]
+            common, overrides = _without(exp.common, bad["common"]), _without(variant.set, bad["set"])
+            ns, err = parser.parse(
+                run_config(merge(files, common, overrides, skip_missing=True), 0, CHECK_DIR)
+            )
+            if err:
+                problems.append(f"variant {name!r}: {err}")
+                continue
+        if plugin_problems:
+            continue
+        try:
+            counts[name] = _instantiate_configs(ns, plugins)
+        except (ValueError, TypeError) as err:
+            problems.append(f"variant {name!r}: {err}")
+    if problems:
+        raise ExperimentError(exp.path, problems)
+    return exp, counts

@@ -1,0 +1,245 @@
+"""Tables and plots of an experiment's finished runs: results.csv, results.md and three PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import io
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlm.experiment.runner import METRICS_CSV, SUMMARY, read_metrics, series
+from rlm.experiment.spec import write_atomic
+
+RUN_COLUMNS = [
+    "variant", "seed", "baseline", "val_loss", "val_ppl", "best_val_loss", "steps", "params_total",
+    "params_added", "params_active", "tokens_per_s", "train_s", "wall_s",
+]  # fmt: skip
+PLOTS = ("val_loss_vs_step.png", "val_loss_vs_time.png", "loss_vs_added_params.png")
+MAX_METRIC_COLUMNS = 12
+
+
+@dataclass
+class VariantResult:
+    """A variant's finished runs and their means."""
+
+    name: str
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def mean(self, key: str) -> float | None:
+        values = [r[key] for r in self.runs if r.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    def sd(self, key: str) -> float | None:
+        values = [r[key] for r in self.runs if r.get(key) is not None]
+        return statistics.stdev(values) if len(values) > 1 else None
+
+    def metric(self, name: str) -> float | None:
+        values = [r["metrics"][name] for r in self.runs if r["metrics"].get(name) is not None]
+        return statistics.fmean(values) if values else None
+
+
+def collect(out: Path) -> tuple[dict[str, Any], list[VariantResult]]:
+    """The experiment's description and its variants' finished runs, in the file's variant order."""
+    info_path = out / "experiment.json"
+    if not info_path.is_file():
+        raise FileNotFoundError(
+            f"{str(info_path)!r} does not exist: is {str(out)!r} an experiment directory?"
+        )
+    info = json.loads(info_path.read_text())
+    results: dict[str, VariantResult] = {name: VariantResult(name) for name in info["variants"]}
+    for path in sorted(out.glob(f"*/seed*/{SUMMARY}")):
+        summary = json.loads(path.read_text())
+        summary["dir"] = path.parent
+        results.setdefault(summary["variant"], VariantResult(summary["variant"])).runs.append(summary)
+    return info, [r for r in results.values() if r.runs]
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _count(n: float | None) -> str:
+    """Parameter counts the way papers print them: 3.21M, 524k."""
+    if n is None:
+        return "—"
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _seconds(s: float | None) -> str:
+    return "—" if s is None else f"{s:.0f}s" if s < 600 else f"{s / 60:.1f}min"
+
+
+def write_csv(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:
+    """results.csv: one row per run, every plugin metric as a column."""
+    metric_names = sorted({k for v in variants for r in v.runs for k in r["metrics"]})
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(RUN_COLUMNS + metric_names)
+    for v in variants:
+        for r in sorted(v.runs, key=lambda r: r["seed"]):
+            row = {**r, "baseline": v.name == info["baseline"]}
+            writer.writerow([row.get(c) for c in RUN_COLUMNS] + [r["metrics"].get(m) for m in metric_names])
+    write_atomic(out / "results.csv", buf.getvalue())
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
+    """results.md: variants sorted by mean validation loss, the baseline marked, deltas against it."""
+    base = next((v for v in variants if v.name == info["baseline"]), None)
+    ordered = sorted(variants, key=lambda v: (v.mean("val_loss") is None, v.mean("val_loss") or 0.0))
+    b_loss, b_ppl, b_speed = (base.mean(k) if base else None for k in ("val_loss", "val_ppl", "tokens_per_s"))
+    seeds = sorted({r["seed"] for v in variants for r in v.runs})
+    steps = sorted({r["steps"] for v in variants for r in v.runs})
+    lines = [f"# Experiment `{info['name']}`", ""]
+    lines += [
+        f"{len(variants)} variants x seeds {seeds}, {'/'.join(map(str, steps))} training steps per run; "
+        f"base config: {', '.join(Path(p).name for p in info['base'])}. Validation loss is the last "
+        "validation of each run (mean ± sample sd over seeds); Δ against the baseline "
+        f"`{info['baseline']}`{'' if base else ' (not finished: no deltas)'}; tokens/s is the median "
+        "training throughput of the second half of each run; train time excludes validation.",
+        "",
+    ]
+    header = ["variant", "val loss", "Δ loss", "val ppl", "Δ ppl", "params", "added", "active/token",
+              "tokens/s", "train time", "runs", "tokens/s vs baseline"]  # fmt: skip
+    rows = []
+    for v in ordered:
+        loss, sd, ppl, speed = v.mean("val_loss"), v.sd("val_loss"), v.mean("val_ppl"), v.mean("tokens_per_s")
+        is_base = v is base
+        rows.append([
+            f"**{v.name}** (baseline)" if is_base else v.name,
+            _fmt(loss) + (f" ± {_fmt(sd)}" if sd is not None else ""),
+            "—" if is_base or None in (loss, b_loss) else f"{loss - b_loss:+.3f}",
+            _fmt(ppl, 2),
+            "—" if is_base or None in (ppl, b_ppl) else f"{100 * (ppl / b_ppl - 1):+.1f}%",
+            _count(v.mean("params_total")),
+            _count(v.mean("params_added")),
+            _count(v.mean("params_active")),
+            _fmt(speed, 0),
+            _seconds(v.mean("train_s")),
+            str(len(v.runs)),
+            "—" if None in (speed, b_speed) else f"{speed / b_speed:.2f}x",
+        ])  # fmt: skip
+    lines += _table(header, rows)
+    described = [v for v in ordered if info["variants"].get(v.name, {}).get("description")]
+    if described:
+        lines += ["", *[f"- `{v.name}`: {info['variants'][v.name]['description']}" for v in described]]
+    lines += _metrics_table(info, ordered)
+    lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ".", ""]
+    return "\n".join(lines)
+
+
+def _metrics_table(info: dict[str, Any], variants: list[VariantResult]) -> list[str]:
+    """Plugin metrics matching the experiment's report_metrics patterns (final values, mean over seeds)."""
+    names = sorted({k for v in variants for r in v.runs for k in r["metrics"]})
+    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in info.get("report_metrics", ["val/*"]))]
+    if not chosen:
+        return []
+    note = ""
+    if len(chosen) > MAX_METRIC_COLUMNS:
+        note = f" The first {MAX_METRIC_COLUMNS} of {len(chosen)} are shown; results.csv has them all."
+        chosen = chosen[:MAX_METRIC_COLUMNS]
+    rows = [[v.name] + [_fmt(v.metric(n), 4) for n in chosen] for v in variants]
+    return [
+        "",
+        f"Plugin metrics (last logged value, mean over seeds).{note}",
+        "",
+        *_table(["variant", *chosen], rows),
+    ]
+
+
+def _val_curves(run: dict[str, Any]) -> tuple[list[float], list[float], list[float]]:
+    """Steps, training seconds and validation losses of a run's validations."""
+    rows = read_metrics(run["dir"] / METRICS_CSV)
+    clock = series(rows, "time/train_s")
+    steps, times, losses = [], [], []
+    for step, loss in series(rows, "val/loss"):
+        before = [
+            t for s, t in clock if s <= step
+        ]  # the training time at the last step before this validation
+        steps.append(step + 1)
+        times.append(before[-1] if before else 0.0)
+        losses.append(loss)
+    return steps, times, losses
+
+
+def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:
+    """val_loss_vs_step.png, val_loss_vs_time.png and loss_vs_added_params.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10")
+    style = {}
+    for i, v in enumerate(variants):
+        is_base = v.name == info["baseline"]
+        style[v.name] = {"color": "black" if is_base else colors(i % 10), "ls": "--" if is_base else "-"}
+    title = f"experiment {info['name']}"
+    for name, xlabel, index in (
+        ("val_loss_vs_step.png", "training step", 0),
+        ("val_loss_vs_time.png", "training time (s)", 1),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for v in variants:
+            for j, run in enumerate(sorted(v.runs, key=lambda r: r["seed"])):
+                curve = _val_curves(run)
+                label = f"{v.name} (baseline)" if v.name == info["baseline"] else v.name
+                ax.plot(
+                    curve[index],
+                    curve[2],
+                    marker="o",
+                    ms=3,
+                    lw=1.5,
+                    alpha=0.85,
+                    label=None if j else label,
+                    **style[v.name],
+                )
+        ax.set(xlabel=xlabel, ylabel="validation loss", title=f"{title}: validation loss (one line per seed)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        _save(fig, out / name)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in variants:
+        x, y, err = v.mean("params_added") or 0.0, v.mean("val_loss"), v.sd("val_loss")
+        if y is None:
+            continue
+        ax.errorbar(x / 1e6, y, yerr=err, fmt="o", capsize=3, color=style[v.name]["color"])
+        ax.annotate(v.name, (x / 1e6, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set(xlabel="added parameters (millions)", ylabel="final validation loss",
+           title=f"{title}: loss against added parameters (mean ± sd over seeds)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    _save(fig, out / "loss_vs_added_params.png")
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_report(out: Path) -> list[Path]:
+    """Regenerate results.csv, results.md and the plots from the finished runs in ``out``."""
+    info, variants = collect(out)
+    if not variants:
+        raise ValueError(f"no finished runs in {str(out)!r} (a finished run has VARIANT/seedK/{SUMMARY})")
+    write_csv(out, info, variants)
+    write_atomic(out / "results.md", markdown(info, variants))
+    plot(out, info, variants)
+    return [out / "results.csv", out / "results.md", *(out / p for p in PLOTS)]

@@ -1,0 +1,186 @@
+"""Training an experiment's runs one after another, each an ordinary ``rlm fit`` subprocess, resumably."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from rlm.experiment.check import count_parameters
+from rlm.experiment.spec import Experiment, config_hash, run_config, variant_config, write_atomic
+
+SUMMARY = "summary.json"
+"""The finished marker of a run, written last."""
+METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
+LAST_CKPT = Path("ckpt") / "last.ckpt"
+CORE_METRICS = {
+    "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
+    "val/loss", "val/ppl", "time/train_s",
+}  # fmt: skip
+"""metrics.csv columns that are not plugin metrics."""
+
+
+@dataclass
+class Run:
+    """One (variant, seed) of an experiment."""
+
+    variant: str
+    seed: int
+    dir: Path
+    config: dict[str, Any]
+    """The merged config before the runner's own keys."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+    @property
+    def fingerprint(self) -> str:
+        return config_hash({"config": self.config, "seed": self.seed})
+
+    def finished(self) -> bool:
+        return (self.dir / SUMMARY).is_file()
+
+
+def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[Run]:
+    """Every run of the experiment (restricted to ``variants`` when given), in file order, seeds inner."""
+    names = list(exp.variants)
+    if variants:
+        unknown = sorted(set(variants) - set(names))
+        if unknown:
+            raise ValueError(f"unknown variant(s) {unknown}; the experiment has {names}")
+        names = [n for n in names if n in variants]
+    return [
+        Run(name, seed, out / name / f"seed{seed}", variant_config(exp, exp.variants[name]))
+        for name in names
+        for seed in exp.seeds
+    ]
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """metrics.csv rows with their non-empty cells as floats."""
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v not in (None, "")} for row in csv.DictReader(f)]
+
+
+def series(rows: list[dict[str, float]], name: str) -> list[tuple[float, float]]:
+    """(step, value) of one metric, in logging order."""
+    return [(r.get("step", float("nan")), r[name]) for r in rows if name in r]
+
+
+def _last(rows: list[dict[str, float]], name: str) -> float | None:
+    values = series(rows, name)
+    return values[-1][1] if values else None
+
+
+def summarize(run: Run, wall_s: float) -> dict[str, Any]:
+    """The per-run summary: final validation loss, parameter counts, speed, time and plugin metrics."""
+    rows = read_metrics(run.dir / METRICS_CSV)
+    val = [v for _, v in series(rows, "val/loss")]
+    speed = [v for _, v in series(rows, "train/tokens_per_s")]
+    # The median of the second half: the first steps pay for warm-up, allocation and caching.
+    tokens_per_s = statistics.median(speed[len(speed) // 2 :]) if speed else None
+    hp = torch.load(run.dir / LAST_CKPT, map_location="cpu", weights_only=False, mmap=True)[
+        "hyper_parameters"
+    ]
+    counts = count_parameters(hp["model"], hp.get("plugins"))
+    plugin_metrics = sorted({k for r in rows for k in r} - CORE_METRICS)
+    return {
+        "variant": run.variant,
+        "seed": run.seed,
+        "fingerprint": run.fingerprint,
+        "val_loss": val[-1] if val else None,
+        "val_ppl": _last(rows, "val/ppl"),
+        "best_val_loss": min(val) if val else None,
+        "steps": int(max((r["step"] for r in rows if "step" in r), default=-1)) + 1,
+        "params_total": counts.total,
+        "params_added": counts.added,
+        "params_active": counts.active,
+        "tokens_per_s": tokens_per_s,
+        "train_s": _last(rows, "time/train_s"),
+        "wall_s": wall_s,
+        "metrics": {k: _last(rows, k) for k in plugin_metrics if not k.startswith("lr-")},
+    }
+
+
+def _prepare_dir(run: Run) -> list[str]:
+    """Make the run directory ready; the extra ``rlm fit`` arguments (a checkpoint to resume from)."""
+    saved = run.dir / "fingerprint"
+    if run.dir.exists():
+        same = saved.is_file() and saved.read_text().strip() == run.fingerprint
+        if same and (run.dir / LAST_CKPT).is_file():
+            return ["--ckpt_path", str(run.dir / LAST_CKPT)]
+        shutil.rmtree(run.dir)  # an unfinished run of another config, or one that saved nothing yet
+    run.dir.mkdir(parents=True)
+    write_atomic(saved, run.fingerprint + "\n")
+    return []
+
+
+def train(run: Run) -> tuple[bool, float]:
+    """Train one run with ``python -m rlm fit``; (succeeded, wall seconds including earlier attempts)."""
+    extra = _prepare_dir(run)
+    config_path = run.dir / "config.yaml"
+    write_atomic(config_path, yaml.safe_dump(run_config(run.config, run.seed, run.dir), sort_keys=False))
+    wall_file = run.dir / "wall_s"
+    before = float(wall_file.read_text()) if wall_file.is_file() else 0.0
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    with open(run.dir / "fit.log", "a") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlm", "fit", "--config", str(config_path), *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    wall = before + time.perf_counter() - start
+    write_atomic(wall_file, f"{wall}\n")
+    return proc.returncode == 0, wall
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join(f"    {ln}" for ln in text[-lines:])
+
+
+def run_experiment(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[str]:
+    """Train every unfinished run, write each one's summary; returns the labels of the runs that failed."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
+    runs = plan(exp, out, variants)
+    failed = []
+    bar = tqdm(runs, desc=f"experiment {exp.name}", unit="run")
+    for run in bar:
+        bar.set_postfix_str(run.label)
+        if run.finished():
+            stored = json.loads((run.dir / SUMMARY).read_text()).get("fingerprint")
+            note = (
+                ""
+                if stored == run.fingerprint
+                else " (its config has changed since: delete the directory to rerun)"
+            )
+            tqdm.write(f"{run.label}: finished earlier, skipped{note}")
+            continue
+        ok, wall = train(run)
+        if not ok:
+            failed.append(run.label)
+            tqdm.write(
+                f"{run.label}: rlm fit failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{_tail(run.dir / 'fit.log')}"
+            )
+            continue
+        summary = summarize(run, wall)
+        write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+        loss = summary["val_loss"]
+        tqdm.write(f"{run.label}: val loss {loss if loss is None else round(loss, 4)} in {wall:.0f}s")
+    return failed

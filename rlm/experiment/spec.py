@@ -1,0 +1,341 @@
+"""Reading an experiment file (format in :mod:`rlm.experiment`) and building each run's config."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from rlm.config_merge import load_config
+
+TOP_KEYS = (
+    "name",
+    "description",
+    "base",
+    "common",
+    "seeds",
+    "baseline",
+    "output",
+    "report_metrics",
+    "variants",
+)
+VARIANT_KEYS = ("description", "configs", "set")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+"""Variant and experiment names become directory names: letters, digits and ``_ . + -``."""
+DEFAULT_METRICS = ["val/*"]
+
+
+class ExperimentError(ValueError):
+    """An experiment file with problems; ``problems`` lists every one of them."""
+
+    def __init__(self, path: str | Path, problems: list[str]) -> None:
+        self.path, self.problems = str(path), list(problems)
+        n = len(self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"experiment file {self.path!r} has {n} problem{'s' * (n != 1)}:\n{lines}")
+
+
+@dataclass
+class Variant:
+    """One variant: config fragments stacked on the base, and a mapping merged last."""
+
+    name: str
+    """Its name in the file; also its directory name."""
+    configs: list[Path] = field(default_factory=list)
+    """Config fragments, absolute paths, stacked after the base files."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """A config mapping deep-merged after everything else of the experiment."""
+    description: str = ""
+    """One line for results.md."""
+
+
+@dataclass
+class Experiment:
+    """A parsed experiment file."""
+
+    path: Path
+    """The file it was read from."""
+    name: str
+    """Names the output directory."""
+    description: str
+    """What the experiment asks and what the paper found."""
+    base: list[Path]
+    """Config files every run starts from (absolute)."""
+    common: dict[str, Any]
+    """A mapping merged into every run after the variant's configs."""
+    seeds: list[int]
+    """Each run sets seed_everything to one of these."""
+    baseline: str
+    """The variant the others are compared with."""
+    variants: dict[str, Variant]
+    """Variants in the file's order."""
+    output: Path | None = None
+    """Output directory; None means runs/experiments/NAME under the working directory."""
+    report_metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
+    """fnmatch patterns of the plugin metrics shown in results.md (results.csv has them all)."""
+
+    def out_dir(self, override: str | Path | None = None) -> Path:
+        """Where the runs and the report go."""
+        if override is not None:
+            return Path(override)
+        return self.output if self.output is not None else Path("runs") / "experiments" / self.name
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``report`` needs to rebuild tables without the original file."""
+        return {
+            "path": str(self.path),
+            "name": self.name,
+            "description": self.description,
+            "base": [str(p) for p in self.base],
+            "common": self.common,
+            "seeds": self.seeds,
+            "baseline": self.baseline,
+            "report_metrics": self.report_metrics,
+            "variants": {
+                v.name: {"configs": [str(p) for p in v.configs], "set": v.set, "description": v.description}
+                for v in self.variants.values()
+            },
+        }
+
+
+def _paths(value: Any, where: str, root: Path, problems: list[str]) -> list[Path]:
+    """A list of config file paths relative to ``root``; missing files are problems."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        problems.append(f"{where}: expected a list of config file paths, got {value!r}")
+        return []
+    out = []
+    for v in value:
+        p = (root / v).resolve()
+        if not p.is_file():
+            problems.append(f"{where}: config file {v!r} does not exist (looked for {str(p)!r})")
+        out.append(p)
+    return out
+
+
+def _mapping(value: Any, where: str, problems: list[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        problems.append(f"{where}: expected a mapping of config keys, got {value!r}")
+        return {}
+    return value
+
+
+def _variant(name: Any, spec: Any, root: Path, problems: list[str]) -> Variant | None:
+    where = f"variant {name!r}"
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        problems.append(f"{where}: names must be letters, digits and '_.+-' (they become directory names)")
+        return None
+    if spec is None:
+        spec = {}
+    if not isinstance(spec, dict):
+        problems.append(f"{where}: expected a mapping with keys {list(VARIANT_KEYS)}, got {spec!r}")
+        return None
+    unknown = sorted(set(spec) - set(VARIANT_KEYS))
+    if unknown:
+        problems.append(f"{where}: unknown key(s) {unknown}; accepted: {list(VARIANT_KEYS)}")
+    description = spec.get("description") or ""
+    if not isinstance(description, str):
+        problems.append(f"{where}.description: expected a string, got {description!r}")
+        description = ""
+    return Variant(
+        name=name,
+        configs=_paths(spec.get("configs"), f"{where}.configs", root, problems),
+        set=_mapping(spec.get("set"), f"{where}.set", problems),
+        description=description.strip(),
+    )
+
+
+def _seeds(value: Any, problems: list[str]) -> list[int]:
+    if value is None:
+        return [0]
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(isinstance(s, int) and not isinstance(s, bool) for s in value)
+    )
+    if not ok:
+        problems.append(f"seeds: expected a non-empty list of integers such as [0, 1], got {value!r}")
+        return [0]
+    if len(set(value)) != len(value):
+        problems.append(f"seeds: {value} repeats a seed")
+    return list(dict.fromkeys(value))
+
+
+def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
+    """Read an experiment file; returns it (None if unusable) and every structural problem found."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        return None, [f"experiment file {str(path)!r} does not exist"]
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        return None, [f"not valid YAML: {err}"]
+    if not isinstance(raw, dict):
+        return None, [
+            f"expected a mapping with keys {list(TOP_KEYS)} at the top level, got {type(raw).__name__}"
+        ]
+    problems: list[str] = []
+    root = path.parent
+    unknown = sorted(set(raw) - set(TOP_KEYS))
+    if unknown:
+        problems.append(f"unknown top-level key(s) {unknown}; accepted: {list(TOP_KEYS)}")
+    name = raw.get("name", path.stem)
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        problems.append(f"name: {name!r} must be letters, digits and '_.+-' (it names the output directory)")
+        name = path.stem
+    description = raw.get("description") or ""
+    if not isinstance(description, str):
+        problems.append(f"description: expected a string, got {description!r}")
+        description = ""
+    base = _paths(raw.get("base"), "base", root, problems)
+    if not raw.get("base"):
+        problems.append("base: name at least one config file every run starts from, e.g. [../default.yaml]")
+    common = _mapping(raw.get("common"), "common", problems)
+    seeds = _seeds(raw.get("seeds"), problems)
+    variants: dict[str, Variant] = {}
+    raw_variants = raw.get("variants")
+    if not isinstance(raw_variants, dict) or not raw_variants:
+        problems.append(
+            f"variants: expected a non-empty mapping of variant name -> spec, got {raw_variants!r}"
+        )
+    else:
+        for vname, vspec in raw_variants.items():
+            v = _variant(vname, vspec, root, problems)
+            if v is not None:
+                variants[v.name] = v
+    baseline = raw.get(
+        "baseline", next(iter(raw_variants)) if isinstance(raw_variants, dict) and raw_variants else ""
+    )
+    if isinstance(raw_variants, dict) and raw_variants and baseline not in raw_variants:
+        problems.append(f"baseline: {baseline!r} is not one of the variants {list(raw_variants)}")
+    output = raw.get("output")
+    if output is not None and not isinstance(output, str):
+        problems.append(f"output: expected a directory path, got {output!r}")
+        output = None
+    metrics = raw.get("report_metrics", DEFAULT_METRICS)
+    if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+        problems.append(f"report_metrics: expected a list of patterns such as ['val/*'], got {metrics!r}")
+        metrics = list(DEFAULT_METRICS)
+    exp = Experiment(
+        path=path,
+        name=name,
+        description=description.strip(),
+        base=base,
+        common=common,
+        seeds=seeds,
+        baseline=str(baseline),
+        variants=variants,
+        output=(root / output).resolve() if output else None,
+        report_metrics=metrics,
+    )
+    return exp, problems
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read an experiment file, raising :class:`ExperimentError` with every structural problem."""
+    exp, problems = parse_experiment(path)
+    if problems or exp is None:
+        raise ExperimentError(path, problems)
+    return exp
+
+
+def merge(files: list[Path], *mappings: dict[str, Any], skip_missing: bool = False) -> dict[str, Any]:
+    """Config files deep-merged in order (with their includes), then the mappings (lists are replaced)."""
+    files = [p for p in files if p.is_file()] if skip_missing else files
+    layers = [load_config(p) for p in files] + [OmegaConf.create(m) for m in mappings]
+    return OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)  # type: ignore[return-value]
+
+
+def variant_config(exp: Experiment, variant: Variant, skip_missing: bool = False) -> dict[str, Any]:
+    """The variant's merged config before the runner's own keys: base, configs, common, set."""
+    return merge([*exp.base, *variant.configs], exp.common, variant.set, skip_missing=skip_missing)
+
+
+LOGGERS_WITH_DIRS = ("CSVLogger", "TensorBoardLogger")
+CSV_LOGGER = "pytorch_lightning.loggers.CSVLogger"
+CHECKPOINT = "pytorch_lightning.callbacks.ModelCheckpoint"
+CLOCK = "rlm.experiment.timing.TrainClock"
+
+
+def _class_name(entry: Any) -> str:
+    return entry.get("class_path", "").rsplit(".", 1)[-1] if isinstance(entry, dict) else ""
+
+
+def run_config(cfg: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
+    """The config one run trains with: ``cfg`` plus the runner's seed, log and checkpoint directories."""
+    cfg = json.loads(json.dumps(cfg))  # a deep copy of plain containers
+    run_dir = Path(run_dir).resolve()
+    cfg["seed_everything"] = seed
+    trainer = cfg.setdefault("trainer", {}) or {}
+    cfg["trainer"] = trainer
+    trainer["default_root_dir"] = str(run_dir)
+    trainer["enable_progress_bar"] = False
+    loggers = trainer.get("logger")
+    loggers = loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []
+    loggers = [lg for lg in loggers if _class_name(lg) in LOGGERS_WITH_DIRS]
+    if not any(_class_name(lg) == "CSVLogger" for lg in loggers):
+        loggers.insert(0, {"class_path": CSV_LOGGER, "init_args": {}})
+    for lg in loggers:
+        lg.setdefault("init_args", {}).update(save_dir=str(run_dir), name="logs", version=0)
+    trainer["logger"] = loggers
+    callbacks = trainer.get("callbacks")
+    callbacks = (
+        callbacks if isinstance(callbacks, list) else [callbacks] if isinstance(callbacks, dict) else []
+    )
+    callbacks = [cb for cb in callbacks if _class_name(cb) != "TrainClock"]
+    if not any(_class_name(cb) == "ModelCheckpoint" for cb in callbacks):
+        callbacks.append({"class_path": CHECKPOINT, "init_args": {}})
+    for cb in callbacks:
+        if _class_name(cb) == "ModelCheckpoint":
+            cb.setdefault("init_args", {}).update(dirpath=str(run_dir / "ckpt"), save_last=True)
+    callbacks.append({"class_path": CLOCK})
+    trainer["callbacks"] = callbacks
+    return cfg
+
+
+def config_hash(cfg: dict[str, Any]) -> str:
+    """A short fingerprint of a run config, ignoring where the run lives."""
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def flatten(mapping: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Leaves of a nested mapping as (dotted.key, value); an empty mapping is a leaf."""
+    out: list[tuple[str, Any]] = []
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += flatten(value, dotted + ".")
+        else:
+            out.append((dotted, value))
+    return out
+
+
+def unflatten(dotted: str, value: Any) -> dict[str, Any]:
+    """``a.b.c`` and a value as the nested mapping {a: {b: {c: value}}}."""
+    out: Any = value
+    for part in reversed(dotted.split(".")):
+        out = {part: out}
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a text file under a temporary name, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
