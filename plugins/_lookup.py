@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlm.plugin import Context
+
 LOOKUPS = ("softmax", "token_id", "lsh")
 TOKEN_MAPS = ("hash", "balanced")
 
@@ -205,6 +207,42 @@ class LSHLookup(nn.Module):
         slab = torch.bucketize(x @ self.directions, self.cuts)  # (S, m) in [0, s)
         index = (slab * self.radix).sum(dim=-1, keepdim=True)  # (S, 1) mixed-radix cell number
         return Routing(index, torch.ones(index.shape, device=x.device))
+
+
+def balance_loss(probs: Tensor, top1: Tensor, valid: Tensor) -> Tensor:
+    """N * sum_i f_i P_i over valid tokens: probs (S, N) float32, top1 (S,) argmax entry, valid (S,) bool."""
+    n = probs.shape[-1]
+    w = valid.float()
+    denom = w.sum().clamp(min=1.0)
+    f = torch.zeros(n, device=probs.device).index_add(0, top1, w) / denom  # (N,) share of argmax
+    P = (probs * w.unsqueeze(-1)).sum(0) / denom  # (N,) mean probability
+    return n * (f * P).sum()
+
+
+def z_loss(logits: Tensor, valid: Tensor) -> Tensor:
+    """mean over valid tokens of logsumexp(h)^2, logits (S, N) float32."""
+    w = valid.float()
+    return (torch.logsumexp(logits, dim=-1).pow(2) * w).sum() / w.sum().clamp(min=1.0)
+
+
+def router_losses(
+    ctx: Context, route: Routing, valid: Tensor, prefix: str, tag: str, balance_coef: float, z_coef: float
+) -> None:
+    """Add '<prefix>_balance' (Switch eq. 4) and '<prefix>_z' (ST-MoE eq. 5) when their weight is non-zero.
+
+    Only a learned router has them (``route.logits`` set); both average over the valid tokens only, and each
+    layer's value is also logged as '<prefix>_balance/<tag>' and '<prefix>_z/<tag>'.
+    """
+    if route.logits is None:
+        return
+    if balance_coef > 0:
+        loss = balance_loss(route.logits.softmax(dim=-1), route.index[:, 0], valid)
+        ctx.add_loss(f"{prefix}_balance", loss, balance_coef)
+        ctx.log(f"{prefix}_balance/{tag}", loss)
+    if z_coef > 0:
+        loss = z_loss(route.logits, valid)
+        ctx.add_loss(f"{prefix}_z", loss, z_coef)
+        ctx.log(f"{prefix}_z/{tag}", loss)
 
 
 def build_lookup(options: LookupOptions, d: int, n: int, vocab: int, init_std: float = 0.02) -> nn.Module:

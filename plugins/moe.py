@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 
 from ._experts import DISPATCH_MODES, Experts, Plan, dispatch
-from ._lookup import LookupOptions, Routing, build_lookup
+from ._lookup import LookupOptions, Routing, build_lookup, router_losses
 
 
 @dataclass
@@ -72,22 +72,6 @@ class MoEConfig(LookupOptions):
             raise ValueError(f"moe.dispatch={self.dispatch!r} is unknown; expected one of {DISPATCH_MODES}")
 
 
-def balance_loss(probs: Tensor, top1: Tensor, valid: Tensor) -> Tensor:
-    """N * sum_i f_i P_i over valid tokens: probs (S, N) float32, top1 (S,) argmax expert, valid (S,) bool."""
-    n = probs.shape[-1]
-    w = valid.float()
-    denom = w.sum().clamp(min=1.0)
-    f = torch.zeros(n, device=probs.device).index_add(0, top1, w) / denom  # (N,) share of argmax
-    P = (probs * w.unsqueeze(-1)).sum(0) / denom  # (N,) mean probability
-    return n * (f * P).sum()
-
-
-def z_loss(logits: Tensor, valid: Tensor) -> Tensor:
-    """mean over valid tokens of logsumexp(h)^2, logits (S, N) float32."""
-    w = valid.float()
-    return (torch.logsumexp(logits, dim=-1).pow(2) * w).sum() / w.sum().clamp(min=1.0)
-
-
 class MoELayer(nn.Module):
     """One layer's experts and lookup; called as ``layer(x (B, T, d), ctx)``."""
 
@@ -128,16 +112,7 @@ class MoELayer(nn.Module):
 
     def _report(self, ctx: Context, route: Routing, valid: Tensor, p: Plan) -> None:
         c, tag = self.config, f"l{self.layer}"
-        if route.logits is not None:
-            if c.balance_coef > 0:
-                probs = route.logits.softmax(dim=-1)
-                loss = balance_loss(probs, route.index[:, 0], valid)
-                ctx.add_loss("moe_balance", loss, c.balance_coef)
-                ctx.log(f"moe_balance/{tag}", loss)
-            if c.z_coef > 0:
-                loss = z_loss(route.logits, valid)
-                ctx.add_loss("moe_z", loss, c.z_coef)
-                ctx.log(f"moe_z/{tag}", loss)
+        router_losses(ctx, route, valid, "moe", tag, c.balance_coef, c.z_coef)
         with torch.no_grad():
             first = route.index[:, 0][valid]
             load = torch.bincount(first, minlength=c.num_experts).float() / max(first.numel(), 1)  # (N,)

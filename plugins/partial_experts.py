@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 
 from ._experts import PartialEntries
-from ._lookup import LookupOptions, build_lookup
+from ._lookup import LookupOptions, build_lookup, router_losses
 
 
 @dataclass
@@ -37,6 +37,10 @@ class PartialExpertsConfig(LookupOptions):
     """0: a constant vector per bucket; r > 0: V relu(U^T x) with U, V of shape d x r."""
     init_std: float = 0.0
     """Initial std of the tables; 0 starts the added output at zero (b and V zero, U with std 1/sqrt(d))."""
+    balance_coef: float = 0.01
+    """Softmax lookup: weight of the load-balancing loss 'pe_balance' (as MoE's); 0 skips it."""
+    z_coef: float = 0.0
+    """Softmax lookup: weight of the router z-loss 'pe_z'; 0 skips it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,23 +52,31 @@ class PartialExpertsConfig(LookupOptions):
             raise ValueError(f"partial_experts.top_k={self.top_k} exceeds buckets={self.buckets}")
         if self.init_std < 0:
             raise ValueError(f"partial_experts.init_std must be >= 0, got {self.init_std}")
+        if self.balance_coef < 0 or self.z_coef < 0:
+            raise ValueError(
+                f"partial_experts loss coefficients must be >= 0, got balance_coef={self.balance_coef}, "
+                f"z_coef={self.z_coef}"
+            )
 
 
 class PartialExpertsLayer(nn.Module):
     """One layer's lookup and table of partial experts; its output is added to the FFN's."""
 
-    def __init__(self, config: PartialExpertsConfig, model_config) -> None:
+    def __init__(self, config: PartialExpertsConfig, model_config, layer: int = 0) -> None:
         super().__init__()
         d = model_config.d_model
+        self.config, self.layer = config, layer
         self.lookup = build_lookup(config, d, config.buckets, model_config.vocab_size, model_config.init_std)
         self.entries = PartialEntries(config.buckets, d, config.rank, config.init_std)
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         B, T, d = x.shape
         flat = x.reshape(B * T, d)  # (S, d)
+        valid = ctx.valid_mask().reshape(-1)  # (S,)
         route = self.lookup(flat, ctx.tokens.reshape(-1), ctx.training)  # index, weight (S, k)
+        router_losses(ctx, route, valid, "pe", f"l{self.layer}", self.config.balance_coef, self.config.z_coef)
         y = self.entries(flat, route.index, route.weight)  # (S, d)
-        return (y * ctx.valid_mask().reshape(-1, 1)).view(B, T, d)
+        return (y * valid.unsqueeze(-1)).view(B, T, d)
 
 
 class PartialExpertsPlugin(Plugin):
@@ -82,7 +94,7 @@ class PartialExpertsPlugin(Plugin):
         return [Claim(Slot.FFN, Mode.ADD, self.layers)]
 
     def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
-        return PartialExpertsLayer(self.config, self.model_config)
+        return PartialExpertsLayer(self.config, self.model_config, layer)
 
     def added_parameters(self) -> int:
         """Table parameters one layer adds: 2 * rank * buckets * d, or buckets * d at rank 0 (see the module doc)."""

@@ -101,6 +101,19 @@ def test_gradients_reach_router_and_looked_up_entries_only():
     assert soft.lookup.weight.grad.abs().sum() > 0
 
 
+def test_softmax_lookup_adds_its_balance_loss_and_hashes_add_none():
+    mc = model_config()
+    soft = PartialExpertsLayer(PartialExpertsConfig(buckets=8, balance_coef=0.1, z_coef=0.01), mc, layer=1)
+    ctx = Context(tokens=torch.randint(0, V, (2, 5)))
+    soft(torch.randn(2, 5, D), ctx)
+    assert {k: w for k, (_, w) in ctx.aux_losses.items()} == {"pe_balance": 0.1, "pe_z": 0.01}
+    assert "pe_balance/l1" in ctx.metrics
+    for lookup in ("token_id", "lsh"):
+        ctx = Context(tokens=torch.randint(0, V, (2, 5)))
+        PartialExpertsLayer(PartialExpertsConfig(buckets=16, lookup=lookup), mc)(torch.randn(2, 5, D), ctx)
+        assert ctx.aux_losses == {}
+
+
 def test_bad_config():
     with pytest.raises(ValueError, match="rank"):
         PartialExpertsConfig(rank=-1)
