@@ -209,9 +209,9 @@ def test_train_loader_shards_evenly_and_reshuffles(dm):
 def test_datamodule_shards_by_the_attached_trainer(dm, monkeypatch):
     per_rank = []
     for rank in range(3):
-        monkeypatch.setattr(dm, "trainer", SimpleNamespace(global_rank=rank, world_size=3))
+        monkeypatch.setattr(dm, "trainer", SimpleNamespace(global_rank=rank, world_size=3, current_epoch=2))
         loader = dm.train_dataloader()
-        assert (loader.rank, loader.world_size) == (rank, 3)
+        assert (loader.rank, loader.world_size, loader.epoch) == (rank, 3, 2)
         per_rank.append([k for b in _keys(loader) for k in b])
     assert len({len(keys) for keys in per_rank}) == 1
     assert not set(per_rank[0]) & set(per_rank[1]) and not set(per_rank[1]) & set(per_rank[2])
@@ -262,7 +262,7 @@ class _Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit(corpus, cache, batch_size, steps, ckpt_in=None, ckpt_out=None, every_step_to=None):
+def _fit(corpus, cache, batch_size, steps, ckpt_in=None, ckpt_out=None, every_step_to=None, **trainer_kw):
     """Fit a recorder; save a checkpoint at the end (ckpt_out) and/or after every step (into every_step_to)."""
     every = (
         [ModelCheckpoint(every_step_to, "{step}", save_top_k=-1, every_n_train_steps=1)]
@@ -278,6 +278,7 @@ def _fit(corpus, cache, batch_size, steps, ckpt_in=None, ckpt_out=None, every_st
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        **trainer_kw,
     )
     model = _Recorder()
     trainer.fit(model, datamodule=_dm(corpus, cache, batch_size=batch_size), ckpt_path=ckpt_in)
@@ -304,6 +305,8 @@ def test_resume_mid_epoch_is_exact_with_a_real_trainer(corpus, dm, tmp_path):
         head = _fit(corpus[0], dm.cache_dir, bs, first, ckpt_out=ckpt)
         tail = _fit(corpus[0], dm.cache_dir, bs, total, ckpt_in=ckpt)
         assert head + tail == straight, f"resumed after max_steps={first}"
+    reloaded = _fit(corpus[0], dm.cache_dir, bs, total, reload_dataloaders_every_n_epochs=1)
+    assert reloaded == straight  # a new loader each epoch starts at the trainer's epoch
 
 
 # ---- corpora -------------------------------------------------------------------------------------------

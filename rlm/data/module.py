@@ -170,7 +170,12 @@ class RLMDataModule(pl.LightningDataModule):
         """Shuffled, sharded by the attached trainer's rank, resumable (see TrainLoader)."""
         trainer = self.trainer  # set by Lightning when attached
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        return TrainLoader(self.windows("train"), self.batch_size, self.seed, rank, world, self.num_workers)
+        # Start at the trainer's epoch, so reload_dataloaders_every_n_epochs does not replay epoch 0; on
+        # resume Lightning then overrides epoch and position with the checkpoint's load_state_dict().
+        epoch = trainer.current_epoch if trainer else 0
+        return TrainLoader(
+            self.windows("train"), self.batch_size, self.seed, rank, world, self.num_workers, epoch
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation windows in a fixed order; an empty list when val_fraction is 0."""

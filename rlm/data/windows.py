@@ -121,6 +121,7 @@ class TrainLoader:
         rank: int = 0,
         world_size: int = 1,
         num_workers: int = 0,
+        epoch: int = 0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} with world_size={world_size}; accepted: 0 <= rank < world_size")
@@ -131,7 +132,7 @@ class TrainLoader:
             )
         self.windows, self.batch_size, self.seed = windows, batch_size, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
-        self.epoch = 0
+        self.epoch = epoch
         """Epoch being (or last) drawn from."""
         self.position = 0
         """Batches of `epoch` already handed out."""
