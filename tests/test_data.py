@@ -319,6 +319,14 @@ def test_hf_saved_dataset(tmp_path):
     assert len(read_corpus(f"hf:{tmp_path / 'ds'}", text_field="body", max_documents=2, progress=False)) == 2
     with pytest.raises(ValueError, match=r"text_field='text' is not a column .*\['body', 'n'\]"):
         read_corpus(f"hf:{tmp_path / 'ds'}", progress=False)
+    with pytest.raises(ValueError, match="text_field='n' .* holds int values, not text"):
+        read_corpus(f"hf:{tmp_path / 'ds'}", text_field="n", progress=False)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b"]})}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    assert [d.text for d in read_corpus(f"hf:{tmp_path / 'dd'}", progress=False)] == ["a b"]
+    with pytest.raises(ValueError, match=r"hf_split='validation' is not in the saved dataset .*\['train'\]"):
+        read_corpus(f"hf:{tmp_path / 'dd'}", hf_split="validation", progress=False)
 
 
 def test_files_directories_globs_and_lists(tmp_path, corpus):

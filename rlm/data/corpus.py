@@ -102,6 +102,10 @@ def _load_hf(
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     for i, text in enumerate(ds[text_field]):
+        if text is not None and not isinstance(text, str):
+            raise ValueError(
+                f"text_field={text_field!r} of {name!r} holds {type(text).__name__} values, not text"
+            )
         if text:
             yield Document(f"hf:{name}/{split}/{i}", text)
 
