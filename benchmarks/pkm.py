@@ -1,0 +1,226 @@
+"""Product key memory speed: the layer from 16k to 1M slots against a dense FFN and the `product-key-memory`
+package measured in the same run, and the default model with one memory layer (the paper's Table 4 claim:
+inference speed barely depends on the number of slots; training cost should grow little).
+
+    python benchmarks/pkm.py                                   # d=256, H=4, k=32, 8 x 128 tokens, n=128..1024
+    python benchmarks/pkm.py --n 32 64 --batch 2 --seq 32 --repeat 1 --model-seq 32   # a quick smoke run
+
+Layer rows: forward; and a training step of the layer = forward + backward (input gradient included, as
+inside a model) + values update. 'sparse' is the plugin's default on one process (row gradients and a
+row-wise lazy Adam on the touched rows); 'dense' is the distributed path (a dense value gradient and
+torch's fused Adam over the whole table). The dense FFN (4d, GELU) row includes its Adam step. The peer
+(`pip install product-key-memory`, in `rlm[bench]`) is timed at the same shapes, forward + backward as its
+README trains it; its rows are skipped with a note when the package is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import table, time_fn  # noqa: E402
+from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
+
+from rlm.model import ModelConfig, Transformer  # noqa: E402
+from rlm.model.layers import FeedForward  # noqa: E402
+from rlm.plugin import Context  # noqa: E402
+
+
+def memory(a: argparse.Namespace, n: int, sparse: str) -> PKMPlugin:
+    """A plugin whose single memory layer is at layer 0 of a d-wide model."""
+    mc = ModelConfig(d_model=a.d, n_layers=1, n_heads=4)
+    cfg = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim, sparse=sparse)
+    plugin = PKMPlugin(cfg, mc)
+    plugin.build(plugin.claims()[0], 0, None)
+    plugin.resolve_sparse(distributed=False)
+    return plugin
+
+
+def layer_fns(a: argparse.Namespace, n: int, sparse: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(forward, forward + backward + values update) of one memory layer."""
+    plugin = memory(a, n, sparse)
+    layer = plugin.memories[0]
+    x = torch.randn(a.batch, a.seq, a.d, requires_grad=True)
+    tokens = torch.zeros(a.batch, a.seq, dtype=torch.long)
+    grad = torch.randn_like(x)
+    params = [p for p in [*layer.parameters(), *plugin.values.values()] if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-3, fused=True)
+
+    def forward() -> None:
+        with torch.no_grad():
+            layer(x, Context(tokens=tokens))
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        (layer(x, Context(tokens=tokens)) * grad).sum().backward()
+        opt.step()
+        plugin.row_optimizer.step()
+
+    return forward, train_step
+
+
+def ffn_fns(a: argparse.Namespace) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(forward, forward + backward + Adam) of a dense 4d GELU FFN."""
+    ffn = FeedForward(ModelConfig(d_model=a.d, n_layers=1, n_heads=4, ffn="plain", d_ff=4 * a.d))
+    x = torch.randn(a.batch, a.seq, a.d, requires_grad=True)
+    grad = torch.randn_like(x)
+    opt = torch.optim.Adam(ffn.parameters(), lr=1e-3, fused=True)
+
+    def forward() -> None:
+        with torch.no_grad():
+            ffn(x)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        (ffn(x) * grad).sum().backward()
+        opt.step()
+
+    return forward, train_step
+
+
+def peer_fn(a: argparse.Namespace, n: int) -> Callable[[], None]:
+    """product-key-memory's PKM at the same shapes (k_dim/2 per sub-key), forward + backward."""
+    from product_key_memory import PKM
+
+    pkm = PKM(dim=a.d, heads=a.heads, num_keys=n, topk=a.k, dim_head=a.k_dim // 2)
+    x = torch.randn(a.batch, a.seq, a.d, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def run() -> None:
+        pkm.zero_grad(set_to_none=True)
+        x.grad = None
+        (pkm(x) * grad).sum().backward()
+
+    return run
+
+
+def layer_rows(a: argparse.Namespace) -> tuple[list[list[object]], list[list[object]]]:
+    """The layer table (relative to n = min and to the dense FFN) and the peer table."""
+    ffn_fwd, ffn_step = (time_fn(f, a.repeat) for f in ffn_fns(a))
+    rows: list[list[object]] = [["dense FFN 4d", "-", ffn_fwd * 1e3, ffn_step * 1e3, "", "", 1.0, 1.0]]
+    peers: list[list[object]] = []
+    have_peer = importlib.util.find_spec("product_key_memory") is not None
+    for sparse in a.paths:
+        base = None
+        for n in a.n:
+            fwd, step = (time_fn(f, a.repeat) for f in layer_fns(a, n, sparse))
+            base = base or (fwd, step)
+            label = "sparse" if sparse == "true" else "dense"
+            rows.append(
+                [f"pkm {label} n={n}", f"{n * n:,}", fwd * 1e3, step * 1e3, fwd / base[0], step / base[1],
+                 fwd / ffn_fwd, step / ffn_step]
+            )  # fmt: skip
+            print(f"  pkm {label} n={n}: fwd {fwd * 1e3:.1f} ms, step {step * 1e3:.1f} ms", file=sys.stderr)
+            if sparse == "true" and have_peer:
+                peer = time_fn(peer_fn(a, n), a.repeat)
+                peers.append([f"n={n}", f"{n * n:,}", step * 1e3, peer * 1e3, peer / step])
+                print(f"  peer n={n}: {peer * 1e3:.1f} ms", file=sys.stderr)
+    if not have_peer:
+        peers.append(["peer product-key-memory: skipped (pip install product-key-memory)", "", "", "", ""])
+    return rows, peers
+
+
+def model_rows(a: argparse.Namespace) -> list[list[object]]:
+    """The default model with one memory layer in the middle: inference tokens/s and training step time."""
+    mc = ModelConfig(
+        vocab_size=a.vocab, d_model=256, n_layers=4, n_heads=4, max_seq_len=max(1024, a.model_seq)
+    )
+    tokens = torch.randint(0, a.vocab, (a.model_batch, a.model_seq + 1))
+    inp, tgt = tokens[:, :-1], tokens[:, 1:]
+    n_tokens = inp.numel()
+    variants = [("default model, no memory", None)] + [
+        (f"pkm at layer {mc.n_layers // 2}, n={n} ({n * n:,} slots)", n) for n in (min(a.n), max(a.n))
+    ]
+    rows, base = [], None
+    for name, n in variants:
+        plugins = None if n is None else {"pkm": dict(n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim)}
+        model = Transformer(mc, plugins)
+        for plugin in model.plugins.values():
+            plugin.resolve_sparse(distributed=False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+        def infer(model=model) -> None:
+            model.eval()
+            with torch.no_grad():
+                model(inp, Context(tokens=inp, stage="val"))
+
+        def step(model=model, opt=opt) -> None:
+            model.train()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(inp, Context(tokens=inp)).flatten(0, 1), tgt.flatten())
+            loss.backward()
+            opt.step()
+            for plugin in model.plugins.values():
+                plugin.row_optimizer.step()
+
+        t_inf, t_step = time_fn(infer, a.repeat), time_fn(step, a.repeat)
+        if n == min(a.n):
+            base = (t_inf, t_step)
+        speed = n_tokens / t_inf
+        rel = ("", "") if base is None or n is None else (base[0] / t_inf, t_step / base[1])  # speed, cost
+        rows.append([name, speed, t_step * 1e3, *rel])
+        print(f"  {name}: {speed:.0f} tok/s, step {t_step * 1e3:.1f} ms", file=sys.stderr)
+        del model, opt
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the layer, peer and model tables."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d", type=int, default=256, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="memory heads H")
+    p.add_argument("--k", type=int, default=32, help="top-k per head")
+    p.add_argument("--k-dim", type=int, default=256, help="query width per head (two halves)")
+    p.add_argument(
+        "--n", type=int, nargs="+", default=[128, 256, 512, 1024], help="sub-keys per half (n^2 slots)"
+    )
+    p.add_argument(
+        "--paths", nargs="+", default=["true", "false"], help="value update paths: true=sparse false=dense"
+    )
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--model-batch", type=int, default=4, help="batch of the model rows")
+    p.add_argument("--model-seq", type=int, default=256, help="sequence length of the model rows")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per row (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-model", action="store_true", help="skip the whole-model rows")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    print(
+        f"d={a.d}, H={a.heads}, k={a.k}, k_dim={a.k_dim}, {a.batch} x {a.seq} = {a.batch * a.seq} tokens, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}\n"
+    )
+    rows, peers = layer_rows(a)
+    headers = [
+        "layer",
+        "slots",
+        "fwd ms",
+        "step ms",
+        "fwd x n_min",
+        "step x n_min",
+        "fwd x FFN",
+        "step x FFN",
+    ]
+    print(table(headers, rows))
+    print()
+    print(table(["peer at", "slots", "ours step ms", "peer fwd+bwd ms", "peer / ours"], peers))
+    if not a.no_model:
+        print()
+        headers = ["default model", "inference tok/s", "train step ms", "speed x n_min", "step x n_min"]
+        print(table(headers, model_rows(a)))
+
+
+if __name__ == "__main__":
+    main()
