@@ -170,7 +170,7 @@ class AltUpStack(nn.Module):
     def widen(self, x: Tensor, ctx: Context) -> Tensor:
         """The K blocks (K, B, T, d) from the embedding output x (B, T, d)."""
         if self.extra is None:
-            return x.unsqueeze(0).expand(self.k, *x.shape)  # Recycled-AltUp: replicate
+            return x.unsqueeze(0).expand(self.k, *x.shape).contiguous()  # Recycled-AltUp: replicate
         return torch.cat((x.unsqueeze(0), self.extra(ctx.tokens).to(x.dtype)), dim=0)
 
     def predict(self, xs: Tensor, layer: int) -> tuple[Tensor, Tensor]:
