@@ -85,7 +85,8 @@ def test_store_round_trip(dm, corpus):
 def test_tokenizer_encodes_any_text(dm):
     text = "déjà vu ☃ \t\n  x = 1\r\n"  # none of these characters is in the ASCII training corpus
     assert dm.tokenizer.decode(dm.tokenizer.encode(text)) == text
-    assert dm.decode(torch.tensor([[2, *dm.tokenizer.encode("ab")], [3, 0, 0]])) == "ab"
+    assert dm.decode(torch.tensor([[2, *dm.tokenizer.encode("ab")], [3, 0, IGNORE_INDEX]])) == "ab"
+    assert _dm(".", ".", vocab_size=1000).vocab_size == 1000  # known before setup, for argument links
 
 
 def test_cache_is_reused(dm, corpus, monkeypatch):

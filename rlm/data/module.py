@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytorch_lightning as pl
+import torch
 from torch.utils.data import DataLoader
 
 from rlm.data.corpus import Document, fingerprint, read_corpus
@@ -207,8 +209,8 @@ class RLMDataModule(pl.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids."""
-        return self.tokenizer.vocab_size
+        """Number of token ids (sentencepiece gives exactly the requested size, so this works before setup)."""
+        return self._store.tokenizer.vocab_size if self._store is not None else self.vocab_size_requested
 
     @property
     def segments(self) -> SegmentTable:
@@ -227,9 +229,12 @@ class RLMDataModule(pl.LightningDataModule):
             raise ValueError(f"doc_id={doc_id}; accepted: 0 <= doc_id < {self.store.n_docs}")
         return self.tokenizer.decode(self.store.doc_tokens(doc_id))
 
-    def decode(self, ids) -> str:
-        """Text of token ids (a list, array or tensor); special ids are dropped."""
-        return self.tokenizer.decode(np.asarray(ids).reshape(-1).tolist())
+    def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
+        """Text of token ids (a list, array or tensor, any shape); special ids and -100 targets are dropped."""
+        flat = (
+            ids.detach().cpu().reshape(-1) if isinstance(ids, torch.Tensor) else np.asarray(ids).reshape(-1)
+        )
+        return self.tokenizer.decode([i for i in flat.tolist() if i >= 0])
 
     def _check_setup(self) -> None:
         if self._store is None:
