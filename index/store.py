@@ -8,6 +8,7 @@ Layout of DIR:
     vectors.npy         the L2-normalised vectors (optional for faiss indices; needed by 'eval')
     segment_doc.npy     (S,) document id of each segment id
     segment_offset.npy  (S,) token offset of each segment in its document
+    rows.npy            (S,) the corpus's global segment id of each index row, when only some are indexed
 
 A directory is written under a temporary sibling name and renamed into place, so a crash mid-write never
 leaves a directory at DIR that loads (faiss contrib/ checkpoints follow the same write-then-rename rule).
@@ -44,7 +45,7 @@ from rlm.index.search import Neighbours, SegmentTable, search_neighbours
 
 FORMAT_VERSION = 1
 META, INDEX, IVFDATA, VECTORS = "meta.json", "index.faiss", "index.ivfdata", "vectors.npy"
-SEG_DOC, SEG_OFFSET = "segment_doc.npy", "segment_offset.npy"
+SEG_DOC, SEG_OFFSET, ROWS = "segment_doc.npy", "segment_offset.npy", "rows.npy"
 EMBEDDER_KEYS = ("name", "config_hash", "weights_hash", "step")
 MMAP_ABOVE = 2**30
 """Indices larger than this (bytes) are memory-mapped on load unless told otherwise."""
@@ -72,6 +73,13 @@ class IndexDir:
     """The segment-id -> (document, offset) map."""
     vectors: np.ndarray | None
     """The indexed vectors (memory-mapped), when the directory stores them."""
+
+    @property
+    def rows(self) -> np.ndarray:
+        """(count,) global segment id of each index row (the identity unless rows.npy says otherwise)."""
+        if (self.path / ROWS).exists():
+            return np.load(self.path / ROWS, mmap_mode="r")
+        return np.arange(self.meta["count"], dtype=np.int64)
 
     def search(self, queries: np.ndarray, k: int, **filters: Any) -> Neighbours:
         """Filtered top-k search of outside queries (query_ids=-1) or of segments (pass query_ids)."""
@@ -186,14 +194,23 @@ def build_index_dir(
     config: IndexConfig | None = None,
     store_vectors: bool = True,
     extra: dict[str, Any] | None = None,
+    rows: np.ndarray | None = None,
 ) -> IndexDir:
-    """Build an index over `vectors` (row i = segment id i) and write it as an index directory at `path`."""
+    """Build an index over `vectors` (row i = segment i of `segments`) and write it as a directory at `path`.
+
+    rows: the corpus-wide segment id of each row, when only part of the corpus is indexed (saved as rows.npy).
+    """
     config = config or IndexConfig()
     built = build_index(vectors, config)
     keep = built.index.vectors if built.factory == TORCH else None
     if store_vectors and keep is None:
         keep = as_unit_float32(vectors)
-    save_index_dir(path, built, segments, fingerprint, embedder, keep, extra)
+    with atomic_dir(path) as tmp:
+        if rows is not None:
+            if len(rows) != built.ntotal:
+                raise ValueError(f"rows has {len(rows)} entries for {built.ntotal} vectors")
+            _save_npy(tmp / ROWS, np.asarray(rows, dtype=np.int64))
+        write_dir_contents(tmp, built, segments, fingerprint, embedder, keep, extra)
     return load_index_dir(path, gpu=config.gpu)
 
 

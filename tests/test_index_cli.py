@@ -1,0 +1,78 @@
+"""`rlm index build|search|eval|info` round trip on a tiny checkpoint, plus the commands on random vectors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from cli_helpers import fit_args, run_rlm
+from rlm.index.build import IndexConfig
+from rlm.index.cli import main
+from rlm.index.search import SegmentTable
+from rlm.index.store import build_index_dir
+from rlm.index.synthetic import clustered_unit_vectors
+
+EMBEDDER = {"name": "random", "config_hash": "c", "weights_hash": "w", "step": 0}
+
+
+@pytest.fixture
+def random_index(tmp_path):
+    x = clustered_unit_vectors(3000, 32, n_clusters=20, seed=5)
+    segments = SegmentTable(np.arange(3000) // 30, (np.arange(3000) % 30) * 16)
+    build_index_dir(tmp_path / "idx", x, segments, "fp", EMBEDDER, IndexConfig(factory="IVF16,Flat"))
+    return tmp_path / "idx"
+
+
+def test_info_eval_and_segment_search_on_random_vectors(random_index, capsys):
+    assert main(["info", str(random_index)]) == 0
+    out = capsys.readouterr().out
+    assert "3000 x 32" in out and "IVF16,Flat" in out and "nprobe" in out
+    assert main(["info", str(random_index), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["count"] == 3000
+    assert main(["eval", str(random_index), "--queries", "200"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "| index | recall@10 | queries/s | speed-up |" and len(table) == 4
+    assert float(table[3].split("|")[2]) >= 0.9  # the IVF row's recall
+    assert main(["search", str(random_index), "--segment", "7", "-k", "3"]) == 0
+    hits = capsys.readouterr().out.splitlines()
+    assert len(hits) == 3 and all("segment 7 " not in h for h in hits)  # never itself
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, random_index, capsys):
+    assert main(["info", str(tmp_path / "nothing")]) == 2
+    assert "no index at" in capsys.readouterr().err
+    assert main(["search", str(random_index), "some text"]) == 2
+    assert "no checkpoint recorded" in capsys.readouterr().err
+    assert main(["search", str(random_index), "--segment", "5000"]) == 2
+    assert "out of range" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_build_search_eval_info_round_trip_on_a_tiny_checkpoint(tmp_path, rlm_cache, monkeypatch, capsys):
+    run_rlm(fit_args() + ["--trainer.max_steps=2"], tmp_path, rlm_cache)
+    ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
+    monkeypatch.setenv("RLM_CACHE", str(rlm_cache))
+    out = tmp_path / "idx"
+    args = ["build", "--ckpt", str(ckpt), "--out", str(out), "--split", "val", "--layer", "0", "--quiet"]
+    assert main([*args, "--factory", "Flat"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text())
+    assert (
+        meta["factory"] == "Flat"
+        and meta["embedder"]["name"] == "meanpool@0"
+        and meta["embedder"]["step"] == 2
+    )
+    assert main(["search", str(out), "def __init__(self):", "-k", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("score ") == 2  # two hits, each followed by its segment's text
+    assert main(["eval", str(out), "--queries", "50"]) == 0
+    assert "| Flat | 1.0000 |" in capsys.readouterr().out
+    # vectors from another embedder are refused, not silently mixed with this checkpoint's queries
+    meta["embedder"]["weights_hash"] = "0" * 16
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert main(["search", str(out), "def f():"]) == 2
+    assert "another embedder" in capsys.readouterr().err
+    # and the rlm console script dispatches to the same commands
+    proc = run_rlm(["index", "info", out], tmp_path, rlm_cache)
+    assert "meanpool@0" in proc.stdout
