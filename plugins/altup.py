@@ -9,13 +9,15 @@ and computes only one selected block j* per layer. Around layer l (Algorithm 1 o
     correct:  x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})   (K trainable scalars, init 1)
 
 The block runs on the *predicted* block x_hat^{j*}, as in the paper's algorithm (and in Gemma 3n); with
-p = identity this is the stored x^{j*}. With g = 1 every block receives the layer's residual update, so
+p = identity this is the stored x^{j*} that DESIGN.md writes L(x^{j*}) with. With g = 1 every block receives the layer's residual update, so
 at initialisation Recycled-AltUp is exactly the base model and K=1 is the base model for any variant.
 
 How this differs from the plain stack:
-- The K blocks live in one (K, B, T, d) tensor (block index first, so the selected block x_hat[j] is
-  contiguous for the width-d layer). Predict is one (K, K) @ (K, B*T*d) matmul, correct one broadcast
-  addcmul: O(K^2 d) per token and no Python loop over blocks or tokens in the per-layer path.
+- The K blocks live in one (K, B, T, d) tensor (block index first, so each block is a contiguous
+  (B*T*d) row). Per layer: x_hat^{j*} is one (K,) @ (K, B*T*d) product, and predict + correct of all K
+  blocks fold into x_new = (P - g p_{j*}^T) x + g x_tilde, one (K, K) @ (K, B*T*d) matmul plus a rank-1
+  update (see ``AltUpStack.correct``): O(K^2 d) per token, no Python loop over blocks or tokens, and a
+  backward made of matmuls (benchmarks/altup.py measures the step time against the base model).
 - Embedding (block 0 is always the model's own (V, d) embedding, so Token-ID input tables and the tied
   head keep working): 'wide' adds a (V, (K-1)*d) table (AltUp), 'recycled' replicates the width-d
   embedding K times (Recycled-AltUp, no embedding parameters), 'project' adds a (V, e) table for any
