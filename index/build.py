@@ -129,6 +129,16 @@ def to_gpu(index: Any) -> tuple[Any, bool]:
         return index, False
 
 
+GPU_MAX_K = 2048
+"""faiss GPU indices return at most this many results per query."""
+
+
+def max_k(index: Any) -> int:
+    """The largest k one search of this index may ask for."""
+    on_gpu = index.on_gpu if isinstance(index, BuiltIndex) else _is_gpu(index)
+    return min(int(index.ntotal), GPU_MAX_K) if on_gpu else int(index.ntotal)
+
+
 def nlist_for(n: int) -> int:
     """IVF list count for n vectors: ~4*sqrt(n) (the faiss guidelines' lower end), capped at n/39."""
     return max(1, min(int(round(4 * math.sqrt(n))), n // MIN_POINTS_PER_CENTROID))
@@ -273,9 +283,9 @@ def set_search_params(index: Any, params: dict[str, int]) -> None:
 
 
 def _is_gpu(index: Any) -> bool:
-    return (
-        "Gpu" in type(faiss.downcast_index(index)).__name__ if hasattr(faiss, "GpuParameterSpace") else False
-    )
+    if isinstance(index, TorchExactIndex) or not hasattr(faiss, "GpuParameterSpace"):
+        return False
+    return "Gpu" in type(faiss.downcast_index(index)).__name__
 
 
 def tunable_param(index: Any) -> tuple[str, int] | None:

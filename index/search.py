@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from rlm.index.build import as_unit_float32
+from rlm.index.build import as_unit_float32, max_k
 from tqdm.auto import tqdm
 
 
@@ -120,14 +120,15 @@ def search_neighbours(
     first = fetch or (2 * k + 8 if filtering else k)
     for lo in tqdm(range(0, len(q), batch_size), desc="neighbours", disable=not progress, unit="batch"):
         rows = np.arange(lo, min(lo + batch_size, len(q)))
-        size = min(first, index.ntotal)
+        limit = max_k(index)  # rows still short at this fetch size are padded (only on GPU: k <= 2048)
+        size = min(first, limit)
         while len(rows):
             s, i = index.search(q[rows], size)  # (R, size)
             keep = allowed(i, query_ids[rows], segments, exclude_self, causal) if filtering else i >= 0
             ids[rows], scores[rows] = _compact(i, s, keep, k)
             # refill rows short of k whose search came back full (the index may hold more allowed ones)
-            short = (keep.sum(1) < k) & (i[:, -1] >= 0) & (size < index.ntotal)
-            rows, size = rows[short], min(2 * size, index.ntotal)
+            short = (keep.sum(1) < k) & (i[:, -1] >= 0) & (size < limit)
+            rows, size = rows[short], min(2 * size, limit)
     return Neighbours(ids, scores)
 
 

@@ -12,8 +12,10 @@ from rlm.index.build import (
     build_index,
     choose_factory,
     exact_search,
+    gpu_available,
     nlist_for,
     recall_at_k,
+    set_search_params,
 )
 from rlm.index.synthetic import clustered_unit_vectors
 
@@ -127,3 +129,19 @@ def test_vectors_are_normalised_for_cosine():
     scores, ids = built.search(x[:5] * 3.0, 1)
     assert (ids[:, 0] == np.arange(5)).all()
     torch.testing.assert_close(scores[:, 0], np.ones(5, dtype=np.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="faiss sees no GPU")
+@pytest.mark.parametrize("factory", ["Flat", "IVF64,Flat", "IVF64,SQ8"])
+def test_gpu_build_matches_cpu(data, factory):
+    base, queries, exact_ids = data
+    cpu = build_index(base, IndexConfig(factory=factory, gpu=False, target_recall=None))
+    gpu = build_index(base, IndexConfig(factory=factory, gpu=True, target_recall=None))
+    assert gpu.on_gpu and not cpu.on_gpu
+    set_search_params(cpu.index, {"nprobe": 8} if factory != "Flat" else {})
+    set_search_params(gpu.index, {"nprobe": 8} if factory != "Flat" else {})
+    _, gpu_ids = gpu.search(queries, K)
+    _, cpu_ids = cpu.search(queries, K)
+    assert recall_at_k(gpu_ids, cpu_ids, K) >= 0.97  # k-means on GPU differs slightly from the CPU one
+    assert gpu.cpu_index().ntotal == N  # moved back to the CPU to be written
