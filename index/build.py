@@ -299,14 +299,21 @@ def tunable_param(index: Any) -> tuple[str, int] | None:
 
 
 def tune_search_params(
-    index: Any, sample: np.ndarray, sample_ids: np.ndarray, exact_ids: np.ndarray, k: int, target: float
+    index: Any,
+    sample: np.ndarray,
+    sample_ids: np.ndarray,
+    exact_ids: np.ndarray,
+    k: int,
+    target: float,
+    knob: tuple[str, int] | None = None,
 ) -> tuple[dict[str, int], float]:
     """Smallest nprobe/efSearch whose recall@k on the sample reaches `target` (or the best one, with a warning).
 
     `exact_ids` are the sample's exact top-(k+1) ids; each query's own id is dropped from both sides so
     a query that finds itself is not counted as a hit (the neighbour tables exclude it too).
+    knob: tunable_param of the index's CPU version (a GPU index hides its IVF/HNSW structure); None: find it.
     """
-    knob = tunable_param(index)
+    knob = knob or tunable_param(index)
     if knob is None:
         return {}, 1.0
     name, top = knob
@@ -366,16 +373,17 @@ def build_index(vectors: np.ndarray, config: IndexConfig | None = None, trained:
     if index.d != dim:
         raise ValueError(f"index dimension {index.d} != vectors dimension {dim}")
     index = train_index(index, x, factory, use_gpu)
+    knob = tunable_param(index)  # read on the CPU index, before a GPU copy hides its structure
     on_gpu = False
     if use_gpu:
         index, on_gpu = to_gpu(index)
     index.add(x)
     built = BuiltIndex(index, factory, on_gpu=on_gpu)
-    if config.target_recall is not None and tunable_param(index) is not None:
+    if config.target_recall is not None and knob is not None:
         rng = np.random.default_rng(config.seed)
         sample_ids = np.sort(rng.choice(n, size=min(config.tune_queries, n), replace=False))
         _, exact_ids = exact_search(x, x[sample_ids], config.tune_k + 1)
         built.search_params, built.tuned_recall = tune_search_params(
-            index, x[sample_ids], sample_ids, exact_ids, config.tune_k, config.target_recall
+            index, x[sample_ids], sample_ids, exact_ids, config.tune_k, config.target_recall, knob
         )
     return built
