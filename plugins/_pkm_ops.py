@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _pkm_native
+
 
 def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys; returns scores and slot ids i*n+j, (N, H, k).
@@ -78,25 +80,41 @@ class MaskedBatchNorm(nn.Module):
         return y.to(x.dtype)
 
 
-def coalesce_rows(slots: Tensor, weights: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradient of sum-EmbeddingBag w.r.t. the value table, as (distinct rows (U,), row gradients (U, d)).
+def sort_lookups(
+    slots: Tensor, weights: Tensor, tok: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Group lookups by value row: (distinct rows (U,), offsets (U+1,), source row in grad (E,), weight (E,)).
 
-    Row r gets sum over lookups (t, j) with slots[t, j] == r of weights[t, j] * grad[t]. This is itself an
-    EmbeddingBag over ``grad`` with one bag per distinct row, so nothing of size (N * m, d) is built.
-    slots, weights: (N, m); grad: (N, d).
+    slots, weights: (N, m), lookup (t, j) reads row slots[t, j] with weight weights[t, j] for grad row t; or
+    flat (E,) with the grad row of each lookup in ``tok``. Lookups of row rows[u] are positions
+    offsets[u]:offsets[u+1] of the returned (E,) tensors.
     """
-    m = slots.shape[1]
+    if tok is None:
+        N, m = slots.shape
+        tok = torch.arange(N, device=slots.device).repeat_interleave(m)  # (N * m,)
     flat = slots.reshape(-1)
-    sorted_slots, order = flat.sort()
-    rows, counts = torch.unique_consecutive(sorted_slots, return_counts=True)  # (U,)
-    offsets = counts.cumsum(0) - counts
-    tokens = torch.div(order, m, rounding_mode="floor")  # the lookup's row in grad
-    w = weights.reshape(-1)[order].to(grad.dtype)
-    return rows, F.embedding_bag(tokens, grad, offsets, mode="sum", per_sample_weights=w)
+    order = torch.argsort(flat, stable=True)  # integer keys: a radix sort on CPU
+    rows, counts = torch.unique_consecutive(flat[order], return_counts=True)  # (U,)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return rows, offsets, tok[order], weights.reshape(-1)[order]
+
+
+def row_gradients(offsets: Tensor, tok: Tensor, w: Tensor, grad: Tensor) -> Tensor:
+    """Gradient of sum-EmbeddingBag w.r.t. each distinct row, (U, d): sum over its lookups of w * grad[tok].
+
+    This is itself an EmbeddingBag over ``grad`` with one bag per row, so nothing of size (E, d) is built.
+    """
+    return F.embedding_bag(tok, grad, offsets[:-1], mode="sum", per_sample_weights=w.to(grad.dtype))
+
+
+def coalesce_rows(slots: Tensor, weights: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The value table's gradient as (distinct rows (U,), row gradients (U, d)); slots, weights (N, m), grad (N, d)."""
+    rows, offsets, tok, w = sort_lookups(slots, weights)
+    return rows, row_gradients(offsets, tok, w, grad)
 
 
 class _SparseValueGrad(torch.autograd.Function):
-    """Identity on the memory output whose backward sends the value table's row gradients to a sink."""
+    """Identity on the memory output whose backward hands (lookups, output gradient) to the row optimizer."""
 
     @staticmethod
     def forward(ctx: Any, out: Tensor, slots: Tensor, weights: Tensor, sink: RowAdam, key: str) -> Tensor:
@@ -107,7 +125,7 @@ class _SparseValueGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         slots, weights = ctx.saved_tensors
-        ctx.sink.add_grad(ctx.key, *coalesce_rows(slots, weights, grad))
+        ctx.sink.add_lookups(ctx.key, slots, weights, grad)
         return grad, None, None, None, None
 
 
@@ -117,7 +135,7 @@ def value_lookup(
     """sum_j weights[t, j] * values[slots[t, j]], (N, d); with a sink, the values' gradient goes there sparsely.
 
     Without a sink the values get an ordinary dense gradient (what DDP/FSDP reduce); with one, the table is
-    read detached and the touched rows' gradients are handed to ``sink.add_grad`` during backward.
+    read detached and backward hands the lookups and the output gradient to ``sink.add_lookups``.
     """
     if sink is None:
         return F.embedding_bag(slots, values, mode="sum", per_sample_weights=weights)
@@ -129,10 +147,11 @@ class RowAdam:
     """Lazy (row-wise) Adam for value tables: only rows with a gradient are read and written.
 
     Like torch.optim.SparseAdam: moments of untouched rows are left as they are and the bias correction
-    uses the table's step count. Each step gathers the touched rows of (value, m, v) into reused buffers,
-    runs PyTorch's fused Adam kernel on them (one pass, vectorised) and writes them back; the cost grows
-    with the number of touched rows, not with the table size. Gradients accumulate between steps (several
-    memory layers sharing a table, gradient accumulation) like ``.grad`` does, and are cleared by ``step``.
+    uses the table's step count. Backward only records each memory read's (slots, weights, output gradient),
+    like ``.grad`` accumulates (several layers sharing a table, gradient accumulation); ``step`` groups the
+    reads by row and, on CPU float32, runs a fused kernel that reduces each row's gradient and updates
+    (value, m, v) in one pass (plugins/_pkm_native.py). Elsewhere it computes the row gradients with an
+    EmbeddingBag, gathers the touched rows into reused buffers, runs torch's fused Adam and writes them back.
     """
 
     def __init__(
@@ -141,31 +160,56 @@ class RowAdam:
         self.lr, self.betas, self.eps = lr, betas, eps
         self.tables: dict[str, Tensor] = {}
         self.state: dict[str, dict[str, Tensor]] = {}
-        self.grads: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        self.reads: dict[str, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        self.native = True
+        """Use the fused CPU kernel when it can be built (False: always the PyTorch path)."""
         self._buffers: dict[str, list[Tensor]] = {}
 
     def add_table(self, key: str, table: Tensor) -> None:
         """Register a (rows, d) table under ``key``."""
         self.tables[key] = table
 
-    def add_grad(self, key: str, rows: Tensor, grad: Tensor) -> None:
-        """Accumulate the gradient (U, d) of distinct rows (U,) of table ``key``."""
-        self.grads.setdefault(key, []).append((rows, grad))
+    def add_lookups(self, key: str, slots: Tensor, weights: Tensor, grad: Tensor) -> None:
+        """Record one read of table ``key``: slots, weights (N, m) and the gradient of its output (N, d)."""
+        self.reads.setdefault(key, []).append(
+            (slots.reshape(grad.shape[0], -1), weights.reshape(grad.shape[0], -1), grad)
+        )
 
     def zero_grad(self) -> None:
-        """Drop pending row gradients."""
-        self.grads.clear()
+        """Drop pending gradients."""
+        self.reads.clear()
+
+    def _lookups(self, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+        """Every pending read of a table grouped by row: rows, offsets, tok, w (see sort_lookups) and grad."""
+        reads = self.reads.get(key)
+        if not reads:
+            return None
+        if len(reads) == 1:
+            slots, weights, grad = reads[0]
+            return (*sort_lookups(slots, weights), grad.contiguous())
+        # Several reads (layers sharing the table, accumulated micro-batches): one list of lookups into the
+        # concatenated output gradients.
+        starts = [0]
+        for _, _, g in reads:
+            starts.append(starts[-1] + g.shape[0])
+        tok = torch.cat(
+            [
+                (torch.arange(g.shape[0]) + s0).repeat_interleave(sl.shape[1])
+                for (sl, _, g), s0 in zip(reads, starts)
+            ]
+        )
+        slots = torch.cat([sl.reshape(-1) for sl, _, _ in reads])
+        weights = torch.cat([w.reshape(-1) for _, w, _ in reads])
+        grad = torch.cat([g for _, _, g in reads])
+        return (*sort_lookups(slots, weights, tok.to(slots.device)), grad.contiguous())
 
     def pending(self, key: str) -> tuple[Tensor, Tensor] | None:
-        """The accumulated (distinct rows, gradient) of a table, or None."""
-        parts = self.grads.get(key)
-        if not parts:
+        """The accumulated gradient of a table as (distinct rows (U,), row gradients (U, d)), or None."""
+        got = self._lookups(key)
+        if got is None:
             return None
-        if len(parts) == 1:
-            return parts[0]
-        rows, inverse = torch.unique(torch.cat([r for r, _ in parts]), return_inverse=True)
-        grad = torch.cat([g for _, g in parts])
-        return rows, grad.new_zeros(rows.numel(), grad.shape[1]).index_add_(0, inverse, grad)
+        rows, offsets, tok, w, grad = got
+        return rows, row_gradients(offsets, tok, w, grad)
 
     def _state(self, key: str) -> dict[str, Tensor]:
         if key not in self.state:
@@ -181,25 +225,29 @@ class RowAdam:
     def step(self) -> None:
         """Apply one Adam step to the touched rows of every table, then clear the gradients."""
         for key, table in self.tables.items():
-            got = self.pending(key)
+            got = self._lookups(key)
             if got is None:
                 continue
-            rows, grad = got
+            rows, offsets, tok, w, grad = got
             st = self._state(key)
             st["step"] += 1
+            full = (table, st["exp_avg"], st["exp_avg_sq"])
+            args = (rows, offsets, tok, w.to(grad.dtype).contiguous(), grad)
+            hyper = dict(lr=self.lr, betas=self.betas, eps=self.eps, step=int(st["step"]))
+            if self.native and _pkm_native.row_adam(*full, *args, **hyper):
+                continue
+            g = row_gradients(offsets, tok, w, grad)  # (U, d)
             # Reused gather buffers: fresh (U, d) allocations cost page faults on every step.
             bufs = self._buffers.setdefault(key, [table.new_empty(0) for _ in range(3)])
-            full = (table, st["exp_avg"], st["exp_avg_sq"])
             # resize_(0) keeps the storage, so index_select refills it without a new allocation.
             p, m, v = (torch.index_select(t, 0, rows, out=b.resize_(0)) for t, b in zip(full, bufs))  # (U, d)
             torch._fused_adam_(
-                [p], [grad.to(p.dtype)], [m], [v], [], [st["step"].to(p.device)],
+                [p], [g.to(p.dtype)], [m], [v], [], [st["step"].to(p.device)],
                 lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0, eps=self.eps,
                 amsgrad=False, maximize=False,
             )  # fmt: skip
-            table.index_copy_(0, rows, p)
-            st["exp_avg"].index_copy_(0, rows, m)
-            st["exp_avg_sq"].index_copy_(0, rows, v)
+            for t, rows_t in zip(full, (p, m, v)):
+                t.index_copy_(0, rows, rows_t)
         self.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:

@@ -141,7 +141,8 @@ class PKMLayer(nn.Module):
         sink = self._owner.row_optimizer if (self._owner.sparse_active and torch.is_grad_enabled()) else None
         hk = self.heads * self.topk
         m = value_lookup(slots.view(-1, hk), weights.view(-1, hk).to(values.dtype), values, sink, self.table)
-        m = F.dropout(m, self.value_dropout, self.training)  # (N, d)
+        if self.value_dropout:
+            m = F.dropout(m, self.value_dropout, self.training)  # (N, d)
         if self.gate is not None:
             m = self.out(m.to(x.dtype) * F.silu(self.gate(xf)))
         if self.collecting and not self.training:

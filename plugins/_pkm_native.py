@@ -1,0 +1,138 @@
+"""A fused CPU kernel for the PKM value update: per distinct row, reduce its gradient and apply Adam in place.
+
+For each distinct row u of the value table (rows sorted, its lookups e in [offsets[u], offsets[u+1])):
+    g = sum_e w[e] * grad[tok[e]]                       the sum-EmbeddingBag gradient of that row
+    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+which is torch.optim.Adam's update (Kingma & Ba, Alg. 1, bias-corrected) restricted to touched rows. One pass
+reads and writes each touched row of (p, m, v) once; nothing of size (rows, d) is allocated. Rows are split
+into contiguous ranges run on Python threads (ctypes releases the GIL), so no OpenMP runtime is involved.
+
+The C source is compiled once with the system C compiler into the rlm cache and loaded with ctypes; when no
+compiler is found, ``load()`` returns None and the caller uses its PyTorch path (same numbers, slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64_t *offsets,
+                  const int64_t *tok, const float *w, const float *grad, int64_t u0, int64_t u1, int64_t d,
+                  float lr, float b1, float b2, float eps, float bc1, float bc2_sqrt) {
+    float *g = (float *)malloc(sizeof(float) * (size_t)d);
+    const float step = lr / bc1;
+    for (int64_t u = u0; u < u1; ++u) {
+        memset(g, 0, sizeof(float) * (size_t)d);
+        for (int64_t e = offsets[u]; e < offsets[u + 1]; ++e) {
+            const float we = w[e];
+            const float *gr = grad + tok[e] * d;
+            for (int64_t j = 0; j < d; ++j) g[j] += we * gr[j];
+        }
+        float *pr = p + rows[u] * d, *mr = m + rows[u] * d, *vr = v + rows[u] * d;
+        for (int64_t j = 0; j < d; ++j) {
+            const float mj = b1 * mr[j] + (1.0f - b1) * g[j];
+            const float vj = b2 * vr[j] + (1.0f - b2) * g[j] * g[j];
+            mr[j] = mj;
+            vr[j] = vj;
+            pr[j] -= step * mj / (sqrtf(vj) / bc2_sqrt + eps);
+        }
+    }
+    free(g);
+}
+"""
+
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlm")
+    return Path(root) / "native"
+
+
+def _build(target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, out = Path(tmp) / "pkm_row_adam.c", Path(tmp) / target.name
+        src.write_text(SOURCE)
+        subprocess.run(
+            [cc, "-O3", "-shared", "-fPIC", "-o", str(out), str(src), "-lm"], check=True, capture_output=True
+        )
+        os.replace(out, target)  # atomic: concurrent processes never load a half-written library
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None (with a warning) when it cannot be built."""
+    global _LIB, _TRIED
+    if _TRIED:
+        return _LIB
+    _TRIED = True
+    if os.environ.get("RLM_PKM_NATIVE", "1") == "0":
+        return None
+    target = _cache_dir() / f"pkm_row_adam_{hashlib.sha1(SOURCE.encode()).hexdigest()[:12]}.so"
+    try:
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
+        warnings.warn(f"pkm: fused value update unavailable ({err}); using the PyTorch path", stacklevel=2)
+        return None
+    f = lib.pkm_row_adam
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 6
+    _LIB = lib
+    return lib
+
+
+def row_adam(
+    p: Tensor, m: Tensor, v: Tensor, rows: Tensor, offsets: Tensor, tok: Tensor, w: Tensor, grad: Tensor,
+    lr: float, betas: tuple[float, float], eps: float, step: int,
+) -> bool:  # fmt: skip
+    """Run the fused update in place; False when the kernel is unavailable or the tensors do not fit it.
+
+    p, m, v: (S, d) float32 CPU contiguous; rows (U,) sorted distinct; offsets (U+1,); tok, w (E,) in row
+    order; grad (N, d).
+    """
+    global _POOL
+    fits = all(t.device.type == "cpu" and t.is_contiguous() for t in (p, m, v, rows, offsets, tok, w, grad))
+    fits = fits and all(t.dtype == torch.float32 for t in (p, m, v, w, grad))
+    fits = fits and all(t.dtype == torch.int64 for t in (rows, offsets, tok))
+    lib = load() if fits else None
+    if lib is None:
+        return False
+    U, d = rows.numel(), p.shape[1]
+    bc1, bc2_sqrt = 1 - betas[0] ** step, (1 - betas[1] ** step) ** 0.5
+    ptrs = [t.data_ptr() for t in (p, m, v, rows, offsets, tok, w, grad)]
+    threads = max(1, min(torch.get_num_threads(), U // 256 or 1))
+
+    def run(i: int) -> None:
+        u0, u1 = U * i // threads, U * (i + 1) // threads
+        lib.pkm_row_adam(*ptrs, u0, u1, d, lr, betas[0], betas[1], eps, bc1, bc2_sqrt)
+
+    if threads == 1:
+        run(0)
+    else:
+        if _POOL is None or _POOL._max_workers < threads:
+            _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkm-row-adam")
+        list(_POOL.map(run, range(threads)))
+    return True
