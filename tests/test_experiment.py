@@ -1,0 +1,262 @@
+"""Experiments: file validation, run configs, the report's numbers, and a real two-variant, two-seed run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_helpers import CONFIGS, REPO, TINY
+
+from rlm.cli import main as rlm_main
+from rlm.experiment import ExperimentError, TrainClock, load_experiment
+from rlm.experiment.check import check_experiment
+from rlm.experiment.report import PLOTS, write_report
+from rlm.experiment.spec import run_config
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_experiment(path: Path, **fields) -> Path:
+    """An experiment file on the tiny test setup (absolute base paths), with ``fields`` on top."""
+    spec = {
+        "name": "tiny",
+        "base": [str(p) for p in TINY],
+        "seeds": [0],
+        "variants": {"baseline": {}},
+        **fields,
+    }
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+# ----- validation -----------------------------------------------------------------------------------------
+
+
+def test_broken_experiment_lists_every_problem(tmp_path, capsys):
+    tokenid = str(CONFIGS / "plugins" / "tokenid.yaml")
+    path = write_experiment(
+        tmp_path / "broken.yaml",
+        seeds=[0, 0],
+        baseline="nope",
+        colour="red",
+        common={"trainer": {"max_stepz": 4}},
+        variants={
+            "baseline": {},
+            "mystery": {"set": {"model": {"plugins": {"mystery": {}}}}},
+            "bad_option": {"configs": [tokenid], "set": {"model": {"plugins": {"tokenid": {"rnk": 1}}}}},
+            "bad_layer": {"configs": [tokenid], "set": {"model": {"plugins": {"tokenid": {"layers": [7]}}}}},
+            "missing": {"configs": ["nothere.yaml"], "set": {"trainer": {"max_steps": "abc"}}},
+            "bad_heads": {"set": {"model": {"model": {"n_heads": 3}}}},
+            "bad key": {},
+        },
+    )
+    with pytest.raises(ExperimentError) as info:
+        check_experiment(path)
+    expected = [
+        "unknown top-level key(s) ['colour']",
+        "seeds: [0, 0] repeats a seed",
+        "baseline: 'nope' is not one of the variants",
+        "variant 'bad key': names must be letters",
+        "variant 'missing'.configs: config file 'nothere.yaml' does not exist",
+        "common.trainer.max_stepz = 4: Group 'trainer' does not accept option 'max_stepz'",
+        "variant 'mystery': unknown plugin 'mystery'; known plugins: [",
+        "variant 'bad_option': plugin 'tokenid': unknown option(s) ['rnk']",
+        "variant 'bad_layer': plugin 'tokenid': layer 7 is out of range for a model of 2 layers",
+        "variant 'missing': set.trainer.max_steps = 'abc': Parser key \"trainer.max_steps\"",
+        "variant 'bad_heads': model.n_heads=3 must divide model.d_model=64",
+    ]
+    problems = info.value.problems
+    for text in expected:
+        assert sum(text in p for p in problems) == 1, f"{text!r} not reported once in {problems}"
+    assert len(problems) == len(expected)
+    # Through the command line: exit code 2, every problem printed, nothing trained.
+    assert rlm_main(["experiment", "run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"has {len(expected)} problems" in err and all(text in err for text in expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_structure_errors_without_a_parser(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("variants: [a, b]\nseeds: two\n")
+    with pytest.raises(ExperimentError) as info:
+        load_experiment(path)
+    assert any(p.startswith("base: name at least one config file") for p in info.value.problems)
+    assert any(p.startswith("variants: expected a non-empty mapping") for p in info.value.problems)
+    assert any(p.startswith("seeds: expected a non-empty list of integers") for p in info.value.problems)
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "experiments").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_experiment_files_validate(path):
+    exp, counts = check_experiment(path)
+    assert exp.baseline in counts and counts[exp.baseline].added == 0
+    assert exp.description, "the header/description must say what the paper found"
+
+
+# ----- run configs and the clock --------------------------------------------------------------------------
+
+
+def test_run_config_points_logs_and_checkpoints_into_the_run(tmp_path):
+    from rlm.config_merge import merge_configs
+
+    cfg = run_config(merge_configs(TINY), 3, tmp_path / "v" / "seed3")
+    run = str((tmp_path / "v" / "seed3").resolve())
+    assert cfg["seed_everything"] == 3 and cfg["trainer"]["default_root_dir"] == run
+    (logger,) = cfg["trainer"]["logger"]  # fast.yaml's CSV logger, moved into the run
+    assert logger["init_args"] == {"save_dir": run, "name": "logs", "version": 0}
+    ckpt, lr_monitor, clock = cfg["trainer"]["callbacks"]
+    assert ckpt["init_args"]["dirpath"] == run + "/ckpt" and ckpt["init_args"]["save_last"] is True
+    assert ckpt["init_args"]["every_n_train_steps"] == 3  # the base's own settings are kept
+    assert lr_monitor["class_path"].endswith("LearningRateMonitor")
+    assert clock == {"class_path": "rlm.experiment.timing.TrainClock"}
+    assert run_config(cfg, 3, tmp_path / "v" / "seed3") == cfg  # idempotent: no second clock
+
+
+def test_train_clock_excludes_validation_and_survives_resume(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("rlm.experiment.timing.time.perf_counter", lambda: now[0])
+    clock = TrainClock()
+    clock.on_train_start(None, None)
+    now[0] = 110.0
+    clock.on_validation_start(None, None)
+    now[0] = 130.0  # 20 s of validation
+    clock.on_validation_end(None, None)
+    now[0] = 135.0
+    assert clock.elapsed() == pytest.approx(15.0)
+    resumed = TrainClock()
+    resumed.load_state_dict(clock.state_dict())
+    resumed.on_train_start(None, None)
+    now[0] = 140.0
+    assert resumed.elapsed() == pytest.approx(20.0)
+
+
+def test_unfinished_run_resumes_from_its_checkpoint_only_under_the_same_config(tmp_path):
+    from rlm.experiment.runner import Run, _prepare_dir
+
+    run = Run("v", 0, tmp_path / "v" / "seed0", {"trainer": {"max_steps": 10}})
+    assert _prepare_dir(run) == []  # fresh
+    (run.dir / "ckpt").mkdir()
+    (run.dir / "ckpt" / "last.ckpt").write_bytes(b"x")
+    assert _prepare_dir(run) == ["--ckpt_path", str(run.dir / "ckpt" / "last.ckpt")]
+    changed = Run("v", 0, run.dir, {"trainer": {"max_steps": 20}})
+    assert _prepare_dir(changed) == [] and not (run.dir / "ckpt").exists()  # another config: start afresh
+
+
+# ----- the report's numbers, from hand-made runs ----------------------------------------------------------
+
+
+def fake_run(out: Path, variant: str, seed: int, loss: float, added: int, speed: float) -> None:
+    """A finished run directory with a summary and a three-validation metrics.csv."""
+    run = out / variant / f"seed{seed}"
+    (run / "logs" / "version_0").mkdir(parents=True)
+    rows = ["epoch,step,time/train_s,val/loss,val/moe_load_max/l1"]
+    for i, step in enumerate((9, 19, 29)):
+        rows += [f"0,{step},{(step + 1) * 0.5},,", f"0,{step},,{loss + 1.0 - 0.5 * i},0.5"]
+    (run / "logs" / "version_0" / "metrics.csv").write_text("\n".join(rows) + "\n")
+    summary = {
+        "variant": variant, "seed": seed, "fingerprint": "x", "val_loss": loss, "val_ppl": 2.718281828**loss,
+        "best_val_loss": loss, "steps": 30, "params_total": 1000 + added, "params_added": added,
+        "params_active": 1000, "tokens_per_s": speed, "train_s": 15.0, "wall_s": 20.0,
+        "metrics": {"val/moe_load_max/l1": 0.5, "train/moe_load/l1_e0": 0.25},
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
+    info = {"name": "fake", "base": ["default.yaml"], "baseline": "base", "report_metrics": ["val/*"],
+            "variants": {"base": {"description": ""}, "moe": {"description": "8 experts"}, "big": {"description": ""}}}  # fmt: skip
+    (tmp_path / "experiment.json").write_text(json.dumps(info))
+    runs = {"base": [(0, 3.0, 0, 100.0), (1, 3.2, 0, 110.0)], "moe": [(0, 2.9, 500, 80.0), (1, 2.95, 500, 90.0)],
+            "big": [(0, 3.5, 2000, 50.0)]}  # fmt: skip
+    for variant, seeds in runs.items():
+        for seed, loss, added, speed in seeds:
+            fake_run(tmp_path, variant, seed, loss, added, speed)
+    paths = write_report(tmp_path)
+    assert [p.name for p in paths] == ["results.csv", "results.md", *PLOTS]
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes().startswith(PNG)
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["variant"], r["seed"], r["baseline"]) for r in rows] == [
+        ("base", "0", "True"), ("base", "1", "True"),
+        ("moe", "0", "False"), ("moe", "1", "False"), ("big", "0", "False"),
+    ]  # fmt: skip
+    assert rows[0]["val/moe_load_max/l1"] == "0.5" and rows[0]["train/moe_load/l1_e0"] == "0.25"
+    md = (tmp_path / "results.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    main_rows = [line.split(" | ") for line in table[1:4]]
+    assert [r[0].strip("| ") for r in main_rows] == ["moe", "**base** (baseline)", "big"]
+    mean = {v: statistics.fmean(s[1] for s in seeds) for v, seeds in runs.items()}
+    sd_moe = statistics.stdev([2.9, 2.95])
+    assert main_rows[0][1] == f"{mean['moe']:.3f} ± {sd_moe:.3f}"
+    assert main_rows[0][2] == f"{mean['moe'] - mean['base']:+.3f}"
+    assert main_rows[2][1] == f"{mean['big']:.3f}" and main_rows[2][2] == f"{mean['big'] - mean['base']:+.3f}"
+    assert main_rows[1][2] == "—"
+    assert (
+        main_rows[0][-1].rstrip(" |") == f"{85.0 / 105.0:.2f}x"
+    )  # tokens/s against the baseline's, last column
+    assert main_rows[0][6] == "500" and main_rows[2][6] == "2.00k"
+    assert "`moe`: 8 experts" in md
+    assert "val/moe_load_max/l1" in md and "train/moe_load/l1_e0" not in md  # report_metrics: val/* only
+
+
+# ----- end to end -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monkeypatch, capsys):
+    # The runner in-process (its rlm fit runs are subprocesses anyway): two interpreter start-ups fewer.
+    monkeypatch.chdir(tmp_path)
+    for key, value in {"RLM_CACHE": str(rlm_cache), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}.items():
+        monkeypatch.setenv(key, value)
+    path = write_experiment(
+        tmp_path / "exp.yaml",
+        description="Token-ID tables against the plain model.",
+        common={"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1}},
+        seeds=[0, 1],
+        variants={"baseline": {}, "tokenid": {"configs": [str(REPO / "configs/plugins/tokenid.yaml")]}},
+    )
+    out = tmp_path / "out"
+    assert rlm_main(["experiment", "run", str(path), "--out", str(out)]) == 0
+    summaries = {p.parent.relative_to(out).as_posix(): p for p in sorted(out.glob("*/seed*/summary.json"))}
+    assert list(summaries) == ["baseline/seed0", "baseline/seed1", "tokenid/seed0", "tokenid/seed1"]
+    base, tok = (json.loads(summaries[f"{v}/seed0"].read_text()) for v in ("baseline", "tokenid"))
+    vocab, d = 1024, 64  # configs/data/tiny.yaml, configs/model/tiny.yaml
+    assert base["params_added"] == 0 and tok["params_added"] == vocab * d  # one rank-0 table at layer 0
+    assert tok["params_total"] == base["params_total"] + vocab * d
+    assert tok["params_active"] == base["params_active"] + d  # a token reads one row of the table
+    for s in (base, tok):
+        assert (
+            s["steps"] == 4 and s["val_loss"] > 0 and s["tokens_per_s"] > 0 and 0 < s["train_s"] < s["wall_s"]
+        )
+    config = yaml.safe_load((out / "tokenid/seed1/config.yaml").read_text())
+    assert config["seed_everything"] == 1 and config["model"]["plugins"] == {
+        "tokenid": {"layers": [0], "rank": 0}
+    }
+    with open(out / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    assert "**baseline** (baseline)" in (out / "results.md").read_text()
+    for name in PLOTS:
+        assert (out / name).read_bytes().startswith(PNG)
+
+    # Resume: only the deleted run trains again.
+    stamps = {k: p.stat().st_mtime_ns for k, p in summaries.items()}
+    shutil.rmtree(out / "tokenid/seed1")
+    capsys.readouterr()
+    assert rlm_main(["experiment", "run", str(path), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("finished earlier, skipped") == 3
+    for key, stamp in stamps.items():
+        if key != "tokenid/seed1":
+            assert summaries[key].stat().st_mtime_ns == stamp, f"{key} was retrained"
+    assert (out / "tokenid/seed1/summary.json").is_file()
+
+    # The report alone rebuilds the tables and plots.
+    for name in ("results.csv", "results.md", *PLOTS):
+        (out / name).unlink()
+    assert rlm_main(["experiment", "report", str(out)]) == 0
+    assert all((out / name).is_file() for name in ("results.csv", "results.md", *PLOTS))
