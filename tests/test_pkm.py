@@ -389,3 +389,32 @@ def test_ddp_two_cpu_processes_with_dense_values(tmp_path, rlm_cache):
         g for opt in ckpt["optimizer_states"] for g in opt["param_groups"] if g.get("name") == "pkm_values"
     ]
     assert group["lr"] == 1e-3 and group["weight_decay"] == 0.0
+
+
+@pytest.mark.slow
+def test_benchmark_script_smoke(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_pkm", CONFIGS.parent / "benchmarks" / "pkm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(
+        [
+            "--n",
+            "32",
+            "64",
+            "--batch",
+            "1",
+            "--seq",
+            "16",
+            "--repeat",
+            "1",
+            "--model-seq",
+            "16",
+            "--model-batch",
+            "1",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "| pkm sparse n=64 | 4,096 |" in out and "| pkm dense n=32 |" in out
+    assert "peer" in out and "pkm at layer 2, n=64" in out
