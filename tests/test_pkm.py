@@ -418,3 +418,49 @@ def test_benchmark_script_smoke(capsys):
     out = capsys.readouterr().out
     assert "| pkm sparse n=64 | 4,096 |" in out and "| pkm dense n=32 |" in out
     assert "peer" in out and "pkm at layer 2, n=64" in out
+
+
+def _synced_bn_worker(
+    rank: int, world: int, port: int, x: torch.Tensor, mask: torch.Tensor, out: dict
+) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        bn = MaskedBatchNorm(x.shape[1]).double()
+        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        xr = x[rows].clone().requires_grad_(True)
+        y = bn(xr, mask[rows])
+        (y[mask[rows]] ** 3).sum().backward()
+        out[rank] = (y.detach(), xr.grad, bn.running_mean.clone(), bn.running_var.clone())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_batchnorm_is_synced_across_two_processes():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    x = torch.randn(12, 5, dtype=torch.float64)
+    mask = torch.ones(12, dtype=torch.bool)
+    mask[[2, 9, 10]] = False  # padding on both ranks
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_synced_bn_worker, args=(2, port, x, mask, out), nprocs=2)
+        got = dict(out)
+    # Reference: one process over all rows (statistics of every valid row of both ranks).
+    bn = MaskedBatchNorm(5).double()
+    x1 = x.clone().requires_grad_(True)
+    y = bn(x1, mask)
+    (y[mask] ** 3).sum().backward()
+    assert_close(torch.cat([got[0][0], got[1][0]]), y.detach())
+    assert_close(torch.cat([got[0][1], got[1][1]]), x1.grad)
+    for r in (0, 1):
+        assert_close(got[r][2], bn.running_mean)
+        assert_close(got[r][3], bn.running_var)
