@@ -117,9 +117,8 @@ class PKMLayer(nn.Module):
         # gradients or the training forward, so it is not per-step state in the sense of the contract.
         self.register_buffer("slot_weight", torch.zeros(0, dtype=torch.float64), persistent=False)
         self.collecting = False
-        object.__setattr__(
-            self, "_owner", owner
-        )  # a plain reference: the table is registered on the plugin only
+        # A plain reference, not a submodule: the value table is registered on the plugin only.
+        object.__setattr__(self, "_owner", owner)
 
     def lookup(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Selected slots and their softmax weights for x (N, d) with padding mask valid (N,): each (N, H, k)."""
