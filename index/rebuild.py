@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -271,9 +272,22 @@ class RebuildCallback(pl.Callback):
             )
         self.segments, self.rows = dm.segments, indexed_rows(dm.segments, dm.store.train_docs)
         self._writer = trainer.global_rank == 0
-        if self._try_reuse():
+        self._ready = False
+
+    # The first table is made once the training state (global_step) is restored, i.e. not in on_fit_start
+    # (Lightning 2.6 restores it after that hook) but before the sanity check and the first step.
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_table(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_table(trainer)
+
+    def _first_table(self, trainer: pl.Trainer) -> None:
+        if self._ready:
             return
-        self._rebuild_blocking(trainer, trainer.global_step)  # the first table is built at fit start
+        self._ready = True
+        if not self._try_reuse():
+            self._rebuild_blocking(trainer, trainer.global_step)
 
     def _try_reuse(self) -> bool:
         """Load the index directory the checkpoint names, when it exists and matches; else False."""
@@ -348,7 +362,9 @@ class RebuildCallback(pl.Callback):
         if trainer.global_rank == 0:
             build_memory(vectors, self.segments, self.rows, self.k, identity, step, self.index_config, path)
         trainer.strategy.barrier("retrieval-rebuild")
-        return load_memory(path, self.segments, identity, self.k)
+        memory = load_memory(path, self.segments, identity, self.k)
+        check_same_table(trainer, memory.neighbours)
+        return memory
 
     def _start_background(self, trainer: pl.Trainer, step: int) -> None:
         embedder = self.owner.snapshot(step)  # copied now, on the main thread, at a step boundary
@@ -415,6 +431,18 @@ class RebuildCallback(pl.Callback):
         old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p != current)
         for p in old[: max(0, len(old) - (self.keep - 1))]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray) -> None:
+    """Raise unless every rank holds the same neighbour table (a checksum all-gather)."""
+    checksum = zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
+    sums = trainer.strategy.all_gather(
+        torch.tensor(checksum, dtype=torch.int64, device=trainer.strategy.root_device)
+    )
+    if not bool((sums == sums[0]).all()):
+        raise RuntimeError(
+            f"ranks hold different neighbour tables after a rebuild (checksums {sums.tolist()})"
+        )
 
 
 def gather_shards(trainer: pl.Trainer, shard: np.ndarray, total: int) -> np.ndarray:

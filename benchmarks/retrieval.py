@@ -1,0 +1,226 @@
+"""Cost of MARGE-style retrieval, each measured against its baseline in the same run.
+
+1. Training step time with retrieval (k neighbours with continuations, cross-attention, shared embedder)
+   against the same model without; and the share of the step spent reading the precomputed neighbours
+   (prepare(): table lookup and token gather). Goal: reading neighbours <= 5% of a step.
+2. Rebuild time (embed every segment, build the index, compute the neighbour table) against corpus size,
+   and its share of training wall-clock under the default schedule (one rebuild every `--interval` steps).
+   Goal: <= 10%.
+3. Steps/s while a background rebuild runs, relative to no rebuild, against a blocking rebuild. Goal: the
+   background mode hides most of the rebuild's cost.
+
+One step = forward + backward + AdamW on windows of a random-token corpus (timing does not depend on
+the tokens). Variants are timed in interleaved rounds so a noisy neighbour slows them alike.
+
+    python benchmarks/retrieval.py                                   # d=256, 4 layers, seq 256, segments of 64
+    python benchmarks/retrieval.py --d 32 --layers 2 --seq 32 --segment 8 --batch 2 --docs 40 \\
+        --sizes 200 400 --steps 2 --rounds 1                         # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rlm.index.build import IndexConfig
+from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
+
+from rlm.data.segments import SegmentTable
+from rlm.data.windows import Windows
+from rlm.model import ModelConfig, Transformer
+from rlm.plugin import Context
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import table  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options: model shape, corpus sizes, timing effort."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--segment", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--docs", type=int, default=400, help="documents of the training corpus (tables 1 and 3)")
+    p.add_argument("--doc-len", type=int, default=1024, help="tokens per document")
+    p.add_argument("--sizes", type=int, nargs="+", default=[2000, 8000, 32000], help="segments (table 2)")
+    p.add_argument(
+        "--interval", type=int, default=250, help="steps between rebuilds (the default schedule's)"
+    )
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--factory", default="auto", help="index factory")
+    return p.parse_args(argv)
+
+
+def corpus(
+    n_docs: int, doc_len: int, segment: int, vocab: int, seed: int = 0
+) -> tuple[SegmentTable, np.ndarray]:
+    """Random-token documents as a SegmentTable, and the document offsets."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(4, vocab, size=n_docs * doc_len).astype(np.int64)
+    offsets = np.arange(n_docs + 1, dtype=np.int64) * doc_len
+    return SegmentTable(tokens, offsets, segment, 0, f"bench-{n_docs}-{doc_len}-{segment}"), offsets
+
+
+def model_for(a: argparse.Namespace, retrieval: bool) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=a.vocab, d_model=a.d, n_layers=a.layers, n_heads=a.heads, max_seq_len=a.seq)
+    plugins = {"retrieval": {"layers": [-1], "k": a.k, "progress": False}} if retrieval else {}
+    return Transformer(cfg, plugins)
+
+
+def rebuild(model: Transformer, segments: SegmentTable, a: argparse.Namespace, step: int = 0):
+    """One full rebuild: snapshot, embed every segment, index, neighbour table (not written to disk)."""
+    plugin = model.plugins["retrieval"]
+    rows = indexed_rows(segments, np.arange(len(segments.first) - 1))
+    embedder = plugin.snapshot(step)
+    vectors = embed_rows(embedder, segments, rows, 256, 0, 1, False)
+    cfg = IndexConfig(factory=a.factory, target_recall=None)
+    return build_memory(vectors, segments, rows, a.k, embedder.embedder_identity(), step, cfg, None)
+
+
+class Stepper:
+    """Training steps of one model on shuffled windows; records the time spent in prepare()."""
+
+    def __init__(self, model: Transformer, windows: Windows, batch: int) -> None:
+        self.model, self.windows, self.batch = model, windows, batch
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.rng = np.random.default_rng(0)
+        self.prepare_s = 0.0
+
+    def step(self) -> None:
+        b = self.windows.collate(self.rng.choice(len(self.windows), self.batch, replace=False))
+        t0 = time.perf_counter()
+        ctx = Context(tokens=b["tokens"], mask=b["mask"], segment_ids=b["segment_ids"], doc_ids=b["doc_ids"])
+        for plugin in self.model.plugins.values():
+            plugin.prepare(ctx, b)
+        self.prepare_s += time.perf_counter() - t0
+        logits = self.model(b["tokens"], ctx)
+        loss = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten(), ignore_index=-100)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def time(self, steps: int) -> float:
+        """Seconds per step over `steps` steps."""
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return (time.perf_counter() - t0) / steps
+
+
+def step_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.ndarray) -> tuple[str, float]:
+    windows = Windows(segments, offsets, np.arange(len(offsets) - 1), a.seq)
+    base = Stepper(model_for(a, False), windows, a.batch)
+    retr = Stepper(model_for(a, True), windows, a.batch)
+    retr.model.plugins["retrieval"].use_memory(rebuild(retr.model, segments, a))
+    for s in (base, retr):
+        s.time(2)  # warm-up
+    times = {"base": [], "retr": []}
+    retr.prepare_s = 0.0
+    for _ in range(a.rounds):
+        times["base"].append(base.time(a.steps))
+        times["retr"].append(retr.time(a.steps))
+    tb, tr = statistics.median(times["base"]), statistics.median(times["retr"])
+    prep = retr.prepare_s / (a.rounds * a.steps)
+    rows = [
+        ["no retrieval", f"{1000 * tb:.1f}", "", 1.0],
+        [f"retrieval (k={a.k}, continuations)", f"{1000 * tr:.1f}", "", tr / tb],
+        [
+            "reading precomputed neighbours (prepare)",
+            f"{1000 * prep:.2f}",
+            "share of the retrieval step",
+            prep / tr,
+        ],
+    ]
+    return table(["training step", "ms/step", "note", "ratio"], rows), tr
+
+
+def rebuild_table(a: argparse.Namespace, step_s: float) -> str:
+    rows = []
+    model = model_for(a, True)
+    for n in a.sizes:
+        docs = max(1, n * a.segment // a.doc_len)
+        segments, _ = corpus(docs, a.doc_len, a.segment, a.vocab, seed=n)
+        t0 = time.perf_counter()
+        rebuild(model, segments, a)
+        sec = time.perf_counter() - t0
+        share = sec / (sec + a.interval * step_s)
+        rows.append([len(segments), f"{sec:.2f}", f"{1000 * sec / len(segments):.3f}", a.interval, share])
+    return table(
+        ["segments", "rebuild s", "ms/segment", "steps between rebuilds", "share of training wall-clock"],
+        rows,
+    )
+
+
+def background_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.ndarray) -> str:
+    windows = Windows(segments, offsets, np.arange(len(offsets) - 1), a.seq)
+    s = Stepper(model_for(a, True), windows, a.batch)
+    plugin = s.model.plugins["retrieval"]
+    plugin.use_memory(rebuild(s.model, segments, a))
+    s.time(2)
+    quiet = s.time(a.steps * a.rounds)  # s/step with no rebuild
+    t0 = time.perf_counter()
+    plugin.use_memory(rebuild(s.model, segments, a, step=1))
+    blocking = time.perf_counter() - t0
+    # background: a snapshot embeds and indexes in a thread while the steps go on; count steps until it is done
+    done = threading.Event()
+    result = {}
+
+    def work():
+        result["memory"] = rebuild(s.model, segments, a, step=2)
+        done.set()
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=work)
+    thread.start()
+    n = 0
+    while not done.is_set():
+        s.step()
+        n += 1
+    thread.join()
+    plugin.use_memory(result["memory"])
+    during = (time.perf_counter() - t0) / max(n, 1)
+    extra_bg = n * (during - quiet)  # training time lost to the background rebuild
+    rows = [
+        ["no rebuild", f"{1 / quiet:.2f}", "", 1.0],
+        ["blocking rebuild", "0 (training waits)", f"{blocking:.2f} s lost", 0.0],
+        [
+            f"background rebuild ({n} steps overlap it)",
+            f"{1 / during:.2f}",
+            f"{extra_bg:.2f} s lost",
+            quiet / during,
+        ],
+        ["share of the blocking cost hidden by background", "", "", 1 - max(extra_bg, 0.0) / blocking],
+    ]
+    return table(["mode", "steps/s", "rebuild cost to training", "ratio"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    segments, offsets = corpus(a.docs, a.doc_len, a.segment, a.vocab)
+    print(
+        f"model d={a.d} layers={a.layers} seq={a.seq} segment={a.segment} batch={a.batch} k={a.k}; "
+        f"corpus {len(segments)} segments; torch threads {torch.get_num_threads()}\n"
+    )
+    steps, step_s = step_table(a, segments, offsets)
+    print(steps + "\n")
+    print(rebuild_table(a, step_s) + "\n")
+    print(background_table(a, segments, offsets))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The retriever trained end to end with the rebuild callback (plain pl.Trainer, in process): the synthetic
+'continuation only predictable from another document' task, the schedule grammar, resume with and
+without a matching index, and the atomic background swap."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule
+from test_retrieval import make_segments
+
+from rlm.data.windows import TrainLoader, Windows, eval_loader
+from rlm.lightning import LMModule, OptimConfig
+from rlm.model import ModelConfig
+
+SEG, SEQ = 8, 32
+VOCAB = 512
+
+
+class TokenData(pl.LightningDataModule):
+    """A datamodule over documents given as token arrays, exposing what the rebuild callback reads.
+
+    `indexed` documents are the retrieval corpus (store.train_docs, what the callback indexes); the training
+    windows come from `train`, the validation windows from `val`.
+    """
+
+    def __init__(self, docs, train, val, indexed, batch_size: int = 16, fingerprint: str = "synthetic"):
+        super().__init__()
+        self.segments = make_segments(docs, SEG, fingerprint)
+        offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+        self.store = type("Store", (), {"train_docs": np.asarray(indexed), "val_docs": np.asarray(val)})()
+        self.train_windows = Windows(self.segments, offsets, np.asarray(train), SEQ)
+        self.val_windows = Windows(self.segments, offsets, np.asarray(val), SEQ)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return TrainLoader(self.train_windows, self.batch_size, seed=0)
+
+    def val_dataloader(self):
+        return eval_loader(self.val_windows, self.batch_size)
+
+
+def paired_corpus(pairs: int = 64, group: int = 2, seed: int = 0, batch_size: int = 16) -> TokenData:
+    """Document pairs (A_i, B_i) sharing a random continuation V_i (3 segments), only predictable from the partner.
+
+    Segment 0 of each document is [bos, 3 key tokens of the pair, 4 topic tokens]; topic tokens are shared by a
+    group of `group` documents that are not partners, so an untrained bag-of-tokens embedder ranks a topic
+    distractor (5 tokens in common) above the partner (4 in common): the hit rate has to be learned.
+    The A documents are the retrieval corpus only (indexed, never trained on, so V_i cannot be memorised from
+    them); the model trains on the B documents of 3/4 of the pairs and is validated on the other B documents.
+    """
+    rng = np.random.default_rng(seed)
+    n_topics = 2 * pairs // group
+    topics = rng.integers(4, VOCAB, size=(n_topics, 4))
+    docs = []
+    for i in range(pairs):
+        key, value = rng.integers(4, VOCAB, size=3), rng.integers(4, VOCAB, size=3 * SEG)
+        for side in range(2):
+            topic = topics[(i + side) % n_topics]  # A_i in topic i, B_i in topic i + 1 (with A_{i+1})
+            docs.append(np.concatenate([[2], key, topic, value, [3]]))
+    a_docs, b_docs = np.arange(0, 2 * pairs, 2), np.arange(1, 2 * pairs, 2)
+    val, train = b_docs[: pairs // 4], b_docs[pairs // 4 :]
+    return TokenData(docs, train, val, np.concatenate([a_docs, train]), batch_size)
+
+
+def hit_rate(memory: RetrievalMemory, queries: np.ndarray, partners: np.ndarray) -> float:
+    """Share of query segments whose top-1 neighbour is their partner's segment."""
+    return float((memory.neighbours[queries, 0] == partners).mean())
+
+
+def make_module(retrieval: dict | None, seed: int = 0) -> LMModule:
+    torch.manual_seed(seed)
+    model = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, max_seq_len=64)
+    plugins = {"retrieval": {"layers": [1], "progress": False, **retrieval}} if retrieval is not None else {}
+    return LMModule(
+        model=model, plugins=plugins, optim=OptimConfig(lr=3e-3, warmup_steps=10, weight_decay=0.0)
+    )
+
+
+def trainer(tmp_path, max_steps: int, **kwargs) -> pl.Trainer:
+    opts = dict(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+    )
+    return pl.Trainer(**{**opts, **kwargs})
+
+
+def val_loss(module: LMModule, data: TokenData) -> float:
+    """Token-mean validation loss after training (the index and the current embedder, searched online)."""
+    t = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    return float(t.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
+
+
+# ----- the synthetic task -----
+
+
+@pytest.mark.slow
+def test_retrieval_learns_the_partner_documents(tmp_path):
+    """With retrieval and rebuilds the validation loss falls far below the no-retrieval model's, and the
+    top-1 hit rate of the partner document rises from the untrained embedder's to near 1."""
+    data = paired_corpus()
+    seg = data.segments
+    first = seg.first[:-1]  # segment 0 of every document
+    partner = first[np.arange(len(first)) ^ 1]
+    train_docs = data.train_windows.doc
+    hits = []
+
+    module = make_module({"k": 4, "schedule": "every 50", "index_factory": "Flat"})
+    plugin = module.model.plugins["retrieval"]
+    take = plugin.use_memory
+
+    def record(memory):
+        hits.append(hit_rate(memory, first[train_docs], partner[train_docs]))
+        take(memory)
+
+    plugin.use_memory = record
+    trainer(tmp_path / "r", 400).fit(module, datamodule=data)
+    with_retrieval = val_loss(module, data)
+
+    base = make_module(None)
+    trainer(tmp_path / "b", 400).fit(base, datamodule=data)
+    without = val_loss(base, data)
+
+    print(f"val loss: retrieval {with_retrieval:.3f}, none {without:.3f}; top-1 hit rate by rebuild {hits}")
+    assert with_retrieval < 0.6 * without
+    assert hits[0] < 0.3 and max(hits[1:]) > hits[0] + 0.3
+
+
+# ----- the schedule grammar -----
+
+
+def test_schedule_grammar():
+    assert Schedule.parse("never").pieces == ()
+    every = Schedule.parse("every 200")
+    assert [every.due(s, 0) for s in (0, 199, 200, 10**9)] == [False, False, True, True]
+    piece = Schedule.parse("0-1000:200, 1000-100000:2000")
+    assert piece.interval(0) == 200 and piece.interval(999) == 200 and piece.interval(1000) == 2000
+    assert piece.interval(100000) is None and not piece.due(200000, 0)
+    assert piece.due(400, 200) and not piece.due(1400, 200 + 1000) and piece.due(3200, 1200)
+    assert not Schedule.parse("never").due(10**6, 0)
+    for bad in ["every", "every 0", "every -3", "0-10", "10-0:5", "a-b:c", "0-10:0", "0-100:10,50-60:5", ""]:
+        with pytest.raises(ValueError, match="accepted"):
+            Schedule.parse(bad)
+
+
+# ----- callback state, resume -----
+
+
+def small_data() -> TokenData:
+    return paired_corpus(pairs=16, batch_size=8)
+
+
+def test_resume_reuses_a_matching_index_and_rebuilds_a_missing_one(tmp_path):
+    """The checkpoint names the index directory and embedder; resume reuses it when it is there, else rebuilds."""
+    data = small_data()
+    module = make_module({"k": 2, "schedule": "every 4", "index_factory": "Flat"})
+    t = trainer(tmp_path, 6, enable_checkpointing=True)
+    t.fit(module, datamodule=data)
+    cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+    assert cb.history == [(0, "built"), (4, "built")]
+    ckpt = tmp_path / "last.ckpt"
+    t.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)["callbacks"]["RebuildCallback[retrieval]"]
+    assert state["last_step"] == 4 and state["index_dir"].endswith("step-000000004")
+    assert state["identity"]["step"] == 4 and len(state["identity"]["weights_hash"]) == 16
+    table = module.model.plugins["retrieval"].memory.neighbours.copy()
+
+    resumed = make_module({"k": 2, "schedule": "every 4", "index_factory": "Flat"}, seed=1)
+    t2 = trainer(tmp_path, 7)
+    t2.fit(resumed, datamodule=data, ckpt_path=ckpt)
+    cb2 = next(c for c in t2.callbacks if isinstance(c, RebuildCallback))
+    assert cb2.history == [(4, "reused")]  # step 6 < 4 + 4: no rebuild due either
+    np.testing.assert_array_equal(resumed.model.plugins["retrieval"].memory.neighbours, table)
+
+    import shutil
+
+    shutil.rmtree(state["index_dir"])
+    again = make_module({"k": 2, "schedule": "every 4", "index_factory": "Flat"}, seed=1)
+    t3 = trainer(tmp_path, 7)
+    t3.fit(again, datamodule=data, ckpt_path=ckpt)
+    cb3 = next(c for c in t3.callbacks if isinstance(c, RebuildCallback))
+    assert cb3.history == [(6, "built")]
+
+
+def test_resume_refuses_an_index_of_another_embedder(tmp_path):
+    """An index directory whose metadata names other embedder weights is rebuilt, not reused."""
+    import json
+
+    data = small_data()
+    module = make_module({"k": 2, "schedule": "never", "index_factory": "Flat"})
+    t = trainer(tmp_path, 2, enable_checkpointing=True)
+    t.fit(module, datamodule=data)
+    ckpt = tmp_path / "last.ckpt"
+    t.save_checkpoint(ckpt)
+    path = module.model.plugins["retrieval"].memory.path
+    meta = json.loads((path / "meta.json").read_text())
+    meta["embedder"]["weights_hash"] = "0" * 16
+    (path / "meta.json").write_text(json.dumps(meta))
+    again = make_module({"k": 2, "schedule": "never", "index_factory": "Flat"})
+    t2 = trainer(tmp_path, 3)
+    t2.fit(again, datamodule=data, ckpt_path=ckpt)
+    assert next(c for c in t2.callbacks if isinstance(c, RebuildCallback)).history == [(2, "built")]
+
+
+# ----- background rebuilds -----
+
+
+def test_background_rebuild_swaps_atomically(tmp_path):
+    """Training keeps the old table while the snapshot embeds; the new one appears whole, at a step boundary."""
+    data = small_data()
+    module = make_module({"k": 2, "schedule": "every 3", "mode": "background", "index_factory": "Flat"})
+    plugin = module.model.plugins["retrieval"]
+    release = threading.Event()
+    seen: list[tuple[int, int]] = []  # (global step, id of the memory used by that step)
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.global_step, id(plugin.memory)))
+            if trainer.global_step == 8:
+                release.set()  # let the background rebuild of step 3 finish only now
+
+    import rlm.index.rebuild as rebuild
+
+    real = rebuild.build_memory
+
+    def slow_build(*args, **kwargs):
+        if args[5] > 0:  # step > 0: a background rebuild, held until released
+            assert release.wait(60)
+        return real(*args, **kwargs)
+
+    rebuild.build_memory = slow_build
+    try:
+        t = trainer(tmp_path, 20, callbacks=[Watch()])
+        t.fit(module, datamodule=data)
+    finally:
+        rebuild.build_memory = real
+    cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+    steps = [s for s, how in cb.history]
+    assert steps[0] == 0 and steps[1] == 3, cb.history  # started at step 3, swapped in later
+    ids = dict(seen)
+    first_memory = ids[0]
+    # steps 0..8 ran on the step-0 table although the step-3 rebuild had started; the swap came after
+    assert all(ids[s] == first_memory for s in range(0, 9))
+    assert ids[19] != first_memory
+    memory = plugin.memory
+    assert memory.neighbours.shape == (len(data.segments), 2) and memory.step in steps
