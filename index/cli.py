@@ -90,6 +90,7 @@ def cmd_build(a: argparse.Namespace) -> int:
         config,
         extra={"source": source, "segment_len": segs.segment_len},
         rows=rows,
+        progress=not a.quiet,
     )
     print(
         f"wrote {out.path}: {out.meta['count']} segments, {out.meta['factory']} {out.meta['search_params']}"

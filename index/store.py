@@ -195,13 +195,14 @@ def build_index_dir(
     store_vectors: bool = True,
     extra: dict[str, Any] | None = None,
     rows: np.ndarray | None = None,
+    progress: bool = False,
 ) -> IndexDir:
     """Build an index over `vectors` (row i = segment i of `segments`) and write it as a directory at `path`.
 
     rows: the corpus-wide segment id of each row, when only part of the corpus is indexed (saved as rows.npy).
     """
     config = config or IndexConfig()
-    built = build_index(vectors, config)
+    built = build_index(vectors, config, progress=progress)
     keep = built.index.vectors if built.factory == TORCH else None
     if store_vectors and keep is None:
         keep = as_unit_float32(vectors)
