@@ -40,7 +40,13 @@ def make_batches(cfg: ModelConfig, n: int, batch: int, seq: int) -> list[dict[st
     out = []
     for _ in range(n):
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
-        out.append({"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": torch.ones(batch, seq, dtype=torch.bool)})
+        out.append(
+            {
+                "tokens": tokens[:, :-1],
+                "targets": tokens[:, 1:],
+                "mask": torch.ones(batch, seq, dtype=torch.bool),
+            }
+        )
     return out
 
 
@@ -119,9 +125,24 @@ def main() -> None:
         for name, t in (("plain PyTorch loop", t_plain), ("Lightning (LMModule + Trainer)", t_pl)):
             achieved = flops / t / 1e9
             rows.append([threads, name, tokens / t, achieved, roof, achieved / roof, t / t_plain])
-    print(f"default model: d={a.d_model}, {a.layers} layers, vocab {a.vocab}, batch {a.batch}x{a.seq}; "
-          f"median of {a.steps} steps after {a.warmup} warmup")
-    print(table(["threads", "loop", "tokens/s", "model GFLOP/s", "matmul GFLOP/s", "MFU (x roof)", "time vs plain"], rows))
+    print(
+        f"default model: d={a.d_model}, {a.layers} layers, vocab {a.vocab}, batch {a.batch}x{a.seq}; "
+        f"median of {a.steps} steps after {a.warmup} warmup"
+    )
+    print(
+        table(
+            [
+                "threads",
+                "loop",
+                "tokens/s",
+                "model GFLOP/s",
+                "matmul GFLOP/s",
+                "MFU (x roof)",
+                "time vs plain",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

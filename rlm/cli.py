@@ -7,13 +7,19 @@ samples from a checkpoint; ``index`` and ``experiment`` hand over to their own p
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 
+import torch
 from pytorch_lightning.cli import LightningCLI
 
 from rlm.config_merge import merge_configs, split_config_args, write_merged
+from rlm.lightning import config_diff
+from rlm.model.config import ModelConfig
 
 
 class RLMCLI(LightningCLI):
@@ -25,6 +31,26 @@ class RLMCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.get("model.model") is not None:
             cfg.model.model.vocab_size = cfg.data.vocab_size
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
+        # For evaluation that is what one wants; resuming `fit` under a different model or plugin config is a
+        # mistake, so it is refused naming what differs.
+        if self.config.get("subcommand") == "fit":
+            cfg = self.config["fit"]
+            path = cfg.get("ckpt_path")
+            if path and Path(path).is_file():
+                saved = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+                current = cfg.model.as_dict()
+                if current.get("model") is not None:
+                    current["model"]["vocab_size"] = cfg.data.vocab_size
+                current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
+                diffs = config_diff(saved, current)
+                if diffs:
+                    raise ValueError(
+                        f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs)
+                    )
+        super()._parse_ckpt_path()
 
 
 def run_lightning(command: str, args: list[str]) -> int:
@@ -71,13 +97,16 @@ def run_generate(command: str, args: list[str]) -> int:
     data_hp = ckpt.get("datamodule_hyper_parameters")
     if not data_hp:
         p.error(f"{a.ckpt!r} holds no data module settings, so its tokenizer cannot be found")
-    data = RLMDataModule(**{**data_hp, "progress": False})
+    accepted = inspect.signature(RLMDataModule).parameters
+    data = RLMDataModule(**{**{k: v for k, v in data_hp.items() if k in accepted}, "progress": False})
     data.prepare_data()
     data.setup("predict")
     module = LMModule.load_from_checkpoint(a.ckpt, map_location="cpu")
     tok = data.tokenizer
     gen = torch.Generator().manual_seed(a.seed)
-    out = sample(module, [tok.bos_id, *tok.encode(a.prompt)], a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen)
+    out = sample(
+        module, [tok.bos_id, *tok.encode(a.prompt)], a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen
+    )
     print(a.prompt + tok.decode(out))
     return 0
 

@@ -68,9 +68,9 @@ class LMModule(pl.LightningModule):
 
     def __init__(
         self,
-        model: ModelConfig | None = None,
+        model: ModelConfig | dict | None = None,
         plugins: dict[str, Any] | None = None,
-        optim: OptimConfig | None = None,
+        optim: OptimConfig | dict | None = None,
     ) -> None:
         """Build the model.
 
@@ -81,8 +81,9 @@ class LMModule(pl.LightningModule):
             optim: optimizer and schedule.
         """
         super().__init__()
-        model = model or ModelConfig()
-        optim = optim or OptimConfig()
+        # Dicts come back from checkpoints' hyper_parameters (load_from_checkpoint).
+        model = ModelConfig(**model) if isinstance(model, dict) else (model or ModelConfig())
+        optim = OptimConfig(**optim) if isinstance(optim, dict) else (optim or OptimConfig())
         plugins = {k: v for k, v in (plugins or {}).items()}
         self.save_hyperparameters({"model": asdict(model), "plugins": plugins, "optim": asdict(optim)})
         self.model_config, self.optim = model, optim
@@ -120,7 +121,13 @@ class LMModule(pl.LightningModule):
 
     def _log_context(self, ctx: Context, stage: str, on_step: bool) -> None:
         for name, (value, _) in ctx.aux_losses.items():
-            self.log(f"{stage}/aux/{name}", value.detach().float(), on_step=on_step, on_epoch=not on_step, sync_dist=not on_step)
+            self.log(
+                f"{stage}/aux/{name}",
+                value.detach().float(),
+                on_step=on_step,
+                on_epoch=not on_step,
+                sync_dist=not on_step,
+            )
         for name, value in ctx.metrics.items():
             self.log(f"{stage}/{name}", value, on_step=on_step, on_epoch=not on_step, sync_dist=not on_step)
 
@@ -187,7 +194,9 @@ class LMModule(pl.LightningModule):
         for label, plugin in self.model.plugins.items():
             for g in plugin.param_groups():
                 if not isinstance(g, ParamGroup):
-                    raise TypeError(f"plugin {label!r} returned {type(g).__name__} from param_groups(); expected ParamGroup")
+                    raise TypeError(
+                        f"plugin {label!r} returned {type(g).__name__} from param_groups(); expected ParamGroup"
+                    )
                 params = [p for p in g.params if p.requires_grad and id(p) not in taken]
                 taken |= {id(p) for p in params}
                 group = {"name": g.name, "params": params, "schedule": g.schedule, **g.extra}
@@ -203,7 +212,9 @@ class LMModule(pl.LightningModule):
                 continue
             seen.add(id(p))
             (plain if id(p) in no_decay else decay).append(p)
-        groups.append({"name": "decay", "params": decay, "weight_decay": self.optim.weight_decay, "schedule": True})
+        groups.append(
+            {"name": "decay", "params": decay, "weight_decay": self.optim.weight_decay, "schedule": True}
+        )
         groups.append({"name": "no_decay", "params": plain, "weight_decay": 0.0, "schedule": True})
         return [g for g in groups if g["params"]]
 
@@ -227,13 +238,19 @@ class LMModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint written under another model or plugin config, naming what differs."""
-        saved = checkpoint.get("hyper_parameters", {})
-        diffs = []
-        for key in ("model", "plugins"):
-            if key in saved and _normalise(saved[key]) != _normalise(self.hparams[key]):
-                diffs.append(f"{key}: checkpoint has {saved[key]!r}, this run has {self.hparams[key]!r}")
+        diffs = config_diff(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         if diffs:
             raise ValueError("checkpoint was written by a different config:\n  " + "\n  ".join(diffs))
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between two LMModule hyperparameter dicts in the parts that shape the model."""
+    diffs = []
+    for key in ("model", "plugins"):
+        empty = {} if key == "plugins" else None  # no plugins: None and {} alike
+        if key in saved and _normalise(saved[key] or empty) != _normalise(current.get(key) or empty):
+            diffs.append(f"{key}: checkpoint has {saved[key]!r}, this run has {current.get(key)!r}")
+    return diffs
 
 
 def _normalise(value: Any) -> Any:

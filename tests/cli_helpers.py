@@ -31,15 +31,23 @@ def fit_args(*fragments: str | Path, command: str = "fit") -> list[str]:
     return args
 
 
-def run_rlm(args: list[str], cwd: Path, cache: Path, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+def run_rlm(
+    args: list[str], cwd: Path, cache: Path, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run ``python -m rlm ARGS`` in ``cwd``; raise with its output if it fails and ``check`` is set."""
     env = {**os.environ, "RLM_CACHE": str(cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "rlm", *map(str, args)],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"rlm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"rlm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 

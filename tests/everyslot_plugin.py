@@ -82,7 +82,9 @@ class EverySlotPlugin(Plugin):
         ctx.extras[self.name] = {"prepared": True}
 
     def param_groups(self):
-        return [ParamGroup(name="everyslot_gain", params=[self.gain], lr=1e-4, weight_decay=0.0, schedule=False)]
+        return [
+            ParamGroup(name="everyslot_gain", params=[self.gain], lr=1e-4, weight_decay=0.0, schedule=False)
+        ]
 
     def attach(self, model) -> None:
         # Register the aux loss through the stack wrapper's output, via a forward hook on the stack.

@@ -51,7 +51,9 @@ def test_include_cycle_and_missing_file(tmp_path):
 
 
 def test_split_config_args():
-    configs, rest = split_config_args(["--config", "a.yaml", "--trainer.max_steps=3", "-c", "b.yaml", "--config=c.yaml"])
+    configs, rest = split_config_args(
+        ["--config", "a.yaml", "--trainer.max_steps=3", "-c", "b.yaml", "--config=c.yaml"]
+    )
     assert configs == ["a.yaml", "b.yaml", "c.yaml"]
     assert rest == ["--trainer.max_steps=3"]
 

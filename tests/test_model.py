@@ -49,7 +49,9 @@ def test_rope_preserves_relative_positions():
     cos, sin = cos.double(), sin.double()
 
     def score(m, n):
-        return (apply_rope(q, cos[m : m + 1], sin[m : m + 1]) * apply_rope(k, cos[n : n + 1], sin[n : n + 1])).sum()
+        return (
+            apply_rope(q, cos[m : m + 1], sin[m : m + 1]) * apply_rope(k, cos[n : n + 1], sin[n : n + 1])
+        ).sum()
 
     assert_close(score(5, 2), score(15, 12))
 
@@ -94,7 +96,11 @@ def test_untied_model_has_separate_head():
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=1, n_heads=2, tie_embeddings=False)
     model = Transformer(cfg)
     assert model.head.weight is not model.embed.main.table.weight
-    assert model.num_parameters() == Transformer(ModelConfig(vocab_size=40, d_model=32, n_layers=1, n_heads=2)).num_parameters() + 40 * 32
+    assert (
+        model.num_parameters()
+        == Transformer(ModelConfig(vocab_size=40, d_model=32, n_layers=1, n_heads=2)).num_parameters()
+        + 40 * 32
+    )
 
 
 @pytest.mark.parametrize(

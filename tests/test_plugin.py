@@ -54,7 +54,9 @@ def test_class_path_resolution_and_bad_class_path():
 
 
 def test_unknown_option_lists_accepted_fields():
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['rnak'\]; accepted: \['layers', 'rank', 'init_std'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown option\(s\) \['rnak'\]; accepted: \['layers', 'rank', 'init_std'\]"
+    ):
         Transformer(CFG, {"tokenid": {"rnak": 2}})
     assert validate_specs({"tokenid": {"rnak": 2}, "nope": {}, "ok": None}) == [
         "plugin 'tokenid': unknown option(s) ['rnak']; accepted: ['layers', 'rank', 'init_std']",
@@ -85,7 +87,15 @@ def test_every_slot_is_filled_and_called():
     ctx = Context(tokens=torch.randint(0, 64, (2, 8)))
     model(ctx.tokens, ctx)
     calls = ctx.extras["calls"]
-    expected = {"embed:replace", "embed:add", "stack:wrap", "attn:wrap@1", "cross_attn:replace@1", "ffn:add@1", "ffn:wrap@1"}
+    expected = {
+        "embed:replace",
+        "embed:add",
+        "stack:wrap",
+        "attn:wrap@1",
+        "cross_attn:replace@1",
+        "ffn:add@1",
+        "ffn:wrap@1",
+    }
     assert set(calls) == expected
     assert calls.index("stack:wrap") < calls.index("attn:wrap@1") < calls.index("cross_attn:replace@1")
     assert "everyslot" in ctx.aux_losses and "everyslot_norm" in ctx.metrics
@@ -97,7 +107,9 @@ def test_absent_cross_attention_cannot_be_wrapped():
             return [Claim(Slot.CROSS_ATTN, Mode.WRAP, (0,))]
 
     globals()["_WrapCross"] = _WrapCross
-    with pytest.raises(ValueError, match="wants to wrap the cross_attn slot of layer 0, which no plugin fills"):
+    with pytest.raises(
+        ValueError, match="wants to wrap the cross_attn slot of layer 0, which no plugin fills"
+    ):
         Transformer(CFG, {"w": {"class_path": f"{__name__}._WrapCross"}})
 
 

@@ -38,13 +38,17 @@ def check_conflicts(plugins: dict[str, Plugin], n_layers: int) -> list[tuple[Plu
         for other in plugin.conflicts_with:
             clash = [n for n, p in plugins.items() if n != name and (n == other or p.name == other)]
             if clash:
-                raise ValueError(f"plugins {name!r} and {clash[0]!r} cannot be used together ({name!r} says so)")
+                raise ValueError(
+                    f"plugins {name!r} and {clash[0]!r} cannot be used together ({name!r} says so)"
+                )
     claims = [(p, c) for p in plugins.values() for c in p.claims()]
     owner: dict[tuple[Slot, int | None], str] = {}
     for plugin, claim in claims:
         for layer in claim.layers or (None,):
             if layer is not None and not 0 <= layer < n_layers:
-                raise ValueError(f"plugin {plugin.label!r} claims layer {layer}; the model has layers 0..{n_layers - 1}")
+                raise ValueError(
+                    f"plugin {plugin.label!r} claims layer {layer}; the model has layers 0..{n_layers - 1}"
+                )
             if claim.mode is Mode.REPLACE:
                 key = (claim.slot, layer)
                 if key in owner:
@@ -103,7 +107,9 @@ def apply_plugins(model: Transformer, specs: dict[str, Any]) -> None:
             current = _get(model, claim.slot, layer)
             module = plugin.build(claim, layer, current)
             if not isinstance(module, nn.Module):
-                raise TypeError(f"plugin {plugin.label!r} built {type(module).__name__} for {claim}; expected nn.Module")
+                raise TypeError(
+                    f"plugin {plugin.label!r} built {type(module).__name__} for {claim}; expected nn.Module"
+                )
             _set(model, claim.slot, layer, claim.mode, module)
     for plugin in plugins.values():
         plugin.attach(model)

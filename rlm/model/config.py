@@ -54,7 +54,9 @@ class ModelConfig:
             )
         kv = self.kv_heads
         if kv <= 0 or self.n_heads % kv:
-            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}")
+            raise ValueError(
+                f"model.n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}"
+            )
         if self.ffn not in FFN_KINDS:
             raise ValueError(f"model.ffn={self.ffn!r} is unknown; expected one of {FFN_KINDS}")
         if self.d_ff is not None and self.d_ff <= 0:

@@ -64,7 +64,9 @@ class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
-        self.qkv = nn.Linear(config.d_model, (config.n_heads + 2 * config.kv_heads) * config.head_dim, bias=False)
+        self.qkv = nn.Linear(
+            config.d_model, (config.n_heads + 2 * config.kv_heads) * config.head_dim, bias=False
+        )
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.rotary = Rotary(config)
         self.dropout = config.dropout
@@ -72,7 +74,8 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
-            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
+            dim=-1,
         )
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)

@@ -155,9 +155,7 @@ def make_config(plugin_cls: type[Plugin], args: dict[str, Any] | None) -> Any:
     known = config_fields(plugin_cls.Config)
     unknown = sorted(set(args) - set(known))
     if unknown:
-        raise ValueError(
-            f"plugin {plugin_cls.name!r}: unknown option(s) {unknown}; accepted: {known}"
-        )
+        raise ValueError(f"plugin {plugin_cls.name!r}: unknown option(s) {unknown}; accepted: {known}")
     return plugin_cls.Config(**args)
 
 

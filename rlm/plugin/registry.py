@@ -87,7 +87,9 @@ def parse_spec(name: str, spec: Any) -> tuple[type[Plugin], dict[str, Any]] | No
     if "init_args" in spec:
         init_args = spec.pop("init_args") or {}
         if spec:
-            raise ValueError(f"plugin {name!r}: keys {sorted(spec)} beside init_args; put options inside init_args")
+            raise ValueError(
+                f"plugin {name!r}: keys {sorted(spec)} beside init_args; put options inside init_args"
+            )
         spec = dict(init_args)
     return resolve(name, class_path), spec
 
