@@ -11,6 +11,7 @@ the result equals filtering the index's full ranking.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from rlm.index.build import as_unit_float32, max_k
@@ -86,7 +87,7 @@ def _compact(ids: np.ndarray, scores: np.ndarray, keep: np.ndarray, k: int) -> t
 
 
 def search_neighbours(
-    index,
+    index: Any,
     queries: np.ndarray,
     k: int,
     query_ids: np.ndarray | None = None,
@@ -114,13 +115,17 @@ def search_neighbours(
         raise ValueError(f"query_ids must have shape ({len(q)},), got {query_ids.shape}")
     if segments is not None and len(segments) < index.ntotal:
         raise ValueError(f"segment table has {len(segments)} rows but the index holds {index.ntotal} vectors")
+    if causal and segments is not None and (query_ids >= len(segments)).any():
+        raise ValueError(f"query_ids must be < {len(segments)} (segment table rows) or -1 (outside queries)")
     filtering = exclude_self or causal
     ids = np.full((len(q), k), -1, dtype=np.int64)
     scores = np.full((len(q), k), -np.inf, dtype=np.float32)
     first = fetch or (2 * k + 8 if filtering else k)
+    limit = max_k(index)  # rows still short at this fetch size stay padded (only on GPU: k <= 2048)
+    if limit == 0:  # an empty index: nothing to find
+        return Neighbours(ids, scores)
     for lo in tqdm(range(0, len(q), batch_size), desc="neighbours", disable=not progress, unit="batch"):
         rows = np.arange(lo, min(lo + batch_size, len(q)))
-        limit = max_k(index)  # rows still short at this fetch size are padded (only on GPU: k <= 2048)
         size = min(first, limit)
         while len(rows):
             s, i = index.search(q[rows], size)  # (R, size)
@@ -133,7 +138,7 @@ def search_neighbours(
 
 
 def neighbour_table(
-    index, vectors: np.ndarray, k: int, segments: SegmentTable | None, causal: bool = True, **kwargs
+    index: Any, vectors: np.ndarray, k: int, segments: SegmentTable | None, causal: bool = True, **kwargs
 ) -> Neighbours:
     """Every indexed segment's top-k allowed neighbours (query s is segment s, never its own neighbour)."""
     return search_neighbours(index, vectors, k, None, segments, exclude_self=True, causal=causal, **kwargs)

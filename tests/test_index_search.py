@@ -112,3 +112,12 @@ def test_bad_filter_inputs_are_clear_errors():
         search_neighbours(index, x[:4], K, np.arange(3), seg)
     with pytest.raises(ValueError, match="segment table has 3 rows"):
         search_neighbours(index, x[:4], K, None, SegmentTable(seg.doc[:3], seg.offset[:3]))
+    with pytest.raises(ValueError, match="query_ids must be <"):
+        search_neighbours(index, x[:2], K, np.array([0, len(x)]), seg)
+
+
+def test_an_empty_index_finds_nothing():
+    x, seg = corpus()
+    empty = build_index(x[:0], IndexConfig(factory="Flat"))
+    got = search_neighbours(empty, x[:3], K, np.full(3, -1), seg)
+    assert (got.ids == -1).all() and np.isneginf(got.scores).all()
