@@ -182,7 +182,7 @@ def merge_shards(
             )
         vector_files = [p.with_name(p.name.replace(".faiss", ".vectors.npz")) for p in shards]
         if all(f.exists() for f in vector_files):
-            # written row by row into a memory-mapped file, so all vectors never sit in memory at once
+            # filled shard by shard into a memory-mapped file, so all vectors never sit in memory at once
             out = np.lib.format.open_memmap(
                 tmp / VECTORS, mode="w+", dtype=np.float32, shape=(index.ntotal, index.d)
             )
