@@ -4,6 +4,7 @@ inference speed barely depends on the number of slots; training cost should grow
 
     python benchmarks/pkm.py                                   # d=256, H=4, k=32, 8 x 128 tokens, n=128..1024
     python benchmarks/pkm.py --n 32 64 --batch 2 --seq 32 --repeat 1 --model-seq 32   # a quick smoke run
+    python benchmarks/pkm.py --clock cpu       # one thread, CPU time: stable numbers on a busy shared machine
 
 Layer rows: forward; and a training step of the layer = forward + backward (input gradient included, as
 inside a model) + values update. 'sparse' is the plugin's default on one process (row gradients and a
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +34,22 @@ from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
 from rlm.model import ModelConfig, Transformer  # noqa: E402
 from rlm.model.layers import FeedForward  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
+
+
+def cpu_time_fn(fn: Callable[[], object], repeat: int = 10, warmup: int = 2) -> float:
+    """Median CPU seconds of the calling thread for ``fn()`` (use with 1 torch thread).
+
+    On a machine shared with other jobs, wall-clock time mostly measures waiting for a core; the thread's
+    CPU time (user + system, page faults included) measures the work, which is what the ratios compare.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
 
 
 def memory(a: argparse.Namespace, n: int, sparse: str) -> PKMPlugin:
@@ -105,14 +124,14 @@ def peer_fn(a: argparse.Namespace, n: int) -> Callable[[], None]:
 
 def layer_rows(a: argparse.Namespace) -> tuple[list[list[object]], list[list[object]]]:
     """The layer table (relative to n = min and to the dense FFN) and the peer table."""
-    ffn_fwd, ffn_step = (time_fn(f, a.repeat) for f in ffn_fns(a))
+    ffn_fwd, ffn_step = (a.timer(f, a.repeat) for f in ffn_fns(a))
     rows: list[list[object]] = [["dense FFN 4d", "-", ffn_fwd * 1e3, ffn_step * 1e3, "", "", 1.0, 1.0]]
     peers: list[list[object]] = []
     have_peer = importlib.util.find_spec("product_key_memory") is not None
     for sparse in a.paths:
         base = None
         for n in a.n:
-            fwd, step = (time_fn(f, a.repeat) for f in layer_fns(a, n, sparse))
+            fwd, step = (a.timer(f, a.repeat) for f in layer_fns(a, n, sparse))
             base = base or (fwd, step)
             label = "sparse" if sparse == "true" else "dense"
             rows.append(
@@ -121,7 +140,7 @@ def layer_rows(a: argparse.Namespace) -> tuple[list[list[object]], list[list[obj
             )  # fmt: skip
             print(f"  pkm {label} n={n}: fwd {fwd * 1e3:.1f} ms, step {step * 1e3:.1f} ms", file=sys.stderr)
             if sparse == "true" and have_peer:
-                peer = time_fn(peer_fn(a, n), a.repeat)
+                peer = a.timer(peer_fn(a, n), a.repeat)
                 peers.append([f"n={n}", f"{n * n:,}", step * 1e3, peer * 1e3, peer / step])
                 print(f"  peer n={n}: {peer * 1e3:.1f} ms", file=sys.stderr)
     if not have_peer:
@@ -162,7 +181,7 @@ def model_rows(a: argparse.Namespace) -> list[list[object]]:
             for plugin in model.plugins.values():
                 plugin.row_optimizer.step()
 
-        t_inf, t_step = time_fn(infer, a.repeat), time_fn(step, a.repeat)
+        t_inf, t_step = a.timer(infer, a.repeat), a.timer(step, a.repeat)
         if n == min(a.n):
             base = (t_inf, t_step)
         speed = n_tokens / t_inf
@@ -194,13 +213,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed runs per row (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-model", action="store_true", help="skip the whole-model rows")
+    p.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="wall: median wall-clock time; cpu: median CPU time of one thread (1 torch thread; for shared machines)",
+    )  # fmt: skip
     a = p.parse_args(argv)
+    a.timer = time_fn
+    if a.clock == "cpu":
+        a.threads, a.timer = 1, cpu_time_fn
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     print(
         f"d={a.d}, H={a.heads}, k={a.k}, k_dim={a.k_dim}, {a.batch} x {a.seq} = {a.batch * a.seq} tokens, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}\n"
+        f"{torch.get_num_threads()} threads, {a.clock} clock, torch {torch.__version__}\n"
     )
     rows, peers = layer_rows(a)
     headers = [
