@@ -74,6 +74,15 @@ def test_broken_experiment_lists_every_problem(tmp_path, capsys):
     for text in expected:
         assert sum(text in p for p in problems) == 1, f"{text!r} not reported once in {problems}"
     assert len(problems) == len(expected)
+    with pytest.raises(ExperimentError) as info:
+        check_experiment(
+            path, sets=["trainer.max_steps=abc", "oops", "trainer.limit_val_batches=2"], seeds=[1, 1]
+        )
+    extra = [p for p in info.value.problems if p not in problems]
+    assert len(extra) == 3, extra
+    assert extra[0].startswith("--set 'oops': expected KEY=VALUE")
+    assert extra[1] == "seeds: [1, 1] repeats a seed"
+    assert extra[2].startswith("common.trainer.max_steps = 'abc': Parser key \"trainer.max_steps\"")
     # Through the command line: exit code 2, every problem printed, nothing trained.
     assert rlm_main(["experiment", "run", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err

@@ -11,6 +11,7 @@ conflicts, the model config's own checks), which also gives its parameter counts
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import yaml
 from rlm.experiment.spec import (
     Experiment,
     ExperimentError,
+    apply_overrides,
     flatten,
     merge,
     parse_experiment,
@@ -57,6 +59,7 @@ def count_parameters(model_cfg: dict[str, Any], plugins: dict[str, Any] | None) 
     return ParamCounts(model.num_parameters(), model.added_parameters(), model.active_parameters())
 
 
+@functools.lru_cache(maxsize=1)
 def _fit_parser() -> argparse.ArgumentParser:
     """The parser ``rlm fit`` uses (jsonargparse via LightningCLI), built without parsing or running."""
     from rlm.cli import RLMCLI
@@ -157,11 +160,15 @@ def _instantiate_configs(ns: Any, plugins: dict[str, Any]) -> ParamCounts:
     return count_parameters(model_cfg, plugins)
 
 
-def check_experiment(path: str | Path) -> tuple[Experiment, dict[str, ParamCounts]]:
-    """Validate everything about an experiment file; raise :class:`ExperimentError` listing every problem."""
+def check_experiment(
+    path: str | Path, sets: list[str] | None = None, seeds: list[int] | None = None
+) -> tuple[Experiment, dict[str, ParamCounts]]:
+    """Validate an experiment file (with command-line ``--set`` / ``--seeds`` applied); raise
+    :class:`ExperimentError` listing every problem; the experiment and each variant's parameter counts."""
     exp, problems = parse_experiment(path)
     if exp is None:
         raise ExperimentError(path, problems)
+    apply_overrides(exp, sets or [], seeds, problems)
     parser: ConfigParser | None = None
     counts: dict[str, ParamCounts] = {}
     for name, variant in exp.variants.items():

@@ -21,7 +21,7 @@ def _print_plan(exp_name: str, out: Path, runs: int, counts: dict[str, ParamCoun
 
 def cmd_check(a: argparse.Namespace) -> int:
     """Validate the file and print the plan with each variant's parameter counts; train nothing."""
-    exp, counts = check_experiment(a.file)
+    exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
     _print_plan(exp.name, out, len(plan(exp, out, a.variants)), counts, exp.baseline)
     return 0
@@ -29,7 +29,7 @@ def cmd_check(a: argparse.Namespace) -> int:
 
 def cmd_run(a: argparse.Namespace) -> int:
     """Validate, train every unfinished run, then write the report."""
-    exp, counts = check_experiment(a.file)
+    exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
     _print_plan(exp.name, out, len(plan(exp, out, a.variants)), counts, exp.baseline)
     failed = run_experiment(exp, out, a.variants)
@@ -73,6 +73,19 @@ def parser() -> argparse.ArgumentParser:
             "--out", default=None, help="output directory (default: the file's, or runs/experiments/NAME)"
         )
         s.add_argument("--variants", nargs="+", default=None, metavar="NAME", help="only these variants")
+        s.add_argument(
+            "--seeds",
+            nargs="+",
+            type=int,
+            default=None,
+            metavar="K",
+            help="these seeds instead of the file's",
+        )
+        s.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE",
+            help="merged into the file's common mapping (VALUE is YAML), e.g. --set trainer.max_steps=100; "
+            "use --out too, so runs of another budget do not mix with the file's",
+        )  # fmt: skip
     return p
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlm.experiment.runner import METRICS_CSV, SUMMARY, read_metrics, series
-from rlm.experiment.spec import write_atomic
+from rlm.experiment.spec import flatten, write_atomic
 
 RUN_COLUMNS = [
     "variant", "seed", "baseline", "val_loss", "val_ppl", "best_val_loss", "steps", "params_total",
@@ -112,6 +112,9 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
         "training throughput of the second half of each run; train time excludes validation.",
         "",
     ]
+    common = flatten(info.get("common") or {})
+    if common:
+        lines += ["Set in every run: " + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in common) + ".", ""]
     header = ["variant", "val loss", "Δ loss", "val ppl", "Δ ppl", "params", "added", "active/token",
               "tokens/s", "train time", "runs", "tokens/s vs baseline"]  # fmt: skip
     rows = []
@@ -211,14 +214,23 @@ def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         _save(fig, out / name)
+    # Parameters over the baseline's total: the plugins' added parameters, and also a change of model shape.
+    base = next((v.mean("params_total") for v in variants if v.name == info["baseline"]), None)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for v in variants:
-        x, y, err = v.mean("params_added") or 0.0, v.mean("val_loss"), v.sd("val_loss")
+        total = v.mean("params_total") or 0.0
+        x = total - base if base is not None else v.mean("params_added") or 0.0
+        y, err = v.mean("val_loss"), v.sd("val_loss")
         if y is None:
             continue
         ax.errorbar(x / 1e6, y, yerr=err, fmt="o", capsize=3, color=style[v.name]["color"])
         ax.annotate(v.name, (x / 1e6, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set(xlabel="added parameters (millions)", ylabel="final validation loss",
+    xlabel = (
+        f"parameters over the baseline {info['baseline']!r} (millions)"
+        if base is not None
+        else "added parameters (millions)"
+    )
+    ax.set(xlabel=xlabel, ylabel="final validation loss",
            title=f"{title}: loss against added parameters (mean ± sd over seeds)")  # fmt: skip
     ax.grid(alpha=0.3)
     _save(fig, out / "loss_vs_added_params.png")

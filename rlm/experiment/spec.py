@@ -339,3 +339,20 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def apply_overrides(exp: Experiment, sets: list[str], seeds: list[int] | None, problems: list[str]) -> None:
+    """Command-line ``--set a.b=VALUE`` (merged into ``common``, VALUE read as YAML) and ``--seeds``."""
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key or any(not part for part in key.split(".")):
+            problems.append(
+                f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. trainer.max_steps=100"
+            )
+            continue
+        try:
+            exp.common = merge([], exp.common, unflatten(key, yaml.safe_load(value)))
+        except yaml.YAMLError as err:
+            problems.append(f"--set {item!r}: the value is not valid YAML: {err}")
+    if seeds:
+        exp.seeds = _seeds(list(seeds), problems)
