@@ -60,6 +60,14 @@ def collect(out: Path) -> tuple[dict[str, Any], list[VariantResult]]:
     return info, [r for r in results.values() if r.runs]
 
 
+def _short(path: str) -> str:
+    """A config path relative to the working directory when it lies below it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "—" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
@@ -106,7 +114,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     lines = [f"# Experiment `{info['name']}`", ""]
     lines += [
         f"{len(variants)} variants x seeds {seeds}, {'/'.join(map(str, steps))} training steps per run; "
-        f"base config: {', '.join(Path(p).name for p in info['base'])}. Validation loss is the last "
+        f"base config: {', '.join(_short(p) for p in info['base'])}. Validation loss is the last "
         "validation of each run (mean ± sample sd over seeds); Δ against the baseline "
         f"`{info['baseline']}`{'' if base else ' (not finished: no deltas)'}; tokens/s is the median "
         "training throughput of the second half of each run; train time excludes validation.",
