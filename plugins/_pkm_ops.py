@@ -18,6 +18,38 @@ from torch import Tensor, nn
 from . import _pkm_native
 
 
+class _HalfTopK(torch.autograd.Function):
+    """Top-k of the scores q.C of one half, whose backward touches only the k selected sub-keys per query.
+
+    The dense (N, H, n) score gradient has k non-zeros per row, so instead of two dense matmuls backward does
+    dq = sum_j g_j C[i_j] (an EmbeddingBag over the sub-keys) and dC[i] = sum over selections of i of g q
+    (the same reduction as the value rows'); nothing of size (N, H, n) is built.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        scores = torch.einsum("nhd,hkd->nhk", q, keys)  # (N, H, n)
+        top, idx = scores.topk(k, dim=-1)  # (N, H, k)
+        ctx.save_for_backward(q, keys, idx)
+        ctx.mark_non_differentiable(idx)
+        return top, idx
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
+        q, keys, idx = ctx.saved_tensors
+        (N, H, dh), n, k = q.shape, keys.shape[1], idx.shape[-1]
+        rows = (idx + torch.arange(H, device=idx.device).view(1, H, 1) * n).reshape(N * H, k)  # in (H*n, dh)
+        flat_keys = keys.reshape(H * n, dh)
+        w = grad.reshape(N * H, k).to(keys.dtype)
+        grad_q = grad_keys = None
+        if ctx.needs_input_grad[0]:
+            grad_q = F.embedding_bag(rows, flat_keys, mode="sum", per_sample_weights=w).view(N, H, dh)
+        if ctx.needs_input_grad[1]:
+            touched, g = coalesce_rows(rows, w, q.reshape(N * H, dh).to(keys.dtype))
+            grad_keys = torch.zeros_like(flat_keys).index_copy_(0, touched, g).view(H, n, dh)
+        return grad_q, grad_keys, None
+
+
 def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys; returns scores and slot ids i*n+j, (N, H, k).
 
@@ -26,10 +58,8 @@ def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: in
     k better pairs exist), so the k*k candidates hold the exact top-k; nothing of size n^2 is built.
     """
     n = keys1.shape[1]
-    s1 = torch.einsum("nhd,hkd->nhk", q1, keys1)  # (N, H, n)
-    s2 = torch.einsum("nhd,hkd->nhk", q2, keys2)  # (N, H, n)
-    t1, i1 = s1.topk(k, dim=-1)  # (N, H, k)
-    t2, i2 = s2.topk(k, dim=-1)
+    t1, i1 = _HalfTopK.apply(q1, keys1, k)  # (N, H, k)
+    t2, i2 = _HalfTopK.apply(q2, keys2, k)
     cand = (t1.unsqueeze(-1) + t2.unsqueeze(-2)).flatten(-2)  # (N, H, k*k)
     scores, j = cand.topk(k, dim=-1)  # (N, H, k), sorted descending
     slots = i1.gather(-1, j // k) * n + i2.gather(-1, j % k)
