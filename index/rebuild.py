@@ -14,6 +14,7 @@ This module knows no plugin: it talks to a ``MemoryOwner`` (snapshot an embedder
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -38,7 +39,10 @@ from rlm.index.store import (
     write_dir_contents,
 )
 
+from rlm.data.segments import SegmentTable
+
 NEIGHBOURS, ROWS = "neighbours.npy", "rows.npy"
+CORPUS, DOC_OFFSETS, CORPUS_TOKENS = "corpus.json", "doc_offsets.npy", "corpus_tokens.npy"
 
 
 # ----- the schedule -----
@@ -193,8 +197,70 @@ def build_memory(
         with atomic_dir(path) as tmp:
             _save_npy(tmp / NEIGHBOURS, neighbours)
             _save_npy(tmp / ROWS, rows)
+            save_corpus_ref(tmp, segments)
             write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, {"k": k})
-    return RetrievalMemory(segments, rows, built, index_segments, neighbours, identity, step, path)
+    return RetrievalMemory(
+        segments,
+        rows,
+        built,
+        index_segments,
+        neighbours,
+        identity,
+        step,
+        None if path is None else path.resolve(),
+    )
+
+
+def save_corpus_ref(tmp: Path, segments: Any) -> None:
+    """Say where the segments' tokens are, so the memory can be loaded without the data module (generation).
+
+    A memory-mapped token array (the data module's cache) is referenced by file; any other is copied."""
+    doc_offsets = np.append(segments.start[segments.first[:-1]], segments.start[-1] + segments.length[-1])
+    _save_npy(tmp / DOC_OFFSETS, doc_offsets)
+    tokens = segments.corpus_tokens
+    ref = {
+        "segment_len": segments.segment_len,
+        "pad_id": int(segments.pad_id),
+        "fingerprint": segments.fingerprint,
+    }
+    if isinstance(tokens, np.memmap) and tokens.filename:
+        ref.update(file=str(Path(tokens.filename).resolve()), offset=tokens.offset, dtype=tokens.dtype.str)
+        ref["shape"] = list(tokens.shape)
+    else:
+        _save_npy(tmp / CORPUS_TOKENS, np.asarray(tokens))
+    (tmp / CORPUS).write_text(json.dumps(ref))
+
+
+def load_corpus_ref(path: Path) -> SegmentTable:
+    """The segment table a memory was built on, from the reference save_corpus_ref wrote."""
+    ref = json.loads((path / CORPUS).read_text())
+    if "file" in ref:
+        if not Path(ref["file"]).exists():
+            raise IndexNotFoundError(f"the corpus tokens of the index at {path} are gone: {ref['file']}")
+        tokens = np.memmap(
+            ref["file"],
+            dtype=np.dtype(ref["dtype"]),
+            mode="r",
+            offset=ref["offset"],
+            shape=tuple(ref["shape"]),
+        )
+    else:
+        tokens = np.load(path / CORPUS_TOKENS, mmap_mode="r")
+    return SegmentTable(
+        tokens, np.load(path / DOC_OFFSETS), ref["segment_len"], ref["pad_id"], ref["fingerprint"]
+    )
+
+
+def load_memory_for_search(path: str | Path) -> RetrievalMemory:
+    """Load a written memory with its own segment table, for online search (validation, generation)."""
+    path = Path(path)
+    loaded = load_index_dir(path)
+    segments = load_corpus_ref(path)
+    identity = loaded.meta["embedder"]
+    neighbours, rows = np.load(path / NEIGHBOURS), np.load(path / ROWS)
+    return RetrievalMemory(
+        segments, rows, loaded.index, loaded.segments, neighbours, identity, int(identity["step"]), path
+    )
 
 
 def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> RetrievalMemory:
@@ -205,7 +271,14 @@ def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> 
     neighbours = np.load(path / NEIGHBOURS)
     rows = np.load(path / ROWS)
     return RetrievalMemory(
-        segments, rows, loaded.index, loaded.segments, neighbours, identity, int(identity["step"]), path
+        segments,
+        rows,
+        loaded.index,
+        loaded.segments,
+        neighbours,
+        identity,
+        int(identity["step"]),
+        path.resolve(),
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from rlm.index.build import IndexConfig
-from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule
+from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule, load_memory_for_search
 from torch import Tensor, nn
 
-from rlm.model.layers import RMSNorm
+from rlm.model.layers import RMSNorm, apply_rope, rope_cache
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 
 from ._retrieval_encoder import FrozenEmbedder, SeparateEncoder, SharedEncoder, config_hash, weights_hash
@@ -123,6 +124,7 @@ class RetrievalCrossAttention(nn.Module):
             nn.init.normal_(lin.weight, 0.0, c.init_std)
         nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
         self.beta = nn.Parameter(torch.tensor(float(plugin.config.beta_init)))
+        self.rope_base = c.rope_base
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         enc = self._plugin.encoded(ctx)
@@ -138,8 +140,14 @@ class RetrievalCrossAttention(nn.Module):
         kv = self.kv(self.kv_norm(states)).view(Bn, KM, 2, h, hs)
         k, v = kv.unbind(2)  # (B*n, k*M, h, hs)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B*n, h, k*M, hs)
-        # relevance bias beta * cos(e(S_t), e(z)) on every key of neighbour z (MARGE eq. 2)
+        # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
+        # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
+        # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
         M = KM // relevance.shape[1]
+        cos, sin = rope_cache(max(M, 2 * L), hs, self.rope_base, device=x.device)
+        q = apply_rope(q, cos[L : 2 * L], sin[L : 2 * L])
+        k = apply_rope(k.view(Bn, h, -1, M, hs), cos[:M], sin[:M]).view(Bn, h, KM, hs)
+        # relevance bias beta * cos(e(S_t), e(z)) on every key of neighbour z (MARGE eq. 2)
         bias = (self.beta * relevance).repeat_interleave(M, dim=1).to(q.dtype)  # (B*n, k*M)
         rows = key_valid.any(1)  # (B*n,) chunks with at least one key
         # a chunk with no key at all would be an all -inf row (NaN): give it zeros and zero its output
@@ -173,6 +181,7 @@ class RetrievalPlugin(Plugin):
         else:
             self.encoder = SeparateEncoder(model_config, config.embed_layers, config.encoder_dim)
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
+        self._saved_index_dir: str | None = None  # from a checkpoint: loaded on first use outside training
         self.prepare_seconds = 0.0
         """Wall-clock time of the last prepare() (neighbour lookup or online search): a metric."""
 
@@ -225,8 +234,31 @@ class RetrievalPlugin(Plugin):
 
     # ----- per batch -----
 
+    def get_extra_state(self) -> dict[str, Any]:
+        """Checkpointed with the weights: the index directory in use, so validation and generation can search it."""
+        memory = self.memory
+        return {
+            "index_dir": str(memory.path) if memory is not None and memory.path else self._saved_index_dir
+        }
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self._saved_index_dir = state.get("index_dir")
+
+    def _load_saved_memory(self) -> None:
+        """Outside training (validate, generate) with no callback: load the checkpoint's index once, if it is there."""
+        path, self._saved_index_dir = self._saved_index_dir, None
+        try:
+            self.use_memory(load_memory_for_search(path))
+        except (FileNotFoundError, ValueError) as err:
+            warnings.warn(
+                f"retrieval: cannot load the index {path} named by the checkpoint ({err}); no retrieval",
+                stacklevel=2,
+            )
+
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
         """Put the batch's query segments and neighbours (ids from the table, or searched online) in ctx.extras."""
+        if self.memory is None and self._saved_index_dir and not ctx.training:
+            self._load_saved_memory()
         memory = self.memory
         if memory is None:
             ctx.extras[self.label] = None

@@ -115,6 +115,12 @@ def test_cross_attention_matches_naive_loop():
 
     h, hs = 2, 16
     kv = xattn.kv(xattn.kv_norm(states)).view(B * n, k * M, 2, h, hs)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, hs, 2).float() / hs)  # rotary frequencies (Su et al. 2021)
+
+    def rotate(vec, pos):  # one (hs,) vector at position pos: pairs (i, i + hs/2) turned by pos * inv_i
+        a, b = vec[: hs // 2], vec[hs // 2 :]
+        c, s = torch.cos(pos * inv), torch.sin(pos * inv)
+        return torch.cat([a * c - b * s, a * s + b * c])
     want = torch.zeros(B, n * L, 32)
     for b in range(B):
         for j in range(n):
@@ -127,7 +133,10 @@ def test_cross_attention_matches_naive_loop():
                         scores = []
                         for key in range(k * M):
                             z = key // M
-                            s = q[head] @ kv[c, key, 0, head] / math.sqrt(hs) + 1.7 * relevance[c, z]
+                            # query i of the chunk at position L + i; key m of neighbour z at position m
+                            qr = rotate(q[head], L + t - j * L)
+                            kr = rotate(kv[c, key, 0, head], key % M)
+                            s = qr @ kr / math.sqrt(hs) + 1.7 * relevance[c, z]
                             scores.append(s if key_valid[c, key] else torch.tensor(-math.inf))
                         p = torch.softmax(torch.stack(scores), 0)
                         out[head] = sum(p[key] * kv[c, key, 1, head] for key in range(k * M))

@@ -53,6 +53,14 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
     meta = json.loads((tmp_path / state["index_dir"] / "meta.json").read_text())
     assert meta["embedder"] == state["identity"] and meta["k"] == 2
     assert set(ckpt["hyper_parameters"]["plugins"]) == {"tokenid", "retrieval"}
+    # validation and generation outside fit search the index the checkpoint names, with the current embedder
+    assert ckpt["state_dict"]["model.plugins.retrieval._extra_state"]["index_dir"].endswith("step-000000003")
+    ckpt_path = tmp_path / "runs/test/ckpt/last.ckpt"
+    frags = (CONFIGS / "plugins" / "tokenid.yaml", CONFIGS / "plugins" / "retrieval.yaml", _fragment(tmp_path))
+    val = run_rlm(fit_args(*frags, command="validate") + ["--ckpt_path", ckpt_path], tmp_path, rlm_cache)
+    assert "val/retrieval/relevance" in val.stdout
+    out = run_rlm(["generate", "--ckpt", ckpt_path, "--prompt", "def ", "--max-new-tokens", "40"], tmp_path, rlm_cache)
+    assert out.stdout.startswith("def ")
 
 
 @pytest.mark.slow
