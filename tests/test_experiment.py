@@ -156,6 +156,31 @@ def test_unfinished_run_resumes_from_its_checkpoint_only_under_the_same_config(t
     assert _prepare_dir(changed) == [] and not (run.dir / "ckpt").exists()  # another config: start afresh
 
 
+def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    from rlm.experiment import runner
+
+    exp = load_experiment(
+        write_experiment(tmp_path / "e.yaml", seeds=[0, 1], variants={"good": {}, "bad": {}})
+    )
+
+    def fake_train(run):
+        (run.dir).mkdir(parents=True, exist_ok=True)
+        (run.dir / "fit.log").write_text("Traceback ...\nRuntimeError: boom\n")
+        return run.variant == "good", 1.5
+
+    monkeypatch.setattr(runner, "train", fake_train)
+    monkeypatch.setattr(runner, "summarize", lambda run, wall: {"val_loss": 1.0})
+    failed = runner.run_experiment(exp, tmp_path / "out")
+    assert failed == ["bad/seed0", "bad/seed1"]
+    assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/seed*/summary.json")) == [
+        "seed0",
+        "seed1",
+    ]
+    assert not list((tmp_path / "out" / "bad").glob("*/summary.json"))
+    out = capsys.readouterr().out
+    assert "bad/seed0: rlm fit failed" in out and "RuntimeError: boom" in out
+
+
 # ----- the report's numbers, from hand-made runs ----------------------------------------------------------
 
 
