@@ -90,6 +90,16 @@ def test_broken_experiment_lists_every_problem(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_subcommand_table_is_pinned():
+    from rlm.experiment.cli import SUBCOMMANDS, parser
+
+    assert list(SUBCOMMANDS) == ["run", "check", "report"]
+    assert (
+        parser().parse_args(["check", "x.yaml", "--set", "a.b=1", "--seeds", "3"]).fn
+        is SUBCOMMANDS["check"][0]
+    )
+
+
 def test_structure_errors_without_a_parser(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text("variants: [a, b]\nseeds: two\n")
