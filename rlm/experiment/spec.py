@@ -284,6 +284,7 @@ def run_config(cfg: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
     cfg["trainer"] = trainer
     trainer["default_root_dir"] = str(run_dir)
     trainer["enable_progress_bar"] = False
+    trainer["enable_checkpointing"] = True  # the summary reads the model's hyperparameters from last.ckpt
     loggers = trainer.get("logger")
     loggers = loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []
     loggers = [lg for lg in loggers if _class_name(lg) in LOGGERS_WITH_DIRS]
