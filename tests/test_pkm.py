@@ -31,10 +31,12 @@ def brute_force_topk(q: torch.Tensor, keys1: torch.Tensor, keys2: torch.Tensor, 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("heads", [1, 3])
-@pytest.mark.parametrize("k", [1, 4, 16])
-def test_product_key_search_is_exact(seed, heads, k):
+@pytest.mark.parametrize(
+    ("n", "k"), [(16, 1), (16, 4), (16, 16), (64, 2), (64, 4), (64, 5)]
+)  # 64: grouped top-k
+def test_product_key_search_is_exact(seed, heads, n, k):
     g = torch.Generator().manual_seed(seed)
-    n, dh, N = 16, 8, 40
+    dh, N = 8, 40
     q = torch.randn(N, heads, 2 * dh, generator=g, dtype=torch.float64)
     keys = torch.randn(heads, 2, n, dh, generator=g, dtype=torch.float64)
     scores, slots = product_key_topk(q[..., :dh], q[..., dh:], keys[:, 0], keys[:, 1], k)
