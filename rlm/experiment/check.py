@@ -54,8 +54,12 @@ def count_parameters(model_cfg: dict[str, Any], plugins: dict[str, Any] | None) 
     from rlm.model.config import ModelConfig
     from rlm.model.transformer import Transformer
 
-    with torch.device("meta"):
-        model = Transformer(ModelConfig(**model_cfg), plugins or {})
+    config = ModelConfig(**model_cfg)
+    try:
+        with torch.device("meta"):
+            model = Transformer(config, plugins or {})
+    except (RuntimeError, NotImplementedError):  # a plugin that needs real tensors to build: pay for memory
+        model = Transformer(config, plugins or {})
     return ParamCounts(model.num_parameters(), model.added_parameters(), model.active_parameters())
 
 
