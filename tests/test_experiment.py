@@ -247,6 +247,11 @@ def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
     assert main_rows[0][6] == "500" and main_rows[2][6] == "2.00k"
     assert "`moe`: 8 experts" in md
     assert "val/moe_load_max/l1" in md and "train/moe_load/l1_e0" not in md  # report_metrics: val/* only
+    assert "Warning" not in md
+    summary = json.loads((tmp_path / "big/seed0/summary.json").read_text())
+    (tmp_path / "big/seed0/summary.json").write_text(json.dumps({**summary, "val_step": 20}))
+    write_report(tmp_path)
+    assert "Warning: the last validation of big/seed0 came before" in (tmp_path / "results.md").read_text()
 
 
 # ----- end to end -----------------------------------------------------------------------------------------

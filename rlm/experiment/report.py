@@ -17,7 +17,7 @@ from rlm.experiment.runner import METRICS_CSV, SUMMARY, read_metrics, series
 from rlm.experiment.spec import flatten, write_atomic
 
 RUN_COLUMNS = [
-    "variant", "seed", "baseline", "val_loss", "val_ppl", "best_val_loss", "steps", "params_total",
+    "variant", "seed", "baseline", "val_loss", "val_ppl", "best_val_loss", "val_step", "steps", "params_total",
     "params_added", "params_active", "tokens_per_s", "train_s", "wall_s",
 ]  # fmt: skip
 PLOTS = ("val_loss_vs_step.png", "val_loss_vs_time.png", "loss_vs_added_params.png")
@@ -144,6 +144,15 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
             "—" if None in (speed, b_speed) else f"{speed / b_speed:.2f}x",
         ])  # fmt: skip
     lines += _table(header, rows)
+    stale = sorted(
+        f"{v.name}/seed{r['seed']}"
+        for v in variants
+        for r in v.runs
+        if r.get("val_step", r["steps"]) != r["steps"]
+    )
+    if stale:
+        lines += ["", f"Warning: the last validation of {', '.join(stale)} came before the last training step "
+                  "(make trainer.max_steps a multiple of trainer.val_check_interval)."]  # fmt: skip
     described = [v for v in ordered if info["variants"].get(v.name, {}).get("description")]
     if described:
         lines += ["", *[f"- `{v.name}`: {info['variants'][v.name]['description']}" for v in described]]

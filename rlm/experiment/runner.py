@@ -90,7 +90,8 @@ def _last(rows: list[dict[str, float]], name: str) -> float | None:
 def summarize(run: Run, wall_s: float) -> dict[str, Any]:
     """The per-run summary: final validation loss, parameter counts, speed, time and plugin metrics."""
     rows = read_metrics(run.dir / METRICS_CSV)
-    val = [v for _, v in series(rows, "val/loss")]
+    val_series = series(rows, "val/loss")
+    val = [v for _, v in val_series]
     speed = [v for _, v in series(rows, "train/tokens_per_s")]
     # The median of the second half: the first steps pay for warm-up, allocation and caching.
     tokens_per_s = statistics.median(speed[len(speed) // 2 :]) if speed else None
@@ -106,6 +107,7 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
         "val_loss": val[-1] if val else None,
         "val_ppl": _last(rows, "val/ppl"),
         "best_val_loss": min(val) if val else None,
+        "val_step": int(val_series[-1][0]) + 1 if val_series else None,
         "steps": int(max((r["step"] for r in rows if "step" in r), default=-1)) + 1,
         "params_total": counts.total,
         "params_added": counts.added,
