@@ -4,8 +4,10 @@ For each distinct row u of the value table (rows sorted, its lookups e in [offse
     g = sum_e w[e] * grad[tok[e]]                       the sum-EmbeddingBag gradient of that row
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 which is torch.optim.Adam's update (Kingma & Ba, Alg. 1, bias-corrected) restricted to touched rows. One pass
-reads and writes each touched row of (p, m, v) once; nothing of size (rows, d) is allocated. Rows are split
-into contiguous ranges run on Python threads (ctypes releases the GIL), so no OpenMP runtime is involved.
+reads and writes each touched row of (p, m, v) once; nothing of size (rows, d) is allocated. A second kernel
+computes the per-sample-weight gradient of the value read, values[slots[t, j]] . grad[t], without gathering
+the rows. Work is split into contiguous ranges run on Python threads (ctypes releases the GIL), so no OpenMP
+runtime is involved.
 
 The C source is compiled once with the system C compiler into the rlm cache and loaded with ctypes; when no
 compiler is found, ``load()`` returns None and the caller uses its PyTorch path (same numbers, slower).
@@ -55,6 +57,20 @@ void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64
     }
     free(g);
 }
+
+void pkm_bag_dot(const float *values, const int64_t *slots, const float *grad, float *out, int64_t t0,
+                 int64_t t1, int64_t m, int64_t d) {
+    for (int64_t t = t0; t < t1; ++t) {
+        const float *gt = grad + t * d;
+        for (int64_t j = 0; j < m; ++j) {
+            const float *vr = values + slots[t * m + j] * d;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = 0; i < d; ++i) acc += vr[i] * gt[i];
+            out[t * m + j] = acc;
+        }
+    }
+}
 """
 
 _LIB: ctypes.CDLL | None = None
@@ -76,7 +92,9 @@ def _build(target: Path) -> None:
         src, out = Path(tmp) / "pkm_row_adam.c", Path(tmp) / target.name
         src.write_text(SOURCE)
         subprocess.run(
-            [cc, "-O3", "-shared", "-fPIC", "-o", str(out), str(src), "-lm"], check=True, capture_output=True
+            [cc, "-O3", "-fopenmp-simd", "-shared", "-fPIC", "-o", str(out), str(src), "-lm"],
+            check=True,
+            capture_output=True,
         )
         os.replace(out, target)  # atomic: concurrent processes never load a half-written library
 
@@ -97,11 +115,43 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         warnings.warn(f"pkm: fused value update unavailable ({err}); using the PyTorch path", stacklevel=2)
         return None
-    f = lib.pkm_row_adam
-    f.restype = None
-    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 6
+    lib.pkm_row_adam.restype = lib.pkm_bag_dot.restype = None
+    lib.pkm_row_adam.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 6
+    lib.pkm_bag_dot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     _LIB = lib
     return lib
+
+
+def _fits(floats: tuple[Tensor, ...], ints: tuple[Tensor, ...]) -> bool:
+    ok = all(t.device.type == "cpu" and t.is_contiguous() for t in (*floats, *ints))
+    return ok and all(t.dtype == torch.float32 for t in floats) and all(t.dtype == torch.int64 for t in ints)
+
+
+def _parallel(total: int, run, min_per_thread: int) -> None:
+    """Call run(lo, hi) over contiguous ranges of [0, total) on up to torch.get_num_threads() threads."""
+    global _POOL
+    threads = max(1, min(torch.get_num_threads(), total // min_per_thread))
+    if threads == 1:
+        run(0, total)
+        return
+    if _POOL is None or _POOL._max_workers < threads:
+        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkm-native")
+    list(_POOL.map(lambda i: run(total * i // threads, total * (i + 1) // threads), range(threads)))
+
+
+def bag_dot(values: Tensor, slots: Tensor, grad: Tensor) -> Tensor | None:
+    """out[t, j] = values[slots[t, j]] . grad[t], (N, m): the per-sample-weight gradient of a sum-EmbeddingBag.
+
+    None when the kernel is unavailable or the tensors do not fit it (float32, CPU, contiguous).
+    """
+    lib = load() if _fits((values, grad), (slots,)) else None
+    if lib is None:
+        return None
+    (N, m), d = slots.shape, values.shape[1]
+    out = torch.empty(N, m, dtype=torch.float32)
+    ptrs = [t.data_ptr() for t in (values, slots, grad, out)]
+    _parallel(N, lambda lo, hi: lib.pkm_bag_dot(*ptrs, lo, hi, m, d), min_per_thread=64)
+    return out
 
 
 def row_adam(
@@ -113,26 +163,12 @@ def row_adam(
     p, m, v: (S, d) float32 CPU contiguous; rows (U,) sorted distinct; offsets (U+1,); tok, w (E,) in row
     order; grad (N, d).
     """
-    global _POOL
-    fits = all(t.device.type == "cpu" and t.is_contiguous() for t in (p, m, v, rows, offsets, tok, w, grad))
-    fits = fits and all(t.dtype == torch.float32 for t in (p, m, v, w, grad))
-    fits = fits and all(t.dtype == torch.int64 for t in (rows, offsets, tok))
-    lib = load() if fits else None
+    lib = load() if _fits((p, m, v, w, grad), (rows, offsets, tok)) else None
     if lib is None:
         return False
     U, d = rows.numel(), p.shape[1]
     bc1, bc2_sqrt = 1 - betas[0] ** step, (1 - betas[1] ** step) ** 0.5
     ptrs = [t.data_ptr() for t in (p, m, v, rows, offsets, tok, w, grad)]
-    threads = max(1, min(torch.get_num_threads(), U // 256 or 1))
-
-    def run(i: int) -> None:
-        u0, u1 = U * i // threads, U * (i + 1) // threads
-        lib.pkm_row_adam(*ptrs, u0, u1, d, lr, betas[0], betas[1], eps, bc1, bc2_sqrt)
-
-    if threads == 1:
-        run(0)
-    else:
-        if _POOL is None or _POOL._max_workers < threads:
-            _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkm-row-adam")
-        list(_POOL.map(run, range(threads)))
+    hyper = (lr, betas[0], betas[1], eps, bc1, bc2_sqrt)
+    _parallel(U, lambda lo, hi: lib.pkm_row_adam(*ptrs, lo, hi, d, *hyper), min_per_thread=256)
     return True

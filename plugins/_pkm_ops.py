@@ -175,20 +175,49 @@ def coalesce_rows(slots: Tensor, weights: Tensor, grad: Tensor) -> tuple[Tensor,
     return rows, row_gradients(offsets, tok, w, grad)
 
 
-class _SparseValueGrad(torch.autograd.Function):
-    """Identity on the memory output whose backward hands (lookups, output gradient) to the row optimizer."""
+def bag_dot(values: Tensor, slots: Tensor, grad: Tensor) -> Tensor:
+    """values[slots[t, j]] . grad[t], (N, m): the gradient of a sum-EmbeddingBag w.r.t. its per-sample weights."""
+    out = _pkm_native.bag_dot(values, slots, grad)
+    if out is not None:
+        return out
+    N, m = slots.shape
+    out = grad.new_empty(N, m)
+    chunk = max(1, (1 << 22) // (m * values.shape[1]))  # gather ~16 MB of rows at a time, not all N*m rows
+    for t in range(0, N, chunk):
+        rows = values.index_select(0, slots[t : t + chunk].reshape(-1)).view(
+            -1, m, values.shape[1]
+        )  # (c, m, d)
+        out[t : t + chunk] = torch.bmm(rows.to(grad.dtype), grad[t : t + chunk].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+class _ValueBag(torch.autograd.Function):
+    """sum_j weights[t, j] * values[slots[t, j]] with a backward that never builds a dense (N*m, d) tensor.
+
+    Weights get bag_dot; the values get either a dense gradient (for DDP/FSDP to reduce) or, with a sink,
+    nothing: backward hands (slots, weights, output gradient) to the row optimizer instead.
+    """
 
     @staticmethod
-    def forward(ctx: Any, out: Tensor, slots: Tensor, weights: Tensor, sink: RowAdam, key: str) -> Tensor:
-        ctx.save_for_backward(slots, weights)
+    def forward(
+        ctx: Any, slots: Tensor, weights: Tensor, values: Tensor, sink: RowAdam | None, key: str
+    ) -> Tensor:
+        ctx.save_for_backward(slots, weights, values)
         ctx.sink, ctx.key = sink, key
-        return out.view_as(out)
+        return F.embedding_bag(slots, values, mode="sum", per_sample_weights=weights)  # (N, d)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        slots, weights = ctx.saved_tensors
-        ctx.sink.add_lookups(ctx.key, slots, weights, grad)
-        return grad, None, None, None, None
+        slots, weights, values = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_w = bag_dot(values, slots, grad).to(weights.dtype) if ctx.needs_input_grad[1] else None
+        grad_values = None
+        if ctx.sink is not None:
+            ctx.sink.add_lookups(ctx.key, slots, weights.detach(), grad)
+        elif ctx.needs_input_grad[2]:
+            rows, g = coalesce_rows(slots, weights, grad)
+            grad_values = torch.zeros_like(values).index_copy_(0, rows, g.to(values.dtype))
+        return None, grad_w, grad_values, None, None
 
 
 def value_lookup(
@@ -196,13 +225,10 @@ def value_lookup(
 ) -> Tensor:
     """sum_j weights[t, j] * values[slots[t, j]], (N, d); with a sink, the values' gradient goes there sparsely.
 
-    Without a sink the values get an ordinary dense gradient (what DDP/FSDP reduce); with one, the table is
-    read detached and backward hands the lookups and the output gradient to ``sink.add_lookups``.
+    Without a sink the values get an ordinary dense gradient (what DDP/FSDP reduce); with one, backward hands
+    the reads and the output gradient to ``sink.add_lookups`` and the table gets no ``.grad``.
     """
-    if sink is None:
-        return F.embedding_bag(slots, values, mode="sum", per_sample_weights=weights)
-    out = F.embedding_bag(slots, values.detach(), mode="sum", per_sample_weights=weights)
-    return _SparseValueGrad.apply(out, slots, weights.detach(), sink, key)
+    return _ValueBag.apply(slots, weights, values, sink, key)
 
 
 class RowAdam:

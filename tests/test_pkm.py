@@ -9,7 +9,14 @@ import torch
 import yaml
 from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
 from rlm.plugins import _pkm_native
-from rlm.plugins._pkm_ops import MaskedBatchNorm, RowAdam, coalesce_rows, product_key_topk, slot_stats
+from rlm.plugins._pkm_ops import (
+    MaskedBatchNorm,
+    RowAdam,
+    bag_dot,
+    coalesce_rows,
+    product_key_topk,
+    slot_stats,
+)
 from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
 from torch.testing import assert_close
 
@@ -153,6 +160,18 @@ def test_coalesced_rows_equal_a_dense_index_add():
             dense[slots[t, j]] += weights[t, j] * grad[t]
     assert torch.equal(rows, slots.unique())
     assert_close(row_grad, dense[rows])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["fused-kernel", "torch"])
+def test_bag_dot_equals_gathered_dot_products(native, monkeypatch):
+    if native and _pkm_native.load() is None:
+        pytest.skip("no C compiler: the fused kernel is unavailable")
+    if not native:
+        monkeypatch.setattr(_pkm_native, "bag_dot", lambda *args: None)
+    values, grad = torch.randn(50, 24), torch.randn(9, 24)
+    slots = torch.randint(0, 50, (9, 7))
+    want = torch.stack([torch.stack([values[slots[t, j]] @ grad[t] for j in range(7)]) for t in range(9)])
+    assert_close(bag_dot(values, slots, grad), want)
 
 
 def test_masked_batchnorm_statistics_by_hand():
