@@ -194,13 +194,16 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, c
 # ----- the report's numbers, from hand-made runs ----------------------------------------------------------
 
 
-def fake_run(out: Path, variant: str, seed: int, loss: float, added: int, speed: float) -> None:
-    """A finished run directory with a summary and a three-validation metrics.csv."""
+def fake_run(
+    out: Path, variant: str, seed: int, loss: float, added: int, speed: float, clock: float = 0.5
+) -> None:
+    """A finished run directory with a summary and a metrics.csv of three validations, after 10, 20 and 30
+    steps of ``clock`` seconds each, with losses loss + 1, loss + 0.5, loss."""
     run = out / variant / f"seed{seed}"
     (run / "logs" / "version_0").mkdir(parents=True)
     rows = ["epoch,step,time/train_s,val/loss,val/moe_load_max/l1"]
     for i, step in enumerate((9, 19, 29)):
-        rows += [f"0,{step},{(step + 1) * 0.5},,", f"0,{step},,{loss + 1.0 - 0.5 * i},0.5"]
+        rows += [f"0,{step},{(step + 1) * clock},,", f"0,{step},,{loss + 1.0 - 0.5 * i},0.5"]
     (run / "logs" / "version_0" / "metrics.csv").write_text("\n".join(rows) + "\n")
     summary = {
         "variant": variant, "seed": seed, "fingerprint": "x", "val_loss": loss, "val_ppl": 2.718281828**loss,
@@ -219,7 +222,7 @@ def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
             "big": [(0, 3.5, 2000, 50.0)]}  # fmt: skip
     for variant, seeds in runs.items():
         for seed, loss, added, speed in seeds:
-            fake_run(tmp_path, variant, seed, loss, added, speed)
+            fake_run(tmp_path, variant, seed, loss, added, speed, clock=0.25 if variant == "big" else 0.5)
     paths = write_report(tmp_path)
     assert [p.name for p in paths] == ["results.csv", "results.md", *PLOTS]
     for name in PLOTS:
@@ -244,7 +247,12 @@ def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
     assert (
         main_rows[0][-1].rstrip(" |") == f"{85.0 / 105.0:.2f}x"
     )  # tokens/s against the baseline's, last column
-    assert main_rows[0][6] == "500" and main_rows[2][6] == "2.00k"
+    assert main_rows[0][7] == "500" and main_rows[2][7] == "2.00k"
+    # Equal time: 'big' ran 30 steps in 7.5 s; the others are read at 7.5 s on their (5 s, 10 s) segment,
+    # a quarter of the way from loss + 1 to loss + 0.5.
+    assert "| val loss at 8s train |" in table[0]
+    assert main_rows[0][3] == f"{mean['moe'] + 0.75:.3f}" and main_rows[1][3] == f"{mean['base'] + 0.75:.3f}"
+    assert main_rows[2][3] == f"{mean['big']:.3f}"
     assert "`moe`: 8 experts" in md
     assert "val/moe_load_max/l1" in md and "train/moe_load/l1_e0" not in md  # report_metrics: val/* only
     assert "Warning" not in md

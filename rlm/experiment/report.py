@@ -117,13 +117,17 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
         f"base config: {', '.join(_short(p) for p in info['base'])}. Validation loss is the last "
         "validation of each run (mean ± sample sd over seeds); Δ against the baseline "
         f"`{info['baseline']}`{'' if base else ' (not finished: no deltas)'}; tokens/s is the median "
-        "training throughput of the second half of each run; train time excludes validation.",
+        "training throughput of the second half of each run; train time excludes validation; the loss at equal "
+        "time is read off each run's validation curve (linear between validations) at the training time of the "
+        "shortest run.",
         "",
     ]
     common = flatten(info.get("common") or {})
     if common:
         lines += ["Set in every run: " + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in common) + ".", ""]
-    header = ["variant", "val loss", "Δ loss", "val ppl", "Δ ppl", "params", "added", "active/token",
+    t_equal, at_t = equal_time_losses(variants)
+    at_header = f"val loss at {_seconds(t_equal)} train" if t_equal is not None else "val loss at equal time"
+    header = ["variant", "val loss", "Δ loss", at_header, "val ppl", "Δ ppl", "params", "added", "active/token",
               "tokens/s", "train time", "runs", "tokens/s vs baseline"]  # fmt: skip
     rows = []
     for v in ordered:
@@ -133,6 +137,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
             f"**{v.name}** (baseline)" if is_base else v.name,
             _fmt(loss) + (f" ± {_fmt(sd)}" if sd is not None else ""),
             "—" if is_base or None in (loss, b_loss) else f"{loss - b_loss:+.3f}",
+            _fmt(at_t.get(v.name)),
             _fmt(ppl, 2),
             "—" if is_base or None in (ppl, b_ppl) else f"{100 * (ppl / b_ppl - 1):+.1f}%",
             _count(v.mean("params_total")),
@@ -186,13 +191,37 @@ def _val_curves(run: dict[str, Any]) -> tuple[list[float], list[float], list[flo
     clock = series(rows, "time/train_s")
     steps, times, losses = [], [], []
     for step, loss in series(rows, "val/loss"):
-        before = [
-            t for s, t in clock if s <= step
-        ]  # the training time at the last step before this validation
+        # The training time at the last training step before this validation.
+        before = [t for s, t in clock if s <= step]
         steps.append(step + 1)
         times.append(before[-1] if before else 0.0)
         losses.append(loss)
     return steps, times, losses
+
+
+def _loss_at_time(times: list[float], losses: list[float], t: float) -> float | None:
+    """Validation loss at training time t, linear between the two validations around it."""
+    if not times or not times[0] <= t <= times[-1]:
+        return None
+    for t0, l0, t1, l1 in zip(times, losses, times[1:], losses[1:]):
+        if t0 <= t <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (t - t0) / (t1 - t0)
+    return losses[-1]  # a single validation, at t
+
+
+def equal_time_losses(variants: list[VariantResult]) -> tuple[float | None, dict[str, float | None]]:
+    """The shortest run's training time T, and each variant's validation loss at T (mean over seeds)."""
+    curves = {id(r): _val_curves(r)[1:] for v in variants for r in v.runs}
+    ends = [times[-1] for times, _ in curves.values() if times]
+    if not ends:
+        return None, {}
+    t = min(ends)
+    out = {}
+    for v in variants:
+        values = [_loss_at_time(*curves[id(r)], t) for r in v.runs]
+        values = [x for x in values if x is not None]
+        out[v.name] = statistics.fmean(values) if values else None
+    return t, out
 
 
 def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:
