@@ -113,7 +113,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     steps = sorted({r["steps"] for v in variants for r in v.runs})
     lines = [f"# Experiment `{info['name']}`", ""]
     lines += [
-        f"{len(variants)} variants x seeds {seeds}, {'/'.join(map(str, steps))} training steps per run; "
+        f"{len(variants)} variant{'s' * (len(variants) != 1)} x seeds {seeds}, {'/'.join(map(str, steps))} training steps per run; "
         f"base config: {', '.join(_short(p) for p in info['base'])}. Validation loss is the last "
         "validation of each run (mean ± sample sd over seeds); Δ against the baseline "
         f"`{info['baseline']}`{'' if base else ' (not finished: no deltas)'}; tokens/s is the median "
