@@ -4,7 +4,8 @@ whole default model's training step with MoE in every other layer against the de
     python benchmarks/experts.py                          # d=256, experts 4d wide, 8 x 512 tokens
     python benchmarks/experts.py --batch 2 --seq 64 --experts 4 8 --repeat 2   # a quick smoke run
 
-Every layer row times forward and backward (input gradient included, as inside a model). The 'add' rows
+Every layer row times forward and backward (input gradient included, as inside a model), alternating with the
+dense FFN so both see the same machine load, and reports the fastest of --repeat runs of each. The 'add' rows
 (partial experts, tokenid) run the dense FFN plus the added module, as the FFN slot does. The peer row
 (st-moe-pytorch, `pip install rlm[bench]`) is skipped with a note when the package is absent.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import table, time_fn  # noqa: E402
+from _common import table  # noqa: E402
 from rlm.plugins.moe import MoEConfig, MoELayer  # noqa: E402
 from rlm.plugins.partial_experts import PartialExpertsConfig, PartialExpertsLayer  # noqa: E402
 from rlm.plugins.tokenid import TokenIDTable  # noqa: E402
@@ -52,6 +54,24 @@ def step_fn(modules: list[nn.Module], x: torch.Tensor, tokens: torch.Tensor) -> 
     return run
 
 
+def paired(
+    fn: Callable[[], None], base: Callable[[], None], repeat: int, warmup: int = 2
+) -> tuple[float, float]:
+    """Fastest seconds of ``fn`` and of ``base``, run alternately so both see the same machine load.
+
+    The minimum, not the median: on a shared CPU, other processes only ever add time.
+    """
+    for _ in range(warmup):
+        fn(), base()
+    t, b = [], []
+    for _ in range(repeat):
+        for f, out in ((fn, t), (base, b)):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+    return min(t), min(b)
+
+
 def peer_fn(d: int, n: int, batch: int, seq: int) -> Callable[[], None]:
     """st-moe-pytorch's MoE, top-2, GEGLU experts of 2/3 * 4d hidden (the parameters of a 4d MLP)."""
     from st_moe_pytorch import MoE
@@ -73,13 +93,15 @@ def layer_rows(a: argparse.Namespace) -> list[list[object]]:
     x = torch.randn(a.batch, a.seq, a.d, requires_grad=True)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq))
     ffn = FeedForward(mc)
-    dense = time_fn(step_fn([ffn], x, tokens), a.repeat)
-    rows = [["dense FFN", f"1 x {mc.hidden}", dense * 1e3, 1.0]]
+    dense_fn = step_fn([ffn], x, tokens)
+    rows = []
 
-    def add(name: str, active: str, modules: list[nn.Module]) -> None:
-        t = time_fn(step_fn(modules, x, tokens), a.repeat)
-        rows.append([name, active, t * 1e3, t / dense])
-        print(f"  {name}: {t * 1e3:.1f} ms", file=sys.stderr)
+    def add(name: str, active: str, fn: Callable[[], None]) -> None:
+        t, dense = paired(fn, dense_fn, a.repeat)
+        rows.append([name, active, dense * 1e3, t * 1e3, t / dense])
+        print(f"  {name}: {t * 1e3:.1f} ms, dense {dense * 1e3:.1f} ms", file=sys.stderr)
+
+    add("dense FFN (against itself)", f"1 x {mc.hidden}", step_fn([FeedForward(mc)], x, tokens))
 
     for n in a.experts:
         for lookup, cf, dispatch in [
@@ -92,29 +114,29 @@ def layer_rows(a: argparse.Namespace) -> list[list[object]]:
         ]:
             cfg = MoEConfig(layers=[0], num_experts=n, lookup=lookup, capacity_factor=cf, dispatch=dispatch)
             drop = "dropless" if cf == 0 else f"cf {cf}"
-            add(f"moe N={n} top-1 {lookup} {drop} {dispatch}", f"1 x {mc.hidden}", [MoELayer(cfg, mc, 0)])
-    if importlib.util.find_spec("st_moe_pytorch") is None:
-        rows.append(["peer st-moe-pytorch: skipped (pip install st-moe-pytorch)", "", "", ""])
-    else:
-        for n in a.experts:
-            hidden = int(a.d * 4 * 2 / 3)
-            t = time_fn(peer_fn(a.d, n, a.batch, a.seq), a.repeat)
-            rows.append(
-                [f"peer st-moe-pytorch N={n} top-2 cf 1.25", f"<=2 x {hidden} GEGLU", t * 1e3, t / dense]
+            add(
+                f"moe N={n} top-1 {lookup} {drop} {dispatch}",
+                f"1 x {mc.hidden}",
+                step_fn([MoELayer(cfg, mc, 0)], x, tokens),
             )
-            print(f"  peer N={n}: {t * 1e3:.1f} ms", file=sys.stderr)
+    if importlib.util.find_spec("st_moe_pytorch") is None:
+        rows.append(["peer st-moe-pytorch: skipped (pip install st-moe-pytorch)", "", "", "", ""])
+    else:
+        hidden = int(a.d * 4 * 2 / 3)
+        for n in a.experts:
+            peer = peer_fn(a.d, n, a.batch, a.seq)
+            add(f"peer st-moe-pytorch N={n} top-2 cf 1.25", f"<=2 x {hidden} GEGLU", peer)
     for rank in (0, 4):
         for lookup, buckets in (("lsh", a.vocab), ("token_id", a.vocab), ("softmax", 64)):
             cfg = PartialExpertsConfig(layers=[0], lookup=lookup, buckets=buckets, rank=rank, init_std=0.02)
-            add(
-                f"FFN + partial experts {lookup} {buckets} buckets rank {rank}",
-                f"FFN + rank {rank}",
-                [ffn, PartialExpertsLayer(cfg, mc)],
-            )
+            added = PartialExpertsLayer(cfg, mc)
+            name = f"FFN + partial experts {lookup} {buckets} buckets rank {rank}"
+            add(name, f"FFN + rank {rank}", step_fn([ffn, added], x, tokens))
+        tokenid = TokenIDTable(a.vocab, a.d, rank, 0.02)
         add(
             f"FFN + tokenid rank {rank} (vocab {a.vocab})",
             f"FFN + rank {rank}",
-            [ffn, TokenIDTable(a.vocab, a.d, rank, 0.02)],
+            step_fn([ffn, tokenid], x, tokens),
         )
     return rows
 
@@ -143,7 +165,7 @@ def model_rows(a: argparse.Namespace) -> list[list[object]]:
         )
         for n in (min(a.experts), max(a.experts))
     ]
-    rows, base = [], None
+    steps = {}
     for name, plugins in variants:
         model = Transformer(mc, plugins)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -157,11 +179,14 @@ def model_rows(a: argparse.Namespace) -> list[list[object]]:
             (loss if aux is None else loss + aux).backward()
             opt.step()
 
-        t = time_fn(step, a.repeat)
-        base = base or t
         active = f"{model.active_parameters() / 1e6:.2f}M of {model.num_parameters() / 1e6:.2f}M"
-        rows.append([name, active, t * 1e3, t / base])
-        print(f"  {name}: {t * 1e3:.1f} ms", file=sys.stderr)
+        steps[name] = (step, active)
+    dense_step = steps[variants[0][0]][0]
+    rows = []
+    for name, (step, active) in steps.items():
+        t, dense = paired(step, dense_step, a.repeat)
+        rows.append([name, active, dense * 1e3, t * 1e3, t / dense])
+        print(f"  {name}: {t * 1e3:.1f} ms, dense {dense * 1e3:.1f} ms", file=sys.stderr)
     return rows
 
 
@@ -175,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
-    p.add_argument("--repeat", type=int, default=10, help="timed runs per row (median reported)")
+    p.add_argument(
+        "--repeat", type=int, default=7, help="timed runs per row, alternating with the baseline (min)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-model", action="store_true", help="skip the whole-model training-step rows")
     a = p.parse_args(argv)
@@ -186,13 +213,20 @@ def main(argv: list[str] | None = None) -> None:
         f"d={a.d}, hidden={a.mult * a.d} ({a.ffn}), {a.batch} x {a.seq} = {a.batch * a.seq} tokens per step, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}\n"
     )
-    headers = ["layer (forward + backward)", "active per token", "ms", "x dense FFN"]
+    headers = ["layer (forward + backward)", "active per token", "dense FFN ms", "ms", "x dense FFN"]
     print(table(headers, layer_rows(a)))
     if not a.no_model:
         print()
         print(
             table(
-                ["training step (fwd + bwd + AdamW)", "active params", "ms", "x dense model"], model_rows(a)
+                [
+                    "training step (fwd + bwd + AdamW)",
+                    "active params",
+                    "dense model ms",
+                    "ms",
+                    "x dense model",
+                ],
+                model_rows(a),
             )
         )
 

@@ -316,5 +316,9 @@ def test_benchmark_script_smoke(capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert "| dense FFN |" in out and "moe N=2 top-1 lsh" in out and "FFN + tokenid rank 4" in out
+    assert (
+        "| dense FFN (against itself) |" in out
+        and "moe N=2 top-1 lsh" in out
+        and "FFN + tokenid rank 4" in out
+    )
     assert "x dense FFN |" in out.splitlines()[2]
