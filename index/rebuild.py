@@ -337,7 +337,7 @@ class RebuildCallback(pl.Callback):
     # ----- hooks -----
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._root = Path(self.index_dir or Path(trainer.default_root_dir) / "retrieval_index")
+        self._root = Path(self.index_dir or Path(trainer.default_root_dir) / "retrieval_index").resolve()
         dm = trainer.datamodule
         if dm is None:
             raise ValueError(
@@ -501,7 +501,7 @@ class RebuildCallback(pl.Callback):
         """Delete all but the newest `keep` rebuild directories (the current one always stays)."""
         if current is None or not self._writer or not self._root.exists():
             return
-        old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p != current)
+        old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p.resolve() != current.resolve())
         for p in old[: max(0, len(old) - (self.keep - 1))]:
             shutil.rmtree(p, ignore_errors=True)
 

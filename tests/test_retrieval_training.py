@@ -185,6 +185,8 @@ def test_resume_reuses_a_matching_index_and_rebuilds_a_missing_one(tmp_path):
     t.fit(module, datamodule=data)
     cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
     assert cb.history == [(0, "built"), (4, "built")]
+    kept = sorted(p.name for p in (tmp_path / "retrieval_index").glob("step-*"))
+    assert kept == ["step-000000000", "step-000000004"]  # the newest `keep` = 2 rebuilds stay on disk
     ckpt = tmp_path / "last.ckpt"
     t.save_checkpoint(ckpt)
     state = torch.load(ckpt, weights_only=False)["callbacks"]["RebuildCallback[retrieval]"]
