@@ -121,6 +121,7 @@ def test_cross_attention_matches_naive_loop():
         a, b = vec[: hs // 2], vec[hs // 2 :]
         c, s = torch.cos(pos * inv), torch.sin(pos * inv)
         return torch.cat([a * c - b * s, a * s + b * c])
+
     want = torch.zeros(B, n * L, 32)
     for b in range(B):
         for j in range(n):
@@ -290,3 +291,21 @@ def test_no_memory_means_no_retrieval():
     model.plugins["retrieval"].prepare(ctx, {"tokens": tokens})
     x = torch.randn(2, 16, 32)
     assert torch.all(model.blocks[1].cross_attn(x, ctx) == 0)
+
+
+def test_benchmark_script_smoke(capsys):
+    """benchmarks/retrieval.py runs end to end at a tiny size and prints its three tables."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "retrieval.py"
+    spec = importlib.util.spec_from_file_location("bench_retrieval", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(
+        "--d 32 --layers 2 --heads 2 --vocab 128 --seq 16 --segment 8 --batch 2 --docs 12 --doc-len 32 "
+        "--sizes 40 --steps 1 --rounds 1 --factory Flat".split()
+    )
+    out = capsys.readouterr().out
+    for row in ("| no retrieval |", "| reading precomputed neighbours", "| 40 |", "| background rebuild"):
+        assert row in out
