@@ -34,12 +34,29 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64_t *offsets,
-                  const int64_t *tok, const float *w, const float *grad, int64_t u0, int64_t u1, int64_t d,
-                  float lr, float b1, float b2, float eps, float bc1, float bc2_sqrt) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* One build runs at the best width of the machine that loads it (dispatched by the loader). */
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+#define PREFETCH_AHEAD 8 /* rows: random reads of a large table are latency-bound without it */
+
+static inline void prefetch_row(const float *row, int64_t d) {
+    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
+}
+
+CLONES void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64_t *offsets,
+                         const int64_t *tok, const float *w, const float *grad, int64_t u0, int64_t u1, int64_t d,
+                         float lr, float b1, float b2, float eps, float bc1, float bc2_sqrt) {
     float *g = (float *)malloc(sizeof(float) * (size_t)d);
     const float step = lr / bc1;
     for (int64_t u = u0; u < u1; ++u) {
+        if (u + 2 < u1) {
+            const int64_t ahead = rows[u + 2] * d;
+            prefetch_row(p + ahead, d), prefetch_row(m + ahead, d), prefetch_row(v + ahead, d);
+        }
         memset(g, 0, sizeof(float) * (size_t)d);
         for (int64_t e = offsets[u]; e < offsets[u + 1]; ++e) {
             const float we = w[e];
@@ -58,12 +75,15 @@ void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64
     free(g);
 }
 
-void pkm_bag_dot(const float *values, const int64_t *slots, const float *grad, float *out, int64_t t0,
-                 int64_t t1, int64_t m, int64_t d) {
+CLONES void pkm_bag_dot(const float *values, const int64_t *slots, const float *grad, float *out, int64_t t0,
+                        int64_t t1, int64_t m, int64_t d) {
+    const int64_t end = t1 * m;
     for (int64_t t = t0; t < t1; ++t) {
         const float *gt = grad + t * d;
         for (int64_t j = 0; j < m; ++j) {
-            const float *vr = values + slots[t * m + j] * d;
+            const int64_t e = t * m + j;
+            if (e + PREFETCH_AHEAD < end) prefetch_row(values + slots[e + PREFETCH_AHEAD] * d, d);
+            const float *vr = values + slots[e] * d;
             float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t i = 0; i < d; ++i) acc += vr[i] * gt[i];
