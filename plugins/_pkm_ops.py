@@ -1,8 +1,10 @@
 """Numerical pieces of the product key memory (Lample et al. 2019, 'Large Memory Layers with Product Keys').
 
 Kept apart from ``plugins/pkm.py`` so the plugin file reads as the model: here are the exact product-key
-search, the batch norm that ignores padding (synced under torch.distributed), the sparse gradient tap of
-the value table, the row-wise lazy Adam that updates only touched rows, and the usage/KL statistics.
+search (with a backward that touches only the selected sub-keys), the batch norm that ignores padding
+(synced under torch.distributed), the value read (EmbeddingBag) whose backward is dense or hands the reads
+to the row-wise lazy Adam that updates only touched rows, and the usage/KL statistics. Nothing here builds
+a tensor of size n^2 (slots) except the dense value gradient that DDP/FSDP need.
 """
 
 from __future__ import annotations
