@@ -271,7 +271,13 @@ class PKMCallback(pl.Callback):
         return f"PKMCallback[{self.plugin.label}]"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.plugin.resolve_sparse(distributed=trainer.world_size > 1)
+        sparse = self.plugin.resolve_sparse(distributed=trainer.world_size > 1)
+        if sparse and str(trainer.precision).startswith("16"):
+            # The recorded output gradients would carry the GradScaler's scale, which only the main optimizer undoes.
+            raise ValueError(
+                f"pkm.sparse with precision={trainer.precision!r} (fp16 loss scaling) is not supported; "
+                "use precision bf16-mixed or 32, or pkm.sparse: false"
+            )
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
