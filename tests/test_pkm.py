@@ -495,3 +495,25 @@ def test_batchnorm_is_synced_across_two_processes():
     for r in (0, 1):
         assert_close(got[r][2], bn.running_mean)
         assert_close(got[r][3], bn.running_var)
+
+
+def test_fused_kernels_split_over_threads_give_the_same_numbers():
+    if _pkm_native.load() is None:
+        pytest.skip("no C compiler: the fused kernel is unavailable")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # enough rows below for several ranges
+    try:
+        values, grad = torch.randn(4000, 16), torch.rand(300, 16) + 0.1
+        slots, weights = torch.randint(0, 4000, (300, 8)), torch.rand(300, 8)
+        want = (values[slots] * grad.unsqueeze(1)).sum(-1)
+        assert_close(bag_dot(values, slots, grad), want)
+        fused, plain = RowAdam(lr=0.01), RowAdam(lr=0.01)
+        plain.native = False
+        for opt in (fused, plain):
+            opt.add_table("t", values.clone())
+            opt.add_lookups("t", slots, weights, grad)
+            opt.step()
+        assert_close(fused.tables["t"], plain.tables["t"])
+        assert_close(fused.state["t"]["exp_avg_sq"], plain.state["t"]["exp_avg_sq"])
+    finally:
+        torch.set_num_threads(threads)
