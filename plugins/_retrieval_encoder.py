@@ -59,6 +59,14 @@ class SharedEncoder(SegmentEncoder):
         """Point at the model's embedding and lower blocks (called from Plugin.attach)."""
         object.__setattr__(self, "_parts", (model.embed, list(model.blocks[: self.n_layers])))
 
+    def train(self, mode: bool = True) -> SharedEncoder:
+        """Also switch the referenced LM modules (a frozen deep copy must not run dropout)."""
+        super().train(mode)
+        if self._parts is not None:
+            for module in (self._parts[0], *self._parts[1]):
+                module.train(mode)
+        return self
+
     def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
         if self._parts is None:
             raise RuntimeError(

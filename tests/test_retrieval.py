@@ -309,3 +309,22 @@ def test_benchmark_script_smoke(capsys):
     out = capsys.readouterr().out
     for row in ("| no retrieval |", "| reading precomputed neighbours", "| 40 |", "| background rebuild"):
         assert row in out
+
+
+def test_snapshot_is_frozen_and_independent(corpus):
+    """The rebuild's snapshot embeds like the live embedder, in eval mode, and does not follow later updates."""
+    segments, _ = corpus
+    model = tiny_model()
+    plugin = model.plugins["retrieval"]
+    tokens = torch.from_numpy(segments.tokens(np.arange(6)))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    snap = plugin.snapshot(step=7)
+    assert snap.embedder_identity()["step"] == 7
+    assert all(not m.training for m in (snap.encoder._parts[0], *snap.encoder._parts[1]))
+    before = snap.embed_segments(tokens, mask)
+    torch.testing.assert_close(before, plugin._embed_queries(tokens, mask))
+    torch.testing.assert_close(before.norm(dim=-1), torch.ones(6))
+    with torch.no_grad():
+        model.embed.main.table.weight.add_(1.0)
+    torch.testing.assert_close(snap.embed_segments(tokens, mask), before)
+    assert plugin.identity(7)["weights_hash"] != snap.embedder_identity()["weights_hash"]
