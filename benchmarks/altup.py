@@ -5,6 +5,7 @@ One step = forward + backward + AdamW step on random tokens. Models are timed in
 1.2x-1.4x slower training for K=2; the goal here is at most 1.10x.
 
     python benchmarks/altup.py                       # default model shape: d=256, 4 layers, seq 256, batch 8
+    python benchmarks/altup.py --threads 1 --clock cpu    # on a shared, oversubscribed CPU: CPU time per step
     python benchmarks/altup.py --d 32 --layers 2 --seq 16 --batch 2 --steps 2 --rounds 1   # smoke test
 """
 
