@@ -93,7 +93,11 @@ class MoELayer(nn.Module):
         self.lookup = build_lookup(c, mc.d_model, c.num_experts, mc.vocab_size, mc.init_std)
 
     def capacity(self, tokens: int) -> int | None:
-        """Assignments each expert takes: ceil(k * tokens / N * capacity_factor), None when dropless."""
+        """Assignments each expert takes: ceil(k * tokens / N * capacity_factor), None when dropless.
+
+        ``tokens`` counts every position of the batch, padding included (a static shape); padding itself never
+        takes a place in any expert's queue.
+        """
         c = self.config
         if c.capacity_factor == 0:
             return None
