@@ -322,3 +322,27 @@ def test_benchmark_script_smoke(capsys):
         and "FFN + tokenid rank 4" in out
     )
     assert "x dense FFN |" in out.splitlines()[2]
+
+
+@pytest.mark.parametrize(
+    "fragments",
+    [
+        ["moe.yaml"],
+        ["moe.yaml", "moe_top2.yaml"],
+        ["moe_hash.yaml", "moe.yaml"],
+        ["partial_experts.yaml"],
+        ["tokenid.yaml", "moe.yaml", "partial_experts.yaml"],
+    ],
+    ids=lambda f: "+".join(f),
+)
+def test_config_fragments_build_the_default_model(fragments):
+    """Every routed-memory fragment (stacked as `rlm fit` stacks them) is valid for the default 4-layer model."""
+    from rlm.config_merge import merge_configs
+    from rlm.plugin.registry import validate_specs
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    specs = merge_configs([root / "plugins" / f for f in fragments])["model"]["plugins"]
+    assert validate_specs(specs) == []
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(), specs)
+    assert set(model.plugins) == set(specs)
