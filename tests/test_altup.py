@@ -345,6 +345,11 @@ def test_fit_with_altup_and_tokenid(tmp_path, rlm_cache):
     assert any(
         k.startswith("model.stack.blocks.0.ffn_add.0.") for k in state["state_dict"]
     )  # Token-ID inside
+    ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
+    out = run_rlm(
+        ["generate", "--ckpt", ckpt, "--prompt", "def ", "--max-new-tokens", "8"], tmp_path, rlm_cache
+    )
+    assert out.stdout.startswith("def ")  # generation from an AltUp checkpoint
 
 
 @pytest.mark.slow
