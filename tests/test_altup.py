@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
-from rlm.plugins.altup import AltUpConfig, AltUpPlugin, AltUpStack
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
+from rlm.plugins.altup import AltUpConfig, AltUpPlugin, AltUpStack
 
 V, D, L = 61, 32, 4
 
@@ -342,9 +342,8 @@ def test_fit_with_altup_and_tokenid(tmp_path, rlm_cache):
     state = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
     assert state["hyper_parameters"]["plugins"]["altup"]["k"] == 2
     assert {"model.stack.p", "model.stack.g", "model.stack.extra.table.weight"} <= set(state["state_dict"])
-    assert any(
-        k.startswith("model.stack.blocks.0.ffn_add.0.") for k in state["state_dict"]
-    )  # Token-ID inside
+    # The Token-ID table sits inside the blocks that the AltUp stack computes.
+    assert any(k.startswith("model.stack.blocks.0.ffn_add.0.") for k in state["state_dict"])
     ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
     out = run_rlm(
         ["generate", "--ckpt", ckpt, "--prompt", "def ", "--max-new-tokens", "8"], tmp_path, rlm_cache
