@@ -157,7 +157,7 @@ def sort_lookups(
         N, m = slots.shape
         tok = torch.arange(N, device=slots.device).repeat_interleave(m)  # (N * m,)
     flat = slots.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # integer keys: a radix sort on CPU
+    order = torch.argsort(flat, stable=True)  # stable: a deterministic summation order per row
     rows, counts = torch.unique_consecutive(flat[order], return_counts=True)  # (U,)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     return rows, offsets, tok[order], weights.reshape(-1)[order]
