@@ -8,6 +8,10 @@ import pytest
 import torch
 import yaml
 from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from torch.testing import assert_close
+
+from rlm.model import ModelConfig, Transformer
+from rlm.plugin import Context
 from rlm.plugins import _pkm_native
 from rlm.plugins._pkm_ops import (
     MaskedBatchNorm,
@@ -18,10 +22,6 @@ from rlm.plugins._pkm_ops import (
     slot_stats,
 )
 from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
-from torch.testing import assert_close
-
-from rlm.model import ModelConfig, Transformer
-from rlm.plugin import Context
 
 RUN = "runs/test/version_0"
 
@@ -396,6 +396,23 @@ def test_fit_with_pkm_alone_and_stacked_logs_usage(tmp_path, rlm_cache):
     assert float(state["step"]) == 6 and state["exp_avg"].abs().sum() > 0
     groups = [g.get("name") for opt in ckpt["optimizer_states"] for g in opt["param_groups"]]
     assert "pkm_values" not in groups
+
+
+@pytest.mark.slow
+def test_resume_restores_the_row_optimizer(tmp_path, rlm_cache):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    straight.mkdir(), split.mkdir()
+    fragment = pkm_fragment(tmp_path)
+    run_rlm(fit_args(fragment) + ["--trainer.max_steps=6"], straight, rlm_cache)
+    run_rlm(fit_args(fragment) + ["--trainer.max_steps=3"], split, rlm_cache)
+    first = column(read_metrics(split / RUN), "train/loss")  # the resumed run rewrites this log
+    ckpt = split / "runs/test/ckpt/last.ckpt"
+    run_rlm(fit_args(fragment) + ["--trainer.max_steps=6", "--ckpt_path", ckpt], split, rlm_cache)
+    a = column(read_metrics(straight / RUN), "train/loss")
+    b = first + column(read_metrics(split / RUN), "train/loss")
+    assert len(a) == len(b) == 6
+    # Without the value moments in the checkpoint, steps 4-6 would restart Adam on the values and differ.
+    assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
