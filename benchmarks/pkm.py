@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table, time_fn  # noqa: E402
-from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
 
 from rlm.model import ModelConfig, Transformer  # noqa: E402
 from rlm.model.layers import FeedForward  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
+from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
 
 
 def cpu_time_fn(fn: Callable[[], object], repeat: int = 10, warmup: int = 2) -> float:
