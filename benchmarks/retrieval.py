@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from rlm.index.build import IndexConfig
-from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
 
 from rlm.data.segments import SegmentTable
 from rlm.data.windows import Windows
+from rlm.index.build import IndexConfig
+from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
 
@@ -58,9 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--interval", type=int, default=250, help="steps between rebuilds (the default schedule's)"
     )
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--factory", default="auto", help="index factory")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)"
+    )
     return p.parse_args(argv)
 
 
@@ -74,10 +77,10 @@ def corpus(
     return SegmentTable(tokens, offsets, segment, 0, f"bench-{n_docs}-{doc_len}-{segment}"), offsets
 
 
-def model_for(a: argparse.Namespace, retrieval: bool) -> Transformer:
+def model_for(a: argparse.Namespace, retrieval: bool, **options) -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=a.vocab, d_model=a.d, n_layers=a.layers, n_heads=a.heads, max_seq_len=a.seq)
-    plugins = {"retrieval": {"layers": [-1], "k": a.k, "progress": False}} if retrieval else {}
+    plugins = {"retrieval": {"layers": [-1], "k": a.k, "progress": False, **options}} if retrieval else {}
     return Transformer(cfg, plugins)
 
 
@@ -123,29 +126,36 @@ class Stepper:
 
 def step_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.ndarray) -> tuple[str, float]:
     windows = Windows(segments, offsets, np.arange(len(offsets) - 1), a.seq)
-    base = Stepper(model_for(a, False), windows, a.batch)
-    retr = Stepper(model_for(a, True), windows, a.batch)
-    retr.model.plugins["retrieval"].use_memory(rebuild(retr.model, segments, a))
-    for s in (base, retr):
+    steppers = {
+        "no retrieval": Stepper(model_for(a, False), windows, a.batch),
+        f"retrieval (k={a.k}, continuations)": Stepper(model_for(a, True), windows, a.batch),
+        f"retrieval (k={a.k}, no continuations)": Stepper(
+            model_for(a, True, continuation=False), windows, a.batch
+        ),
+    }
+    for s in list(steppers.values())[1:]:
+        s.model.plugins["retrieval"].use_memory(rebuild(s.model, segments, a))
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for s in steppers.values():
         s.time(2)  # warm-up
-    times = {"base": [], "retr": []}
-    retr.prepare_s = 0.0
+        s.prepare_s = 0.0
     for _ in range(a.rounds):
-        times["base"].append(base.time(a.steps))
-        times["retr"].append(retr.time(a.steps))
-    tb, tr = statistics.median(times["base"]), statistics.median(times["retr"])
+        for name, s in steppers.items():
+            times[name].append(s.time(a.steps))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    base = med["no retrieval"]
+    rows = [[name, f"{1000 * t:.1f}", "", t / base] for name, t in med.items()]
+    name, retr = list(steppers.items())[1]
     prep = retr.prepare_s / (a.rounds * a.steps)
-    rows = [
-        ["no retrieval", f"{1000 * tb:.1f}", "", 1.0],
-        [f"retrieval (k={a.k}, continuations)", f"{1000 * tr:.1f}", "", tr / tb],
+    rows.append(
         [
             "reading precomputed neighbours (prepare)",
             f"{1000 * prep:.2f}",
             "share of the retrieval step",
-            prep / tr,
-        ],
-    ]
-    return table(["training step", "ms/step", "note", "ratio"], rows), tr
+            prep / med[name],
+        ]
+    )
+    return table(["training step", "ms/step", "note", "ratio"], rows), med[name]
 
 
 def rebuild_table(a: argparse.Namespace, step_s: float) -> str:
@@ -210,7 +220,7 @@ def background_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(a.threads)
     segments, offsets = corpus(a.docs, a.doc_len, a.segment, a.vocab)
     print(
         f"model d={a.d} layers={a.layers} seq={a.seq} segment={a.segment} batch={a.batch} k={a.k}; "

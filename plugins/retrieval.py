@@ -62,8 +62,9 @@ class RetrievalConfig:
     """Initial relevance-bias scale beta of each cross-attention layer."""
     schedule: str = "0-1000:250,1000-1000000000:1000"
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
-    mode: str = "blocking"
-    """'blocking' (training waits) or 'background' (a snapshot embeds in a thread; atomic swap when done)."""
+    mode: str = "background"
+    """'background' (a snapshot embeds in a thread; atomic swap when done; the first table is always built
+    blocking) or 'blocking' (training waits)."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     index_dir: str | None = None

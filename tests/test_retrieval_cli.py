@@ -17,12 +17,13 @@ model:
     retrieval:
       schedule: every 3
       index_factory: Flat
+      mode: blocking
       progress: false
 """
 
 
 def _fragment(tmp_path, text: str = FAST):
-    path = tmp_path / "retrieval_fast.yaml"
+    path = tmp_path / f"retrieval_{abs(hash(text))}.yaml"
     path.write_text(text)
     return path
 
@@ -66,8 +67,12 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
-    """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors."""
-    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", _fragment(tmp_path)) + [
+    """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors.
+
+    Background mode: the rebuild of step 3 runs in a thread on each rank; the ranks agree it has finished
+    (at a later step, or at fit end) before gathering."""
+    background = _fragment(tmp_path, FAST.replace("mode: blocking", "mode: background"))
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", background) + [
         "--trainer.strategy=ddp",
         "--trainer.devices=2",
         "--trainer.accelerator=cpu",
