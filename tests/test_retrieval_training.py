@@ -77,7 +77,11 @@ def hit_rate(memory: RetrievalMemory, queries: np.ndarray, partners: np.ndarray)
 def make_module(retrieval: dict | None, seed: int = 0) -> LMModule:
     torch.manual_seed(seed)
     model = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, max_seq_len=64)
-    plugins = {"retrieval": {"layers": [1], "progress": False, **retrieval}} if retrieval is not None else {}
+    plugins = (
+        {"retrieval": {"layers": [1], "progress": False, "mode": "blocking", **retrieval}}
+        if retrieval is not None
+        else {}
+    )
     return LMModule(
         model=model, plugins=plugins, optim=OptimConfig(lr=3e-3, warmup_steps=10, weight_decay=0.0)
     )
