@@ -1,8 +1,9 @@
 """``rlm index build|search|eval|info``: build an index directory from a checkpoint, query it with text,
 measure its recall against exact search, and print its metadata. rlm/cli.py dispatches here.
 
-Until the retriever plugin's embedder is the one indexed, `build` embeds with MeanPoolEmbedder: the
-mean-pooled hidden state after one block of any trained checkpoint.
+`build` embeds with the retriever's own embedder when the checkpoint's model has one (any plugin that
+implements the rebuild callback's MemoryOwner protocol), else with MeanPoolEmbedder: the mean-pooled hidden
+state after one block of any trained checkpoint (``--layer`` picks the block, and forces mean-pooling).
 """
 
 from __future__ import annotations
@@ -52,9 +53,15 @@ def _load_source(ckpt: str, data_config: str | None) -> tuple[Any, Any, int, dic
     return module, data, int(state.get("global_step", 0)), data_hp
 
 
-def _embedder(module: Any, layer: int, step: int) -> Any:
+def _embedder(module: Any, layer: int | None, step: int) -> Any:
     from rlm.index.protocol import MeanPoolEmbedder
+    from rlm.index.rebuild import MemoryOwner
 
+    if layer is None:
+        owners = [p for p in module.model.plugins.values() if isinstance(p, MemoryOwner)]
+        if owners:
+            return owners[0].snapshot(step)  # the embedder the model retrieves with
+        layer = -1
     return MeanPoolEmbedder(module.model, layer, step=step)
 
 
@@ -201,7 +208,13 @@ def add_index_subcommands(subparsers: Any) -> None:
         "--config", help="data YAML (configs/data/*.yaml); default: the checkpoint's data settings"
     )
     p.add_argument("--out", required=True, help="index directory to write (replaced atomically)")
-    p.add_argument("--layer", type=int, default=-1, help="block whose mean-pooled output is the embedding")
+    p.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        help="block whose mean-pooled output is the embedding (default: the retriever's embedder if the model "
+        "has one, else the last block)",
+    )
     p.add_argument("--split", choices=["all", "train", "val"], default="all", help="documents to index")
     p.add_argument("--factory", default="auto", help="'auto', 'torch' or a faiss factory string")
     p.add_argument("--memory-budget-gb", type=float, default=4.0, help="memory the codes may take (auto)")

@@ -62,6 +62,12 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
     assert "val/retrieval/relevance" in val.stdout
     out = run_rlm(["generate", "--ckpt", ckpt_path, "--prompt", "def ", "--max-new-tokens", "40"], tmp_path, rlm_cache)
     assert out.stdout.startswith("def ")
+    # `rlm index build` on a retrieval checkpoint indexes with the retriever's own embedder
+    run_rlm(["index", "build", "--ckpt", ckpt_path, "--out", tmp_path / "idx", "--quiet"], tmp_path, rlm_cache)
+    info = run_rlm(["index", "info", tmp_path / "idx"], tmp_path, rlm_cache)
+    assert "retrieval/" in info.stdout
+    found = run_rlm(["index", "search", tmp_path / "idx", "def main(", "-k", "2"], tmp_path, rlm_cache)
+    assert found.stdout.strip()
 
 
 @pytest.mark.slow
