@@ -30,13 +30,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
-from rlm.plugins.moe import MoEConfig, MoELayer  # noqa: E402
-from rlm.plugins.partial_experts import PartialExpertsConfig, PartialExpertsLayer  # noqa: E402
-from rlm.plugins.tokenid import TokenIDTable  # noqa: E402
 
 from rlm.model import ModelConfig, Transformer  # noqa: E402
 from rlm.model.layers import FeedForward  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
+from rlm.plugins.moe import MoEConfig, MoELayer  # noqa: E402
+from rlm.plugins.partial_experts import PartialExpertsConfig, PartialExpertsLayer  # noqa: E402
+from rlm.plugins.tokenid import TokenIDTable  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

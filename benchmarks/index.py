@@ -15,6 +15,7 @@ import time
 
 import faiss
 import numpy as np
+
 from rlm.index.build import IndexConfig, build_index, recall_at_k
 from rlm.index.search import SegmentTable, neighbour_table
 from rlm.index.synthetic import clustered_unit_vectors

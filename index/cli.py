@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from rlm.index.build import IndexConfig, TorchExactIndex, recall_at_k
 from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir, read_meta
 
@@ -68,6 +69,7 @@ def _embedder(module: Any, layer: int | None, step: int) -> Any:
 def cmd_build(a: argparse.Namespace) -> int:
     """Embed every segment of the chosen split with the checkpoint's model and write the index directory."""
     import torch
+
     from rlm.index.protocol import embed_all
     from rlm.index.search import SegmentTable
     from rlm.index.store import build_index_dir

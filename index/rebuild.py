@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import pytorch_lightning as pl
 import torch
+
+from rlm.data.segments import SegmentTable
 from rlm.index.build import IndexConfig, build_index
 from rlm.index.protocol import Embedder, embed_all
 from rlm.index.search import SegmentTable as IndexSegments
@@ -38,8 +40,6 @@ from rlm.index.store import (
     load_index_dir,
     write_dir_contents,
 )
-
-from rlm.data.segments import SegmentTable
 
 NEIGHBOURS, ROWS = "neighbours.npy", "rows.npy"
 CORPUS, DOC_OFFSETS, CORPUS_TOKENS = "corpus.json", "doc_offsets.npy", "corpus_tokens.npy"

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from rlm.index.build import as_unit_float32, max_k
 from tqdm.auto import tqdm
+
+from rlm.index.build import as_unit_float32, max_k
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 import faiss
 import numpy as np
 from faiss.contrib.ondisk import merge_ondisk
+
 from rlm.index.build import (
     BuiltIndex,
     IndexConfig,

@@ -30,6 +30,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+
 from rlm.index.build import (
     TORCH,
     BuiltIndex,

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from rlm.index.build import IndexConfig
-from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule, load_memory_for_search
 from torch import Tensor, nn
 
+from rlm.index.build import IndexConfig
+from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule, load_memory_for_search
 from rlm.model.layers import RMSNorm, apply_rope, rope_cache
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 

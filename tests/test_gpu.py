@@ -8,7 +8,10 @@ from torch.testing import assert_close
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,6 +29,8 @@ def test_model_on_gpu_matches_cpu(dtype):
 
 
 def test_fit_on_gpu_in_bf16(tmp_path, rlm_cache):
-    run_rlm(fit_args(CONFIGS / "trainer" / "gpu.yaml", CONFIGS / "plugins" / "tokenid.yaml"), tmp_path, rlm_cache)
+    run_rlm(
+        fit_args(CONFIGS / "trainer" / "gpu.yaml", CONFIGS / "plugins" / "tokenid.yaml"), tmp_path, rlm_cache
+    )
     losses = column(read_metrics(tmp_path / "runs/test/version_0"), "train/loss")
     assert len(losses) == 6 and all(v == v for v in losses)

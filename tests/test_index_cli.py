@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from cli_helpers import fit_args, run_rlm
+
 from rlm.index.build import IndexConfig
 from rlm.index.cli import main
 from rlm.index.search import SegmentTable

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rlm.index.protocol import Embedder, MeanPoolEmbedder, embed_all, shard_range
 
+from rlm.index.protocol import Embedder, MeanPoolEmbedder, embed_all, shard_range
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin.context import Context
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from rlm.index.build import IndexConfig, build_index
 from rlm.index.search import SegmentTable, neighbour_table, search_neighbours
 from rlm.index.synthetic import clustered_unit_vectors

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+
 from rlm.index.build import IndexConfig, build_index, exact_search, set_search_params
 from rlm.index.protocol import shard_range
 from rlm.index.search import SegmentTable

@@ -8,6 +8,7 @@ import os
 import faiss
 import numpy as np
 import pytest
+
 from rlm.index.build import IndexConfig, exact_search, recall_at_k
 from rlm.index.search import SegmentTable
 from rlm.index.store import (

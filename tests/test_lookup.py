@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from torch.testing import assert_close
+
 from rlm.plugins._lookup import (
     LookupOptions,
     LSHLookup,
@@ -12,7 +14,6 @@ from rlm.plugins._lookup import (
     hash_table,
     lsh_directions,
 )
-from torch.testing import assert_close
 
 D = 32
 

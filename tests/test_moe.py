@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
-from rlm.plugins._lookup import balance_loss, z_loss
-from rlm.plugins.moe import MoEConfig, MoELayer, MoEPlugin
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
+from rlm.plugins._lookup import balance_loss, z_loss
+from rlm.plugins.moe import MoEConfig, MoELayer, MoEPlugin
 
 D, V = 32, 64
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
-from rlm.plugins.partial_experts import PartialExpertsConfig, PartialExpertsLayer, PartialExpertsPlugin
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
+from rlm.plugins.partial_experts import PartialExpertsConfig, PartialExpertsLayer, PartialExpertsPlugin
 
 D, V = 32, 64
 

@@ -8,15 +8,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from rlm.index.build import IndexConfig
-from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
-from rlm.plugins.retrieval import RetrievalInputs, RetrievalPlugin
 
 from rlm.data.segments import SegmentTable
 from rlm.data.windows import Windows
+from rlm.index.build import IndexConfig
+from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
 from rlm.model import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
+from rlm.plugins.retrieval import RetrievalInputs, RetrievalPlugin
 
 L = 8  # segment length of the unit tests
 VOCAB = 96

@@ -57,13 +57,21 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
     # validation and generation outside fit search the index the checkpoint names, with the current embedder
     assert ckpt["state_dict"]["model.plugins.retrieval._extra_state"]["index_dir"].endswith("step-000000003")
     ckpt_path = tmp_path / "runs/test/ckpt/last.ckpt"
-    frags = (CONFIGS / "plugins" / "tokenid.yaml", CONFIGS / "plugins" / "retrieval.yaml", _fragment(tmp_path))
+    frags = (
+        CONFIGS / "plugins" / "tokenid.yaml",
+        CONFIGS / "plugins" / "retrieval.yaml",
+        _fragment(tmp_path),
+    )
     val = run_rlm(fit_args(*frags, command="validate") + ["--ckpt_path", ckpt_path], tmp_path, rlm_cache)
     assert "val/retrieval/relevance" in val.stdout
-    out = run_rlm(["generate", "--ckpt", ckpt_path, "--prompt", "def ", "--max-new-tokens", "40"], tmp_path, rlm_cache)
+    out = run_rlm(
+        ["generate", "--ckpt", ckpt_path, "--prompt", "def ", "--max-new-tokens", "40"], tmp_path, rlm_cache
+    )
     assert out.stdout.startswith("def ")
     # `rlm index build` on a retrieval checkpoint indexes with the retriever's own embedder
-    run_rlm(["index", "build", "--ckpt", ckpt_path, "--out", tmp_path / "idx", "--quiet"], tmp_path, rlm_cache)
+    run_rlm(
+        ["index", "build", "--ckpt", ckpt_path, "--out", tmp_path / "idx", "--quiet"], tmp_path, rlm_cache
+    )
     info = run_rlm(["index", "info", tmp_path / "idx"], tmp_path, rlm_cache)
     assert "retrieval/" in info.stdout
     found = run_rlm(["index", "search", tmp_path / "idx", "def main(", "-k", "2"], tmp_path, rlm_cache)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule
 from test_retrieval import make_segments
 
 from rlm.data.windows import TrainLoader, Windows, eval_loader
+from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule
 from rlm.lightning import LMModule, OptimConfig
 from rlm.model import ModelConfig
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
-from rlm.plugins.tokenid import TokenIDConfig, TokenIDPlugin
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
+from rlm.plugins.tokenid import TokenIDConfig, TokenIDPlugin
 
 D, V = 32, 64
 
