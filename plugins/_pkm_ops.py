@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _pkm_native
+from rlm.plugins import _pkm_native
 
 
 def grouped_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:

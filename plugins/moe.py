@@ -24,9 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-
-from ._experts import DISPATCH_MODES, Experts, Plan, dispatch
-from ._lookup import LookupOptions, Routing, build_lookup, router_losses
+from rlm.plugins._experts import DISPATCH_MODES, Experts, Plan, dispatch
+from rlm.plugins._lookup import LookupOptions, Routing, build_lookup, router_losses
 
 
 @dataclass

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-
-from ._experts import PartialEntries
-from ._lookup import LookupOptions, build_lookup, router_losses
+from rlm.plugins._experts import PartialEntries
+from rlm.plugins._lookup import LookupOptions, build_lookup, router_losses
 
 
 @dataclass

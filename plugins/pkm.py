@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
-
-from ._pkm_ops import MaskedBatchNorm, RowAdam, product_key_topk, slot_stats, value_lookup
+from rlm.plugins._pkm_ops import MaskedBatchNorm, RowAdam, product_key_topk, slot_stats, value_lookup
 
 SPARSE_CHOICES = ("auto", "true", "false")
 

@@ -32,8 +32,13 @@ from rlm.index.build import IndexConfig
 from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule, load_memory_for_search
 from rlm.model.layers import RMSNorm, apply_rope, rope_cache
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-
-from ._retrieval_encoder import FrozenEmbedder, SeparateEncoder, SharedEncoder, config_hash, weights_hash
+from rlm.plugins._retrieval_encoder import (
+    FrozenEmbedder,
+    SeparateEncoder,
+    SharedEncoder,
+    config_hash,
+    weights_hash,
+)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

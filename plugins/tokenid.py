@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-
-from ._experts import PartialEntries
+from rlm.plugins._experts import PartialEntries
 
 
 @dataclass
