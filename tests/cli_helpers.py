@@ -20,6 +20,13 @@ TINY = [
     CONFIGS / "model" / "tiny.yaml",
     REPO / "tests" / "configs" / "fast.yaml",
 ]
+# Two gloo processes on the CPU for a few steps: the DDP smoke runs of the core and of every plugin.
+DDP_2CPU = [
+    "--trainer.strategy=ddp",
+    "--trainer.devices=2",
+    "--trainer.accelerator=cpu",
+    "--trainer.max_steps=4",
+]
 
 
 def fit_args(*fragments: str | Path, command: str = "fit") -> list[str]:

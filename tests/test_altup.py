@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
@@ -359,12 +359,7 @@ def test_ddp_two_cpu_processes_with_recycled_altup_and_moe(tmp_path, rlm_cache):
         "model:\n  plugins:\n    moe:\n      layers: [1]\n      num_experts: 4\n"
     )
     fragments = ["altup.yaml", "altup_recycled.yaml", "moe.yaml"]
-    args = fit_args(*(CONFIGS / "plugins" / f for f in fragments), tmp_path / "moe_tiny.yaml") + [
-        "--trainer.strategy=ddp",
-        "--trainer.devices=2",
-        "--trainer.accelerator=cpu",
-        "--trainer.max_steps=4",
-    ]
+    args = fit_args(*(CONFIGS / "plugins" / f for f in fragments), tmp_path / "moe_tiny.yaml") + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     rows = read_metrics(tmp_path / "runs/test/version_0")
     assert len(column(rows, "train/loss")) == 4

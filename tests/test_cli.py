@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
 from rlm.cli import COMMANDS, main
@@ -61,12 +61,7 @@ def test_resume_gives_the_same_loss_curve(tmp_path, rlm_cache):
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes(tmp_path, rlm_cache):
-    args = fit_args() + [
-        "--trainer.strategy=ddp",
-        "--trainer.devices=2",
-        "--trainer.accelerator=cpu",
-        "--trainer.max_steps=4",
-    ]
+    args = fit_args() + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     rows = read_metrics(tmp_path / RUN)
     assert len(column(rows, "train/loss")) == 4

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
@@ -255,12 +255,7 @@ def test_fit_with_moe_logs_losses_and_routing(tmp_path, rlm_cache):
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes_with_moe(tmp_path, rlm_cache):
     (tmp_path / "moe_tiny.yaml").write_text(MOE_TINY)
-    args = fit_args(CONFIGS / "plugins" / "moe.yaml", tmp_path / "moe_tiny.yaml") + [
-        "--trainer.strategy=ddp",
-        "--trainer.devices=2",
-        "--trainer.accelerator=cpu",
-        "--trainer.max_steps=4",
-    ]
+    args = fit_args(CONFIGS / "plugins" / "moe.yaml", tmp_path / "moe_tiny.yaml") + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     rows = read_metrics(tmp_path / "runs/test/version_0")
     assert len(column(rows, "train/loss")) == 4

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import yaml
-from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
@@ -419,12 +419,7 @@ def test_resume_restores_the_row_optimizer(tmp_path, rlm_cache):
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes_with_dense_values(tmp_path, rlm_cache):
     args = fit_args(pkm_fragment(tmp_path))
-    args += [
-        "--trainer.strategy=ddp",
-        "--trainer.devices=2",
-        "--trainer.accelerator=cpu",
-        "--trainer.max_steps=4",
-    ]
+    args += DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     rows = read_metrics(tmp_path / RUN)
     assert len(column(rows, "train/loss")) == 4

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 
 RUN = "runs/test/version_0"
 FAST = """
@@ -86,12 +86,7 @@ def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
     Background mode: the rebuild of step 3 runs in a thread on each rank; the ranks agree it has finished
     (at a later step, or at fit end) before gathering."""
     background = _fragment(tmp_path, FAST.replace("mode: blocking", "mode: background"))
-    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", background) + [
-        "--trainer.strategy=ddp",
-        "--trainer.devices=2",
-        "--trainer.accelerator=cpu",
-        "--trainer.max_steps=4",
-    ]
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", background) + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
     rows = read_metrics(tmp_path / RUN)
