@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = r"""
+_KERNELS = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,6 +42,9 @@ SOURCE = r"""
 #endif
 
 #define PREFETCH_AHEAD 8 /* rows: random reads of a large table are latency-bound without it */
+
+/* (v1, i1) comes before (v2, i2): larger value first, then lower index (a strict total order). */
+#define BEFORE(v1, i1, v2, i2) ((v1) > (v2) || ((v1) == (v2) && (i1) < (i2)))
 
 static inline void prefetch_row(const float *row, int64_t d) {
     for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
@@ -93,6 +96,189 @@ CLONES void pkm_bag_dot(const float *values, const int64_t *slots, const float *
 }
 """
 
+# Selection helpers of the search that have a hand-vectorised form (float32 only).
+_FAST = r"""
+#define NOT_AVAILABLE (-2)
+#define BISECT_STEPS 8 /* the bound ends within 1/256 of the range above the k-th largest */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* collect (below) for float32 with AVX-512 compress: 16 elements per step, no branch. */
+__attribute__((target("avx512f"))) static int64_t collect_avx512(const float *x, int64_t n, float lo, float *cv,
+                                                                 int32_t *cp) {
+    const __m512 vlo = _mm512_set1_ps(lo);
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __mmask16 nan = 0;
+    int64_t c = 0, i = 0;
+    for (; i + 16 <= n; i += 16, at = _mm512_add_epi32(at, sixteen)) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __mmask16 m = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        /* register-form compress and a full store (cv, cp have 16 spare slots): the memory form is slow on AMD */
+        _mm512_storeu_ps(cv + c, _mm512_maskz_compress_ps(m, v));
+        _mm512_storeu_si512((void *)(cp + c), _mm512_maskz_compress_epi32(m, at));
+        c += __builtin_popcount(m);
+    }
+    int bad = nan != 0;
+    for (; i < n; ++i) bad |= x[i] != x[i], cv[c] = x[i], cp[c] = (int32_t)i, c += x[i] >= lo;
+    return bad ? -1 : c;
+}
+static int has_avx512 = -1;
+static int64_t collect_fast_f32(const float *x, int64_t n, float lo, float *cv, int32_t *cp) {
+    if (has_avx512 < 0) __builtin_cpu_init(), has_avx512 = __builtin_cpu_supports("avx512f") != 0;
+    return has_avx512 ? collect_avx512(x, n, lo, cv, cp) : NOT_AVAILABLE;
+}
+#else
+static int64_t collect_fast_f32(const float *x, int64_t n, float lo, float *cv, int32_t *cp) {
+    (void)x, (void)n, (void)lo, (void)cv, (void)cp;
+    return NOT_AVAILABLE;
+}
+#endif
+static int64_t collect_fast_f64(const double *x, int64_t n, double lo, double *cv, int32_t *cp) {
+    (void)x, (void)n, (void)lo, (void)cv, (void)cp;
+    return NOT_AVAILABLE;
+}
+"""
+
+# The exact product-key search, written once for a scalar type and instantiated for float32 and float64.
+_SEARCH = r"""
+/* A value that at least k of a[0..m) reach (1 <= k <= m), close to the k-th largest: bisection on [min, max]
+   that only moves the bound up while k values still reach it (any NaN midpoint simply fails the count). */
+static inline __attribute__((always_inline)) scalar_t kth_bound_SFX(const scalar_t *restrict a, int64_t m,
+                                                                    int64_t k) {
+    scalar_t lo = a[0], hi = a[0];
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+    for (int64_t g = 0; g < m; ++g) lo = a[g] < lo ? a[g] : lo, hi = a[g] > hi ? a[g] : hi;
+    for (int step = 0; step < BISECT_STEPS; ++step) {
+        const scalar_t mid = lo + (hi - lo) / 2;
+        int32_t count = 0;
+#pragma omp simd reduction(+ : count)
+        for (int64_t g = 0; g < m; ++g) count += a[g] >= mid;
+        if (count >= k) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The k first of c candidates (cv, cp) in BEFORE order, sorted, into (val, idx). A candidate's rank is the
+   number of candidates that come before it, counted for all candidates at once (branch-free, vectorised over
+   them; c is a small multiple of k). cv, cp and rank hold c + 16; val and idx k + 1 (slot k takes the rest). */
+static inline __attribute__((always_inline)) void rank_select_SFX(scalar_t *restrict cv, int32_t *restrict cp,
+                                                                  int32_t *restrict rank, int64_t c, int64_t k,
+                                                                  scalar_t *restrict val, int32_t *restrict idx) {
+    const int64_t padded = (c + 15) & ~(int64_t)15;
+    for (int64_t e = c; e < padded; ++e) cv[e] = -INFINITY, cp[e] = INT32_MAX; /* never before anything */
+    memset(rank, 0, sizeof(int32_t) * (size_t)padded);
+    for (int64_t f = 0; f < c; ++f) {
+        const scalar_t v = cv[f];
+        const int32_t p = cp[f];
+#pragma omp simd
+        for (int64_t e = 0; e < padded; ++e) rank[e] += (v > cv[e]) | ((v == cv[e]) & (p < cp[e]));
+    }
+    for (int64_t e = 0; e < c; ++e) {
+        const int32_t r = rank[e] < k ? rank[e] : (int32_t)k;
+        val[r] = cv[e], idx[r] = cp[e];
+    }
+}
+
+/* Elements of x (n) that reach lo, with their positions, into (cv, cp); -1 when x holds a NaN. */
+static inline __attribute__((always_inline)) int64_t collect_SFX(const scalar_t *restrict x, int64_t n,
+                                                                 scalar_t lo, scalar_t *restrict cv,
+                                                                 int32_t *restrict cp) {
+    const int64_t fast = collect_fast_SFX(x, n, lo, cv, cp);
+    if (fast != NOT_AVAILABLE) return fast;
+    int64_t c = 0;
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const scalar_t v = x[i];
+        bad |= v != v;
+        cv[c] = v, cp[c] = (int32_t)i, c += v >= lo; /* branch-free: about half of x's blocks hold one */
+    }
+    return bad ? -1 : c;
+}
+
+/* Sorted top-k of row x (n) into (val, idx) in BEFORE order; 0 when x holds a NaN. Scratch: gm (2k), cv, cp
+   and rank (n + 16). A lower bound first: the row is cut into G = 2k strided groups {g, g+G, ...}; k group maxima
+   (distinct elements) reach the bound, so every top-k element does too, and only a few elements do. */
+static inline __attribute__((always_inline)) int row_topk_SFX(const scalar_t *restrict x, int64_t n, int64_t k,
+                                                              scalar_t *restrict gm, scalar_t *restrict cv,
+                                                              int32_t *restrict cp, int32_t *restrict rank,
+                                                              scalar_t *restrict val, int32_t *restrict idx) {
+    const int64_t G = 2 * k, R = n / G;
+    scalar_t lo = -INFINITY;
+    if (R >= 2) {
+        memcpy(gm, x, sizeof(scalar_t) * (size_t)G);
+        for (int64_t r = 1; r < R; ++r) {
+            const scalar_t *xr = x + r * G;
+#pragma omp simd
+            for (int64_t g = 0; g < G; ++g) gm[g] = xr[g] > gm[g] ? xr[g] : gm[g];
+        }
+        lo = kth_bound_SFX(gm, G, k);
+    }
+    const int64_t c = collect_SFX(x, n, lo, cv, cp);
+    if (c < k) return 0; /* a NaN (c < k cannot happen otherwise) */
+    rank_select_SFX(cv, cp, rank, c, k, val, idx);
+    return 1;
+}
+
+/* Top-k of the sums t1[a] + t2[b] of two sorted lists, in order (sum desc, a, b), as positions into (pa, pb).
+   Pairs with (a+1)(b+1) > k are beaten by the (a+1)(b+1) - 1 pairs (a' <= a, b' <= b), which all come first
+   in that order (rounding is monotone; ties go to the lower ranks), so only the np pairs listed in (pa, pb),
+   in (a, b) order, with (a+1)(b+1) <= k are candidates (about k ln k of them). */
+static inline __attribute__((always_inline)) void pair_topk_SFX(const scalar_t *t1, const scalar_t *t2, int64_t k,
+                                                                const int32_t *pa, const int32_t *pb, int64_t np,
+                                                                scalar_t *restrict sums, scalar_t *restrict cv,
+                                                                int32_t *restrict cp, int32_t *restrict rank,
+                                                                scalar_t *restrict sv, int32_t *restrict pos) {
+    for (int64_t e = 0; e < np; ++e) sums[e] = t1[pa[e]] + t2[pb[e]];
+    const scalar_t lo = kth_bound_SFX(sums, np, k);
+    int64_t c = 0;
+    for (int64_t e = 0; e < np; ++e) cv[c] = sums[e], cp[c] = (int32_t)e, c += sums[e] >= lo;
+    rank_select_SFX(cv, cp, rank, c, k, sv, pos);
+}
+
+/* Rows r in [r0, r1) of the (N, H) grid: s1, s2 (H, N, n) sub-key scores; outputs (N, H, k): scores, and
+   the selected sub-key ids i (half 1) and j (half 2). Returns the number of rows with a NaN (left unset). */
+CLONES int64_t pkm_search_SFX(const scalar_t *s1, const scalar_t *s2, int64_t N, int64_t H, int64_t n, int64_t k,
+                              scalar_t *scores, int64_t *oi, int64_t *oj, int64_t r0, int64_t r1) {
+    int64_t np = 0;
+    for (int64_t a = 0; a < k; ++a) np += k / (a + 1);
+    const size_t ns = (size_t)(n > np ? n : np) + 16, ks = (size_t)k + 1;
+    scalar_t *gm = (scalar_t *)malloc(sizeof(scalar_t) * (2 * ks + 2 * ns + 3 * ks));
+    scalar_t *cv = gm + 2 * ks, *sums = cv + ns, *t1 = sums + ns, *t2 = t1 + ks, *sv = t2 + ks;
+    int32_t *cp = (int32_t *)malloc(sizeof(int32_t) * (2 * ns + 2 * (size_t)np + 3 * ks));
+    int32_t *rank = cp + ns, *pa = rank + ns, *pb = pa + np, *i1 = pb + np, *i2 = i1 + ks, *pos = i2 + ks;
+    np = 0;
+    for (int32_t a = 0; a < k; ++a)
+        for (int32_t b = 0; (a + 1) * (b + 1) <= k; ++b) pa[np] = a, pb[np] = b, ++np;
+    int64_t failed = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = r / H, h = r % H, in = (h * N + t) * n;
+        if (!row_topk_SFX(s1 + in, n, k, gm, cv, cp, rank, t1, i1) ||
+            !row_topk_SFX(s2 + in, n, k, gm, cv, cp, rank, t2, i2)) {
+            ++failed;
+            continue;
+        }
+        pair_topk_SFX(t1, t2, k, pa, pb, np, sums, cv, cp, rank, sv, pos);
+        for (int64_t e = 0; e < k; ++e)
+            scores[r * k + e] = sv[e], oi[r * k + e] = i1[pa[pos[e]]], oj[r * k + e] = i2[pb[pos[e]]];
+    }
+    free(gm);
+    free(cp);
+    return failed;
+}
+"""
+
+SOURCE = (
+    _KERNELS
+    + _FAST
+    + "".join(
+        _SEARCH.replace("scalar_t", ctype).replace("_SFX", suffix)
+        for ctype, suffix in (("float", "_f32"), ("double", "_f64"))
+    )
+)
+
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _POOL: ThreadPoolExecutor | None = None
@@ -138,13 +324,18 @@ def load() -> ctypes.CDLL | None:
     lib.pkm_row_adam.restype = lib.pkm_bag_dot.restype = None
     lib.pkm_row_adam.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 6
     lib.pkm_bag_dot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    for fn in (lib.pkm_search_f32, lib.pkm_search_f64):
+        fn.restype = ctypes.c_int64
+        fn.argtypes = (
+            [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+        )
     _LIB = lib
     return lib
 
 
-def _fits(floats: tuple[Tensor, ...], ints: tuple[Tensor, ...]) -> bool:
+def _fits(floats: tuple[Tensor, ...], ints: tuple[Tensor, ...], dtype: torch.dtype = torch.float32) -> bool:
     ok = all(t.device.type == "cpu" and t.is_contiguous() for t in (*floats, *ints))
-    return ok and all(t.dtype == torch.float32 for t in floats) and all(t.dtype == torch.int64 for t in ints)
+    return ok and all(t.dtype == dtype for t in floats) and all(t.dtype == torch.int64 for t in ints)
 
 
 def _parallel(total: int, run, min_per_thread: int) -> None:
@@ -192,3 +383,28 @@ def row_adam(
     hyper = (lr, betas[0], betas[1], eps, bc1, bc2_sqrt)
     _parallel(U, lambda lo, hi: lib.pkm_row_adam(*ptrs, lo, hi, d, *hyper), min_per_thread=256)
     return True
+
+
+def product_search(s1: Tensor, s2: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Exact top-k of s1[h, t, i] + s2[h, t, j] over all (i, j), per token t and head h: (scores, i, j), (N, H, k).
+
+    s1, s2: (H, N, n) sub-key scores (float32 or float64, CPU, contiguous). Scores are sorted descending;
+    equal scores are ordered by the rank of i in its half, then of j (ranks: score descending, then id).
+    None when the kernel is unavailable, the tensors do not fit it, or a score is NaN.
+    """
+    dtype = s1.dtype
+    if dtype not in (torch.float32, torch.float64) or s2.shape != s1.shape or not _fits((s1, s2), (), dtype):
+        return None
+    lib = load()
+    H, N, n = s1.shape
+    if lib is None or not 0 < k <= n:
+        return None
+    scores = torch.empty(N, H, k, dtype=dtype)
+    i, j = (torch.empty(N, H, k, dtype=torch.int64) for _ in range(2))
+    fn = lib.pkm_search_f32 if dtype == torch.float32 else lib.pkm_search_f64
+    ptrs = [t.data_ptr() for t in (s1, s2)], [t.data_ptr() for t in (scores, i, j)]
+    failed: list[int] = []  # rows with a NaN, per range (list.append is atomic)
+    _parallel(
+        N * H, lambda lo, hi: failed.append(fn(*ptrs[0], N, H, n, k, *ptrs[1], lo, hi)), min_per_thread=64
+    )
+    return None if any(failed) else (scores, i, j)
