@@ -4,7 +4,8 @@ the embeddings go stale as the embedder trains, so the index is rebuilt every I 
 
 Modes: 'blocking' (training waits) and 'background' (a frozen snapshot of the embedder embeds and
 indexes in a thread while training continues on the old table; the new one is swapped in at a step
-boundary with one reference assignment). Under DDP each rank embeds its contiguous share of the segments,
+boundary with one reference assignment). In the background mode the first table is built the same way:
+the first steps train without retrieval until it lands. Under DDP each rank embeds its contiguous share of the segments,
 the shares are all-gathered, rank 0 builds and writes the index directory and every rank loads that
 same directory, so all ranks train on the same table. The state (last rebuild step, embedder identity,
 index path) is checkpointed; on resume the index is reused only if it is the one the checkpoint names.
@@ -356,11 +357,17 @@ class RebuildCallback(pl.Callback):
         self._first_table(trainer)
 
     def _first_table(self, trainer: pl.Trainer) -> None:
+        """Reuse the checkpoint's table, else build one: blocking, or in the background, where training runs
+        without retrieval (the owner has no memory) until the first table is swapped in."""
         if self._ready:
             return
         self._ready = True
-        if not self._try_reuse():
+        if self._try_reuse():
+            return
+        if self.mode == "blocking":
             self._rebuild_blocking(trainer, trainer.global_step)
+        else:
+            self._start_background(trainer, trainer.global_step)
 
     def _try_reuse(self) -> bool:
         """Load the index directory the checkpoint names, when it exists and matches; else False."""

@@ -16,6 +16,7 @@ from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
 from rlm.model import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
+from rlm.plugins._retrieval_encoder import resolve_rebuild_dtype
 from rlm.plugins.retrieval import RetrievalInputs, RetrievalPlugin
 
 L = 8  # segment length of the unit tests
@@ -271,6 +272,7 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"schedule": "sometimes"}, "every N"),
         ({"schedule": "0-100:10,50-200:20"}, "overlap"),
         ({"encoder_dim": 7}, "encoder_dim"),
+        ({"rebuild_dtype": "float16"}, "'bfloat16'"),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
@@ -291,6 +293,44 @@ def test_no_memory_means_no_retrieval():
     model.plugins["retrieval"].prepare(ctx, {"tokens": tokens})
     x = torch.randn(2, 16, 32)
     assert torch.all(model.blocks[1].cross_attn(x, ctx) == 0)
+
+
+@pytest.mark.parametrize("embedder", ["shared", "separate"])
+def test_no_memory_still_gives_every_parameter_a_gradient(embedder):
+    """While training waits for the first table, the cross-attention and encoder parameters get zero (not
+    missing) gradients: DDP expects a gradient for every parameter at every step."""
+    model = tiny_model(embedder=embedder)
+    tokens = torch.randint(4, VOCAB, (2, 16))
+    ctx = Context(tokens=tokens, stage="train")
+    model.plugins["retrieval"].prepare(ctx, {"tokens": tokens})
+    model(tokens, ctx).logsumexp(-1).mean().backward()
+    plugin = model.plugins["retrieval"]
+    own = list(model.blocks[1].cross_attn.parameters()) + list(plugin.encoder.parameters())
+    assert own and all(p.grad is not None and torch.all(p.grad == 0) for p in own)
+    assert all(p.grad is not None for p in model.parameters())  # the block's cross_norm included
+
+
+def test_rebuild_dtype():
+    """'float32' embeds exactly as the live encoder; 'bfloat16' (autocast) ranks alike, to bf16 precision; the
+    dtype is part of the embedder identity (its config hash); 'auto' picks bfloat16 only where the device computes it natively."""
+    tokens = torch.randint(4, VOCAB, (16, 8))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    fp32 = tiny_model(rebuild_dtype="float32").plugins["retrieval"]
+    bf16 = tiny_model(rebuild_dtype="bfloat16").plugins["retrieval"]
+    exact = fp32.snapshot(0).embed_segments(tokens, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(exact, fp32.encoder.eval()(tokens, mask)[1])
+    low = bf16.snapshot(0).embed_segments(tokens, mask)
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low, exact, atol=0.03, rtol=0.0)  # same weights (seed 0), bf16 rounding
+    assert fp32.identity(0)["weights_hash"] == bf16.identity(0)["weights_hash"]
+    assert (
+        fp32.identity(0)["config_hash"] != bf16.identity(0)["config_hash"]
+    )  # an index of one is not the other's
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_rebuild_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    with pytest.raises(ValueError, match="float16"):
+        resolve_rebuild_dtype("float16", torch.device("cpu"))
 
 
 def test_benchmark_script_smoke(capsys):

@@ -81,12 +81,8 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
-    """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors.
-
-    Background mode: the rebuild of step 3 runs in a thread on each rank; the ranks agree it has finished
-    (at a later step, or at fit end) before gathering."""
-    background = _fragment(tmp_path, FAST.replace("mode: blocking", "mode: background"))
-    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", background) + DDP_2CPU
+    """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors."""
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", _fragment(tmp_path)) + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
     rows = read_metrics(tmp_path / RUN)
@@ -96,11 +92,31 @@ def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
     assert built == ["step-000000000", "step-000000003"]
     # the callback checks under DDP that every rank holds the same table (a checksum all-gather) and raises if not;
     # here: the gathered vectors are complete (one unit vector per indexed segment)
+    assert_complete_unit_vectors(index_root / "step-000000003")
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_background_first_table(tmp_path, rlm_cache):
+    """Background mode under DDP: the first table is embedded in a thread on each rank while the ranks train
+    without retrieval (every parameter still gets a gradient, as DDP requires); the ranks agree it has finished
+    (at a later step, or at fit end) before gathering."""
+    background = _fragment(tmp_path, FAST.replace("mode: blocking", "mode: background"))
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", background) + DDP_2CPU
+    run_rlm(args, tmp_path, rlm_cache)
+    rows = read_metrics(tmp_path / RUN)
+    assert len(column(rows, "train/loss")) == 4
+    index_root = tmp_path / "runs/test/retrieval_index"
+    built = sorted(p.name for p in index_root.glob("step-*"))
+    assert built and built[0] == "step-000000000"
+    assert_complete_unit_vectors(index_root / built[-1])
+
+
+def assert_complete_unit_vectors(path) -> None:
+    """An index directory holds one finite unit vector per indexed segment."""
     from rlm.index.store import load_index_dir
 
-    loaded = load_index_dir(index_root / "step-000000003")
-    vectors = np.asarray(loaded.vectors)
-    rows_ids = np.load(index_root / "step-000000003" / "rows.npy")
+    vectors = np.asarray(load_index_dir(path).vectors)
+    rows_ids = np.load(path / "rows.npy")
     assert len(vectors) == len(rows_ids) and np.isfinite(vectors).all()
-    norms = np.linalg.norm(vectors, axis=1)
-    np.testing.assert_allclose(norms, 1.0, atol=1e-4)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)

@@ -243,12 +243,16 @@ def test_background_rebuild_swaps_atomically(tmp_path):
     data = small_data()
     module = make_module({"k": 2, "schedule": "every 3", "mode": "background", "index_factory": "Flat"})
     plugin = module.model.plugins["retrieval"]
-    release = threading.Event()
+    first_done, release = threading.Event(), threading.Event()
     seen: list[tuple[int, int]] = []  # (global step, id of the memory used by that step)
+    alive: list[object] = []
 
-    class Watch(pl.Callback):
+    class Watch(pl.Callback):  # runs before the rebuild callback (the module's callbacks come last)
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.append((trainer.global_step, id(plugin.memory)))
+            alive.append(plugin.memory)  # no id is reused by a later object
+            if trainer.global_step == 1:
+                assert first_done.wait(60)  # the first table is collected right after, at step 1's start
             if trainer.global_step == 8:
                 release.set()  # let the background rebuild of step 3 finish only now
 
@@ -257,9 +261,11 @@ def test_background_rebuild_swaps_atomically(tmp_path):
     real = rebuild.build_memory
 
     def slow_build(*args, **kwargs):
-        if args[5] > 0:  # step > 0: a background rebuild, held until released
+        if args[5] > 0:  # step > 0: a later background rebuild, held until released
             assert release.wait(60)
-        return real(*args, **kwargs)
+        memory = real(*args, **kwargs)
+        first_done.set()
+        return memory
 
     rebuild.build_memory = slow_build
     try:
@@ -271,9 +277,47 @@ def test_background_rebuild_swaps_atomically(tmp_path):
     steps = [s for s, how in cb.history]
     assert steps[0] == 0 and steps[1] == 3, cb.history  # started at step 3, swapped in later
     ids = dict(seen)
-    first_memory = ids[0]
-    # steps 0..8 ran on the step-0 table although the step-3 rebuild had started; the swap came after
-    assert all(ids[s] == first_memory for s in range(0, 9))
-    assert ids[19] != first_memory
+    assert ids[0] == ids[1] == id(None)  # before the first table landed: no retrieval
+    first_memory = ids[2]
+    # steps 2..8 ran on the step-0 table although the step-3 rebuild had started; the swap came after
+    assert first_memory != id(None) and all(ids[s] == first_memory for s in range(2, 9))
+    assert ids[19] not in (first_memory, id(None))
     memory = plugin.memory
     assert memory.neighbours.shape == (len(data.segments), 2) and memory.step in steps
+
+
+def test_background_first_table_trains_without_retrieval_until_it_lands(tmp_path):
+    """In the background mode nothing blocks at the start: the first steps run without retrieval (no memory),
+    the step-0 table is swapped in at a later step boundary, and training then uses it."""
+    data = small_data()
+    module = make_module({"k": 2, "schedule": "every 100", "mode": "background", "index_factory": "Flat"})
+    plugin = module.model.plugins["retrieval"]
+    release = threading.Event()
+    seen: list[tuple[int, object]] = []  # (global step, memory used by that step)
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.global_step, plugin.memory))
+            if trainer.global_step == 4:
+                release.set()  # the first table may finish only now
+
+    import rlm.index.rebuild as rebuild
+
+    real = rebuild.build_memory
+
+    def held_build(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    rebuild.build_memory = held_build
+    try:
+        t = trainer(tmp_path, 12, callbacks=[Watch()])
+        t.fit(module, datamodule=data)
+    finally:
+        rebuild.build_memory = real
+    cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+    assert cb.history == [(0, "built")]
+    memory = dict(seen)
+    assert all(memory[s] is None for s in range(5))  # steps 0..4 trained without retrieval
+    assert memory[11] is not None and memory[11].step == 0  # the step-0 table, swapped in later
+    assert plugin.memory is memory[11]
