@@ -54,9 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--docs", type=int, default=400, help="documents of the training corpus (tables 1 and 3)")
     p.add_argument("--doc-len", type=int, default=1024, help="tokens per document")
-    p.add_argument("--sizes", type=int, nargs="+", default=[2000, 8000, 32000], help="segments (table 2)")
     p.add_argument(
-        "--interval", type=int, default=250, help="steps between rebuilds (the default schedule's)"
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[2000, 8000, 32000, 51200],
+        help="segments (table 2; the default corpus indexes about 51k training segments)",
+    )
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=500,
+        help="steps between rebuilds (the default schedule's, to step 2000)",
     )
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)

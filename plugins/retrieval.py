@@ -68,7 +68,7 @@ class RetrievalConfig:
     """Width of the separate encoder (embedder 'separate' only)."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
-    schedule: str = "0-1000:250,1000-1000000000:1000"
+    schedule: str = "0-2000:500,2000-1000000000:2000"
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
     mode: str = "background"
     """'background' (a snapshot embeds in a thread; atomic swap when done; until the first table lands the
