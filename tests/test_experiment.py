@@ -317,3 +317,44 @@ def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monke
         (out / name).unlink()
     assert rlm_main(["experiment", "report", str(out)]) == 0
     assert all((out / name).is_file() for name in ("results.csv", "results.md", *PLOTS))
+
+
+def test_a_run_equal_to_a_finished_run_of_another_experiment_is_reused(tmp_path, monkeypatch, capsys):
+    """The same merged config and seed in a sibling experiment directory is taken from there, not trained."""
+    from rlm.experiment import runner
+
+    first = load_experiment(write_experiment(tmp_path / "a.yaml", seeds=[0], variants={"base": {}}))
+    second = load_experiment(
+        write_experiment(
+            tmp_path / "b.yaml",
+            seeds=[0, 1],
+            variants={"plain": {}, "longer": {"set": {"trainer": {"max_steps": 7}}}},
+        )
+    )
+    trained: list[str] = []
+
+    def fake_train(run):
+        trained.append(run.label)
+        run.dir.mkdir(parents=True, exist_ok=True)
+        (run.dir / "fit.log").write_text(f"trained {run.label}\n")
+        return True, 2.0
+
+    monkeypatch.setattr(runner, "train", fake_train)
+    monkeypatch.setattr(
+        runner,
+        "summarize",
+        lambda run, wall: {"variant": run.variant, "fingerprint": run.fingerprint, "val_loss": 1.0},
+    )
+    runner.run_experiment(first, tmp_path / "runs" / "a")
+    assert trained == ["base/seed0"]
+    runner.run_experiment(second, tmp_path / "runs" / "b")
+    # plain/seed0 equals a's base/seed0; seed 1 and the other variant differ, so they train
+    assert trained == ["base/seed0", "plain/seed1", "longer/seed0", "longer/seed1"]
+    copied = tmp_path / "runs" / "b" / "plain" / "seed0"
+    summary = json.loads((copied / "summary.json").read_text())
+    assert summary["variant"] == "plain"
+    assert summary["reused_from"] == str((tmp_path / "runs" / "a" / "base" / "seed0").resolve())
+    assert (copied / "fit.log").read_text() == "trained base/seed0\n"
+    assert "plain/seed0: same config and seed as" in capsys.readouterr().out
+    runner.run_experiment(second, tmp_path / "runs" / "c", reuse_equal=False)
+    assert trained[-4:] == ["plain/seed0", "plain/seed1", "longer/seed0", "longer/seed1"]

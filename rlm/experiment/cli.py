@@ -32,7 +32,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
     _print_plan(exp.name, out, len(plan(exp, out, a.variants)), counts, exp.baseline)
-    failed = run_experiment(exp, out, a.variants)
+    failed = run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse)
     try:
         paths = write_report(out)
         print("wrote " + ", ".join(str(p) for p in paths))
@@ -73,6 +73,13 @@ def parser() -> argparse.ArgumentParser:
             "--out", default=None, help="output directory (default: the file's, or runs/experiments/NAME)"
         )
         s.add_argument("--variants", nargs="+", default=None, metavar="NAME", help="only these variants")
+        if name == "run":
+            s.add_argument(
+                "--no-reuse",
+                action="store_true",
+                help="train every run, even one whose config and seed equal a finished run of a sibling "
+                "experiment directory (by default that run is reused)",
+            )
         s.add_argument(
             "--seeds",
             nargs="+",

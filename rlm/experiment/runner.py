@@ -151,13 +151,55 @@ def train(run: Run) -> tuple[bool, float]:
     return proc.returncode == 0, wall
 
 
+def find_equal_run(run: Run, out: Path) -> Path | None:
+    """A finished run with the same fingerprint (merged config and seed) in a sibling experiment directory of
+    ``out`` (e.g. runs/experiments/*): the base models of most experiment files are the same run."""
+    for summary in sorted(out.parent.glob(f"*/*/seed{run.seed}/{SUMMARY}")):
+        if summary.parent.resolve() == run.dir.resolve():
+            continue
+        try:
+            stored = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            continue
+        if stored.get("fingerprint") == run.fingerprint:
+            return summary.parent
+    return None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # finished runs are never written again: hard links cost no space
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def reuse(run: Run, source: Path) -> dict[str, Any]:
+    """Make run.dir a copy (hard links) of the equal finished run at ``source``; its summary names the source."""
+    summary = json.loads((source / SUMMARY).read_text())
+    summary.update(variant=run.variant, reused_from=summary.get("reused_from") or str(source.resolve()))
+    tmp = run.dir.with_name(run.dir.name + ".reuse-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(SUMMARY))
+    write_atomic(tmp / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    if run.dir.exists():
+        shutil.rmtree(run.dir)
+    run.dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, run.dir)  # the run appears finished in one step
+    return summary
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     text = path.read_text(errors="replace").splitlines() if path.is_file() else []
     return "\n".join(f"    {ln}" for ln in text[-lines:])
 
 
-def run_experiment(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[str]:
-    """Train every unfinished run, write each one's summary; returns the labels of the runs that failed."""
+def run_experiment(
+    exp: Experiment, out: Path, variants: list[str] | None = None, reuse_equal: bool = True
+) -> list[str]:
+    """Train every unfinished run, write each one's summary; returns the labels of the runs that failed.
+
+    With ``reuse_equal``, a run whose config and seed equal a finished run of a sibling experiment directory
+    is taken from there (hard links) instead of being trained again."""
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
     runs = plan(exp, out, variants)
@@ -173,6 +215,11 @@ def run_experiment(exp: Experiment, out: Path, variants: list[str] | None = None
                 else " (its config has changed since: delete the directory to rerun)"
             )
             tqdm.write(f"{run.label}: finished earlier, skipped{note}")
+            continue
+        source = find_equal_run(run, out) if reuse_equal else None
+        if source is not None:
+            reuse(run, source)
+            tqdm.write(f"{run.label}: same config and seed as {source}, reused")
             continue
         ok, wall = train(run)
         if not ok:
