@@ -16,12 +16,16 @@ compiler is found, ``load()`` returns None and the caller uses its PyTorch path 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import hashlib
+import math
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,8 +50,14 @@ _KERNELS = r"""
 /* (v1, i1) comes before (v2, i2): larger value first, then lower index (a strict total order). */
 #define BEFORE(v1, i1, v2, i2) ((v1) > (v2) || ((v1) == (v2) && (i1) < (i2)))
 
+#define ADAM_AHEAD 4 /* rows of (p, m, v) prefetched ahead of the update: their reads are random */
+
 static inline void prefetch_row(const float *row, int64_t d) {
     for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
+}
+
+static inline void prefetch_row_for_write(float *row, int64_t d) {
+    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 1);
 }
 
 CLONES void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64_t *offsets,
@@ -56,9 +66,10 @@ CLONES void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, cons
     float *g = (float *)malloc(sizeof(float) * (size_t)d);
     const float step = lr / bc1;
     for (int64_t u = u0; u < u1; ++u) {
-        if (u + 2 < u1) {
-            const int64_t ahead = rows[u + 2] * d;
-            prefetch_row(p + ahead, d), prefetch_row(m + ahead, d), prefetch_row(v + ahead, d);
+        if (u + ADAM_AHEAD < u1) {
+            const int64_t ahead = rows[u + ADAM_AHEAD] * d;
+            prefetch_row_for_write(p + ahead, d), prefetch_row_for_write(m + ahead, d);
+            prefetch_row_for_write(v + ahead, d);
         }
         memset(g, 0, sizeof(float) * (size_t)d);
         for (int64_t e = offsets[u]; e < offsets[u + 1]; ++e) {
@@ -238,10 +249,11 @@ static inline __attribute__((always_inline)) void pair_topk_SFX(const scalar_t *
     rank_select_SFX(cv, cp, rank, c, k, sv, pos);
 }
 
-/* Rows r in [r0, r1) of the (N, H) grid: s1, s2 (H, N, n) sub-key scores; outputs (N, H, k): scores, and
-   the selected sub-key ids i (half 1) and j (half 2). Returns the number of rows with a NaN (left unset). */
-CLONES int64_t pkm_search_SFX(const scalar_t *s1, const scalar_t *s2, int64_t N, int64_t H, int64_t n, int64_t k,
-                              scalar_t *scores, int64_t *oi, int64_t *oj, int64_t r0, int64_t r1) {
+/* Rows r in [r0, r1) of the (N, H) grid: s1[h], s2[h] (N, n) sub-key scores of head h; outputs (N, H, k):
+   scores, and the selected sub-key ids i (half 1) and j (half 2). Returns the number of rows with a NaN. */
+CLONES int64_t pkm_search_SFX(const scalar_t *const *s1, const scalar_t *const *s2, int64_t N, int64_t H,
+                              int64_t n, int64_t k, scalar_t *scores, int64_t *oi, int64_t *oj, int64_t r0,
+                              int64_t r1) {
     int64_t np = 0;
     for (int64_t a = 0; a < k; ++a) np += k / (a + 1);
     const size_t ns = (size_t)(n > np ? n : np) + 16, ks = (size_t)k + 1;
@@ -254,9 +266,9 @@ CLONES int64_t pkm_search_SFX(const scalar_t *s1, const scalar_t *s2, int64_t N,
         for (int32_t b = 0; (a + 1) * (b + 1) <= k; ++b) pa[np] = a, pb[np] = b, ++np;
     int64_t failed = 0;
     for (int64_t r = r0; r < r1; ++r) {
-        const int64_t t = r / H, h = r % H, in = (h * N + t) * n;
-        if (!row_topk_SFX(s1 + in, n, k, gm, cv, cp, rank, t1, i1) ||
-            !row_topk_SFX(s2 + in, n, k, gm, cv, cp, rank, t2, i2)) {
+        const int64_t t = r / H, h = r % H;
+        if (!row_topk_SFX(s1[h] + t * n, n, k, gm, cv, cp, rank, t1, i1) ||
+            !row_topk_SFX(s2[h] + t * n, n, k, gm, cv, cp, rank, t2, i2)) {
             ++failed;
             continue;
         }
@@ -279,6 +291,12 @@ SOURCE = (
     )
 )
 
+# -fno-math-errno: sqrtf need not set errno, so it vectorises (the Adam update is 4x faster); results are
+# the same, IEEE square roots being correctly rounded either way.
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC")
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most aarch64 kernels
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _POOL: ThreadPoolExecutor | None = None
@@ -298,7 +316,7 @@ def _build(target: Path) -> None:
         src, out = Path(tmp) / "pkm_row_adam.c", Path(tmp) / target.name
         src.write_text(SOURCE)
         subprocess.run(
-            [cc, "-O3", "-fopenmp-simd", "-shared", "-fPIC", "-o", str(out), str(src), "-lm"],
+            [cc, *CFLAGS, "-o", str(out), str(src), "-lm"],
             check=True,
             capture_output=True,
         )
@@ -313,13 +331,14 @@ def load() -> ctypes.CDLL | None:
     _TRIED = True
     if os.environ.get("RLM_PKM_NATIVE", "1") == "0":
         return None
-    target = _cache_dir() / f"pkm_row_adam_{hashlib.sha1(SOURCE.encode()).hexdigest()[:12]}.so"
+    digest = hashlib.sha1((SOURCE + " ".join(CFLAGS)).encode()).hexdigest()[:12]
+    target = _cache_dir() / f"pkm_native_{digest}.so"
     try:
         if not target.exists():
             _build(target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
-        warnings.warn(f"pkm: fused value update unavailable ({err}); using the PyTorch path", stacklevel=2)
+        warnings.warn(f"pkm: native kernels unavailable ({err}); using the PyTorch paths", stacklevel=2)
         return None
     lib.pkm_row_adam.restype = lib.pkm_bag_dot.restype = None
     lib.pkm_row_adam.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 6
@@ -385,26 +404,62 @@ def row_adam(
     return True
 
 
-def product_search(s1: Tensor, s2: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Exact top-k of s1[h, t, i] + s2[h, t, j] over all (i, j), per token t and head h: (scores, i, j), (N, H, k).
+def product_search(
+    s1: Sequence[Tensor], s2: Sequence[Tensor], k: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Exact top-k of s1[h][t, i] + s2[h][t, j] over all (i, j), per token t and head h: (scores, i, j), (N, H, k).
 
-    s1, s2: (H, N, n) sub-key scores (float32 or float64, CPU, contiguous). Scores are sorted descending;
-    equal scores are ordered by the rank of i in its half, then of j (ranks: score descending, then id).
-    None when the kernel is unavailable, the tensors do not fit it, or a score is NaN.
+    s1, s2: per head h, the (N, n) sub-key scores of each half (float32 or float64, CPU, contiguous). Scores
+    are sorted descending; equal scores are ordered by the rank of i in its half, then of j (a half ranks
+    by score descending, then id). None when the kernel is unavailable, the tensors do not fit it, or a
+    score is NaN.
     """
-    dtype = s1.dtype
-    if dtype not in (torch.float32, torch.float64) or s2.shape != s1.shape or not _fits((s1, s2), (), dtype):
+    H, dtype = len(s1), s1[0].dtype
+    if dtype not in (torch.float32, torch.float64) or len(s2) != H or s1[0].dim() != 2:
+        return None
+    N, n = s1[0].shape
+    if not _fits((*s1, *s2), (), dtype) or any(t.shape != (N, n) for t in (*s1, *s2)):
         return None
     lib = load()
-    H, N, n = s1.shape
     if lib is None or not 0 < k <= n:
         return None
     scores = torch.empty(N, H, k, dtype=dtype)
     i, j = (torch.empty(N, H, k, dtype=torch.int64) for _ in range(2))
     fn = lib.pkm_search_f32 if dtype == torch.float32 else lib.pkm_search_f64
-    ptrs = [t.data_ptr() for t in (s1, s2)], [t.data_ptr() for t in (scores, i, j)]
+    heads1, heads2 = ((ctypes.c_void_p * H)(*(t.data_ptr() for t in half)) for half in (s1, s2))
+    outs = [t.data_ptr() for t in (scores, i, j)]
     failed: list[int] = []  # rows with a NaN, per range (list.append is atomic)
     _parallel(
-        N * H, lambda lo, hi: failed.append(fn(*ptrs[0], N, H, n, k, *ptrs[1], lo, hi)), min_per_thread=64
+        N * H, lambda lo, hi: failed.append(fn(heads1, heads2, N, H, n, k, *outs, lo, hi)), min_per_thread=64
     )
     return None if any(failed) else (scores, i, j)
+
+
+def _advise_huge_pages(address: int, length: int) -> bool:
+    """madvise(MADV_HUGEPAGE) a range; False where unsupported (not Linux, no libc, THP off: harmless)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+    """An uninitialised contiguous CPU tensor on 2 MiB-aligned memory advised for transparent huge pages.
+
+    A memory table of a million rows is read and written at random rows: on 4 KiB pages nearly every row
+    access misses the TLB, on 2 MiB pages the whole table fits in it. Kernels with THP in 'madvise' mode (a
+    common default) only back advised ranges with huge pages, and only when advised before the first touch,
+    hence the advice here, before anything is written. Small tensors are plain ``torch.empty``.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < 4 * HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # over-allocate, then take the aligned part
+    start = -raw.data_ptr() % HUGE_PAGE
+    out = raw[start : start + nbytes].view(dtype).view(shape)  # keeps raw's storage alive
+    _advise_huge_pages(out.data_ptr(), nbytes)
+    return out

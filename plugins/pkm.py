@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
+from rlm.plugins._pkm_native import huge_page_empty
 from rlm.plugins._pkm_ops import MaskedBatchNorm, RowAdam, product_key_topk, slot_stats, value_lookup
 
 SPARSE_CHOICES = ("auto", "true", "false")
@@ -182,14 +183,20 @@ class PKMPlugin(Plugin):
         d = model_config.d_model
         keys = ["shared"] if config.shared_values else [f"layer{i}" for i in self.layers]
         # Values: normal(0, d^-1/2) as in the paper's code. The only copy of each table is registered here.
-        self.values = nn.ParameterDict(
-            {k: nn.Parameter(torch.randn(config.slots, d) * d**-0.5) for k in keys}
-        )
+        self.values = nn.ParameterDict({k: nn.Parameter(self._init_values(config.slots, d)) for k in keys})
         self.row_optimizer = RowAdam(lr=config.values_lr)
         for k, table in self.values.items():
             self.row_optimizer.add_table(k, table)
         self.memories: dict[int, PKMLayer] = {}  # plain dict: the layers are registered in their blocks
         self._sparse: bool | None = None  # resolved at setup (needs to know whether torch.distributed runs)
+
+    @staticmethod
+    def _init_values(slots: int, d: int) -> Tensor:
+        """A (slots, d) table of normal(0, d^-1/2) values on huge pages (rows are read and updated at random)."""
+        table = huge_page_empty((slots, d))
+        return torch.randn(slots, d, out=table).mul_(
+            d**-0.5
+        )  # the numbers of torch.randn(slots, d) * d**-0.5
 
     def claims(self) -> list[Claim]:
         return [Claim(Slot.FFN, Mode(self.config.mode), self.layers)]

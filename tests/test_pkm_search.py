@@ -55,7 +55,7 @@ def test_search_equals_brute_force(dtype, ties, n, k):
         s1, s2 = (torch.randint(0, 3, (H, N, n), generator=g).to(dtype) for _ in range(2))
     else:
         s1, s2 = (torch.randn(H, N, n, generator=g, dtype=dtype) for _ in range(2))
-    scores, i, j = _pkm_native.product_search(s1, s2, k)
+    scores, i, j = _pkm_native.product_search(list(s1), list(s2), k)
     assert scores.dtype == dtype and i.dtype == j.dtype == torch.int64
     assert as_rows(scores, i, j) == brute_force(s1, s2, k)
 
@@ -65,20 +65,20 @@ def test_search_handles_infinities_and_refuses_nan():
     s2 = torch.randn(1, 4, 64)
     s1[0, 0, 5], s1[0, 1, :] = float("inf"), float("-inf")
     s2[0, 2, 7] = float("-inf")
-    got = _pkm_native.product_search(s1, s2, 4)
+    got = _pkm_native.product_search(list(s1), list(s2), 4)
     assert as_rows(*got) == brute_force(s1, s2, 4)
     s2[0, 3, 9] = float("nan")
-    assert _pkm_native.product_search(s1, s2, 4) is None  # the caller falls back to torch
+    assert _pkm_native.product_search(list(s1), list(s2), 4) is None  # the caller falls back to torch
 
 
 def test_search_over_threads_gives_the_same_result():
     threads = torch.get_num_threads()
     s1, s2 = torch.randn(4, 300, 256), torch.randn(4, 300, 256)
     torch.set_num_threads(1)
-    one = _pkm_native.product_search(s1, s2, 16)
+    one = _pkm_native.product_search(list(s1), list(s2), 16)
     torch.set_num_threads(max(2, threads))
     try:
-        many = _pkm_native.product_search(s1, s2, 16)
+        many = _pkm_native.product_search(list(s1), list(s2), 16)
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, many):
@@ -100,8 +100,8 @@ def test_native_and_torch_paths_agree(n, monkeypatch):
 
 def test_torch_path_is_used_for_dtypes_the_kernel_does_not_take():
     s = torch.randn(1, 2, 16, dtype=torch.bfloat16)
-    assert _pkm_native.product_search(s, s, 4) is None
-    strided = torch.randn(1, 16, 2).transpose(1, 2)  # (1, 2, 16), not contiguous
-    assert _pkm_native.product_search(s.float(), strided, 4) is None
+    assert _pkm_native.product_search([s[0]], [s[0]], 4) is None
+    strided = torch.randn(16, 2).t()  # (2, 16), not contiguous
+    assert _pkm_native.product_search([s[0].float()], [strided], 4) is None
     scores, i, j = _pkm_ops._search_torch(s.float(), s.float(), 4)
     assert scores.shape == i.shape == j.shape == (2, 1, 4)
