@@ -193,7 +193,7 @@ class PKMPlugin(Plugin):
     @staticmethod
     def _init_values(slots: int, d: int) -> Tensor:
         """A (slots, d) table of normal(0, d^-1/2) values on huge pages (rows are read and updated at random)."""
-        table = huge_page_empty((slots, d))
+        table = huge_page_empty((slots, d), torch.get_default_dtype())
         return torch.randn(slots, d, out=table).mul_(
             d**-0.5
         )  # the numbers of torch.randn(slots, d) * d**-0.5
