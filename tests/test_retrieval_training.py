@@ -238,6 +238,20 @@ def test_resume_refuses_an_index_of_another_embedder(tmp_path):
 # ----- background rebuilds -----
 
 
+def fit_with_build(tmp_path, module, data, steps: int, watch: pl.Callback, wrap) -> RebuildCallback:
+    """Fit with rlm.index.rebuild.build_memory replaced by wrap(real, *args, **kwargs); the rebuild callback."""
+    import rlm.index.rebuild as rebuild
+
+    real = rebuild.build_memory
+    rebuild.build_memory = lambda *args, **kwargs: wrap(real, *args, **kwargs)
+    try:
+        t = trainer(tmp_path, steps, callbacks=[watch])
+        t.fit(module, datamodule=data)
+    finally:
+        rebuild.build_memory = real
+    return next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+
+
 def test_background_rebuild_swaps_atomically(tmp_path):
     """Training keeps the old table while the snapshot embeds; the new one appears whole, at a step boundary."""
     data = small_data()
@@ -256,24 +270,14 @@ def test_background_rebuild_swaps_atomically(tmp_path):
             if trainer.global_step == 8:
                 release.set()  # let the background rebuild of step 3 finish only now
 
-    import rlm.index.rebuild as rebuild
-
-    real = rebuild.build_memory
-
-    def slow_build(*args, **kwargs):
+    def slow_build(real, *args, **kwargs):
         if args[5] > 0:  # step > 0: a later background rebuild, held until released
             assert release.wait(60)
         memory = real(*args, **kwargs)
         first_done.set()
         return memory
 
-    rebuild.build_memory = slow_build
-    try:
-        t = trainer(tmp_path, 20, callbacks=[Watch()])
-        t.fit(module, datamodule=data)
-    finally:
-        rebuild.build_memory = real
-    cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+    cb = fit_with_build(tmp_path, module, data, 20, Watch(), slow_build)
     steps = [s for s, how in cb.history]
     assert steps[0] == 0 and steps[1] == 3, cb.history  # started at step 3, swapped in later
     ids = dict(seen)
@@ -301,21 +305,11 @@ def test_background_first_table_trains_without_retrieval_until_it_lands(tmp_path
             if trainer.global_step == 4:
                 release.set()  # the first table may finish only now
 
-    import rlm.index.rebuild as rebuild
-
-    real = rebuild.build_memory
-
-    def held_build(*args, **kwargs):
+    def held_build(real, *args, **kwargs):
         assert release.wait(60)
         return real(*args, **kwargs)
 
-    rebuild.build_memory = held_build
-    try:
-        t = trainer(tmp_path, 12, callbacks=[Watch()])
-        t.fit(module, datamodule=data)
-    finally:
-        rebuild.build_memory = real
-    cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+    cb = fit_with_build(tmp_path, module, data, 12, Watch(), held_build)
     assert cb.history == [(0, "built")]
     memory = dict(seen)
     assert all(memory[s] is None for s in range(5))  # steps 0..4 trained without retrieval
