@@ -29,7 +29,7 @@ import pytorch_lightning as pl
 import torch
 
 from rlm.data.segments import SegmentTable
-from rlm.index.build import IndexConfig, build_index
+from rlm.index.build import TORCH, IndexConfig, build_index
 from rlm.index.protocol import Embedder, embed_all
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.search import neighbour_table, search_neighbours
@@ -120,6 +120,9 @@ class RetrievalMemory:
     """Training step of the rebuild."""
     path: Path | None = None
     """The index directory it was written to or loaded from."""
+    recall: float | None = None
+    """Recall@tune_k of the index against exact search (tuned to the target; 1.0 for an exact index; None when
+    unmeasured)."""
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
 
@@ -190,6 +193,9 @@ def build_memory(
 ) -> RetrievalMemory:
     """Index the rows' vectors, find every row's k causal neighbours, and write it all to `path` (atomically)."""
     built = build_index(vectors, index_config)
+    recall = built.tuned_recall
+    if recall is None and built.factory in ("Flat", TORCH):
+        recall = 1.0  # exact search
     index_segments = IndexSegments(segments.doc[rows], segments.start[rows])
     found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
     neighbours = np.full((len(segments), k), -1, dtype=np.int64)
@@ -199,7 +205,8 @@ def build_memory(
             _save_npy(tmp / NEIGHBOURS, neighbours)
             _save_npy(tmp / ROWS, rows)
             save_corpus_ref(tmp, segments)
-            write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, {"k": k})
+            extra = {"k": k, "recall": recall, "target_recall": index_config.target_recall}
+            write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, extra)
     return RetrievalMemory(
         segments,
         rows,
@@ -209,6 +216,7 @@ def build_memory(
         identity,
         step,
         None if path is None else path.resolve(),
+        recall,
     )
 
 
@@ -260,7 +268,15 @@ def load_memory_for_search(path: str | Path) -> RetrievalMemory:
     identity = loaded.meta["embedder"]
     neighbours, rows = np.load(path / NEIGHBOURS), np.load(path / ROWS)
     return RetrievalMemory(
-        segments, rows, loaded.index, loaded.segments, neighbours, identity, int(identity["step"]), path
+        segments,
+        rows,
+        loaded.index,
+        loaded.segments,
+        neighbours,
+        identity,
+        int(identity["step"]),
+        path,
+        loaded.meta.get("recall", loaded.meta.get("tuned_recall")),
     )
 
 
@@ -280,6 +296,7 @@ def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> 
         identity,
         int(identity["step"]),
         path.resolve(),
+        loaded.meta.get("recall", loaded.meta.get("tuned_recall")),
     )
 
 
@@ -316,6 +333,8 @@ class RebuildCallback(pl.Callback):
         """Index directory of the table in use."""
         self.history: list[tuple[int, str]] = []
         """(step, 'built' | 'reused') of every table taken, in order (for logs and tests)."""
+        self.recall: float | None = None
+        """Recall against exact search of the index in use (logged as train/<label>/index_recall)."""
         self.last_seconds = 0.0
         """Duration of the last rebuild (in the background: the thread's time)."""
         self._job: threading.Thread | None = None
@@ -403,6 +422,8 @@ class RebuildCallback(pl.Callback):
         pl_module.log(f"train/{p}/retrieval_fraction", float(self.owner.prepare_seconds) / max(step_s, 1e-9))
         pl_module.log(f"train/{p}/steps_since_rebuild", float(trainer.global_step - self.last_step))
         pl_module.log(f"train/{p}/rebuild_s", float(self.last_seconds))
+        if self.recall is not None:  # recall@k of the table in use against exact search
+            pl_module.log(f"train/{p}/index_recall", float(self.recall))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._job is not None:  # finish (and keep) a rebuild still running, so nothing dangles
@@ -501,6 +522,7 @@ class RebuildCallback(pl.Callback):
         self.owner.use_memory(memory)
         self.last_step, self.identity = memory.step, memory.identity
         self.path = str(memory.path) if memory.path is not None else None
+        self.recall = memory.recall
         self.history.append((memory.step, how))
         self._prune(memory.path)
 

@@ -368,3 +368,36 @@ def test_snapshot_is_frozen_and_independent(corpus):
         model.embed.main.table.weight.add_(1.0)
     torch.testing.assert_close(snap.embed_segments(tokens, mask), before)
     assert plugin.identity(7)["weights_hash"] != snap.embedder_identity()["weights_hash"]
+
+
+def test_retriever_build_reaches_the_target_recall(tmp_path):
+    """Above flat_below (32,768) 'auto' is IVF: build_memory, as the rebuild callback calls it with the plugin's
+    default target_recall, tunes it to recall@10 >= 0.95 against exact search; meta.json records it."""
+    from rlm.index.build import exact_search, recall_at_k
+    from rlm.index.store import read_meta
+    from rlm.index.synthetic import clustered_unit_vectors
+
+    n_docs, per_doc = 4100, 10  # 41,000 segments of L tokens
+    segments = make_segments(random_docs(n_docs, per_doc * L, seed=3))
+    assert len(segments) == n_docs * per_doc
+    vectors = clustered_unit_vectors(len(segments), 16, n_clusters=200, seed=4)
+    rows = np.arange(len(segments))
+    target = make_config(RetrievalPlugin, {}).target_recall
+    assert target == 0.95
+    identity = {"name": "t", "config_hash": "c", "weights_hash": "w", "step": 0}
+    config = IndexConfig(factory="auto", target_recall=target)
+    memory = build_memory(vectors, segments, rows, 2, identity, 0, config, tmp_path / "idx")
+    assert memory.index.factory.startswith("IVF") and memory.recall >= target
+    meta = read_meta(tmp_path / "idx")
+    assert meta["recall"] == memory.recall and meta["target_recall"] == target
+    # another sample of queries than the tuning one: recall@10 of the built index against exact search
+    queries = vectors[np.random.default_rng(9).choice(len(vectors), 500, replace=False)]
+    _, found = memory.index.search(queries, 10)
+    _, exact = exact_search(vectors, queries, 10)
+    assert recall_at_k(found, exact, 10) >= target - 0.02
+    # untuned (nprobe=1), as the retriever built it before: clearly below
+    untuned = build_memory(
+        vectors, segments, rows, 2, identity, 0, IndexConfig(factory="auto", target_recall=None), None
+    )
+    _, found = untuned.index.search(queries, 10)
+    assert recall_at_k(found, exact, 10) < target - 0.05

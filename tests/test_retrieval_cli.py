@@ -44,6 +44,7 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
         "rebuild_s",
         "steps_since_rebuild",
         "retrieval_fraction",
+        "index_recall",
     ):
         assert column(rows, f"train/retrieval/{name}"), f"train/retrieval/{name} was not logged"
     assert column(rows, "val/retrieval/relevance") and column(rows, "val/loss")
@@ -53,6 +54,9 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
     assert state["last_step"] == 3  # rebuilt at steps 0 and 3 of 0..5
     meta = json.loads((tmp_path / state["index_dir"] / "meta.json").read_text())
     assert meta["embedder"] == state["identity"] and meta["k"] == 2
+    assert meta["recall"] == 1.0 and meta["target_recall"] == 0.95  # a small corpus: exact flat search
+    info = run_rlm(["index", "info", tmp_path / state["index_dir"]], tmp_path, rlm_cache)
+    assert "recall    1.0 against exact search (target 0.95)" in info.stdout
     assert set(ckpt["hyper_parameters"]["plugins"]) == {"tokenid", "retrieval"}
     # validation and generation outside fit search the index the checkpoint names, with the current embedder
     assert ckpt["state_dict"]["model.plugins.retrieval._extra_state"]["index_dir"].endswith("step-000000003")
