@@ -318,6 +318,7 @@ class RebuildCallback(pl.Callback):
         progress: bool = True,
         label: str = "retrieval",
         keep: int = 2,
+        defer_first: bool = False,
     ) -> None:
         if mode not in ("blocking", "background"):
             raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
@@ -325,6 +326,9 @@ class RebuildCallback(pl.Callback):
         self.schedule = Schedule.parse(schedule)
         self.index_config = index_config or IndexConfig(target_recall=None)
         self.index_dir, self.batch_size, self.progress, self.keep = index_dir, batch_size, progress, keep
+        self.defer_first = defer_first
+        """No table at fit start (unless a checkpoint's is reused): the first comes when the schedule is due; the
+        owner retrieves otherwise meanwhile (the retriever's warm start from the document's own past)."""
         self.last_step = -1
         """Step of the rebuild whose table is in use (-1: none yet)."""
         self.identity: dict[str, Any] | None = None
@@ -364,6 +368,9 @@ class RebuildCallback(pl.Callback):
                 "the retrieval rebuild callback needs a datamodule (trainer.fit(model, datamodule=...))"
             )
         self.segments, self.rows = dm.segments, indexed_rows(dm.segments, dm.store.train_docs)
+        use_segments = getattr(self.owner, "use_segments", None)  # optional part of MemoryOwner
+        if use_segments is not None:
+            use_segments(self.segments)
         self._writer = trainer.global_rank == 0
         self._ready = False
 
@@ -381,7 +388,7 @@ class RebuildCallback(pl.Callback):
         if self._ready:
             return
         self._ready = True
-        if self._try_reuse():
+        if self._try_reuse() or self.defer_first:
             return
         if self.mode == "blocking":
             self._rebuild_blocking(trainer, trainer.global_step)

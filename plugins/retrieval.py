@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 EMBEDDERS = ("shared", "separate")
 MODES = ("blocking", "background")
+WARM_STARTS = ("recent", "similar", "none")
 
 
 @dataclass
@@ -72,7 +73,27 @@ class RetrievalConfig:
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
     mode: str = "background"
     """'background' (a snapshot embeds in a thread; atomic swap when done; until the first table lands the
-    model trains without retrieval) or 'blocking' (training waits, also for the first table)."""
+    model trains on the warm start) or 'blocking' (training waits, also for the first table)."""
+    warm_start: str = "recent"
+    """Neighbours until the first table lands (Komatsuzaki 2020, sec. 5.4: at the start, build each sub-batch from
+    segments of the same document, because poorly initialised neighbours make learning slow), in training and
+    validation alike: earlier segments of the query's own document, never the target segment or anything after
+    it (a neighbour z of query S_t has z < S_t, so its continuation z + 1 is at most S_t). Segments before the
+    attention window come first (inside it the tokens already see them), the most recent first; segments inside
+    the window fill the remaining slots. 'recent': in that order; 'similar': among up to warm_candidates of them,
+    the most similar to S_t by the current embedder (before the window still first); 'none': no retrieval until
+    the first table lands (the old behaviour). With a warm start the first table is not built at fit start but
+    at the schedule's first due step (for the default schedule, step 499): a table built at step 0 would rank
+    segments with a random embedder, the very neighbours Komatsuzaki warns against, and in blocking mode
+    training would wait for it; meanwhile the cross-attention and beta train on the warm-start neighbours from
+    the first step. 'recent' is the default: it costs nothing, and 'similar' ranks with an embedder that is
+    still close to random in exactly this phase."""
+    warm_candidates: int = 16
+    """Most recent earlier same-document segments scored by warm_start 'similar' (and by same_doc_k)."""
+    same_doc_k: int = 0
+    """After the first table: this many of the k neighbours are warm-start picks from the query's own past (as
+    warm_start chooses them; 'recent' when warm_start is 'none'), the other k - same_doc_k come from the table
+    (or the online search). 0: all k from the table."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     target_recall: float | None = 0.95
@@ -104,6 +125,16 @@ class RetrievalConfig:
             raise ValueError(f"retrieval.encoder_dim must be an even integer >= 2, got {self.encoder_dim!r}")
         if self.mode not in MODES:
             raise ValueError(f"retrieval.mode={self.mode!r}; accepted: {list(MODES)}")
+        if self.warm_start not in WARM_STARTS:
+            raise ValueError(f"retrieval.warm_start={self.warm_start!r}; accepted: {list(WARM_STARTS)}")
+        if not isinstance(self.same_doc_k, int) or not 0 <= self.same_doc_k <= self.k:
+            raise ValueError(
+                f"retrieval.same_doc_k must be an integer in [0, k={self.k}], got {self.same_doc_k!r}"
+            )
+        if not isinstance(self.warm_candidates, int) or self.warm_candidates < self.k:
+            raise ValueError(
+                f"retrieval.warm_candidates must be an integer >= k={self.k}, got {self.warm_candidates!r}"
+            )
         if self.embed_batch_size < 1:
             raise ValueError(f"retrieval.embed_batch_size must be positive, got {self.embed_batch_size}")
         if self.rebuild_dtype not in REBUILD_DTYPES:
@@ -130,6 +161,8 @@ class RetrievalInputs:
     """(B, n, k) whether each neighbour exists."""
     same_doc: Tensor
     """(B, n, k) whether the neighbour is from the row's own document (False when unknown)."""
+    ids: Tensor | None = None
+    """(B, n, k) global segment ids of the neighbours (-1: none)."""
 
 
 class RetrievalCrossAttention(nn.Module):
@@ -205,6 +238,9 @@ class RetrievalPlugin(Plugin):
         else:
             self.encoder = SeparateEncoder(model_config, config.embed_layers, config.encoder_dim)
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
+        object.__setattr__(
+            self, "segments", None
+        )  # the data's SegmentTable (warm start before the first table)
         self._saved_index_dir: str | None = None  # from a checkpoint: loaded on first use outside training
         self.prepare_seconds = 0.0
         """Wall-clock time of the last prepare() (neighbour lookup or online search): a metric."""
@@ -230,6 +266,7 @@ class RetrievalPlugin(Plugin):
                 schedule=c.schedule,
                 mode=c.mode,
                 index_config=IndexConfig(factory=c.index_factory, target_recall=c.target_recall),
+                defer_first=c.warm_start != "none",
                 index_dir=c.index_dir,
                 batch_size=c.embed_batch_size,
                 progress=c.progress,
@@ -242,6 +279,10 @@ class RetrievalPlugin(Plugin):
     def use_memory(self, memory: RetrievalMemory | None) -> None:
         """Swap in a new index and neighbour table (one reference assignment: atomic for the training loop)."""
         object.__setattr__(self, "memory", memory)
+
+    def use_segments(self, segments: Any) -> None:
+        """The data's segment table, known at fit start (the warm start reads the documents' past from it)."""
+        object.__setattr__(self, "segments", segments)
 
     def snapshot(self, step: int) -> FrozenEmbedder:
         """A frozen copy of the current embedder (rlm.index Embedder protocol)."""
@@ -288,17 +329,25 @@ class RetrievalPlugin(Plugin):
         if self.memory is None and self._saved_index_dir and not ctx.training:
             self._load_saved_memory()
         memory = self.memory
-        if memory is None:
+        c = self.config
+        seg = memory.segments if memory is not None else self.segments
+        warm = c.warm_start if c.warm_start != "none" else ("recent" if c.same_doc_k else "none")
+        can_warm = warm != "none" and seg is not None and batch.get("segment_ids") is not None
+        if memory is None and not (can_warm and c.warm_start != "none"):
             ctx.extras[self.label] = None
             return
         start = time.perf_counter()
         ctx.extras[self.label] = gather_inputs(
             memory,
             batch,
-            self.config.k,
-            self.config.continuation,
+            c.k,
+            c.continuation,
             online=not (ctx.training and batch.get("segment_ids") is not None),
             embed=self._embed_queries,
+            segments=seg,
+            warm_k=(c.k if memory is None else c.same_doc_k) if can_warm else 0,
+            warm=warm,
+            warm_candidates=c.warm_candidates,
         )
         self.prepare_seconds = time.perf_counter() - start
         ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
@@ -354,10 +403,20 @@ class RetrievalPlugin(Plugin):
 
 
 def gather_inputs(
-    memory: RetrievalMemory, batch: dict[str, Any], k: int, continuation: bool, online: bool, embed
+    memory: RetrievalMemory | None,
+    batch: dict[str, Any],
+    k: int,
+    continuation: bool,
+    online: bool,
+    embed,
+    segments: Any = None,
+    warm_k: int = 0,
+    warm: str = "recent",
+    warm_candidates: int = 16,
 ) -> RetrievalInputs:
-    """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs)."""
-    seg = memory.segments
+    """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs): the first k - warm_k
+    from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours)."""
+    seg = memory.segments if memory is not None else segments
     L = seg.segment_len
     tokens = batch["tokens"]
     device = tokens.device
@@ -384,15 +443,32 @@ def gather_inputs(
         q_ids = np.where(q_valid, q_ids, -1)
     else:
         q_ids = np.full((B, n), -1, dtype=np.int64)
-    if online:
-        nb = np.full((B * n, k), -1, dtype=np.int64)
+    parts = []
+    k_table = k - warm_k if memory is not None else 0
+    if k_table and online:
+        nb = np.full((B * n, k_table), -1, dtype=np.int64)
         rows = np.flatnonzero(q_valid.reshape(-1))
         if len(rows):
             e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
-            nb[rows] = memory.search(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k)
-        nb = nb.reshape(B, n, k)
-    else:
-        nb = np.where((q_ids >= 0)[..., None], memory.neighbours[np.maximum(q_ids, 0), :k], -1)  # (B, n, k)
+            nb[rows] = memory.search(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table)
+        parts.append(nb.reshape(B, n, k_table))
+    elif k_table:
+        table = memory.neighbours[np.maximum(q_ids, 0), :k_table]
+        parts.append(np.where((q_ids >= 0)[..., None], table, -1))  # (B, n, k_table)
+    if warm_k:
+        window_first = seg_ids[:, 0].cpu().numpy()
+        doc_first = (
+            seg.first[batch["doc_ids"].cpu().numpy()]
+            if batch.get("doc_ids") is not None
+            else seg.first[seg.doc[np.maximum(window_first, 0)]]
+        )
+        cands = warm_candidates_of(
+            q_ids, window_first, doc_first, warm_k if warm == "recent" else warm_candidates
+        )
+        if warm == "similar":
+            cands = most_similar(seg, cands, q_tokens, q_mask, warm_k, embed, window_first)
+        parts.append(cands)
+    nb = np.concatenate(parts, -1)  # (B, n, k)
     nb_tokens, nb_mask = neighbour_tokens(seg, nb, continuation)
     same = np.zeros_like(nb, dtype=bool)
     if batch.get("doc_ids") is not None:
@@ -404,7 +480,50 @@ def gather_inputs(
         mask=torch.from_numpy(nb_mask).to(device),
         valid=torch.from_numpy(nb >= 0).to(device),
         same_doc=torch.from_numpy(same).to(device),
+        ids=torch.from_numpy(nb).to(device),
     )
+
+
+def warm_candidates_of(
+    q_ids: np.ndarray, window_first: np.ndarray, doc_first: np.ndarray, c: int
+) -> np.ndarray:
+    """(B, n, c) earlier segments of each query's own document, best first (-1 pads): those before the attention
+    window, most recent first, then those inside it, most recent first. Every z < q (the query S_t), so z and its
+    continuation z + 1 <= S_t never reach the target segment S_{t+1}.
+
+    q_ids (B, n) global query ids (-1: none); window_first (B,) the window's first segment; doc_first (B,) the
+    document's first segment."""
+    q = q_ids[..., None]  # (B, n, 1)
+    w0, d0 = window_first[:, None, None], doc_first[:, None, None]  # (B, 1, 1)
+    r = np.arange(c)  # (c,) rank of the pick
+    before = np.minimum(w0, q)  # candidates before the window: before-1, before-2, ..., d0
+    n_out = np.maximum(before - d0, 0)  # (B, n, 1)
+    inside = q - 1 - (r - n_out)  # then q-1, q-2, ..., w0
+    z = np.where(r < n_out, before - 1 - r, np.where(inside >= w0, inside, -1))
+    return np.where(q >= 0, z, -1).astype(np.int64)
+
+
+def most_similar(
+    seg, cands: np.ndarray, q_tokens: Tensor, q_mask: Tensor, k: int, embed, window_first: np.ndarray
+) -> np.ndarray:
+    """(B, n, k) of the candidates (B, n, c): those before the window first, then by cosine to the query's e(S_t)
+    under the current embedder (embed: no-grad tokens, mask -> unit vectors), each distinct candidate embedded once."""
+    B, n, c = cands.shape
+    L = seg.segment_len
+    ids, inverse = np.unique(np.maximum(cands, 0), return_inverse=True)
+    device = q_tokens.device
+    e_c = embed(
+        torch.from_numpy(seg.tokens(ids)).to(device),
+        torch.from_numpy(np.arange(L) < seg.length[ids][:, None]).to(device),
+    )  # (U, D)
+    e_q = embed(q_tokens.reshape(B * n, L), q_mask.reshape(B * n, L)).view(B, n, 1, -1)  # (B, n, 1, D)
+    cos = (
+        (e_q * e_c[torch.from_numpy(inverse.reshape(-1)).to(device)].view(B, n, c, -1)).sum(-1).cpu().numpy()
+    )
+    score = cos + 4.0 * (cands < window_first[:, None, None])  # before the window first (cos is in [-1, 1])
+    score = np.where(cands >= 0, score, -np.inf)
+    order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
+    return np.where(np.take_along_axis(score, order, -1) > -np.inf, np.take_along_axis(cands, order, -1), -1)
 
 
 def neighbour_tokens(seg, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:

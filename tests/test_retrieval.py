@@ -17,7 +17,7 @@ from rlm.model import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
 from rlm.plugins._retrieval_encoder import resolve_rebuild_dtype
-from rlm.plugins.retrieval import RetrievalInputs, RetrievalPlugin
+from rlm.plugins.retrieval import RetrievalInputs, RetrievalPlugin, warm_candidates_of
 
 L = 8  # segment length of the unit tests
 VOCAB = 96
@@ -169,13 +169,35 @@ def test_neighbour_table_matches_brute_force(corpus):
 # ----- causality -----
 
 
+PATHS = {
+    "table": ({"warm_start": "none"}, True),
+    "warm_recent": ({"warm_start": "recent"}, False),
+    "warm_similar": ({"warm_start": "similar", "warm_candidates": 4}, False),
+    "table_same_doc": ({"warm_start": "recent", "same_doc_k": 1}, True),
+    "table_same_doc_similar": ({"warm_start": "similar", "same_doc_k": 1}, True),
+}
+"""Every way the retriever finds neighbours: (options, with a memory); without one, the warm start."""
+
+
+def with_path(path: str, corpus, **opts) -> Transformer:
+    """A tiny model whose neighbours come from `path` (see PATHS)."""
+    segments, _ = corpus
+    extra, table = PATHS[path]
+    model = tiny_model(**extra, **opts)
+    if table:
+        attach_memory(model, segments, np.arange(10))
+    else:
+        model.plugins["retrieval"].use_segments(segments)
+    return model
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("stage", ["train", "val"])
 @pytest.mark.parametrize("continuation", [True, False])
-def test_perturbing_later_tokens_never_changes_earlier_logits(corpus, stage, continuation):
+def test_perturbing_later_tokens_never_changes_earlier_logits(corpus, stage, continuation, path):
     """For cuts p at and inside segment boundaries: changing tokens[p:] leaves logits[:p] exactly as they were."""
     segments, windows = corpus
-    model = tiny_model(continuation=continuation)
-    attach_memory(model, segments, np.arange(10))
+    model = with_path(path, corpus, continuation=continuation)
     starts = windows.start
     batch = windows.collate(
         np.flatnonzero(starts > 0)[:3].tolist() + np.flatnonzero(starts == 0)[:2].tolist()
@@ -191,6 +213,103 @@ def test_perturbing_later_tokens_never_changes_earlier_logits(corpus, stage, con
         out = logits(model, other, stage)
         torch.testing.assert_close(out[:, :p], base[:, :p], rtol=0, atol=0)
         assert not torch.allclose(out[:, p:], base[:, p:])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("stage", ["train", "val"])
+def test_neighbours_never_reach_the_target_or_later(corpus, stage, path):
+    """On every path, a neighbour z of chunk j's query S_t (global id q) of the same document has z < q, so
+    neither z nor its continuation z + 1 is the target S_{t+1} or later; the warm start's are all own-document."""
+    segments, windows = corpus
+    model = with_path(path, corpus)
+    batch = windows.collate(np.arange(len(windows)))
+    inputs: RetrievalInputs = context(model, batch, stage).extras["retrieval"]
+    ids, seg_ids = inputs.ids.numpy(), batch["segment_ids"].numpy()
+    B, n, k = ids.shape
+    assert (ids >= 0).sum() > B  # neighbours were found
+    for b in range(B):
+        doc = int(batch["doc_ids"][b])
+        for j in range(n):
+            target = seg_ids[b, 0] + j  # global id of window segment j (also past the document's end)
+            for z in ids[b, j]:
+                if z >= 0 and segments.doc[z] == doc:
+                    assert z < target - 1, (b, j, z, target)  # z < q = target - 1
+    if path.startswith("warm"):
+        valid = ids >= 0
+        assert (
+            segments.doc[ids[valid]] == np.repeat(batch["doc_ids"].numpy(), n * k).reshape(B, n, k)[valid]
+        ).all()
+        assert inputs.same_doc[inputs.valid].all()
+    if "same_doc" in path:  # the last same_doc_k come from the document's past whenever it has one
+        last = ids[..., -1]
+        assert (last >= 0).any()
+        assert (
+            segments.doc[last[last >= 0]] == np.repeat(batch["doc_ids"].numpy(), n).reshape(B, n)[last >= 0]
+        ).all()
+
+
+def test_warm_candidates_match_a_naive_ordering():
+    """warm_candidates_of against a loop: earlier same-document segments before the window (most recent first),
+    then inside the window before the query (most recent first); -1 pads; none for an absent query."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        d0 = int(rng.integers(0, 20))
+        w0 = d0 + int(rng.integers(0, 6))
+        n = int(rng.integers(1, 6))
+        q = np.array([w0 - 1 if w0 > d0 else -1] + [w0 + j - 1 for j in range(1, n)])  # chunk j's query
+        c = int(rng.integers(1, 9))
+        got = warm_candidates_of(q[None], np.array([w0]), np.array([d0]), c)[0]  # (n, c)
+        for j, qj in enumerate(q):
+            if qj < 0:
+                want = []
+            else:
+                before = [z for z in range(min(w0, qj) - 1, d0 - 1, -1)]
+                inside = [z for z in range(qj - 1, w0 - 1, -1)]
+                want = (before + inside)[:c]
+            np.testing.assert_array_equal(got[j], want + [-1] * (c - len(want)))
+
+
+def test_warm_start_similar_picks_the_closest_by_the_embedder(corpus):
+    """'similar': among the candidates before the window, the k with the highest cosine to e(S_t)."""
+    segments, windows = corpus
+    model = with_path("warm_similar", corpus)
+    plugin = model.plugins["retrieval"]
+    late = np.flatnonzero(windows.start == 4 * L)[:3]
+    batch = windows.collate(late)
+    inputs: RetrievalInputs = context(model, batch, "train").extras["retrieval"]
+    seg_ids = batch["segment_ids"].numpy()
+    for b in range(len(late)):
+        j = 1  # query = window segment 0; candidates: the 4 before the window (segments 0..3 of the document)
+        w0 = seg_ids[b, 0]
+        d0 = segments.first[segments.doc[w0]]
+        cands = np.arange(w0 - 1, max(d0, w0 - 4) - 1, -1)
+        q = torch.from_numpy(segments.tokens([seg_ids[b, 0]]))
+        e_q = plugin._embed_queries(q, torch.ones_like(q, dtype=torch.bool))
+        c_tok = torch.from_numpy(segments.tokens(cands))
+        e_c = plugin._embed_queries(c_tok, torch.from_numpy(np.arange(L) < segments.length[cands][:, None]))
+        want = cands[np.argsort(-(e_c @ e_q[0]).numpy(), kind="stable")[:2]]
+        assert sorted(inputs.ids[b, j].tolist()) == sorted(want.tolist())
+
+
+def test_warm_start_trains_cross_attention_and_embedder_without_a_table(corpus):
+    """Before any table, the warm start's neighbours give beta, the cross-attention and the embedder gradient."""
+    segments, windows = corpus
+    model = with_path("warm_recent", corpus)
+    batch = windows.collate([1, 2, 4])
+    out = logits(model, batch, "train")
+    torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
+    ).backward()
+    xattn = model.blocks[1].cross_attn
+    assert xattn.beta.grad.abs() > 0 and xattn.kv.weight.grad.abs().sum() > 0
+    assert model.embed.main.table.weight.grad.abs().sum() > 0
+
+
+def test_warm_start_none_without_a_table_means_no_retrieval(corpus):
+    segments, windows = corpus
+    model = tiny_model(warm_start="none", same_doc_k=1)
+    model.plugins["retrieval"].use_segments(segments)
+    assert context(model, windows.collate([1, 2]), "train").extras["retrieval"] is None
 
 
 def test_first_segment_uses_previous_segment_or_nothing(corpus):
@@ -273,6 +392,10 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"schedule": "0-100:10,50-200:20"}, "overlap"),
         ({"encoder_dim": 7}, "encoder_dim"),
         ({"rebuild_dtype": "float16"}, "'bfloat16'"),
+        ({"warm_start": "random"}, "'recent', 'similar', 'none'"),
+        ({"same_doc_k": 3}, r"same_doc_k must be an integer in \[0, k=2\]"),
+        ({"warm_candidates": 1}, "warm_candidates must be an integer >= k=2"),
+        ({"target_recall": 1.5}, "target_recall"),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
