@@ -17,7 +17,7 @@ from rlm.model import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
 from rlm.plugins._retrieval_encoder import resolve_rebuild_dtype
-from rlm.plugins.retrieval import RetrievalInputs, RetrievalPlugin, warm_candidates_of
+from rlm.plugins.retrieval import Encoded, RetrievalInputs, RetrievalPlugin, warm_candidates_of
 
 L = 8  # segment length of the unit tests
 VOCAB = 96
@@ -105,12 +105,15 @@ def test_cross_attention_matches_naive_loop():
         xattn.beta.fill_(1.7)
     B, n, k, M, D = 2, 3, 2, L, plugin.encoder.dim
     T = n * L - 3  # a ragged last chunk
-    states = torch.randn(B * n, k * M, D)
+    U = 7  # distinct neighbours, shared by the B*n*k = 12 slots
+    distinct = torch.randn(U, M, D)
+    index = torch.randint(0, U, (B * n * k,))
+    states = distinct[index].view(B * n, k * M, D)  # what each chunk sees
     key_valid = torch.rand(B * n, k * M) > 0.3
     key_valid[1] = False  # a chunk with no neighbour at all
     relevance = torch.rand(B * n, k) * 2 - 1
     ctx = Context(tokens=torch.zeros(B, T, dtype=torch.long))
-    ctx.extras["retrieval/encoded"] = (states, key_valid, relevance, L)
+    ctx.extras["retrieval/encoded"] = Encoded(distinct, index, key_valid, relevance, L)
     x = torch.randn(B, T, 32)
     got = xattn(x, ctx)
 
@@ -335,10 +338,11 @@ def test_first_segment_uses_previous_segment_or_nothing(corpus):
 # ----- gradients -----
 
 
-def test_lm_loss_trains_the_shared_embedder_through_retrieval(corpus):
-    """Embedding rows of tokens that occur only in neighbours (never in the batch) get gradient from the LM loss."""
+def test_lm_loss_trains_the_shared_embedder_through_retrieval_neighbour_grad(corpus):
+    """neighbour_grad: embedding rows of tokens that occur only in neighbours (never in the batch) get gradient
+    from the LM loss."""
     segments, windows = corpus
-    model = tiny_model()
+    model = tiny_model(neighbour_grad=True)
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate([1, 2, 4])
     ctx = context(model, batch, "train")
@@ -353,10 +357,67 @@ def test_lm_loss_trains_the_shared_embedder_through_retrieval(corpus):
     assert model.blocks[1].cross_attn.beta.grad.abs() > 0
 
 
-def test_separate_embedder_gets_gradient_only_through_retrieval(corpus):
-    """A separate encoder is trained by the LM loss (relevance bias and keys/values), and beta too."""
+def test_lm_loss_trains_the_shared_embedder_through_the_query_embedding(corpus):
+    """Default (no neighbour gradients): the embedder still learns from the LM loss alone, through
+    cos(e(S_t), e(z)): embedding rows of tokens that occur only in chunk 0's query (the document's previous
+    segment, outside the window) get gradient; those only in neighbours get none."""
     segments, windows = corpus
-    model = tiny_model(embedder="separate", encoder_dim=16, embed_layers=1)
+    model = tiny_model()
+    attach_memory(model, segments, np.arange(10))
+    batch = windows.collate(np.flatnonzero(windows.start > 0)[:3])
+    ctx = context(model, batch, "train")
+    inputs: RetrievalInputs = ctx.extras["retrieval"]
+    out = model(batch["tokens"], ctx)
+    torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
+    ).backward()
+    in_batch = batch["tokens"].unique().numpy()
+    only_query = np.setdiff1d(inputs.query_tokens[:, 0][inputs.query_mask[:, 0]].unique().numpy(), in_batch)
+    only_nb = np.setdiff1d(np.setdiff1d(inputs.tokens[inputs.mask].unique().numpy(), in_batch), only_query)
+    only_query = np.setdiff1d(only_query, inputs.tokens[inputs.mask].unique().numpy())
+    assert len(only_query) > 0 and len(only_nb) > 0
+    grad = model.embed.main.table.weight.grad
+    assert grad[only_query].abs().sum(1).gt(0).all()
+    assert grad[only_nb].abs().sum() == 0
+    xattn = model.blocks[1].cross_attn
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in xattn.parameters())
+
+
+def test_no_grad_neighbours_and_dedupe_keep_the_forward_and_the_cross_attention_gradients(corpus):
+    """The default path (neighbours without gradients, each distinct neighbour encoded once) gives the same logits
+    as the full-gradient path and as encoding every slot separately, and the same cross-attention gradients."""
+    segments, windows = corpus
+    model = tiny_model(neighbour_grad=True)
+    attach_memory(model, segments, np.arange(10))
+    plugin = model.plugins["retrieval"]
+    batch = windows.collate(np.arange(len(windows)))
+    xattn = model.blocks[1].cross_attn
+
+    def run(neighbour_grad: bool, dedupe: bool):
+        plugin.config.neighbour_grad = neighbour_grad
+        model.zero_grad(set_to_none=True)
+        ctx = context(model, batch, "train")
+        if not dedupe:
+            ctx.extras["retrieval"].ids = None
+        else:
+            assert len(ctx.extras["retrieval"].ids.unique()) < ctx.extras["retrieval"].ids.numel()
+        out = model(batch["tokens"], ctx)
+        out.logsumexp(-1).mean().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in xattn.named_parameters()}
+
+    ref, ref_grads = run(True, False)
+    for neighbour_grad, dedupe in [(True, True), (False, True), (False, False)]:
+        out, grads = run(neighbour_grad, dedupe)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("neighbour_grad", [True, False])
+def test_separate_embedder_gets_gradient_only_through_retrieval(corpus, neighbour_grad):
+    """A separate encoder is trained by the LM loss (relevance bias, and with neighbour_grad the keys/values)."""
+    segments, windows = corpus
+    model = tiny_model(embedder="separate", encoder_dim=16, embed_layers=1, neighbour_grad=neighbour_grad)
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate([1, 2, 4])
     out = logits(model, batch, "train")
@@ -373,7 +434,7 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate([1, 2])
     ctx = context(model, batch, "train")
-    states, key_valid, relevance, _ = model.plugins["retrieval"].encoded(ctx)
+    relevance = model.plugins["retrieval"].encoded(ctx).relevance
     relevance.retain_grad()
     model(batch["tokens"], ctx).logsumexp(-1).mean().backward()
     assert relevance.grad is not None and relevance.grad.abs().sum() > 0
