@@ -101,6 +101,10 @@ class RetrievalConfig:
     """After the first table: this many of the k neighbours are warm-start picks from the query's own past (as
     warm_start chooses them; 'recent' when warm_start is 'none'), the other k - same_doc_k come from the table
     (or the online search). 0: all k from the table."""
+    eval_ablation: bool = False
+    """Validation also computes the loss with every neighbour swapped for a random segment of another document
+    (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
+    model uses what it retrieves. Doubles the validation cost, so off by default."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     target_recall: float | None = 0.95
@@ -308,6 +312,10 @@ class RetrievalPlugin(Plugin):
         """Swap in a new index and neighbour table (one reference assignment: atomic for the training loop)."""
         object.__setattr__(self, "memory", memory)
 
+    def eval_variants(self) -> list[str]:
+        """With eval_ablation: the validation pass with random neighbours."""
+        return [f"{self.label}_random"] if self.config.eval_ablation else []
+
     def use_segments(self, segments: Any) -> None:
         """The data's segment table, known at fit start (the warm start reads the documents' past from it)."""
         object.__setattr__(self, "segments", segments)
@@ -363,9 +371,10 @@ class RetrievalPlugin(Plugin):
         can_warm = warm != "none" and seg is not None and batch.get("segment_ids") is not None
         if memory is None and not (can_warm and c.warm_start != "none"):
             ctx.extras[self.label] = None
+            self._declare_loss_groups(ctx, None, 1)
             return
         start = time.perf_counter()
-        ctx.extras[self.label] = gather_inputs(
+        inputs = ctx.extras[self.label] = gather_inputs(
             memory,
             batch,
             c.k,
@@ -376,9 +385,35 @@ class RetrievalPlugin(Plugin):
             warm_k=(c.k if memory is None else c.same_doc_k) if can_warm else 0,
             warm=warm,
             warm_candidates=c.warm_candidates,
+            randomise=ctx.variant == f"{self.label}_random",
         )
         self.prepare_seconds = time.perf_counter() - start
         ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
+        self._declare_loss_groups(ctx, inputs, seg.segment_len)
+
+    def _declare_loss_groups(self, ctx: Context, inputs: RetrievalInputs | None, L: int) -> None:
+        """At evaluation, the tokens of each chunk by where its neighbours come from (ctx.loss_groups, logged as
+        val/loss_by/<label>/<group>): own_doc (all from the row's document), other_doc (none from it), mixed, none."""
+        if ctx.training or ctx.variant is not None:
+            return
+        B, T = ctx.tokens.shape
+        p = self.label
+        if inputs is None:
+            everything = torch.ones(B, T, dtype=torch.bool, device=ctx.tokens.device)
+            groups = {
+                "own_doc": ~everything,
+                "other_doc": ~everything,
+                "mixed": ~everything,
+                "none": everything,
+            }
+        else:
+            valid, same = inputs.valid, inputs.same_doc & inputs.valid  # (B, n, k)
+            found = valid.any(-1)  # (B, n)
+            own, other = found & (same == valid).all(-1), found & ~same.any(-1)
+            chunk = {"own_doc": own, "other_doc": other, "mixed": found & ~own & ~other, "none": ~found}
+            groups = {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}
+        for name, mask in groups.items():
+            ctx.loss_groups[f"{p}/{name}"] = mask
 
     @torch.no_grad()
     def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -449,6 +484,7 @@ def gather_inputs(
     warm_k: int = 0,
     warm: str = "recent",
     warm_candidates: int = 16,
+    randomise: bool = False,
 ) -> RetrievalInputs:
     """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs): the first k - warm_k
     from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours)."""
@@ -505,6 +541,8 @@ def gather_inputs(
             cands = most_similar(seg, cands, q_tokens, q_mask, warm_k, embed, window_first)
         parts.append(cands)
     nb = np.concatenate(parts, -1)  # (B, n, k)
+    if randomise:
+        nb = random_neighbours(nb, q_ids, seg, memory.rows if memory is not None else None)
     nb_tokens, nb_mask = neighbour_tokens(seg, nb, continuation)
     same = np.zeros_like(nb, dtype=bool)
     if batch.get("doc_ids") is not None:
@@ -518,6 +556,22 @@ def gather_inputs(
         same_doc=torch.from_numpy(same).to(device),
         ids=torch.from_numpy(nb).to(device),
     )
+
+
+def random_neighbours(nb: np.ndarray, q_ids: np.ndarray, seg, pool: np.ndarray | None) -> np.ndarray:
+    """The ablation: every present neighbour (B, n, k) replaced by a random segment of the pool (None: all
+    segments) from another document than its query's (so never the query's future); seeded by the query ids,
+    so a batch always gets the same ones."""
+    rng = np.random.default_rng(np.abs(q_ids).ravel().tolist() or [0])
+    pool = np.arange(len(seg)) if pool is None else pool
+    q_doc = np.where(q_ids >= 0, seg.doc[np.maximum(q_ids, 0)], -1)[..., None]  # (B, n, 1)
+    out = pool[rng.integers(0, len(pool), size=nb.shape)]
+    for _ in range(8):  # redraw those that landed in the query's own document
+        clash = seg.doc[out] == q_doc
+        if not clash.any():
+            break
+        out[clash] = pool[rng.integers(0, len(pool), size=int(clash.sum()))]
+    return np.where((nb >= 0) & (seg.doc[out] != q_doc), out, -1)
 
 
 def warm_candidates_of(

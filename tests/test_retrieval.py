@@ -585,3 +585,63 @@ def test_retriever_build_reaches_the_target_recall(tmp_path):
     )
     _, found = untuned.index.search(queries, 10)
     assert recall_at_k(found, exact, 10) < target - 0.05
+
+
+# ----- evaluation hooks: loss by neighbour source, random-neighbour ablation -----
+
+
+def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighbours(corpus):
+    """val/loss_by/retrieval/<group> sums partition the token-weighted validation loss (each against a naive
+    per-token loss); the eval variant recomputes the batch with random other-document neighbours."""
+    from rlm.lightning import LMModule
+
+    segments, windows = corpus
+    torch.manual_seed(0)
+    cfg = {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 128}
+    opts = {"layers": [1], "k": 2, "progress": False, "eval_ablation": True, "same_doc_k": 1}
+    module = LMModule(model=cfg, plugins={"retrieval": opts})
+    model = module.model
+    memory, _ = attach_memory(model, segments, np.arange(10))
+    module.on_validation_epoch_start()
+    batches = [windows.collate(np.arange(len(windows))[i::3]) for i in range(3)]
+    want: dict[str, list[float]] = {}
+    for batch in batches:
+        with torch.no_grad():
+            module._eval_step(batch, "val")
+            ctx = context(model, batch, "val")
+            out = model(batch["tokens"], ctx)
+            tok = torch.nn.functional.cross_entropy(
+                out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="none"
+            ).view_as(batch["targets"])
+            real = batch["targets"] != -100
+            for name, mask in ctx.loss_groups.items():
+                acc = want.setdefault(name, [0.0, 0.0])
+                acc[0] += float(tok[mask & real].double().sum())
+                acc[1] += int((mask & real).sum())
+            ablated = Context(
+                tokens=batch["tokens"],
+                mask=batch["mask"],
+                stage="val",
+                segment_ids=batch["segment_ids"],
+                doc_ids=batch["doc_ids"],
+                variant="retrieval_random",
+            )
+            model.plugins["retrieval"].prepare(ablated, batch)
+            inputs: RetrievalInputs = ablated.extras["retrieval"]
+            ids, q_doc = inputs.ids.numpy(), batch["doc_ids"].numpy()[:, None, None]
+            assert (ids >= 0).any() and (
+                segments.doc[ids[ids >= 0]] != np.broadcast_to(q_doc, ids.shape)[ids >= 0]
+            ).all()
+            assert np.isin(ids[ids >= 0], memory.rows).all()
+    sums = module._eval_sums
+    groups = [f"loss_by/retrieval/{g}" for g in ("own_doc", "other_doc", "mixed", "none")]
+    assert set(sums) == {*groups, "retrieval_random/loss"}
+    assert float(sum(sums[g][1] for g in groups)) == float(module._val_count)
+    torch.testing.assert_close(sum(sums[g][0] for g in groups), module._val_sum, rtol=1e-6, atol=1e-6)
+    for g in groups:
+        name = g.removeprefix("loss_by/")
+        torch.testing.assert_close(float(sums[g][0]), want[name][0], rtol=1e-5, atol=1e-5)
+        assert float(sums[g][1]) == want[name][1]
+    assert float(sums["loss_by/retrieval/own_doc"][1]) > 0 and float(sums["loss_by/retrieval/mixed"][1]) > 0
+    assert float(sums["retrieval_random/loss"][1]) == float(module._val_count)
+    assert float(sums["retrieval_random/loss"][0]) != float(module._val_sum)

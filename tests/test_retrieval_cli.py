@@ -90,10 +90,14 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
 def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
     """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors.
     Steps 0 and 1 train on the warm start (each rank's own batch), the first table comes at step 2."""
-    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", _fragment(tmp_path)) + DDP_2CPU
+    ablation = _fragment(tmp_path, FAST + "      eval_ablation: true\n")
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", ablation) + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
     rows = read_metrics(tmp_path / RUN)
+    # the evaluation hooks, reduced over both ranks: loss by neighbour source, and the random-neighbour ablation
+    assert column(rows, "val/retrieval_random/loss")
+    assert any(column(rows, f"val/loss_by/retrieval/{g}") for g in ("own_doc", "other_doc", "mixed", "none"))
     assert len(column(rows, "train/loss")) == 4 and column(rows, "train/retrieval/relevance")
     assert column(rows, "train/retrieval/same_doc")[0] == 1.0  # the warm start at step 0
     index_root = tmp_path / "runs/test/retrieval_index"

@@ -352,3 +352,18 @@ def test_warm_start_trains_from_the_first_step_and_defers_the_first_table(tmp_pa
     assert seen[0][1] is None and seen[1][1] is None and seen[2][1] is None  # steps 0..2 on the warm start
     assert seen[0][2] == 1.0 and seen[1][2] != 1.0  # beta trained by step 0 (it gets gradient there)
     assert plugin.segments is data.segments
+
+
+def test_validation_logs_loss_by_neighbour_source_and_the_random_ablation(tmp_path):
+    """Through the Trainer: val/loss_by/retrieval/<group> and val/retrieval_random/loss are logged next to
+    val/loss (warm-start neighbours here: own-document ones, and none for a document's first chunk)."""
+    data = small_data()
+    module = make_module({"k": 2, "warm_start": "recent", "eval_ablation": True})
+    module.model.plugins["retrieval"].use_segments(data.segments)
+    t = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    out = t.validate(module, datamodule=data, verbose=False)[0]
+    assert {"val/loss", "val/retrieval_random/loss", "val/loss_by/retrieval/own_doc"} <= set(out)
+    assert "val/loss_by/retrieval/none" in out and "val/loss_by/retrieval/other_doc" not in out  # no tokens
+    assert out["val/retrieval_random/loss"] != out["val/loss"]
