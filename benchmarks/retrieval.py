@@ -163,8 +163,14 @@ def step_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.ndarra
     steppers = {
         "no retrieval": Stepper(model_for(a, False), windows, a.batch),
         f"retrieval (k={a.k}, continuations)": Stepper(model_for(a, True), windows, a.batch),
-        f"retrieval (k={a.k}, continuations, neighbour_grad: the old path)": Stepper(
-            model_for(a, True, neighbour_grad=True), windows, a.batch
+        f"retrieval (k={a.k}, continuations, neighbour_grad embedding)": Stepper(
+            model_for(a, True, neighbour_grad="embedding"), windows, a.batch
+        ),
+        f"retrieval (k={a.k}, continuations, neighbour_grad embedding, bfloat16)": Stepper(
+            model_for(a, True, neighbour_grad="embedding", neighbour_dtype="bfloat16"), windows, a.batch
+        ),
+        f"retrieval (k={a.k}, continuations, neighbour_grad none)": Stepper(
+            model_for(a, True, neighbour_grad="none"), windows, a.batch
         ),
         f"retrieval (k={a.k}, no continuations)": Stepper(
             model_for(a, True, continuation=False), windows, a.batch

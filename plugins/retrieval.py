@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 EMBEDDERS = ("shared", "separate")
 MODES = ("blocking", "background")
 WARM_STARTS = ("recent", "similar", "none")
+NEIGHBOUR_GRADS = ("full", "embedding", "none")
 
 
 @dataclass
@@ -67,13 +68,18 @@ class RetrievalConfig:
     """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth."""
     encoder_dim: int = 64
     """Width of the separate encoder (embedder 'separate' only)."""
-    neighbour_grad: bool = False
-    """Run the neighbours through the embedder with gradients (MARGE's full joint training). False (default): the
-    neighbours' states and e(z) are computed without gradients, and the LM loss trains the embedder only through
-    the relevance bias beta * cos(e(S_t), e(z)), via the query embedding e(S_t) (L tokens per chunk, against
-    k * M neighbour tokens); the cross-attention's own projections train either way. The forward values are the
-    same. benchmarks/retrieval.py at the default config (k=2, continuations, CPU time, one thread): a step costs
-    1.70x the plain model's, against 2.39x with neighbour_grad."""
+    neighbour_grad: str = "full"
+    """How the LM loss reaches the embedder through the neighbours. 'full' (MARGE's joint training): the neighbours
+    run through the embedder with gradients (keys/values and e(z)). 'embedding': the neighbours run through the
+    embedder's blocks without gradients; their token embeddings still get the keys' and values' gradient as if
+    the blocks were the identity (their residual path), and the query embedding e(S_t) is computed with
+    gradients, so the relevance bias beta * cos(e(S_t), e(z)) trains the embedder through the query. 'none': as
+    'embedding' without the residual path (the embedder learns only through e(S_t)). The forward values are the
+    same in all three; costs and quality in the README (benchmarks/retrieval.py; tests/test_retrieval_training.py's
+    partner task: 'none' did not learn to use its neighbours in 300 steps)."""
+    neighbour_dtype: str = "float32"
+    """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'
+    (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively)."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
     schedule: str = "0-2000:500,2000-1000000000:2000"
@@ -148,6 +154,14 @@ class RetrievalConfig:
             )
         if self.embed_batch_size < 1:
             raise ValueError(f"retrieval.embed_batch_size must be positive, got {self.embed_batch_size}")
+        if self.neighbour_grad not in NEIGHBOUR_GRADS:
+            raise ValueError(
+                f"retrieval.neighbour_grad={self.neighbour_grad!r}; accepted: {list(NEIGHBOUR_GRADS)}"
+            )
+        if self.neighbour_dtype not in REBUILD_DTYPES:
+            raise ValueError(
+                f"retrieval.neighbour_dtype={self.neighbour_dtype!r}; accepted: {list(REBUILD_DTYPES)}"
+            )
         if self.rebuild_dtype not in REBUILD_DTYPES:
             raise ValueError(
                 f"retrieval.rebuild_dtype={self.rebuild_dtype!r}; accepted: {list(REBUILD_DTYPES)}"
@@ -461,8 +475,20 @@ class RetrievalPlugin(Plugin):
             tokens, mask = tokens[first], mask[first]
         else:
             index = torch.arange(B * n * k, device=tokens.device)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.config.neighbour_grad):
+        mode = self.config.neighbour_grad if torch.is_grad_enabled() else "none"
+        grad = mode == "full"
+        low = torch.float32 if grad else resolve_rebuild_dtype(self.config.neighbour_dtype, tokens.device)
+        with (
+            torch.set_grad_enabled(grad),
+            torch.autocast(tokens.device.type, low, enabled=low != torch.float32),
+        ):
             states, e_nb = self.encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
+        states = states.float()
+        if (
+            mode == "embedding"
+        ):  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
+            x0 = self.encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
+            states = states + (x0 - x0.detach())
         e_nb = e_nb[index]  # (B*n*k, D)
         relevance = (e_query.unsqueeze(1) * e_nb.view(B * n, k, -1)).sum(-1)  # (B*n, k) cosine
         valid = inp.valid.reshape(B * n, k)

@@ -342,7 +342,7 @@ def test_lm_loss_trains_the_shared_embedder_through_retrieval_neighbour_grad(cor
     """neighbour_grad: embedding rows of tokens that occur only in neighbours (never in the batch) get gradient
     from the LM loss."""
     segments, windows = corpus
-    model = tiny_model(neighbour_grad=True)
+    model = tiny_model(neighbour_grad="full")
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate([1, 2, 4])
     ctx = context(model, batch, "train")
@@ -362,7 +362,7 @@ def test_lm_loss_trains_the_shared_embedder_through_the_query_embedding(corpus):
     cos(e(S_t), e(z)): embedding rows of tokens that occur only in chunk 0's query (the document's previous
     segment, outside the window) get gradient; those only in neighbours get none."""
     segments, windows = corpus
-    model = tiny_model()
+    model = tiny_model(neighbour_grad="none")
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate(np.flatnonzero(windows.start > 0)[:3])
     ctx = context(model, batch, "train")
@@ -387,13 +387,13 @@ def test_no_grad_neighbours_and_dedupe_keep_the_forward_and_the_cross_attention_
     """The default path (neighbours without gradients, each distinct neighbour encoded once) gives the same logits
     as the full-gradient path and as encoding every slot separately, and the same cross-attention gradients."""
     segments, windows = corpus
-    model = tiny_model(neighbour_grad=True)
+    model = tiny_model(neighbour_grad="full")
     attach_memory(model, segments, np.arange(10))
     plugin = model.plugins["retrieval"]
     batch = windows.collate(np.arange(len(windows)))
     xattn = model.blocks[1].cross_attn
 
-    def run(neighbour_grad: bool, dedupe: bool):
+    def run(neighbour_grad: str, dedupe: bool):
         plugin.config.neighbour_grad = neighbour_grad
         model.zero_grad(set_to_none=True)
         ctx = context(model, batch, "train")
@@ -405,15 +405,16 @@ def test_no_grad_neighbours_and_dedupe_keep_the_forward_and_the_cross_attention_
         out.logsumexp(-1).mean().backward()
         return out.detach(), {name: p.grad.clone() for name, p in xattn.named_parameters()}
 
-    ref, ref_grads = run(True, False)
-    for neighbour_grad, dedupe in [(True, True), (False, True), (False, False)]:
+    ref, ref_grads = run("full", False)
+    cases = [("full", True), ("embedding", True), ("embedding", False), ("none", True), ("none", False)]
+    for neighbour_grad, dedupe in cases:
         out, grads = run(neighbour_grad, dedupe)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("neighbour_grad", [True, False])
+@pytest.mark.parametrize("neighbour_grad", ["full", "embedding", "none"])
 def test_separate_embedder_gets_gradient_only_through_retrieval(corpus, neighbour_grad):
     """A separate encoder is trained by the LM loss (relevance bias, and with neighbour_grad the keys/values)."""
     segments, windows = corpus
@@ -457,6 +458,7 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"same_doc_k": 3}, r"same_doc_k must be an integer in \[0, k=2\]"),
         ({"warm_candidates": 1}, "warm_candidates must be an integer >= k=2"),
         ({"target_recall": 1.5}, "target_recall"),
+        ({"neighbour_grad": True}, "'full', 'embedding', 'none'"),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
@@ -645,3 +647,16 @@ def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighb
     assert float(sums["loss_by/retrieval/own_doc"][1]) > 0 and float(sums["loss_by/retrieval/mixed"][1]) > 0
     assert float(sums["retrieval_random/loss"][1]) == float(module._val_count)
     assert float(sums["retrieval_random/loss"][0]) != float(module._val_sum)
+
+
+def test_bfloat16_neighbour_pass_is_close_to_float32(corpus):
+    """neighbour_dtype bfloat16 (the no-gradient neighbour pass under autocast) stays close to float32."""
+    segments, windows = corpus
+    model = tiny_model(neighbour_grad="embedding")
+    attach_memory(model, segments, np.arange(10))
+    batch = windows.collate(np.arange(6))
+    ref = logits(model, batch, "train")
+    model.plugins["retrieval"].config.neighbour_dtype = "bfloat16"
+    out = logits(model, batch, "train")
+    assert out.dtype == torch.float32 and not torch.equal(out, ref)
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
