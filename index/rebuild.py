@@ -5,7 +5,8 @@ the embeddings go stale as the embedder trains, so the index is rebuilt every I 
 Modes: 'blocking' (training waits) and 'background' (a frozen snapshot of the embedder embeds and
 indexes in a thread while training continues on the old table; the new one is swapped in at a step
 boundary with one reference assignment). In the background mode the first table is built the same way:
-the first steps train without retrieval until it lands. Under DDP each rank embeds its contiguous share of the segments,
+the first steps train without retrieval until it lands. With ``defer_first`` no table is built at fit start
+(the owner has a warm start of its own); the first comes when the schedule is due. Under DDP each rank embeds its contiguous share of the segments,
 the shares are all-gathered, rank 0 builds and writes the index directory and every rank loads that
 same directory, so all ranks train on the same table. The state (last rebuild step, embedder identity,
 index path) is checkpointed; on resume the index is reused only if it is the one the checkpoint names.
