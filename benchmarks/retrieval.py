@@ -71,6 +71,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--factory", default="auto", help="index factory")
     p.add_argument(
+        "--target-recall",
+        type=float,
+        default=0.95,
+        help="recall@10 against exact search every table build is tuned to (the retriever's default)",
+    )
+    p.add_argument(
+        "--tables",
+        nargs="+",
+        choices=["step", "rebuild", "background"],
+        default=["step", "rebuild", "background"],
+        help="which tables to print",
+    )
+    p.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)"
     )
     p.add_argument(
@@ -111,7 +124,7 @@ def rebuild(model: Transformer, segments: SegmentTable, a: argparse.Namespace, s
     rows = indexed_rows(segments, np.arange(len(segments.first) - 1))
     embedder = plugin.snapshot(step)
     vectors = embed_rows(embedder, segments, rows, 256, 0, 1, False)
-    cfg = IndexConfig(factory=a.factory, target_recall=None)
+    cfg = IndexConfig(factory=a.factory, target_recall=a.target_recall)
     return build_memory(vectors, segments, rows, a.k, embedder.embedder_identity(), step, cfg, None)
 
 
@@ -150,6 +163,15 @@ def step_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.ndarra
     steppers = {
         "no retrieval": Stepper(model_for(a, False), windows, a.batch),
         f"retrieval (k={a.k}, continuations)": Stepper(model_for(a, True), windows, a.batch),
+        f"retrieval (k={a.k}, continuations, neighbour_grad embedding)": Stepper(
+            model_for(a, True, neighbour_grad="embedding"), windows, a.batch
+        ),
+        f"retrieval (k={a.k}, continuations, neighbour_grad embedding, bfloat16)": Stepper(
+            model_for(a, True, neighbour_grad="embedding", neighbour_dtype="bfloat16"), windows, a.batch
+        ),
+        f"retrieval (k={a.k}, continuations, neighbour_grad none)": Stepper(
+            model_for(a, True, neighbour_grad="none"), windows, a.batch
+        ),
         f"retrieval (k={a.k}, no continuations)": Stepper(
             model_for(a, True, continuation=False), windows, a.batch
         ),
@@ -176,7 +198,9 @@ def step_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.ndarra
             prep / med[name],
         ]
     )
-    return table(["training step", "ms/step", "note", "ratio"], rows), med[name]
+    out = table(["training step", "ms/step", "note", "ratio"], rows)
+    out += f"\nstep ratio, {name} / no retrieval: {med[name] / base:.2f}x (goal <= 1.4x)"
+    return out, med[name]
 
 
 def rebuild_table(a: argparse.Namespace, step_s: float) -> str:
@@ -186,12 +210,31 @@ def rebuild_table(a: argparse.Namespace, step_s: float) -> str:
         docs = max(1, n * a.segment // a.doc_len)
         segments, _ = corpus(docs, a.doc_len, a.segment, a.vocab, seed=n)
         t0 = CLOCK()
-        rebuild(model, segments, a)
+        memory = rebuild(model, segments, a)
         sec = CLOCK() - t0
         share = sec / (sec + a.interval * step_s)
-        rows.append([len(segments), f"{sec:.2f}", f"{1000 * sec / len(segments):.3f}", a.interval, share])
+        recall = "" if memory.recall is None else f"{memory.recall:.3f}"
+        rows.append(
+            [
+                len(segments),
+                memory.index.factory,
+                recall,
+                f"{sec:.2f}",
+                f"{1000 * sec / len(segments):.3f}",
+                a.interval,
+                share,
+            ]
+        )
     return table(
-        ["segments", "rebuild s", "ms/segment", "steps between rebuilds", "share of training wall-clock"],
+        [
+            "segments",
+            "index",
+            "recall@10 vs exact",
+            "rebuild s",
+            "ms/segment",
+            "steps between rebuilds",
+            "share of training wall-clock",
+        ],
         rows,
     )
 
@@ -249,10 +292,14 @@ def main(argv: list[str] | None = None) -> None:
         f"model d={a.d} layers={a.layers} seq={a.seq} segment={a.segment} batch={a.batch} k={a.k}; "
         f"corpus {len(segments)} segments; torch threads {torch.get_num_threads()}; clock {a.clock}\n"
     )
-    steps, step_s = step_table(a, segments, offsets)
-    print(steps + "\n")
-    print(rebuild_table(a, step_s) + "\n")
-    print(background_table(a, segments, offsets))
+    step_s = None
+    if "step" in a.tables:
+        steps, step_s = step_table(a, segments, offsets)
+        print(steps + "\n")
+    if "rebuild" in a.tables:
+        print(rebuild_table(a, step_s or 0.0) + "\n")
+    if "background" in a.tables:
+        print(background_table(a, segments, offsets))
 
 
 if __name__ == "__main__":

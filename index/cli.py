@@ -187,6 +187,8 @@ def cmd_info(a: argparse.Namespace) -> int:
     print(
         f"factory   {meta['factory']}  search params {meta['search_params']}  tuned recall {meta['tuned_recall']}"
     )
+    if "recall" in meta:  # written by the retriever's rebuilds
+        print(f"recall    {meta['recall']} against exact search (target {meta.get('target_recall')})")
     print(f"corpus    {meta['fingerprint']}")
     print(
         f"embedder  {emb['name']}  config {emb['config_hash']}  weights {emb['weights_hash']}  step {emb['step']}"

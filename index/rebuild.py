@@ -5,7 +5,8 @@ the embeddings go stale as the embedder trains, so the index is rebuilt every I 
 Modes: 'blocking' (training waits) and 'background' (a frozen snapshot of the embedder embeds and
 indexes in a thread while training continues on the old table; the new one is swapped in at a step
 boundary with one reference assignment). In the background mode the first table is built the same way:
-the first steps train without retrieval until it lands. Under DDP each rank embeds its contiguous share of the segments,
+the first steps train without retrieval until it lands. With ``defer_first`` no table is built at fit start
+(the owner has a warm start of its own); the first comes when the schedule is due. Under DDP each rank embeds its contiguous share of the segments,
 the shares are all-gathered, rank 0 builds and writes the index directory and every rank loads that
 same directory, so all ranks train on the same table. The state (last rebuild step, embedder identity,
 index path) is checkpointed; on resume the index is reused only if it is the one the checkpoint names.
@@ -29,7 +30,7 @@ import pytorch_lightning as pl
 import torch
 
 from rlm.data.segments import SegmentTable
-from rlm.index.build import IndexConfig, build_index
+from rlm.index.build import TORCH, IndexConfig, build_index
 from rlm.index.protocol import Embedder, embed_all
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.search import neighbour_table, search_neighbours
@@ -120,6 +121,9 @@ class RetrievalMemory:
     """Training step of the rebuild."""
     path: Path | None = None
     """The index directory it was written to or loaded from."""
+    recall: float | None = None
+    """Recall@tune_k of the index against exact search (tuned to the target; 1.0 for an exact index; None when
+    unmeasured)."""
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
 
@@ -190,6 +194,9 @@ def build_memory(
 ) -> RetrievalMemory:
     """Index the rows' vectors, find every row's k causal neighbours, and write it all to `path` (atomically)."""
     built = build_index(vectors, index_config)
+    recall = built.tuned_recall
+    if recall is None and built.factory in ("Flat", TORCH):
+        recall = 1.0  # exact search
     index_segments = IndexSegments(segments.doc[rows], segments.start[rows])
     found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
     neighbours = np.full((len(segments), k), -1, dtype=np.int64)
@@ -199,7 +206,8 @@ def build_memory(
             _save_npy(tmp / NEIGHBOURS, neighbours)
             _save_npy(tmp / ROWS, rows)
             save_corpus_ref(tmp, segments)
-            write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, {"k": k})
+            extra = {"k": k, "recall": recall, "target_recall": index_config.target_recall}
+            write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, extra)
     return RetrievalMemory(
         segments,
         rows,
@@ -209,6 +217,7 @@ def build_memory(
         identity,
         step,
         None if path is None else path.resolve(),
+        recall,
     )
 
 
@@ -260,7 +269,15 @@ def load_memory_for_search(path: str | Path) -> RetrievalMemory:
     identity = loaded.meta["embedder"]
     neighbours, rows = np.load(path / NEIGHBOURS), np.load(path / ROWS)
     return RetrievalMemory(
-        segments, rows, loaded.index, loaded.segments, neighbours, identity, int(identity["step"]), path
+        segments,
+        rows,
+        loaded.index,
+        loaded.segments,
+        neighbours,
+        identity,
+        int(identity["step"]),
+        path,
+        loaded.meta.get("recall", loaded.meta.get("tuned_recall")),
     )
 
 
@@ -280,6 +297,7 @@ def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> 
         identity,
         int(identity["step"]),
         path.resolve(),
+        loaded.meta.get("recall", loaded.meta.get("tuned_recall")),
     )
 
 
@@ -301,6 +319,7 @@ class RebuildCallback(pl.Callback):
         progress: bool = True,
         label: str = "retrieval",
         keep: int = 2,
+        defer_first: bool = False,
     ) -> None:
         if mode not in ("blocking", "background"):
             raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
@@ -308,6 +327,9 @@ class RebuildCallback(pl.Callback):
         self.schedule = Schedule.parse(schedule)
         self.index_config = index_config or IndexConfig(target_recall=None)
         self.index_dir, self.batch_size, self.progress, self.keep = index_dir, batch_size, progress, keep
+        self.defer_first = defer_first
+        """No table at fit start (unless a checkpoint's is reused): the first comes when the schedule is due; the
+        owner retrieves otherwise meanwhile (the retriever's warm start from the document's own past)."""
         self.last_step = -1
         """Step of the rebuild whose table is in use (-1: none yet)."""
         self.identity: dict[str, Any] | None = None
@@ -316,6 +338,8 @@ class RebuildCallback(pl.Callback):
         """Index directory of the table in use."""
         self.history: list[tuple[int, str]] = []
         """(step, 'built' | 'reused') of every table taken, in order (for logs and tests)."""
+        self.recall: float | None = None
+        """Recall against exact search of the index in use (logged as train/<label>/index_recall)."""
         self.last_seconds = 0.0
         """Duration of the last rebuild (in the background: the thread's time)."""
         self._job: threading.Thread | None = None
@@ -345,6 +369,9 @@ class RebuildCallback(pl.Callback):
                 "the retrieval rebuild callback needs a datamodule (trainer.fit(model, datamodule=...))"
             )
         self.segments, self.rows = dm.segments, indexed_rows(dm.segments, dm.store.train_docs)
+        use_segments = getattr(self.owner, "use_segments", None)  # optional part of MemoryOwner
+        if use_segments is not None:
+            use_segments(self.segments)
         self._writer = trainer.global_rank == 0
         self._ready = False
 
@@ -362,7 +389,7 @@ class RebuildCallback(pl.Callback):
         if self._ready:
             return
         self._ready = True
-        if self._try_reuse():
+        if self._try_reuse() or self.defer_first:
             return
         if self.mode == "blocking":
             self._rebuild_blocking(trainer, trainer.global_step)
@@ -403,6 +430,8 @@ class RebuildCallback(pl.Callback):
         pl_module.log(f"train/{p}/retrieval_fraction", float(self.owner.prepare_seconds) / max(step_s, 1e-9))
         pl_module.log(f"train/{p}/steps_since_rebuild", float(trainer.global_step - self.last_step))
         pl_module.log(f"train/{p}/rebuild_s", float(self.last_seconds))
+        if self.recall is not None:  # recall@k of the table in use against exact search
+            pl_module.log(f"train/{p}/index_recall", float(self.recall))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._job is not None:  # finish (and keep) a rebuild still running, so nothing dangles
@@ -501,6 +530,7 @@ class RebuildCallback(pl.Callback):
         self.owner.use_memory(memory)
         self.last_step, self.identity = memory.step, memory.identity
         self.path = str(memory.path) if memory.path is not None else None
+        self.recall = memory.recall
         self.history.append((memory.step, how))
         self._prune(memory.path)
 

@@ -39,6 +39,10 @@ class SegmentEncoder(nn.Module):
         """Per-token states (N, M, D)."""
         raise NotImplementedError
 
+    def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        """The token embeddings (N, M, D) the blocks start from (the residual stream's first term)."""
+        raise NotImplementedError
+
     def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
         states = self.run(tokens, mask)  # (N, M, D)
         p = pool_len or tokens.shape[1]
@@ -66,6 +70,10 @@ class SharedEncoder(SegmentEncoder):
             for module in (self._parts[0], *self._parts[1]):
                 module.train(mode)
         return self
+
+    def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
+        return self._parts[0](tokens, ctx)
 
     def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
         if self._parts is None:
@@ -97,6 +105,10 @@ class SeparateEncoder(SegmentEncoder):
         nn.init.normal_(self.embed.table.weight, 0.0, cfg.init_std)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(n_layers))
         self.norm = nn.RMSNorm(dim, eps=cfg.norm_eps)
+
+    def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
+        return self.embed(tokens, ctx)
 
     def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
         ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")

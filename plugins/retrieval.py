@@ -12,7 +12,9 @@ with S_t, and the neighbour tables never hold S_{t+1} or a later segment of the 
 first segment of a window uses the neighbours of the document's previous segment, or none.
 
 Training reads neighbour ids from the table of the last rebuild (index/rebuild.py, the callback this
-plugin returns); validation and generation search the index online with the current embedder.
+plugin returns); validation and generation search the index online with the current embedder. Until the
+first table lands (it is built at the schedule's first due step), the warm start gives each segment earlier
+segments of its own document (Komatsuzaki 2020, sec. 5.4; RetrievalConfig.warm_start).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 
 EMBEDDERS = ("shared", "separate")
 MODES = ("blocking", "background")
+WARM_STARTS = ("recent", "similar", "none")
+NEIGHBOUR_GRADS = ("full", "embedding", "none")
 
 
 @dataclass
@@ -66,15 +70,58 @@ class RetrievalConfig:
     """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth."""
     encoder_dim: int = 64
     """Width of the separate encoder (embedder 'separate' only)."""
+    neighbour_grad: str = "full"
+    """How the LM loss reaches the embedder through the neighbours. 'full' (MARGE's joint training): the neighbours
+    run through the embedder with gradients (keys/values and e(z)). 'embedding': the neighbours run through the
+    embedder's blocks without gradients; their token embeddings still get the keys' and values' gradient as if
+    the blocks were the identity (their residual path), and the query embedding e(S_t) is computed with
+    gradients, so the relevance bias beta * cos(e(S_t), e(z)) trains the embedder through the query. 'none': as
+    'embedding' without the residual path (the embedder learns only through e(S_t)). The forward values are the
+    same in all three. Measured on the synthetic partner task of tests/test_retrieval_training.py (300 steps, val
+    loss; no retrieval 5.69): 'full' passes that test's bar of 1 nat below it (3.88 when the test was written),
+    'embedding' 5.34, 'none' 5.70 (it never learned to use its neighbours); so 'full' is the default despite
+    its cost (benchmarks/retrieval.py has the step times)."""
+    neighbour_dtype: str = "float32"
+    """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'
+    (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively)."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
     schedule: str = "0-2000:500,2000-1000000000:2000"
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
     mode: str = "background"
     """'background' (a snapshot embeds in a thread; atomic swap when done; until the first table lands the
-    model trains without retrieval) or 'blocking' (training waits, also for the first table)."""
+    model trains on the warm start) or 'blocking' (training waits, also for the first table)."""
+    warm_start: str = "recent"
+    """Neighbours until the first table lands (Komatsuzaki 2020, sec. 5.4: at the start, build each sub-batch from
+    segments of the same document, because poorly initialised neighbours make learning slow), in training and
+    validation alike: earlier segments of the query's own document, never the target segment or anything after
+    it (a neighbour z of query S_t has z < S_t, so its continuation z + 1 is at most S_t). Segments before the
+    attention window come first (inside it the tokens already see them), the most recent first; segments inside
+    the window fill the remaining slots. 'recent': in that order; 'similar': among up to warm_candidates of them,
+    the most similar to S_t by the current embedder (before the window still first); 'none': no retrieval until
+    the first table lands (the old behaviour). With a warm start the first table is not built at fit start but
+    at the schedule's first due step (for the default schedule, step 499): a table built at step 0 would rank
+    segments with a random embedder, the very neighbours Komatsuzaki warns against, and in blocking mode
+    training would wait for it; meanwhile the cross-attention and beta train on the warm-start neighbours from
+    the first step. 'recent' is the default: it costs nothing, and 'similar' ranks with an embedder that is
+    still close to random in exactly this phase."""
+    warm_candidates: int = 16
+    """Most recent earlier same-document segments scored by warm_start 'similar' (and by same_doc_k)."""
+    same_doc_k: int = 0
+    """After the first table: this many of the k neighbours are warm-start picks from the query's own past (as
+    warm_start chooses them; 'recent' when warm_start is 'none'), the other k - same_doc_k come from the table
+    (or the online search). 0: all k from the table."""
+    eval_ablation: bool = False
+    """Validation also computes the loss with every neighbour swapped for a random segment of another document
+    (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
+    model uses what it retrieves. Doubles the validation cost, so off by default."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
+    target_recall: float | None = 0.95
+    """Every index the retriever builds (first table and rebuilds, either mode, any number of processes) is tuned
+    (nprobe/efSearch) until its recall@10 against exact search reaches this, as `rlm index build` does; the
+    recall reached is in the index's meta.json and logged as train/<label>/index_recall. None: faiss defaults
+    (an untuned IVF index above 32,768 segments reached recall@10 0.79 on clustered vectors)."""
     index_dir: str | None = None
     """Where rebuilt indices are written; None: <trainer.default_root_dir>/retrieval_index."""
     embed_batch_size: int = 256
@@ -99,14 +146,48 @@ class RetrievalConfig:
             raise ValueError(f"retrieval.encoder_dim must be an even integer >= 2, got {self.encoder_dim!r}")
         if self.mode not in MODES:
             raise ValueError(f"retrieval.mode={self.mode!r}; accepted: {list(MODES)}")
+        if self.warm_start not in WARM_STARTS:
+            raise ValueError(f"retrieval.warm_start={self.warm_start!r}; accepted: {list(WARM_STARTS)}")
+        if not isinstance(self.same_doc_k, int) or not 0 <= self.same_doc_k <= self.k:
+            raise ValueError(
+                f"retrieval.same_doc_k must be an integer in [0, k={self.k}], got {self.same_doc_k!r}"
+            )
+        if not isinstance(self.warm_candidates, int) or self.warm_candidates < self.k:
+            raise ValueError(
+                f"retrieval.warm_candidates must be an integer >= k={self.k}, got {self.warm_candidates!r}"
+            )
         if self.embed_batch_size < 1:
             raise ValueError(f"retrieval.embed_batch_size must be positive, got {self.embed_batch_size}")
+        if self.neighbour_grad not in NEIGHBOUR_GRADS:
+            raise ValueError(
+                f"retrieval.neighbour_grad={self.neighbour_grad!r}; accepted: {list(NEIGHBOUR_GRADS)}"
+            )
+        if self.neighbour_dtype not in REBUILD_DTYPES:
+            raise ValueError(
+                f"retrieval.neighbour_dtype={self.neighbour_dtype!r}; accepted: {list(REBUILD_DTYPES)}"
+            )
         if self.rebuild_dtype not in REBUILD_DTYPES:
             raise ValueError(
                 f"retrieval.rebuild_dtype={self.rebuild_dtype!r}; accepted: {list(REBUILD_DTYPES)}"
             )
         Schedule.parse(self.schedule)  # raises ValueError naming the accepted grammar
-        IndexConfig(factory=self.index_factory)
+        IndexConfig(factory=self.index_factory, target_recall=self.target_recall)
+
+
+@dataclass
+class Encoded:
+    """The batch's neighbours as the cross-attention layers read them (computed once per forward)."""
+
+    states: Tensor
+    """(U, M, De) embedder states of the batch's U distinct neighbours (each encoded once)."""
+    index: Tensor
+    """(B*n*k,) row of `states` of each neighbour slot."""
+    key_valid: Tensor
+    """(B*n, k*M) real neighbour tokens of each chunk."""
+    relevance: Tensor
+    """(B*n, k) cos(e(S_t), e(z)) of each chunk's neighbours."""
+    segment_len: int
+    """L."""
 
 
 @dataclass
@@ -125,6 +206,8 @@ class RetrievalInputs:
     """(B, n, k) whether each neighbour exists."""
     same_doc: Tensor
     """(B, n, k) whether the neighbour is from the row's own document (False when unknown)."""
+    ids: Tensor | None = None
+    """(B, n, k) global segment ids of the neighbours (-1: none)."""
 
 
 class RetrievalCrossAttention(nn.Module):
@@ -149,23 +232,28 @@ class RetrievalCrossAttention(nn.Module):
         enc = self._plugin.encoded(ctx)
         if enc is None:  # no memory yet (before the first table lands, or no index exists): no retrieval
             return self._plugin.no_retrieval(x, self)
-        states, key_valid, relevance, L = enc  # (B*n, k*M, De), (B*n, k*M), (B*n, k), segment length
+        key_valid, relevance, L = enc.key_valid, enc.relevance, enc.segment_len  # (B*n, k*M), (B*n, k)
         B, T, d = x.shape
         Bn, KM = key_valid.shape
-        n = Bn // B
+        n, nk = Bn // B, relevance.shape[1]
+        M = KM // nk
         h, hs = self.n_heads, self.head_dim
         xq = F.pad(x, (0, 0, 0, n * L - T)).reshape(Bn, L, d)  # (B*n, L, d): chunk j = segment j
         q = self.q(xq).view(Bn, L, h, hs).transpose(1, 2)  # (B*n, h, L, hs)
-        kv = self.kv(self.kv_norm(states)).view(Bn, KM, 2, h, hs)
-        k, v = kv.unbind(2)  # (B*n, k*M, h, hs)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B*n, h, k*M, hs)
+        # keys and values once per distinct neighbour, then laid out per chunk
+        U = enc.states.shape[0]
+        kv = self.kv(self.kv_norm(enc.states)).view(U, M, 2, h, hs).permute(2, 0, 3, 1, 4)  # (2, U, h, M, hs)
         # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
         # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
         # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
-        M = KM // relevance.shape[1]
         cos, sin = rope_cache(max(M, 2 * L), hs, self.rope_base, device=x.device)
         q = apply_rope(q, cos[L : 2 * L], sin[L : 2 * L])
-        k = apply_rope(k.view(Bn, h, -1, M, hs), cos[:M], sin[:M]).view(Bn, h, KM, hs)
+        k = apply_rope(kv[0], cos[:M], sin[:M])  # (U, h, M, hs)
+
+        def per_chunk(t: Tensor) -> Tensor:  # (U, h, M, hs) -> (B*n, h, k*M, hs)
+            return t[enc.index].view(Bn, nk, h, M, hs).transpose(1, 2).reshape(Bn, h, KM, hs)
+
+        k, v = per_chunk(k), per_chunk(kv[1])
         # relevance bias beta * cos(e(S_t), e(z)) on every key of neighbour z (MARGE eq. 2)
         bias = (self.beta * relevance).repeat_interleave(M, dim=1).to(q.dtype)  # (B*n, k*M)
         rows = key_valid.any(1)  # (B*n,) chunks with at least one key
@@ -200,6 +288,9 @@ class RetrievalPlugin(Plugin):
         else:
             self.encoder = SeparateEncoder(model_config, config.embed_layers, config.encoder_dim)
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
+        object.__setattr__(
+            self, "segments", None
+        )  # the data's SegmentTable (warm start before the first table)
         self._saved_index_dir: str | None = None  # from a checkpoint: loaded on first use outside training
         self.prepare_seconds = 0.0
         """Wall-clock time of the last prepare() (neighbour lookup or online search): a metric."""
@@ -224,7 +315,8 @@ class RetrievalPlugin(Plugin):
                 k=c.k,
                 schedule=c.schedule,
                 mode=c.mode,
-                index_config=IndexConfig(factory=c.index_factory, target_recall=None),
+                index_config=IndexConfig(factory=c.index_factory, target_recall=c.target_recall),
+                defer_first=c.warm_start != "none",
                 index_dir=c.index_dir,
                 batch_size=c.embed_batch_size,
                 progress=c.progress,
@@ -237,6 +329,14 @@ class RetrievalPlugin(Plugin):
     def use_memory(self, memory: RetrievalMemory | None) -> None:
         """Swap in a new index and neighbour table (one reference assignment: atomic for the training loop)."""
         object.__setattr__(self, "memory", memory)
+
+    def eval_variants(self) -> list[str]:
+        """With eval_ablation: the validation pass with random neighbours."""
+        return [f"{self.label}_random"] if self.config.eval_ablation else []
+
+    def use_segments(self, segments: Any) -> None:
+        """The data's segment table, known at fit start (the warm start reads the documents' past from it)."""
+        object.__setattr__(self, "segments", segments)
 
     def snapshot(self, step: int) -> FrozenEmbedder:
         """A frozen copy of the current embedder (rlm.index Embedder protocol)."""
@@ -283,20 +383,55 @@ class RetrievalPlugin(Plugin):
         if self.memory is None and self._saved_index_dir and not ctx.training:
             self._load_saved_memory()
         memory = self.memory
-        if memory is None:
+        c = self.config
+        seg = memory.segments if memory is not None else self.segments
+        warm = c.warm_start if c.warm_start != "none" else ("recent" if c.same_doc_k else "none")
+        can_warm = warm != "none" and seg is not None and batch.get("segment_ids") is not None
+        if memory is None and not (can_warm and c.warm_start != "none"):
             ctx.extras[self.label] = None
+            self._declare_loss_groups(ctx, None, 1)
             return
         start = time.perf_counter()
-        ctx.extras[self.label] = gather_inputs(
+        inputs = ctx.extras[self.label] = gather_inputs(
             memory,
             batch,
-            self.config.k,
-            self.config.continuation,
+            c.k,
+            c.continuation,
             online=not (ctx.training and batch.get("segment_ids") is not None),
             embed=self._embed_queries,
+            segments=seg,
+            warm_k=(c.k if memory is None else c.same_doc_k) if can_warm else 0,
+            warm=warm,
+            warm_candidates=c.warm_candidates,
+            randomise=ctx.variant == f"{self.label}_random",
         )
         self.prepare_seconds = time.perf_counter() - start
         ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
+        self._declare_loss_groups(ctx, inputs, seg.segment_len)
+
+    def _declare_loss_groups(self, ctx: Context, inputs: RetrievalInputs | None, L: int) -> None:
+        """At evaluation, the tokens of each chunk by where its neighbours come from (ctx.loss_groups, logged as
+        val/loss_by/<label>/<group>): own_doc (all from the row's document), other_doc (none from it), mixed, none."""
+        if ctx.training or ctx.variant is not None:
+            return
+        B, T = ctx.tokens.shape
+        p = self.label
+        if inputs is None:
+            everything = torch.ones(B, T, dtype=torch.bool, device=ctx.tokens.device)
+            groups = {
+                "own_doc": ~everything,
+                "other_doc": ~everything,
+                "mixed": ~everything,
+                "none": everything,
+            }
+        else:
+            valid, same = inputs.valid, inputs.same_doc & inputs.valid  # (B, n, k)
+            found = valid.any(-1)  # (B, n)
+            own, other = found & (same == valid).all(-1), found & ~same.any(-1)
+            chunk = {"own_doc": own, "other_doc": other, "mixed": found & ~own & ~other, "none": ~found}
+            groups = {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}
+        for name, mask in groups.items():
+            ctx.loss_groups[f"{p}/{name}"] = mask
 
     @torch.no_grad()
     def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -320,39 +455,70 @@ class RetrievalPlugin(Plugin):
         # x * 0 also reaches the block's norm in front of the cross-attention
         return x * 0.0 + 0.0 * sum(p.sum() for p in params).to(x.dtype)
 
-    def encoded(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor, int] | None:
-        """Neighbour states, key mask, relevance and segment length, computed once per forward (with gradients)
-        and shared by the cross-attention layers."""
+    def encoded(self, ctx: Context) -> Encoded | None:
+        """Neighbour states, key mask, relevance and segment length, computed once per forward and shared by the
+        cross-attention layers."""
         key = f"{self.label}/encoded"
         if key not in ctx.extras:
             inputs: RetrievalInputs | None = ctx.extras.get(self.label)
             ctx.extras[key] = None if inputs is None else self._encode(inputs, ctx)
         return ctx.extras[key]
 
-    def _encode(self, inp: RetrievalInputs, ctx: Context) -> tuple[Tensor, Tensor, Tensor, int]:
+    def _encode(self, inp: RetrievalInputs, ctx: Context) -> Encoded:
         B, n, k, M = inp.tokens.shape
         L = inp.query_tokens.shape[-1]
         _, e_query = self.encoder(
             inp.query_tokens.reshape(B * n, L), inp.query_mask.reshape(B * n, L)
-        )  # (B*n, D)
-        states, e_nb = self.encoder(
-            inp.tokens.reshape(B * n * k, M), inp.mask.reshape(B * n * k, M), pool_len=L
-        )
+        )  # (B*n, D), with gradients: the embedder's path from the LM loss
+        tokens, mask = inp.tokens.reshape(B * n * k, M), inp.mask.reshape(B * n * k, M)
+        if inp.ids is not None:  # a neighbour's tokens follow from its id: encode each distinct one once
+            ids = inp.ids.reshape(-1)
+            uniq, index = torch.unique(ids, return_inverse=True)  # (U,), (B*n*k,)
+            slots = torch.arange(len(ids), device=ids.device)
+            first = torch.full_like(uniq, len(ids)).scatter_reduce(0, index, slots, "amin")  # (U,)
+            tokens, mask = tokens[first], mask[first]
+        else:
+            index = torch.arange(B * n * k, device=tokens.device)
+        mode = self.config.neighbour_grad if torch.is_grad_enabled() else "none"
+        grad = mode == "full"
+        low = torch.float32 if grad else resolve_rebuild_dtype(self.config.neighbour_dtype, tokens.device)
+        with (
+            torch.set_grad_enabled(grad),
+            torch.autocast(tokens.device.type, low, enabled=low != torch.float32),
+        ):
+            states, e_nb = self.encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
+        states = states.float()
+        if (
+            mode == "embedding"
+        ):  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
+            x0 = self.encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
+            states = states + (x0 - x0.detach())
+        e_nb = e_nb[index]  # (B*n*k, D)
         relevance = (e_query.unsqueeze(1) * e_nb.view(B * n, k, -1)).sum(-1)  # (B*n, k) cosine
         valid = inp.valid.reshape(B * n, k)
         if valid.any():
             ctx.log(f"{self.label}/relevance", relevance.detach()[valid].mean())
             ctx.log(f"{self.label}/same_doc", inp.same_doc.reshape(B * n, k)[valid].float().mean())
         ctx.log(f"{self.label}/coverage", valid.any(1).float().mean())
-        key_valid = inp.mask.reshape(B * n, k * M)
-        return states.reshape(B * n, k * M, -1), key_valid, relevance, L
+        return Encoded(states, index, inp.mask.reshape(B * n, k * M), relevance, L)
 
 
 def gather_inputs(
-    memory: RetrievalMemory, batch: dict[str, Any], k: int, continuation: bool, online: bool, embed
+    memory: RetrievalMemory | None,
+    batch: dict[str, Any],
+    k: int,
+    continuation: bool,
+    online: bool,
+    embed,
+    segments: Any = None,
+    warm_k: int = 0,
+    warm: str = "recent",
+    warm_candidates: int = 16,
+    randomise: bool = False,
 ) -> RetrievalInputs:
-    """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs)."""
-    seg = memory.segments
+    """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs): the first k - warm_k
+    from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours)."""
+    seg = memory.segments if memory is not None else segments
     L = seg.segment_len
     tokens = batch["tokens"]
     device = tokens.device
@@ -379,15 +545,34 @@ def gather_inputs(
         q_ids = np.where(q_valid, q_ids, -1)
     else:
         q_ids = np.full((B, n), -1, dtype=np.int64)
-    if online:
-        nb = np.full((B * n, k), -1, dtype=np.int64)
+    parts = []
+    k_table = k - warm_k if memory is not None else 0
+    if k_table and online:
+        nb = np.full((B * n, k_table), -1, dtype=np.int64)
         rows = np.flatnonzero(q_valid.reshape(-1))
         if len(rows):
             e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
-            nb[rows] = memory.search(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k)
-        nb = nb.reshape(B, n, k)
-    else:
-        nb = np.where((q_ids >= 0)[..., None], memory.neighbours[np.maximum(q_ids, 0), :k], -1)  # (B, n, k)
+            nb[rows] = memory.search(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table)
+        parts.append(nb.reshape(B, n, k_table))
+    elif k_table:
+        table = memory.neighbours[np.maximum(q_ids, 0), :k_table]
+        parts.append(np.where((q_ids >= 0)[..., None], table, -1))  # (B, n, k_table)
+    if warm_k:
+        window_first = seg_ids[:, 0].cpu().numpy()
+        doc_first = (
+            seg.first[batch["doc_ids"].cpu().numpy()]
+            if batch.get("doc_ids") is not None
+            else seg.first[seg.doc[np.maximum(window_first, 0)]]
+        )
+        cands = warm_candidates_of(
+            q_ids, window_first, doc_first, warm_k if warm == "recent" else warm_candidates
+        )
+        if warm == "similar":
+            cands = most_similar(seg, cands, q_tokens, q_mask, warm_k, embed, window_first)
+        parts.append(cands)
+    nb = np.concatenate(parts, -1)  # (B, n, k)
+    if randomise:
+        nb = random_neighbours(nb, q_ids, seg, memory.rows if memory is not None else None)
     nb_tokens, nb_mask = neighbour_tokens(seg, nb, continuation)
     same = np.zeros_like(nb, dtype=bool)
     if batch.get("doc_ids") is not None:
@@ -399,7 +584,66 @@ def gather_inputs(
         mask=torch.from_numpy(nb_mask).to(device),
         valid=torch.from_numpy(nb >= 0).to(device),
         same_doc=torch.from_numpy(same).to(device),
+        ids=torch.from_numpy(nb).to(device),
     )
+
+
+def random_neighbours(nb: np.ndarray, q_ids: np.ndarray, seg, pool: np.ndarray | None) -> np.ndarray:
+    """The ablation: every present neighbour (B, n, k) replaced by a random segment of the pool (None: all
+    segments) from another document than its query's (so never the query's future); seeded by the query ids,
+    so a batch always gets the same ones."""
+    rng = np.random.default_rng(np.abs(q_ids).ravel().tolist() or [0])
+    pool = np.arange(len(seg)) if pool is None else pool
+    q_doc = np.where(q_ids >= 0, seg.doc[np.maximum(q_ids, 0)], -1)[..., None]  # (B, n, 1)
+    out = pool[rng.integers(0, len(pool), size=nb.shape)]
+    for _ in range(8):  # redraw those that landed in the query's own document
+        clash = seg.doc[out] == q_doc
+        if not clash.any():
+            break
+        out[clash] = pool[rng.integers(0, len(pool), size=int(clash.sum()))]
+    return np.where((nb >= 0) & (seg.doc[out] != q_doc), out, -1)
+
+
+def warm_candidates_of(
+    q_ids: np.ndarray, window_first: np.ndarray, doc_first: np.ndarray, c: int
+) -> np.ndarray:
+    """(B, n, c) earlier segments of each query's own document, best first (-1 pads): those before the attention
+    window, most recent first, then those inside it, most recent first. Every z < q (the query S_t), so z and its
+    continuation z + 1 <= S_t never reach the target segment S_{t+1}.
+
+    q_ids (B, n) global query ids (-1: none); window_first (B,) the window's first segment; doc_first (B,) the
+    document's first segment."""
+    q = q_ids[..., None]  # (B, n, 1)
+    w0, d0 = window_first[:, None, None], doc_first[:, None, None]  # (B, 1, 1)
+    r = np.arange(c)  # (c,) rank of the pick
+    before = np.minimum(w0, q)  # candidates before the window: before-1, before-2, ..., d0
+    n_out = np.maximum(before - d0, 0)  # (B, n, 1)
+    inside = q - 1 - (r - n_out)  # then q-1, q-2, ..., w0
+    z = np.where(r < n_out, before - 1 - r, np.where(inside >= w0, inside, -1))
+    return np.where(q >= 0, z, -1).astype(np.int64)
+
+
+def most_similar(
+    seg, cands: np.ndarray, q_tokens: Tensor, q_mask: Tensor, k: int, embed, window_first: np.ndarray
+) -> np.ndarray:
+    """(B, n, k) of the candidates (B, n, c): those before the window first, then by cosine to the query's e(S_t)
+    under the current embedder (embed: no-grad tokens, mask -> unit vectors), each distinct candidate embedded once."""
+    B, n, c = cands.shape
+    L = seg.segment_len
+    ids, inverse = np.unique(np.maximum(cands, 0), return_inverse=True)
+    device = q_tokens.device
+    e_c = embed(
+        torch.from_numpy(seg.tokens(ids)).to(device),
+        torch.from_numpy(np.arange(L) < seg.length[ids][:, None]).to(device),
+    )  # (U, D)
+    e_q = embed(q_tokens.reshape(B * n, L), q_mask.reshape(B * n, L)).view(B, n, 1, -1)  # (B, n, 1, D)
+    cos = (
+        (e_q * e_c[torch.from_numpy(inverse.reshape(-1)).to(device)].view(B, n, c, -1)).sum(-1).cpu().numpy()
+    )
+    score = cos + 4.0 * (cands < window_first[:, None, None])  # before the window first (cos is in [-1, 1])
+    score = np.where(cands >= 0, score, -np.inf)
+    order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
+    return np.where(np.take_along_axis(score, order, -1) > -np.inf, np.take_along_axis(cands, order, -1), -1)
 
 
 def neighbour_tokens(seg, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -91,10 +91,11 @@ class LMModule(pl.LightningModule):
         self._step_start: float | None = None
         self._val_sum = torch.zeros(())
         self._val_count = torch.zeros(())
+        self._eval_sums: dict[str, Tensor] = {}
 
     # ----- forward -----
 
-    def make_context(self, batch: dict[str, Any], stage: str) -> Context:
+    def make_context(self, batch: dict[str, Any], stage: str, variant: str | None = None) -> Context:
         """The per-step context for a batch, filled by every plugin's ``prepare``."""
         ctx = Context(
             tokens=batch["tokens"],
@@ -102,6 +103,7 @@ class LMModule(pl.LightningModule):
             stage=stage,
             segment_ids=batch.get("segment_ids"),
             doc_ids=batch.get("doc_ids"),
+            variant=variant,
         )
         for plugin in self.model.plugins.values():
             plugin.prepare(ctx, batch)
@@ -110,11 +112,18 @@ class LMModule(pl.LightningModule):
     def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
         return self.model(tokens, ctx)
 
-    def _loss(self, batch: dict[str, Any], stage: str) -> tuple[Tensor, Tensor, Context, int]:
-        ctx = self.make_context(batch, stage)
+    def _loss(
+        self, batch: dict[str, Any], stage: str, variant: str | None = None
+    ) -> tuple[Tensor, Tensor, Context, int]:
+        ctx = self.make_context(batch, stage, variant)
         logits = self.model(batch["tokens"], ctx)  # (B, T, V)
         targets = batch["targets"]
         n_tokens = int((targets != -100).sum())
+        if ctx.loss_groups and stage != "train":  # per-token losses for val/loss_by/<group>
+            token_loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
+            ).view_as(targets)  # (B, T), 0 at ignored targets
+            ctx.extras["lm/token_loss"] = token_loss.detach()
         lm = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         aux = ctx.total_aux_loss()
         return lm, (lm if aux is None else lm + aux), ctx, n_tokens
@@ -152,6 +161,7 @@ class LMModule(pl.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._eval_sums: dict[str, Tensor] = {}  # 'loss_by/<group>' and '<variant>/loss' -> (sum, count)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         return self._eval_step(batch, "val")
@@ -168,7 +178,21 @@ class LMModule(pl.LightningModule):
         self._val_sum += lm.detach().double() * n_tokens
         self._val_count += n_tokens
         self._log_context(ctx, stage, on_step=False)
+        token_loss = ctx.extras.get("lm/token_loss")
+        for name, group in ctx.loss_groups.items():
+            real = group & (batch["targets"] != -100)  # (B, T)
+            self._eval_add(f"loss_by/{name}", token_loss[real].double().sum(), real.sum())
+        for plugin in self.model.plugins.values():
+            for variant in plugin.eval_variants():
+                other, _, _, _ = self._loss(batch, stage, variant)
+                self._eval_add(f"{variant}/loss", other.detach().double() * n_tokens, n_tokens)
         return lm
+
+    def _eval_add(self, name: str, total: Tensor, count: Tensor | int) -> None:
+        """Accumulate a token-weighted sum and its token count under `name` (reduced at epoch end)."""
+        acc = self._eval_sums.setdefault(name, torch.zeros(2, device=self.device, dtype=torch.float64))
+        acc[0] += total
+        acc[1] += count
 
     def _eval_epoch_end(self, stage: str) -> None:
         total = self.trainer.strategy.reduce(self._val_sum.clone(), reduce_op="sum")
@@ -178,6 +202,10 @@ class LMModule(pl.LightningModule):
         loss = (total / count).float()
         self.log(f"{stage}/loss", loss, prog_bar=True, rank_zero_only=True)
         self.log(f"{stage}/ppl", torch.exp(loss.clamp(max=20)), rank_zero_only=True)
+        for name in sorted(self._eval_sums):  # the same names on every rank (see Context.loss_groups)
+            acc = self.trainer.strategy.reduce(self._eval_sums[name].clone(), reduce_op="sum")
+            if float(acc[1]) > 0:
+                self.log(f"{stage}/{name}", (acc[0] / acc[1]).float(), rank_zero_only=True)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")

@@ -17,7 +17,7 @@ from rlm.model import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
 from rlm.plugins._retrieval_encoder import resolve_rebuild_dtype
-from rlm.plugins.retrieval import RetrievalInputs, RetrievalPlugin
+from rlm.plugins.retrieval import Encoded, RetrievalInputs, RetrievalPlugin, warm_candidates_of
 
 L = 8  # segment length of the unit tests
 VOCAB = 96
@@ -105,12 +105,15 @@ def test_cross_attention_matches_naive_loop():
         xattn.beta.fill_(1.7)
     B, n, k, M, D = 2, 3, 2, L, plugin.encoder.dim
     T = n * L - 3  # a ragged last chunk
-    states = torch.randn(B * n, k * M, D)
+    U = 7  # distinct neighbours, shared by the B*n*k = 12 slots
+    distinct = torch.randn(U, M, D)
+    index = torch.randint(0, U, (B * n * k,))
+    states = distinct[index].view(B * n, k * M, D)  # what each chunk sees
     key_valid = torch.rand(B * n, k * M) > 0.3
     key_valid[1] = False  # a chunk with no neighbour at all
     relevance = torch.rand(B * n, k) * 2 - 1
     ctx = Context(tokens=torch.zeros(B, T, dtype=torch.long))
-    ctx.extras["retrieval/encoded"] = (states, key_valid, relevance, L)
+    ctx.extras["retrieval/encoded"] = Encoded(distinct, index, key_valid, relevance, L)
     x = torch.randn(B, T, 32)
     got = xattn(x, ctx)
 
@@ -169,13 +172,35 @@ def test_neighbour_table_matches_brute_force(corpus):
 # ----- causality -----
 
 
+PATHS = {
+    "table": ({"warm_start": "none"}, True),
+    "warm_recent": ({"warm_start": "recent"}, False),
+    "warm_similar": ({"warm_start": "similar", "warm_candidates": 4}, False),
+    "table_same_doc": ({"warm_start": "recent", "same_doc_k": 1}, True),
+    "table_same_doc_similar": ({"warm_start": "similar", "same_doc_k": 1}, True),
+}
+"""Every way the retriever finds neighbours: (options, with a memory); without one, the warm start."""
+
+
+def with_path(path: str, corpus, **opts) -> Transformer:
+    """A tiny model whose neighbours come from `path` (see PATHS)."""
+    segments, _ = corpus
+    extra, table = PATHS[path]
+    model = tiny_model(**extra, **opts)
+    if table:
+        attach_memory(model, segments, np.arange(10))
+    else:
+        model.plugins["retrieval"].use_segments(segments)
+    return model
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("stage", ["train", "val"])
 @pytest.mark.parametrize("continuation", [True, False])
-def test_perturbing_later_tokens_never_changes_earlier_logits(corpus, stage, continuation):
+def test_perturbing_later_tokens_never_changes_earlier_logits(corpus, stage, continuation, path):
     """For cuts p at and inside segment boundaries: changing tokens[p:] leaves logits[:p] exactly as they were."""
     segments, windows = corpus
-    model = tiny_model(continuation=continuation)
-    attach_memory(model, segments, np.arange(10))
+    model = with_path(path, corpus, continuation=continuation)
     starts = windows.start
     batch = windows.collate(
         np.flatnonzero(starts > 0)[:3].tolist() + np.flatnonzero(starts == 0)[:2].tolist()
@@ -191,6 +216,103 @@ def test_perturbing_later_tokens_never_changes_earlier_logits(corpus, stage, con
         out = logits(model, other, stage)
         torch.testing.assert_close(out[:, :p], base[:, :p], rtol=0, atol=0)
         assert not torch.allclose(out[:, p:], base[:, p:])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("stage", ["train", "val"])
+def test_neighbours_never_reach_the_target_or_later(corpus, stage, path):
+    """On every path, a neighbour z of chunk j's query S_t (global id q) of the same document has z < q, so
+    neither z nor its continuation z + 1 is the target S_{t+1} or later; the warm start's are all own-document."""
+    segments, windows = corpus
+    model = with_path(path, corpus)
+    batch = windows.collate(np.arange(len(windows)))
+    inputs: RetrievalInputs = context(model, batch, stage).extras["retrieval"]
+    ids, seg_ids = inputs.ids.numpy(), batch["segment_ids"].numpy()
+    B, n, k = ids.shape
+    assert (ids >= 0).sum() > B  # neighbours were found
+    for b in range(B):
+        doc = int(batch["doc_ids"][b])
+        for j in range(n):
+            target = seg_ids[b, 0] + j  # global id of window segment j (also past the document's end)
+            for z in ids[b, j]:
+                if z >= 0 and segments.doc[z] == doc:
+                    assert z < target - 1, (b, j, z, target)  # z < q = target - 1
+    if path.startswith("warm"):
+        valid = ids >= 0
+        assert (
+            segments.doc[ids[valid]] == np.repeat(batch["doc_ids"].numpy(), n * k).reshape(B, n, k)[valid]
+        ).all()
+        assert inputs.same_doc[inputs.valid].all()
+    if "same_doc" in path:  # the last same_doc_k come from the document's past whenever it has one
+        last = ids[..., -1]
+        assert (last >= 0).any()
+        assert (
+            segments.doc[last[last >= 0]] == np.repeat(batch["doc_ids"].numpy(), n).reshape(B, n)[last >= 0]
+        ).all()
+
+
+def test_warm_candidates_match_a_naive_ordering():
+    """warm_candidates_of against a loop: earlier same-document segments before the window (most recent first),
+    then inside the window before the query (most recent first); -1 pads; none for an absent query."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        d0 = int(rng.integers(0, 20))
+        w0 = d0 + int(rng.integers(0, 6))
+        n = int(rng.integers(1, 6))
+        q = np.array([w0 - 1 if w0 > d0 else -1] + [w0 + j - 1 for j in range(1, n)])  # chunk j's query
+        c = int(rng.integers(1, 9))
+        got = warm_candidates_of(q[None], np.array([w0]), np.array([d0]), c)[0]  # (n, c)
+        for j, qj in enumerate(q):
+            if qj < 0:
+                want = []
+            else:
+                before = [z for z in range(min(w0, qj) - 1, d0 - 1, -1)]
+                inside = [z for z in range(qj - 1, w0 - 1, -1)]
+                want = (before + inside)[:c]
+            np.testing.assert_array_equal(got[j], want + [-1] * (c - len(want)))
+
+
+def test_warm_start_similar_picks_the_closest_by_the_embedder(corpus):
+    """'similar': among the candidates before the window, the k with the highest cosine to e(S_t)."""
+    segments, windows = corpus
+    model = with_path("warm_similar", corpus)
+    plugin = model.plugins["retrieval"]
+    late = np.flatnonzero(windows.start == 4 * L)[:3]
+    batch = windows.collate(late)
+    inputs: RetrievalInputs = context(model, batch, "train").extras["retrieval"]
+    seg_ids = batch["segment_ids"].numpy()
+    for b in range(len(late)):
+        j = 1  # query = window segment 0; candidates: the 4 before the window (segments 0..3 of the document)
+        w0 = seg_ids[b, 0]
+        d0 = segments.first[segments.doc[w0]]
+        cands = np.arange(w0 - 1, max(d0, w0 - 4) - 1, -1)
+        q = torch.from_numpy(segments.tokens([seg_ids[b, 0]]))
+        e_q = plugin._embed_queries(q, torch.ones_like(q, dtype=torch.bool))
+        c_tok = torch.from_numpy(segments.tokens(cands))
+        e_c = plugin._embed_queries(c_tok, torch.from_numpy(np.arange(L) < segments.length[cands][:, None]))
+        want = cands[np.argsort(-(e_c @ e_q[0]).numpy(), kind="stable")[:2]]
+        assert sorted(inputs.ids[b, j].tolist()) == sorted(want.tolist())
+
+
+def test_warm_start_trains_cross_attention_and_embedder_without_a_table(corpus):
+    """Before any table, the warm start's neighbours give beta, the cross-attention and the embedder gradient."""
+    segments, windows = corpus
+    model = with_path("warm_recent", corpus)
+    batch = windows.collate([1, 2, 4])
+    out = logits(model, batch, "train")
+    torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
+    ).backward()
+    xattn = model.blocks[1].cross_attn
+    assert xattn.beta.grad.abs() > 0 and xattn.kv.weight.grad.abs().sum() > 0
+    assert model.embed.main.table.weight.grad.abs().sum() > 0
+
+
+def test_warm_start_none_without_a_table_means_no_retrieval(corpus):
+    segments, windows = corpus
+    model = tiny_model(warm_start="none", same_doc_k=1)
+    model.plugins["retrieval"].use_segments(segments)
+    assert context(model, windows.collate([1, 2]), "train").extras["retrieval"] is None
 
 
 def test_first_segment_uses_previous_segment_or_nothing(corpus):
@@ -216,10 +338,11 @@ def test_first_segment_uses_previous_segment_or_nothing(corpus):
 # ----- gradients -----
 
 
-def test_lm_loss_trains_the_shared_embedder_through_retrieval(corpus):
-    """Embedding rows of tokens that occur only in neighbours (never in the batch) get gradient from the LM loss."""
+def test_lm_loss_trains_the_shared_embedder_through_retrieval_neighbour_grad(corpus):
+    """neighbour_grad: embedding rows of tokens that occur only in neighbours (never in the batch) get gradient
+    from the LM loss."""
     segments, windows = corpus
-    model = tiny_model()
+    model = tiny_model(neighbour_grad="full")
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate([1, 2, 4])
     ctx = context(model, batch, "train")
@@ -234,10 +357,68 @@ def test_lm_loss_trains_the_shared_embedder_through_retrieval(corpus):
     assert model.blocks[1].cross_attn.beta.grad.abs() > 0
 
 
-def test_separate_embedder_gets_gradient_only_through_retrieval(corpus):
-    """A separate encoder is trained by the LM loss (relevance bias and keys/values), and beta too."""
+def test_lm_loss_trains_the_shared_embedder_through_the_query_embedding(corpus):
+    """Default (no neighbour gradients): the embedder still learns from the LM loss alone, through
+    cos(e(S_t), e(z)): embedding rows of tokens that occur only in chunk 0's query (the document's previous
+    segment, outside the window) get gradient; those only in neighbours get none."""
     segments, windows = corpus
-    model = tiny_model(embedder="separate", encoder_dim=16, embed_layers=1)
+    model = tiny_model(neighbour_grad="none")
+    attach_memory(model, segments, np.arange(10))
+    batch = windows.collate(np.flatnonzero(windows.start > 0)[:3])
+    ctx = context(model, batch, "train")
+    inputs: RetrievalInputs = ctx.extras["retrieval"]
+    out = model(batch["tokens"], ctx)
+    torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
+    ).backward()
+    in_batch = batch["tokens"].unique().numpy()
+    only_query = np.setdiff1d(inputs.query_tokens[:, 0][inputs.query_mask[:, 0]].unique().numpy(), in_batch)
+    only_nb = np.setdiff1d(np.setdiff1d(inputs.tokens[inputs.mask].unique().numpy(), in_batch), only_query)
+    only_query = np.setdiff1d(only_query, inputs.tokens[inputs.mask].unique().numpy())
+    assert len(only_query) > 0 and len(only_nb) > 0
+    grad = model.embed.main.table.weight.grad
+    assert grad[only_query].abs().sum(1).gt(0).all()
+    assert grad[only_nb].abs().sum() == 0
+    xattn = model.blocks[1].cross_attn
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in xattn.parameters())
+
+
+def test_no_grad_neighbours_and_dedupe_keep_the_forward_and_the_cross_attention_gradients(corpus):
+    """The default path (neighbours without gradients, each distinct neighbour encoded once) gives the same logits
+    as the full-gradient path and as encoding every slot separately, and the same cross-attention gradients."""
+    segments, windows = corpus
+    model = tiny_model(neighbour_grad="full")
+    attach_memory(model, segments, np.arange(10))
+    plugin = model.plugins["retrieval"]
+    batch = windows.collate(np.arange(len(windows)))
+    xattn = model.blocks[1].cross_attn
+
+    def run(neighbour_grad: str, dedupe: bool):
+        plugin.config.neighbour_grad = neighbour_grad
+        model.zero_grad(set_to_none=True)
+        ctx = context(model, batch, "train")
+        if not dedupe:
+            ctx.extras["retrieval"].ids = None
+        else:
+            assert len(ctx.extras["retrieval"].ids.unique()) < ctx.extras["retrieval"].ids.numel()
+        out = model(batch["tokens"], ctx)
+        out.logsumexp(-1).mean().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in xattn.named_parameters()}
+
+    ref, ref_grads = run("full", False)
+    cases = [("full", True), ("embedding", True), ("embedding", False), ("none", True), ("none", False)]
+    for neighbour_grad, dedupe in cases:
+        out, grads = run(neighbour_grad, dedupe)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("neighbour_grad", ["full", "embedding", "none"])
+def test_separate_embedder_gets_gradient_only_through_retrieval(corpus, neighbour_grad):
+    """A separate encoder is trained by the LM loss (relevance bias, and with neighbour_grad the keys/values)."""
+    segments, windows = corpus
+    model = tiny_model(embedder="separate", encoder_dim=16, embed_layers=1, neighbour_grad=neighbour_grad)
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate([1, 2, 4])
     out = logits(model, batch, "train")
@@ -254,7 +435,7 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate([1, 2])
     ctx = context(model, batch, "train")
-    states, key_valid, relevance, _ = model.plugins["retrieval"].encoded(ctx)
+    relevance = model.plugins["retrieval"].encoded(ctx).relevance
     relevance.retain_grad()
     model(batch["tokens"], ctx).logsumexp(-1).mean().backward()
     assert relevance.grad is not None and relevance.grad.abs().sum() > 0
@@ -273,6 +454,11 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"schedule": "0-100:10,50-200:20"}, "overlap"),
         ({"encoder_dim": 7}, "encoder_dim"),
         ({"rebuild_dtype": "float16"}, "'bfloat16'"),
+        ({"warm_start": "random"}, "'recent', 'similar', 'none'"),
+        ({"same_doc_k": 3}, r"same_doc_k must be an integer in \[0, k=2\]"),
+        ({"warm_candidates": 1}, "warm_candidates must be an integer >= k=2"),
+        ({"target_recall": 1.5}, "target_recall"),
+        ({"neighbour_grad": True}, "'full', 'embedding', 'none'"),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
@@ -368,3 +554,109 @@ def test_snapshot_is_frozen_and_independent(corpus):
         model.embed.main.table.weight.add_(1.0)
     torch.testing.assert_close(snap.embed_segments(tokens, mask), before)
     assert plugin.identity(7)["weights_hash"] != snap.embedder_identity()["weights_hash"]
+
+
+def test_retriever_build_reaches_the_target_recall(tmp_path):
+    """Above flat_below (32,768) 'auto' is IVF: build_memory, as the rebuild callback calls it with the plugin's
+    default target_recall, tunes it to recall@10 >= 0.95 against exact search; meta.json records it."""
+    from rlm.index.build import exact_search, recall_at_k
+    from rlm.index.store import read_meta
+    from rlm.index.synthetic import clustered_unit_vectors
+
+    n_docs, per_doc = 4100, 10  # 41,000 segments of L tokens
+    segments = make_segments(random_docs(n_docs, per_doc * L, seed=3))
+    assert len(segments) == n_docs * per_doc
+    vectors = clustered_unit_vectors(len(segments), 16, n_clusters=200, seed=4)
+    rows = np.arange(len(segments))
+    target = make_config(RetrievalPlugin, {}).target_recall
+    assert target == 0.95
+    identity = {"name": "t", "config_hash": "c", "weights_hash": "w", "step": 0}
+    config = IndexConfig(factory="auto", target_recall=target)
+    memory = build_memory(vectors, segments, rows, 2, identity, 0, config, tmp_path / "idx")
+    assert memory.index.factory.startswith("IVF") and memory.recall >= target
+    meta = read_meta(tmp_path / "idx")
+    assert meta["recall"] == memory.recall and meta["target_recall"] == target
+    # another sample of queries than the tuning one: recall@10 of the built index against exact search
+    queries = vectors[np.random.default_rng(9).choice(len(vectors), 500, replace=False)]
+    _, found = memory.index.search(queries, 10)
+    _, exact = exact_search(vectors, queries, 10)
+    assert recall_at_k(found, exact, 10) >= target - 0.02
+    # untuned (nprobe=1), as the retriever built it before: clearly below
+    untuned = build_memory(
+        vectors, segments, rows, 2, identity, 0, IndexConfig(factory="auto", target_recall=None), None
+    )
+    _, found = untuned.index.search(queries, 10)
+    assert recall_at_k(found, exact, 10) < target - 0.05
+
+
+# ----- evaluation hooks: loss by neighbour source, random-neighbour ablation -----
+
+
+def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighbours(corpus):
+    """val/loss_by/retrieval/<group> sums partition the token-weighted validation loss (each against a naive
+    per-token loss); the eval variant recomputes the batch with random other-document neighbours."""
+    from rlm.lightning import LMModule
+
+    segments, windows = corpus
+    torch.manual_seed(0)
+    cfg = {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 128}
+    opts = {"layers": [1], "k": 2, "progress": False, "eval_ablation": True, "same_doc_k": 1}
+    module = LMModule(model=cfg, plugins={"retrieval": opts})
+    model = module.model
+    memory, _ = attach_memory(model, segments, np.arange(10))
+    module.on_validation_epoch_start()
+    batches = [windows.collate(np.arange(len(windows))[i::3]) for i in range(3)]
+    want: dict[str, list[float]] = {}
+    for batch in batches:
+        with torch.no_grad():
+            module._eval_step(batch, "val")
+            ctx = context(model, batch, "val")
+            out = model(batch["tokens"], ctx)
+            tok = torch.nn.functional.cross_entropy(
+                out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="none"
+            ).view_as(batch["targets"])
+            real = batch["targets"] != -100
+            for name, mask in ctx.loss_groups.items():
+                acc = want.setdefault(name, [0.0, 0.0])
+                acc[0] += float(tok[mask & real].double().sum())
+                acc[1] += int((mask & real).sum())
+            ablated = Context(
+                tokens=batch["tokens"],
+                mask=batch["mask"],
+                stage="val",
+                segment_ids=batch["segment_ids"],
+                doc_ids=batch["doc_ids"],
+                variant="retrieval_random",
+            )
+            model.plugins["retrieval"].prepare(ablated, batch)
+            inputs: RetrievalInputs = ablated.extras["retrieval"]
+            ids, q_doc = inputs.ids.numpy(), batch["doc_ids"].numpy()[:, None, None]
+            assert (ids >= 0).any() and (
+                segments.doc[ids[ids >= 0]] != np.broadcast_to(q_doc, ids.shape)[ids >= 0]
+            ).all()
+            assert np.isin(ids[ids >= 0], memory.rows).all()
+    sums = module._eval_sums
+    groups = [f"loss_by/retrieval/{g}" for g in ("own_doc", "other_doc", "mixed", "none")]
+    assert set(sums) == {*groups, "retrieval_random/loss"}
+    assert float(sum(sums[g][1] for g in groups)) == float(module._val_count)
+    torch.testing.assert_close(sum(sums[g][0] for g in groups), module._val_sum, rtol=1e-6, atol=1e-6)
+    for g in groups:
+        name = g.removeprefix("loss_by/")
+        torch.testing.assert_close(float(sums[g][0]), want[name][0], rtol=1e-5, atol=1e-5)
+        assert float(sums[g][1]) == want[name][1]
+    assert float(sums["loss_by/retrieval/own_doc"][1]) > 0 and float(sums["loss_by/retrieval/mixed"][1]) > 0
+    assert float(sums["retrieval_random/loss"][1]) == float(module._val_count)
+    assert float(sums["retrieval_random/loss"][0]) != float(module._val_sum)
+
+
+def test_bfloat16_neighbour_pass_is_close_to_float32(corpus):
+    """neighbour_dtype bfloat16 (the no-gradient neighbour pass under autocast) stays close to float32."""
+    segments, windows = corpus
+    model = tiny_model(neighbour_grad="embedding")
+    attach_memory(model, segments, np.arange(10))
+    batch = windows.collate(np.arange(6))
+    ref = logits(model, batch, "train")
+    model.plugins["retrieval"].config.neighbour_dtype = "bfloat16"
+    out = logits(model, batch, "train")
+    assert out.dtype == torch.float32 and not torch.equal(out, ref)
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)

@@ -44,18 +44,25 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
         "rebuild_s",
         "steps_since_rebuild",
         "retrieval_fraction",
+        "index_recall",
     ):
         assert column(rows, f"train/retrieval/{name}"), f"train/retrieval/{name} was not logged"
     assert column(rows, "val/retrieval/relevance") and column(rows, "val/loss")
     assert max(column(rows, "train/retrieval/steps_since_rebuild")) <= 3
+    # the warm start retrieves from step 0 (own-document neighbours only), the first table comes at step 2
+    same_doc = column(rows, "train/retrieval/same_doc")
+    assert same_doc and same_doc[0] == 1.0
     ckpt = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
     state = ckpt["callbacks"]["RebuildCallback[retrieval]"]
-    assert state["last_step"] == 3  # rebuilt at steps 0 and 3 of 0..5
+    assert state["last_step"] == 5  # rebuilt at steps 2 and 5 of 0..5 ('every 3', the first due at step 2)
     meta = json.loads((tmp_path / state["index_dir"] / "meta.json").read_text())
     assert meta["embedder"] == state["identity"] and meta["k"] == 2
+    assert meta["recall"] == 1.0 and meta["target_recall"] == 0.95  # a small corpus: exact flat search
+    info = run_rlm(["index", "info", tmp_path / state["index_dir"]], tmp_path, rlm_cache)
+    assert "recall    1.0 against exact search (target 0.95)" in info.stdout
     assert set(ckpt["hyper_parameters"]["plugins"]) == {"tokenid", "retrieval"}
     # validation and generation outside fit search the index the checkpoint names, with the current embedder
-    assert ckpt["state_dict"]["model.plugins.retrieval._extra_state"]["index_dir"].endswith("step-000000003")
+    assert ckpt["state_dict"]["model.plugins.retrieval._extra_state"]["index_dir"].endswith("step-000000005")
     ckpt_path = tmp_path / "runs/test/ckpt/last.ckpt"
     frags = (
         CONFIGS / "plugins" / "tokenid.yaml",
@@ -81,18 +88,24 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
-    """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors."""
-    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", _fragment(tmp_path)) + DDP_2CPU
+    """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors.
+    Steps 0 and 1 train on the warm start (each rank's own batch), the first table comes at step 2."""
+    ablation = _fragment(tmp_path, FAST + "      eval_ablation: true\n")
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", ablation) + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
     rows = read_metrics(tmp_path / RUN)
+    # the evaluation hooks, reduced over both ranks: loss by neighbour source, and the random-neighbour ablation
+    assert column(rows, "val/retrieval_random/loss")
+    assert any(column(rows, f"val/loss_by/retrieval/{g}") for g in ("own_doc", "other_doc", "mixed", "none"))
     assert len(column(rows, "train/loss")) == 4 and column(rows, "train/retrieval/relevance")
+    assert column(rows, "train/retrieval/same_doc")[0] == 1.0  # the warm start at step 0
     index_root = tmp_path / "runs/test/retrieval_index"
     built = sorted(p.name for p in index_root.glob("step-*"))
-    assert built == ["step-000000000", "step-000000003"]
+    assert built == ["step-000000002"]
     # the callback checks under DDP that every rank holds the same table (a checksum all-gather) and raises if not;
     # here: the gathered vectors are complete (one unit vector per indexed segment)
-    assert_complete_unit_vectors(index_root / "step-000000003")
+    assert_complete_unit_vectors(index_root / "step-000000002")
 
 
 @pytest.mark.slow
@@ -101,7 +114,9 @@ def test_ddp_background_first_table(tmp_path, rlm_cache):
     """Background mode under DDP: the first table is embedded in a thread on each rank while the ranks train
     without retrieval (every parameter still gets a gradient, as DDP requires); the ranks agree it has finished
     (at a later step, or at fit end) before gathering."""
-    background = _fragment(tmp_path, FAST.replace("mode: blocking", "mode: background"))
+    background = _fragment(
+        tmp_path, FAST.replace("mode: blocking", "mode: background\n      warm_start: none")
+    )
     args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", background) + DDP_2CPU
     run_rlm(args, tmp_path, rlm_cache)
     rows = read_metrics(tmp_path / RUN)

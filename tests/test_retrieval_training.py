@@ -78,7 +78,15 @@ def make_module(retrieval: dict | None, seed: int = 0) -> LMModule:
     torch.manual_seed(seed)
     model = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=2, max_seq_len=64)
     plugins = (
-        {"retrieval": {"layers": [1], "progress": False, "mode": "blocking", **retrieval}}
+        {
+            "retrieval": {
+                "layers": [1],
+                "progress": False,
+                "mode": "blocking",
+                "warm_start": "none",
+                **retrieval,
+            }
+        }
         if retrieval is not None
         else {}
     )
@@ -315,3 +323,47 @@ def test_background_first_table_trains_without_retrieval_until_it_lands(tmp_path
     assert all(memory[s] is None for s in range(5))  # steps 0..4 trained without retrieval
     assert memory[11] is not None and memory[11].step == 0  # the step-0 table, swapped in later
     assert plugin.memory is memory[11]
+
+
+# ----- warm start -----
+
+
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_warm_start_trains_from_the_first_step_and_defers_the_first_table(tmp_path, mode):
+    """With the warm start nothing is built at fit start: steps before the schedule's first due step (2 for
+    'every 3') retrieve from the document's own past, beta moves from the first optimizer step, and the first
+    table (built by an embedder that has trained) comes at step 2 in either mode."""
+    data = small_data()
+    module = make_module(
+        {"k": 2, "schedule": "every 3", "index_factory": "Flat", "warm_start": "recent", "mode": mode}
+    )
+    plugin = module.model.plugins["retrieval"]
+    beta = module.model.blocks[1].cross_attn.beta
+    seen: list[tuple[int, object, float]] = []  # (global step, memory in use, beta before the step)
+
+    class Watch(pl.Callback):  # runs before the rebuild callback
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.global_step, plugin.memory, float(beta.detach())))
+
+    t = trainer(tmp_path, 5, callbacks=[Watch()])
+    t.fit(module, datamodule=data)
+    cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+    assert cb.history[0][0] == 2, cb.history
+    assert seen[0][1] is None and seen[1][1] is None and seen[2][1] is None  # steps 0..2 on the warm start
+    assert seen[0][2] == 1.0 and seen[1][2] != 1.0  # beta trained by step 0 (it gets gradient there)
+    assert plugin.segments is data.segments
+
+
+def test_validation_logs_loss_by_neighbour_source_and_the_random_ablation(tmp_path):
+    """Through the Trainer: val/loss_by/retrieval/<group> and val/retrieval_random/loss are logged next to
+    val/loss (warm-start neighbours here: own-document ones, and none for a document's first chunk)."""
+    data = small_data()
+    module = make_module({"k": 2, "warm_start": "recent", "eval_ablation": True})
+    module.model.plugins["retrieval"].use_segments(data.segments)
+    t = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    out = t.validate(module, datamodule=data, verbose=False)[0]
+    assert {"val/loss", "val/retrieval_random/loss", "val/loss_by/retrieval/own_doc"} <= set(out)
+    assert "val/loss_by/retrieval/none" in out and "val/loss_by/retrieval/other_doc" not in out  # no tokens
+    assert out["val/retrieval_random/loss"] != out["val/loss"]

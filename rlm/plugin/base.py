@@ -143,6 +143,11 @@ class Plugin(nn.Module):
     def attach(self, model: nn.Module) -> None:
         """Called once after every plugin has been built, with the assembled model."""
 
+    def eval_variants(self) -> list[str]:
+        """Names of extra evaluation passes: for each, validation runs every batch's forward again with
+        ``ctx.variant`` set to the name (seen by ``prepare``) and logs ``val/<name>/loss`` (an ablation, say)."""
+        return []
+
 
 def config_fields(config_cls: type) -> list[str]:
     """Names of the fields of a plugin's config dataclass."""

@@ -35,6 +35,11 @@ class Context:
     """Auxiliary losses: name -> (value, weight). Added to the LM loss as weight * value."""
     metrics: dict[str, Tensor] = field(default_factory=dict)
     """Detached scalars to log, name -> value."""
+    loss_groups: dict[str, Tensor] = field(default_factory=dict)
+    """Per-token groups of the evaluation loss, name -> bool mask (B, T): validation logs the token-weighted loss
+    of each as ``val/loss_by/<name>``. Declare the same names on every batch (DDP reduces them by name)."""
+    variant: str | None = None
+    """The evaluation variant this forward computes (see Plugin.eval_variants); None for the model as it is."""
 
     @property
     def training(self) -> bool:
