@@ -86,6 +86,13 @@ class RetrievalConfig:
     (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively)."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
+    zero_init: bool = True
+    """Start each cross-attention's output projection at zero, so the model starts as the same model without
+    retrieval and the neighbours' contribution grows only as far as it lowers the loss (the role of Flamingo's
+    zero-initialised gates, Alayrac et al. 2022). The other weights get gradients from the second step on.
+    Measured on the default corpus (600 steps, one seed each, neighbour_grad 'none', last layer): val loss 4.097
+    zero against 4.142 random; with 'full' 4.229 against 4.257; at layer 2 it went the other way (4.196 against
+    4.082): the seed-to-seed spread of the base model there was 0.03, so read these as weak evidence."""
     schedule: str = "0-2000:500,2000-1000000000:2000"
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
     mode: str = "background"
@@ -224,7 +231,10 @@ class RetrievalCrossAttention(nn.Module):
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
         for lin in (self.q, self.kv):
             nn.init.normal_(lin.weight, 0.0, c.init_std)
-        nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
+        if plugin.config.zero_init:  # starts as the model without retrieval (RetrievalConfig.zero_init)
+            nn.init.zeros_(self.proj.weight)
+        else:
+            nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
         self.beta = nn.Parameter(torch.tensor(float(plugin.config.beta_init)))
         self.rope_base = c.rope_base
 

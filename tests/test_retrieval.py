@@ -41,7 +41,8 @@ def tiny_model(seed: int = 0, **retrieval) -> Transformer:
     cfg = ModelConfig(
         vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=128, tie_embeddings=False
     )
-    opts = {"layers": [1], "k": 2, "progress": False, **retrieval}
+    # a random output projection, so gradients reach every cross-attention weight from the first step
+    opts = {"layers": [1], "k": 2, "progress": False, "zero_init": False, **retrieval}
     return Transformer(cfg, {"retrieval": opts})
 
 
@@ -306,6 +307,27 @@ def test_warm_start_trains_cross_attention_and_embedder_without_a_table(corpus):
     xattn = model.blocks[1].cross_attn
     assert xattn.beta.grad.abs() > 0 and xattn.kv.weight.grad.abs().sum() > 0
     assert model.embed.main.table.weight.grad.abs().sum() > 0
+
+
+def test_zero_init_starts_as_the_model_without_retrieval(corpus):
+    """zero_init: at initialisation the logits equal the same weights' logits with no neighbours at all, and the
+    LM loss reaches the output projection (so the cross-attention starts to count after one step)."""
+    segments, windows = corpus
+    model = with_path("table", corpus, zero_init=True)
+    batch = windows.collate([1, 2, 4])
+    out = logits(model, batch, "train")
+    assert context(model, batch, "train").extras["retrieval"] is not None  # it did retrieve
+    plugin = model.plugins["retrieval"]
+    plugin.use_memory(None)
+    with torch.no_grad():
+        bare = model(batch["tokens"], Context(tokens=batch["tokens"], stage="train"))
+    torch.testing.assert_close(out.detach(), bare)
+    torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
+    ).backward()
+    xattn = model.blocks[1].cross_attn
+    assert xattn.proj.weight.grad.abs().sum() > 0
+    assert xattn.kv.weight.grad.abs().sum() == 0  # no signal through a zero projection yet
 
 
 def test_warm_start_none_without_a_table_means_no_retrieval(corpus):
@@ -600,7 +622,14 @@ def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighb
     segments, windows = corpus
     torch.manual_seed(0)
     cfg = {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 128}
-    opts = {"layers": [1], "k": 2, "progress": False, "eval_ablation": True, "same_doc_k": 1}
+    opts = {
+        "layers": [1],
+        "k": 2,
+        "progress": False,
+        "eval_ablation": True,
+        "same_doc_k": 1,
+        "zero_init": False,
+    }
     module = LMModule(model=cfg, plugins={"retrieval": opts})
     model = module.model
     memory, _ = attach_memory(model, segments, np.arange(10))

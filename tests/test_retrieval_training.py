@@ -84,6 +84,7 @@ def make_module(retrieval: dict | None, seed: int = 0) -> LMModule:
                 "progress": False,
                 "mode": "blocking",
                 "warm_start": "none",
+                "zero_init": False,  # the trajectories measured in the docstrings started from a random projection
                 **retrieval,
             }
         }
