@@ -88,6 +88,25 @@ def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[
     return str(root / "tokenizer.model")
 
 
+def with_tokenizer(
+    data: dict[str, Any], ckpt: dict[str, Any], path: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """Data arguments that read their tokens with the checkpoint's tokenizer: unchanged when their cache entry
+    already holds it (the training run's own entry: nothing is encoded again, and retrieval indices keyed by
+    it stay valid), else with ``tokenizer`` set to the checkpoint's model file."""
+    if data.get("tokenizer"):
+        return data
+    model = tokenizer_file(ckpt, path, data_settings(ckpt, path))  # the training data's, not `data`'s
+    try:
+        root = RLMDataModule(**{**data, "progress": False}).cache_path()
+    except (OSError, ValueError):
+        root = None
+    if root is not None and TokenStore.exists(root):
+        if (root / "tokenizer.model").read_bytes() == Path(model).read_bytes():
+            return data
+    return {**data, "tokenizer": model}
+
+
 def ckpt_path_arg(args: list[str]) -> str | None:
     """The value of ``--ckpt_path`` in LightningCLI arguments, if any."""
     for i, arg in enumerate(args):
@@ -103,17 +122,15 @@ def with_checkpoint_settings(merged: dict[str, Any], args: list[str]) -> dict[st
 
     The checkpoint's data arguments come first, so no training config is needed; config files and
     ``--data.*`` flags still override them (``--data.corpus X`` evaluates X's split). The tokenizer is always
-    the checkpoint's (``data.tokenizer``), never one trained anew. LightningCLI itself restores the model's
+    the checkpoint's (see with_tokenizer), never one trained anew. LightningCLI itself restores the model's
     settings from the checkpoint.
     """
     path = ckpt_path_arg(args)
     if path is None:
         return merged
     ckpt = load_checkpoint(path)
-    hp = data_settings(ckpt, path)
-    data = {**hp, **(merged.get("data") or {})}
-    data["tokenizer"] = (merged.get("data") or {}).get("tokenizer") or tokenizer_file(ckpt, path, hp)
-    return {**merged, "data": data}
+    data = {**data_settings(ckpt, path), **(merged.get("data") or {})}
+    return {**merged, "data": with_tokenizer(data, ckpt, path)}
 
 
 def _windows(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:
@@ -162,10 +179,10 @@ def evaluate(
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; accepted: {list(SPLITS)}")
     ckpt = load_checkpoint(ckpt_path)
-    hp = data_settings(ckpt, ckpt_path)
-    hp.update(tokenizer=tokenizer_file(ckpt, ckpt_path, hp), progress=progress)
+    hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
     if corpus:  # all of the new text: no document held out
         hp.update(corpus=corpus, max_documents=None, val_fraction=0.0, test_fraction=0.0)
+    hp = with_tokenizer(hp, ckpt, ckpt_path)
     data = RLMDataModule(**hp)
     data.prepare_data()
     store = TokenStore(data.cache_path())

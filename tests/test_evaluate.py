@@ -140,3 +140,23 @@ def test_print_config_shows_the_vocabulary_that_runs(tmp_path):
     assert cfg["data"]["vocab_size"] == 1024 and cfg["model"]["model"]["vocab_size"] == 1024
     assert cfg["trainer"]["logger"][0]["init_args"]["save_dir"] == "somewhere"
     assert "sys.argv" not in out.stderr
+
+
+@pytest.mark.slow
+def test_restored_settings_reuse_the_training_cache_when_it_holds_the_checkpoint_tokenizer(trained, monkeypatch, rlm_cache, tmp_path):  # fmt: skip
+    from rlm.evaluate import with_checkpoint_settings
+
+    _, root, _ = trained
+    monkeypatch.setenv("RLM_CACHE", str(rlm_cache))
+    data = with_checkpoint_settings({}, ["--ckpt_path", str(ckpt_of(root))])["data"]
+    assert data["corpus"] == "stdlib" and data["vocab_size"] == 1024 and not data.get("tokenizer")
+    other = with_checkpoint_settings({"data": {"corpus": str(tmp_path)}}, [f"--ckpt_path={ckpt_of(root)}"])[
+        "data"
+    ]
+    assert (
+        other["corpus"] == str(tmp_path)
+        and open(other["tokenizer"], "rb").read()
+        == torch.load(ckpt_of(root), map_location="cpu", weights_only=False)["RLMDataModule"][
+            "tokenizer_model"
+        ]
+    )
