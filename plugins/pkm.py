@@ -52,8 +52,8 @@ class PKMConfig:
     """Slots selected per head (k); also the top-k taken in each half."""
     k_dim: int = 256
     """Query width per head; each half (sub-key width) is k_dim / 2."""
-    query_norm: str = "batchnorm"
-    """Normalisation of the query, one of QUERY_NORMS:
+    query_norm: str = "layernorm"
+    """Normalisation of the query, one of QUERY_NORMS (default chosen by measurement: configs/plugins/pkm.yaml):
     'layernorm': per token, over each head's k_dim query (a learned scale and shift shared by the heads); causal, and a token's query
     never depends on the rest of the batch.
     'batchnorm': the paper's (Lample et al. Sec. 3.3: raises key usage), padding left out of its statistics.
