@@ -28,6 +28,12 @@ class RLMCLI(LightningCLI):
     _print_config: dict | None = None
     """The --print_config dump options, when it was asked for (taken out of the arguments)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
+        # (rlm.cli_support.refuse_optimizer_options explains it to the user).
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
+
     def before_instantiate_classes(self) -> None:
         from rlm.cli_support import link_vocab
 
@@ -96,7 +102,6 @@ def run_lightning(command: str, args: list[str]) -> int:
             parser_kwargs={"parser_mode": "omegaconf"},
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
-            auto_configure_optimizers=False,
         )
     finally:
         if merged_path:
