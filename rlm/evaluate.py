@@ -88,15 +88,22 @@ def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[
     return str(root / "tokenizer.model")
 
 
+# Data arguments the token cache depends on: given on the command line, they change the entry after this check.
+CACHE_ARGS = ("corpus", "hf_split", "hf_config", "text_field", "extensions", "max_documents", "vocab_size",
+              "val_fraction", "test_fraction", "seed", "cache_dir", "tokenizer_model_type", "max_tokenizer_chars")  # fmt: skip
+
+
 def with_tokenizer(
-    data: dict[str, Any], ckpt: dict[str, Any], path: str | os.PathLike[str]
+    data: dict[str, Any], ckpt: dict[str, Any], path: str | os.PathLike[str], force: bool = False
 ) -> dict[str, Any]:
     """Data arguments that read their tokens with the checkpoint's tokenizer: unchanged when their cache entry
     already holds it (the training run's own entry: nothing is encoded again, and retrieval indices keyed by
-    it stay valid), else with ``tokenizer`` set to the checkpoint's model file."""
+    it stay valid), else (or with ``force``) with ``tokenizer`` set to the checkpoint's model file."""
     if data.get("tokenizer"):
         return data
     model = tokenizer_file(ckpt, path, data_settings(ckpt, path))  # the training data's, not `data`'s
+    if force:
+        return {**data, "tokenizer": model}
     try:
         root = RLMDataModule(**{**data, "progress": False}).cache_path()
     except (OSError, ValueError):
@@ -130,7 +137,9 @@ def with_checkpoint_settings(merged: dict[str, Any], args: list[str]) -> dict[st
         return merged
     ckpt = load_checkpoint(path)
     data = {**data_settings(ckpt, path), **(merged.get("data") or {})}
-    return {**merged, "data": with_tokenizer(data, ckpt, path)}
+    flags = {arg.split("=", 1)[0] for arg in args if arg.startswith("--data.")}
+    changed = any(f"--data.{k}" in flags for k in CACHE_ARGS)  # e.g. --data.corpus X: another cache entry
+    return {**merged, "data": with_tokenizer(data, ckpt, path, force=changed)}
 
 
 def _windows(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:
