@@ -22,10 +22,10 @@ DISPATCH_MODES = ("auto", "grouped", "bmm")
 
 @dataclass
 class Plan:
-    """Where each kept (token, choice) assignment goes, sorted by expert (token order within an expert)."""
+    """Where each kept (token, choice) assignment goes, sorted by expert (row order within an expert)."""
 
     assignment: Tensor
-    """Kept assignments as indices into the choice-major flattening of the (S, k) routing, (A,)."""
+    """Kept assignments as indices into the token-major flattening of the (S, k) routing (s * k + j), (A,)."""
     token: Tensor
     """Source token of each kept assignment, (A,)."""
     expert: Tensor
@@ -41,14 +41,17 @@ class Plan:
 def plan(index: Tensor, valid: Tensor, n: int, capacity: int | None) -> Plan:
     """Group the assignments index (S, k) by expert; padding (valid False) and assignments past capacity drop out.
 
-    Choices are flattened choice-major, so every token's first choice claims capacity before any second
-    choice (GShard, Lepikhin et al. 2020); within one choice, earlier tokens come first.
+    Queue places are claimed token by token in row order, each token's k choices together (first choice
+    first): row s's places depend only on rows <= s, never on a later row. Callers pass the rows in the order
+    that makes this causal (moe: position-major, every sequence's token t before any token t + 1). GShard
+    (Lepikhin et al. 2020) instead lets every first choice claim capacity before any second choice, which lets
+    a later token's first choice displace an earlier token's second choice: not causal, so not used here.
     """
     S, k = index.shape
-    expert = index.t().reshape(-1)  # (A0,) with A0 = k * S
-    valid = valid.reshape(-1).repeat(k)  # (A0,)
+    expert = index.reshape(-1)  # (A0,) with A0 = S * k, token-major: a = s * k + j
+    valid = valid.reshape(-1).repeat_interleave(k)  # (A0,)
     expert = torch.where(valid, expert, n)  # padding goes to a sentinel expert n, never computed
-    order = torch.argsort(expert, stable=True)  # (A0,)
+    order = torch.argsort(expert, stable=True)  # (A0,) stable: row order within each expert's queue
     counts = torch.bincount(expert, minlength=n + 1)  # (N + 1,)
     start = torch.cumsum(counts, 0) - counts
     e_sorted = expert[order]
@@ -60,7 +63,7 @@ def plan(index: Tensor, valid: Tensor, n: int, capacity: int | None) -> Plan:
     counts = counts[:n] if capacity is None else counts[:n].clamp(max=capacity)
     n_valid = valid.sum().clamp(min=1)
     dropped = 1.0 - order.numel() / n_valid.float()
-    return Plan(order, order % S, e_sorted, position, counts, dropped)
+    return Plan(order, order // k, e_sorted, position, counts, dropped)
 
 
 def _activation(name: str, h: Tensor) -> Tensor:
@@ -124,7 +127,7 @@ def dispatch(
     """sum_{i in top-k} w_i(x) E_i(x) for x (S, d), index/weight (S, k); dropped and padding tokens get 0."""
     p = plan(index, valid, experts.up.shape[0], capacity)
     out = experts(x.index_select(0, p.token), p, capacity, mode).to(x.dtype)  # (A, d); autocast may give bf16
-    gate = weight.t().reshape(-1).index_select(0, p.assignment).to(x.dtype)  # (A,)
+    gate = weight.reshape(-1).index_select(0, p.assignment).to(x.dtype)  # (A,)
     y = x.new_zeros(x.shape).index_add(0, p.token, out * gate.unsqueeze(-1))  # (S, d)
     return y, p
 

@@ -68,9 +68,10 @@ static inline void prefetch_row_for_write(float *row, int64_t d) {
 
 CLONES void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64_t *offsets,
                          const int64_t *tok, const float *w, const float *grad, int64_t u0, int64_t u1, int64_t d,
-                         float lr, float b1, float b2, float eps, float bc1, float bc2_sqrt) {
+                         float step, float b1, float omb1, float b2, float omb2, float eps, float bc2_sqrt) {
+    /* step = lr / bc1, omb1 = 1 - b1, omb2 = 1 - b2, bc2_sqrt: computed in double by the caller
+       (1 - b2 in float32 is off by ~1e-5 relative for b2 = 0.999) and rounded once to float. */
     float *g = (float *)malloc(sizeof(float) * (size_t)d);
-    const float step = lr / bc1;
     for (int64_t u = u0; u < u1; ++u) {
         if (u + ADAM_AHEAD < u1) {
             const int64_t ahead = rows[u + ADAM_AHEAD] * d;
@@ -85,8 +86,8 @@ CLONES void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, cons
         }
         float *pr = p + rows[u] * d, *mr = m + rows[u] * d, *vr = v + rows[u] * d;
         for (int64_t j = 0; j < d; ++j) {
-            const float mj = b1 * mr[j] + (1.0f - b1) * g[j];
-            const float vj = b2 * vr[j] + (1.0f - b2) * g[j] * g[j];
+            const float mj = b1 * mr[j] + omb1 * g[j];
+            const float vj = b2 * vr[j] + omb2 * g[j] * g[j];
             mr[j] = mj;
             vr[j] = vj;
             pr[j] -= step * mj / (sqrtf(vj) / bc2_sqrt + eps);
@@ -347,7 +348,7 @@ def load() -> ctypes.CDLL | None:
         warnings.warn(f"pkm: native kernels unavailable ({err}); using the PyTorch paths", stacklevel=2)
         return None
     lib.pkm_row_adam.restype = lib.pkm_bag_dot.restype = None
-    lib.pkm_row_adam.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 6
+    lib.pkm_row_adam.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float] * 7
     lib.pkm_bag_dot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     for fn in (lib.pkm_search_f32, lib.pkm_search_f64):
         fn.restype = ctypes.c_int64
@@ -403,9 +404,11 @@ def row_adam(
     if lib is None:
         return False
     U, d = rows.numel(), p.shape[1]
-    bc1, bc2_sqrt = 1 - betas[0] ** step, (1 - betas[1] ** step) ** 0.5
+    # Every constant in double precision (Python floats), rounded to float32 once when passed.
+    b1, b2 = float(betas[0]), float(betas[1])
+    bc1, bc2_sqrt = 1.0 - b1**step, math.sqrt(1.0 - b2**step)
     ptrs = [t.data_ptr() for t in (p, m, v, rows, offsets, tok, w, grad)]
-    hyper = (lr, betas[0], betas[1], eps, bc1, bc2_sqrt)
+    hyper = (lr / bc1, b1, 1.0 - b1, b2, 1.0 - b2, eps, bc2_sqrt)
     _parallel(U, lambda lo, hi: lib.pkm_row_adam(*ptrs, lo, hi, d, *hyper), min_per_thread=256)
     return True
 

@@ -4,9 +4,11 @@
 
 where the lookup (plugins/_lookup.py) is the learned softmax router (w = p, renormalised over the k or not),
 Token-ID or LSH hashing (w = 1, Roller et al. 2021 'Hash layers'). Each expert has capacity
-C = ceil(k * tokens / N * capacity_factor) assignments (k = 1 gives Switch's tokens/N * capacity_factor);
-assignments past it are dropped, and a token with all its choices dropped passes by the residual
-unchanged. capacity_factor 0 is dropless. Softmax routing adds, each when its coefficient is non-zero:
+C = ceil(k * tokens / N * capacity_factor) assignments (k = 1 gives Switch's tokens/N * capacity_factor)
+in training; assignments past it are dropped, and a token with all its choices dropped passes by the
+residual unchanged. Queue places go token by token in position order (all of a token's choices before the
+next position's; plugins/_experts.py plan), so routing is causal. capacity_factor 0 is dropless, and so
+is evaluation and generation always (a sequence's loss never depends on the rest of the batch). Softmax routing adds, each when its coefficient is non-zero:
 
     moe_balance = N * sum_i f_i P_i          (Switch eq. 4; f_i: share of tokens whose argmax is i,
                                               P_i: mean router probability of i; weight balance_coef)
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +42,8 @@ class MoEConfig(LookupOptions):
     expert_hidden: int | None = None
     """Hidden width of each expert; None means the model's dense FFN width (each expert as wide as the FFN)."""
     capacity_factor: float = 1.25
-    """Expert capacity = k * tokens / N * capacity_factor; 0 means dropless (no token is ever dropped)."""
+    """Training expert capacity = k * tokens / N * capacity_factor; 0 means dropless (no token is ever dropped).
+    Evaluation and generation are always dropless, so a sequence's eval loss is independent of its batch."""
     balance_coef: float = 0.01
     """alpha of the load-balancing loss alpha * N * sum_i f_i P_i (Switch: 1e-2); 0 skips it."""
     z_coef: float = 0.001
@@ -100,18 +104,25 @@ class MoELayer(nn.Module):
         c = self.config
         if c.capacity_factor == 0:
             return None
-        return max(1, math.ceil(c.top_k * tokens / c.num_experts * c.capacity_factor))
+        # In integers: the factor as the decimal fraction it was written as (1.1 = 11/10, not the binary
+        # double 1.1000000000000000888), so 100 tokens, 2 experts, 1.1 give exactly 55, not 56.
+        factor = Fraction(repr(float(c.capacity_factor)))
+        num, den = c.top_k * tokens * factor.numerator, c.num_experts * factor.denominator
+        return max(1, -(-num // den))
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         B, T, d = x.shape
-        flat = x.reshape(B * T, d)  # (S, d)
-        valid = ctx.valid_mask().reshape(-1)  # (S,)
-        route = self.lookup(flat, ctx.tokens.reshape(-1), ctx.training)
-        y, p = dispatch(
-            flat, route.index, route.weight, valid, self.experts, self.capacity(B * T), self.config.dispatch
-        )
+        # Rows position-major (all sequences' token 0, then all token 1, ...): plan() gives queue places in row
+        # order, so a token is never displaced by a later position of any sequence (causal in training).
+        flat = x.transpose(0, 1).reshape(T * B, d)  # (S, d)
+        valid = ctx.valid_mask().t().reshape(-1)  # (S,)
+        route = self.lookup(flat, ctx.tokens.t().reshape(-1), ctx.training)
+        # Evaluation and generation are dropless (HF Switch / ST-MoE use a larger eval capacity for the same
+        # reason): a sequence's outputs then never depend on the rest of the batch.
+        capacity = self.capacity(B * T) if ctx.training else None
+        y, p = dispatch(flat, route.index, route.weight, valid, self.experts, capacity, self.config.dispatch)
         self._report(ctx, route, valid, p)
-        return y.view(B, T, d)
+        return y.view(T, B, d).transpose(0, 1)
 
     def _report(self, ctx: Context, route: Routing, valid: Tensor, p: Plan) -> None:
         c, tag = self.config, f"l{self.layer}"

@@ -1,7 +1,8 @@
 """Product key memory (Lample et al. 2019, 'Large Memory Layers with Product Keys'), in the FFN slot.
 
 For a token x of width d, at each chosen layer (Lample et al. Sec. 3):
-    q = BN(W_q x)                        query, (H, k_dim); batch norm over real tokens raises key usage
+    q = norm(W_q x)                      query, (H, k_dim); the paper batch-norms it (raises key usage), or
+                                         LayerNorm per token and head (causal; see PKMConfig.query_norm)
     per head h: q = (q1, q2); top-k of q1.C_h and of q2.C'_h (n sub-keys each), k*k candidate sums,
         exact top-k of those: slots I_h, scores s_h              (n^2 slots searched at O(n + k^2) cost)
     w_h = softmax(s_h)                   over the k selected scores
@@ -32,6 +33,7 @@ from rlm.plugins._pkm_native import huge_page_empty
 from rlm.plugins._pkm_ops import MaskedBatchNorm, RowAdam, product_key_topk, slot_stats, value_lookup
 
 SPARSE_CHOICES = ("auto", "true", "false")
+QUERY_NORMS = ("layernorm", "batchnorm", "none")
 
 
 @dataclass
@@ -50,8 +52,17 @@ class PKMConfig:
     """Slots selected per head (k); also the top-k taken in each half."""
     k_dim: int = 256
     """Query width per head; each half (sub-key width) is k_dim / 2."""
-    query_batchnorm: bool = True
-    """Batch norm on the query (Lample et al. Sec. 3.3: raises key usage); padding is left out of its statistics."""
+    query_norm: str = "layernorm"
+    """Normalisation of the query, one of QUERY_NORMS (default chosen by measurement: configs/plugins/pkm.yaml):
+    'layernorm': per token, over each head's k_dim query (a learned scale and shift shared by the heads); causal, and a token's query
+    never depends on the rest of the batch.
+    'batchnorm': the paper's (Lample et al. Sec. 3.3: raises key usage), padding left out of its statistics.
+    Leaks at train time: the training batch's statistics include the later tokens of the same sequence (and
+    the other sequences), so a token's training output depends on its future; evaluation uses running
+    statistics and is exact.
+    'none': the raw query."""
+    query_batchnorm: bool | None = None
+    """Deprecated (checkpoints written before query_norm): true means query_norm 'batchnorm', false 'none'."""
     shared_values: bool = True
     """One value table for every memory layer (else one table per layer)."""
     gated: bool = False
@@ -64,6 +75,10 @@ class PKMConfig:
     """Row-wise lazy Adam on the values: 'auto' (on unless torch.distributed runs), true, or false (dense grads)."""
 
     def __post_init__(self) -> None:
+        if self.query_batchnorm is not None:
+            self.query_norm, self.query_batchnorm = ("batchnorm" if self.query_batchnorm else "none"), None
+        if self.query_norm not in QUERY_NORMS:
+            raise ValueError(f"pkm.query_norm={self.query_norm!r} is unknown; expected one of {QUERY_NORMS}")
         if self.mode not in ("replace", "add"):
             raise ValueError(f"pkm.mode={self.mode!r} is unknown; expected 'replace' or 'add'")
         for name in ("n_keys", "heads", "topk", "k_dim"):
@@ -102,7 +117,12 @@ class PKMLayer(nn.Module):
         self.value_dropout = c.value_dropout
         self.query = nn.Linear(d, c.heads * c.k_dim, bias=False)
         nn.init.normal_(self.query.weight, 0.0, d**-0.5)
-        self.norm = MaskedBatchNorm(c.heads * c.k_dim) if c.query_batchnorm else None
+        self.norm_kind = c.query_norm
+        self.norm: nn.Module | None = None
+        if c.query_norm == "batchnorm":
+            self.norm = MaskedBatchNorm(c.heads * c.k_dim)
+        elif c.query_norm == "layernorm":
+            self.norm = nn.LayerNorm(c.k_dim)  # per token and head: (N, H, k_dim) over k_dim
         # Sub-keys C, C' per head, (H, 2, n, k_dim/2); uniform init as in the paper's code (XLM).
         bound = 1.0 / math.sqrt(self.half)
         self.keys = nn.Parameter(torch.empty(c.heads, 2, c.n_keys, self.half).uniform_(-bound, bound))
@@ -123,8 +143,10 @@ class PKMLayer(nn.Module):
     def lookup(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Selected slots and their softmax weights for x (N, d) with padding mask valid (N,): each (N, H, k)."""
         q = self.query(x)  # (N, H * k_dim)
-        if self.norm is not None:
+        if self.norm_kind == "batchnorm":
             q = self.norm(q, valid)
+        elif self.norm_kind == "layernorm":
+            q = self.norm(q.view(-1, self.heads, q.shape[-1] // self.heads)).flatten(1)  # (N, H * k_dim)
         dtype = torch.promote_types(q.dtype, torch.float32)  # search and softmax in at least float32
         q = q.to(dtype).view(-1, self.heads, 2, self.half)  # (N, H, 2, k_dim/2)
         keys = self.keys.to(dtype)

@@ -25,12 +25,27 @@ from rlm.model.config import ModelConfig
 class RLMCLI(LightningCLI):
     """LightningCLI with the data module's vocabulary copied into the model config."""
 
+    _print_config: dict | None = None
+    """The --print_config dump options, when it was asked for (taken out of the arguments)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
+        # (rlm.cli_support.refuse_optimizer_options explains it to the user).
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
+
     def before_instantiate_classes(self) -> None:
-        # Not parser.link_arguments: jsonargparse 4.53 then rejects every field of the optional ModelConfig
-        # ("does not accept option 'model.model.d_model'"), so the copy is made after parsing instead.
-        cfg = self.config[self.subcommand] if self.subcommand else self.config
-        if cfg.get("model.model") is not None:
-            cfg.model.model.vocab_size = cfg.data.vocab_size
+        from rlm.cli_support import link_vocab
+
+        link_vocab(self.config[self.subcommand] if self.subcommand else self.config)
+
+    def parse_arguments(self, parser, args) -> None:
+        # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
+        # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
+        from rlm.cli_support import pop_print_config
+
+        args, self._print_config = pop_print_config(list(args))
+        self.config = parser.parse_args(args)
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
@@ -51,15 +66,34 @@ class RLMCLI(LightningCLI):
                         f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs)
                     )
         super()._parse_ckpt_path()
+        if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
+            from rlm.cli_support import link_vocab
+
+            sub = self.config["subcommand"]
+            link_vocab(self.config[sub])
+            print(self._parser(sub).dump(self.config[sub], **self._print_config), end="")
+            sys.exit(0)
 
 
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
+    from rlm.cli_support import flag_value, refuse_optimizer_options
     from rlm.data import RLMDataModule
     from rlm.lightning import LMModule
 
     configs, rest = split_config_args(args)
-    merged_path = write_merged(merge_configs(configs)) if configs else None
+    # The command line's default_root_dir as a last config layer, so ${trainer.default_root_dir} resolves to it.
+    root = flag_value(rest, "--trainer.default_root_dir")
+    root_path = write_merged({"trainer": {"default_root_dir": root}}) if root and configs else None
+    merged = merge_configs([*configs, *([root_path] if root_path else [])]) if configs else {}
+    if root_path:
+        os.unlink(root_path)
+    refuse_optimizer_options(command, merged, rest)
+    if command in ("validate", "test"):
+        from rlm.evaluate import with_checkpoint_settings
+
+        merged = with_checkpoint_settings(merged, rest)
+    merged_path = write_merged(merged) if merged else None
     try:
         RLMCLI(
             LMModule,
@@ -111,6 +145,13 @@ def run_generate(command: str, args: list[str]) -> int:
     return 0
 
 
+def run_eval(command: str, args: list[str]) -> int:
+    """``rlm eval --ckpt PATH [--corpus X]``: loss, perplexity and bits per byte with the model's tokenizer."""
+    from rlm.evaluate import main as eval_main
+
+    return eval_main(args)
+
+
 def run_index(command: str, args: list[str]) -> int:
     """``rlm index build|search|eval|info``."""
     from rlm.index.cli import main as index_main
@@ -129,6 +170,7 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "fit": (run_lightning, "train a model (LightningCLI; stack --config files)"),
     "validate": (run_lightning, "evaluate on the validation split"),
     "test": (run_lightning, "evaluate on the test split"),
+    "eval": (run_eval, "loss, perplexity and bits per byte of a checkpoint on any text, its own tokenizer"),
     "generate": (run_generate, "sample text from a checkpoint"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
     "experiment": (run_experiment, "run plugin comparisons and report them"),

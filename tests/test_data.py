@@ -16,7 +16,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from rlm.data import IGNORE_INDEX, RLMDataModule, SegmentTable, Tokenizer, TrainLoader, read_corpus
 from rlm.data.corpus import stdlib_paths
-from rlm.data.store import split_documents
+from rlm.data.store import TokenStore, split_documents, split_train_val_test
 
 SEQ, SEG = 32, 8
 
@@ -78,8 +78,9 @@ def test_store_round_trip(dm, corpus):
         assert tok.decode(ids[1:-1]) == corpus[1][name] == dm.text_of(d)
         assert ids[1:-1].tolist() == tok.encode(corpus[1][name])
     assert store.doc_offsets[0] == 0 and store.doc_offsets[-1] == len(store.tokens)
-    assert not set(store.train_docs) & set(store.val_docs)
-    assert sorted({*store.train_docs, *store.val_docs}) == list(range(len(names)))
+    train, val, test = set(store.train_docs), set(store.val_docs), set(store.test_docs)
+    assert test and not train & val and not train & test and not val & test
+    assert sorted(train | val | test) == list(range(len(names)))
 
 
 def test_tokenizer_encodes_any_text(dm):
@@ -219,10 +220,48 @@ def test_datamodule_shards_by_the_attached_trainer(dm, monkeypatch):
 
 
 def test_no_validation_documents(corpus, tmp_path):
-    module = _dm(corpus[0], tmp_path, val_fraction=0.0)
+    module = _dm(corpus[0], tmp_path, val_fraction=0.0, test_fraction=0.0)
     module.setup()
     assert len(module.store.val_docs) == 0 and module.val_dataloader() == []
     assert len(module.store.train_docs) == len(corpus[1])
+    with pytest.raises(ValueError, match="test split is empty"):
+        module.test_dataloader()
+
+
+def test_three_way_split_is_deterministic_disjoint_and_keeps_the_validation_documents():
+    train, val, test = split_train_val_test(100, 0.2, 0.1, seed=3)
+    assert len(val) == 20 and len(test) == 10 and len(train) == 70
+    assert sorted({*train, *val, *test}) == list(range(100)) and not set(val) & set(test)
+    again = split_train_val_test(100, 0.2, 0.1, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip((train, val, test), again))
+    assert not np.array_equal(test, split_train_val_test(100, 0.2, 0.1, seed=4)[2])
+    # The validation documents are those of the two-way split: adding a test split leaves them alone.
+    assert np.array_equal(val, split_documents(100, 0.2, seed=3)[1])
+    assert [len(p) for p in split_train_val_test(3, 0.01, 0.01, 0)] == [1, 1, 1]
+    assert [len(p) for p in split_train_val_test(2, 0.5, 0.5, 0)] == [1, 1, 0]  # one document stays to train
+
+
+def test_test_loader_reads_the_test_documents(dm):
+    batch = next(iter(dm.test_dataloader()))
+    assert set(batch["doc_ids"].tolist()) <= set(dm.store.test_docs.tolist())
+    assert len(dm.windows("test")) and not set(dm.windows("test").doc) & set(dm.windows("val").doc)
+
+
+def test_state_dict_carries_the_tokenizer(dm):
+    assert dm.state_dict()["tokenizer_model"] == open(dm.tokenizer.path, "rb").read()
+
+
+def test_a_given_tokenizer_is_used_instead_of_training_one(dm, tmp_path, corpus):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "new.txt").write_text("brand new text, never seen\n")
+    module = _dm(other, tmp_path / "cache", tokenizer=dm.tokenizer.path, val_fraction=0.0, test_fraction=0.0)
+    module.prepare_data()
+    store = TokenStore(module.cache_path())
+    assert open(store.tokenizer.path, "rb").read() == open(dm.tokenizer.path, "rb").read()
+    assert store.doc_tokens(0)[1:-1].tolist() == dm.tokenizer.encode("brand new text, never seen\n")
+    with pytest.raises(ValueError, match="not a file"):
+        _dm(other, tmp_path, tokenizer=str(tmp_path / "missing.model"))
 
 
 def test_train_loader_state_round_trip(dm):
@@ -282,7 +321,9 @@ def _fit(corpus, cache, batch_size, steps, ckpt_in=None, ckpt_out=None, every_st
         **trainer_kw,
     )
     model = _Recorder()
-    trainer.fit(model, datamodule=_dm(corpus, cache, batch_size=batch_size), ckpt_path=ckpt_in)
+    # No test split: the training windows then divide into whole epochs of batches (see the caller).
+    data = _dm(corpus, cache, batch_size=batch_size, test_fraction=0.0)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     if ckpt_out:
         trainer.save_checkpoint(ckpt_out)
     return model.seen
@@ -293,7 +334,10 @@ def test_resume_mid_epoch_is_exact_with_a_real_trainer(corpus, dm, tmp_path):
     """2N steps in one go == N steps, checkpoint, resume; with checkpoints saved during training by
     ModelCheckpoint and by trainer.save_checkpoint after a run stopped by max_steps."""
     per_epoch = 4  # batches per epoch, so that a few steps cross an epoch boundary
-    bs = len(dm.windows("train")) // per_epoch
+    data = _dm(corpus[0], dm.cache_dir, test_fraction=0.0)
+    data.setup()
+    bs = len(data.windows("train")) // per_epoch
+    assert len(data.windows("train")) % bs == 0  # whole epochs: every epoch covers the same windows
     total = 2 * per_epoch + 1
     straight = _fit(corpus[0], dm.cache_dir, bs, total, every_step_to=tmp_path)
     epoch0, epoch1 = straight[:per_epoch], straight[per_epoch : 2 * per_epoch]

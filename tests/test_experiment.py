@@ -180,6 +180,7 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(runner, "train", fake_train)
     monkeypatch.setattr(runner, "summarize", lambda run, wall: {"val_loss": 1.0})
+    monkeypatch.setattr(runner, "evaluate_test", lambda run: True)
     failed = runner.run_experiment(exp, tmp_path / "out")
     assert failed == ["bad/seed0", "bad/seed1"]
     assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/seed*/summary.json")) == [
@@ -247,7 +248,8 @@ def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
     assert (
         main_rows[0][-1].rstrip(" |") == f"{85.0 / 105.0:.2f}x"
     )  # tokens/s against the baseline's, last column
-    assert main_rows[0][7] == "500" and main_rows[2][7] == "2.00k"
+    assert main_rows[0][9] == "500" and main_rows[2][9] == "2.00k"
+    assert main_rows[0][6] == main_rows[0][7] == "—"  # no test evaluation in these hand-made runs
     # Equal time: 'big' ran 30 steps in 7.5 s; the others are read at 7.5 s on their (5 s, 10 s) segment,
     # a quarter of the way from loss + 1 to loss + 0.5.
     assert "| val loss at 8s train |" in table[0]
@@ -291,6 +293,13 @@ def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monke
         assert (
             s["steps"] == 4 and s["val_loss"] > 0 and s["tokens_per_s"] > 0 and 0 < s["train_s"] < s["wall_s"]
         )
+        # The whole test split, once at the end, with the run's own tokenizer (rlm eval).
+        test = json.loads((out / f"{s['variant']}/seed0/test.json").read_text())
+        assert (
+            s["test_loss"] == test["loss"] > 0
+            and s["test_bpb"] == test["bpb"] > 0
+            and test["split"] == "test"
+        )
     config = yaml.safe_load((out / "tokenid/seed1/config.yaml").read_text())
     assert config["seed_everything"] == 1 and config["model"]["plugins"] == {
         "tokenid": {"layers": [0], "rank": 0}
@@ -298,6 +307,7 @@ def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monke
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
     assert "**baseline** (baseline)" in (out / "results.md").read_text()
+    assert "test bits/byte" in (out / "results.md").read_text()
     for name in PLOTS:
         assert (out / name).read_bytes().startswith(PNG)
 
@@ -340,6 +350,7 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_reused(tmp_path,
         return True, 2.0
 
     monkeypatch.setattr(runner, "train", fake_train)
+    monkeypatch.setattr(runner, "evaluate_test", lambda run: True)
     monkeypatch.setattr(
         runner,
         "summarize",

@@ -34,32 +34,34 @@ def naive_expert(layer: MoELayer, e: int, x: torch.Tensor) -> torch.Tensor:
     return h @ down
 
 
-def naive_moe(layer: MoELayer, x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor):
-    """Reference: route every token, then fill each expert's queue in (choice, token) order up to capacity."""
+def naive_moe(layer: MoELayer, x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, training: bool):
+    """Reference on x (B, T, d): route every token, then fill the expert queues position by position (every
+    sequence's token t before any token t + 1), each token's choices in order, up to capacity (training only)."""
     c = layer.config
-    S = x.shape[0]
+    B, T, _ = x.shape
     if c.lookup == "softmax":
-        probs = (x.float() @ layer.lookup.weight.t()).softmax(-1)
+        probs = (x.float() @ layer.lookup.weight.t()).softmax(-1)  # (B, T, N)
         w, idx = probs.topk(c.top_k, dim=-1)
         if c.renormalize:
             w = w / w.sum(-1, keepdim=True)
     else:
-        idx = layer.lookup(x, tokens, False).index
+        idx = layer.lookup(x.reshape(B * T, -1), tokens.reshape(-1), False).index.view(B, T, 1)
         w = torch.ones(idx.shape)
-    cap = layer.capacity(S) or S * c.top_k
+    cap = (layer.capacity(B * T) if training else None) or B * T * c.top_k
     load = [0] * c.num_experts
     y = torch.zeros_like(x)
     dropped = 0
-    for j in range(c.top_k):  # all first choices claim capacity before any second choice
-        for s in range(S):
-            if not valid[s]:
+    for t in range(T):
+        for b in range(B):
+            if not valid[b, t]:
                 continue
-            e = int(idx[s, j])
-            if load[e] < cap:
-                load[e] += 1
-                y[s] += w[s, j] * naive_expert(layer, e, x[s])
-            else:
-                dropped += 1
+            for j in range(c.top_k):
+                e = int(idx[b, t, j])
+                if load[e] < cap:
+                    load[e] += 1
+                    y[b, t] += w[b, t, j] * naive_expert(layer, e, x[b, t])
+                else:
+                    dropped += 1
     return y, dropped / (int(valid.sum()) * c.top_k)
 
 
@@ -74,25 +76,26 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("stage", ["train", "val"])
 @pytest.mark.parametrize("dispatch", ["grouped", "bmm"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_moe_matches_naive_reference(case, dispatch):
+def test_moe_matches_naive_reference(case, dispatch, stage):
     ffn = "plain" if case.get("lookup") == "lsh" else "gated"
-    cfg = MoEConfig(layers=[0], num_experts=4, dispatch=dispatch, **case)
+    cfg = MoEConfig(layers=[0], num_experts=4, dispatch=dispatch, router_jitter=0.0, **case)
     layer = MoELayer(cfg, model_config(ffn), 0)
     B, T = 2, 12
     x = torch.randn(B, T, D)
     tokens = torch.randint(0, V, (B, T))
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, -3:] = False  # padding: takes no capacity, outputs zero
-    ctx = Context(tokens=tokens, mask=mask, stage="val")
+    ctx = Context(tokens=tokens, mask=mask, stage=stage)
     y = layer(x, ctx)
-    ref, dropped = naive_moe(layer, x.view(-1, D), tokens.view(-1), mask.view(-1))
-    assert_close(y.view(-1, D), ref, atol=1e-5, rtol=1e-4)
+    ref, dropped = naive_moe(layer, x, tokens, mask, stage == "train")
+    assert_close(y, ref, atol=1e-5, rtol=1e-4)
     assert_close(ctx.metrics["moe_dropped/l0"], torch.tensor(dropped), atol=1e-6, rtol=0)
     assert (y[1, -3:] == 0).all()
-    if cfg.capacity_factor == 0:
-        assert dropped == 0
+    if cfg.capacity_factor == 0 or stage != "train":
+        assert dropped == 0  # dropless, and evaluation never drops
 
 
 def test_dropped_tokens_pass_by_the_residual():
@@ -100,7 +103,7 @@ def test_dropped_tokens_pass_by_the_residual():
     model = Transformer(model_config(), {"moe": cfg.__dict__})
     layer = model.blocks[1].ffn
     x = torch.randn(1, 16, D)
-    y = layer(x, Context(tokens=torch.zeros(1, 16, dtype=torch.long), stage="val"))
+    y = layer(x, Context(tokens=torch.zeros(1, 16, dtype=torch.long), stage="train"))
     zero_rows = (y[0].abs().sum(-1) == 0).sum().item()
     assert zero_rows >= 16 - 4  # capacity ceil(16/4*0.25) = 1 per expert: at most 4 tokens computed
     # The block adds the FFN output to the residual, so a dropped token leaves the block's FFN step unchanged.

@@ -74,11 +74,14 @@ def small_layer(**kw) -> tuple[PKMPlugin, PKMLayer]:
 def naive_memory(layer: PKMLayer, values: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """The paper's equations token by token: BN over valid rows, brute-force top-k, softmax, gather and sum."""
     q = x @ layer.query.weight.T  # (N, H*dk)
-    if layer.norm is not None:
+    if layer.norm_kind == "batchnorm":
         rows = q[valid]
         mean, var = rows.mean(0), rows.var(0, unbiased=False)
         q = (q - mean) / torch.sqrt(var + layer.norm.eps) * layer.norm.weight + layer.norm.bias
     q = q.view(len(x), layer.heads, -1)
+    if layer.norm_kind == "layernorm":  # per token and head
+        mean, var = q.mean(-1, keepdim=True), q.var(-1, unbiased=False, keepdim=True)
+        q = (q - mean) / torch.sqrt(var + layer.norm.eps) * layer.norm.weight + layer.norm.bias
     out = []
     for t in range(len(x)):
         acc = torch.zeros(values.shape[1], dtype=x.dtype)
@@ -95,10 +98,10 @@ def naive_memory(layer: PKMLayer, values: torch.Tensor, x: torch.Tensor, valid: 
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("batchnorm", [False, True])
+@pytest.mark.parametrize("query_norm", ["none", "batchnorm", "layernorm"])
 @pytest.mark.parametrize("gated", [False, True])
-def test_output_equals_naive_gather_and_sum(batchnorm, gated):
-    plugin, layer = small_layer(query_batchnorm=batchnorm, gated=gated)
+def test_output_equals_naive_gather_and_sum(query_norm, gated):
+    plugin, layer = small_layer(query_norm=query_norm, gated=gated)
     x = torch.randn(2, 5, 32, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
     ctx = Context(tokens=torch.zeros(2, 5, dtype=torch.long), mask=mask)
@@ -238,6 +241,62 @@ def test_row_adam_matches_torch_sparse_adam(native):
         assert_close(table, ref.detach())
         assert torch.equal(table[untouched], before[untouched])
     assert not opt.reads
+
+
+@pytest.mark.parametrize("query_norm", ["none", "layernorm", "batchnorm"])
+def test_query_norm_causality_in_training(query_norm):
+    """layernorm and none: a token's training output never depends on later tokens (or the rest of the batch).
+    batchnorm: it does, through the batch statistics (the documented train-time leak of the paper's method)."""
+    plugin, layer = small_layer(query_norm=query_norm)
+    layer.train()
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 5:] = torch.randn(2, 3, 32, dtype=torch.float64)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with torch.no_grad():
+        a, b = (layer(t, Context(tokens=tokens, stage="train"))[:, :5] for t in (x, changed))
+    if query_norm == "batchnorm":
+        assert not torch.allclose(a, b)
+    else:
+        assert_close(a, b)
+
+
+def test_old_query_batchnorm_option_maps_to_query_norm():
+    assert PKMConfig(query_batchnorm=True).query_norm == "batchnorm"
+    assert PKMConfig(query_batchnorm=False).query_norm == "none"
+    with pytest.raises(ValueError, match="layernorm"):
+        PKMConfig(query_norm="groupnorm")
+
+
+def test_native_row_adam_constants_are_double_precision():
+    """One Adam step from zero moments against a float64 reference: 1 - b2 in float32 alone would be off by
+    1.3e-5 relative (b2 = 0.999), far above float32 rounding of the rest."""
+    if _pkm_native.load() is None:
+        pytest.skip("no C compiler: the fused kernel is unavailable")
+    g = torch.Generator().manual_seed(0)
+    d, lr, betas, eps = 16, 1e-3, (0.9, 0.999), 1e-8
+    p = torch.randn(3, d, generator=g)
+    m, v = torch.zeros(3, d), torch.zeros(3, d)
+    grad = torch.rand(2, d, generator=g) + 0.5
+    p0 = p.double().clone()
+    rows, offsets, tok = torch.tensor([0, 2]), torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    w = torch.ones(2)
+    for step in (1, 2):
+        assert _pkm_native.row_adam(p, m, v, rows, offsets, tok, w, grad, lr, betas, eps, step)
+    gd = grad.double()
+    m_ref, v_ref, p_ref = (
+        torch.zeros(2, d, dtype=torch.float64),
+        torch.zeros(2, d, dtype=torch.float64),
+        p0[[0, 2]],
+    )
+    for step in (1, 2):
+        m_ref = betas[0] * m_ref + (1 - betas[0]) * gd
+        v_ref = betas[1] * v_ref + (1 - betas[1]) * gd * gd
+        m_hat, v_hat = m_ref / (1 - betas[0] ** step), v_ref / (1 - betas[1] ** step)
+        p_ref = p_ref - lr * m_hat / (v_hat.sqrt() + eps)
+    assert_close(v[[0, 2]].double(), v_ref, rtol=1e-6, atol=0)
+    assert_close(m[[0, 2]].double(), m_ref, rtol=1e-6, atol=0)
+    assert_close(p[[0, 2]].double(), p_ref, rtol=1e-6, atol=1e-7)
 
 
 def test_sparse_step_equals_dense_adam_on_first_step():

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from rlm.data.corpus import Document, fingerprint, read_corpus
 from rlm.data.segments import SegmentTable
-from rlm.data.store import CacheKey, TokenStore, build_store
+from rlm.data.store import CacheKey, TokenStore, build_store, file_digest
 from rlm.data.tokenizer import MODEL_TYPES, Tokenizer
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 
@@ -38,6 +38,9 @@ class RLMDataModule(pl.LightningDataModule):
         batch_size: Training batch size (per device).
         val_batch_size: Validation/test batch size; None uses batch_size.
         val_fraction: Fraction of documents held out for validation (split by document, seeded).
+        test_fraction: Fraction of documents held out for testing (``rlm test``), disjoint from validation.
+        tokenizer: A sentencepiece model file used instead of training one on the corpus (evaluation with a
+            checkpoint's own tokenizer: ``rlm validate|test --ckpt_path`` and ``rlm eval`` set it); None trains.
         seed: Seed of the split, the tokenizer trainer and the training order.
         cache_dir: Where tokenizers and token arrays are cached; None uses $RLM_CACHE or ~/.cache/rlm.
         num_workers: Loader worker processes (0: batches are sliced from the memory map in the main process).
@@ -60,6 +63,8 @@ class RLMDataModule(pl.LightningDataModule):
         batch_size: int = 8,
         val_batch_size: int | None = None,
         val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        tokenizer: str | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
         num_workers: int = 0,
@@ -82,6 +87,13 @@ class RLMDataModule(pl.LightningDataModule):
             raise ValueError(f"seq_len={seq_len} is not a multiple of segment_len={segment_len}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction}; accepted: 0 <= val_fraction < 1")
+        if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
+            raise ValueError(
+                f"test_fraction={test_fraction} (val_fraction={val_fraction}); accepted: 0 <= test_fraction < 1 "
+                "and val_fraction + test_fraction < 1"
+            )
+        if tokenizer is not None and not Path(tokenizer).is_file():
+            raise ValueError(f"tokenizer={tokenizer!r} is not a file; accepted: a sentencepiece .model file")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers}; accepted: >= 0")
         if tokenizer_model_type not in MODEL_TYPES:
@@ -95,6 +107,7 @@ class RLMDataModule(pl.LightningDataModule):
         self.seq_len, self.segment_len = seq_len, segment_len
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.val_fraction, self.seed = val_fraction, seed
+        self.test_fraction, self.tokenizer_file = test_fraction, tokenizer
         self.cache_dir = Path(
             cache_dir or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm"
         ).expanduser()
@@ -132,6 +145,8 @@ class RLMDataModule(pl.LightningDataModule):
                 seed=self.seed,
                 val_fraction=self.val_fraction,
                 max_tokenizer_chars=self.max_tokenizer_chars,
+                test_fraction=self.test_fraction,
+                tokenizer=file_digest(self.tokenizer_file) if self.tokenizer_file else "",
             )
         return self._key
 
@@ -144,7 +159,7 @@ class RLMDataModule(pl.LightningDataModule):
         root = self.cache_path()
         if not TokenStore.exists(root):
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            build_store(root, self.documents(), self.cache_key(), progress=self.progress)
+            build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_file)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the cache (building it first when prepare_data was not called), cut segments and windows."""
@@ -163,6 +178,7 @@ class RLMDataModule(pl.LightningDataModule):
         self._windows = {
             "train": Windows(segments, store.doc_offsets, store.train_docs, self.seq_len),
             "val": Windows(segments, store.doc_offsets, store.val_docs, self.seq_len),
+            "test": Windows(segments, store.doc_offsets, store.test_docs, self.seq_len),
         }
         self._store, self._segments = store, segments
         self._docs = None  # the text lives in the cache now; text_of() decodes it
@@ -184,13 +200,26 @@ class RLMDataModule(pl.LightningDataModule):
         windows = self.windows("val")
         return eval_loader(windows, self.val_batch_size, self.num_workers) if len(windows) else []
 
-    def test_dataloader(self) -> DataLoader | list:
-        """The held-out documents again (there is no separate test split)."""
-        return self.val_dataloader()
+    def test_dataloader(self) -> DataLoader:
+        """Test windows in a fixed order (the test documents, disjoint from training and validation)."""
+        windows = self.windows("test")
+        if not len(windows):
+            raise ValueError(
+                f"the test split is empty (test_fraction={self.test_fraction}, {self.store.n_docs} documents); "
+                "set data.test_fraction > 0"
+            )
+        return eval_loader(windows, self.val_batch_size, self.num_workers)
+
+    def state_dict(self) -> dict[str, bytes]:
+        """The tokenizer model's bytes: a checkpoint carries its own tokenizer (``rlm eval`` reads it)."""
+        return {"tokenizer_model": Path(self.tokenizer.path).read_bytes()} if self._store is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
+        """Nothing to restore: the tokenizer comes from the cache entry (the bytes are for evaluation)."""
 
     # ---- what the rest of rlm reads ----------------------------------------------------------------------
     def windows(self, split: str) -> Windows:
-        """The 'train' or 'val' windows."""
+        """The 'train', 'val' or 'test' windows."""
         self._check_setup()
         if split not in self._windows:
             raise ValueError(f"split={split!r}; accepted: {list(self._windows)}")
@@ -198,7 +227,7 @@ class RLMDataModule(pl.LightningDataModule):
 
     @property
     def store(self) -> TokenStore:
-        """Tokens (memory map), document offsets, train/val document ids, names."""
+        """Tokens (memory map), document offsets, train/val/test document ids, names."""
         self._check_setup()
         return self._store
 

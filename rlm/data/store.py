@@ -1,10 +1,11 @@
 """The tokenized corpus on disk: one token array (memory-mapped), document offsets, the split, the tokenizer.
 
 Layout of one cache entry, `<cache_dir>/<key digest>/`:
-  tokenizer.model   sentencepiece model trained on the training documents only
+  tokenizer.model   sentencepiece model trained on the training documents only (or a copy of a given one)
   tokens.npy        every document as [bos] + ids + [eos], concatenated; uint16 (uint32 above 65535 ids)
   doc_offsets.npy   int64 (n_docs + 1,): document d is tokens[doc_offsets[d]:doc_offsets[d + 1]]
-  train_docs.npy, val_docs.npy   int64 document ids, sorted, disjoint
+  train_docs.npy, val_docs.npy, test_docs.npy   int64 document ids, sorted, disjoint (no test_docs.npy in
+                  entries written before the test split: an empty test split)
   meta.json         the key and the documents' names
 The entry is built in a temporary directory and renamed into place, so a reader never sees half of it.
 """
@@ -45,20 +46,44 @@ class CacheKey:
     """Fraction of documents held out (the tokenizer never sees them)."""
     max_tokenizer_chars: int
     """Characters of training text the tokenizer trainer sees."""
+    test_fraction: float = 0.0
+    """Fraction of documents held out for the test split (the tokenizer never sees them)."""
+    tokenizer: str = ""
+    """sha256 of a given tokenizer model used instead of training one; "" when one is trained."""
 
     def digest(self) -> str:
-        """A short, stable name for this key."""
-        payload = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        """A short, stable name for this key (fields at their empty default are left out, so entries written
+        before they existed keep their names)."""
+        fields = {k: v for k, v in asdict(self).items() if not (k in _OPTIONAL and not v)}
+        payload = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+_OPTIONAL = ("test_fraction", "tokenizer")
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (train, val) document ids: a seeded permutation, the first round(val_fraction * n) held out."""
-    n_val = round(val_fraction * n_docs)
+    train, val, _ = split_train_val_test(n_docs, val_fraction, 0.0, seed)
+    return train, val
+
+
+def split_train_val_test(
+    n_docs: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted (train, val, test) document ids from one seeded permutation: the first round(val_fraction * n)
+    are validation, the next round(test_fraction * n) test, the rest training. A nonzero fraction holds out
+    at least one document while at least one stays for training; test_fraction 0 gives the two-way split."""
+    n_val, n_test = round(val_fraction * n_docs), round(test_fraction * n_docs)
     if val_fraction > 0 and n_docs > 1:
         n_val = min(max(n_val, 1), n_docs - 1)  # keep at least one document on each side
+    if test_fraction > 0 and n_docs - n_val > 1:
+        n_test = min(max(n_test, 1), n_docs - n_val - 1)
+    else:
+        n_test = min(n_test, max(n_docs - n_val - 1, 0))
     perm = np.random.default_rng(seed).permutation(n_docs)
-    return np.sort(perm[n_val:]).astype(np.int64), np.sort(perm[:n_val]).astype(np.int64)
+    parts = perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
+    return tuple(np.sort(p).astype(np.int64) for p in parts)  # type: ignore[return-value]
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
@@ -82,31 +107,48 @@ def _encode_all(tok: Tokenizer, docs: Sequence[Document], progress: bool) -> tup
     return np.concatenate(pieces), offsets
 
 
-def build_store(root: Path, docs: Sequence[Document], key: CacheKey, progress: bool = True) -> None:
-    """Split, train the tokenizer on the training documents, encode everything; publish atomically at `root`."""
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's bytes (names a given tokenizer in a CacheKey)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def build_store(
+    root: Path,
+    docs: Sequence[Document],
+    key: CacheKey,
+    progress: bool = True,
+    tokenizer: str | os.PathLike[str] | None = None,
+) -> None:
+    """Split, train the tokenizer on the training documents (or copy the given model file `tokenizer`), encode
+    everything; publish atomically at `root`."""
     tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        train, val = split_documents(len(docs), key.val_fraction, key.seed)
-        if progress:
-            tqdm.write(
-                f"training a {key.model_type} tokenizer (vocab {key.vocab_size}) on {len(train)} documents"
+        train, val, test = split_train_val_test(len(docs), key.val_fraction, key.test_fraction, key.seed)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+            tok = Tokenizer(tmp / "tokenizer.model")
+        else:
+            if progress:
+                tqdm.write(
+                    f"training a {key.model_type} tokenizer (vocab {key.vocab_size}) on {len(train)} documents"
+                )
+            tok = Tokenizer.train(
+                (docs[i].text for i in train),
+                tmp / "tokenizer.model",
+                vocab_size=key.vocab_size,
+                model_type=key.model_type,
+                max_chars=key.max_tokenizer_chars,
+                seed=key.seed,
             )
-        tok = Tokenizer.train(
-            (docs[i].text for i in train),
-            tmp / "tokenizer.model",
-            vocab_size=key.vocab_size,
-            model_type=key.model_type,
-            max_chars=key.max_tokenizer_chars,
-            seed=key.seed,
-        )
         tokens, offsets = _encode_all(tok, docs, progress)
         for name, array in [
             ("tokens", tokens),
             ("doc_offsets", offsets),
             ("train_docs", train),
             ("val_docs", val),
+            ("test_docs", test),
         ]:
             np.save(tmp / f"{name}.npy", array)
         meta = {"format": FORMAT_VERSION, "key": asdict(key), "names": [d.name for d in docs]}
@@ -135,6 +177,9 @@ class TokenStore:
         """Sorted training document ids."""
         self.val_docs: np.ndarray = np.load(self.root / "val_docs.npy")
         """Sorted validation document ids."""
+        test = self.root / "test_docs.npy"
+        self.test_docs: np.ndarray = np.load(test) if test.is_file() else np.zeros(0, dtype=np.int64)
+        """Sorted test document ids (empty in entries written before the test split)."""
         self.tokenizer = Tokenizer(self.root / "tokenizer.model")
         meta = json.loads((self.root / "meta.json").read_text())
         self.names: list[str] = meta["names"]
@@ -149,7 +194,8 @@ class TokenStore:
             len(self.doc_offsets) != n + 1 and f"{len(self.doc_offsets)} offsets for {n} documents",
             self.doc_offsets[-1] != len(self.tokens)
             and f"offsets end at {self.doc_offsets[-1]}, not {len(self.tokens)}",
-            len(self.train_docs) + len(self.val_docs) != n and "the split does not cover every document",
+            len(self.train_docs) + len(self.val_docs) + len(self.test_docs) != n
+            and "the split does not cover every document",
         ]
         problems = [p for p in problems if p]
         if problems:

@@ -17,7 +17,8 @@ from rlm.experiment.runner import METRICS_CSV, SUMMARY, read_metrics, series
 from rlm.experiment.spec import flatten, write_atomic
 
 RUN_COLUMNS = [
-    "variant", "seed", "baseline", "val_loss", "val_ppl", "best_val_loss", "val_step", "steps", "params_total",
+    "variant", "seed", "baseline", "val_loss", "val_ppl", "best_val_loss", "val_step", "test_loss", "test_ppl",
+    "test_bpb", "steps", "params_total",
     "params_added", "params_active", "tokens_per_s", "train_s", "wall_s",
 ]  # fmt: skip
 PLOTS = ("val_loss_vs_step.png", "val_loss_vs_time.png", "loss_vs_added_params.png")
@@ -115,7 +116,8 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     lines += [
         f"{len(variants)} variant{'s' * (len(variants) != 1)} x seeds {seeds}, {'/'.join(map(str, steps))} training steps per run; "
         f"base config: {', '.join(_short(p) for p in info['base'])}. Validation loss is the last "
-        "validation of each run (mean ± sample sd over seeds); Δ against the baseline "
+        "validation of each run (mean ± sample sd over seeds); test loss and bits per byte are `rlm eval` of "
+        "each run's last checkpoint on the whole test split; Δ against the baseline "
         f"`{info['baseline']}`{'' if base else ' (not finished: no deltas)'}; tokens/s is the median "
         "training throughput of the second half of each run; train time excludes validation; the loss at equal "
         "time is read off each run's validation curve (linear between validations) at the training time of the "
@@ -127,7 +129,8 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
         lines += ["Set in every run: " + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in common) + ".", ""]
     t_equal, at_t = equal_time_losses(variants)
     at_header = f"val loss at {_seconds(t_equal)} train" if t_equal is not None else "val loss at equal time"
-    header = ["variant", "val loss", "Δ loss", at_header, "val ppl", "Δ ppl", "params", "added", "active/token",
+    header = ["variant", "val loss", "Δ loss", at_header, "val ppl", "Δ ppl", "test loss", "test bits/byte",
+              "params", "added", "active/token",
               "tokens/s", "train time", "runs", "tokens/s vs baseline"]  # fmt: skip
     rows = []
     for v in ordered:
@@ -140,6 +143,8 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
             _fmt(at_t.get(v.name)),
             _fmt(ppl, 2),
             "—" if is_base or None in (ppl, b_ppl) else f"{100 * (ppl / b_ppl - 1):+.1f}%",
+            _fmt(v.mean("test_loss")),
+            _fmt(v.mean("test_bpb")),
             _count(v.mean("params_total")),
             _count(v.mean("params_added")),
             _count(v.mean("params_active")),

@@ -25,6 +25,8 @@ SUMMARY = "summary.json"
 """The finished marker of a run, written last."""
 METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
 LAST_CKPT = Path("ckpt") / "last.ckpt"
+TEST_JSON = "test.json"
+"""``rlm eval`` of the last checkpoint on the test split, written when training has finished."""
 CORE_METRICS = {
     "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
     "val/loss", "val/ppl", "time/train_s",
@@ -100,6 +102,7 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
     ]
     counts = count_parameters(hp["model"], hp.get("plugins"))
     plugin_metrics = sorted({k for r in rows for k in r} - CORE_METRICS)
+    test = json.loads((run.dir / TEST_JSON).read_text()) if (run.dir / TEST_JSON).is_file() else {}
     return {
         "variant": run.variant,
         "seed": run.seed,
@@ -108,6 +111,9 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
         "val_ppl": _last(rows, "val/ppl"),
         "best_val_loss": min(val) if val else None,
         "val_step": int(val_series[-1][0]) + 1 if val_series else None,
+        "test_loss": test.get("loss"),
+        "test_ppl": test.get("ppl"),
+        "test_bpb": test.get("bpb"),
         "steps": int(max((r["step"] for r in rows if "step" in r), default=-1)) + 1,
         "params_total": counts.total,
         "params_added": counts.added,
@@ -149,6 +155,20 @@ def train(run: Run) -> tuple[bool, float]:
     wall = before + time.perf_counter() - start
     write_atomic(wall_file, f"{wall}\n")
     return proc.returncode == 0, wall
+
+
+def evaluate_test(run: Run) -> bool:
+    """``rlm eval`` of the run's last checkpoint on the whole test split (test.json); whether it succeeded.
+    Nothing to do when the config sets data.test_fraction to 0 (no test split)."""
+    if (run.config.get("data") or {}).get("test_fraction", 1) == 0:
+        return True
+    with open(run.dir / "fit.log", "a") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlm", "eval", "--ckpt", str(run.dir / LAST_CKPT), "--split", "test",
+             "--json", str(run.dir / TEST_JSON)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    return proc.returncode == 0
 
 
 def find_equal_run(run: Run, out: Path) -> Path | None:
@@ -222,14 +242,20 @@ def run_experiment(
             tqdm.write(f"{run.label}: same config and seed as {source}, reused")
             continue
         ok, wall = train(run)
+        step = "rlm fit"
+        if ok:  # validation during training; the test split once, at the end
+            ok, step = evaluate_test(run), "rlm eval"
         if not ok:
             failed.append(run.label)
             tqdm.write(
-                f"{run.label}: rlm fit failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{_tail(run.dir / 'fit.log')}"
+                f"{run.label}: {step} failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{_tail(run.dir / 'fit.log')}"
             )
             continue
         summary = summarize(run, wall)
         write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
-        loss = summary["val_loss"]
-        tqdm.write(f"{run.label}: val loss {loss if loss is None else round(loss, 4)} in {wall:.0f}s")
+        loss, test = summary.get("val_loss"), summary.get("test_loss")
+        tqdm.write(
+            f"{run.label}: val loss {loss if loss is None else round(loss, 4)}, "
+            f"test loss {test if test is None else round(test, 4)} in {wall:.0f}s"
+        )
     return failed
