@@ -9,6 +9,8 @@ the first steps train without retrieval until it lands. Under DDP each rank embe
 the shares are all-gathered, rank 0 builds and writes the index directory and every rank loads that
 same directory, so all ranks train on the same table. The state (last rebuild step, embedder identity,
 index path) is checkpointed; on resume the index is reused only if it is the one the checkpoint names.
+With sharded=True (and more than one rank) no rank gathers the vectors: each keeps and writes its own part of
+the index, searches are collectives and the parts' top-k merge on every rank (index/sharded.py).
 
 This module knows no plugin: it talks to a ``MemoryOwner`` (snapshot an embedder, take a new memory).
 """
@@ -22,7 +24,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import pytorch_lightning as pl
@@ -120,8 +122,12 @@ class RetrievalMemory:
     """Training step of the rebuild."""
     path: Path | None = None
     """The index directory it was written to or loaded from."""
+    parts: list[str] | None = None
+    """A sharded index (index/sharded.py): every rank's part directory, in rank order; None otherwise."""
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
+    collective: ClassVar[bool] = False
+    """Whether search is a collective that every rank calls together (a sharded index)."""
 
     def __post_init__(self) -> None:
         self.row_of = np.full(len(self.segments), -1, dtype=np.int64)
@@ -301,6 +307,7 @@ class RebuildCallback(pl.Callback):
         progress: bool = True,
         label: str = "retrieval",
         keep: int = 2,
+        sharded: bool = False,
     ) -> None:
         if mode not in ("blocking", "background"):
             raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
@@ -308,6 +315,10 @@ class RebuildCallback(pl.Callback):
         self.schedule = Schedule.parse(schedule)
         self.index_config = index_config or IndexConfig(target_recall=None)
         self.index_dir, self.batch_size, self.progress, self.keep = index_dir, batch_size, progress, keep
+        self.sharded = sharded
+        """Under DDP, each rank keeps its own part of the index (index/sharded.py) instead of the whole."""
+        self.parts: list[str] | None = None
+        """The part directories of every rank when the table in use is from a sharded index."""
         self.last_step = -1
         """Step of the rebuild whose table is in use (-1: none yet)."""
         self.identity: dict[str, Any] | None = None
@@ -329,11 +340,13 @@ class RebuildCallback(pl.Callback):
     # ----- checkpoint state -----
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_step": self.last_step, "identity": self.identity, "index_dir": self.path, "k": self.k}
+        state = {"last_step": self.last_step, "identity": self.identity, "index_dir": self.path, "k": self.k}
+        return {**state, "parts": self.parts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_step, self.identity, self.path = state["last_step"], state["identity"], state["index_dir"]
         self._restored_k = state.get("k")
+        self.parts = state.get("parts")
 
     # ----- hooks -----
 
@@ -362,7 +375,7 @@ class RebuildCallback(pl.Callback):
         if self._ready:
             return
         self._ready = True
-        if self._try_reuse():
+        if self._reuse_parts(trainer) if self._sharded(trainer) else self._try_reuse():
             return
         if self.mode == "blocking":
             self._rebuild_blocking(trainer, trainer.global_step)
@@ -373,10 +386,32 @@ class RebuildCallback(pl.Callback):
         """Load the index directory the checkpoint names, when it exists and matches; else False."""
         if self.path is None or self.identity is None or getattr(self, "_restored_k", None) != self.k:
             return False
+        if self.parts is not None:  # a sharded index, now resumed on one process: rebuild
+            return False
         try:
             memory = load_memory(Path(self.path), self.segments, self.identity, self.k)
         except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
             return False
+        self._take(memory, "reused")
+        return True
+
+    def _sharded(self, trainer: pl.Trainer) -> bool:
+        return self.sharded and trainer.world_size > 1
+
+    def _reuse_parts(self, trainer: pl.Trainer) -> bool:
+        """Each rank reloads its own part of the checkpoint's sharded index; all ranks reuse, or all rebuild."""
+        from rlm.index.sharded import load_sharded_memory
+
+        memory = None
+        restored = self.parts is not None and self.identity is not None
+        if restored and getattr(self, "_restored_k", None) == self.k:
+            try:
+                memory = load_sharded_memory(self.parts, self.segments, self.rows, self.identity, self.k)
+            except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
+                memory = None
+        if not trainer.strategy.reduce_boolean_decision(memory is not None, all=True):
+            return False
+        check_same_table(trainer, memory.neighbours)
         self._take(memory, "reused")
         return True
 
@@ -434,6 +469,14 @@ class RebuildCallback(pl.Callback):
     ) -> RetrievalMemory:
         """Gather the shards, build on rank 0, and give every rank the memory rank 0 wrote."""
         path = self._path_for(step)
+        if self._sharded(trainer):  # each rank keeps its part; the table is merged from every part
+            from rlm.index.sharded import build_sharded_memory
+
+            memory = build_sharded_memory(
+                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path
+            )
+            check_same_table(trainer, memory.neighbours)
+            return memory
         if trainer.world_size == 1:
             return build_memory(
                 shard, self.segments, self.rows, self.k, identity, step, self.index_config, path
@@ -501,12 +544,17 @@ class RebuildCallback(pl.Callback):
         self.owner.use_memory(memory)
         self.last_step, self.identity = memory.step, memory.identity
         self.path = str(memory.path) if memory.path is not None else None
+        self.parts = memory.parts
         self.history.append((memory.step, how))
         self._prune(memory.path)
 
     def _prune(self, current: Path | None) -> None:
         """Delete all but the newest `keep` rebuild directories (the current one always stays)."""
-        if current is None or not self._writer or not self._root.exists():
+        if current is None or not self._root.exists():
+            return
+        if self.parts is not None:  # every rank prunes (its filesystem may be its own), whole rebuilds
+            current = current.parent
+        elif not self._writer:
             return
         old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p.resolve() != current.resolve())
         for p in old[: max(0, len(old) - (self.keep - 1))]:
