@@ -258,10 +258,16 @@ def load_corpus_ref(path: Path) -> SegmentTable:
     )
 
 
-def load_memory_for_search(path: str | Path) -> RetrievalMemory:
-    """Load a written memory with its own segment table, for online search (validation, generation)."""
+def load_memory_for_search(path: str | Path, whole: bool = True) -> RetrievalMemory:
+    """Load a written memory with its own segment table, for online search (validation, generation).
+
+    A part of a sharded index (index/sharded.py) is loaded with every other part (whole=False: this part only)."""
     path = Path(path)
     loaded = load_index_dir(path)
+    if whole and "shard" in loaded.meta:
+        from rlm.index.sharded import load_parts_for_search
+
+        return load_parts_for_search(path)
     segments = load_corpus_ref(path)
     identity = loaded.meta["embedder"]
     neighbours, rows = np.load(path / NEIGHBOURS), np.load(path / ROWS)

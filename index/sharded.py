@@ -34,6 +34,7 @@ from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.search import search_neighbours
 from rlm.index.store import (
     IndexMismatchError,
+    IndexNotFoundError,
     _save_npy,
     atomic_dir,
     load_index_dir,
@@ -242,3 +243,56 @@ def load_sharded_memory(
         indexed=indexed,
         parts=list(parts),
     )
+
+
+class PartsIndex:
+    """Every part of a sharded index searched in one process, as one index (row ids run part after part)."""
+
+    def __init__(self, indices: list[Any]) -> None:
+        self.indices = indices
+        self.offsets = np.cumsum([0] + [int(i.ntotal) for i in indices])  # (P+1,) first row of each part
+
+    @property
+    def ntotal(self) -> int:
+        """Number of indexed vectors, over all parts."""
+        return int(self.offsets[-1])
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (scores (Q, k), row ids (Q, k)) over every part: each part's top-k, merged (merge_topk)."""
+        found = [index.search(queries, k) for index in self.indices]  # P x ((Q, k), (Q, k))
+        scores = np.stack([s for s, _ in found])  # (P, Q, k)
+        ids = np.stack([np.where(i >= 0, i + lo, -1) for (_, i), lo in zip(found, self.offsets)])
+        return merge_topk(scores, ids, k)
+
+
+def load_parts_for_search(path: str | Path) -> RetrievalMemory:
+    """A sharded index loaded whole in one process, from one part's directory and its sibling parts (validation and
+    generation outside training); IndexNotFoundError when a part is not reachable from here."""
+    from rlm.index.rebuild import load_memory_for_search
+
+    path = Path(path)
+    world = read_meta(path)["shard"]["world"]
+    parts = []
+    for rank in range(world):
+        where = part_dir(path.parent, rank, world)
+        if not where.exists():
+            raise IndexNotFoundError(
+                f"part {rank} of the sharded index is not at {where}: searched outside training, a sharded "
+                f"index needs every rank's part on this machine (copy the rank-* directories next to {path.name})"
+            )
+        parts.append(load_memory_for_search(where, whole=False))
+    first = parts[0]
+    memory = RetrievalMemory(
+        first.segments,
+        np.concatenate([p.rows for p in parts]),
+        BuiltIndex(PartsIndex([p.index for p in parts]), "parts"),
+        IndexSegments(
+            np.concatenate([p.index_segments.doc for p in parts]),
+            np.concatenate([p.index_segments.offset for p in parts]),
+        ),
+        first.neighbours,
+        first.identity,
+        first.step,
+        path.resolve(),
+    )
+    return memory

@@ -4,6 +4,7 @@ rank writes and reloads only its own part, and a damaged part is refused."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 
 import numpy as np
@@ -12,8 +13,9 @@ import torch
 from test_retrieval import make_segments, random_docs
 
 from rlm.index.build import IndexConfig
-from rlm.index.rebuild import build_memory, indexed_rows
+from rlm.index.rebuild import build_memory, indexed_rows, load_memory_for_search
 from rlm.index.sharded import merge_topk
+from rlm.index.store import IndexNotFoundError
 
 K, DIM = 3, 16
 IDENTITY = {"name": "test", "config_hash": "c", "weights_hash": "w", "step": 5}
@@ -58,7 +60,6 @@ def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
 
     from rlm.index.protocol import shard_range
     from rlm.index.sharded import build_sharded_memory, load_sharded_memory, part_dir
-    from rlm.index.store import IndexNotFoundError
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -126,3 +127,67 @@ def test_two_ranks_equal_one_process_for_exact_indices(tmp_path):
         both = np.concatenate([np.load(f"{p}/rows.npy") for p in got[(factory, 0)][4]])
         np.testing.assert_array_equal(both, rows)
     assert "vectors.npy" in got["damaged"] and "meta.json says" in got["damaged"]
+    # outside training (validation, generation in one process) a part's directory loads every part, searched as one
+    parts = got[("torch", 0)][4]
+    whole = build_memory(
+        vectors, segments, rows, K, IDENTITY, 5, IndexConfig("torch", target_recall=None), None
+    )
+    one = load_memory_for_search(parts[1])
+    q, q_ids = queries(0, segments, rows)
+    np.testing.assert_array_equal(one.search(q, q_ids, K), whole.search(q, q_ids, K))
+    np.testing.assert_array_equal(one.neighbours, whole.neighbours)
+    shutil.rmtree(parts[0])
+    with pytest.raises(IndexNotFoundError, match="part 0 of the sharded index"):
+        load_memory_for_search(parts[1])
+
+
+# ----- through `rlm fit` with DDP -----
+
+SHARDED = """
+model:
+  plugins:
+    retrieval:
+      schedule: every 2
+      index_factory: Flat
+      mode: blocking
+      progress: false
+      sharded: true
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_fit_with_a_sharded_index_and_resume(tmp_path, rlm_cache):
+    """`rlm fit` on 2 gloo processes with sharded: true: each rank writes its own part (half the rows, the whole
+    table, the same on both), validation searches online across the parts, the checkpoint names the parts, and a
+    resumed run reloads each rank's part (the same files, no rebuild) and searches with it."""
+    from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
+
+    fragment = tmp_path / "sharded.yaml"
+    fragment.write_text(SHARDED)
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", fragment) + DDP_2CPU
+    run_rlm(args, tmp_path, rlm_cache)
+    root = tmp_path / "runs/test/retrieval_index"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000000", "step-000000002"]
+    parts = [root / "step-000000002" / f"rank-0000{r}-of-00002" for r in (0, 1)]
+    tables = [np.load(p / "neighbours.npy") for p in parts]
+    np.testing.assert_array_equal(tables[0], tables[1])
+    rows = [np.load(p / "rows.npy") for p in parts]
+    assert len(np.intersect1d(*rows)) == 0 and abs(len(rows[0]) - len(rows[1])) <= 1
+    assert (tables[0][np.concatenate(rows)] >= 0).any()
+    ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["callbacks"][
+        "RebuildCallback[retrieval]"
+    ]
+    assert state["parts"] == [str(p.resolve()) for p in parts] and state["last_step"] == 2
+    assert column(read_metrics(tmp_path / "runs/test/version_0"), "val/retrieval/relevance")
+    written = [(p / "meta.json").stat().st_ino for p in parts]
+
+    # the checkpoint is of step 3 (rebuilt at 2): the resumed run trains step 3, where no rebuild is due
+    resumed = fit_args(CONFIGS / "plugins" / "retrieval.yaml", fragment) + DDP_2CPU + ["--ckpt_path", ckpt]
+    run_rlm(resumed, tmp_path, rlm_cache)
+    after = read_metrics(tmp_path / "runs/test/version_0")  # the resumed run's metrics (step 3 only)
+    assert column(after, "train/retrieval/relevance") and column(after, "train/retrieval/rebuild_s") == [0.0]
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000000", "step-000000002"]
+    assert [(p / "meta.json").stat().st_ino for p in parts] == written  # reloaded, not rewritten
+    np.testing.assert_array_equal(np.load(parts[1] / "neighbours.npy"), tables[1])
