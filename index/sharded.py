@@ -15,6 +15,11 @@ The neighbour table of a rebuild is the same collective over every indexed segme
 ends with the whole (S, k) table (small next to the vectors: 8k bytes per segment).
 
 Every rank must call ``ShardedMemory.search`` together, with any number of queries (zero included).
+
+What a rank holds: its R/world vectors and their index (instead of all R of each, gathered), the (S, k) table,
+and, while a table is built, world * TABLE_CHUNK gathered query vectors and their (world, world * TABLE_CHUNK, k)
+per-part results. Outside training, one process can load every part and search them as one (load_parts_for_search),
+where the part directories are reachable.
 """
 
 from __future__ import annotations

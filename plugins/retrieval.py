@@ -80,7 +80,7 @@ class RetrievalConfig:
     sharded: bool = False
     """Under DDP, each rank embeds, indexes and writes only its share of the segments (its own directory: no shared
     filesystem), and searches merge every rank's top-k (rlm.index.sharded); false: every rank loads the whole index
-    rank 0 wrote. Exact indices give the same table either way."""
+    rank 0 wrote. Exact indices give the same table either way (equal scores aside)."""
     embed_batch_size: int = 256
     """Segments per embedder call during a rebuild."""
     rebuild_dtype: str = "float32"
