@@ -10,6 +10,8 @@ the first steps train without retrieval until it lands. With ``defer_first`` no 
 the shares are all-gathered, rank 0 builds and writes the index directory and every rank loads that
 same directory, so all ranks train on the same table. The state (last rebuild step, embedder identity,
 index path) is checkpointed; on resume the index is reused only if it is the one the checkpoint names.
+With sharded=True (and more than one rank) no rank gathers the vectors: each keeps and writes its own part of
+the index, searches are collectives and the parts' top-k merge on every rank (index/sharded.py).
 
 This module knows no plugin: it talks to a ``MemoryOwner`` (snapshot an embedder, take a new memory).
 """
@@ -23,7 +25,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import pytorch_lightning as pl
@@ -124,8 +126,12 @@ class RetrievalMemory:
     recall: float | None = None
     """Recall@tune_k of the index against exact search (tuned to the target; 1.0 for an exact index; None when
     unmeasured)."""
+    parts: list[str] | None = None
+    """A sharded index (index/sharded.py): every rank's part directory, in rank order; None otherwise."""
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
+    collective: ClassVar[bool] = False
+    """Whether search is a collective that every rank calls together (a sharded index)."""
 
     def __post_init__(self) -> None:
         self.row_of = np.full(len(self.segments), -1, dtype=np.int64)
@@ -261,10 +267,16 @@ def load_corpus_ref(path: Path) -> SegmentTable:
     )
 
 
-def load_memory_for_search(path: str | Path) -> RetrievalMemory:
-    """Load a written memory with its own segment table, for online search (validation, generation)."""
+def load_memory_for_search(path: str | Path, whole: bool = True) -> RetrievalMemory:
+    """Load a written memory with its own segment table, for online search (validation, generation).
+
+    A part of a sharded index (index/sharded.py) is loaded with every other part (whole=False: this part only)."""
     path = Path(path)
     loaded = load_index_dir(path)
+    if whole and "shard" in loaded.meta:
+        from rlm.index.sharded import load_parts_for_search
+
+        return load_parts_for_search(path)
     segments = load_corpus_ref(path)
     identity = loaded.meta["embedder"]
     neighbours, rows = np.load(path / NEIGHBOURS), np.load(path / ROWS)
@@ -320,6 +332,7 @@ class RebuildCallback(pl.Callback):
         label: str = "retrieval",
         keep: int = 2,
         defer_first: bool = False,
+        sharded: bool = False,
     ) -> None:
         if mode not in ("blocking", "background"):
             raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
@@ -330,6 +343,10 @@ class RebuildCallback(pl.Callback):
         self.defer_first = defer_first
         """No table at fit start (unless a checkpoint's is reused): the first comes when the schedule is due; the
         owner retrieves otherwise meanwhile (the retriever's warm start from the document's own past)."""
+        self.sharded = sharded
+        """Under DDP, each rank keeps its own part of the index (index/sharded.py) instead of the whole."""
+        self.parts: list[str] | None = None
+        """The part directories of every rank when the table in use is from a sharded index."""
         self.last_step = -1
         """Step of the rebuild whose table is in use (-1: none yet)."""
         self.identity: dict[str, Any] | None = None
@@ -353,11 +370,13 @@ class RebuildCallback(pl.Callback):
     # ----- checkpoint state -----
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_step": self.last_step, "identity": self.identity, "index_dir": self.path, "k": self.k}
+        state = {"last_step": self.last_step, "identity": self.identity, "index_dir": self.path, "k": self.k}
+        return {**state, "parts": self.parts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_step, self.identity, self.path = state["last_step"], state["identity"], state["index_dir"]
         self._restored_k = state.get("k")
+        self.parts = state.get("parts")
 
     # ----- hooks -----
 
@@ -389,7 +408,7 @@ class RebuildCallback(pl.Callback):
         if self._ready:
             return
         self._ready = True
-        if self._try_reuse() or self.defer_first:
+        if (self._reuse_parts(trainer) if self._sharded(trainer) else self._try_reuse()) or self.defer_first:
             return
         if self.mode == "blocking":
             self._rebuild_blocking(trainer, trainer.global_step)
@@ -400,10 +419,32 @@ class RebuildCallback(pl.Callback):
         """Load the index directory the checkpoint names, when it exists and matches; else False."""
         if self.path is None or self.identity is None or getattr(self, "_restored_k", None) != self.k:
             return False
+        if self.parts is not None:  # a sharded index, now resumed on one process: rebuild
+            return False
         try:
             memory = load_memory(Path(self.path), self.segments, self.identity, self.k)
         except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
             return False
+        self._take(memory, "reused")
+        return True
+
+    def _sharded(self, trainer: pl.Trainer) -> bool:
+        return self.sharded and trainer.world_size > 1
+
+    def _reuse_parts(self, trainer: pl.Trainer) -> bool:
+        """Each rank reloads its own part of the checkpoint's sharded index; all ranks reuse, or all rebuild."""
+        from rlm.index.sharded import load_sharded_memory
+
+        memory = None
+        restored = self.parts is not None and self.identity is not None
+        if restored and getattr(self, "_restored_k", None) == self.k:
+            try:
+                memory = load_sharded_memory(self.parts, self.segments, self.rows, self.identity, self.k)
+            except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
+                memory = None
+        if not trainer.strategy.reduce_boolean_decision(memory is not None, all=True):
+            return False
+        check_same_table(trainer, memory.neighbours)
         self._take(memory, "reused")
         return True
 
@@ -463,6 +504,14 @@ class RebuildCallback(pl.Callback):
     ) -> RetrievalMemory:
         """Gather the shards, build on rank 0, and give every rank the memory rank 0 wrote."""
         path = self._path_for(step)
+        if self._sharded(trainer):  # each rank keeps its part; the table is merged from every part
+            from rlm.index.sharded import build_sharded_memory
+
+            memory = build_sharded_memory(
+                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path
+            )
+            check_same_table(trainer, memory.neighbours)
+            return memory
         if trainer.world_size == 1:
             return build_memory(
                 shard, self.segments, self.rows, self.k, identity, step, self.index_config, path
@@ -531,12 +580,17 @@ class RebuildCallback(pl.Callback):
         self.last_step, self.identity = memory.step, memory.identity
         self.path = str(memory.path) if memory.path is not None else None
         self.recall = memory.recall
+        self.parts = memory.parts
         self.history.append((memory.step, how))
         self._prune(memory.path)
 
     def _prune(self, current: Path | None) -> None:
         """Delete all but the newest `keep` rebuild directories (the current one always stays)."""
-        if current is None or not self._writer or not self._root.exists():
+        if current is None or not self._root.exists():
+            return
+        if self.parts is not None:  # every rank prunes (its filesystem may be its own), whole rebuilds
+            current = current.parent
+        elif not self._writer:
             return
         old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p.resolve() != current.resolve())
         for p in old[: max(0, len(old) - (self.keep - 1))]:

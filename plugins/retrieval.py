@@ -131,6 +131,10 @@ class RetrievalConfig:
     (an untuned IVF index above 32,768 segments reached recall@10 0.79 on clustered vectors)."""
     index_dir: str | None = None
     """Where rebuilt indices are written; None: <trainer.default_root_dir>/retrieval_index."""
+    sharded: bool = False
+    """Under DDP, each rank embeds, indexes and writes only its share of the segments (its own directory: no shared
+    filesystem), and searches merge every rank's top-k (rlm.index.sharded); false: every rank loads the whole index
+    rank 0 wrote. Exact indices give the same table either way (equal scores aside)."""
     embed_batch_size: int = 256
     """Segments per embedder call during a rebuild."""
     rebuild_dtype: str = "float32"
@@ -331,6 +335,7 @@ class RetrievalPlugin(Plugin):
                 batch_size=c.embed_batch_size,
                 progress=c.progress,
                 label=self.label,
+                sharded=c.sharded,
             )
         ]
 
@@ -563,6 +568,8 @@ def gather_inputs(
         if len(rows):
             e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
             nb[rows] = memory.search(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table)
+        elif memory.collective:  # a sharded index searches with every rank: join in with no query
+            memory.search(np.zeros((0, 0), dtype=np.float32), rows, k_table)
         parts.append(nb.reshape(B, n, k_table))
     elif k_table:
         table = memory.neighbours[np.maximum(q_ids, 0), :k_table]

@@ -1,0 +1,303 @@
+"""An index sharded across the ranks of a process group, as Atlas's distributed index is (Izacard et al. 2022,
+section 'Efficient retriever fine-tuning'): no rank holds every vector and no shared filesystem is needed.
+
+How it differs from the 1-process memory of rebuild.py (``RetrievalMemory``): rank r embeds the contiguous
+share ``shard_range(R, r, world)`` of the R indexed segments, builds an index over that share only and
+writes it to its own directory ``<step dir>/rank-RRRRR-of-WWWWW`` (atomically, verified on load).
+A search is a collective: the queries of every rank are all-gathered, each rank searches its part with the
+causal filter of search.py (a query never finds its own segment, its target or a later segment of its
+document; the query's document and offset are known on every rank from the full segment table), the
+per-part top-k (scores, global ids) are all-gathered, and every rank merges them into the global top-k.
+The union of the parts' top-k allowed results contains the global top-k allowed ones, so for an exact index
+('torch' or 'Flat') the merged result equals the 1-process search; equal scores are ordered by global id.
+
+The neighbour table of a rebuild is the same collective over every indexed segment, in chunks: every rank
+ends with the whole (S, k) table (small next to the vectors: 8k bytes per segment).
+
+Every rank must call ``ShardedMemory.search`` together, with any number of queries (zero included).
+
+What a rank holds: its R/world vectors and their index (instead of all R of each, gathered), the (S, k) table,
+and, while a table is built, world * TABLE_CHUNK gathered query vectors and their (world, world * TABLE_CHUNK, k)
+per-part results. Outside training, one process can load every part and search them as one (load_parts_for_search),
+where the part directories are reachable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlm.index.build import BuiltIndex, IndexConfig, build_index
+from rlm.index.protocol import shard_range
+from rlm.index.rebuild import NEIGHBOURS, ROWS, RetrievalMemory, save_corpus_ref
+from rlm.index.search import SegmentTable as IndexSegments
+from rlm.index.search import search_neighbours
+from rlm.index.store import (
+    IndexMismatchError,
+    IndexNotFoundError,
+    _save_npy,
+    atomic_dir,
+    load_index_dir,
+    read_meta,
+    write_dir_contents,
+)
+
+TABLE_CHUNK = 4096
+"""Query vectors each rank contributes per round while the neighbour table is built (bounds the gathered
+(world * chunk, d) queries and (world, world * chunk, k) results)."""
+
+
+def part_dir(step_dir: Path, rank: int, world: int) -> Path:
+    """Where rank `rank` of `world` writes its part of the index of one rebuild."""
+    return Path(step_dir) / f"rank-{rank:05d}-of-{world:05d}"
+
+
+def _device() -> torch.device:
+    # nccl moves CUDA tensors only; gloo moves CPU tensors
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_rows(x: np.ndarray) -> list[np.ndarray]:
+    """Every rank's (n_r, ...) array, in rank order; n_r may differ (padded to the largest for the collective)."""
+    world, dev = dist.get_world_size(), _device()
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(x)], dtype=torch.int64, device=dev))
+    counts = [int(c) for c in counts]
+    padded = torch.zeros((max(1, max(counts)), *x.shape[1:]), dtype=torch.from_numpy(x[:0]).dtype, device=dev)
+    padded[: len(x)] = torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return [p[:c].cpu().numpy() for p, c in zip(parts, counts)]
+
+
+def merge_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Q, k) global top-k of P parts' (P, Q, k) top-k: highest score first, equal scores by lower id, -1 last."""
+    P, Q, kk = scores.shape
+    s = scores.transpose(1, 0, 2).reshape(Q, P * kk)  # (Q, P*k)
+    i = ids.transpose(1, 0, 2).reshape(Q, P * kk)
+    # padding (-1, -inf) sorts last: its key -score is +inf
+    order = np.lexsort((i, -s.astype(np.float64)), axis=1)[:, :k]  # (Q, k)
+    return np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
+
+
+@dataclass
+class ShardedMemory(RetrievalMemory):
+    """This rank's part of a sharded index (rows, index, index_segments: the part) and the whole neighbour table.
+
+    path is this rank's part directory; parts lists every rank's, in rank order."""
+
+    rank: int = 0
+    """This process's rank in the default process group."""
+    world: int = 1
+    """Number of ranks (= parts)."""
+    indexed: np.ndarray | None = None
+    """(S,) bool: which global segment ids are indexed by some part (queries of others are not filtered)."""
+    collective: ClassVar[bool] = True
+
+    @property
+    def dim(self) -> int:
+        """Dimension of the indexed vectors."""
+        index = self.index.index if isinstance(self.index, BuiltIndex) else self.index
+        return int(index.d)
+
+    def search_part(
+        self, queries: np.ndarray, query_ids: np.ndarray, k: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """This part's (Q, k) causally filtered top-k (scores, global ids) of queries with global ids (-1: outside)."""
+        R = len(self.rows)
+        safe = np.maximum(query_ids, 0)
+        inside = (query_ids >= 0) & self.indexed[
+            safe
+        ]  # as in 1 process: a query that is not indexed is outside
+        local = np.where(inside, self.row_of[safe], -1)  # the query's own row when this part holds it
+        # queries held by another part: appended to this part's segment table, so the filter knows their
+        # (document, offset); they are no row of this index, so exclude_self never matches them
+        away = np.flatnonzero(inside & (local < 0))
+        local[away] = R + np.arange(len(away))
+        g = query_ids[away]
+        segs = IndexSegments(
+            np.concatenate([self.index_segments.doc, self.segments.doc[g]]),
+            np.concatenate([self.index_segments.offset, self.segments.start[g]]),
+        )
+        found = search_neighbours(self.index, queries, k, local, segs)
+        return found.scores, np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
+
+    def search_all(
+        self, queries: np.ndarray, query_ids: np.ndarray, k: int
+    ) -> tuple[list[np.ndarray], np.ndarray]:
+        """Collective: (every rank's query ids, in rank order; (sum Q_r, k) global neighbour ids of all of them)."""
+        queries = np.asarray(queries, dtype=np.float32).reshape(len(queries), self.dim)
+        all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
+        ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
+        scores, found = self.search_part(all_q, np.concatenate(ids_by_rank), k)  # (sum Q_r, k) each
+        if len(all_q) == 0:
+            return ids_by_rank, found
+        all_scores = np.stack(all_gather_rows(scores))  # (world, sum Q_r, k)
+        all_found = np.stack(all_gather_rows(found))
+        return ids_by_rank, merge_topk(all_scores, all_found, k)[1]
+
+    def search(self, queries: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
+        """Collective: (Q, k) global neighbour ids of this rank's queries (as RetrievalMemory.search, over all parts)."""
+        ids_by_rank, found = self.search_all(queries, query_ids, k)
+        lo = sum(len(x) for x in ids_by_rank[: self.rank])
+        return found[lo : lo + len(queries)]
+
+
+def build_sharded_memory(
+    shard: np.ndarray,
+    segments: Any,
+    rows: np.ndarray,
+    k: int,
+    identity: dict[str, Any],
+    step: int,
+    index_config: IndexConfig,
+    step_dir: Path | None,
+) -> ShardedMemory:
+    """Collective: index this rank's share of the rows' vectors (shard_range order), build the whole neighbour table
+    with every part, and write this rank's part (with the table) to part_dir(step_dir, rank, world), atomically."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(rows) < world:
+        raise ValueError(
+            f"a sharded index needs at least one indexed segment per rank: {len(rows)} rows, {world} ranks"
+        )
+    share = shard_range(len(rows), rank, world)
+    mine = rows[share.start : share.stop]  # the rows embed_rows gave this rank
+    if len(shard) != len(mine):
+        raise ValueError(f"rank {rank} embedded {len(shard)} vectors for its {len(mine)} rows")
+    indexed = np.zeros(len(segments), dtype=bool)
+    indexed[rows] = True
+    built = build_index(shard, index_config)
+    memory = ShardedMemory(
+        segments,
+        mine,
+        built,
+        IndexSegments(segments.doc[mine], segments.start[mine]),
+        np.full((len(segments), k), -1, dtype=np.int64),
+        identity,
+        step,
+        None,
+        rank=rank,
+        world=world,
+        indexed=indexed,
+    )
+    most = max(len(shard_range(len(rows), r, world)) for r in range(world))
+    for lo in range(0, most, TABLE_CHUNK):  # the same number of rounds on every rank
+        ids_by_rank, found = memory.search_all(shard[lo : lo + TABLE_CHUNK], mine[lo : lo + TABLE_CHUNK], k)
+        memory.neighbours[np.concatenate(ids_by_rank)] = found
+    if step_dir is not None:
+        path = part_dir(step_dir, rank, world)
+        with atomic_dir(path) as tmp:
+            _save_npy(tmp / NEIGHBOURS, memory.neighbours)
+            _save_npy(tmp / ROWS, mine)
+            save_corpus_ref(tmp, segments)
+            shard_meta = {"rank": rank, "world": world, "rows_total": len(rows)}
+            write_dir_contents(
+                tmp,
+                built,
+                memory.index_segments,
+                segments.fingerprint,
+                identity,
+                shard,
+                {"k": k, "shard": shard_meta},
+            )
+        read_meta(path)  # verify: every file listed in meta.json is there, full size
+        memory.path = path.resolve()
+        memory.parts = [str(part_dir(step_dir, r, world).resolve()) for r in range(world)]
+    return memory
+
+
+def load_sharded_memory(
+    parts: list[str], segments: Any, rows: np.ndarray, identity: dict[str, Any], k: int
+) -> ShardedMemory:
+    """This rank's part of a written sharded index (not a collective); IndexMismatchError / IndexNotFoundError
+    when it is from another corpus, embedder, k, world size or share of the rows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(parts) != world:
+        raise IndexMismatchError(f"the sharded index has {len(parts)} parts, this run has {world} ranks")
+    path = Path(parts[rank])
+    loaded = load_index_dir(path, expect_fingerprint=segments.fingerprint, expect_embedder=identity)
+    want = {"rank": rank, "world": world, "rows_total": len(rows)}
+    if loaded.meta.get("k") != k or loaded.meta.get("shard") != want:
+        raise IndexMismatchError(
+            f"index part at {path} has k={loaded.meta.get('k')}, shard={loaded.meta.get('shard')}; "
+            f"this rank wants k={k}, shard={want}"
+        )
+    mine, share = np.load(path / ROWS), shard_range(len(rows), rank, world)
+    if not np.array_equal(mine, rows[share.start : share.stop]):
+        raise IndexMismatchError(f"index part at {path} indexes other rows than this rank's share")
+    indexed = np.zeros(len(segments), dtype=bool)
+    indexed[rows] = True
+    return ShardedMemory(
+        segments,
+        mine,
+        loaded.index,
+        loaded.segments,
+        np.load(path / NEIGHBOURS),
+        identity,
+        int(identity["step"]),
+        path.resolve(),
+        rank=rank,
+        world=world,
+        indexed=indexed,
+        parts=list(parts),
+    )
+
+
+class PartsIndex:
+    """Every part of a sharded index searched in one process, as one index (row ids run part after part)."""
+
+    def __init__(self, indices: list[Any]) -> None:
+        self.indices = indices
+        self.offsets = np.cumsum([0] + [int(i.ntotal) for i in indices])  # (P+1,) first row of each part
+
+    @property
+    def ntotal(self) -> int:
+        """Number of indexed vectors, over all parts."""
+        return int(self.offsets[-1])
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (scores (Q, k), row ids (Q, k)) over every part: each part's top-k, merged (merge_topk)."""
+        found = [index.search(queries, k) for index in self.indices]  # P x ((Q, k), (Q, k))
+        scores = np.stack([s for s, _ in found])  # (P, Q, k)
+        ids = np.stack([np.where(i >= 0, i + lo, -1) for (_, i), lo in zip(found, self.offsets)])
+        return merge_topk(scores, ids, k)
+
+
+def load_parts_for_search(path: str | Path) -> RetrievalMemory:
+    """A sharded index loaded whole in one process, from one part's directory and its sibling parts (validation and
+    generation outside training); IndexNotFoundError when a part is not reachable from here."""
+    from rlm.index.rebuild import load_memory_for_search
+
+    path = Path(path)
+    world = read_meta(path)["shard"]["world"]
+    parts = []
+    for rank in range(world):
+        where = part_dir(path.parent, rank, world)
+        if not where.exists():
+            raise IndexNotFoundError(
+                f"part {rank} of the sharded index is not at {where}: searched outside training, a sharded "
+                f"index needs every rank's part on this machine (copy the rank-* directories next to {path.name})"
+            )
+        parts.append(load_memory_for_search(where, whole=False))
+    first = parts[0]
+    memory = RetrievalMemory(
+        first.segments,
+        np.concatenate([p.rows for p in parts]),
+        BuiltIndex(PartsIndex([p.index for p in parts]), "parts"),
+        IndexSegments(
+            np.concatenate([p.index_segments.doc for p in parts]),
+            np.concatenate([p.index_segments.offset for p in parts]),
+        ),
+        first.neighbours,
+        first.identity,
+        first.step,
+        path.resolve(),
+    )
+    return memory
