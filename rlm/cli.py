@@ -1,7 +1,8 @@
 """The ``rlm`` command: a small table of subcommands.
 
 ``fit``, ``validate`` and ``test`` run LightningCLI on the deep-merged ``--config`` files; ``generate``
-samples from a checkpoint; ``index`` and ``experiment`` hand over to their own parsers.
+samples from a checkpoint; ``index`` and ``experiment`` hand over to their own parsers; ``plugins`` lists the
+plugins and their options. torch and Lightning are imported inside the commands, not at module level.
 """
 
 from __future__ import annotations
@@ -11,52 +12,26 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
-
-import torch
-from pytorch_lightning.cli import LightningCLI
+from typing import Any
 
 from rlm.config_merge import merge_configs, split_config_args, write_merged
-from rlm.lightning import config_diff
-from rlm.model.config import ModelConfig
+
+# torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
 
-class RLMCLI(LightningCLI):
-    """LightningCLI with the data module's vocabulary copied into the model config."""
+def __getattr__(name: str) -> Any:
+    if name == "RLMCLI":  # moved to rlm.lightning_cli; still importable from here
+        from rlm.lightning_cli import RLMCLI
 
-    def before_instantiate_classes(self) -> None:
-        # Not parser.link_arguments: jsonargparse 4.53 then rejects every field of the optional ModelConfig
-        # ("does not accept option 'model.model.d_model'"), so the copy is made after parsing instead.
-        cfg = self.config[self.subcommand] if self.subcommand else self.config
-        if cfg.get("model.model") is not None:
-            cfg.model.model.vocab_size = cfg.data.vocab_size
-
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
-        # For evaluation that is what one wants; resuming `fit` under a different model or plugin config is a
-        # mistake, so it is refused naming what differs.
-        if self.config.get("subcommand") == "fit":
-            cfg = self.config["fit"]
-            path = cfg.get("ckpt_path")
-            if path and Path(path).is_file():
-                saved = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
-                current = cfg.model.as_dict()
-                if current.get("model") is not None:
-                    current["model"]["vocab_size"] = cfg.data.vocab_size
-                current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
-                diffs = config_diff(saved, current)
-                if diffs:
-                    raise ValueError(
-                        f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs)
-                    )
-        super()._parse_ckpt_path()
+        return RLMCLI
+    raise AttributeError(f"module 'rlm.cli' has no attribute {name!r}")
 
 
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
     from rlm.data import RLMDataModule
     from rlm.lightning import LMModule
+    from rlm.lightning_cli import RLMCLI
 
     configs, rest = split_config_args(args)
     merged_path = write_merged(merge_configs(configs)) if configs else None
@@ -125,6 +100,23 @@ def run_experiment(command: str, args: list[str]) -> int:
     return experiment_main(args) or 0
 
 
+def run_plugins(command: str, args: list[str]) -> int:
+    """``rlm plugins [NAME]``: list the plugins, or print one plugin's options."""
+    from rlm.plugin.options import describe_plugin, plugin_table
+
+    p = argparse.ArgumentParser(prog="rlm plugins", description="List the plugins, or show one's options.")
+    p.add_argument("name", nargs="?", help="a plugin name: print its options with their defaults and docs")
+    a = p.parse_args(args)
+    if a.name:
+        print(describe_plugin(a.name))
+    else:
+        rows = plugin_table()
+        width = max((len(name) for name, _, _ in rows), default=0)
+        print("\n".join(f"{name:<{width}}  {desc}  [{source}]" for name, source, desc in rows))
+        print("\n`rlm plugins NAME` for a plugin's options; enable one with model.plugins.NAME: {...}.")
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "fit": (run_lightning, "train a model (LightningCLI; stack --config files)"),
     "validate": (run_lightning, "evaluate on the validation split"),
@@ -132,15 +124,29 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "generate": (run_generate, "sample text from a checkpoint"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
     "experiment": (run_experiment, "run plugin comparisons and report them"),
+    "plugins": (run_plugins, "list the plugins, or show one plugin's options"),
 }
 
 
 def usage() -> str:
     """The top-level help text."""
-    lines = ["usage: rlm COMMAND [args]", "", "commands:"]
+    lines = ["usage: rlm [--version] COMMAND [args]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "`rlm COMMAND --help` for a command's options."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own when run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("rlm")
+    except PackageNotFoundError:
+        from rlm import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"rlm {version()}")
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
