@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlm.config_merge import merge_configs, split_config_args, write_merged
+from rlm.extras import MissingExtra
 
 # torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command][0](command, rest)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, MissingExtra) as err:
         if os.environ.get("RLM_DEBUG"):
             raise
         print(f"rlm {command}: error: {err}", file=sys.stderr)

@@ -85,7 +85,9 @@ def _load_hf(
     name: str, split: str, config: str | None, text_field: str, limit: int | None
 ) -> Iterator[Document]:
     """Documents of a Hugging Face dataset: a saved dataset when `name` is an existing path, else by name."""
-    import datasets  # slow import, only when asked for
+    from rlm.extras import require
+
+    datasets = require("datasets", "hf", "an hf: corpus")  # slow import, only when asked for
 
     if os.path.exists(name):
         ds = datasets.load_from_disk(name)

@@ -226,9 +226,9 @@ def equal_time_losses(variants: list[VariantResult]) -> tuple[float | None, dict
 
 def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:
     """val_loss_vs_step.png, val_loss_vs_time.png and loss_vs_added_params.png."""
-    import matplotlib
+    from rlm.extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plots", "the experiment plots").use("Agg")
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab10")
