@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlm.data.corpus import Document, fingerprint, read_corpus
+from rlm.data.pretrained import TRAIN, HFTokenizer, load_tokenizer, tokenizer_digest
 from rlm.data.segments import SegmentTable
 from rlm.data.store import CacheKey, TokenStore, build_store
 from rlm.data.tokenizer import MODEL_TYPES, Tokenizer
@@ -44,6 +45,12 @@ class RLMDataModule(pl.LightningDataModule):
         tokenizer_model_type: sentencepiece model type: bpe, unigram, char or word.
         max_tokenizer_chars: Characters of training text the tokenizer trainer sees.
         progress: Show progress bars while reading, training the tokenizer and encoding.
+        tokenizer: "train" trains a sentencepiece model on the training documents (the default); or the path of
+            an existing sentencepiece .model file, or of a Hugging Face tokenizer (a tokenizer.json file or the
+            directory holding it, as tokenizers or transformers save it; extra ``hf``). An existing tokenizer
+            needs vocab_size >= its number of ids (the model's embedding is sized by vocab_size).
+        streaming: Read hf: sources as a datasets IterableDataset and encode them on the fly into shards on
+            disk, never holding the corpus in memory (see rlm/data/stream.py; hf: sources only).
     """
 
     def __init__(
@@ -66,6 +73,8 @@ class RLMDataModule(pl.LightningDataModule):
         tokenizer_model_type: str = "bpe",
         max_tokenizer_chars: int = 20_000_000,
         progress: bool = True,
+        tokenizer: str = TRAIN,
+        streaming: bool = False,
     ) -> None:
         super().__init__()
         _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size)
@@ -74,7 +83,19 @@ class RLMDataModule(pl.LightningDataModule):
             _positive(max_documents=max_documents)
         if val_batch_size is not None:
             _positive(val_batch_size=val_batch_size)
-        if vocab_size < _MIN_VOCAB:
+        specs = [corpus] if isinstance(corpus, str) else list(corpus)
+        if streaming and not all(isinstance(c, str) and c.startswith("hf:") for c in specs):
+            raise ValueError(
+                f"streaming=True reads hf: sources only, got corpus={corpus!r}; accepted: 'hf:NAME'"
+            )
+        if tokenizer != TRAIN:  # open it now: a missing file or a too small vocab_size fails before any work
+            n_ids = load_tokenizer(tokenizer).vocab_size
+            if vocab_size < n_ids:
+                raise ValueError(
+                    f"vocab_size={vocab_size} but data.tokenizer={tokenizer!r} has {n_ids} ids; accepted: "
+                    f"vocab_size >= {n_ids}"
+                )
+        elif vocab_size < _MIN_VOCAB:
             raise ValueError(
                 f"vocab_size={vocab_size}; accepted: >= {_MIN_VOCAB} (4 special ids + 256 byte pieces)"
             )
@@ -101,6 +122,7 @@ class RLMDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.tokenizer_model_type, self.max_tokenizer_chars = tokenizer_model_type, max_tokenizer_chars
         self.progress = progress
+        self.tokenizer_spec, self.streaming = tokenizer, streaming
         self._docs: list[Document] | None = None
         self._key: CacheKey | None = None
         self._store: TokenStore | None = None
@@ -126,12 +148,13 @@ class RLMDataModule(pl.LightningDataModule):
         """What the cache entry depends on (reads the corpus to fingerprint it)."""
         if self._key is None:
             self._key = CacheKey(
-                corpus=fingerprint(self.documents()),
+                corpus=self._stream_key() if self.streaming else fingerprint(self.documents()),
                 vocab_size=self.vocab_size_requested,
                 model_type=self.tokenizer_model_type,
                 seed=self.seed,
                 val_fraction=self.val_fraction,
                 max_tokenizer_chars=self.max_tokenizer_chars,
+                tokenizer=TRAIN if self.tokenizer_spec == TRAIN else tokenizer_digest(self.tokenizer_spec),
             )
         return self._key
 
@@ -144,7 +167,34 @@ class RLMDataModule(pl.LightningDataModule):
         root = self.cache_path()
         if not TokenStore.exists(root):
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            build_store(root, self.documents(), self.cache_key(), progress=self.progress)
+            if self.streaming:
+                self._build_streamed(root)
+            else:
+                build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_spec)
+
+    def _specs(self) -> list[str]:
+        return [self.corpus] if isinstance(self.corpus, str) else list(self.corpus)
+
+    def _stream_key(self) -> str:
+        from rlm.data.stream import stream_key
+
+        return stream_key(self._specs(), self.hf_split, self.hf_config, self.text_field, self.max_documents)
+
+    def _build_streamed(self, root: Path) -> None:
+        from rlm.data.stream import build_stream_store, stream_documents
+
+        specs = self._specs()
+        args = (specs, self.hf_split, self.hf_config, self.text_field, self.max_documents)
+        stream_documents(*args)  # checks the sources before any work
+        prefix = f"{specs[0]}/{self.hf_split}/" if len(specs) == 1 else "stream/"
+        build_stream_store(
+            root,
+            lambda: stream_documents(*args),
+            self.cache_key(),
+            prefix,
+            self.tokenizer_spec,
+            self.progress,
+        )
 
     def setup(self, stage: str | None = None) -> None:
         """Load the cache (building it first when prepare_data was not called), cut segments and windows."""
@@ -203,13 +253,15 @@ class RLMDataModule(pl.LightningDataModule):
         return self._store
 
     @property
-    def tokenizer(self) -> Tokenizer:
-        """The corpus's sentencepiece tokenizer."""
+    def tokenizer(self) -> Tokenizer | HFTokenizer:
+        """The corpus's tokenizer: the sentencepiece model trained on it, or a copy of data.tokenizer's."""
         return self.store.tokenizer
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids (sentencepiece gives exactly the requested size, so this works before setup)."""
+        if self.tokenizer_spec != TRAIN:  # the model is sized by the requested size, at least the tokenizer's
+            return self.vocab_size_requested
         return self._store.tokenizer.vocab_size if self._store is not None else self.vocab_size_requested
 
     @property
