@@ -161,7 +161,9 @@ def _publish(
         raise ValueError("the streamed corpus has no non-empty documents")
     val = np.array([held_out(key.seed, i, key.val_fraction) for i in range(n)])
     if key.val_fraction > 0 and n > 1 and not val.any():
-        val[-1] = True  # as the in-memory split: at least one document on each side
+        # As the in-memory split: at least one document on each side. Only a corpus too small for the hash to
+        # hold one out gets here; its last document was then among the tokenizer's training text.
+        val[-1] = True
     if val.all():
         val[0] = False
     offsets = np.zeros(n + 1, dtype=np.int64)
