@@ -11,10 +11,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import faiss
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+from rlm.index._faiss import faiss
 
 TORCH = "torch"
 """Factory name of the exact torch search (no faiss index; the vectors themselves are the index)."""

@@ -17,10 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
-from faiss.contrib.ondisk import merge_ondisk
 
+from rlm.index._faiss import faiss, merge_ondisk
 from rlm.index.build import (
     BuiltIndex,
     IndexConfig,

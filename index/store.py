@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 
+from rlm.index._faiss import faiss
 from rlm.index.build import (
     TORCH,
     BuiltIndex,

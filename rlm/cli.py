@@ -1,7 +1,8 @@
 """The ``rlm`` command: a small table of subcommands.
 
 ``fit``, ``validate`` and ``test`` run LightningCLI on the deep-merged ``--config`` files; ``generate``
-samples from a checkpoint; ``index`` and ``experiment`` hand over to their own parsers.
+samples from a checkpoint; ``index`` and ``experiment`` hand over to their own parsers; ``plugins`` lists the
+plugins and their options. torch and Lightning are imported inside the commands, not at module level.
 """
 
 from __future__ import annotations
@@ -11,68 +12,20 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
-
-import torch
-from pytorch_lightning.cli import LightningCLI
+from typing import Any
 
 from rlm.config_merge import merge_configs, split_config_args, write_merged
-from rlm.lightning import config_diff
-from rlm.model.config import ModelConfig
+from rlm.extras import MissingExtra
+
+# torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
 
-class RLMCLI(LightningCLI):
-    """LightningCLI with the data module's vocabulary copied into the model config."""
+def __getattr__(name: str) -> Any:
+    if name == "RLMCLI":  # moved to rlm.lightning_cli; still importable from here
+        from rlm.lightning_cli import RLMCLI
 
-    _print_config: dict | None = None
-    """The --print_config dump options, when it was asked for (taken out of the arguments)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
-        # (rlm.cli_support.refuse_optimizer_options explains it to the user).
-        kwargs.setdefault("auto_configure_optimizers", False)
-        super().__init__(*args, **kwargs)
-
-    def before_instantiate_classes(self) -> None:
-        from rlm.cli_support import link_vocab
-
-        link_vocab(self.config[self.subcommand] if self.subcommand else self.config)
-
-    def parse_arguments(self, parser, args) -> None:
-        # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
-        # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
-        from rlm.cli_support import pop_print_config
-
-        args, self._print_config = pop_print_config(list(args))
-        self.config = parser.parse_args(args)
-
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
-        # For evaluation that is what one wants; resuming `fit` under a different model or plugin config is a
-        # mistake, so it is refused naming what differs.
-        if self.config.get("subcommand") == "fit":
-            cfg = self.config["fit"]
-            path = cfg.get("ckpt_path")
-            if path and Path(path).is_file():
-                saved = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
-                current = cfg.model.as_dict()
-                if current.get("model") is not None:
-                    current["model"]["vocab_size"] = cfg.data.vocab_size
-                current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
-                diffs = config_diff(saved, current)
-                if diffs:
-                    raise ValueError(
-                        f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs)
-                    )
-        super()._parse_ckpt_path()
-        if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
-            from rlm.cli_support import link_vocab
-
-            sub = self.config["subcommand"]
-            link_vocab(self.config[sub])
-            print(self._parser(sub).dump(self.config[sub], **self._print_config), end="")
-            sys.exit(0)
+        return RLMCLI
+    raise AttributeError(f"module 'rlm.cli' has no attribute {name!r}")
 
 
 def run_lightning(command: str, args: list[str]) -> int:
@@ -80,6 +33,7 @@ def run_lightning(command: str, args: list[str]) -> int:
     from rlm.cli_support import flag_value, refuse_optimizer_options
     from rlm.data import RLMDataModule
     from rlm.lightning import LMModule
+    from rlm.lightning_cli import RLMCLI
 
     configs, rest = split_config_args(args)
     # The command line's default_root_dir as a last config layer, so ${trainer.default_root_dir} resolves to it.
@@ -166,6 +120,23 @@ def run_experiment(command: str, args: list[str]) -> int:
     return experiment_main(args) or 0
 
 
+def run_plugins(command: str, args: list[str]) -> int:
+    """``rlm plugins [NAME]``: list the plugins, or print one plugin's options."""
+    from rlm.plugin.options import describe_plugin, plugin_table
+
+    p = argparse.ArgumentParser(prog="rlm plugins", description="List the plugins, or show one's options.")
+    p.add_argument("name", nargs="?", help="a plugin name: print its options with their defaults and docs")
+    a = p.parse_args(args)
+    if a.name:
+        print(describe_plugin(a.name))
+    else:
+        rows = plugin_table()
+        width = max((len(name) for name, _, _ in rows), default=0)
+        print("\n".join(f"{name:<{width}}  {desc}  [{source}]" for name, source, desc in rows))
+        print("\n`rlm plugins NAME` for a plugin's options; enable one with model.plugins.NAME: {...}.")
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "fit": (run_lightning, "train a model (LightningCLI; stack --config files)"),
     "validate": (run_lightning, "evaluate on the validation split"),
@@ -174,15 +145,29 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "generate": (run_generate, "sample text from a checkpoint"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
     "experiment": (run_experiment, "run plugin comparisons and report them"),
+    "plugins": (run_plugins, "list the plugins, or show one plugin's options"),
 }
 
 
 def usage() -> str:
     """The top-level help text."""
-    lines = ["usage: rlm COMMAND [args]", "", "commands:"]
+    lines = ["usage: rlm [--version] COMMAND [args]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "`rlm COMMAND --help` for a command's options."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own when run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("rlm")
+    except PackageNotFoundError:
+        from rlm import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,13 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"rlm {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"rlm: unknown command {command!r}; known commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
         return COMMANDS[command][0](command, rest)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, MissingExtra) as err:
         if os.environ.get("RLM_DEBUG"):
             raise
         print(f"rlm {command}: error: {err}", file=sys.stderr)

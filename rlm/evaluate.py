@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rlm.data import RLMDataModule, SegmentTable, TokenStore, Windows
+from rlm.data.pretrained import TRAIN
 from rlm.data.windows import IGNORE_INDEX, eval_loader
 
 SPLITS = ("test", "val", "train")
@@ -99,7 +100,7 @@ def with_tokenizer(
     """Data arguments that read their tokens with the checkpoint's tokenizer: unchanged when their cache entry
     already holds it (the training run's own entry: nothing is encoded again, and retrieval indices keyed by
     it stay valid), else (or with ``force``) with ``tokenizer`` set to the checkpoint's model file."""
-    if data.get("tokenizer"):
+    if data.get("tokenizer") not in (None, TRAIN):
         return data
     model = tokenizer_file(ckpt, path, data_settings(ckpt, path))  # the training data's, not `data`'s
     if force:

@@ -136,6 +136,25 @@ def test_run_config_points_logs_and_checkpoints_into_the_run(tmp_path):
     assert run_config(cfg, 3, tmp_path / "v" / "seed3") == cfg  # idempotent: no second clock
 
 
+def test_run_config_keeps_every_configured_logger(tmp_path):
+    wandb = {"class_path": "pytorch_lightning.loggers.WandbLogger", "init_args": {"project": "rlm"}}
+    mlflow = {"class_path": "pytorch_lightning.loggers.MLFlowLogger", "init_args": {"run_name": "mine"}}
+    tb = {"class_path": "pytorch_lightning.loggers.TensorBoardLogger"}
+    cfg = run_config({"trainer": {"logger": [wandb, tb, mlflow]}}, 0, tmp_path / "moe" / "seed0")
+    run = str((tmp_path / "moe" / "seed0").resolve())
+    csv_, wandb_, tb_, mlflow_ = cfg["trainer"]["logger"]
+    assert csv_ == {
+        "class_path": "pytorch_lightning.loggers.CSVLogger",
+        "init_args": {"save_dir": run, "name": "logs", "version": 0},
+    }
+    assert wandb_["init_args"] == {"project": "rlm", "name": "moe/seed0"}  # one W&B run per variant and seed
+    assert tb_["init_args"] == {"save_dir": run, "name": "logs", "version": 0}
+    assert mlflow_["init_args"] == {"run_name": "mine"}  # a name given in the config is kept
+    # `logger: true` is Lightning's default TensorBoard logger, kept beside the runner's CSV one.
+    default = run_config({"trainer": {"logger": True}}, 0, tmp_path / "v" / "seed0")["trainer"]["logger"]
+    assert [lg["class_path"].rsplit(".", 1)[1] for lg in default] == ["CSVLogger", "TensorBoardLogger"]
+
+
 def test_train_clock_excludes_validation_and_survives_resume(monkeypatch):
     now = [100.0]
     monkeypatch.setattr("rlm.experiment.timing.time.perf_counter", lambda: now[0])

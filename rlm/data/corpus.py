@@ -81,13 +81,21 @@ def _read_files(
         warnings.warn(f"skipped {skipped} unreadable or non-UTF-8 file(s) in the corpus", stacklevel=3)
 
 
+def is_saved_dataset(name: str) -> bool:
+    """Whether ``name`` is a folder written by ``save_to_disk`` (else a hub name or a folder of data files)."""
+    marks = ("dataset_info.json", "dataset_dict.json", "state.json")
+    return os.path.isdir(name) and any(os.path.isfile(os.path.join(name, m)) for m in marks)
+
+
 def _load_hf(
     name: str, split: str, config: str | None, text_field: str, limit: int | None
 ) -> Iterator[Document]:
-    """Documents of a Hugging Face dataset: a saved dataset when `name` is an existing path, else by name."""
-    import datasets  # slow import, only when asked for
+    """Documents of a Hugging Face dataset: a saved dataset, a local folder of data files, or a hub name."""
+    from rlm.extras import require
 
-    if os.path.exists(name):
+    datasets = require("datasets", "hf", "an hf: corpus")  # slow import, only when asked for
+
+    if is_saved_dataset(name):
         ds = datasets.load_from_disk(name)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:

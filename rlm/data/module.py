@@ -13,8 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlm.data.corpus import Document, fingerprint, read_corpus
+from rlm.data.pretrained import TRAIN, HFTokenizer, load_tokenizer, tokenizer_digest
 from rlm.data.segments import SegmentTable
-from rlm.data.store import CacheKey, TokenStore, build_store, file_digest
+from rlm.data.store import CacheKey, TokenStore, build_store
 from rlm.data.tokenizer import MODEL_TYPES, Tokenizer
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 
@@ -39,14 +40,20 @@ class RLMDataModule(pl.LightningDataModule):
         val_batch_size: Validation/test batch size; None uses batch_size.
         val_fraction: Fraction of documents held out for validation (split by document, seeded).
         test_fraction: Fraction of documents held out for testing (``rlm test``), disjoint from validation.
-        tokenizer: A sentencepiece model file used instead of training one on the corpus (evaluation with a
-            checkpoint's own tokenizer: ``rlm validate|test --ckpt_path`` and ``rlm eval`` set it); None trains.
         seed: Seed of the split, the tokenizer trainer and the training order.
         cache_dir: Where tokenizers and token arrays are cached; None uses $RLM_CACHE or ~/.cache/rlm.
         num_workers: Loader worker processes (0: batches are sliced from the memory map in the main process).
         tokenizer_model_type: sentencepiece model type: bpe, unigram, char or word.
         max_tokenizer_chars: Characters of training text the tokenizer trainer sees.
         progress: Show progress bars while reading, training the tokenizer and encoding.
+        tokenizer: "train" trains a sentencepiece model on the training documents (the default); or the path of
+            an existing sentencepiece .model file, or of a Hugging Face tokenizer (a tokenizer.json file or the
+            directory holding it, as tokenizers or transformers save it; extra ``hf``). An existing tokenizer
+            needs vocab_size >= its number of ids (the model's embedding is sized by vocab_size). Evaluation
+            with a checkpoint's own tokenizer (``rlm validate|test --ckpt_path``, ``rlm eval``) sets it; None is
+            "train".
+        streaming: Read hf: sources as a datasets IterableDataset and encode them on the fly into shards on
+            disk, never holding the corpus in memory (see rlm/data/stream.py; hf: sources only).
     """
 
     def __init__(
@@ -64,22 +71,36 @@ class RLMDataModule(pl.LightningDataModule):
         val_batch_size: int | None = None,
         val_fraction: float = 0.05,
         test_fraction: float = 0.05,
-        tokenizer: str | None = None,
         seed: int = 0,
         cache_dir: str | None = None,
         num_workers: int = 0,
         tokenizer_model_type: str = "bpe",
         max_tokenizer_chars: int = 20_000_000,
         progress: bool = True,
+        tokenizer: str | None = TRAIN,
+        streaming: bool = False,
     ) -> None:
         super().__init__()
+        tokenizer = TRAIN if tokenizer is None else tokenizer
         _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size)
         _positive(max_tokenizer_chars=max_tokenizer_chars)
         if max_documents is not None:
             _positive(max_documents=max_documents)
         if val_batch_size is not None:
             _positive(val_batch_size=val_batch_size)
-        if vocab_size < _MIN_VOCAB:
+        specs = [corpus] if isinstance(corpus, str) else list(corpus)
+        if streaming and not all(isinstance(c, str) and c.startswith("hf:") for c in specs):
+            raise ValueError(
+                f"streaming=True reads hf: sources only, got corpus={corpus!r}; accepted: 'hf:NAME'"
+            )
+        if tokenizer != TRAIN:  # open it now: a missing file or a too small vocab_size fails before any work
+            n_ids = load_tokenizer(tokenizer).vocab_size
+            if vocab_size < n_ids:
+                raise ValueError(
+                    f"vocab_size={vocab_size} but data.tokenizer={tokenizer!r} has {n_ids} ids; accepted: "
+                    f"vocab_size >= {n_ids}"
+                )
+        elif vocab_size < _MIN_VOCAB:
             raise ValueError(
                 f"vocab_size={vocab_size}; accepted: >= {_MIN_VOCAB} (4 special ids + 256 byte pieces)"
             )
@@ -92,8 +113,6 @@ class RLMDataModule(pl.LightningDataModule):
                 f"test_fraction={test_fraction} (val_fraction={val_fraction}); accepted: 0 <= test_fraction < 1 "
                 "and val_fraction + test_fraction < 1"
             )
-        if tokenizer is not None and not Path(tokenizer).is_file():
-            raise ValueError(f"tokenizer={tokenizer!r} is not a file; accepted: a sentencepiece .model file")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers}; accepted: >= 0")
         if tokenizer_model_type not in MODEL_TYPES:
@@ -107,13 +126,14 @@ class RLMDataModule(pl.LightningDataModule):
         self.seq_len, self.segment_len = seq_len, segment_len
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.val_fraction, self.seed = val_fraction, seed
-        self.test_fraction, self.tokenizer_file = test_fraction, tokenizer
+        self.test_fraction = test_fraction
         self.cache_dir = Path(
             cache_dir or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm"
         ).expanduser()
         self.num_workers = num_workers
         self.tokenizer_model_type, self.max_tokenizer_chars = tokenizer_model_type, max_tokenizer_chars
         self.progress = progress
+        self.tokenizer_spec, self.streaming = tokenizer, streaming
         self._docs: list[Document] | None = None
         self._key: CacheKey | None = None
         self._store: TokenStore | None = None
@@ -139,14 +159,14 @@ class RLMDataModule(pl.LightningDataModule):
         """What the cache entry depends on (reads the corpus to fingerprint it)."""
         if self._key is None:
             self._key = CacheKey(
-                corpus=fingerprint(self.documents()),
+                corpus=self._stream_key() if self.streaming else fingerprint(self.documents()),
                 vocab_size=self.vocab_size_requested,
                 model_type=self.tokenizer_model_type,
                 seed=self.seed,
                 val_fraction=self.val_fraction,
                 max_tokenizer_chars=self.max_tokenizer_chars,
                 test_fraction=self.test_fraction,
-                tokenizer=file_digest(self.tokenizer_file) if self.tokenizer_file else "",
+                tokenizer=TRAIN if self.tokenizer_spec == TRAIN else tokenizer_digest(self.tokenizer_spec),
             )
         return self._key
 
@@ -159,7 +179,34 @@ class RLMDataModule(pl.LightningDataModule):
         root = self.cache_path()
         if not TokenStore.exists(root):
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_file)
+            if self.streaming:
+                self._build_streamed(root)
+            else:
+                build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_spec)
+
+    def _specs(self) -> list[str]:
+        return [self.corpus] if isinstance(self.corpus, str) else list(self.corpus)
+
+    def _stream_key(self) -> str:
+        from rlm.data.stream import stream_key
+
+        return stream_key(self._specs(), self.hf_split, self.hf_config, self.text_field, self.max_documents)
+
+    def _build_streamed(self, root: Path) -> None:
+        from rlm.data.stream import build_stream_store, stream_documents
+
+        specs = self._specs()
+        args = (specs, self.hf_split, self.hf_config, self.text_field, self.max_documents)
+        stream_documents(*args)  # checks the sources before any work
+        prefix = f"{specs[0]}/{self.hf_split}/" if len(specs) == 1 else "stream/"
+        build_stream_store(
+            root,
+            lambda: stream_documents(*args),
+            self.cache_key(),
+            prefix,
+            self.tokenizer_spec,
+            self.progress,
+        )
 
     def setup(self, stage: str | None = None) -> None:
         """Load the cache (building it first when prepare_data was not called), cut segments and windows."""
@@ -212,7 +259,9 @@ class RLMDataModule(pl.LightningDataModule):
 
     def state_dict(self) -> dict[str, bytes]:
         """The tokenizer model's bytes: a checkpoint carries its own tokenizer (``rlm eval`` reads it)."""
-        return {"tokenizer_model": Path(self.tokenizer.path).read_bytes()} if self._store is not None else {}
+        tok = self.tokenizer if self._store is not None else None
+        # a sentencepiece model is one file; a Hugging Face tokenizer is named by data.tokenizer instead
+        return {"tokenizer_model": Path(tok.path).read_bytes()} if isinstance(tok, Tokenizer) else {}
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
         """Nothing to restore: the tokenizer comes from the cache entry (the bytes are for evaluation)."""
@@ -232,13 +281,15 @@ class RLMDataModule(pl.LightningDataModule):
         return self._store
 
     @property
-    def tokenizer(self) -> Tokenizer:
-        """The corpus's sentencepiece tokenizer."""
+    def tokenizer(self) -> Tokenizer | HFTokenizer:
+        """The corpus's tokenizer: the sentencepiece model trained on it, or a copy of data.tokenizer's."""
         return self.store.tokenizer
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids (sentencepiece gives exactly the requested size, so this works before setup)."""
+        if self.tokenizer_spec != TRAIN:  # the model is sized by the requested size, at least the tokenizer's
+            return self.vocab_size_requested
         return self._store.tokenizer.vocab_size if self._store is not None else self.vocab_size_requested
 
     @property

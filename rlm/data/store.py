@@ -1,12 +1,13 @@
 """The tokenized corpus on disk: one token array (memory-mapped), document offsets, the split, the tokenizer.
 
 Layout of one cache entry, `<cache_dir>/<key digest>/`:
-  tokenizer.model   sentencepiece model trained on the training documents only (or a copy of a given one)
+  tokenizer.model   sentencepiece model trained on the training documents only (or a copy of data.tokenizer's;
+                    a Hugging Face tokenizer is copied to hf_tokenizer/ instead)
   tokens.npy        every document as [bos] + ids + [eos], concatenated; uint16 (uint32 above 65535 ids)
   doc_offsets.npy   int64 (n_docs + 1,): document d is tokens[doc_offsets[d]:doc_offsets[d + 1]]
   train_docs.npy, val_docs.npy, test_docs.npy   int64 document ids, sorted, disjoint (no test_docs.npy in
-                  entries written before the test split: an empty test split)
-  meta.json         the key and the documents' names
+                  entries written before the test split, or streamed: an empty test split)
+  meta.json         the key and the documents' names (a streamed corpus: a name prefix and the count)
 The entry is built in a temporary directory and renamed into place, so a reader never sees half of it.
 """
 
@@ -16,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rlm.data.corpus import Document
+from rlm.data.pretrained import TRAIN, HFTokenizer, copy_tokenizer, open_cached
 from rlm.data.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -48,18 +50,18 @@ class CacheKey:
     """Characters of training text the tokenizer trainer sees."""
     test_fraction: float = 0.0
     """Fraction of documents held out for the test split (the tokenizer never sees them)."""
-    tokenizer: str = ""
-    """sha256 of a given tokenizer model used instead of training one; "" when one is trained."""
+    tokenizer: str = TRAIN
+    """'train', or the digest of the files of the existing tokenizer that data.tokenizer names."""
 
     def digest(self) -> str:
         """A short, stable name for this key (fields at their empty default are left out, so entries written
         before they existed keep their names)."""
-        fields = {k: v for k, v in asdict(self).items() if not (k in _OPTIONAL and not v)}
+        fields = {k: v for k, v in asdict(self).items() if not (k in _OPTIONAL and v == _OPTIONAL[k])}
         payload = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-_OPTIONAL = ("test_fraction", "tokenizer")
+_OPTIONAL = {"test_fraction": 0.0, "tokenizer": TRAIN}
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +93,9 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def _encode_all(tok: Tokenizer, docs: Sequence[Document], progress: bool) -> tuple[np.ndarray, np.ndarray]:
+def _encode_all(
+    tok: Tokenizer | HFTokenizer, docs: Sequence[Document], progress: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, doc_offsets) for every document, each as [bos] + ids + [eos]."""
     dtype = token_dtype(tok.vocab_size)
     pieces, lengths = [], np.zeros(len(docs), dtype=np.int64)
@@ -108,40 +112,21 @@ def _encode_all(tok: Tokenizer, docs: Sequence[Document], progress: bool) -> tup
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """sha256 of a file's bytes (names a given tokenizer in a CacheKey)."""
+    """sha256 of a file's bytes."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def build_store(
-    root: Path,
-    docs: Sequence[Document],
-    key: CacheKey,
-    progress: bool = True,
-    tokenizer: str | os.PathLike[str] | None = None,
+    root: Path, docs: Sequence[Document], key: CacheKey, progress: bool = True, tokenizer: str = TRAIN
 ) -> None:
-    """Split, train the tokenizer on the training documents (or copy the given model file `tokenizer`), encode
-    everything; publish atomically at `root`."""
+    """Split, train the tokenizer on the training documents (or copy ``tokenizer``), encode everything;
+    publish atomically at `root`."""
     tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         train, val, test = split_train_val_test(len(docs), key.val_fraction, key.test_fraction, key.seed)
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
-            tok = Tokenizer(tmp / "tokenizer.model")
-        else:
-            if progress:
-                tqdm.write(
-                    f"training a {key.model_type} tokenizer (vocab {key.vocab_size}) on {len(train)} documents"
-                )
-            tok = Tokenizer.train(
-                (docs[i].text for i in train),
-                tmp / "tokenizer.model",
-                vocab_size=key.vocab_size,
-                model_type=key.model_type,
-                max_chars=key.max_tokenizer_chars,
-                seed=key.seed,
-            )
+        tok = make_tokenizer(tmp, key, (docs[i].text for i in train), len(train), tokenizer, progress)
         tokens, offsets = _encode_all(tok, docs, progress)
         for name, array in [
             ("tokens", tokens),
@@ -164,6 +149,25 @@ def build_store(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def make_tokenizer(
+    folder: Path, key: CacheKey, texts: Iterable[str], n_train: int | None, tokenizer: str, progress: bool
+) -> Tokenizer | HFTokenizer:
+    """The entry's tokenizer in ``folder``: trained on ``texts`` (training documents) or copied from ``tokenizer``."""
+    if tokenizer != TRAIN:
+        return copy_tokenizer(tokenizer, folder)
+    if progress:
+        docs = f"{n_train} documents" if n_train is not None else "the streamed training documents"
+        tqdm.write(f"training a {key.model_type} tokenizer (vocab {key.vocab_size}) on {docs}")
+    return Tokenizer.train(
+        texts,
+        folder / "tokenizer.model",
+        vocab_size=key.vocab_size,
+        model_type=key.model_type,
+        max_chars=key.max_tokenizer_chars,
+        seed=key.seed,
+    )
+
+
 class TokenStore:
     """A built cache entry, memory-mapped; pickles as its path (cheap to send to loader workers)."""
 
@@ -180,9 +184,11 @@ class TokenStore:
         test = self.root / "test_docs.npy"
         self.test_docs: np.ndarray = np.load(test) if test.is_file() else np.zeros(0, dtype=np.int64)
         """Sorted test document ids (empty in entries written before the test split)."""
-        self.tokenizer = Tokenizer(self.root / "tokenizer.model")
+        self.tokenizer = open_cached(self.root)
         meta = json.loads((self.root / "meta.json").read_text())
-        self.names: list[str] = meta["names"]
+        self.names: Sequence[str] = (
+            meta["names"] if "names" in meta else _Names(meta["name_prefix"], meta["n_docs"])
+        )
         """Document names, by id."""
         self._verify(meta)
 
@@ -227,3 +233,20 @@ class TokenStore:
     def doc_tokens(self, doc: int) -> np.ndarray:
         """Tokens of one document, [bos] + ids + [eos]."""
         return self.tokens[self.doc_offsets[doc] : self.doc_offsets[doc + 1]]
+
+
+class _Names(Sequence[str]):
+    """The names of a streamed corpus's documents, PREFIX + index, without a list of millions of strings."""
+
+    def __init__(self, prefix: str, n: int) -> None:
+        self.prefix, self.n = prefix, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return f"{self.prefix}{i % self.n}"

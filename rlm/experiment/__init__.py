@@ -28,7 +28,8 @@ A run's config is, deep-merged in this order (mappings merge key by key, lists a
 ``base`` files, the variant's ``configs``, ``common``, the variant's ``set``, and finally the runner's own
 keys: ``seed_everything``, the log and checkpoint directories (every logger's ``save_dir`` and every
 ``ModelCheckpoint``'s ``dirpath`` point into the run directory, a CSVLogger and a last-checkpoint are added
-when missing, checkpointing is on), no progress bar, and the :class:`TrainClock` callback that logs
+when missing, checkpointing is on; other loggers such as W&B or MLflow are kept, each run named
+``VARIANT/seedK`` there), no progress bar, and the :class:`TrainClock` callback that logs
 ``time/train_s``. ``rlm experiment run --set KEY=VALUE`` merges into ``common`` and ``--seeds`` replaces the
 seeds, for a smaller budget (give such runs their own ``--out``). The data split (``data.seed``) is not varied with the seed, so every run is validated on the same documents.
 

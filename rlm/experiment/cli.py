@@ -9,6 +9,7 @@ from pathlib import Path
 from rlm.experiment.check import ParamCounts, check_experiment
 from rlm.experiment.report import write_report
 from rlm.experiment.runner import plan, run_experiment
+from rlm.extras import MissingExtra
 
 
 def _print_plan(exp_name: str, out: Path, runs: int, counts: dict[str, ParamCounts], baseline: str) -> None:
@@ -36,7 +37,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     try:
         paths = write_report(out)
         print("wrote " + ", ".join(str(p) for p in paths))
-    except ValueError as err:
+    except (ValueError, MissingExtra) as err:
         print(f"no report: {err}")
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their fit.log); rerun to retry them")

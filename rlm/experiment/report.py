@@ -230,61 +230,10 @@ def equal_time_losses(variants: list[VariantResult]) -> tuple[float | None, dict
 
 
 def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:
-    """val_loss_vs_step.png, val_loss_vs_time.png and loss_vs_added_params.png."""
-    import matplotlib
+    """val_loss_vs_step.png, val_loss_vs_time.png and loss_vs_added_params.png (rlm/experiment/plots.py)."""
+    from rlm.experiment.plots import plot as plot_all
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10")
-    style = {}
-    for i, v in enumerate(variants):
-        is_base = v.name == info["baseline"]
-        style[v.name] = {"color": "black" if is_base else colors(i % 10), "ls": "--" if is_base else "-"}
-    title = f"experiment {info['name']}"
-    for name, xlabel, index in (
-        ("val_loss_vs_step.png", "training step", 0),
-        ("val_loss_vs_time.png", "training time (s)", 1),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for v in variants:
-            for j, run in enumerate(sorted(v.runs, key=lambda r: r["seed"])):
-                curve = _val_curves(run)
-                label = f"{v.name} (baseline)" if v.name == info["baseline"] else v.name
-                ax.plot(
-                    curve[index],
-                    curve[2],
-                    marker="o",
-                    ms=3,
-                    lw=1.5,
-                    alpha=0.85,
-                    label=None if j else label,
-                    **style[v.name],
-                )
-        ax.set(xlabel=xlabel, ylabel="validation loss", title=f"{title}: validation loss (one line per seed)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        _save(fig, out / name)
-    # Parameters over the baseline's total: the plugins' added parameters, and also a change of model shape.
-    base = next((v.mean("params_total") for v in variants if v.name == info["baseline"]), None)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for v in variants:
-        total = v.mean("params_total") or 0.0
-        x = total - base if base is not None else v.mean("params_added") or 0.0
-        y, err = v.mean("val_loss"), v.sd("val_loss")
-        if y is None:
-            continue
-        ax.errorbar(x / 1e6, y, yerr=err, fmt="o", capsize=3, color=style[v.name]["color"])
-        ax.annotate(v.name, (x / 1e6, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    xlabel = (
-        f"parameters over the baseline {info['baseline']!r} (millions)"
-        if base is not None
-        else "added parameters (millions)"
-    )
-    ax.set(xlabel=xlabel, ylabel="final validation loss",
-           title=f"{title}: loss against added parameters (mean ± sd over seeds)")  # fmt: skip
-    ax.grid(alpha=0.3)
-    _save(fig, out / "loss_vs_added_params.png")
+    plot_all(out, info, variants)
 
 
 def _save(fig: Any, path: Path) -> None:

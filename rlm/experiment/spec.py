@@ -267,6 +267,9 @@ def variant_config(exp: Experiment, variant: Variant, skip_missing: bool = False
 
 LOGGERS_WITH_DIRS = ("CSVLogger", "TensorBoardLogger")
 CSV_LOGGER = "pytorch_lightning.loggers.CSVLogger"
+TB_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
+RUN_NAME_ARG = {"WandbLogger": "name", "MLFlowLogger": "run_name"}
+"""Loggers of a remote service, and their argument naming a run: each run is named VARIANT/seedK there."""
 CHECKPOINT = "pytorch_lightning.callbacks.ModelCheckpoint"
 CLOCK = "rlm.experiment.timing.TrainClock"
 
@@ -286,12 +289,18 @@ def run_config(cfg: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
     trainer["enable_progress_bar"] = False
     trainer["enable_checkpointing"] = True  # the summary reads the model's hyperparameters from last.ckpt
     loggers = trainer.get("logger")
+    if loggers is True:  # Lightning's default logger, made explicit so that it can be moved into the run
+        loggers = [{"class_path": TB_LOGGER}]
     loggers = loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []
-    loggers = [lg for lg in loggers if _class_name(lg) in LOGGERS_WITH_DIRS]
     if not any(_class_name(lg) == "CSVLogger" for lg in loggers):
         loggers.insert(0, {"class_path": CSV_LOGGER, "init_args": {}})
-    for lg in loggers:
-        lg.setdefault("init_args", {}).update(save_dir=str(run_dir), name="logs", version=0)
+    for lg in loggers:  # every configured logger is kept (W&B, MLflow, ...); the report reads the CSV one
+        name = _class_name(lg)
+        if name in LOGGERS_WITH_DIRS:
+            lg.setdefault("init_args", {}).update(save_dir=str(run_dir), name="logs", version=0)
+        elif name in RUN_NAME_ARG:
+            init = lg.setdefault("init_args", {})
+            init.setdefault(RUN_NAME_ARG[name], f"{run_dir.parent.name}/{run_dir.name}")
     trainer["logger"] = loggers
     callbacks = trainer.get("callbacks")
     callbacks = (

@@ -1,8 +1,32 @@
-"""The plugin contract and registry."""
+"""The plugin contract and registry.
 
-from rlm.plugin.base import LAYERLESS, Claim, Mode, ParamGroup, Plugin, Slot, check_layers, make_config
-from rlm.plugin.context import Context
-from rlm.plugin.registry import known_plugins, resolve
+The names are imported on first use (PEP 562), so that reading the registry's table (``rlm plugins``) does
+not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlm.plugin.base import LAYERLESS, Claim, Mode, ParamGroup, Plugin, Slot, check_layers, make_config
+    from rlm.plugin.context import Context
+    from rlm.plugin.registry import known_plugins, resolve
+
+_WHERE = {
+    "LAYERLESS": "base",
+    "Claim": "base",
+    "Mode": "base",
+    "ParamGroup": "base",
+    "Plugin": "base",
+    "Slot": "base",
+    "check_layers": "base",
+    "make_config": "base",
+    "Context": "context",
+    "known_plugins": "registry",
+    "resolve": "registry",
+}
 
 __all__ = [
     "LAYERLESS",
@@ -17,3 +41,9 @@ __all__ = [
     "make_config",
     "resolve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'rlm.plugin' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlm.plugin.{_WHERE[name]}"), name)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlm.plugin.base import Plugin, make_config
+if TYPE_CHECKING:  # imported where used: `rlm plugins` reads the tables below without importing torch
+    from rlm.plugin.base import Plugin
 
 # Built-in plugins: short name -> "module:Class". Imported lazily, only when named.
 BUILTIN: dict[str, str] = {
@@ -20,6 +21,17 @@ BUILTIN: dict[str, str] = {
     "pkm": "rlm.plugins.pkm:PKMPlugin",
     "altup": "rlm.plugins.altup:AltUpPlugin",
     "retrieval": "rlm.plugins.retrieval:RetrievalPlugin",
+}
+
+# One line each for `rlm plugins`, kept here so that listing them imports no plugin (a test keeps them equal
+# to the first line of each class's docstring).
+DESCRIPTIONS: dict[str, str] = {
+    "tokenid": "Token-ID tables added to the FFN at chosen layers.",
+    "moe": "Replaces the FFN at the chosen layers with a mixture of N experts.",
+    "partial_experts": "Adds looked-up partial experts to the FFN at the chosen layers.",
+    "pkm": "Product key memory layers in the FFN slot of chosen layers.",
+    "altup": "Alternating Updates: a K*d representation computed by width-d blocks (wraps the stack slot).",
+    "retrieval": "The retriever: an embedder, cross-attention at chosen layers, and the index rebuild callback.",
 }
 
 ENTRY_POINT_GROUP = "rlm.plugins"
@@ -57,6 +69,8 @@ def load_class(path: str) -> type:
 
 def resolve(name: str, class_path: str | None = None) -> type[Plugin]:
     """The plugin class for a config entry: by class_path if given, else by registered name."""
+    from rlm.plugin.base import Plugin
+
     if class_path:
         cls = load_class(class_path)
     elif name in BUILTIN and _builtin_available(BUILTIN[name]):
@@ -96,6 +110,8 @@ def parse_spec(name: str, spec: Any) -> tuple[type[Plugin], dict[str, Any]] | No
 
 def validate_specs(specs: dict[str, Any] | None) -> list[str]:
     """Every problem in a ``model.plugins`` mapping, as messages (empty when it is valid)."""
+    from rlm.plugin.base import make_config
+
     problems = []
     for name, spec in (specs or {}).items():
         try:

@@ -1,0 +1,201 @@
+"""Streaming ``hf:`` corpora into the token cache without holding them in memory (``data.streaming: true``).
+
+The source is read as a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``; a dataset saved
+with ``save_to_disk`` through ``to_iterable_dataset()``) and encoded on the fly. Two passes over the stream:
+the first trains the tokenizer on the first ``max_tokenizer_chars`` characters of the training documents
+(none when ``data.tokenizer`` names an existing one), the second encodes every document into shards of about
+``SHARD_TOKENS`` tokens, each written to disk (temp name, then renamed) before the next is started. A build
+that stops part way resumes after its last complete shard. The shards are then copied into the same entry
+layout as an in-memory build (rlm/data/store.py), one memory-mapped tokens.npy, so training reads it alike.
+
+Differences from the in-memory build: the corpus has no content fingerprint before it is read, so the cache
+is keyed by the source's description (names, split, config, text field, max_documents), not by its content;
+and the train/val split is a seeded hash of each document's index (held out with probability
+val_fraction), since the number of documents is not known in advance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from rlm.data.corpus import Document, is_saved_dataset
+from rlm.data.pretrained import TRAIN, open_cached
+from rlm.data.store import _ENCODE_BATCH, FORMAT_VERSION, CacheKey, make_tokenizer, token_dtype
+from rlm.extras import require
+
+SHARD_TOKENS = 1 << 24
+"""Tokens per shard (32 MiB of uint16): the most the build holds in memory at once, besides per-document
+offsets and split flags."""
+
+
+def stream_key(
+    specs: Sequence[str], split: str, config: str | None, text_field: str, limit: int | None
+) -> str:
+    """The cache key's corpus field for a streamed source: a digest of its description."""
+    names = [os.path.abspath(s[3:]) if os.path.exists(s[3:]) else s[3:] for s in specs]
+    desc = {"stream": names, "split": split, "config": config, "text_field": text_field, "limit": limit}
+    return "stream:" + hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+
+
+def stream_documents(
+    specs: Sequence[str], split: str, config: str | None, text_field: str, limit: int | None
+) -> Iterator[Document]:
+    """The documents of ``hf:`` sources, in order, read lazily; empty texts are skipped; at most ``limit``."""
+    bad = [s for s in specs if not s.startswith("hf:")]
+    if bad:
+        raise ValueError(
+            f"data.streaming reads hf: sources only, got {bad}; accepted: 'hf:NAME' or 'hf:PATH'"
+        )
+    docs = itertools.chain.from_iterable(_stream_one(s[3:], split, config, text_field) for s in specs)
+    return itertools.islice(docs, limit)
+
+
+def _stream_one(name: str, split: str, config: str | None, text_field: str) -> Iterator[Document]:
+    datasets = require("datasets", "hf", "an hf: corpus")
+    if is_saved_dataset(name):  # saved with save_to_disk: memory-mapped Arrow files, read in order
+        ds = datasets.load_from_disk(name)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(
+                    f"hf_split={split!r} is not in the saved dataset {name!r}; splits: {list(ds)}"
+                )
+            ds = ds[split]
+        ds = ds.to_iterable_dataset()
+    else:  # a hub name, or a local folder / file of json, csv, parquet or text files
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+    for i, row in enumerate(ds):
+        if text_field not in row:
+            raise ValueError(f"text_field={text_field!r} is not a column of {name!r}; columns: {list(row)}")
+        text = row[text_field]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(
+                f"text_field={text_field!r} of {name!r} row {i} is {type(text).__name__}, not text"
+            )
+        if text:
+            yield Document(f"hf:{name}/{split}/{i}", text)
+
+
+def held_out(seed: int, index: int, val_fraction: float) -> bool:
+    """Whether document ``index`` is a validation document: a seeded hash, uniform in [0, 1), < val_fraction."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64 < val_fraction
+
+
+def build_stream_store(
+    root: Path,
+    documents: Callable[[], Iterator[Document]],
+    key: CacheKey,
+    name_prefix: str,
+    tokenizer: str = TRAIN,
+    progress: bool = True,
+) -> None:
+    """Tokenizer, shards, then the cache entry at ``root``; ``documents()`` starts the stream afresh."""
+    work = root.parent / f".{root.name}.stream"  # kept until the entry is published: a rerun resumes here
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "tok").is_dir():
+        tmp = work / f"tok.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        train_texts = (
+            d.text for i, d in enumerate(documents()) if not held_out(key.seed, i, key.val_fraction)
+        )
+        make_tokenizer(tmp, key, train_texts, None, tokenizer, progress)
+        os.replace(tmp, work / "tok")
+    tok = open_cached(work / "tok")
+    shards = sorted(work.glob("shard_*.npz"))
+    done = sum(len(np.load(s)["lengths"]) for s in shards)
+    dtype = token_dtype(tok.vocab_size)
+    pieces: list[np.ndarray] = []
+    lengths: list[int] = []
+    n_tokens = 0
+
+    def flush() -> None:
+        nonlocal n_tokens
+        path = work / f"shard_{len(shards):06d}.npz"
+        tmp = work / f".shard.tmp{os.getpid()}.npz"
+        np.savez(tmp, tokens=np.concatenate(pieces), lengths=np.array(lengths, dtype=np.int64))
+        os.replace(tmp, path)
+        shards.append(path)
+        pieces.clear(), lengths.clear()
+        n_tokens = 0
+
+    stream = itertools.islice(
+        documents(), done, None
+    )  # resume: skip what the shards hold (read, not encoded)
+    with tqdm(desc="encoding stream", unit="doc", initial=done, disable=not progress, leave=False) as bar:
+        while batch := list(itertools.islice(stream, _ENCODE_BATCH)):
+            for ids in tok.encode_batch([d.text for d in batch]):
+                pieces.append(np.array([tok.bos_id, *ids, tok.eos_id], dtype=dtype))
+                lengths.append(len(ids) + 2)
+                n_tokens += len(ids) + 2
+                if n_tokens >= SHARD_TOKENS:
+                    flush()
+            bar.update(len(batch))
+    if pieces:
+        flush()
+    _publish(root, work, shards, key, name_prefix, dtype)
+
+
+def _publish(
+    root: Path,
+    work: Path,
+    shards: list[Path],
+    key: CacheKey,
+    name_prefix: str,
+    dtype: type[np.unsignedinteger],
+) -> None:
+    """Copy the shards into one memory-mapped tokens.npy and publish the entry atomically; drop the shards."""
+    lengths = np.concatenate([np.load(s)["lengths"] for s in shards]) if shards else np.zeros(0, np.int64)
+    n = len(lengths)
+    if n == 0:
+        raise ValueError("the streamed corpus has no non-empty documents")
+    val = np.array([held_out(key.seed, i, key.val_fraction) for i in range(n)])
+    if key.val_fraction > 0 and n > 1 and not val.any():
+        # As the in-memory split: at least one document on each side. Only a corpus too small for the hash to
+        # hold one out gets here; its last document was then among the tokenizer's training text.
+        val[-1] = True
+    if val.all():
+        val[0] = False
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tokens = np.lib.format.open_memmap(
+            tmp / "tokens.npy", mode="w+", dtype=dtype, shape=(int(offsets[-1]),)
+        )
+        at = 0
+        for s in shards:
+            part = np.load(s)["tokens"]
+            tokens[at : at + len(part)] = part
+            at += len(part)
+        tokens.flush()
+        del tokens
+        np.save(tmp / "doc_offsets.npy", offsets)
+        np.save(tmp / "train_docs.npy", np.flatnonzero(~val).astype(np.int64))
+        np.save(tmp / "val_docs.npy", np.flatnonzero(val).astype(np.int64))
+        for item in (work / "tok").iterdir():
+            shutil.copytree(item, tmp / item.name) if item.is_dir() else shutil.copyfile(
+                item, tmp / item.name
+            )
+        meta = {"format": FORMAT_VERSION, "key": asdict(key), "name_prefix": name_prefix, "n_docs": n}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.replace(tmp, root)
+        except OSError:
+            if not (root / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)

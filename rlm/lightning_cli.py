@@ -1,0 +1,67 @@
+"""LightningCLI with rlm's additions, apart from rlm/cli.py so that ``rlm --help`` imports neither torch nor Lightning."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from pytorch_lightning.cli import LightningCLI
+
+from rlm.lightning import config_diff
+from rlm.model.config import ModelConfig
+
+
+class RLMCLI(LightningCLI):
+    """LightningCLI with the data module's vocabulary copied into the model config, no optimizer flags (they would
+    drop the plugins' parameter groups), and --print_config printing what runs."""
+
+    _print_config: dict | None = None
+    """The --print_config dump options, when it was asked for (taken out of the arguments)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
+        # (rlm.cli_support.refuse_optimizer_options explains it to the user).
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        from rlm.cli_support import link_vocab
+
+        link_vocab(self.config[self.subcommand] if self.subcommand else self.config)
+
+    def parse_arguments(self, parser, args) -> None:
+        # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
+        # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
+        from rlm.cli_support import pop_print_config
+
+        args, self._print_config = pop_print_config(list(args))
+        self.config = parser.parse_args(args)
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
+        # For evaluation that is what one wants; resuming `fit` under a different model or plugin config is a
+        # mistake, so it is refused naming what differs.
+        if self.config.get("subcommand") == "fit":
+            cfg = self.config["fit"]
+            path = cfg.get("ckpt_path")
+            if path and Path(path).is_file():
+                saved = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+                current = cfg.model.as_dict()
+                if current.get("model") is not None:
+                    current["model"]["vocab_size"] = cfg.data.vocab_size
+                current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
+                diffs = config_diff(saved, current)
+                if diffs:
+                    raise ValueError(
+                        f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs)
+                    )
+        super()._parse_ckpt_path()
+        if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
+            from rlm.cli_support import link_vocab
+
+            sub = self.config["subcommand"]
+            link_vocab(self.config[sub])
+            print(self._parser(sub).dump(self.config[sub], **self._print_config), end="")
+            sys.exit(0)

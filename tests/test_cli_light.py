@@ -1,0 +1,89 @@
+"""The light ``rlm`` front: help, version and the plugin listing import neither torch nor Lightning."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import subprocess
+import sys
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from rlm.cli import main
+from rlm.plugin import registry
+from rlm.plugin.options import field_docs, plugin_table
+
+HEAVY = ("torch", "pytorch_lightning", "lightning", "datasets", "matplotlib")
+
+
+def test_help_version_and_plugin_list_import_no_torch():
+    # A fresh interpreter: this test process has torch imported already.
+    code = (
+        "import sys\n"
+        "from rlm.cli import main\n"
+        "assert main(['--help']) == 0 and main(['--version']) == 0 and main(['plugins']) == 0\n"
+        f"print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out, out
+    assert "plugins" in out and "tokenid" in out
+
+
+def test_version_is_the_distribution_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"rlm {importlib.metadata.version('rlm')}"
+
+
+def test_descriptions_match_the_plugin_docstrings():
+    assert set(registry.DESCRIPTIONS) == set(registry.BUILTIN)
+    for name, target in registry.BUILTIN.items():
+        cls = registry.load_class(target)
+        assert registry.DESCRIPTIONS[name] == cls.__doc__.strip().split("\n")[0], name
+
+
+def test_plugins_lists_every_builtin(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    for name, desc in registry.DESCRIPTIONS.items():
+        assert any(line.startswith(name) and desc in line for line in out.splitlines()), name
+
+
+@pytest.mark.parametrize("name", sorted(registry.BUILTIN))
+def test_plugin_options_show_type_default_and_docstring(name, capsys):
+    assert main(["plugins", name]) == 0
+    out = capsys.readouterr().out
+    config = registry.resolve(name).Config
+    docs = field_docs(config)
+    for f in dataclasses.fields(config):
+        assert f.name in docs, f"{name}.{f.name} has no docstring"
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert f"  {f.name}: {f.type} = {default!r}\n      {docs[f.name]}" in out
+
+
+def test_field_docs_include_inherited_fields():
+    moe = registry.resolve("moe").Config
+    docs = field_docs(moe)
+    assert docs["num_experts"] == "Number of experts N."
+    assert docs["top_k"].startswith("Entries per token")  # declared on the base LookupOptions
+
+
+def test_entry_point_plugins_are_listed_and_described(monkeypatch, capsys):
+    eps = {
+        "everyslot": EntryPoint("everyslot", "everyslot_plugin:EverySlotPlugin", registry.ENTRY_POINT_GROUP),
+        "broken": EntryPoint("broken", "no_such_module_xyz:Plugin", registry.ENTRY_POINT_GROUP),
+    }
+    monkeypatch.setattr(registry, "_entry_points", lambda: eps)
+    rows = {name: (source, desc) for name, source, desc in plugin_table()}
+    assert rows["everyslot"][0] == "entry point everyslot_plugin:EverySlotPlugin"
+    assert rows["everyslot"][1].startswith("Claims embed (replace, add)")
+    assert rows["broken"][1].startswith("(cannot be imported:")
+    assert "tokenid" in rows
+    assert main(["plugins", "everyslot"]) == 0
+    out = capsys.readouterr().out
+    assert "aux_weight: float = 0.5\n      Weight of the plugin's aux loss." in out
+
+
+def test_unknown_plugin_names_the_known_ones(capsys):
+    assert main(["plugins", "nope"]) == 2
+    assert "unknown plugin 'nope'; known plugins: [" in capsys.readouterr().err
