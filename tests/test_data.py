@@ -260,7 +260,7 @@ def test_a_given_tokenizer_is_used_instead_of_training_one(dm, tmp_path, corpus)
     store = TokenStore(module.cache_path())
     assert open(store.tokenizer.path, "rb").read() == open(dm.tokenizer.path, "rb").read()
     assert store.doc_tokens(0)[1:-1].tolist() == dm.tokenizer.encode("brand new text, never seen\n")
-    with pytest.raises(ValueError, match="not a file"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         _dm(other, tmp_path, tokenizer=str(tmp_path / "missing.model"))
 
 
