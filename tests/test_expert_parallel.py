@@ -1,0 +1,103 @@
+"""Expert parallelism (plugins/_expert_parallel.py): 2 gloo processes against one process on the global batch."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.testing import assert_close
+
+from rlm.model import ModelConfig
+from rlm.plugin import Context
+from rlm.plugins._expert_parallel import shard_experts
+from rlm.plugins.moe import MoEConfig, MoELayer
+
+D, V, B, T = 32, 64, 2, 12  # B rows per rank
+TOL = dict(rtol=1e-4, atol=1e-5)  # float32; sums over tokens run in another order
+
+
+def _layer(capacity_factor: float, dispatch: str) -> MoELayer:
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=2, ffn="gated")
+    c = MoEConfig(
+        layers=[0], num_experts=4, top_k=2, capacity_factor=capacity_factor, router_jitter=0.0,
+        balance_coef=0.0, z_coef=0.0, dispatch=dispatch, expert_parallel=True,
+    )  # fmt: skip
+    return MoELayer(c, mc, 0)  # float32: torch._grouped_mm takes no float64
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * B, T, D, generator=g, dtype=torch.float32)
+    tokens = torch.randint(0, V, (2 * B, T), generator=g)
+    mask = torch.ones(2 * B, T, dtype=torch.bool)
+    mask[1, 9:] = False  # padding on rank 0
+    mask[3, 5:] = False  # and on rank 1
+    r = torch.randn(2 * B, T, D, generator=g, dtype=torch.float32)  # the loss is sum(y * r) / tokens
+    return x, tokens, mask, r
+
+
+def _loss(layer, x, tokens, mask, r):
+    y = layer(x, Context(tokens=tokens, mask=mask, stage="train"))
+    return y, (y * r).sum() / x.shape[0]
+
+
+def _worker(rank: int, port: int, cases: list, out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        for name, cf, mode in cases:
+            layer = _layer(cf, mode)
+            shard_experts(layer.experts, rank, 2)
+            layer.expert_group = dist.group.WORLD
+            x, tokens, mask, r = (t[rank * B : (rank + 1) * B] for t in _batch())
+            x = x.clone().requires_grad_(True)
+            y, loss = _loss(layer, x, tokens, mask, r)
+            loss.backward()
+            grads = {}
+            for n, p in layer.named_parameters():
+                if n.startswith("experts."):
+                    grads[n] = p.grad  # this rank's experts, already scaled by 1/W
+                else:
+                    g = p.grad.clone()
+                    dist.all_reduce(g)  # what DDP does: the mean over ranks
+                    grads[n] = g / 2
+            out[(name, rank)] = (y.detach(), x.grad / 2, grads)
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = [("capacity", 0.75, "grouped"), ("dropless", 0.0, "grouped"), ("capacity_bmm", 0.75, "bmm")]
+
+
+@pytest.mark.ddp
+def test_two_processes_equal_one_process_on_the_global_batch():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(port, CASES, out), nprocs=2)
+        got = dict(out)
+    for name, cf, mode in CASES:
+        layer = _layer(cf, mode)
+        x, tokens, mask, r = _batch()
+        x.requires_grad_(True)
+        y, loss = _loss(layer, x, tokens, mask, r)
+        # The mean over 2*B rows: each rank's loss is the mean over its B rows, DDP averages the two.
+        loss.backward()
+        ctx = Context(tokens=tokens, mask=mask, stage="train")
+        layer(x.detach(), ctx)
+        assert (ctx.metrics["moe_dropped/l0"] > 0) == (cf > 0), name  # capacity bites where it is set
+        (y0, gx0, g0), (y1, gx1, g1) = got[(name, 0)], got[(name, 1)]
+        assert_close(torch.cat([y0, y1]), y.detach(), msg=name, **TOL)
+        assert_close(torch.cat([gx0, gx1]), x.grad, msg=name, **TOL)
+        for n, p in layer.named_parameters():
+            want = p.grad
+            if n.startswith("experts."):
+                assert_close(torch.cat([g0[n], g1[n]]), want, msg=f"{name}: {n}", **TOL)
+            else:
+                assert_close(g0[n], want, msg=f"{name}: {n}", **TOL)
+                assert_close(g1[n], want, msg=f"{name}: {n}", **TOL)
