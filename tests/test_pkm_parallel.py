@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from cli_helpers import DDP_2CPU, column, fit_args, read_metrics, run_rlm
+from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig
@@ -99,3 +99,16 @@ def test_ddp_fit_exchanges_rows_instead_of_a_dense_all_reduce(tmp_path, rlm_cach
     assert int(ckpt["callbacks"]["PKMCallback[pkm]"]["state"]["shared"]["step"]) == ckpt["global_step"] >= 3
     names = [g.get("name") for opt in ckpt["optimizer_states"] for g in opt["param_groups"]]
     assert "pkm_values" not in names
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_benchmark_script_smoke():
+    import subprocess
+    import sys
+
+    # A subprocess: torch.multiprocessing.spawn needs the script importable as __main__.
+    bench = CONFIGS.parent / "benchmarks" / "pkm_parallel.py"
+    args = ["--n", "16", "32", "--topk", "4", "--repeat", "1", "--batch", "1", "--seq", "16", "--k-dim", "32"]
+    out = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, check=True).stdout
+    assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
