@@ -247,9 +247,11 @@ class ExpertParallelCallback(pl.Callback):
             for group_ in optimizer.param_groups:
                 for p in group_["params"]:
                     if id(p) in ids and index in saved["state"]:
-                        for key, t in saved["state"][index].items():
-                            if torch.is_tensor(t) and t.shape == p.shape:
-                                saved["state"][index][key] = full(t)
+                        # A new dict: torch's optimizer state_dict shares the live per-parameter state.
+                        saved["state"][index] = {
+                            key: full(t) if torch.is_tensor(t) and t.shape == p.shape else t
+                            for key, t in saved["state"][index].items()
+                        }
                         located.append([o, index, p.shape[0] * world])
                     index += 1
         checkpoint["expert_parallel"] = {"optimizer_params": located}
