@@ -28,6 +28,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from rlm.plugins._experts import Experts, Plan, plan
@@ -65,7 +66,7 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tenso
 def all_gather_rows(t: Tensor, group: Any) -> list[Tensor]:
     """Every rank's t (n_r, ...) with n_r varying by rank (counts first, then padded rows); no gradient."""
     world = dist.get_world_size(group)
-    n = torch.tensor([t.shape[0]], dtype=torch.int64)
+    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)  # NCCL: on the device
     counts = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(counts, n, group=group)
     counts = [int(c) for c in counts]
@@ -189,6 +190,11 @@ class ExpertParallelCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         got = default_group()
         if got is not None and self.world == 1:
+            if not isinstance(trainer.strategy, DDPStrategy):
+                raise ValueError(
+                    f"moe.expert_parallel runs under the ddp strategy; got {type(trainer.strategy).__name__} "
+                    "(use --trainer.strategy ddp, or expert_parallel: false)"
+                )
             group, rank, self.world = got
             for layer in self.layers():
                 shard_experts(layer.experts, rank, self.world)

@@ -304,7 +304,7 @@ class RowAdam:
         self.group: Any = None
         """A torch.distributed process group: ``step`` then exchanges the touched rows (see exchange_rows)."""
         self.sent_bytes = 0
-        """Bytes this rank sent in the last step's row exchange (0 on one process)."""
+        """Bytes this rank sent in the last step's row exchanges, all tables (0 on one process)."""
         self.tables: dict[str, Tensor] = {}
         self.state: dict[str, dict[str, Tensor]] = {}
         self.reads: dict[str, list[tuple[Tensor, Tensor, Tensor]]] = {}
@@ -384,9 +384,14 @@ class RowAdam:
             got = self._lookups(key)
             if self.group is not None:
                 # Every rank takes part (a rank without reads sends no rows) and gets the same global rows.
-                local = self.pending(key) if got is not None else (table.new_empty(0, dtype=torch.int64),) * 2
-                rows, g, self.sent_bytes = exchange_rows(local[0], local[1], table.shape[1], self.group)
-                ids = torch.arange(rows.numel() + 1)  # one lookup of weight 1 per row: offsets, tok
+                if got is not None:
+                    rows, offsets, tok, w, grad = got
+                    g = row_gradients(offsets, tok, w, grad)  # (U_r, d) for the rows (U_r,)
+                else:
+                    rows, g = table.new_empty(0, dtype=torch.int64), table.new_empty(0, table.shape[1])
+                rows, g, sent = exchange_rows(rows, g.to(table.dtype), table.shape[1], self.group)
+                self.sent_bytes += sent
+                ids = torch.arange(rows.numel() + 1, device=rows.device)  # one lookup of weight 1 per row
                 got = (rows, ids, ids[:-1], g.new_ones(rows.numel()), g)
             if got is None or got[0].numel() == 0:
                 continue
@@ -436,7 +441,7 @@ def exchange_rows(rows: Tensor, grads: Tensor, d: int, group: Any) -> tuple[Tens
     """
     world = dist.get_world_size(group)
     grads = grads.reshape(-1, d)
-    count = torch.tensor([rows.numel()], dtype=torch.int64)
+    count = torch.tensor([rows.numel()], dtype=torch.int64, device=rows.device)  # NCCL: on the device
     counts = [torch.zeros_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
     counts = [int(c) for c in counts]
