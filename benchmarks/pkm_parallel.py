@@ -16,6 +16,12 @@ runs the default all-reduce; a ring all-reduce sends 2 (W-1)/W of them per rank,
 what the rank passes to the all-gathers. The row exchange scales with the rows a step touches (at most
 heads x topk x tokens, fewer on a small table where they repeat), the dense path with the table. Times are
 the median wall-clock step of rank 0 on a shared 2-core CPU with gloo: indicative only.
+
+Measured 2026-11-22 (defaults; gloo, 2 processes on a shared 2-core CPU): bytes sent per step by rank 0,
+16,384 slots: dense 4.59 MB (all DDP buckets), rows 2.99 MB (0.40 MB DDP + 2.59 MB rows, 9,829 rows touched);
+1,048,576 slots: dense 270.7 MB, rows 6.49 MB (2.23 MB DDP, the sub-keys, + 4.26 MB rows, 16,146 rows
+touched); at most 2 x 64 x 4 x 32 = 16,384 rows per rank whatever the table size. Step 513 ms dense vs
+58 ms rows at 1M slots.
 """
 
 from __future__ import annotations
