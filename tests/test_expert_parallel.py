@@ -1,6 +1,7 @@
 """Expert parallelism (plugins/_expert_parallel.py): 2 gloo processes against one process on the global batch."""
 
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.testing import assert_close
 
 from rlm.model import ModelConfig
 from rlm.plugin import Context
-from rlm.plugins._expert_parallel import shard_experts
+from rlm.plugins._expert_parallel import ExpertParallelCallback, shard_experts
 from rlm.plugins.moe import MoEConfig, MoELayer
 
 D, V, B, T = 32, 64, 2, 12  # B rows per rank
@@ -119,6 +120,45 @@ def test_shard_keeps_a_slice_and_loads_its_slice_of_full_tensors():
         shard_experts(_layer(0.0, "grouped").experts, rank=0, world=3)
 
 
+def _clip_worker(rank: int, port: int, grads: dict, out: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        shared = torch.nn.Parameter(torch.zeros(5))
+        shared.grad = grads["shared"].clone()  # after DDP: the same on every rank
+        own = torch.nn.Parameter(torch.zeros(2, 3))
+        own.grad = grads["experts"][2 * rank : 2 * rank + 2].clone()  # this rank's experts
+        cb = ExpertParallelCallback(lambda: [])
+        cb.clip, cb.params = 1.0, {"experts": own}
+        optimizer = SimpleNamespace(param_groups=[{"params": [shared, own]}])
+        cb.on_before_optimizer_step(None, SimpleNamespace(device=torch.device("cpu")), optimizer)
+        out[rank] = (shared.grad, own.grad)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_gradient_clipping_uses_the_global_norm():
+    grads = {"shared": torch.randn(5), "experts": torch.randn(4, 3) * 3}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_clip_worker, args=(port, grads, out), nprocs=2)
+        got = dict(out)
+    # One process holds every expert: torch's clip over [shared, all experts].
+    ref = [grads["shared"].clone(), grads["experts"].clone()]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]
+    for p, g in zip(params, ref):
+        p.grad = g
+    assert torch.nn.utils.clip_grad_norm_(params, 1.0) > 1.0  # the clip acts
+    for rank in (0, 1):
+        assert_close(got[rank][0], params[0].grad)
+        assert_close(got[rank][1], params[1].grad[2 * rank : 2 * rank + 2])
+
+
 MOE_DROPLESS = {"layers": [1], "num_experts": 4, "top_k": 2, "capacity_factor": 0.0}
 
 
@@ -140,7 +180,7 @@ def test_ddp_fit_with_expert_parallel_equals_replicated_experts_and_resumes(tmp_
     replicated = _moe_fit(tmp_path, "replicated", rlm_cache)
     sharded = _moe_fit(tmp_path, "sharded", rlm_cache, expert_parallel=True)
     assert len(replicated) == len(sharded) == 6
-    # Clipped by the global gradient norm (experts of both ranks and the rest), as the replicated run clips.
+    # Both clip by the global gradient norm (the factor itself: test_gradient_clipping_uses_the_global_norm).
     assert_close(torch.tensor(sharded), torch.tensor(replicated), rtol=1e-4, atol=1e-5)
     # The checkpoint holds all 4 experts and their Adam moments (gathered from both ranks)...
     ckpt_dir = tmp_path / "sharded/runs/test/ckpt"
