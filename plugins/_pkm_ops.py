@@ -301,6 +301,10 @@ class RowAdam:
         self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
     ) -> None:
         self.lr, self.betas, self.eps = lr, betas, eps
+        self.group: Any = None
+        """A torch.distributed process group: ``step`` then exchanges the touched rows (see exchange_rows)."""
+        self.sent_bytes = 0
+        """Bytes this rank sent in the last step's row exchanges, all tables (0 on one process)."""
         self.tables: dict[str, Tensor] = {}
         self.state: dict[str, dict[str, Tensor]] = {}
         self.reads: dict[str, list[tuple[Tensor, Tensor, Tensor]]] = {}
@@ -375,9 +379,21 @@ class RowAdam:
     @torch.no_grad()
     def step(self) -> None:
         """Apply one Adam step to the touched rows of every table, then clear the gradients."""
+        self.sent_bytes = 0
         for key, table in self.tables.items():
             got = self._lookups(key)
-            if got is None:
+            if self.group is not None:
+                # Every rank takes part (a rank without reads sends no rows) and gets the same global rows.
+                if got is not None:
+                    rows, offsets, tok, w, grad = got
+                    g = row_gradients(offsets, tok, w, grad)  # (U_r, d) for the rows (U_r,)
+                else:
+                    rows, g = table.new_empty(0, dtype=torch.int64), table.new_empty(0, table.shape[1])
+                rows, g, sent = exchange_rows(rows, g.to(table.dtype), table.shape[1], self.group)
+                self.sent_bytes += sent
+                ids = torch.arange(rows.numel() + 1, device=rows.device)  # one lookup of weight 1 per row
+                got = (rows, ids, ids[:-1], g.new_ones(rows.numel()), g)
+            if got is None or got[0].numel() == 0:
                 continue
             rows, offsets, tok, w, grad = got
             st = self._state(key)
@@ -412,6 +428,39 @@ class RowAdam:
             for k, v in state.get("state", {}).items()
             if k in self.tables
         }
+
+
+def exchange_rows(rows: Tensor, grads: Tensor, d: int, group: Any) -> tuple[Tensor, Tensor, int]:
+    """The data-parallel gradient of a table from each rank's (distinct rows (U_r,), row gradients (U_r, d)).
+
+    Returns (rows (U,), gradients (U, d), bytes this rank sent): the union of every rank's rows, each row's
+    gradient summed over ranks and divided by the world size W. That is what DDP's mean all-reduce of the
+    dense (slots, d) gradient gives, and the gradient of the mean loss over the global batch, but the bytes
+    scale with the rows touched: an all-gather of W counts, then of max_r U_r row ids (int64) and gradients.
+    Every rank gets the same tensors in the same order, so the same row-wise Adam keeps the replicas equal.
+    """
+    world = dist.get_world_size(group)
+    grads = grads.reshape(-1, d)
+    count = torch.tensor([rows.numel()], dtype=torch.int64, device=rows.device)  # NCCL: on the device
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    most = max(counts)
+    # Padded to the largest count (all_gather wants equal sizes); pads are cut off below.
+    pad_rows = rows.new_zeros(most)
+    pad_rows[: rows.numel()] = rows
+    pad_grads = grads.new_zeros(most, d)
+    pad_grads[: rows.numel()] = grads
+    all_rows = [torch.empty_like(pad_rows) for _ in range(world)]
+    all_grads = [torch.empty_like(pad_grads) for _ in range(world)]
+    dist.all_gather(all_rows, pad_rows, group=group)
+    dist.all_gather(all_grads, pad_grads, group=group)
+    flat_rows = torch.cat([r[:c] for r, c in zip(all_rows, counts)])  # (sum U_r,)
+    flat_grads = torch.cat([g[:c] for g, c in zip(all_grads, counts)])  # (sum U_r, d)
+    union, inverse = torch.unique(flat_rows, sorted=True, return_inverse=True)  # (U,)
+    summed = flat_grads.new_zeros(union.numel(), d).index_add_(0, inverse, flat_grads)  # duplicates summed
+    sent = count.element_size() + most * (pad_rows.element_size() + d * pad_grads.element_size())
+    return union, summed / world, sent
 
 
 def slot_stats(weights: Tensor) -> tuple[Tensor, Tensor]:

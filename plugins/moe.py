@@ -23,10 +23,12 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
+from rlm.plugins._expert_parallel import ExpertParallelCallback, parallel_dispatch
 from rlm.plugins._experts import DISPATCH_MODES, Experts, Plan, dispatch
 from rlm.plugins._lookup import LookupOptions, Routing, build_lookup, router_losses
 
@@ -53,6 +55,9 @@ class MoEConfig(LookupOptions):
     matmul) or 'auto' (grouped where torch._grouped_mm runs: CPU with 16-byte aligned widths; else bmm)."""
     log_per_expert: bool = True
     """Log every expert's load fraction (moe_load/l{layer}_e{i}); the max load is always logged."""
+    expert_parallel: bool = False
+    """Under torch.distributed with W processes, each keeps num_experts / W experts and tokens travel to them
+    with all_to_all (plugins/_expert_parallel.py); the same numbers as replicated experts. One process: no-op."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +80,11 @@ class MoEConfig(LookupOptions):
             raise ValueError(f"moe.dispatch={self.dispatch!r} is unknown; expected one of {DISPATCH_MODES}")
 
 
+def _dropless(tokens: int) -> None:
+    """No capacity limit (evaluation and generation)."""
+    return None
+
+
 class MoELayer(nn.Module):
     """One layer's experts and lookup; called as ``layer(x (B, T, d), ctx)``."""
 
@@ -94,6 +104,7 @@ class MoELayer(nn.Module):
             mc.init_std / math.sqrt(2 * mc.n_layers),
         )
         self.lookup = build_lookup(c, mc.d_model, c.num_experts, mc.vocab_size, mc.init_std)
+        self.expert_group = None  # a process group once the experts are sharded (expert_parallel)
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments each expert takes: ceil(k * tokens / N * capacity_factor), None when dropless.
@@ -119,8 +130,16 @@ class MoELayer(nn.Module):
         route = self.lookup(flat, ctx.tokens.t().reshape(-1), ctx.training)
         # Evaluation and generation are dropless (HF Switch / ST-MoE use a larger eval capacity for the same
         # reason): a sequence's outputs then never depend on the rest of the batch.
-        capacity = self.capacity(B * T) if ctx.training else None
-        y, p = dispatch(flat, route.index, route.weight, valid, self.experts, capacity, self.config.dispatch)
+        capacity = self.capacity if ctx.training else _dropless
+        if self.expert_group is not None:  # expert_parallel under torch.distributed: this rank's N/W experts
+            y, p = parallel_dispatch(
+                flat, route.index, route.weight, valid, self.experts, capacity, self.config.dispatch,
+                self.expert_group, seq_len=T,
+            )  # fmt: skip
+        else:
+            y, p = dispatch(
+                flat, route.index, route.weight, valid, self.experts, capacity(B * T), self.config.dispatch
+            )
         self._report(ctx, route, valid, p)
         return y.view(T, B, d).transpose(0, 1)
 
@@ -147,12 +166,19 @@ class MoEPlugin(Plugin):
     def __init__(self, config: MoEConfig, model_config) -> None:
         super().__init__(config, model_config)
         self.layers = check_layers(self.name, config.layers, model_config.n_layers)
+        self.moe_layers: dict[int, MoELayer] = {}  # plain dict: the layers are registered in their blocks
 
     def claims(self) -> list[Claim]:
         return [Claim(Slot.FFN, Mode.REPLACE, self.layers)]
 
     def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
-        return MoELayer(self.config, self.model_config, layer)
+        self.moe_layers[layer] = MoELayer(self.config, self.model_config, layer)
+        return self.moe_layers[layer]
+
+    def callbacks(self) -> list[pl.Callback]:
+        if not self.config.expert_parallel:
+            return []
+        return [ExpertParallelCallback(lambda: [self.moe_layers[i] for i in sorted(self.moe_layers)])]
 
     def expert_parameters(self) -> int:
         """Parameters of one layer's N experts."""

@@ -11,9 +11,10 @@ For a token x of width d, at each chosen layer (Lample et al. Sec. 3):
     y = W_o (m(x) * silu(W_g x))
 The layer replaces the dense FFN or runs beside it (mode 'add'). Value tables live on the plugin (one
 shared by every memory layer by default) so they are registered once. Values train with their own Adam
-group (lr 1e-3, constant, no decay); on one process the plugin updates them itself with a row-wise lazy
-Adam that reads and writes only the touched rows (``sparse``), under a distributed strategy they get
-ordinary dense gradients for DDP/FSDP to reduce. Validation logs usage and KL to uniform per layer.
+group (lr 1e-3, constant, no decay); the plugin updates them itself with a row-wise lazy Adam that reads
+and writes only the touched rows (``sparse``). Under DDP the ranks all-gather their touched rows and row
+gradients (bytes scale with the rows read, not the table) and run the same update, so the replicas stay
+equal; under other distributed strategies the values get ordinary dense gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
@@ -72,7 +74,8 @@ class PKMConfig:
     values_lr: float = 1e-3
     """Constant Adam learning rate of the values (Lample et al.: 1e-3, higher than the rest), no weight decay."""
     sparse: bool | str = "auto"
-    """Row-wise lazy Adam on the values: 'auto' (on unless torch.distributed runs), true, or false (dense grads)."""
+    """Row-wise lazy Adam on the values: 'auto' (on one process and under DDP, with a row exchange; dense under
+    other distributed strategies), true, or false (dense gradients, all-reduced by DDP)."""
 
     def __post_init__(self) -> None:
         if self.query_batchnorm is not None:
@@ -236,19 +239,25 @@ class PKMPlugin(Plugin):
         """Whether the values are being updated by the row-wise lazy Adam (resolved by ``resolve_sparse``)."""
         return bool(self._sparse)
 
-    def resolve_sparse(self, distributed: bool | None = None) -> bool:
-        """Choose the sparse or dense value update from the config and whether training is distributed."""
+    def resolve_sparse(self, distributed: bool | None = None, row_exchange: bool = True) -> bool:
+        """Choose the sparse or dense value update from the config and whether training is distributed.
+
+        Distributed with ``row_exchange`` (DDP, which leaves parameters without gradients alone), the sparse
+        update exchanges the touched rows between ranks (``RowAdam.group``); other strategies get dense grads.
+        """
         if distributed is None:
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         choice = self.config.sparse
-        if choice == "true" and distributed:
+        if choice == "true" and distributed and not row_exchange:
             raise ValueError(
-                "pkm.sparse=true updates the values on each process alone; under a distributed strategy "
-                "use sparse: auto or false (dense gradients that DDP/FSDP reduce)"
+                "pkm.sparse=true updates the values by exchanging touched rows, which works under DDP only; "
+                "under this strategy use sparse: auto or false (dense gradients that the strategy reduces)"
             )
-        self._sparse = choice == "true" or (choice == "auto" and not distributed)
+        self._sparse = choice == "true" or (choice == "auto" and (row_exchange or not distributed))
+        self.row_optimizer.group = dist.group.WORLD if (self._sparse and distributed) else None
         for table in self.values.values():
-            # Sparse: the values are not handed to the main optimizer (the LMModule skips requires_grad=False).
+            # Sparse: the values are not handed to the main optimizer (the LMModule skips requires_grad=False)
+            # and, with no gradient, DDP does not all-reduce them.
             table.requires_grad_(not self._sparse)
         return self._sparse
 
@@ -299,7 +308,8 @@ class PKMCallback(pl.Callback):
         return f"PKMCallback[{self.plugin.label}]"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        sparse = self.plugin.resolve_sparse(distributed=trainer.world_size > 1)
+        distributed = trainer.world_size > 1
+        sparse = self.plugin.resolve_sparse(distributed, isinstance(trainer.strategy, DDPStrategy))
         if sparse and str(trainer.precision).startswith("16"):
             # The recorded output gradients would carry the GradScaler's scale, which only the main optimizer undoes.
             raise ValueError(

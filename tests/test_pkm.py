@@ -409,13 +409,15 @@ def test_bad_config_is_a_clear_error(kw, words):
     assert words in str(err.value)
 
 
-def test_sparse_true_is_refused_under_distributed_training():
+def test_sparse_values_under_ddp_and_dense_under_other_distributed_strategies():
     plugin, _ = small_layer(sparse=True)
     assert plugin.config.sparse == "true"
-    with pytest.raises(ValueError, match="distributed"):
-        plugin.resolve_sparse(distributed=True)
+    with pytest.raises(ValueError, match="DDP only"):
+        plugin.resolve_sparse(distributed=True, row_exchange=False)
+    assert plugin.resolve_sparse(distributed=True, row_exchange=True) is True and not plugin.param_groups()
     plugin, _ = small_layer(sparse="auto")
-    assert plugin.resolve_sparse(distributed=True) is False and plugin.param_groups()
+    assert plugin.resolve_sparse(distributed=True, row_exchange=True) is True
+    assert plugin.resolve_sparse(distributed=True, row_exchange=False) is False and plugin.param_groups()
 
 
 def test_config_fragment_builds_the_default_model():
@@ -477,7 +479,7 @@ def test_resume_restores_the_row_optimizer(tmp_path, rlm_cache):
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes_with_dense_values(tmp_path, rlm_cache):
-    args = fit_args(pkm_fragment(tmp_path))
+    args = fit_args(pkm_fragment(tmp_path, sparse=False))
     args += DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     rows = read_metrics(tmp_path / RUN)

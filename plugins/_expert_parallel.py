@@ -1,0 +1,292 @@
+"""Expert parallelism for the routed experts (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021).
+
+With W ranks, each rank keeps N/W of a layer's N experts (rank r: experts r*N/W .. (r+1)*N/W - 1) and tokens
+travel to their experts' rank and back with two ``all_to_all_single`` calls (dispatch, combine) whose
+backward is the same exchange in reverse, so an expert's gradient collects every rank's tokens.
+
+Capacity is decided for the global batch, exactly as one process would decide it: the routing (k expert ids
+and a validity flag per token, a few bytes each) is all-gathered first and every rank runs the same
+:func:`~rlm.plugins._experts.plan` over the concatenated (rank 0 first) batch. So with capacity or dropless,
+outputs and gradients equal the one-process layer on the global batch; only the activations of kept
+assignments are exchanged.
+
+Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over ranks, so each
+rank's local expert gradient, a sum over all ranks' losses, is scaled by 1/W by a hook; the expert parameters
+are registered for DDP to ignore (no all-reduce, no broadcast from rank 0); gradient-norm clipping uses the
+global norm (the local norms differ between ranks, and different clip factors would split the replicas).
+Checkpoints hold the full (N, ...) expert tensors and their optimizer moments, gathered on save; loading
+slices this rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
+
+On one process (torch.distributed not initialised or world 1) nothing here runs: the layer is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.strategies import DDPStrategy
+from torch import Tensor, nn
+
+from rlm.plugins._experts import Experts, Plan, plan
+
+
+def default_group() -> tuple[Any, int, int] | None:
+    """(group, rank, world) of torch.distributed's default group, or None on one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes; backward sends the gradients back along the reversed splits."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
+    """Rows x[sum(send[:j]) : sum(send[:j+1])] go to rank j; returns the sum(recv) rows received, by source rank."""
+    return _AllToAll.apply(x, send, recv, group)
+
+
+def all_gather_rows(t: Tensor, group: Any) -> list[Tensor]:
+    """Every rank's t (n_r, ...) with n_r varying by rank (counts first, then padded rows); no gradient."""
+    world = dist.get_world_size(group)
+    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)  # NCCL: on the device
+    counts = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(counts, n, group=group)
+    counts = [int(c) for c in counts]
+    pad = t.new_zeros(max(counts), *t.shape[1:])
+    pad[: t.shape[0]] = t
+    parts = [torch.empty_like(pad) for _ in range(world)]
+    dist.all_gather(parts, pad.contiguous(), group=group)
+    return [p[:c] for p, c in zip(parts, counts)]
+
+
+def parallel_dispatch(
+    x: Tensor,
+    index: Tensor,
+    weight: Tensor,
+    valid: Tensor,
+    experts: Experts,
+    capacity: Callable[[int], int | None],
+    mode: str,
+    group: Any,
+    seq_len: int = 1,
+) -> tuple[Tensor, Plan]:
+    """:func:`~rlm.plugins._experts.dispatch` with this rank's N/W experts: x (S, d), index/weight (S, k).
+
+    Each rank's S = seq_len * B_r rows are position-major (all its sequences' token 0, then token 1, ...), as
+    MoELayer orders them; the global batch is the ranks' sequences side by side, planned position-major too, so
+    queue places (and drops) equal the 1-process layer's on that batch. ``capacity(tokens)`` gives the
+    per-expert capacity for the global token count. Returns y (S, d) and the global plan (its ``dropped`` is
+    the global fraction).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    S, k = index.shape
+    n_local = experts.up.shape[0]
+    # 1. Every rank plans the global batch: k expert ids and the validity of every token, all-gathered.
+    meta = torch.cat([index, valid.reshape(-1, 1).to(index.dtype)], dim=1)  # (S, k+1)
+    parts = all_gather_rows(meta, group)
+    sizes = torch.tensor([p.shape[0] for p in parts])
+    ends = torch.cumsum(sizes, 0)  # (W,) end of each rank's tokens in the global batch
+    start, total = int(ends[rank] - sizes[rank]), int(ends[-1])
+    g = torch.cat(parts).to(index.device)  # (S_total, k+1), rank-major
+    # global position-major order: for each position t, every rank's sequences in rank order
+    T = seq_len
+    starts = (ends - sizes).tolist()
+    order = torch.cat(
+        [
+            (starts[r] + t * (int(sizes[r]) // T) + torch.arange(int(sizes[r]) // T)).to(index.device)
+            for t in range(T)
+            for r in range(world)
+        ]
+    )  # (S_total,) gathered row of each global (position-major) row
+    p = plan(g[order, :k], g[order, k].bool(), n_local * world, capacity(total))
+    gathered = order[p.token]  # (A,) gathered (rank-major) row of each kept assignment's token
+    src = torch.searchsorted(ends.to(p.token.device), gathered, right=True)  # (A,) rank owning the token
+    dst = torch.div(p.expert, n_local, rounding_mode="floor")  # (A,) rank owning the expert
+    # 2. Dispatch: this rank's kept assignments, already sorted by expert (hence by destination rank).
+    mine = src == rank
+    token = gathered[mine] - start  # (A_r,) local token of each
+    send = torch.bincount(dst[mine], minlength=world).tolist()
+    # What arrives here: the assignments to this rank's experts, grouped by source rank, each group in plan
+    # order. perm maps the arrival order to the expert-sorted (plan) order the experts compute in.
+    here = (dst == rank).nonzero().squeeze(1)  # (A_e,) plan order
+    perm = torch.argsort(src[here], stable=True)  # arrival i is here[perm[i]]
+    recv = torch.bincount(src[here], minlength=world).tolist()
+    arrived = all_to_all(x.index_select(0, token), send, recv, group)  # (A_e, d)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    local = Plan(
+        assignment=p.assignment[here],
+        token=p.token[here],
+        expert=p.expert[here] - rank * n_local,
+        position=p.position[here],
+        counts=p.counts[rank * n_local : (rank + 1) * n_local],
+        dropped=p.dropped,
+    )
+    out = experts(arrived.index_select(0, inverse), local, capacity(total), mode)  # (A_e, d) plan order
+    # 3. Combine: results go back along the reversed splits, then the gate-weighted sum per token.
+    back = all_to_all(out.index_select(0, perm), recv, send, group).to(x.dtype)  # (A_r, d)
+    choice = p.assignment[mine] % k  # plan flattens token-major: assignment = token * k + choice
+    gate = weight[token, choice].to(x.dtype)  # (A_r,)
+    y = x.new_zeros(x.shape).index_add(0, token, back * gate.unsqueeze(-1))  # (S, d)
+    return y, p
+
+
+class _ScaleGrad:
+    """A gradient hook multiplying by a constant (picklable, unlike a lambda)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        return grad * self.scale
+
+
+def shard_experts(experts: Experts, rank: int, world: int) -> None:
+    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` as its parameters (in place).
+
+    Gradients get the 1/W of data-parallel averaging, and loading a state dict with all N experts takes
+    this rank's slice (checkpoints hold full tensors, see :class:`ExpertParallelCallback`).
+    """
+    n = experts.up.shape[0]
+    if n % world:
+        raise ValueError(
+            f"moe.expert_parallel needs num_experts divisible by the number of processes; got num_experts={n} "
+            f"on {world} processes"
+        )
+    n_local = n // world
+    rows = slice(rank * n_local, (rank + 1) * n_local)
+    for name in ("up", "down"):
+        full = getattr(experts, name)
+        shard = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
+        shard.register_hook(_ScaleGrad(1.0 / world))
+        setattr(experts, name, shard)
+    experts.shard = (rank, world, n)
+
+    def take_slice(module, state_dict, prefix, *args) -> None:
+        for name in ("up", "down"):
+            t = state_dict.get(prefix + name)
+            if t is not None and t.shape[0] == n and n != n_local:
+                state_dict[prefix + name] = t[rows]
+
+    experts.register_load_state_dict_pre_hook(take_slice)
+
+
+class ExpertParallelCallback(pl.Callback):
+    """Shards the experts of ``layers()`` at setup when torch.distributed runs with several processes.
+
+    ``layers`` returns the modules holding an ``experts`` (:class:`Experts`) and an ``expert_group`` attribute,
+    which is set to the process group (the layer then dispatches with :func:`parallel_dispatch`).
+    """
+
+    def __init__(self, layers: Callable[[], list[nn.Module]]) -> None:
+        self.layers = layers
+        self.params: dict[str, nn.Parameter] = {}  # state-dict name -> expert parameter
+        self.world = 1  # processes the experts are sharded over (1: not sharded)
+        self.clip: float | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        got = default_group()
+        if got is not None and self.world == 1:
+            if not isinstance(trainer.strategy, DDPStrategy):
+                raise ValueError(
+                    f"moe.expert_parallel runs under the ddp strategy; got {type(trainer.strategy).__name__} "
+                    "(use --trainer.strategy ddp, or expert_parallel: false)"
+                )
+            group, rank, self.world = got
+            for layer in self.layers():
+                shard_experts(layer.experts, rank, self.world)
+                layer.expert_group = group
+        ids = {id(p) for layer in self.layers() for p in (layer.experts.up, layer.experts.down)}
+        self.params = {name: p for name, p in pl_module.named_parameters() if id(p) in ids}
+        if self.world == 1:
+            return
+        # DDP neither all-reduces nor broadcasts these (torch reads this attribute when wrapping the module).
+        ignore = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", []))
+        pl_module._ddp_params_and_buffers_to_ignore = sorted(ignore | set(self.params))
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+            # Clipped here with the global norm instead of by Lightning with each rank's own.
+            self.clip, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self.clip is None:
+            return
+        sharded = {id(p) for p in self.params.values()}
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        own = [p.grad for p in params if id(p) in sharded]
+        same = [p.grad for p in params if id(p) not in sharded]
+        sq = torch.zeros(2, dtype=torch.float64, device=pl_module.device)
+        if own:
+            sq[0] = torch.stack([g.double().pow(2).sum() for g in own]).sum()
+        if same:
+            sq[1] = torch.stack([g.double().pow(2).sum() for g in same]).sum()
+        sq0 = sq[:1].clone()
+        dist.all_reduce(sq0)  # the experts' squares summed over ranks; the replicated grads are equal
+        total = float((sq0[0] + sq[1]).sqrt())
+        # torch.nn.utils.clip_grad_norm_'s factor, from the norm over every rank's experts and the shared rest.
+        coef = min(1.0, self.clip / (total + 1e-6))
+        if coef < 1.0:
+            torch._foreach_mul_([p.grad for p in params], coef)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Every rank runs this (Lightning dumps the checkpoint on all ranks, rank 0 writes it).
+        group, world = dist.group.WORLD, self.world
+
+        def full(t: Tensor) -> Tensor:
+            return torch.cat(all_gather_rows(t.contiguous(), group)) if world > 1 else t
+
+        state = checkpoint.get("state_dict", {})
+        for name in self.params:
+            if name in state:
+                state[name] = full(state[name])
+        located = []
+        ids = {id(p): name for name, p in self.params.items()}
+        saved_states = checkpoint.get("optimizer_states", [])
+        for o, (optimizer, saved) in enumerate(zip(trainer.optimizers, saved_states)):
+            index = 0  # torch.optim numbers parameters across groups in order
+            for group_ in optimizer.param_groups:
+                for p in group_["params"]:
+                    if id(p) in ids and index in saved["state"]:
+                        # A new dict: torch's optimizer state_dict shares the live per-parameter state.
+                        saved["state"][index] = {
+                            key: full(t) if torch.is_tensor(t) and t.shape == p.shape else t
+                            for key, t in saved["state"][index].items()
+                        }
+                        located.append([o, index, p.shape[0] * world])
+                    index += 1
+        checkpoint["expert_parallel"] = {"optimizer_params": located}
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # The model's expert tensors are sliced by shard_experts' load hook; here the optimizer moments.
+        if self.world == 1:
+            return
+        rank, world = dist.get_rank(), self.world
+        for o, index, n in checkpoint.get("expert_parallel", {}).get("optimizer_params", []):
+            moments = checkpoint["optimizer_states"][o]["state"].get(index, {})
+            rows = slice(rank * n // world, (rank + 1) * n // world)
+            for key, t in moments.items():
+                if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == n:
+                    moments[key] = t[rows].clone()

@@ -1,0 +1,114 @@
+"""PKM values under data parallelism: the touched-row exchange (plugins/_pkm_ops.py exchange_rows)."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
+from torch.testing import assert_close
+
+from rlm.model import ModelConfig
+from rlm.plugin import Context
+from rlm.plugins.pkm import PKMConfig, PKMPlugin
+
+D, B, T, STEPS = 32, 2, 6, 3  # B rows per rank
+
+
+def _memory():
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=50, d_model=D, n_layers=2, n_heads=2)
+    plugin = PKMPlugin(PKMConfig(layers=[0], n_keys=8, heads=2, topk=4, k_dim=12, sparse="auto"), mc)
+    return plugin, plugin.build(plugin.claims()[0], 0, None)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randn(2 * B, T, D, generator=g)
+        mask = torch.ones(2 * B, T, dtype=torch.bool)
+        mask[1, 4:] = False
+        r = torch.randn(2 * B, T, D, generator=g)
+        out.append((x, mask, r))
+    return out
+
+
+def _train(plugin, layer, batches, rows: slice) -> None:
+    """STEPS row-Adam steps on the values; loss = sum(m * r) / rows of the (local) batch."""
+    for x, mask, r in batches:
+        x, mask, r = x[rows], mask[rows], r[rows]
+        ctx = Context(tokens=torch.zeros(mask.shape, dtype=torch.long), mask=mask)
+        ((layer(x, ctx) * r).sum() / x.shape[0]).backward()
+        plugin.row_optimizer.step()
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        plugin, layer = _memory()
+        assert plugin.resolve_sparse(distributed=True, row_exchange=True)
+        _train(plugin, layer, _batches(), slice(rank * B, (rank + 1) * B))
+        st = plugin.row_optimizer.state["shared"]
+        out[rank] = (plugin.values["shared"].detach().clone(), st["exp_avg_sq"].clone(), int(st["step"]))
+        out[f"bytes{rank}"] = plugin.row_optimizer.sent_bytes
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_two_processes_hold_the_values_of_one_process_on_the_global_batch():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(port, out), nprocs=2)
+        got = dict(out)
+    plugin, layer = _memory()
+    before = plugin.values["shared"].detach().clone()
+    assert plugin.resolve_sparse(distributed=False)
+    _train(plugin, layer, _batches(), slice(0, 2 * B))
+    values = plugin.values["shared"].detach()
+    st = plugin.row_optimizer.state["shared"]
+    # The replicas are bitwise equal: every rank runs the same update on the same exchanged rows.
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert got[0][2] == got[1][2] == STEPS
+    # And equal to one process (row gradients summed in another order: float32 round-off).
+    assert_close(got[0][0], values, rtol=1e-5, atol=1e-6)
+    assert_close(got[0][1], st["exp_avg_sq"], rtol=1e-4, atol=1e-12)
+    assert not torch.equal(values, before)  # the steps did move rows
+    # Sent: one count, then the largest rank's rows as (int64 id + D float32) each, at most H*k*B*T rows.
+    assert 8 < got["bytes0"] <= 8 + 2 * 4 * B * T * (8 + 4 * D)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_fit_exchanges_rows_instead_of_a_dense_all_reduce(tmp_path, rlm_cache):
+    spec = dict(layers=[1], n_keys=16, heads=2, topk=4, k_dim=32)
+    (tmp_path / "pkm.yaml").write_text(yaml.safe_dump({"model": {"plugins": {"pkm": spec}}}))
+    proc = run_rlm(fit_args(tmp_path / "pkm.yaml") + DDP_2CPU, tmp_path, rlm_cache)
+    assert "distributed_backend=gloo" in proc.stdout + proc.stderr
+    assert len(column(read_metrics(tmp_path / "runs/test/version_0"), "train/loss")) == 4
+    # Sparse under DDP: the row-wise Adam state is in the checkpoint and the values are in no AdamW group.
+    ckpt = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
+    assert int(ckpt["callbacks"]["PKMCallback[pkm]"]["state"]["shared"]["step"]) == ckpt["global_step"] >= 3
+    names = [g.get("name") for opt in ckpt["optimizer_states"] for g in opt["param_groups"]]
+    assert "pkm_values" not in names
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_benchmark_script_smoke():
+    import subprocess
+    import sys
+
+    # A subprocess: torch.multiprocessing.spawn needs the script importable as __main__.
+    bench = CONFIGS.parent / "benchmarks" / "pkm_parallel.py"
+    args = ["--n", "16", "32", "--topk", "4", "--repeat", "1", "--batch", "1", "--seq", "16", "--k-dim", "32"]
+    out = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, check=True).stdout
+    assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
