@@ -46,7 +46,8 @@ class MoEConfig(LookupOptions):
     """Weight of the router z-loss mean(logsumexp(h)^2) (ST-MoE: 1e-3); 0 skips it."""
     dispatch: str = "auto"
     """'grouped' (tokens sorted by expert, one grouped matmul), 'bmm' (capacity buffers (N, C, d) and a batched
-    matmul) or 'auto' (grouped where torch._grouped_mm runs: CPU with 16-byte aligned widths; else bmm)."""
+    matmul) or 'auto' (grouped where the grouped GEMM is made for the device: CPU, or CUDA in bf16, with 16-byte
+    aligned widths; else bmm). Where the grouped GEMM raises, both fall back to bmm with a warning."""
     log_per_expert: bool = True
     """Log every expert's load fraction (moe_load/l{layer}_e{i}); the max load is always logged."""
 
