@@ -149,6 +149,9 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, p: Plan, capacity: int | None, mode: str) -> Tensor:
         """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d)."""
+        if torch.is_autocast_enabled(x.device.type):
+            # The dtype autocast runs the matmuls in, made explicit: the grouped GEMM's choice and kernel see it.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if mode == "auto":
             mode = "grouped" if self.grouped_ok(x) else "bmm"
         if x.shape[0] == 0:
