@@ -149,6 +149,12 @@ class _ProductKeySearch(torch.autograd.Function):
         return grad_q1, grad_q2, grad_k1, grad_k2, None
 
 
+# Under torch.compile the two memory ops run eagerly behind a graph break each (torch.compiler.disable): the
+# search calls the native kernels through ctypes and picks its path from the build at run time, and the value
+# read's backward hands its gradient to the row optimizer (a Python side effect, not a graph op). Tracing
+# into them would break the graph at many points inside (15 breaks for one layer on torch 2.13); this way a
+# PKM layer has two break points, and the query network, batch norm, softmax and gating around them compile.
+@torch.compiler.disable
 def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys; returns scores and slot ids i*n+j, (N, H, k).
 
@@ -282,6 +288,7 @@ class _ValueBag(torch.autograd.Function):
         return None, grad_w, grad_values, None, None
 
 
+@torch.compiler.disable  # see product_key_topk: runs eagerly under torch.compile (one graph break)
 def value_lookup(
     slots: Tensor, weights: Tensor, values: Tensor, sink: RowAdam | None = None, key: str = ""
 ) -> Tensor:
