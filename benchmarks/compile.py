@@ -8,11 +8,16 @@ median of the steps after --warmup. ``--clock cpu`` measures the process's CPU t
 busy shared machine does not inflate; use it with --threads 1. ``--plugin NAME`` stacks
 configs/plugins/NAME.yaml on the model (repeatable).
 
-Measured 2026-11-22 on the CPU of an otherwise idle 16-core machine (torch 2.11, `--threads 1 --clock cpu
---steps 8 --warmup 2`): the default model compiled 701 ms/step against 1010 ms eager (1.45x; the first step,
-which compiles, 13 s); with moe + pkm + altup compiled is 0.69x of eager (1290 against 888 ms/step): PKM's
-two eager islands per layer and MoE's data-dependent routing split the graph, and the varying expert loads
-recompile it. Compile the base model or AltUp/Token-ID (no graph breaks); leave it off with MoE or PKM on CPU.
+Measured 2026-11-22 on the CPU of an otherwise idle 16-core machine (torch 2.11, `--threads 1 --clock cpu`,
+each row against the eager baseline of its own run; CPU time still varied by about 25% between runs):
+
+| plugins | eager ms/step | compiled ms/step | speed-up | first (compiling) step |
+|---|---|---|---|---|
+| none (default model) | 1010 | 701 | 1.45x | 13 s |
+| pkm | 863 | 738 | 1.17x | 7.5 s |
+| moe, dispatch traced (before it became an eager island) | 710 | 748 | 0.95x | 16 s |
+| moe, dispatch as an eager island (as shipped) | 914 | 645 | 1.42x | 5.4 s |
+| moe + pkm + altup, MoE dispatch traced | 888 | 1290 | 0.69x | 26 s |
 """
 
 from __future__ import annotations

@@ -118,8 +118,11 @@ class MoELayer(nn.Module):
         c, tag = self.config, f"l{self.layer}"
         router_losses(ctx, route, valid, "moe", tag, c.balance_coef, c.z_coef)
         with torch.no_grad():
-            first = route.index[:, 0][valid]
-            load = torch.bincount(first, minlength=c.num_experts).float() / max(first.numel(), 1)  # (N,)
+            # Share of the valid tokens whose first choice is each expert; static shapes (no boolean indexing),
+            # so this compiles without a graph break.
+            first = route.index[:, 0]  # (S,)
+            load = torch.zeros(c.num_experts, device=first.device).index_add_(0, first, valid.float())
+            load = load / valid.sum().clamp(min=1)  # (N,)
             ctx.log(f"moe_load_max/{tag}", load.max())
             ctx.log(f"moe_dropped/{tag}", p.dropped)
             if c.log_per_expert:

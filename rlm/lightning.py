@@ -82,7 +82,7 @@ class LMModule(pl.LightningModule):
                 ``{class_path, init_args}``); ``null`` disables a plugin set by an earlier config file.
             optim: optimizer and schedule.
             compile: compile the model with torch.compile (Inductor); plugins that cannot be traced run
-                eagerly behind graph breaks (PKM's search and value read; MoE's data-dependent routing).
+                eagerly behind graph breaks (PKM's search and value read; MoE's expert dispatch).
             peak_flops: peak FLOP/s of one device, the denominator of the logged train/mfu; None: a known
                 GPU's dense peak in the training precision (H100 SXM bf16: 989e12), or on CPU the fp32 matmul
                 rate measured when training starts (see rlm/throughput.py).
