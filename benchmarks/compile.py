@@ -8,8 +8,9 @@ median of the steps after --warmup. ``--clock cpu`` measures the process's CPU t
 busy shared machine does not inflate; use it with --threads 1. ``--plugin NAME`` stacks
 configs/plugins/NAME.yaml on the model (repeatable).
 
-Measured 2026-11-22 on the CPU of an otherwise idle 16-core machine (torch 2.11, `--threads 1 --clock cpu`,
-each row against the eager baseline of its own run; CPU time still varied by about 25% between runs):
+Measured 2026-11-22 on the CPU of an otherwise idle 16-core machine (torch 2.11, `--threads 1 --clock cpu`, 6-8
+steps after 2 of warmup, each row against the eager baseline of its own run; CPU time still varied by about
+25% between runs):
 
 | plugins | eager ms/step | compiled ms/step | speed-up | first (compiling) step |
 |---|---|---|---|---|
