@@ -3,6 +3,8 @@
 import pytest
 import pytorch_lightning as pl
 import torch
+import yaml
+from cli_helpers import fit_args, run_rlm
 from torch.testing import assert_close
 
 from rlm.lightning import LMModule
@@ -73,3 +75,14 @@ def test_compiled_training_with_moe_pkm_and_altup_matches_eager():
     eager_values = eager.model.plugins["pkm"].values
     for key in values:  # updated sparsely by the row optimizer, outside the main optimizer
         assert_close(values[key], eager_values[key], atol=1e-4, rtol=1e-3)
+
+
+def test_cli_option_reaches_the_module(tmp_path, rlm_cache):
+    """``--model.compile true`` and ``--model.peak_flops`` parse as LMModule options (config printed, not run)."""
+    proc = run_rlm(
+        [*fit_args(), "--model.compile=true", "--model.peak_flops=1e12", "--print_config"],
+        tmp_path,
+        rlm_cache,
+    )
+    config = yaml.safe_load(proc.stdout)
+    assert config["model"]["compile"] is True and config["model"]["peak_flops"] == 1e12
