@@ -19,6 +19,9 @@ steps after 2 of warmup, each row against the eager baseline of its own run; CPU
 | moe, dispatch traced (before it became an eager island) | 710 | 748 | 0.95x | 16 s |
 | moe, dispatch as an eager island (as shipped) | 914 | 645 | 1.42x | 5.4 s |
 | moe + pkm + altup, MoE dispatch traced | 888 | 1290 | 0.69x | 26 s |
+
+The same day on a shared 2-core AMD EPYC (load average 2.4-3, torch 2.13, 6 steps after 2, as shipped):
+none 1140 -> 1050 ms (1.08x), moe 1140 -> 1050 ms (1.09x), moe + pkm + altup 1280 -> 1270 ms (1.01x).
 """
 
 from __future__ import annotations
