@@ -2,15 +2,17 @@
 
 - :class:`Experts`: N FFN experts stored as stacked (N, d, h) / (N, h, d) weights, and :func:`dispatch`, which
   groups (token, choice) assignments by expert with one stable sort and runs all experts at once, either as
-  one grouped matmul over the sorted tokens (``torch._grouped_mm``) or as a batched matmul over (N, C, d)
-  capacity buffers. There is no Python loop over tokens or experts, and no per-expert slicing of the stacked
-  weights (each slice's gradient would be a full-size tensor).
+  one grouped matmul over the sorted tokens (``torch.nn.functional.grouped_mm``) or as a batched matmul over
+  (N, C, d) capacity buffers. There is no Python loop over tokens or experts, and no per-expert slicing of the
+  stacked weights (each slice's gradient would be a full-size tensor).
 - :class:`PartialEntries`: a table of partial experts V relu(U^T x) of rank r, or constant vectors at rank 0
   (Baykal et al. 2023), read with embedding gathers so only the looked-up rows are touched.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 DISPATCH_MODES = ("auto", "grouped", "bmm")
+# (device type, dtype) pairs where the grouped GEMM raised: 'auto' and 'grouped' use bmm there from then on.
+_GROUPED_FAILED: set[tuple[str, torch.dtype]] = set()
+
+
+def grouped_mm_op() -> Callable[..., Tensor] | None:
+    """The grouped GEMM: public ``F.grouped_mm`` where torch has it, else ``torch._grouped_mm``, else None.
+
+    The private op is only a fallback for older torch; every call of either sits behind ``Experts._grouped``,
+    which falls back to bmm on any exception.
+    """
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_ffn(
+    op: Callable[..., Tensor], x: Tensor, up: Tensor, down: Tensor, offs: Tensor, act: str
+) -> Tensor:
+    """Both expert matmuls as grouped GEMMs over x (A, d) sorted by expert; offs (N,) int32 ends of the groups."""
+    h = op(x, up, offs=offs)  # (A, [2]h)
+    return op(_activation(act, h), down, offs=offs)  # (A, d)
 
 
 @dataclass
@@ -88,29 +109,53 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.randn(n, hidden, d) * out_std)
 
     def grouped_ok(self, x: Tensor) -> bool:
-        """Whether torch._grouped_mm can run here: CPU (its CUDA kernel wants bf16 on sm90) and 16-byte rows."""
+        """Whether 'auto' takes the grouped GEMM for x: 16-byte aligned rows, a device and dtype it is made for.
+
+        CPU: float32, bf16 or float16. CUDA: bf16 on sm80 or newer (autocast's dtype counts, see forward);
+        CUDA float32 has no grouped kernel and uses bmm.
+        """
+        if grouped_mm_op() is None or (x.device.type, x.dtype) in _GROUPED_FAILED:
+            return False
         align = 16 // x.element_size()
-        return (
-            hasattr(torch, "_grouped_mm")
-            and x.device.type == "cpu"
-            and x.shape[-1] % align == 0
-            and self.hidden % align == 0
-        )
+        if x.shape[-1] % align or self.hidden % align:
+            return False
+        if x.device.type == "cuda":
+            return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def _grouped(self, x: Tensor, p: Plan) -> Tensor | None:
+        """Expert outputs through the grouped GEMM, (A, d); None (with a warning, once) where it raised."""
+        op = grouped_mm_op()
+        if op is None:
+            return None
+        offs = torch.cumsum(p.counts, 0).to(torch.int32)  # (N,) end of each expert's rows
+        args = (op, x, self.up.to(x.dtype), self.down.to(x.dtype), offs, self.activation)
+        try:
+            return _grouped_ffn(*args)
+        except Exception as err:  # any failure of the kernel (device, dtype, layout, build): bmm from now on
+            _GROUPED_FAILED.add((x.device.type, x.dtype))
+            warnings.warn(
+                f"moe: grouped GEMM failed on {x.device.type} {x.dtype} ({type(err).__name__}: {err}); "
+                "using bmm there",
+                stacklevel=2,
+            )
+            return None
 
     def forward(self, x: Tensor, p: Plan, capacity: int | None, mode: str) -> Tensor:
         """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d)."""
+        if torch.is_autocast_enabled(x.device.type):
+            # The dtype autocast runs the matmuls in, made explicit: the grouped GEMM's choice and kernel see it.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if mode == "auto":
             mode = "grouped" if self.grouped_ok(x) else "bmm"
         if x.shape[0] == 0:
             return x.new_zeros(x.shape) + 0 * (
                 self.up.sum() + self.down.sum()
             )  # keep the weights in the graph
-        if mode == "grouped":
-            offs = torch.cumsum(p.counts, 0).to(torch.int32)  # (N,) end of each expert's rows
-            h = torch._grouped_mm(x, self.up.to(x.dtype), offs=offs)  # (A, [2]h)
-            return torch._grouped_mm(
-                _activation(self.activation, h), self.down.to(x.dtype), offs=offs
-            )  # (A, d)
+        if mode == "grouped" and (x.device.type, x.dtype) not in _GROUPED_FAILED:
+            out = self._grouped(x, p)
+            if out is not None:
+                return out
         # Capacity buffers: slot e*C + position holds the assignment; empty slots compute zeros.
         n, d = self.up.shape[0], x.shape[-1]
         C = capacity if capacity is not None else int(p.counts.max())  # dropless: the largest queue
@@ -121,6 +166,12 @@ class Experts(nn.Module):
         return out.index_select(0, slot)  # (A, d)
 
 
+# Under torch.compile the whole dispatch runs eagerly behind one graph break (torch.compiler.disable): the plan
+# has data-dependent shapes (kept assignments per expert), which split the graph in many places and recompile
+# as the loads change, and the grouped GEMM's fake kernel takes only bf16 (torch 2.13). As an eager island
+# the router and the rest of the model compile, and the experts still run through the grouped GEMM
+# (benchmarks/compile.py: the default model with MoE compiled 1.4x eager on CPU this way, 0.95x traced).
+@torch.compiler.disable
 def dispatch(
     x: Tensor, index: Tensor, weight: Tensor, valid: Tensor, experts: Experts, capacity: int | None, mode: str
 ) -> tuple[Tensor, Plan]:

@@ -26,6 +26,7 @@ import ctypes.util
 import hashlib
 import math
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -314,8 +315,33 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _build(target: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> str | None:
+    """The C compiler: $CC, else cc, gcc or clang on PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _compiler_version(cc: str | None) -> str:
+    """The first line of ``cc --version`` (names the compiler and its version), or '' when it cannot run."""
+    if cc is None:
+        return ""
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.splitlines()[0].strip() if out else ""
+
+
+def cache_key(cc: str | None) -> str:
+    """The built library's name key: source, flags, machine architecture and compiler (its version string).
+
+    A cache directory shared between x86-64 and aarch64 nodes, or between compilers, then holds one library
+    per (architecture, compiler) instead of one that the other machines cannot load.
+    """
+    parts = (SOURCE, " ".join(CFLAGS), platform.machine(), sys.platform, _compiler_version(cc))
+    return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def _build(target: Path, cc: str | None) -> None:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -338,11 +364,11 @@ def load() -> ctypes.CDLL | None:
     _TRIED = True
     if os.environ.get("RLM_PKM_NATIVE", "1") == "0":
         return None
-    digest = hashlib.sha1((SOURCE + " ".join(CFLAGS)).encode()).hexdigest()[:12]
-    target = _cache_dir() / f"pkm_native_{digest}.so"
+    cc = _compiler()
+    target = _cache_dir() / f"pkm_native_{cache_key(cc)}.so"
     try:
         if not target.exists():
-            _build(target)
+            _build(target, cc)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         warnings.warn(f"pkm: native kernels unavailable ({err}); using the PyTorch paths", stacklevel=2)

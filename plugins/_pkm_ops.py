@@ -91,10 +91,17 @@ _ONEDNN_LINEAR: list[Any] = []  # [op] once resolved; [None] when unavailable or
 
 
 def _onednn_linear() -> Any:
-    """oneDNN's fp32 linear (torch.ops.mkldnn._linear_pointwise, the op Inductor's CPU backend uses), or None."""
+    """oneDNN's fp32 linear (torch.ops.mkldnn._linear_pointwise, the op Inductor's CPU backend uses), or None.
+
+    A private op with no public equivalent at this speed: looking it up, like calling it (half_scores), falls
+    back to torch.bmm on any exception.
+    """
     if not _ONEDNN_LINEAR:
-        ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        _ONEDNN_LINEAR.append(torch.ops.mkldnn._linear_pointwise if ok else None)
+        try:
+            op = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
+        except Exception:  # a build without the op, or a torch that renamed it
+            op = None
+        _ONEDNN_LINEAR.append(op)
     return _ONEDNN_LINEAR[0]
 
 
@@ -108,7 +115,7 @@ def half_scores(q: Tensor, keys: Tensor) -> list[Tensor]:
     if op is not None:
         try:
             return [op(q[h], keys[h].contiguous(), None, "none", [], "") for h in range(q.shape[0])]
-        except RuntimeError:  # an unsupported build: use bmm from now on
+        except Exception:  # any failure of the private op (build, signature, CPU): bmm from now on
             _ONEDNN_LINEAR[0] = None
     return list(torch.bmm(q, keys.transpose(1, 2)).unbind(0))
 
@@ -142,6 +149,12 @@ class _ProductKeySearch(torch.autograd.Function):
         return grad_q1, grad_q2, grad_k1, grad_k2, None
 
 
+# Under torch.compile the two memory ops run eagerly behind a graph break each (torch.compiler.disable): the
+# search calls the native kernels through ctypes and picks its path from the build at run time, and the value
+# read's backward hands its gradient to the row optimizer (a Python side effect, not a graph op). Tracing
+# into them would break the graph at many points inside (15 breaks for one layer on torch 2.13); this way a
+# PKM layer has two break points, and the query network, batch norm, softmax and gating around them compile.
+@torch.compiler.disable
 def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys; returns scores and slot ids i*n+j, (N, H, k).
 
@@ -275,6 +288,7 @@ class _ValueBag(torch.autograd.Function):
         return None, grad_w, grad_values, None, None
 
 
+@torch.compiler.disable  # see product_key_topk: runs eagerly under torch.compile (one graph break)
 def value_lookup(
     slots: Tensor, weights: Tensor, values: Tensor, sink: RowAdam | None = None, key: str = ""
 ) -> Tensor:
@@ -310,6 +324,8 @@ class RowAdam:
         self.reads: dict[str, list[tuple[Tensor, Tensor, Tensor]]] = {}
         self.native = True
         """Use the fused CPU kernel when it can be built (False: always the PyTorch path)."""
+        self.fused = True
+        """PyTorch path: torch._fused_adam_ on the gathered rows (False after it raised: plain tensor ops)."""
         self._buffers: dict[str, list[Tensor]] = {}
 
     def add_table(self, key: str, table: Tensor) -> None:
@@ -408,14 +424,33 @@ class RowAdam:
             bufs = self._buffers.setdefault(key, [table.new_empty(0) for _ in range(3)])
             # resize_(0) keeps the storage, so index_select refills it without a new allocation.
             p, m, v = (torch.index_select(t, 0, rows, out=b.resize_(0)) for t, b in zip(full, bufs))  # (U, d)
-            torch._fused_adam_(
-                [p], [g.to(p.dtype)], [m], [v], [], [st["step"].to(p.device)],
-                lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0, eps=self.eps,
-                amsgrad=False, maximize=False,
-            )  # fmt: skip
+            self._adam_rows(p, g.to(p.dtype), m, v, st["step"])
             for t, rows_t in zip(full, (p, m, v)):
                 t.index_copy_(0, rows, rows_t)
         self.zero_grad()
+
+    def _adam_rows(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> None:
+        """One Adam step in place on gathered rows p, m, v (U, d) with gradient g (U, d).
+
+        torch._fused_adam_ (private: one kernel for the whole update) where it runs; on any exception the same
+        update as torch.optim.Adam's single-tensor path, from public ops, for this table from then on.
+        """
+        if self.fused:
+            try:
+                torch._fused_adam_(
+                    [p], [g], [m], [v], [], [step.to(p.device)],
+                    lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0, eps=self.eps,
+                    amsgrad=False, maximize=False,
+                )  # fmt: skip
+                return
+            except Exception:  # a torch without the op or its kernel for this device/dtype
+                self.fused = False
+        b1, b2 = self.betas
+        t = float(step)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(self.eps)
+        p.addcdiv_(m, denom, value=-self.lr / (1 - b1**t))
 
     def state_dict(self) -> dict[str, Any]:
         """Moments and step counts, for checkpoints."""

@@ -159,8 +159,20 @@ def resolve_rebuild_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported()
     else:
-        native = device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        native = device.type == "cpu" and cpu_bf16_native()
     return torch.bfloat16 if native else torch.float32
+
+
+def cpu_bf16_native() -> bool:
+    """Whether oneDNN multiplies bf16 natively on this CPU (AVX512-BF16 or AMX); False if the check fails.
+
+    torch has no public query for it; the private torch.ops.mkldnn._is_mkldnn_bf16_supported is asked, and
+    any exception (an op renamed or missing in this build) means float32.
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:
+        return False
 
 
 class FrozenEmbedder:

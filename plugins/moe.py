@@ -52,7 +52,8 @@ class MoEConfig(LookupOptions):
     """Weight of the router z-loss mean(logsumexp(h)^2) (ST-MoE: 1e-3); 0 skips it."""
     dispatch: str = "auto"
     """'grouped' (tokens sorted by expert, one grouped matmul), 'bmm' (capacity buffers (N, C, d) and a batched
-    matmul) or 'auto' (grouped where torch._grouped_mm runs: CPU with 16-byte aligned widths; else bmm)."""
+    matmul) or 'auto' (grouped where the grouped GEMM is made for the device: CPU, or CUDA in bf16, with 16-byte
+    aligned widths; else bmm). Where the grouped GEMM raises, both fall back to bmm with a warning."""
     log_per_expert: bool = True
     """Log every expert's load fraction (moe_load/l{layer}_e{i}); the max load is always logged."""
     expert_parallel: bool = False
@@ -147,8 +148,11 @@ class MoELayer(nn.Module):
         c, tag = self.config, f"l{self.layer}"
         router_losses(ctx, route, valid, "moe", tag, c.balance_coef, c.z_coef)
         with torch.no_grad():
-            first = route.index[:, 0][valid]
-            load = torch.bincount(first, minlength=c.num_experts).float() / max(first.numel(), 1)  # (N,)
+            # Share of the valid tokens whose first choice is each expert; static shapes (no boolean indexing),
+            # so this compiles without a graph break.
+            first = route.index[:, 0]  # (S,)
+            load = torch.zeros(c.num_experts, device=first.device).index_add_(0, first, valid.float())
+            load = load / valid.sum().clamp(min=1)  # (N,)
             ctx.log(f"moe_load_max/{tag}", load.max())
             ctx.log(f"moe_dropped/{tag}", p.dropped)
             if c.log_per_expert:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup
 from rlm.plugin.context import Context
+from rlm.throughput import Throughput
 
 
 @dataclass
@@ -71,6 +71,8 @@ class LMModule(pl.LightningModule):
         model: ModelConfig | dict | None = None,
         plugins: dict[str, Any] | None = None,
         optim: OptimConfig | dict | None = None,
+        compile: bool = False,
+        peak_flops: float | None = None,
     ) -> None:
         """Build the model.
 
@@ -79,6 +81,11 @@ class LMModule(pl.LightningModule):
             plugins: plugin name -> options (a mapping of the plugin's Config fields, or
                 ``{class_path, init_args}``); ``null`` disables a plugin set by an earlier config file.
             optim: optimizer and schedule.
+            compile: compile the model with torch.compile (Inductor); plugins that cannot be traced run
+                eagerly behind graph breaks (PKM's search and value read; MoE's expert dispatch).
+            peak_flops: peak FLOP/s of one device, the denominator of the logged train/mfu; None: a known
+                GPU's dense peak in the training precision (H100 SXM bf16: 989e12), or on CPU the fp32 matmul
+                rate measured when training starts (see rlm/throughput.py).
         """
         super().__init__()
         # Dicts come back from checkpoints' hyper_parameters (load_from_checkpoint).
@@ -88,7 +95,10 @@ class LMModule(pl.LightningModule):
         self.save_hyperparameters({"model": asdict(model), "plugins": plugins, "optim": asdict(optim)})
         self.model_config, self.optim = model, optim
         self.model = Transformer(model, plugins)
-        self._step_start: float | None = None
+        if compile:
+            # In place (nn.Module.compile): parameter names and checkpoints stay those of the eager model.
+            self.model.compile()
+        self.peak_flops = peak_flops
         self._val_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._eval_sums: dict[str, Tensor] = {}
@@ -148,15 +158,6 @@ class LMModule(pl.LightningModule):
             self.log("train/total_loss", loss)
         self._log_context(ctx, "train", on_step=True)
         return loss
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_start = time.perf_counter()
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._step_start is not None:
-            elapsed = time.perf_counter() - self._step_start
-            tokens = batch["tokens"].numel() * self.trainer.world_size
-            self.log("train/tokens_per_s", tokens / max(elapsed, 1e-9), prog_bar=False)
 
     def on_validation_epoch_start(self) -> None:
         self._val_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -260,7 +261,14 @@ class LMModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        return [cb for plugin in self.model.plugins.values() for cb in plugin.callbacks()]
+        plugin_callbacks = [cb for plugin in self.model.plugins.values() for cb in plugin.callbacks()]
+        return [Throughput(self.peak_flops), *plugin_callbacks]
+
+    def setup(self, stage: str) -> None:
+        # One sequence of the data's length for Lightning's model summary, which counts its forward FLOPs.
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None) if self._trainer is not None else None
+        T = min(seq_len or self.model_config.max_seq_len, self.model_config.max_seq_len)
+        self.example_input_array = torch.zeros(1, T, dtype=torch.long)
 
     # ----- checkpoints -----
 

@@ -16,7 +16,7 @@ from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
 from rlm.model import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
-from rlm.plugins._retrieval_encoder import resolve_rebuild_dtype
+from rlm.plugins._retrieval_encoder import cpu_bf16_native, resolve_rebuild_dtype
 from rlm.plugins.retrieval import Encoded, RetrievalInputs, RetrievalPlugin, warm_candidates_of
 
 L = 8  # segment length of the unit tests
@@ -535,7 +535,7 @@ def test_rebuild_dtype():
     assert (
         fp32.identity(0)["config_hash"] != bf16.identity(0)["config_hash"]
     )  # an index of one is not the other's
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = cpu_bf16_native()
     assert resolve_rebuild_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
     with pytest.raises(ValueError, match="float16"):
         resolve_rebuild_dtype("float16", torch.device("cpu"))
