@@ -20,6 +20,7 @@ from pytorch_lightning.cli import LightningCLI
 from rlm.config_merge import merge_configs, split_config_args, write_merged
 from rlm.lightning import config_diff
 from rlm.model.config import ModelConfig
+from rlm.strategy import prepare_trainer
 
 
 class RLMCLI(LightningCLI):
@@ -31,6 +32,7 @@ class RLMCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.get("model.model") is not None:
             cfg.model.model.vocab_size = cfg.data.vocab_size
+        prepare_trainer(cfg.trainer)  # strategies rlm cannot run: a clear error; devices: auto on a CPU
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
