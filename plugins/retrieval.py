@@ -185,7 +185,8 @@ class RetrievalCrossAttention(nn.Module):
         y = y * rows[:, None, None, None].to(y.dtype)
         y = y.transpose(1, 2).reshape(B, n * L, d)[:, :T]
         if self.layer == self._plugin.layers[0]:
-            ctx.log(f"{self._plugin.label}/beta", self.beta.squeeze(0))
+            # a copy, not a view: under FSDP the gathered parameter is freed after this block's forward
+            ctx.log(f"{self._plugin.label}/beta", self.beta.detach().squeeze(0).clone())
         return self.proj(y)
 
 
