@@ -27,17 +27,20 @@ PARITY = {
     "partial_experts": "      layers: [1]\n      buckets: 64\n      balance_coef: 0\n",
     "retrieval": "      schedule: every 3\n      index_factory: Flat\n      mode: blocking\n      progress: false\n",
 }
-# Plugins grouped into few runs (CI is 2 cores); every plugin is in one.
+# Plugins grouped into few runs (CI is 2 cores); every plugin is in one. Each group has its tolerance (relative,
+# on the loss). Same global batch, same initial weights: the runs differ only in the order of float32 reductions
+# (the gradient reduce-scatter, each rank's loss over half the tokens, PKM's synced batch statistics). Measured
+# here (largest relative difference over 4 steps): base 7e-8, retrieval 1e-7, altup+partial_experts 2e-7, moe
+# alone 1e-7, pkm alone 1e-7. Together, moe+pkm+tokenid differ already at step 0 (9e-6) and by 7e-5 after 4 steps:
+# most likely (not traced) that rounding in front of the top-1 MoE router flips a near-tied route, which moves
+# that token's loss by a lot; hence its looser tolerance.
 GROUPS = {
-    "base": [],
-    "moe+pkm+tokenid": ["moe", "pkm", "tokenid"],
-    "altup+partial_experts": ["altup", "partial_experts"],
-    "retrieval": ["retrieval"],
+    "base": ([], 1e-5),
+    "moe+pkm+tokenid": (["moe", "pkm", "tokenid"], 3e-4),
+    "altup+partial_experts": (["altup", "partial_experts"], 1e-5),
+    "retrieval": (["retrieval"], 1e-5),
 }
-# Same global batch, same initial weights; the two runs differ only in the order of float32 reductions (the
-# gradient all-reduce / reduce-scatter, and each rank's loss over half the tokens), so the curves agree to
-# float32 rounding amplified by a few Adam steps.
-RTOL, ATOL = 1e-4, 1e-5
+ATOL = 1e-6
 
 
 def _fragment(tmp_path, plugins: list[str]):
@@ -65,7 +68,8 @@ def _curve(tmp_path, fragments, extra: list[str], rlm_cache) -> list[dict]:
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_fsdp_two_processes_match_one_process(group, tmp_path, rlm_cache, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    fragments = _fragment(tmp_path, GROUPS[group])
+    plugins, rtol = GROUPS[group]
+    fragments = _fragment(tmp_path, plugins)
     one = _curve(tmp_path / "one", fragments, [f"--data.batch_size={GLOBAL_BATCH}"], rlm_cache)
     two = _curve(
         tmp_path / "two",
@@ -79,5 +83,5 @@ def test_fsdp_two_processes_match_one_process(group, tmp_path, rlm_cache, monkey
     loss_one = torch.tensor([r["loss"] for r in one])
     loss_two = torch.tensor([r["loss"] for r in two])
     print(f"{group}: 1 process {loss_one.tolist()}\n{group}: 2 processes {loss_two.tolist()}")
-    assert_close(loss_two, loss_one, rtol=RTOL, atol=ATOL)
+    assert_close(loss_two, loss_one, rtol=rtol, atol=ATOL)
     assert (loss_one[-1] < loss_one[0]).item()  # it trained
