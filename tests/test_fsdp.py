@@ -85,3 +85,10 @@ def test_fsdp_two_processes_match_one_process(group, tmp_path, rlm_cache, monkey
     print(f"{group}: 1 process {loss_one.tolist()}\n{group}: 2 processes {loss_two.tolist()}")
     assert_close(loss_two, loss_one, rtol=rtol, atol=ATOL)
     assert (loss_one[-1] < loss_one[0]).item()  # it trained
+    # fsdp.yaml gathers checkpoints into one file on rank 0: the same tensors and shapes as the 1-process one
+    ckpts = [
+        torch.load(d / "runs/test/ckpt/last.ckpt", weights_only=False)
+        for d in (tmp_path / "one", tmp_path / "two")
+    ]
+    shapes = [{k: v.shape for k, v in c["state_dict"].items() if torch.is_tensor(v)} for c in ckpts]
+    assert shapes[0] == shapes[1]
