@@ -8,7 +8,6 @@ appended after it: e(z) computed on [z, z+1] equals e(z) computed on z alone (wh
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from dataclasses import asdict, is_dataclass, replace
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 from rlm.model.config import ModelConfig
 from rlm.model.layers import TokenEmbedding
 from rlm.model.transformer import Block
+from rlm.parallel import full_tensor, plain_copy
 from rlm.plugin import Context
 
 
@@ -126,7 +126,8 @@ def weights_hash(tensors: list[Tensor]) -> str:
     """sha256 of the tensors' bytes: two embedders with equal weights hash equally."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        # sharded (FSDP) weights hash as the whole tensor, so every rank and a 1-process run agree
+        h.update(full_tensor(t).detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -183,7 +184,8 @@ class FrozenEmbedder:
     autocast (2.5x faster than float32 on an AVX512-BF16 CPU for the default model's embedding + block 0)."""
 
     def __init__(self, encoder: SegmentEncoder, identity: dict, dtype: torch.dtype = torch.float32) -> None:
-        self.encoder = copy.deepcopy(encoder).eval().requires_grad_(False)
+        # plain_copy: a deep copy with full, unsharded weights under FSDP, so the thread embeds on its own
+        self.encoder = plain_copy(encoder).eval().requires_grad_(False)
         self.identity = dict(identity)
         self.dtype = dtype
 

@@ -221,6 +221,13 @@ class RetrievalInputs:
     """(B, n, k) global segment ids of the neighbours (-1: none)."""
 
 
+def _beta_as_vector(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Checkpoints written before beta became shape (1,) hold it as a scalar: load those as (1,)."""
+    beta = state_dict.get(prefix + "beta")
+    if beta is not None and beta.ndim == 0:
+        state_dict[prefix + "beta"] = beta.reshape(1)
+
+
 class RetrievalCrossAttention(nn.Module):
     """Chunked cross-attention with relevance bias: chunk j's L queries attend to the k*M neighbour tokens."""
 
@@ -239,7 +246,9 @@ class RetrievalCrossAttention(nn.Module):
             nn.init.zeros_(self.proj.weight)
         else:
             nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
-        self.beta = nn.Parameter(torch.tensor(float(plugin.config.beta_init)))
+        # shape (1,), not a scalar: FSDP2 shards every parameter along dim 0 (and refuses 0-d ones)
+        self.beta = nn.Parameter(torch.full((1,), float(plugin.config.beta_init)))
+        self.register_load_state_dict_pre_hook(_beta_as_vector)
         self.rope_base = c.rope_base
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
@@ -278,7 +287,8 @@ class RetrievalCrossAttention(nn.Module):
         y = y * rows[:, None, None, None].to(y.dtype)
         y = y.transpose(1, 2).reshape(B, n * L, d)[:, :T]
         if self.layer == self._plugin.layers[0]:
-            ctx.log(f"{self._plugin.label}/beta", self.beta)
+            # a copy, not a view: under FSDP the gathered parameter is freed after this block's forward
+            ctx.log(f"{self._plugin.label}/beta", self.beta.detach().squeeze(0).clone())
         return self.proj(y)
 
 

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
+from rlm.parallel import parallelize, unshard_root
 from rlm.plugin.base import ParamGroup
 from rlm.plugin.context import Context
 from rlm.throughput import Throughput
@@ -115,6 +116,7 @@ class LMModule(pl.LightningModule):
             doc_ids=batch.get("doc_ids"),
             variant=variant,
         )
+        unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.parallel)
         for plugin in self.model.plugins.values():
             plugin.prepare(ctx, batch)
         return ctx
@@ -213,6 +215,12 @@ class LMModule(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
+
+    def configure_model(self) -> None:
+        """Shard the model with FSDP2 when the strategy gives a device mesh (ModelParallelStrategy); with DDP or
+        one device there is none and nothing changes."""
+        if self.device_mesh is not None:
+            parallelize(self.model, self.device_mesh)
 
     # ----- optimisation -----
 

@@ -28,8 +28,11 @@ class RLMCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         from rlm.cli_support import link_vocab
+        from rlm.strategy import prepare_trainer
 
-        link_vocab(self.config[self.subcommand] if self.subcommand else self.config)
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        link_vocab(cfg)
+        prepare_trainer(cfg.trainer)  # strategies rlm cannot run: a clear error; devices: auto on a CPU
 
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next

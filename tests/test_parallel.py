@@ -1,0 +1,95 @@
+"""rlm/parallel.py with 2 gloo processes: a sharded model computes what the unsharded one does, and a plain copy of
+a sharded part is an ordinary module with the full weights (what retrieval's rebuild snapshot embeds with)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlm.model import ModelConfig, Transformer
+from rlm.plugin import Context
+from rlm.plugins._retrieval_encoder import weights_hash
+
+VOCAB = 64
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
+    return Transformer(cfg, {"retrieval": {"layers": [1], "k": 2, "progress": False}})
+
+
+def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from rlm.parallel import parallelize, plain_copy, unshard_root
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = _model()
+        parallelize(model, init_device_mesh("cpu", (world,)))
+        assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.blocks)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        half = slice(rank * len(tokens) // world, (rank + 1) * len(tokens) // world)
+        mine = tokens[half]
+        unshard_root(model)
+        logits = model(mine, Context(tokens=mine, stage="train"))
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine.flatten()).backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        encoder = model.plugins["retrieval"].encoder
+        copy = plain_copy(encoder)
+        embed, blocks = copy._parts
+        plain = not any(isinstance(m, FSDPModule) for b in (embed, *blocks) for m in b.modules())
+        full = not any(isinstance(t, DTensor) for b in (embed, *blocks) for t in b.state_dict().values())
+        with torch.no_grad():
+            e = copy.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
+        out[rank] = (logits.detach(), grads, plain and full, e, weights_hash(encoder.weights()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_sharded_model_and_plain_copy_match_one_process():
+    import torch.multiprocessing as mp
+
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(2, port, tokens, out), nprocs=2)
+        got = dict(out)
+    model = _model()
+    logits = model(tokens, Context(tokens=tokens, stage="train"))
+    # each rank's loss is its half's mean; FSDP averages the ranks' gradients: the whole batch's mean
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    assert_close(torch.cat([got[0][0], got[1][0]]), logits.detach())
+    for name, p in model.named_parameters():
+        for rank in (0, 1):
+            assert_close(got[rank][1][name], p.grad, msg=name)
+    encoder = model.plugins["retrieval"].encoder
+    with torch.no_grad():
+        e = encoder.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
+    for rank in (0, 1):
+        assert got[rank][2], "plain_copy left FSDP modules or DTensors behind"
+        assert_close(got[rank][3], e)
+        assert got[rank][4] == weights_hash(encoder.weights())
+
+
+def test_beta_loads_from_a_scalar_checkpoint():
+    """Checkpoints written when beta was a 0-d parameter still load (beta is (1,) now, for FSDP2)."""
+    model = _model()
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith("cross_attn.beta"))
+    assert state[key].shape == (1,)
+    state[key] = torch.tensor(1.7)
+    model.load_state_dict(state)
+    assert_close(model.state_dict()[key], torch.tensor([1.7]))
