@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from pytorch_lightning.cli import LightningCLI
 
-from rlm.config_merge import merge_configs, split_config_args, write_merged
+from rlm.config_merge import config_text, merge_configs, split_config_args
+from rlm.config_override import apply_plugin_flags, split_plugin_args
 from rlm.lightning import config_diff
 from rlm.model.config import ModelConfig
 
@@ -59,19 +60,18 @@ def run_lightning(command: str, args: list[str]) -> int:
     from rlm.lightning import LMModule
 
     configs, rest = split_config_args(args)
-    merged_path = write_merged(merge_configs(configs)) if configs else None
-    try:
-        RLMCLI(
-            LMModule,
-            RLMDataModule,
-            args=[command, *(["--config", merged_path] if merged_path else []), *rest],
-            parser_kwargs={"parser_mode": "omegaconf"},
-            save_config_kwargs={"overwrite": True},
-            seed_everything_default=0,
-        )
-    finally:
-        if merged_path:
-            os.unlink(merged_path)
+    plugin_flags, rest = split_plugin_args(rest)
+    merged = apply_plugin_flags(merge_configs(configs), plugin_flags) if configs or plugin_flags else None
+    # The merged config travels as YAML text (jsonargparse reads a --config value that is not a file as YAML):
+    # no temporary file to leave behind when the process is killed.
+    RLMCLI(
+        LMModule,
+        RLMDataModule,
+        args=[command, *(["--config", config_text(merged)] if merged is not None else []), *rest],
+        parser_kwargs={"parser_mode": "omegaconf"},
+        save_config_kwargs={"overwrite": True},
+        seed_everything_default=0,
+    )
     return 0
 
 

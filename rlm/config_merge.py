@@ -65,6 +65,11 @@ def split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return configs, rest
 
 
+def config_text(cfg: dict[str, Any]) -> str:
+    """A merged config as YAML text (what ``--config`` accepts in place of a file name)."""
+    return OmegaConf.to_yaml(OmegaConf.create(cfg))
+
+
 def write_merged(cfg: dict[str, Any], directory: str | None = None) -> str:
     """Write a merged config to a fresh temporary YAML file and return its path."""
     fd, path = tempfile.mkstemp(prefix="rlm-config-", suffix=".yaml", dir=directory)
