@@ -11,16 +11,11 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
 
-import torch
 from pytorch_lightning.cli import LightningCLI
 
 from rlm.config_merge import config_text, merge_configs, split_config_args
 from rlm.config_override import apply_plugin_flags, split_plugin_args
-from rlm.lightning import config_diff
-from rlm.model.config import ModelConfig
 
 
 class RLMCLI(LightningCLI):
@@ -30,27 +25,22 @@ class RLMCLI(LightningCLI):
         # Not parser.link_arguments: jsonargparse 4.53 then rejects every field of the optional ModelConfig
         # ("does not accept option 'model.model.d_model'"), so the copy is made after parsing instead.
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        from rlm.config_check import (
+            check_fit,
+            check_sections,
+        )  # unknown keys, max_steps 0, unwritable folders
+
+        check_fit(cfg) if self.subcommand == "fit" else check_sections(cfg.get("model"))
         if cfg.get("model.model") is not None:
             cfg.model.model.vocab_size = cfg.data.vocab_size
 
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
-        # For evaluation that is what one wants; resuming `fit` under a different model or plugin config is a
-        # mistake, so it is refused naming what differs.
-        if self.config.get("subcommand") == "fit":
-            cfg = self.config["fit"]
-            path = cfg.get("ckpt_path")
-            if path and Path(path).is_file():
-                saved = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
-                current = cfg.model.as_dict()
-                if current.get("model") is not None:
-                    current["model"]["vocab_size"] = cfg.data.vocab_size
-                current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
-                diffs = config_diff(saved, current)
-                if diffs:
-                    raise ValueError(
-                        f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs)
-                    )
+        # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another
+        # model or plugin config is refused naming the keys that differ (LightningCLI would silently replace
+        # the model config with the checkpoint's).
+        from rlm.resume import prepare_ckpt_path
+
+        prepare_ckpt_path(self.config)
         super()._parse_ckpt_path()
 
 
@@ -155,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command][0](command, rest)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # OSError: disk full, read-only folder (the path is in the message)
         if os.environ.get("RLM_DEBUG"):
             raise
         print(f"rlm {command}: error: {err}", file=sys.stderr)
