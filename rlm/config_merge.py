@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 CONFIG_FLAGS = ("--config", "-c")
@@ -25,7 +26,10 @@ def load_config(path: str | Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     if path in _stack:
         raise ValueError(f"config include cycle: {' -> '.join(str(p) for p in (*_stack, path))}")
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from err
     if not isinstance(cfg, DictConfig):
         raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
     includes = cfg.pop("include", None) or []

@@ -62,6 +62,11 @@ def describe(annotation: Any) -> str:
     return " or ".join(words)
 
 
+def _where(owner: str) -> str:
+    """``plugin 'pkm': `` for a plugin name, ``model.optim: `` for a dotted config section."""
+    return f"{owner}: " if "." in owner else f"plugin {owner!r}: "
+
+
 def _parse_one(text: str, t: Any) -> Any:
     """``text`` as type ``t``; raises ValueError when it is not one."""
     low = text.strip().lower()
@@ -103,7 +108,7 @@ def parse_option(plugin: str, name: str, text: str, annotation: Any) -> Any:
             return _parse_one(text, t)
         except (ValueError, TypeError, yaml.YAMLError):
             continue
-    raise ValueError(f"plugin {plugin!r}: option {name} must be {describe(annotation)}, got {text!r}")
+    raise ValueError(f"{_where(plugin)}option {name} must be {describe(annotation)}, got {text!r}")
 
 
 def _matches(value: Any, t: Any) -> bool:
@@ -129,4 +134,4 @@ def _matches(value: Any, t: Any) -> bool:
 def check_option(plugin: str, name: str, value: Any, annotation: Any) -> None:
     """Refuse a value that is plainly not of the field's type, naming the plugin, option and accepted values."""
     if not any(_matches(value, t) for t in _members(annotation)):
-        raise ValueError(f"plugin {plugin!r}: option {name} must be {describe(annotation)}, got {value!r}")
+        raise ValueError(f"{_where(plugin)}option {name} must be {describe(annotation)}, got {value!r}")
