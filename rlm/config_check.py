@@ -62,7 +62,11 @@ def output_dirs(trainer_cfg: Any) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def check_writable(directory: str | Path, what: str = "output folder") -> None:
+def check_writable(
+    directory: str | Path,
+    what: str = "output folder",
+    hint: str = "give a folder you can write to (e.g. --trainer.default_root_dir)",
+) -> None:
     """Write (and remove) a probe file in ``directory`` or, when it does not exist yet, in its nearest existing
     ancestor (creating nothing); OSError naming the path when that fails."""
     directory = Path(directory)
@@ -75,10 +79,7 @@ def check_writable(directory: str | Path, what: str = "output folder") -> None:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".rlm-write-probe-"):
             pass
     except OSError as err:
-        raise OSError(
-            f"{what} {str(directory)!r} is not writable ({err.strerror or err}); "
-            "give a folder you can write to (e.g. --trainer.default_root_dir)",
-        ) from err
+        raise OSError(f"{what} {str(directory)!r} is not writable ({err.strerror or err}); {hint}") from err
 
 
 def check_fit(cfg: Any) -> None:
