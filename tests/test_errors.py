@@ -62,3 +62,13 @@ def test_unwritable_output_folder_is_named_before_training(tmp_path, capsys):
 def test_check_writable_creates_nothing_and_leaves_no_probe(tmp_path):
     check_writable(tmp_path / "a" / "b")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_no_merged_config_file_is_left_in_the_temp_folder(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    _fit_error(["--trainer.max_steps=0"], capsys)  # the config was merged and parsed, then refused
+    assert list(scratch.iterdir()) == []

@@ -41,10 +41,12 @@ class _Toy(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _toy_fit(tmp_path: Path, module: _Toy) -> pl.Trainer:
+def _toy_fit(
+    tmp_path: Path, module: _Toy, max_steps: int = 10, save_top_k: int = -1, ckpt_path: Path | None = None
+) -> pl.Trainer:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4)
     trainer = pl.Trainer(
-        max_steps=10,
+        max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -52,10 +54,12 @@ def _toy_fit(tmp_path: Path, module: _Toy) -> pl.Trainer:
         callbacks=[
             NonFiniteGuard(),
             CheckpointHygiene(),
-            ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=-1),
+            ModelCheckpoint(
+                dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=save_top_k
+            ),
         ],
     )
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     return trainer
 
 
