@@ -26,7 +26,6 @@ def _load_source(
     ckpt: str, data_config: str | None, recorded: dict[str, Any] | None = None
 ) -> tuple[Any, Any, int, dict[str, Any]]:
     """(LMModule, set-up RLMDataModule, global step, data settings) of a checkpoint; data from the YAML or the checkpoint."""
-    import torch
     import yaml
 
     from rlm.data import RLMDataModule
@@ -35,7 +34,9 @@ def _load_source(
 
     if not Path(ckpt).is_file():
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    from rlm.checkpoint import load_checkpoint_file
+
+    state = load_checkpoint_file(ckpt)  # a damaged file is named, not a traceback
     data_hp = dict(state.get("datamodule_hyper_parameters") or {})
     data_hp.update(recorded or {})  # the data settings `rlm index build` recorded, for search
     if data_config is not None:

@@ -83,7 +83,9 @@ def run_generate(command: str, args: list[str]) -> int:
     a = p.parse_args(args)
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
-    ckpt = torch.load(a.ckpt, map_location="cpu", weights_only=False)
+    from rlm.checkpoint import load_checkpoint_file
+
+    ckpt = load_checkpoint_file(a.ckpt)  # a damaged file is named, not a traceback
     data_hp = ckpt.get("datamodule_hyper_parameters")
     if not data_hp:
         p.error(f"{a.ckpt!r} holds no data module settings, so its tokenizer cannot be found")

@@ -97,6 +97,8 @@ class NonFiniteGuard(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return  # fp16 loss scaling: inf gradients are expected now and then, and the scaler skips those steps
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         dense = [g for g in grads if not g.is_sparse]
         # One fused pass for the common case; an overflowing norm of finite values falls through to the exact

@@ -72,3 +72,16 @@ def test_no_merged_config_file_is_left_in_the_temp_folder(tmp_path, monkeypatch,
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     _fit_error(["--trainer.max_steps=0"], capsys)  # the config was merged and parsed, then refused
     assert list(scratch.iterdir()) == []
+
+
+def test_truncated_checkpoint_is_named_by_generate_and_index_build(tmp_path, capsys):
+    from rlm.checkpoint import atomic_save
+
+    bad = tmp_path / "last.ckpt"
+    atomic_save({"state_dict": {}, "pad": list(range(1000))}, bad)
+    bad.write_bytes(bad.read_bytes()[:200])
+    assert main(["generate", "--ckpt", str(bad)]) == 2
+    assert f"rlm generate: error: checkpoint '{bad}' cannot be loaded" in capsys.readouterr().err
+    assert main(["index", "build", "--ckpt", str(bad), "--out", str(tmp_path / "idx")]) == 2
+    err = capsys.readouterr().err
+    assert f"rlm index build: error: checkpoint '{bad}' cannot be loaded" in err and "Traceback" not in err
