@@ -182,3 +182,17 @@ def test_nan_run_exits_non_zero_naming_step_and_lr(tmp_path, rlm_cache):
     err = proc.stderr
     assert "rlm fit: error: non-finite" in err and "at step 1" in err and "model.optim.lr=1000.0" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_changed_optim_on_resume_is_named_in_a_warning(tmp_path, rlm_cache):
+    run_rlm(fit_args() + ["--trainer.max_steps=2"], tmp_path, rlm_cache)
+    ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
+    proc = run_rlm(
+        fit_args() + ["--trainer.max_steps=3", "--ckpt_path", ckpt, "--model.optim.lr=0.01"],
+        tmp_path,
+        rlm_cache,
+    )
+    assert "resuming keeps the checkpoint's optimizer settings; ignored" in proc.stderr
+    assert "model.optim.lr: checkpoint has 0.003, this run has 0.01" in proc.stderr
+    assert "model.optim.weight_decay" not in proc.stderr  # only the keys that differ
