@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pytorch_lightning.cli import LightningCLI
 
 from rlm.config_merge import config_text, merge_configs, split_config_args
-from rlm.config_override import apply_plugin_flags, split_plugin_args
 
 
 class RLMCLI(LightningCLI):
@@ -25,12 +24,13 @@ class RLMCLI(LightningCLI):
         # Not parser.link_arguments: jsonargparse 4.53 then rejects every field of the optional ModelConfig
         # ("does not accept option 'model.model.d_model'"), so the copy is made after parsing instead.
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        from rlm.config_check import (
-            check_fit,
-            check_sections,
-        )  # unknown keys, max_steps 0, unwritable folders
+        from rlm.config_check import check_fit, check_sections
 
-        check_fit(cfg) if self.subcommand == "fit" else check_sections(cfg.get("model"))
+        # Clear errors before anything is built: unknown keys, max_steps 0, unwritable output folders.
+        if self.subcommand == "fit":
+            check_fit(cfg)
+        else:
+            check_sections(cfg.get("model"))
         if cfg.get("model.model") is not None:
             cfg.model.model.vocab_size = cfg.data.vocab_size
 
@@ -46,6 +46,7 @@ class RLMCLI(LightningCLI):
 
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
+    from rlm.config_override import apply_plugin_flags, split_plugin_args
     from rlm.data import RLMDataModule
     from rlm.lightning import LMModule
 
