@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 
 from rlm.index.build import IndexConfig, TorchExactIndex, recall_at_k
-from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir, read_meta
+from rlm.index.store import load_index_dir, read_meta
 
 
-def _load_source(ckpt: str, data_config: str | None) -> tuple[Any, Any, int, dict[str, Any]]:
+def _load_source(
+    ckpt: str, data_config: str | None, recorded: dict[str, Any] | None = None
+) -> tuple[Any, Any, int, dict[str, Any]]:
     """(LMModule, set-up RLMDataModule, global step, data settings) of a checkpoint; data from the YAML or the checkpoint."""
-    import torch
     import yaml
 
     from rlm.data import RLMDataModule
@@ -33,8 +34,11 @@ def _load_source(ckpt: str, data_config: str | None) -> tuple[Any, Any, int, dic
 
     if not Path(ckpt).is_file():
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    from rlm.checkpoint import load_checkpoint_file
+
+    state = load_checkpoint_file(ckpt)  # a damaged file is named, not a traceback
     data_hp = dict(state.get("datamodule_hyper_parameters") or {})
+    data_hp.update(recorded or {})  # the data settings `rlm index build` recorded, for search
     if data_config is not None:
         loaded = yaml.safe_load(Path(data_config).read_text()) or {}
         data_hp.update(loaded.get("data", loaded))  # a configs/data/*.yaml file, or its 'data' mapping alone
@@ -70,6 +74,7 @@ def cmd_build(a: argparse.Namespace) -> int:
     """Embed every segment of the chosen split with the checkpoint's model and write the index directory."""
     import torch
 
+    from rlm.config_check import check_writable
     from rlm.index.protocol import embed_all
     from rlm.index.search import SegmentTable
     from rlm.index.store import build_index_dir
@@ -77,6 +82,9 @@ def cmd_build(a: argparse.Namespace) -> int:
     config = IndexConfig(
         factory=a.factory, memory_budget_gb=a.memory_budget_gb, target_recall=a.target_recall, gpu=a.gpu
     )
+    check_writable(
+        Path(a.out).absolute().parent, "--out folder", "give --out in a folder you can write to"
+    )  # before any embedding
     module, data, step, data_hp = _load_source(a.ckpt, a.config)
     segs = data.segments
     docs = {"all": None, "train": data.store.train_docs, "val": data.store.val_docs}[a.split]
@@ -120,7 +128,7 @@ def cmd_search(a: argparse.Namespace) -> int:
             raise ValueError(f"--segment {a.segment} out of range [0, {meta['count']})")
         query, qid = np.asarray(idx.vectors[a.segment : a.segment + 1]), np.array([a.segment])
         if source is not None:
-            _, data, _, _ = _load_source(source["ckpt"], None)
+            _, data, _, _ = _load_source(source["ckpt"], None, source.get("data"))
     else:
         if a.text is None:
             raise ValueError("give a query TEXT or --segment ID")
@@ -128,7 +136,7 @@ def cmd_search(a: argparse.Namespace) -> int:
             raise ValueError(
                 f"{a.dir} was not built by `rlm index build` (no checkpoint recorded): use --segment"
             )
-        module, data, step, _ = _load_source(source["ckpt"], None)
+        module, data, step, _ = _load_source(source["ckpt"], None, source.get("data"))
         embedder = _embedder(module, source["layer"], step)
         # refuse an index whose vectors this checkpoint and corpus did not produce
         idx = load_index_dir(a.dir, data.fingerprint, embedder.embedder_identity())
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return COMMANDS[a.command](a)
-    except (ValueError, IndexNotFoundError, IndexMismatchError) as err:
+    except (ValueError, OSError) as err:  # IndexNotFoundError is an OSError; OSError: disk full, unwritable
         print(f"rlm index {a.command}: error: {err}", file=sys.stderr)
         return 2
 

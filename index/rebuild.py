@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 import time
 import zlib
@@ -423,7 +424,8 @@ class RebuildCallback(pl.Callback):
             return False
         try:
             memory = load_memory(Path(self.path), self.segments, self.identity, self.k)
-        except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
+        except (IndexNotFoundError, IndexMismatchError, FileNotFoundError) as err:
+            print(f"rlm: not reusing the checkpoint's index ({err}); building a new one", file=sys.stderr)
             return False
         self._take(memory, "reused")
         return True

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -101,11 +102,53 @@ def corpus_fingerprint(*arrays: np.ndarray, chunk: int = 2**24) -> str:
     return h.hexdigest()[:16]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_tmp(parent: str | os.PathLike) -> list[Path]:
+    """Delete the ``.NAME.tmp-PID-*`` / ``.NAME.old-*`` folders that killed writers left in ``parent``.
+
+    A folder whose writer (PID) is still alive, or is this process, is left alone."""
+    removed = []
+    for p in Path(parent).glob(".*.*-*"):
+        m = re.fullmatch(r"\..+\.(tmp-(\d+)-[0-9a-f]{8}|old-[0-9a-f]{8})", p.name)
+        if not m or not p.is_dir():
+            continue
+        pid = int(m.group(2)) if m.group(2) else None
+        if pid is not None and (pid == os.getpid() or _alive(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def file_sha256(path: Path, chunk: int = 2**24) -> str:
+    """sha256 (hex) of a file, read chunk by chunk."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_default() -> bool:
+    """Whether loads verify checksums: yes unless ``RLM_INDEX_VERIFY=0`` (for huge indices)."""
+    return os.environ.get("RLM_INDEX_VERIFY", "1").lower() not in ("0", "false", "no")
+
+
 @contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary sibling directory; on success it replaces `path`, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
@@ -168,6 +211,8 @@ def write_dir_contents(
         **(extra or {}),
     }
     meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    # Sizes catch truncation; checksums catch bytes changed in place (zeros written inside index.faiss).
+    meta["sha256"] = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
     (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
 
 
@@ -216,8 +261,9 @@ def build_index_dir(
     return load_index_dir(path, gpu=config.gpu)
 
 
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The metadata of a complete index directory, after checking every listed file is there, full size."""
+def read_meta(path: str | os.PathLike, verify: bool | None = None) -> dict[str, Any]:
+    """The metadata of a complete index directory, after checking every listed file is there, full size, and
+    (``verify``; default :func:`verify_default`) has the checksum meta.json records."""
     path = Path(path)
     try:
         meta = json.loads((path / META).read_text())
@@ -237,6 +283,13 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             raise IndexNotFoundError(
                 f"damaged index at {path}: {name} is {actual} bytes, meta.json says {size}"
             )
+    if verify if verify is not None else verify_default():
+        for name, digest in (meta.get("sha256") or {}).items():
+            if file_sha256(path / name) != digest:
+                raise IndexNotFoundError(
+                    f"damaged index at {path}: {name} does not match its checksum in meta.json "
+                    "(rebuild it; RLM_INDEX_VERIFY=0 skips this check)"
+                )
     return meta
 
 
@@ -270,6 +323,7 @@ def load_index_dir(
     expect_embedder: dict[str, Any] | None = None,
     mmap: bool | None = None,
     gpu: bool | None = None,
+    verify: bool | None = None,
 ) -> IndexDir:
     """Load and check an index directory.
 
@@ -278,7 +332,7 @@ def load_index_dir(
     larger than MMAP_ABOVE); gpu: move it to the GPU (None: when faiss has one and it is not mapped).
     """
     path = Path(path)
-    meta = read_meta(path)
+    meta = read_meta(path, verify)
     check_identity(meta, path, expect_fingerprint, expect_embedder)
     vectors = np.load(path / VECTORS, mmap_mode="r") if (path / VECTORS).exists() else None
     segments = SegmentTable(np.load(path / SEG_DOC, mmap_mode="r"), np.load(path / SEG_OFFSET, mmap_mode="r"))

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rlm.config_merge import merge_configs, split_config_args, write_merged
+from rlm.config_merge import config_text, merge_configs, split_config_args
 from rlm.extras import MissingExtra
 
 # torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
@@ -31,35 +31,32 @@ def __getattr__(name: str) -> Any:
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
     from rlm.cli_support import flag_value, refuse_optimizer_options
+    from rlm.config_override import apply_plugin_flags, split_plugin_args
     from rlm.data import RLMDataModule
     from rlm.lightning import LMModule
     from rlm.lightning_cli import RLMCLI
 
     configs, rest = split_config_args(args)
+    plugin_flags, rest = split_plugin_args(rest)
     # The command line's default_root_dir as a last config layer, so ${trainer.default_root_dir} resolves to it.
     root = flag_value(rest, "--trainer.default_root_dir")
-    root_path = write_merged({"trainer": {"default_root_dir": root}}) if root and configs else None
-    merged = merge_configs([*configs, *([root_path] if root_path else [])]) if configs else {}
-    if root_path:
-        os.unlink(root_path)
+    layers = [*configs, *([{"trainer": {"default_root_dir": root}}] if root and configs else [])]
+    merged = apply_plugin_flags(merge_configs(layers), plugin_flags) if configs or plugin_flags else {}
     refuse_optimizer_options(command, merged, rest)
     if command in ("validate", "test"):
         from rlm.evaluate import with_checkpoint_settings
 
         merged = with_checkpoint_settings(merged, rest)
-    merged_path = write_merged(merged) if merged else None
-    try:
-        RLMCLI(
-            LMModule,
-            RLMDataModule,
-            args=[command, *(["--config", merged_path] if merged_path else []), *rest],
-            parser_kwargs={"parser_mode": "omegaconf"},
-            save_config_kwargs={"overwrite": True},
-            seed_everything_default=0,
-        )
-    finally:
-        if merged_path:
-            os.unlink(merged_path)
+    # The merged config travels as YAML text (jsonargparse reads a --config value that is not a file as YAML):
+    # no temporary file to leave behind when the process is killed.
+    RLMCLI(
+        LMModule,
+        RLMDataModule,
+        args=[command, *(["--config", config_text(merged)] if merged else []), *rest],
+        parser_kwargs={"parser_mode": "omegaconf"},
+        save_config_kwargs={"overwrite": True},
+        seed_everything_default=0,
+    )
     return 0
 
 
@@ -81,7 +78,9 @@ def run_generate(command: str, args: list[str]) -> int:
     a = p.parse_args(args)
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
-    ckpt = torch.load(a.ckpt, map_location="cpu", weights_only=False)
+    from rlm.checkpoint import load_checkpoint_file
+
+    ckpt = load_checkpoint_file(a.ckpt)  # a damaged file is named, not a traceback
     data_hp = ckpt.get("datamodule_hyper_parameters")
     if not data_hp:
         p.error(f"{a.ckpt!r} holds no data module settings, so its tokenizer cannot be found")
@@ -122,7 +121,7 @@ def run_experiment(command: str, args: list[str]) -> int:
 
 def run_plugins(command: str, args: list[str]) -> int:
     """``rlm plugins [NAME]``: list the plugins, or print one plugin's options."""
-    from rlm.plugin.options import describe_plugin, plugin_table
+    from rlm.plugin.catalog import describe_plugin, plugin_table
 
     p = argparse.ArgumentParser(prog="rlm plugins", description="List the plugins, or show one's options.")
     p.add_argument("name", nargs="?", help="a plugin name: print its options with their defaults and docs")
@@ -185,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command][0](command, rest)
-    except (ValueError, FileNotFoundError, MissingExtra) as err:
+    except (
+        ValueError,
+        OSError,
+        MissingExtra,
+    ) as err:  # OSError: disk full, read-only folder (the path is named)
         if os.environ.get("RLM_DEBUG"):
             raise
         print(f"rlm {command}: error: {err}", file=sys.stderr)

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 CONFIG_FLAGS = ("--config", "-c")
@@ -25,7 +26,10 @@ def load_config(path: str | Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     if path in _stack:
         raise ValueError(f"config include cycle: {' -> '.join(str(p) for p in (*_stack, path))}")
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from err
     if not isinstance(cfg, DictConfig):
         raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
     includes = cfg.pop("include", None) or []
@@ -37,11 +41,11 @@ def load_config(path: str | Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
     return OmegaConf.merge(merged, cfg)
 
 
-def merge_configs(paths: list[str | Path]) -> dict[str, Any]:
-    """Deep-merge config files in order (later files win key by key) and resolve interpolations."""
+def merge_configs(paths: list[str | Path | dict[str, Any]]) -> dict[str, Any]:
+    """Deep-merge config files (or mappings) in order (later ones win key by key) and resolve interpolations."""
     merged = OmegaConf.create()
     for p in paths:
-        merged = OmegaConf.merge(merged, load_config(p))
+        merged = OmegaConf.merge(merged, OmegaConf.create(p) if isinstance(p, dict) else load_config(p))
     return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
 
 
@@ -63,6 +67,11 @@ def split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
         i += 1
     return configs, rest
+
+
+def config_text(cfg: dict[str, Any]) -> str:
+    """A merged config as YAML text (what ``--config`` accepts in place of a file name)."""
+    return OmegaConf.to_yaml(OmegaConf.create(cfg))
 
 
 def write_merged(cfg: dict[str, Any], directory: str | None = None) -> str:

@@ -269,8 +269,12 @@ class LMModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
+        from rlm.checkpoint import CheckpointHygiene
+        from rlm.guard import NonFiniteGuard
+
+        core = [NonFiniteGuard(), CheckpointHygiene()]  # stop at NaN; crash-safe checkpoint files
         plugin_callbacks = [cb for plugin in self.model.plugins.values() for cb in plugin.callbacks()]
-        return [Throughput(self.peak_flops), *plugin_callbacks]
+        return [*core, Throughput(self.peak_flops), *plugin_callbacks]
 
     def setup(self, stage: str) -> None:
         # One sequence of the data's length for Lightning's model summary, which counts its forward FLOPs.
@@ -289,11 +293,15 @@ class LMModule(pl.LightningModule):
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two LMModule hyperparameter dicts in the parts that shape the model."""
+    from rlm.resume import dict_diff
+
     diffs = []
     for key in ("model", "plugins"):
         empty = {} if key == "plugins" else None  # no plugins: None and {} alike
-        if key in saved and _normalise(saved[key] or empty) != _normalise(current.get(key) or empty):
-            diffs.append(f"{key}: checkpoint has {saved[key]!r}, this run has {current.get(key)!r}")
+        if key in saved:  # only the keys that differ, as dotted names
+            diffs += dict_diff(
+                {key: _normalise(saved[key] or empty)}, {key: _normalise(current.get(key) or empty)}
+            )
     return diffs
 
 

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
-from pathlib import Path
 
-import torch
 from pytorch_lightning.cli import LightningCLI
-
-from rlm.lightning import config_diff
-from rlm.model.config import ModelConfig
 
 
 class RLMCLI(LightningCLI):
@@ -28,9 +22,15 @@ class RLMCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         from rlm.cli_support import link_vocab
+        from rlm.config_check import check_fit, check_sections
         from rlm.strategy import prepare_trainer
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        # Clear errors before anything is built: unknown keys, max_steps 0, unwritable output folders.
+        if self.subcommand == "fit":
+            check_fit(cfg)
+        else:
+            check_sections(cfg.get("model"))
         link_vocab(cfg)
         prepare_trainer(cfg.trainer)  # strategies rlm cannot run: a clear error; devices: auto on a CPU
 
@@ -43,23 +43,12 @@ class RLMCLI(LightningCLI):
         self.config = parser.parse_args(args)
 
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI silently replaces the model config with the checkpoint's when --ckpt_path is given.
-        # For evaluation that is what one wants; resuming `fit` under a different model or plugin config is a
-        # mistake, so it is refused naming what differs.
-        if self.config.get("subcommand") == "fit":
-            cfg = self.config["fit"]
-            path = cfg.get("ckpt_path")
-            if path and Path(path).is_file():
-                saved = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
-                current = cfg.model.as_dict()
-                if current.get("model") is not None:
-                    current["model"]["vocab_size"] = cfg.data.vocab_size
-                current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
-                diffs = config_diff(saved, current)
-                if diffs:
-                    raise ValueError(
-                        f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs)
-                    )
+        # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another
+        # model or plugin config is refused naming the keys that differ (LightningCLI would silently replace
+        # the model config with the checkpoint's).
+        from rlm.resume import prepare_ckpt_path
+
+        prepare_ckpt_path(self.config)
         super()._parse_ckpt_path()
         if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
             from rlm.cli_support import link_vocab

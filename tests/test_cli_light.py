@@ -12,7 +12,7 @@ import pytest
 
 from rlm.cli import main
 from rlm.plugin import registry
-from rlm.plugin.options import field_docs, plugin_table
+from rlm.plugin.catalog import field_docs, plugin_table
 
 HEAVY = ("torch", "pytorch_lightning", "lightning", "datasets", "matplotlib")
 

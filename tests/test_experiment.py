@@ -174,13 +174,15 @@ def test_train_clock_excludes_validation_and_survives_resume(monkeypatch):
 
 
 def test_unfinished_run_resumes_from_its_checkpoint_only_under_the_same_config(tmp_path):
+    import torch
+
     from rlm.experiment.runner import Run, _prepare_dir
 
     run = Run("v", 0, tmp_path / "v" / "seed0", {"trainer": {"max_steps": 10}})
     assert _prepare_dir(run) == []  # fresh
     (run.dir / "ckpt").mkdir()
-    (run.dir / "ckpt" / "last.ckpt").write_bytes(b"x")
-    assert _prepare_dir(run) == ["--ckpt_path", str(run.dir / "ckpt" / "last.ckpt")]
+    torch.save({"global_step": 1}, run.dir / "ckpt" / "last.ckpt")  # unloadable ones: test_experiment_resume
+    assert _prepare_dir(run) == ["--ckpt_path", str((run.dir / "ckpt" / "last.ckpt").resolve())]
     changed = Run("v", 0, run.dir, {"trainer": {"max_steps": 20}})
     assert _prepare_dir(changed) == [] and not (run.dir / "ckpt").exists()  # another config: start afresh
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.runner import METRICS_CSV, SUMMARY, read_metrics, series
+from rlm.experiment.runner import SUMMARY, run_metrics, series
 from rlm.experiment.spec import flatten, write_atomic
 
 RUN_COLUMNS = [
@@ -192,7 +192,7 @@ def _metrics_table(info: dict[str, Any], variants: list[VariantResult]) -> list[
 
 def _val_curves(run: dict[str, Any]) -> tuple[list[float], list[float], list[float]]:
     """Steps, training seconds and validation losses of a run's validations."""
-    rows = read_metrics(run["dir"] / METRICS_CSV)
+    rows = run_metrics(run["dir"])
     clock = series(rows, "time/train_s")
     steps, times, losses = [], [], []
     for step, loss in series(rows, "val/loss"):

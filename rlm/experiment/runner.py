@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import statistics
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from rlm.experiment.check import count_parameters
 from rlm.experiment.spec import Experiment, config_hash, run_config, variant_config, write_atomic
+from rlm.resume import newest_loadable
 
 SUMMARY = "summary.json"
 """The finished marker of a run, written last."""
@@ -91,7 +93,7 @@ def _last(rows: list[dict[str, float]], name: str) -> float | None:
 
 def summarize(run: Run, wall_s: float) -> dict[str, Any]:
     """The per-run summary: final validation loss, parameter counts, speed, time and plugin metrics."""
-    rows = read_metrics(run.dir / METRICS_CSV)
+    rows = run_metrics(run.dir)
     val_series = series(rows, "val/loss")
     val = [v for _, v in val_series]
     speed = [v for _, v in series(rows, "train/tokens_per_s")]
@@ -125,14 +127,44 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
     }
 
 
+def run_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The run's metrics.csv rows with the history of earlier attempts stitched in front.
+
+    Each resume keeps the previous attempt's log as ``metrics.part-K.csv`` (the CSV logger would delete it);
+    rows of an earlier part at or after the first step of the next one were trained again and are dropped."""
+    current = run_dir / METRICS_CSV
+    parts = sorted(current.parent.glob("metrics.part-*.csv"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    chunks = [read_metrics(p) for p in [*parts, current]]
+    rows: list[dict[str, float]] = []
+    for i, chunk in enumerate(chunks):
+        later = [r["step"] for c in chunks[i + 1 :] for r in c if "step" in r]
+        cut = min(later, default=math.inf)
+        rows += [r for r in chunk if r.get("step", -1) < cut]
+    return rows
+
+
+def _keep_metrics(run: Run) -> None:
+    """Move the last attempt's metrics.csv aside before a resume, for :func:`run_metrics` to stitch."""
+    current = run.dir / METRICS_CSV
+    if current.is_file():
+        k = len(list(current.parent.glob("metrics.part-*.csv")))
+        os.replace(current, current.with_name(f"metrics.part-{k}.csv"))
+
+
 def _prepare_dir(run: Run) -> list[str]:
     """Make the run directory ready; the extra ``rlm fit`` arguments (a checkpoint to resume from)."""
     saved = run.dir / "fingerprint"
     if run.dir.exists():
         same = saved.is_file() and saved.read_text().strip() == run.fingerprint
-        if same and (run.dir / LAST_CKPT).is_file():
-            return ["--ckpt_path", str(run.dir / LAST_CKPT)]
-        shutil.rmtree(run.dir)  # an unfinished run of another config, or one that saved nothing yet
+        if same and (run.dir / LAST_CKPT).parent.is_dir():
+            try:  # the newest checkpoint that loads; damaged ones are skipped with a line in the output
+                path, _ = newest_loadable([run.dir / LAST_CKPT.parent], say=tqdm.write)
+            except ValueError as err:
+                tqdm.write(f"{run.label}: {err}; starting afresh")
+            else:
+                _keep_metrics(run)
+                return ["--ckpt_path", str(path)]
+        shutil.rmtree(run.dir)  # an unfinished run of another config, or one that saved nothing loadable
     run.dir.mkdir(parents=True)
     write_atomic(saved, run.fingerprint + "\n")
     return []

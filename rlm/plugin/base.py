@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import nn
 
 from rlm.plugin.context import Context
+from rlm.plugin.options import check_option, field_types
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -161,6 +162,9 @@ def make_config(plugin_cls: type[Plugin], args: dict[str, Any] | None) -> Any:
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise ValueError(f"plugin {plugin_cls.name!r}: unknown option(s) {unknown}; accepted: {known}")
+    types_ = field_types(plugin_cls.Config)
+    for key, value in args.items():
+        check_option(plugin_cls.name, key, value, types_[key])
     return plugin_cls.Config(**args)
 
 

@@ -1,0 +1,62 @@
+"""Checkpoint files under kill -9 and resume: never truncated under a real name, no debris left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_resume import _Toy, _toy_fit
+
+from rlm.checkpoint import remove_tmp_files
+
+
+def test_resume_removes_partial_files_and_checkpoints_past_the_resumed_step(tmp_path):
+    _toy_fit(tmp_path, _Toy(nan_at=-1), max_steps=3, save_top_k=1)
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    # What a kill leaves: a partial temp file, and a top-k file written after the checkpoint resumed from
+    (ckpt / ".last.ckpt.tmp-999").write_bytes(b"partial")
+    shutil.copy(ckpt / "epoch=0-step=3.ckpt", ckpt / "epoch=0-step=5.ckpt")
+    _toy_fit(tmp_path, _Toy(nan_at=-1), max_steps=4, save_top_k=1, ckpt_path=ckpt / "last.ckpt")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+
+
+CHILD = """
+import sys, torch
+from rlm.checkpoint import atomic_save
+t = torch.arange(3_000_000, dtype=torch.float32)
+atomic_save({"i": -1, "t": t}, sys.argv[1])
+print("ready", flush=True)
+i = 0
+while True:
+    atomic_save({"i": i, "t": t}, sys.argv[1])
+    i += 1
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.07, 0.2])
+def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path, delay):
+    target = tmp_path / "last.ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(target)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    state = torch.load(target, weights_only=True)  # complete, whatever the moment of the kill
+    torch.testing.assert_close(state["t"], torch.arange(3_000_000, dtype=torch.float32))
+    leftovers = {p.name for p in tmp_path.iterdir()} - {"last.ckpt"}
+    assert leftovers <= {f".last.ckpt.tmp-{proc.pid}"}
+    remove_tmp_files(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

@@ -1,0 +1,87 @@
+"""Bad input to ``rlm fit`` is an ``rlm fit: error: ...`` naming the value, file or path, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from cli_helpers import CONFIGS, TINY
+
+from rlm.cli import main
+from rlm.config_check import check_writable
+
+BASE = [a for p in TINY for a in ("--config", str(p))]
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RLM_DEBUG", raising=False)
+
+
+def _fit_error(args, capsys) -> str:
+    assert main(["fit", *BASE, *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_yaml_syntax_error_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  optim: {lr: 1\n")
+    err = _fit_error(["--config", str(bad)], capsys)
+    assert f"rlm fit: error: config file '{bad}' is not valid YAML" in err and "line 2" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.optim.lrr=1"], "unknown key(s) ['lrr'] under model.optim; accepted: ['lr', "),
+        (
+            ["--model.model.d_modl=8"],
+            "unknown key(s) ['d_modl'] under model.model; accepted: ['vocab_size', ",
+        ),
+        (["--model.optim.lr=abc"], "model.optim: option lr must be a number, got 'abc'"),
+        (["--trainer.max_steps=0"], "--trainer.max_steps 0 trains nothing"),
+        (["--model.plugins.moe.capacity_factor=big"], "option capacity_factor must be a number, got 'big'"),
+        (
+            ["--config", str(CONFIGS / "plugins/retrieval.yaml"), "--model.plugins.retrieval.beta_init=x"],
+            "beta_init",
+        ),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_accepted(args, message, capsys):
+    assert message in _fit_error(args, capsys)
+
+
+def test_unwritable_output_folder_is_named_before_training(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    err = _fit_error([f"--trainer.default_root_dir={blocker}/runs"], capsys)
+    assert f"rlm fit: error: output folder '{blocker}/runs' is not writable" in err
+
+
+def test_check_writable_creates_nothing_and_leaves_no_probe(tmp_path):
+    check_writable(tmp_path / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_merged_config_file_is_left_in_the_temp_folder(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    _fit_error(["--trainer.max_steps=0"], capsys)  # the config was merged and parsed, then refused
+    assert list(scratch.iterdir()) == []
+
+
+def test_truncated_checkpoint_is_named_by_generate_and_index_build(tmp_path, capsys):
+    from rlm.checkpoint import atomic_save
+
+    bad = tmp_path / "last.ckpt"
+    atomic_save({"state_dict": {}, "pad": list(range(1000))}, bad)
+    bad.write_bytes(bad.read_bytes()[:200])
+    assert main(["generate", "--ckpt", str(bad)]) == 2
+    assert f"rlm generate: error: checkpoint '{bad}' cannot be loaded" in capsys.readouterr().err
+    assert main(["index", "build", "--ckpt", str(bad), "--out", str(tmp_path / "idx")]) == 2
+    err = capsys.readouterr().err
+    assert f"rlm index build: error: checkpoint '{bad}' cannot be loaded" in err and "Traceback" not in err

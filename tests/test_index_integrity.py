@@ -1,0 +1,78 @@
+"""Index files carry checksums verified on load; killed writers' debris is removed; `rlm index build` checks its
+output folder before embedding and `search` uses the data settings build recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+from cli_helpers import CONFIGS, fit_args, run_rlm
+
+from rlm.index.build import IndexConfig
+from rlm.index.cli import main
+from rlm.index.search import SegmentTable
+from rlm.index.store import IndexNotFoundError, build_index_dir, load_index_dir
+from rlm.index.synthetic import clustered_unit_vectors
+
+EMBEDDER = {"name": "random", "config_hash": "c", "weights_hash": "w", "step": 0}
+
+
+def _build(path, **kwargs):
+    x = clustered_unit_vectors(600, 16, n_clusters=8, seed=1)
+    segments = SegmentTable(np.arange(600) // 10, (np.arange(600) % 10) * 16)
+    return build_index_dir(path, x, segments, "fp", EMBEDDER, IndexConfig(factory="Flat"), **kwargs)
+
+
+@pytest.mark.parametrize("victim", ["index.faiss", "vectors.npy", "segment_doc.npy"])
+def test_bytes_changed_in_place_are_caught_by_the_checksum(tmp_path, victim, monkeypatch):
+    idx = _build(tmp_path / "idx").path
+    data = bytearray((idx / victim).read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # zeros inside, size unchanged
+    (idx / victim).write_bytes(bytes(data))
+    with pytest.raises(IndexNotFoundError, match=f"{victim} does not match its checksum in meta.json"):
+        load_index_dir(idx)
+    assert load_index_dir(idx, verify=False).meta["count"] == 600  # the check can be skipped
+    monkeypatch.setenv("RLM_INDEX_VERIFY", "0")
+    assert load_index_dir(idx).meta["count"] == 600
+    assert set(json.loads((idx / "meta.json").read_text())["sha256"]) >= {victim}
+
+
+def test_debris_of_killed_writers_is_removed_and_live_ones_kept(tmp_path):
+    dead = 2**22 + 12345  # above the default pid_max of 4M: no live process has it
+    assert not os.path.exists(f"/proc/{dead}")
+    stale = [tmp_path / f".idx.tmp-{dead}-0123abcd", tmp_path / f".step-000000003.tmp-{dead}-89abcdef"]
+    live = tmp_path / f".idx.tmp-{os.getppid()}-fedcba98"
+    for p in [*stale, live]:
+        p.mkdir()
+        (p / "index.faiss").write_bytes(b"partial")
+    _build(tmp_path / "idx")
+    assert not any(p.exists() for p in stale) and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "idx"]
+
+
+def test_build_checks_the_output_folder_before_embedding(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["build", "--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(blocker / "idx")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out folder '{blocker}' is not writable" in err  # named before the checkpoint is even read
+
+
+@pytest.mark.slow
+def test_search_uses_the_data_settings_build_recorded(tmp_path, rlm_cache, monkeypatch, capsys):
+    run_rlm(fit_args() + ["--trainer.max_steps=1"], tmp_path, rlm_cache)
+    data = yaml.safe_load((CONFIGS / "data" / "tiny.yaml").read_text())
+    data["data"]["max_documents"] = 120  # another corpus than the checkpoint's
+    cfg = tmp_path / "data.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    monkeypatch.setenv("RLM_CACHE", str(rlm_cache))
+    out = tmp_path / "idx"
+    ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
+    args = ["build", "--ckpt", str(ckpt), "--config", str(cfg), "--out", str(out), "--layer", "0", "--quiet"]
+    assert main([*args, "--factory", "Flat"]) == 0
+    capsys.readouterr()
+    assert main(["search", str(out), "def __init__(self):", "-k", "2"]) == 0
+    assert capsys.readouterr().out.count("score ") == 2

@@ -1,0 +1,198 @@
+"""Nothing lost, nothing silent: NaN stops training, checkpoints are written atomically, ``--ckpt_path last``
+finds the run's newest loadable checkpoint across logger versions and skips damaged ones."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import yaml
+from cli_helpers import column, fit_args, read_metrics, run_rlm
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+
+from rlm.checkpoint import AtomicCheckpointIO, CheckpointHygiene, atomic_save, load_checkpoint_file
+from rlm.guard import NonFiniteError, NonFiniteGuard
+from rlm.resume import checkpoint_roots, dict_diff, newest_loadable
+
+
+class _Toy(pl.LightningModule):
+    """A linear regression whose loss turns NaN at ``nan_at`` (a global step)."""
+
+    def __init__(self, nan_at: int, where: str = "loss") -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.nan_at, self.where = nan_at, where
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        loss = self.lin(x).pow(2).mean()
+        if self.global_step == self.nan_at:
+            if self.where == "loss":
+                loss = loss * float("nan")
+            else:  # finite loss, non-finite gradient: sqrt'(0) = inf
+                loss = loss + torch.sqrt(torch.zeros((), requires_grad=True) * self.lin.bias.sum() * 0)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _toy_fit(
+    tmp_path: Path, module: _Toy, max_steps: int = 10, save_top_k: int = -1, ckpt_path: Path | None = None
+) -> pl.Trainer:
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[
+            NonFiniteGuard(),
+            CheckpointHygiene(),
+            ModelCheckpoint(
+                dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=save_top_k
+            ),
+        ],
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_non_finite_stops_at_its_step_and_names_the_last_finite_checkpoint(tmp_path, where):
+    with pytest.raises(
+        NonFiniteError, match=r"at step 3; training stopped\. Suspects: the learning rate"
+    ) as e:
+        _toy_fit(tmp_path, _Toy(nan_at=3, where=where))
+    assert ("non-finite loss" if where == "loss" else "non-finite gradients in lin.") in str(e.value)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert f"the last finite checkpoint is kept: {last}" in str(e.value)
+    ckpt = torch.load(last, weights_only=False)
+    assert ckpt["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+    assert not list((tmp_path / "ckpt").glob("*step=4*"))
+
+
+def test_atomic_save_keeps_the_old_file_on_a_full_disk(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+    atomic_save({"a": torch.ones(3)}, target)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match=f"cannot write checkpoint '{target}': No space left on device"):
+        AtomicCheckpointIO().save_checkpoint({"a": torch.zeros(3)}, target)
+    monkeypatch.undo()
+    torch.testing.assert_close(torch.load(target)["a"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary file left
+
+
+def test_truncated_checkpoint_is_named_and_last_skips_it(tmp_path, capsys):
+    old, new = tmp_path / "v0" / "a.ckpt", tmp_path / "v1" / "b.ckpt"
+    atomic_save({"global_step": 1}, old)
+    atomic_save({"global_step": 2, "pad": torch.zeros(1000)}, new)
+    new.write_bytes(new.read_bytes()[:500])  # what a copy cut short leaves
+    with pytest.raises(ValueError, match=f"checkpoint '{new}' cannot be loaded .*truncated or damaged"):
+        load_checkpoint_file(new)
+    path, ckpt = newest_loadable([tmp_path])
+    assert path == old.resolve() and ckpt["global_step"] == 1
+    assert f"skipping {new}" in capsys.readouterr().err
+    old.write_bytes(b"")
+    with pytest.raises(ValueError, match="none of the 2 checkpoints under .* loads"):
+        newest_loadable([tmp_path])
+    with pytest.raises(ValueError, match="no checkpoint under"):
+        newest_loadable([tmp_path / "nothing"])
+
+
+def test_checkpoint_roots_cover_dirpaths_logger_versions_and_the_root():
+    trainer = {
+        "default_root_dir": "runs/x",
+        "logger": [{"class_path": "CSVLogger", "init_args": {"save_dir": "runs", "name": "x"}}],
+        "callbacks": [
+            {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint", "init_args": {"dirpath": "c"}}
+        ],
+    }
+    assert checkpoint_roots(trainer) == [Path("c"), Path("runs/x")]
+
+
+def test_dict_diff_names_only_the_keys_that_differ():
+    a = {"model": {"d_model": 64, "n_layers": 2}, "plugins": {"pkm": {"topk": 8, "heads": 4}}}
+    b = {"model": {"d_model": 64, "n_layers": 3}, "plugins": {"pkm": {"topk": 8, "heads": 2}}}
+    assert dict_diff(a, b) == [
+        "model.n_layers: checkpoint has 2, this run has 3",
+        "plugins.pkm.heads: checkpoint has 4, this run has 2",
+    ]
+    assert dict_diff({"betas": (0.9, 0.95)}, {"betas": [0.9, 0.95]}) == []
+
+
+def _versioned_config(tmp_path: Path) -> Path:
+    """The test setup with a logger version per run and checkpoints in each version's folder (the default)."""
+    cfg = {
+        "trainer": {
+            "default_root_dir": "runs/v",
+            "logger": [
+                {"class_path": "pytorch_lightning.loggers.CSVLogger", "init_args": {"save_dir": "runs"}}
+            ],
+            "callbacks": [
+                {
+                    "class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                    "init_args": {"save_last": True, "every_n_train_steps": 3, "save_top_k": -1},
+                }
+            ],
+        }
+    }
+    path = tmp_path / "versioned.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_resumes_across_logger_versions_and_skips_damaged(tmp_path, rlm_cache):
+    args = fit_args(_versioned_config(tmp_path))
+    run_rlm(args + ["--trainer.max_steps=3"], tmp_path, rlm_cache)
+    v0 = tmp_path / "runs/lightning_logs/version_0"
+    assert (v0 / "checkpoints/last.ckpt").is_file()
+    proc = run_rlm(args + ["--trainer.max_steps=6", "--ckpt_path", "last"], tmp_path, rlm_cache)
+    assert f"resuming from {(v0 / 'checkpoints/last.ckpt').resolve()} (step 3)" in proc.stderr
+    v1 = tmp_path / "runs/lightning_logs/version_1"
+    assert column(read_metrics(v1), "step")[0] >= 3  # continued, not from step 0
+    for p in (v1 / "checkpoints").glob("*.ckpt"):  # every newer file damaged: the older one is taken
+        p.write_bytes(p.read_bytes()[:1000])
+    proc = run_rlm(args + ["--trainer.max_steps=4", "--ckpt_path", "last"], tmp_path, rlm_cache)
+    assert "skipping" in proc.stderr and "truncated or damaged" in proc.stderr
+    assert "(step 3)" in proc.stderr
+    bad = v1 / "checkpoints/last.ckpt"
+    proc = run_rlm(args + ["--ckpt_path", bad], tmp_path, rlm_cache, check=False)
+    assert proc.returncode == 2 and f"rlm fit: error: checkpoint '{bad}' cannot be loaded" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_nan_run_exits_non_zero_naming_step_and_lr(tmp_path, rlm_cache):
+    proc = run_rlm(fit_args() + ["--model.optim.lr", "1e3"], tmp_path, rlm_cache, check=False)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr
+    assert "rlm fit: error: non-finite" in err and "at step 1" in err and "model.optim.lr=1000.0" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_changed_optim_on_resume_is_named_in_a_warning(tmp_path, rlm_cache):
+    run_rlm(fit_args() + ["--trainer.max_steps=2"], tmp_path, rlm_cache)
+    ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
+    proc = run_rlm(
+        fit_args() + ["--trainer.max_steps=3", "--ckpt_path", ckpt, "--model.optim.lr=0.01"],
+        tmp_path,
+        rlm_cache,
+    )
+    assert "resuming keeps the checkpoint's optimizer settings; ignored" in proc.stderr
+    assert "model.optim.lr: checkpoint has 0.003, this run has 0.01" in proc.stderr
+    assert "model.optim.weight_decay" not in proc.stderr  # only the keys that differ
