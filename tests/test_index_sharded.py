@@ -152,6 +152,7 @@ model:
       mode: blocking
       progress: false
       sharded: true
+      warm_start: none  # the step-0 table (with the warm start the first comes at step 1)
 """
 
 
