@@ -8,8 +8,6 @@ name others to start from with a top-level ``include: [path, ...]`` (relative to
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +70,3 @@ def split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def config_text(cfg: dict[str, Any]) -> str:
     """A merged config as YAML text (what ``--config`` accepts in place of a file name)."""
     return OmegaConf.to_yaml(OmegaConf.create(cfg))
-
-
-def write_merged(cfg: dict[str, Any], directory: str | None = None) -> str:
-    """Write a merged config to a fresh temporary YAML file and return its path."""
-    fd, path = tempfile.mkstemp(prefix="rlm-config-", suffix=".yaml", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    return path
