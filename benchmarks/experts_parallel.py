@@ -24,7 +24,6 @@ shared 2-core CPU): bytes sent per step by rank 0, 8 experts: replicated 17.3 MB
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -32,12 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
 from rlm.model import ModelConfig  # noqa: E402
+from rlm.parallel import spawn_local
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins._expert_parallel import shard_experts  # noqa: E402
 from rlm.plugins.moe import MoEConfig, MoELayer  # noqa: E402
@@ -127,13 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     a = p.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(port, a, out), nprocs=2)
-        got = dict(out)
+    got = spawn_local(_worker, a)
     hidden = ModelConfig(vocab_size=256, d_model=a.d, n_layers=2, n_heads=4).hidden
     print(
         f"MoE layer, 2 gloo processes on CPU (a shared machine), d={a.d}, experts {hidden} wide (swiglu), "

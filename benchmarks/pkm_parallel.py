@@ -27,7 +27,6 @@ touched); at most 2 x 64 x 4 x 32 = 16,384 rows per rank whatever the table size
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -35,7 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -44,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
 from rlm.model import ModelConfig  # noqa: E402
+from rlm.parallel import spawn_local
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
 
@@ -114,13 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     a = p.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(port, a, out), nprocs=2)
-        got = dict(out)
+    got = spawn_local(_worker, a)
     print(
         f"PKM layer under DDP, 2 gloo processes on CPU (a shared machine), d={a.d}, {a.heads} heads x top-"
         f"{a.topk}, {a.batch}x{a.seq} tokens per rank, {a.threads} thread(s) per process; bytes sent by rank 0"

@@ -162,3 +162,19 @@ def plain_copy(obj: Any) -> Any:
         return copy.deepcopy(obj)
     with torch.no_grad(), _plain_deepcopy():
         return copy.deepcopy(obj)
+
+
+def spawn_local(worker: Any, *args: Any, nprocs: int = 2) -> dict:
+    """Run ``worker(rank, port, *args, out)`` in ``nprocs`` local processes (for gloo tests and benchmarks):
+    ``port`` is a free loopback port for the process group, ``out`` a shared dict; returns what they put in it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(worker, args=(port, *args, out), nprocs=nprocs)
+        return dict(out)

@@ -1,16 +1,15 @@
 """Expert parallelism (plugins/_expert_parallel.py): 2 gloo processes against one process on the global batch."""
 
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig
+from rlm.parallel import spawn_local
 from rlm.plugin import Context
 from rlm.plugins._expert_parallel import ExpertParallelCallback, shard_experts
 from rlm.plugins.moe import MoEConfig, MoELayer
@@ -77,13 +76,7 @@ CASES = [("capacity", 0.75, "grouped"), ("dropless", 0.0, "grouped"), ("capacity
 
 @pytest.mark.ddp
 def test_two_processes_equal_one_process_on_the_global_batch():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(port, CASES, out), nprocs=2)
-        got = dict(out)
+    got = spawn_local(_worker, CASES)
     for name, cf, mode in CASES:
         layer = _layer(cf, mode)
         x, tokens, mask, r = _batch()
@@ -141,13 +134,7 @@ def _clip_worker(rank: int, port: int, grads: dict, out: dict) -> None:
 @pytest.mark.ddp
 def test_gradient_clipping_uses_the_global_norm():
     grads = {"shared": torch.randn(5), "experts": torch.randn(4, 3) * 3}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_clip_worker, args=(port, grads, out), nprocs=2)
-        got = dict(out)
+    got = spawn_local(_clip_worker, grads)
     # One process holds every expert: torch's clip over [shared, all experts].
     ref = [grads["shared"].clone(), grads["experts"].clone()]
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]

@@ -1,15 +1,13 @@
 """PKM values under data parallelism: the touched-row exchange (plugins/_pkm_ops.py exchange_rows)."""
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig
+from rlm.parallel import spawn_local
 from rlm.plugin import Context
 from rlm.plugins.pkm import PKMConfig, PKMPlugin
 
@@ -62,13 +60,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.mark.ddp
 def test_two_processes_hold_the_values_of_one_process_on_the_global_batch():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(port, out), nprocs=2)
-        got = dict(out)
+    got = spawn_local(_worker)
     plugin, layer = _memory()
     before = plugin.values["shared"].detach().clone()
     assert plugin.resolve_sparse(distributed=False)
