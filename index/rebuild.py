@@ -278,20 +278,7 @@ def load_memory_for_search(path: str | Path, whole: bool = True) -> RetrievalMem
         from rlm.index.sharded import load_parts_for_search
 
         return load_parts_for_search(path)
-    segments = load_corpus_ref(path)
-    identity = loaded.meta["embedder"]
-    neighbours, rows = np.load(path / NEIGHBOURS), np.load(path / ROWS)
-    return RetrievalMemory(
-        segments,
-        rows,
-        loaded.index,
-        loaded.segments,
-        neighbours,
-        identity,
-        int(identity["step"]),
-        path,
-        loaded.meta.get("recall", loaded.meta.get("tuned_recall")),
-    )
+    return _memory_from(loaded, path, load_corpus_ref(path), loaded.meta["embedder"])
 
 
 def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> RetrievalMemory:
@@ -299,14 +286,17 @@ def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> 
     loaded = load_index_dir(path, expect_fingerprint=segments.fingerprint, expect_embedder=identity)
     if loaded.meta.get("k") != k:
         raise IndexMismatchError(f"index at {path} has k={loaded.meta.get('k')}, this run wants k={k}")
-    neighbours = np.load(path / NEIGHBOURS)
-    rows = np.load(path / ROWS)
+    return _memory_from(loaded, path, segments, identity)
+
+
+def _memory_from(loaded: Any, path: Path, segments: Any, identity: dict[str, Any]) -> RetrievalMemory:
+    """The memory of a loaded index directory: its index, with the neighbour table and rows written beside it."""
     return RetrievalMemory(
         segments,
-        rows,
+        np.load(path / ROWS),
         loaded.index,
         loaded.segments,
-        neighbours,
+        np.load(path / NEIGHBOURS),
         identity,
         int(identity["step"]),
         path.resolve(),
