@@ -191,5 +191,7 @@ def test_benchmark_script_smoke():
     # A subprocess: torch.multiprocessing.spawn needs the script importable as __main__.
     bench = CONFIGS.parent / "benchmarks" / "experts_parallel.py"
     args = ["--d", "32", "--batch", "1", "--seq", "16", "--experts", "4", "--repeat", "1"]
-    out = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]  # the benchmark's own error, not only its exit status
+    out = run.stdout
     assert "| 4 experts, replicated |" in out and "| 4 experts, expert parallel |" in out

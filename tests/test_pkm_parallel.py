@@ -102,5 +102,7 @@ def test_benchmark_script_smoke():
     # A subprocess: torch.multiprocessing.spawn needs the script importable as __main__.
     bench = CONFIGS.parent / "benchmarks" / "pkm_parallel.py"
     args = ["--n", "16", "32", "--topk", "4", "--repeat", "1", "--batch", "1", "--seq", "16", "--k-dim", "32"]
-    out = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]  # the benchmark's own error, not only its exit status
+    out = run.stdout
     assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
