@@ -111,6 +111,9 @@ def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
                     times.append(time.perf_counter() - t0)
                 if rank == 0:
                     out[(experts, kind)] = (sent, statistics.median(times))
+        # both ranks done with every collective before either tears gloo down (a rank that exits while
+        # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -97,6 +97,9 @@ def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
                     sent = net.plugin.row_optimizer.sent_bytes
                     out[(n, kind)] = (ddp_bytes[0], sent, rows, statistics.median(times))
                 del ddp, net
+        # both ranks done with every collective before either tears gloo down (a rank that exits while
+        # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -124,7 +124,8 @@ def rebuild(model: Transformer, segments: SegmentTable, a: argparse.Namespace, s
     rows = indexed_rows(segments, np.arange(len(segments.first) - 1))
     embedder = plugin.snapshot(step)
     vectors = embed_rows(embedder, segments, rows, 256, 0, 1, False)
-    cfg = IndexConfig(factory=a.factory, target_recall=a.target_recall)
+    # the retriever's own flat_below: exact search up to there, as its rebuilds do
+    cfg = IndexConfig(factory=a.factory, target_recall=a.target_recall, flat_below=plugin.config.flat_below)
     return build_memory(vectors, segments, rows, a.k, embedder.embedder_identity(), step, cfg, None)
 
 
@@ -162,18 +163,20 @@ def step_table(a: argparse.Namespace, segments: SegmentTable, offsets: np.ndarra
     windows = Windows(segments, offsets, np.arange(len(offsets) - 1), a.seq)
     steppers = {
         "no retrieval": Stepper(model_for(a, False), windows, a.batch),
-        f"retrieval (k={a.k}, continuations)": Stepper(model_for(a, True), windows, a.batch),
-        f"retrieval (k={a.k}, continuations, neighbour_grad embedding)": Stepper(
-            model_for(a, True, neighbour_grad="embedding"), windows, a.batch
+        f"retrieval (k={a.k}, continuations; default: embedder tokens, neighbour_grad none)": Stepper(
+            model_for(a, True), windows, a.batch
         ),
-        f"retrieval (k={a.k}, continuations, neighbour_grad embedding, bfloat16)": Stepper(
-            model_for(a, True, neighbour_grad="embedding", neighbour_dtype="bfloat16"), windows, a.batch
+        f"retrieval (k={a.k}, continuations, embedder tokens, neighbour_grad full)": Stepper(
+            model_for(a, True, neighbour_grad="full"), windows, a.batch
         ),
-        f"retrieval (k={a.k}, continuations, neighbour_grad none)": Stepper(
-            model_for(a, True, neighbour_grad="none"), windows, a.batch
-        ),
-        f"retrieval (k={a.k}, no continuations)": Stepper(
+        f"retrieval (k={a.k}, no continuations, embedder tokens)": Stepper(
             model_for(a, True, continuation=False), windows, a.batch
+        ),
+        f"retrieval (k={a.k}, continuations, embedder shared 1 block, neighbour_grad full)": Stepper(
+            model_for(a, True, embedder="shared", neighbour_grad="full"), windows, a.batch
+        ),
+        f"retrieval (k={a.k}, continuations, embedder shared 1 block, neighbour_grad none)": Stepper(
+            model_for(a, True, embedder="shared", neighbour_grad="none"), windows, a.batch
         ),
     }
     for s in list(steppers.values())[1:]:

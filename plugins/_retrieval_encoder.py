@@ -93,6 +93,42 @@ class SharedEncoder(SegmentEncoder):
         return [p for m in (embed, *blocks) for p in m.state_dict().values()]
 
 
+class TokenEncoder(SharedEncoder):
+    """The LM's token embeddings alone, no blocks (embedder 'tokens'): the cheapest embedder.
+
+    Each token's state is its embedding next to its predecessor's embedding (zeros before the first token), so
+    one cross-attention layer can copy: a key can match the token before the one its value carries, as an
+    induction head does (Olsson et al. 2022), without running any block over the neighbours. e(.) is the
+    L2-normalised mean of the segment's token embeddings (a bag of learned token vectors), so the relevance bias
+    trains the LM's embedding table. Every gradient path of MARGE's joint training is kept ('full' costs table
+    lookups, not block passes)."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config, 0)
+        self.dim = 2 * model_config.d_model
+
+    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        x = self.embed_tokens(tokens, mask)  # (N, M, d)
+        return torch.cat([x, F.pad(x[:, :-1], (0, 0, 1, 0))], -1)  # (N, M, 2d): [x_j, x_{j-1}]
+
+    def distinct(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The embedding of each distinct token id in tokens (U, d), and each token's row in it (tokens.shape).
+
+        The embedding slot is a function of each token id alone (the token table and the ADD modules rlm ships:
+        Token-ID tables, AltUp's extra embedding), so each distinct id is embedded once."""
+        ids, row = torch.unique(tokens, return_inverse=True)
+        x = self.embed_tokens(ids[None], torch.ones_like(ids[None], dtype=torch.bool))[0]  # (U, d)
+        return x, row
+
+    def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
+        if self._parts is None:
+            raise RuntimeError("the token retrieval encoder is not bound to a model yet (Plugin.attach not called)")
+        states = self.run(tokens, mask)
+        p = pool_len or tokens.shape[1]
+        d = self.dim // 2
+        return states, masked_mean_unit(states[:, :p, :d], mask[:, :p])
+
+
 class SeparateEncoder(SegmentEncoder):
     """A small encoder of its own: token table and ``n_layers`` width-``dim`` blocks, then an RMSNorm."""
 

@@ -39,7 +39,9 @@ from rlm.plugins._retrieval_encoder import (
     FrozenEmbedder,
     SeparateEncoder,
     SharedEncoder,
+    TokenEncoder,
     config_hash,
+    masked_mean_unit,
     encoder_device,
     resolve_rebuild_dtype,
     weights_hash,
@@ -48,7 +50,7 @@ from rlm.plugins._retrieval_encoder import (
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-EMBEDDERS = ("shared", "separate")
+EMBEDDERS = ("shared", "separate", "tokens")
 MODES = ("blocking", "background")
 WARM_STARTS = ("recent", "similar", "none")
 NEIGHBOUR_GRADS = ("full", "embedding", "none")
@@ -64,23 +66,31 @@ class RetrievalConfig:
     """Neighbours per segment."""
     continuation: bool = True
     """Each neighbour brings its document's next segment too (keys/values of 2L tokens per neighbour)."""
-    embedder: str = "shared"
-    """'shared': the LM's embedding and first embed_layers blocks (MARGE); 'separate': a small encoder."""
+    embedder: str = "tokens"
+    """'tokens' (default): the LM's token embeddings alone, each token's state beside its predecessor's, e(.) their
+    mean (TokenEncoder; no block runs over the neighbours, so MARGE's full joint training costs table lookups);
+    'shared': the LM's embedding and first embed_layers blocks (MARGE shares its encoder); 'separate': a small
+    encoder of its own. Measured (default corpus, 300 steps, last-layer cross-attention, 3 seeds, val loss):
+    'tokens' 4.509 +- 0.008 ('none') and 4.526 +- 0.026 ('full') against 'shared' 4.571 +- 0.026 ('none') and
+    4.640 +- 0.032 ('full'), at 1.36x / 1.43x a base step against 1.71x / 2.32x; on the synthetic partner task of tests/test_retrieval_training.py 1.77 against
+    3.88 ('shared', 'full'; 5.69 without retrieval), the partner found for every query after three rebuilds."""
     embed_layers: int = 1
-    """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth."""
+    """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth ('tokens': none)."""
     encoder_dim: int = 64
     """Width of the separate encoder (embedder 'separate' only)."""
-    neighbour_grad: str = "full"
+    neighbour_grad: str = "none"
     """How the LM loss reaches the embedder through the neighbours. 'full' (MARGE's joint training): the neighbours
     run through the embedder with gradients (keys/values and e(z)). 'embedding': the neighbours run through the
     embedder's blocks without gradients; their token embeddings still get the keys' and values' gradient as if
     the blocks were the identity (their residual path), and the query embedding e(S_t) is computed with
     gradients, so the relevance bias beta * cos(e(S_t), e(z)) trains the embedder through the query. 'none': as
     'embedding' without the residual path (the embedder learns only through e(S_t)). The forward values are the
-    same in all three. Measured on the synthetic partner task of tests/test_retrieval_training.py (300 steps, val
-    loss; no retrieval 5.69): 'full' passes that test's bar of 1 nat below it (3.88 when the test was written),
-    'embedding' 5.34, 'none' 5.70 (it never learned to use its neighbours); so 'full' is the default despite
-    its cost (benchmarks/retrieval.py has the step times)."""
+    same in all three; with embedder 'tokens' (no blocks) 'embedding' is 'full' and all cost the same. Measured on
+    the synthetic partner task of tests/test_retrieval_training.py (300 steps, val loss; no retrieval 5.69): with
+    'shared', 'full' 3.88, 'embedding' 5.34, 'none' 5.70 (it never learned to use its neighbours); with 'tokens',
+    'full' 1.77 and 'none' 1.79. On the default corpus ('tokens', 300 steps, 3 seeds) 'full' 4.526 +- 0.026 and
+    'none' 4.509 +- 0.008, inside the seeds' spread, and a step costs 1.43x and 1.36x a base step
+    (benchmarks/retrieval.py --clock cpu): 'none' is the default; 'full' is MARGE's exact joint training."""
     neighbour_dtype: str = "float32"
     """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'
     (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively)."""
@@ -124,6 +134,11 @@ class RetrievalConfig:
     model uses what it retrieves. Doubles the validation cost, so off by default."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
+    flat_below: int = 131072
+    """index_factory 'auto' keeps exact flat search below this many segments. The retriever searches its whole
+    index at every rebuild (the neighbour table), where exact search is cheap: at the default corpus' 48,640
+    training segments (d=256, 2 CPU threads) an exact table took 14.7 s against 74.7 s for IVF905,Flat tuned to
+    recall 0.95 (its training and tuning dominate); `rlm index build` keeps 32,768, for online search."""
     target_recall: float | None = 0.95
     """Every index the retriever builds (first table and rebuilds, either mode, any number of processes) is tuned
     (nprobe/efSearch) until its recall@10 against exact search reaches this, as `rlm index build` does; the
@@ -182,15 +197,16 @@ class RetrievalConfig:
                 f"retrieval.rebuild_dtype={self.rebuild_dtype!r}; accepted: {list(REBUILD_DTYPES)}"
             )
         Schedule.parse(self.schedule)  # raises ValueError naming the accepted grammar
-        IndexConfig(factory=self.index_factory, target_recall=self.target_recall)
+        IndexConfig(factory=self.index_factory, target_recall=self.target_recall, flat_below=self.flat_below)
 
 
 @dataclass
 class Encoded:
     """The batch's neighbours as the cross-attention layers read them (computed once per forward)."""
 
-    states: Tensor
-    """(U, M, De) embedder states of the batch's U distinct neighbours (each encoded once)."""
+    states: Tensor | None
+    """(U, M, De) embedder states of the batch's U distinct neighbours (each encoded once); None with the token
+    embedder, whose states the cross-attention projects from `vocab` and `rows` instead."""
     index: Tensor
     """(B*n*k,) row of `states` of each neighbour slot."""
     key_valid: Tensor
@@ -199,6 +215,15 @@ class Encoded:
     """(B*n, k) cos(e(S_t), e(z)) of each chunk's neighbours."""
     segment_len: int
     """L."""
+    vocab: Tensor | None = None
+    """Token embedder: (V', d) the embeddings of the distinct token ids among the neighbours."""
+    rows: Tensor | None = None
+    """Token embedder: (U, M) each neighbour token's row of `vocab`."""
+
+    @property
+    def neighbours(self) -> int:
+        """U, the distinct neighbours."""
+        return self.rows.shape[0] if self.states is None else self.states.shape[0]
 
 
 @dataclass
@@ -264,8 +289,8 @@ class RetrievalCrossAttention(nn.Module):
         xq = F.pad(x, (0, 0, 0, n * L - T)).reshape(Bn, L, d)  # (B*n, L, d): chunk j = segment j
         q = self.q(xq).view(Bn, L, h, hs).transpose(1, 2)  # (B*n, h, L, hs)
         # keys and values once per distinct neighbour, then laid out per chunk
-        U = enc.states.shape[0]
-        kv = self.kv(self.kv_norm(enc.states)).view(U, M, 2, h, hs).permute(2, 0, 3, 1, 4)  # (2, U, h, M, hs)
+        U = enc.neighbours
+        kv = self._keys_values(enc).view(U, M, 2, h, hs).permute(2, 0, 3, 1, 4)  # (2, U, h, M, hs)
         # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
         # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
         # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
@@ -291,6 +316,27 @@ class RetrievalCrossAttention(nn.Module):
             ctx.log(f"{self._plugin.label}/beta", self.beta.detach().squeeze(0).clone())
         return self.proj(y)
 
+    def _keys_values(self, enc: Encoded) -> Tensor:
+        """kv(kv_norm(states)), (U, M, 2 * d_model).
+
+        With the token embedder a state s_j = [x_j, x_{j-1}] holds two token embeddings, so (RMSNorm's weight g
+        folded into kv's weight W = [A | B] along its input) kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j),
+        rms(s_j) = sqrt((|x_j|^2 + |x_{j-1}|^2) / 2d + eps): each distinct token id is projected once, not each
+        neighbour token (fewer rows than neighbour tokens whenever ids repeat), and rms is a sum of two norms."""
+        if enc.states is not None:
+            return self.kv(self.kv_norm(enc.states))
+        x, rows = enc.vocab, enc.rows  # (V', d), (U, M)
+        d = x.shape[1]
+        w = self.kv.weight * self.kv_norm.weight  # (2D, 2d)
+        proj = x @ torch.cat([w[:, :d], w[:, d:]], 0).T  # (V', 4D): A x and B x of every distinct id
+        cur, nxt = proj.chunk(2, dim=1)  # the token's own half, and its half as a predecessor
+        first = torch.zeros_like(rows[:, :1], dtype=torch.bool)
+        has_prev = torch.cat([first, ~first.expand(-1, rows.shape[1] - 1)], 1)[..., None]  # (U, M, 1)
+        prev = F.pad(rows[:, :-1], (1, 0))  # (U, M); position 0 has no predecessor (its state's half is 0)
+        sq = (x * x).sum(-1)  # (V',)
+        ms = (sq[rows] + sq[prev] * has_prev[..., 0]) / (2 * d)
+        return (cur[rows] + nxt[prev] * has_prev) * torch.rsqrt(ms + self.kv_norm.eps)[..., None]
+
 
 class RetrievalPlugin(Plugin):
     """The retriever: an embedder, cross-attention at chosen layers, and the index rebuild callback."""
@@ -309,6 +355,8 @@ class RetrievalPlugin(Plugin):
                     f"embed_layers={config.embed_layers} blocks; use layers >= {config.embed_layers}"
                 )
             self.encoder = SharedEncoder(model_config, config.embed_layers)
+        elif config.embedder == "tokens":
+            self.encoder = TokenEncoder(model_config)
         else:
             self.encoder = SeparateEncoder(model_config, config.embed_layers, config.encoder_dim)
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
@@ -339,7 +387,7 @@ class RetrievalPlugin(Plugin):
                 k=c.k,
                 schedule=c.schedule,
                 mode=c.mode,
-                index_config=IndexConfig(factory=c.index_factory, target_recall=c.target_recall),
+                index_config=IndexConfig(factory=c.index_factory, target_recall=c.target_recall, flat_below=c.flat_below),
                 defer_first=c.warm_start != "none",
                 index_dir=c.index_dir,
                 batch_size=c.embed_batch_size,
@@ -505,6 +553,13 @@ class RetrievalPlugin(Plugin):
         else:
             index = torch.arange(B * n * k, device=tokens.device)
         mode = self.config.neighbour_grad if torch.is_grad_enabled() else "none"
+        if isinstance(self.encoder, TokenEncoder):
+            # no blocks: each distinct token id embedded once; the cross-attention projects from these
+            # ('embedding' is 'full' here: the token embeddings are the whole encoder)
+            with torch.set_grad_enabled(mode != "none"):
+                vocab, rows = self.encoder.distinct(tokens)  # (V', d), (U, M)
+                e_nb = masked_mean_unit(vocab[rows[:, :L]], mask[:, :L])  # (U, D), as TokenEncoder.forward
+            return self._encoded(inp, ctx, e_query, e_nb, index, None, L, vocab.float(), rows)
         grad = mode == "full"
         low = torch.float32 if grad else resolve_rebuild_dtype(self.config.neighbour_dtype, tokens.device)
         with (
@@ -518,6 +573,11 @@ class RetrievalPlugin(Plugin):
         ):  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
             x0 = self.encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
             states = states + (x0 - x0.detach())
+        return self._encoded(inp, ctx, e_query, e_nb, index, states, L)
+
+    def _encoded(self, inp, ctx, e_query, e_nb, index, states, L, vocab=None, rows=None) -> Encoded:
+        """Relevance cos(e(S_t), e(z)) of each chunk's neighbours, the coverage logs, and the Encoded record."""
+        B, n, k, M = inp.tokens.shape
         e_nb = e_nb[index]  # (B*n*k, D)
         relevance = (e_query.unsqueeze(1) * e_nb.view(B * n, k, -1)).sum(-1)  # (B*n, k) cosine
         valid = inp.valid.reshape(B * n, k)
@@ -525,7 +585,7 @@ class RetrievalPlugin(Plugin):
             ctx.log(f"{self.label}/relevance", relevance.detach()[valid].mean())
             ctx.log(f"{self.label}/same_doc", inp.same_doc.reshape(B * n, k)[valid].float().mean())
         ctx.log(f"{self.label}/coverage", valid.any(1).float().mean())
-        return Encoded(states, index, inp.mask.reshape(B * n, k * M), relevance, L)
+        return Encoded(states, index, inp.mask.reshape(B * n, k * M), relevance, L, vocab, rows)
 
 
 def gather_inputs(
@@ -592,7 +652,7 @@ def gather_inputs(
             else seg.first[seg.doc[np.maximum(window_first, 0)]]
         )
         cands = warm_candidates_of(
-            q_ids, window_first, doc_first, warm_k if warm == "recent" else warm_candidates
+            q_ids, window_first, doc_first, warm_k if warm == "recent" else warm_candidates, continuation
         )
         if warm == "similar":
             cands = most_similar(seg, cands, q_tokens, q_mask, warm_k, embed, window_first)
@@ -632,11 +692,16 @@ def random_neighbours(nb: np.ndarray, q_ids: np.ndarray, seg, pool: np.ndarray |
 
 
 def warm_candidates_of(
-    q_ids: np.ndarray, window_first: np.ndarray, doc_first: np.ndarray, c: int
+    q_ids: np.ndarray, window_first: np.ndarray, doc_first: np.ndarray, c: int, continuation: bool = False
 ) -> np.ndarray:
     """(B, n, c) earlier segments of each query's own document, best first (-1 pads): those before the attention
     window, most recent first, then those inside it, most recent first. Every z < q (the query S_t), so z and its
     continuation z + 1 <= S_t never reach the target segment S_{t+1}.
+
+    With continuation (each neighbour brings z + 1), the segments before the window come every other one first,
+    before-2, before-4, ..., so the picks and their continuations cover before-1, before-2, before-3, ... once each
+    (the plain order would repeat before-1 as the second pick and bring the window's own first segment as the
+    first pick's continuation); the skipped before-1, before-3, ... follow, then the window.
 
     q_ids (B, n) global query ids (-1: none); window_first (B,) the window's first segment; doc_first (B,) the
     document's first segment."""
@@ -645,8 +710,13 @@ def warm_candidates_of(
     r = np.arange(c)  # (c,) rank of the pick
     before = np.minimum(w0, q)  # candidates before the window: before-1, before-2, ..., d0
     n_out = np.maximum(before - d0, 0)  # (B, n, 1)
+    if continuation:
+        even = n_out // 2  # before-2, before-4, ..., before-2*even (>= d0), then before-1, before-3, ...
+        out = np.where(r < even, before - 2 - 2 * r, before - 1 - 2 * (r - even))
+    else:
+        out = before - 1 - r
     inside = q - 1 - (r - n_out)  # then q-1, q-2, ..., w0
-    z = np.where(r < n_out, before - 1 - r, np.where(inside >= w0, inside, -1))
+    z = np.where(r < n_out, out, np.where(inside >= w0, inside, -1))
     return np.where(q >= 0, z, -1).astype(np.int64)
 
 

@@ -67,6 +67,9 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
                     dist.all_reduce(g)  # what DDP does: the mean over ranks
                     grads[n] = g / 2
             out[(name, rank)] = (y.detach(), x.grad / 2, grads)
+        # both ranks done with every collective before either tears gloo down (a rank that exits while
+        # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -127,6 +130,9 @@ def _clip_worker(rank: int, port: int, grads: dict, out: dict) -> None:
         optimizer = SimpleNamespace(param_groups=[{"params": [shared, own]}])
         cb.on_before_optimizer_step(None, SimpleNamespace(device=torch.device("cpu")), optimizer)
         out[rank] = (shared.grad, own.grad)
+        # both ranks done with every collective before either tears gloo down (a rank that exits while
+        # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

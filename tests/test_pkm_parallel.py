@@ -54,6 +54,9 @@ def _worker(rank: int, port: int, out: dict) -> None:
         st = plugin.row_optimizer.state["shared"]
         out[rank] = (plugin.values["shared"].detach().clone(), st["exp_avg_sq"].clone(), int(st["step"]))
         out[f"bytes{rank}"] = plugin.row_optimizer.sent_bytes
+        # both ranks done with every collective before either tears gloo down (a rank that exits while
+        # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -42,7 +42,8 @@ def tiny_model(seed: int = 0, **retrieval) -> Transformer:
         vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=128, tie_embeddings=False
     )
     # a random output projection, so gradients reach every cross-attention weight from the first step
-    opts = {"layers": [1], "k": 2, "progress": False, "zero_init": False, **retrieval}
+    # the shared embedder unless a test asks for another ('tokens', the default, has tests of its own)
+    opts = {"layers": [1], "k": 2, "progress": False, "zero_init": False, "embedder": "shared", **retrieval}
     return Transformer(cfg, {"retrieval": opts})
 
 
@@ -179,6 +180,8 @@ PATHS = {
     "warm_similar": ({"warm_start": "similar", "warm_candidates": 4}, False),
     "table_same_doc": ({"warm_start": "recent", "same_doc_k": 1}, True),
     "table_same_doc_similar": ({"warm_start": "similar", "same_doc_k": 1}, True),
+    "tokens_table": ({"warm_start": "none", "embedder": "tokens"}, True),
+    "tokens_warm_recent": ({"warm_start": "recent", "embedder": "tokens"}, False),
 }
 """Every way the retriever finds neighbours: (options, with a memory); without one, the warm start."""
 
@@ -252,9 +255,11 @@ def test_neighbours_never_reach_the_target_or_later(corpus, stage, path):
         ).all()
 
 
-def test_warm_candidates_match_a_naive_ordering():
-    """warm_candidates_of against a loop: earlier same-document segments before the window (most recent first),
-    then inside the window before the query (most recent first); -1 pads; none for an absent query."""
+@pytest.mark.parametrize("continuation", [False, True])
+def test_warm_candidates_match_a_naive_ordering(continuation):
+    """warm_candidates_of against a loop: earlier same-document segments before the window (most recent first;
+    with continuations every other one first, so picks and continuations cover each segment once), then inside
+    the window before the query (most recent first); -1 pads; none for an absent query."""
     rng = np.random.default_rng(0)
     for _ in range(200):
         d0 = int(rng.integers(0, 20))
@@ -262,12 +267,14 @@ def test_warm_candidates_match_a_naive_ordering():
         n = int(rng.integers(1, 6))
         q = np.array([w0 - 1 if w0 > d0 else -1] + [w0 + j - 1 for j in range(1, n)])  # chunk j's query
         c = int(rng.integers(1, 9))
-        got = warm_candidates_of(q[None], np.array([w0]), np.array([d0]), c)[0]  # (n, c)
+        got = warm_candidates_of(q[None], np.array([w0]), np.array([d0]), c, continuation)[0]  # (n, c)
         for j, qj in enumerate(q):
             if qj < 0:
                 want = []
             else:
                 before = [z for z in range(min(w0, qj) - 1, d0 - 1, -1)]
+                if continuation:  # before-2, before-4, ... then before-1, before-3, ...
+                    before = before[1::2] + before[0::2]
                 inside = [z for z in range(qj - 1, w0 - 1, -1)]
                 want = (before + inside)[:c]
             np.testing.assert_array_equal(got[j], want + [-1] * (c - len(want)))
@@ -405,11 +412,12 @@ def test_lm_loss_trains_the_shared_embedder_through_the_query_embedding(corpus):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in xattn.parameters())
 
 
-def test_no_grad_neighbours_and_dedupe_keep_the_forward_and_the_cross_attention_gradients(corpus):
-    """The default path (neighbours without gradients, each distinct neighbour encoded once) gives the same logits
+@pytest.mark.parametrize("embedder", ["shared", "tokens"])
+def test_no_grad_neighbours_and_dedupe_keep_the_forward_and_the_cross_attention_gradients(corpus, embedder):
+    """The path with neighbours without gradients, each distinct neighbour encoded once, gives the same logits
     as the full-gradient path and as encoding every slot separately, and the same cross-attention gradients."""
     segments, windows = corpus
-    model = tiny_model(neighbour_grad="full")
+    model = tiny_model(neighbour_grad="full", embedder=embedder)
     attach_memory(model, segments, np.arange(10))
     plugin = model.plugins["retrieval"]
     batch = windows.collate(np.arange(len(windows)))
@@ -448,6 +456,85 @@ def test_separate_embedder_gets_gradient_only_through_retrieval(corpus, neighbou
     loss.backward()
     enc = model.plugins["retrieval"].encoder
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in enc.parameters())
+
+
+def test_token_embedder_matches_a_naive_reference():
+    """embedder 'tokens': each token's state is [its embedding, its predecessor's embedding (zeros at 0)], and
+    e(.) the normalised mean of the embeddings of the first pool_len real tokens; written out by loops."""
+    model = tiny_model(embedder="tokens")
+    enc = model.plugins["retrieval"].encoder
+    table = model.embed.main.table.weight
+    tokens = torch.randint(4, VOCAB, (3, 10))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[1, 7:] = False
+    mask[2, :] = False
+    states, e = enc(tokens, mask, pool_len=6)
+    assert enc.dim == 64 and states.shape == (3, 10, 64) and e.shape == (3, 32)
+    for n in range(3):
+        for j in range(10):
+            prev = table[tokens[n, j - 1]] if j > 0 else torch.zeros(32)
+            torch.testing.assert_close(states[n, j], torch.cat([table[tokens[n, j]], prev]))
+        real = [table[tokens[n, j]] for j in range(6) if mask[n, j]]
+        want = torch.stack(real).mean(0) if real else torch.zeros(32)
+        want = want / want.norm() if real else want
+        torch.testing.assert_close(e[n], want)
+
+
+def test_token_embedder_keys_and_values_per_distinct_id_equal_the_direct_projection():
+    """The token embedder's keys and values, projected once per distinct token id, equal kv(kv_norm(states)) of
+    the [x_j, x_{j-1}] states computed token by token, and so do the gradients of the embedding table and of
+    the projection's weights."""
+    model = tiny_model(embedder="tokens")
+    plugin, xattn = model.plugins["retrieval"], model.blocks[1].cross_attn
+    with torch.no_grad():
+        xattn.kv_norm.weight.uniform_(0.5, 1.5)  # a norm weight other than ones, so the folding is tested
+    tokens = torch.randint(4, 12, (5, 9))  # few ids: rows repeat
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    table = model.embed.main.table.weight
+
+    def run(direct: bool):
+        model.zero_grad(set_to_none=True)
+        if direct:
+            states = plugin.encoder(tokens, mask)[0]
+            enc = Encoded(states, torch.arange(5), mask, torch.zeros(5, 1), 9)
+        else:
+            vocab, rows = plugin.encoder.distinct(tokens)
+            assert vocab.shape[0] < tokens.numel()
+            enc = Encoded(None, torch.arange(5), mask, torch.zeros(5, 1), 9, vocab, rows)
+        kv = xattn._keys_values(enc)
+        kv.pow(2).sum().backward()
+        return kv.detach(), table.grad.clone(), xattn.kv.weight.grad.clone(), xattn.kv_norm.weight.grad.clone()
+
+    (kv, *grads), (kv_ref, *grads_ref) = run(False), run(True)
+    torch.testing.assert_close(kv, kv_ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, grads_ref):  # sums over tokens in another order: float32 reassociation
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("neighbour_grad", ["full", "none"])
+def test_token_embedder_trains_the_embedding_table_through_retrieval(corpus, neighbour_grad):
+    """embedder 'tokens': with 'full' the rows of tokens that occur only in neighbours get gradient (keys, values
+    and e(z)); with 'none' they get none, while beta and every cross-attention weight still do."""
+    segments, windows = corpus
+    model = tiny_model(embedder="tokens", neighbour_grad=neighbour_grad)
+    attach_memory(model, segments, np.arange(10))
+    batch = windows.collate(np.flatnonzero(windows.start > 0)[:3])
+    ctx = context(model, batch, "train")
+    inputs: RetrievalInputs = ctx.extras["retrieval"]
+    out = model(batch["tokens"], ctx)
+    torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
+    ).backward()
+    seen = np.union1d(batch["tokens"].unique().numpy(), inputs.query_tokens[inputs.query_mask].unique().numpy())
+    B, n, k, M = inputs.tokens.shape
+    scored = (batch["targets"] != -100).view(B, n, -1).any(-1)  # chunks with a loss term (not padding)
+    real = inputs.mask & scored[:, :, None, None]
+    only_nb = np.setdiff1d(inputs.tokens[real].unique().numpy(), seen)
+    assert len(only_nb) > 0
+    grad = model.embed.main.table.weight.grad[only_nb].abs().sum(1)
+    assert grad.gt(0).all() if neighbour_grad == "full" else grad.eq(0).all()
+    xattn = model.blocks[1].cross_attn
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in xattn.parameters())
 
 
 def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
@@ -503,7 +590,7 @@ def test_no_memory_means_no_retrieval():
     assert torch.all(model.blocks[1].cross_attn(x, ctx) == 0)
 
 
-@pytest.mark.parametrize("embedder", ["shared", "separate"])
+@pytest.mark.parametrize("embedder", ["shared", "separate", "tokens"])
 def test_no_memory_still_gives_every_parameter_a_gradient(embedder):
     """While training waits for the first table, the cross-attention and encoder parameters get zero (not
     missing) gradients: DDP expects a gradient for every parameter at every step."""

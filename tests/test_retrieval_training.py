@@ -138,8 +138,9 @@ def test_retrieval_learns_the_partner_documents(tmp_path, one_thread):
     top-1 hit rate of the partner document rises well above the untrained embedder's after rebuilds.
 
     2048 pairs: every training window is seen about once in 300 steps, so nothing can be memorised; the
-    partner's continuation is only in the index. Measured here (CPU, 1 thread): hit rate by rebuild
-    0.43, 0.72, 0.39, 0.86, 0.98, 0.97; validation loss 3.88 with retrieval against 5.69 without.
+    partner's continuation is only in the index. Measured here (CPU, 1 thread; the default token embedder and
+    neighbour_grad 'none'): hit rate by rebuild 0.16, 0.34, 0.99, 1.0, 1.0, 1.0; validation loss 1.79 with
+    retrieval against 5.69 without (the shared one-block embedder with 'full' reached 3.88, hit rate 0.97).
     """
     data = paired_corpus(pairs=2048)
     first = data.segments.first[:-1]  # segment 0 of every document
@@ -162,8 +163,8 @@ def test_retrieval_learns_the_partner_documents(tmp_path, one_thread):
     without = val_loss(base, data)
     print(f"val loss: retrieval {with_retrieval:.3f}, none {without:.3f}; top-1 hit rate by rebuild {hits}")
     assert len(hits) == 6  # steps 0, 50, ..., 250
-    assert with_retrieval < without - 1.0
-    assert hits[-1] > hits[0] + 0.3 and hits[-1] > 0.8
+    assert with_retrieval < without - 2.0
+    assert hits[-1] > hits[0] + 0.3 and hits[-1] > 0.9
 
 
 # ----- the schedule grammar -----
