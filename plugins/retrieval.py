@@ -72,7 +72,7 @@ class RetrievalConfig:
     'shared': the LM's embedding and first embed_layers blocks (MARGE shares its encoder); 'separate': a small
     encoder of its own. Measured (default corpus, 300 steps, last-layer cross-attention, 3 seeds, val loss):
     'tokens' 4.509 +- 0.008 ('none') and 4.526 +- 0.026 ('full') against 'shared' 4.571 +- 0.026 ('none') and
-    4.640 +- 0.032 ('full'), at 1.36x / 1.43x a base step against 1.71x / 2.32x; on the synthetic partner task of tests/test_retrieval_training.py 1.77 against
+    4.640 +- 0.032 ('full'), at 1.22x / 1.28x a base step against 1.64x / 2.28x; on the synthetic partner task of tests/test_retrieval_training.py 1.77 against
     3.88 ('shared', 'full'; 5.69 without retrieval), the partner found for every query after three rebuilds."""
     embed_layers: int = 1
     """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth ('tokens': none)."""
@@ -89,7 +89,7 @@ class RetrievalConfig:
     the synthetic partner task of tests/test_retrieval_training.py (300 steps, val loss; no retrieval 5.69): with
     'shared', 'full' 3.88, 'embedding' 5.34, 'none' 5.70 (it never learned to use its neighbours); with 'tokens',
     'full' 1.77 and 'none' 1.79. On the default corpus ('tokens', 300 steps, 3 seeds) 'full' 4.526 +- 0.026 and
-    'none' 4.509 +- 0.008, inside the seeds' spread, and a step costs 1.43x and 1.36x a base step
+    'none' 4.509 +- 0.008, inside the seeds' spread, and a step costs 1.28x and 1.22x a base step
     (benchmarks/retrieval.py --clock cpu): 'none' is the default; 'full' is MARGE's exact joint training."""
     neighbour_dtype: str = "float32"
     """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'

@@ -386,20 +386,26 @@ def test_lm_loss_trains_the_shared_embedder_through_retrieval_neighbour_grad(cor
     assert model.blocks[1].cross_attn.beta.grad.abs() > 0
 
 
-def test_lm_loss_trains_the_shared_embedder_through_the_query_embedding(corpus):
-    """Default (no neighbour gradients): the embedder still learns from the LM loss alone, through
-    cos(e(S_t), e(z)): embedding rows of tokens that occur only in chunk 0's query (the document's previous
-    segment, outside the window) get gradient; those only in neighbours get none."""
+def lm_loss_backward(model: Transformer, corpus) -> tuple[dict, RetrievalInputs]:
+    """Attach a memory of the training documents, run the LM loss of three windows past their documents' starts
+    (so chunk 0 has a query outside the window) backward; the batch and its retrieval inputs."""
     segments, windows = corpus
-    model = tiny_model(neighbour_grad="none")
     attach_memory(model, segments, np.arange(10))
     batch = windows.collate(np.flatnonzero(windows.start > 0)[:3])
     ctx = context(model, batch, "train")
-    inputs: RetrievalInputs = ctx.extras["retrieval"]
     out = model(batch["tokens"], ctx)
     torch.nn.functional.cross_entropy(
         out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
     ).backward()
+    return batch, ctx.extras["retrieval"]
+
+
+def test_lm_loss_trains_the_shared_embedder_through_the_query_embedding(corpus):
+    """No neighbour gradients: the shared embedder still learns from the LM loss alone, through
+    cos(e(S_t), e(z)): embedding rows of tokens that occur only in chunk 0's query (the document's previous
+    segment, outside the window) get gradient; those only in neighbours get none."""
+    model = tiny_model(neighbour_grad="none")
+    batch, inputs = lm_loss_backward(model, corpus)
     in_batch = batch["tokens"].unique().numpy()
     only_query = np.setdiff1d(inputs.query_tokens[:, 0][inputs.query_mask[:, 0]].unique().numpy(), in_batch)
     only_nb = np.setdiff1d(np.setdiff1d(inputs.tokens[inputs.mask].unique().numpy(), in_batch), only_query)
@@ -515,16 +521,8 @@ def test_token_embedder_keys_and_values_per_distinct_id_equal_the_direct_project
 def test_token_embedder_trains_the_embedding_table_through_retrieval(corpus, neighbour_grad):
     """embedder 'tokens': with 'full' the rows of tokens that occur only in neighbours get gradient (keys, values
     and e(z)); with 'none' they get none, while beta and every cross-attention weight still do."""
-    segments, windows = corpus
     model = tiny_model(embedder="tokens", neighbour_grad=neighbour_grad)
-    attach_memory(model, segments, np.arange(10))
-    batch = windows.collate(np.flatnonzero(windows.start > 0)[:3])
-    ctx = context(model, batch, "train")
-    inputs: RetrievalInputs = ctx.extras["retrieval"]
-    out = model(batch["tokens"], ctx)
-    torch.nn.functional.cross_entropy(
-        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
-    ).backward()
+    batch, inputs = lm_loss_backward(model, corpus)
     seen = np.union1d(batch["tokens"].unique().numpy(), inputs.query_tokens[inputs.query_mask].unique().numpy())
     B, n, k, M = inputs.tokens.shape
     scored = (batch["targets"] != -100).view(B, n, -1).any(-1)  # chunks with a loss term (not padding)
