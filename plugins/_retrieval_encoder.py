@@ -122,7 +122,9 @@ class TokenEncoder(SharedEncoder):
 
     def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
         if self._parts is None:
-            raise RuntimeError("the token retrieval encoder is not bound to a model yet (Plugin.attach not called)")
+            raise RuntimeError(
+                "the token retrieval encoder is not bound to a model yet (Plugin.attach not called)"
+            )
         states = self.run(tokens, mask)
         p = pool_len or tokens.shape[1]
         d = self.dim // 2

@@ -41,8 +41,8 @@ from rlm.plugins._retrieval_encoder import (
     SharedEncoder,
     TokenEncoder,
     config_hash,
-    masked_mean_unit,
     encoder_device,
+    masked_mean_unit,
     resolve_rebuild_dtype,
     weights_hash,
 )
@@ -72,8 +72,9 @@ class RetrievalConfig:
     'shared': the LM's embedding and first embed_layers blocks (MARGE shares its encoder); 'separate': a small
     encoder of its own. Measured (default corpus, 300 steps, last-layer cross-attention, 3 seeds, val loss):
     'tokens' 4.509 +- 0.008 ('none') and 4.526 +- 0.026 ('full') against 'shared' 4.571 +- 0.026 ('none') and
-    4.640 +- 0.032 ('full'), at 1.22x / 1.28x a base step against 1.64x / 2.28x; on the synthetic partner task of tests/test_retrieval_training.py 1.77 against
-    3.88 ('shared', 'full'; 5.69 without retrieval), the partner found for every query after three rebuilds."""
+    4.640 +- 0.032 ('full'), at 1.22x / 1.28x a base step against 1.64x / 2.28x; on the synthetic partner task
+    of tests/test_retrieval_training.py 1.77 against 3.88 ('shared', 'full'; 5.69 without retrieval), the
+    partner found for every query after three rebuilds."""
     embed_layers: int = 1
     """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth ('tokens': none)."""
     encoder_dim: int = 64
@@ -93,7 +94,8 @@ class RetrievalConfig:
     (benchmarks/retrieval.py --clock cpu): 'none' is the default; 'full' is MARGE's exact joint training."""
     neighbour_dtype: str = "float32"
     """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'
-    (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively)."""
+    (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively).
+    No effect with embedder 'tokens', which runs no block over the neighbours."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
     zero_init: bool = True
@@ -330,12 +332,11 @@ class RetrievalCrossAttention(nn.Module):
         w = self.kv.weight * self.kv_norm.weight  # (2D, 2d)
         proj = x @ torch.cat([w[:, :d], w[:, d:]], 0).T  # (V', 4D): A x and B x of every distinct id
         cur, nxt = proj.chunk(2, dim=1)  # the token's own half, and its half as a predecessor
-        first = torch.zeros_like(rows[:, :1], dtype=torch.bool)
-        has_prev = torch.cat([first, ~first.expand(-1, rows.shape[1] - 1)], 1)[..., None]  # (U, M, 1)
         prev = F.pad(rows[:, :-1], (1, 0))  # (U, M); position 0 has no predecessor (its state's half is 0)
+        has_prev = (torch.arange(rows.shape[1], device=rows.device) > 0).to(x.dtype)  # (M,)
         sq = (x * x).sum(-1)  # (V',)
-        ms = (sq[rows] + sq[prev] * has_prev[..., 0]) / (2 * d)
-        return (cur[rows] + nxt[prev] * has_prev) * torch.rsqrt(ms + self.kv_norm.eps)[..., None]
+        ms = (sq[rows] + sq[prev] * has_prev) / (2 * d)  # (U, M) mean square of s_j
+        return (cur[rows] + nxt[prev] * has_prev[:, None]) * torch.rsqrt(ms + self.kv_norm.eps)[..., None]
 
 
 class RetrievalPlugin(Plugin):
@@ -387,7 +388,9 @@ class RetrievalPlugin(Plugin):
                 k=c.k,
                 schedule=c.schedule,
                 mode=c.mode,
-                index_config=IndexConfig(factory=c.index_factory, target_recall=c.target_recall, flat_below=c.flat_below),
+                index_config=IndexConfig(
+                    factory=c.index_factory, target_recall=c.target_recall, flat_below=c.flat_below
+                ),
                 defer_first=c.warm_start != "none",
                 index_dir=c.index_dir,
                 batch_size=c.embed_batch_size,

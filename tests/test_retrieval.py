@@ -509,7 +509,12 @@ def test_token_embedder_keys_and_values_per_distinct_id_equal_the_direct_project
             enc = Encoded(None, torch.arange(5), mask, torch.zeros(5, 1), 9, vocab, rows)
         kv = xattn._keys_values(enc)
         kv.pow(2).sum().backward()
-        return kv.detach(), table.grad.clone(), xattn.kv.weight.grad.clone(), xattn.kv_norm.weight.grad.clone()
+        return (
+            kv.detach(),
+            table.grad.clone(),
+            xattn.kv.weight.grad.clone(),
+            xattn.kv_norm.weight.grad.clone(),
+        )
 
     (kv, *grads), (kv_ref, *grads_ref) = run(False), run(True)
     torch.testing.assert_close(kv, kv_ref, rtol=1e-5, atol=1e-6)
@@ -523,7 +528,9 @@ def test_token_embedder_trains_the_embedding_table_through_retrieval(corpus, nei
     and e(z)); with 'none' they get none, while beta and every cross-attention weight still do."""
     model = tiny_model(embedder="tokens", neighbour_grad=neighbour_grad)
     batch, inputs = lm_loss_backward(model, corpus)
-    seen = np.union1d(batch["tokens"].unique().numpy(), inputs.query_tokens[inputs.query_mask].unique().numpy())
+    seen = np.union1d(
+        batch["tokens"].unique().numpy(), inputs.query_tokens[inputs.query_mask].unique().numpy()
+    )
     B, n, k, M = inputs.tokens.shape
     scored = (batch["targets"] != -100).view(B, n, -1).any(-1)  # chunks with a loss term (not padding)
     real = inputs.mask & scored[:, :, None, None]
