@@ -105,12 +105,25 @@ def _step_of(name: str) -> int | None:
 
 
 class CheckpointHygiene(pl.Callback):
-    """Installs :class:`AtomicCheckpointIO` and clears what killed runs left in the checkpoint folders."""
+    """Installs :class:`AtomicCheckpointIO`, clears what killed runs left in the checkpoint folders, and makes
+    ``last.ckpt`` hold the final weights when training ends between two of ModelCheckpoint's saves."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own CheckpointIO alone
             strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With every_n_train_steps=100 and max_steps=390, ModelCheckpoint's last save is step 300: ``rlm eval``
+        of last.ckpt then scored older weights than the run ended with, and a resume retrained 90 steps. Save the
+        final state as last.ckpt (every rank calls this: saving is collective under DDP and FSDP)."""
+        for cb in trainer.checkpoint_callbacks:
+            if not isinstance(cb, ModelCheckpoint) or not cb.save_last or not cb.dirpath:
+                continue
+            # Lightning keeps the step of its last save privately; without it, save anyway (one more write)
+            if getattr(cb, "_last_global_step_saved", None) == trainer.global_step:
+                continue
+            trainer.save_checkpoint(os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:

@@ -27,6 +27,20 @@ def test_resume_removes_partial_files_and_checkpoints_past_the_resumed_step(tmp_
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
 
 
+def test_last_checkpoint_holds_the_final_step_between_periodic_saves(tmp_path):
+    """Saves every 2 steps, 5 steps trained: last.ckpt is step 5 (ModelCheckpoint alone leaves step 4), and a
+    resume from it trains nothing again."""
+    module = _Toy(nan_at=-1)
+    _toy_fit(tmp_path, module, max_steps=5, every_n=2)
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 5
+    torch.testing.assert_close(last["state_dict"]["lin.weight"], module.lin.weight.detach())
+    again = _toy_fit(
+        tmp_path, _Toy(nan_at=-1), max_steps=5, every_n=2, ckpt_path=tmp_path / "ckpt" / "last.ckpt"
+    )
+    assert again.global_step == 5
+
+
 CHILD = """
 import sys, torch
 from rlm.checkpoint import atomic_save

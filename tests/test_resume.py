@@ -42,7 +42,12 @@ class _Toy(pl.LightningModule):
 
 
 def _toy_fit(
-    tmp_path: Path, module: _Toy, max_steps: int = 10, save_top_k: int = -1, ckpt_path: Path | None = None
+    tmp_path: Path,
+    module: _Toy,
+    max_steps: int = 10,
+    save_top_k: int = -1,
+    ckpt_path: Path | None = None,
+    every_n: int = 1,
 ) -> pl.Trainer:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4)
     trainer = pl.Trainer(
@@ -55,7 +60,7 @@ def _toy_fit(
             NonFiniteGuard(),
             CheckpointHygiene(),
             ModelCheckpoint(
-                dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=save_top_k
+                dirpath=tmp_path / "ckpt", every_n_train_steps=every_n, save_last=True, save_top_k=save_top_k
             ),
         ],
     )
