@@ -184,8 +184,10 @@ def test_ddp_fit_with_a_sharded_index_and_resume(tmp_path, rlm_cache):
     assert column(read_metrics(tmp_path / "runs/test/version_0"), "val/retrieval/relevance")
     written = [(p / "meta.json").stat().st_ino for p in parts]
 
-    # the checkpoint is of step 3 (rebuilt at 2): the resumed run trains step 3, where no rebuild is due
-    resumed = fit_args(CONFIGS / "plugins" / "retrieval.yaml", fragment) + DDP_2CPU + ["--ckpt_path", ckpt]
+    # the periodic checkpoint of step 3 (rebuilt at 2; last.ckpt is the final step 4): the resumed run trains
+    # step 3, where no rebuild is due
+    step3 = tmp_path / "runs/test/ckpt/epoch=0-step=3.ckpt"
+    resumed = fit_args(CONFIGS / "plugins" / "retrieval.yaml", fragment) + DDP_2CPU + ["--ckpt_path", step3]
     run_rlm(resumed, tmp_path, rlm_cache)
     after = read_metrics(tmp_path / "runs/test/version_0")  # the resumed run's metrics (step 3 only)
     assert column(after, "train/retrieval/relevance") and column(after, "train/retrieval/rebuild_s") == [0.0]
