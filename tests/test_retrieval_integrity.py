@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from test_retrieval_training import make_module, small_data, trainer
+from test_retrieval_training import fitted_with_index, make_module, trainer
 
 from rlm.index.rebuild import RebuildCallback
 
 
 def test_resume_rebuilds_a_damaged_neighbour_table_with_a_log_line(tmp_path, capsys):
-    data = small_data()
-    module = make_module({"k": 2, "schedule": "never", "index_factory": "Flat"})
-    t = trainer(tmp_path, 2, enable_checkpointing=True)
-    t.fit(module, datamodule=data)
-    ckpt = tmp_path / "last.ckpt"
-    t.save_checkpoint(ckpt)
+    data, module, ckpt = fitted_with_index(tmp_path)
     table = module.model.plugins["retrieval"].memory.path / "neighbours.npy"
     raw = bytearray(table.read_bytes())
     raw[-16:] = bytes(16)  # neighbour ids zeroed in place: the size check alone would pass

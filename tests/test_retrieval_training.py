@@ -5,6 +5,7 @@ without a matching index, and the atomic background swap."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,16 +226,22 @@ def test_resume_reuses_a_matching_index_and_rebuilds_a_missing_one(tmp_path):
     assert cb3.history == [(6, "built")]
 
 
-def test_resume_refuses_an_index_of_another_embedder(tmp_path):
-    """An index directory whose metadata names other embedder weights is rebuilt, not reused."""
-    import json
-
+def fitted_with_index(tmp_path) -> tuple[TokenData, LMModule, Path]:
+    """Two steps on small_data with the step-0 index (never rebuilt), checkpointed to tmp_path/last.ckpt."""
     data = small_data()
     module = make_module({"k": 2, "schedule": "never", "index_factory": "Flat"})
     t = trainer(tmp_path, 2, enable_checkpointing=True)
     t.fit(module, datamodule=data)
     ckpt = tmp_path / "last.ckpt"
     t.save_checkpoint(ckpt)
+    return data, module, ckpt
+
+
+def test_resume_refuses_an_index_of_another_embedder(tmp_path):
+    """An index directory whose metadata names other embedder weights is rebuilt, not reused."""
+    import json
+
+    data, module, ckpt = fitted_with_index(tmp_path)
     path = module.model.plugins["retrieval"].memory.path
     meta = json.loads((path / "meta.json").read_text())
     meta["embedder"]["weights_hash"] = "0" * 16
