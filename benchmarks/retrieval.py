@@ -119,14 +119,16 @@ def model_for(a: argparse.Namespace, retrieval: bool, **options) -> Transformer:
 
 
 def rebuild(model: Transformer, segments: SegmentTable, a: argparse.Namespace, step: int = 0):
-    """One full rebuild: snapshot, embed every segment, index, neighbour table (not written to disk)."""
+    """One full rebuild: snapshot, embed every segment, index, and (lookup 'table') the neighbour table; not
+    written to disk."""
     plugin = model.plugins["retrieval"]
     rows = indexed_rows(segments, np.arange(len(segments.first) - 1))
     embedder = plugin.snapshot(step)
     vectors = embed_rows(embedder, segments, rows, 256, 0, 1, False)
     # the retriever's own flat_below: exact search up to there, as its rebuilds do
     cfg = IndexConfig(factory=a.factory, target_recall=a.target_recall, flat_below=plugin.config.flat_below)
-    return build_memory(vectors, segments, rows, a.k, embedder.embedder_identity(), step, cfg, None)
+    table = plugin.config.lookup == "table"
+    return build_memory(vectors, segments, rows, a.k, embedder.embedder_identity(), step, cfg, None, table)
 
 
 class Stepper:

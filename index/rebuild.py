@@ -116,8 +116,9 @@ class RetrievalMemory:
     """Searchable index over the R rows (search(x, k) -> (scores, row ids))."""
     index_segments: IndexSegments
     """(document, offset) of each row, for the causal filter."""
-    neighbours: np.ndarray
-    """(S, k) global neighbour ids of every global segment id (-1: none, or not a training segment)."""
+    neighbours: np.ndarray | None
+    """(S, k) global neighbour ids of every global segment id (-1: none, or not a training segment); None when the
+    rebuild made no table (the retriever's lookup 'search': each training step searches its own queries)."""
     identity: dict[str, Any]
     """The embedder identity that produced the vectors."""
     step: int
@@ -198,19 +199,24 @@ def build_memory(
     step: int,
     index_config: IndexConfig,
     path: Path | None,
+    table: bool = True,
 ) -> RetrievalMemory:
-    """Index the rows' vectors, find every row's k causal neighbours, and write it all to `path` (atomically)."""
+    """Index the rows' vectors, find every row's k causal neighbours (table=False: no table, the owner searches
+    online), and write it all to `path` (atomically)."""
     built = build_index(vectors, index_config)
     recall = built.tuned_recall
     if recall is None and built.factory in ("Flat", TORCH):
         recall = 1.0  # exact search
     index_segments = IndexSegments(segments.doc[rows], segments.start[rows])
-    found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
-    neighbours = np.full((len(segments), k), -1, dtype=np.int64)
-    neighbours[rows] = np.where(found >= 0, rows[np.maximum(found, 0)], -1)
+    neighbours = None
+    if table:
+        found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
+        neighbours = np.full((len(segments), k), -1, dtype=np.int64)
+        neighbours[rows] = np.where(found >= 0, rows[np.maximum(found, 0)], -1)
     if path is not None:
         with atomic_dir(path) as tmp:
-            _save_npy(tmp / NEIGHBOURS, neighbours)
+            if neighbours is not None:
+                _save_npy(tmp / NEIGHBOURS, neighbours)
             _save_npy(tmp / ROWS, rows)
             save_corpus_ref(tmp, segments)
             extra = {"k": k, "recall": recall, "target_recall": index_config.target_recall}
@@ -268,6 +274,11 @@ def load_corpus_ref(path: Path) -> SegmentTable:
     )
 
 
+def load_table(path: Path) -> np.ndarray | None:
+    """The neighbour table written beside an index, or None when its rebuild made none (lookup 'search')."""
+    return np.load(path / NEIGHBOURS) if (path / NEIGHBOURS).exists() else None
+
+
 def load_memory_for_search(path: str | Path, whole: bool = True) -> RetrievalMemory:
     """Load a written memory with its own segment table, for online search (validation, generation).
 
@@ -296,7 +307,7 @@ def _memory_from(loaded: Any, path: Path, segments: Any, identity: dict[str, Any
         np.load(path / ROWS),
         loaded.index,
         loaded.segments,
-        np.load(path / NEIGHBOURS),
+        load_table(path),
         identity,
         int(identity["step"]),
         path.resolve(),
@@ -324,6 +335,7 @@ class RebuildCallback(pl.Callback):
         keep: int = 2,
         defer_first: bool = False,
         sharded: bool = False,
+        table: bool = True,
     ) -> None:
         if mode not in ("blocking", "background"):
             raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
@@ -336,6 +348,9 @@ class RebuildCallback(pl.Callback):
         owner retrieves otherwise meanwhile (the retriever's warm start from the document's own past)."""
         self.sharded = sharded
         """Under DDP, each rank keeps its own part of the index (index/sharded.py) instead of the whole."""
+        self.table = table
+        """Each rebuild also finds every indexed segment's k neighbours (the table a training step reads); False:
+        index only, and the owner searches each step's queries online."""
         self.parts: list[str] | None = None
         """The part directories of every rank when the table in use is from a sharded index."""
         self.last_step = -1
@@ -414,6 +429,10 @@ class RebuildCallback(pl.Callback):
             return False
         try:
             memory = load_memory(Path(self.path), self.segments, self.identity, self.k)
+            if self.table and memory.neighbours is None:
+                raise IndexMismatchError(
+                    f"index at {self.path} has no neighbour table (built for lookup 'search')"
+                )
         except (IndexNotFoundError, IndexMismatchError, FileNotFoundError) as err:
             print(f"rlm: not reusing the checkpoint's index ({err}); building a new one", file=sys.stderr)
             return False
@@ -434,6 +453,8 @@ class RebuildCallback(pl.Callback):
                 memory = load_sharded_memory(self.parts, self.segments, self.rows, self.identity, self.k)
             except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
                 memory = None
+            if memory is not None and self.table and memory.neighbours is None:
+                memory = None  # built without a table (lookup 'search'): rebuild
         if not trainer.strategy.reduce_boolean_decision(memory is not None, all=True):
             return False
         check_same_table(trainer, memory.neighbours)
@@ -500,17 +521,18 @@ class RebuildCallback(pl.Callback):
             from rlm.index.sharded import build_sharded_memory
 
             memory = build_sharded_memory(
-                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path
+                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path, self.table
             )
             check_same_table(trainer, memory.neighbours)
             return memory
         if trainer.world_size == 1:
             return build_memory(
-                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path
+                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path, self.table
             )
         vectors = gather_shards(trainer, shard, len(self.rows))
         if trainer.global_rank == 0:
-            build_memory(vectors, self.segments, self.rows, self.k, identity, step, self.index_config, path)
+            cfg = self.index_config
+            build_memory(vectors, self.segments, self.rows, self.k, identity, step, cfg, path, self.table)
         trainer.strategy.barrier("retrieval-rebuild")
         memory = load_memory(path, self.segments, identity, self.k)
         check_same_table(trainer, memory.neighbours)
@@ -535,6 +557,7 @@ class RebuildCallback(pl.Callback):
                         step,
                         self.index_config,
                         self._path_for(step),
+                        self.table,
                     )
                 else:
                     result["shard"] = shard
@@ -589,8 +612,11 @@ class RebuildCallback(pl.Callback):
             shutil.rmtree(p, ignore_errors=True)
 
 
-def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray) -> None:
-    """Raise unless every rank holds the same neighbour table (a checksum all-gather)."""
+def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None:
+    """Raise unless every rank holds the same neighbour table (a checksum all-gather); with no table (lookup
+    'search'), the ranks must agree on that."""
+    if neighbours is None:
+        neighbours = np.zeros(0, dtype=np.int64)
     checksum = zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
     sums = trainer.strategy.all_gather(
         torch.tensor(checksum, dtype=torch.int64, device=trainer.strategy.root_device)

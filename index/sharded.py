@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from rlm.index.build import BuiltIndex, IndexConfig, build_index
 from rlm.index.protocol import shard_range
-from rlm.index.rebuild import NEIGHBOURS, ROWS, RetrievalMemory, save_corpus_ref
+from rlm.index.rebuild import NEIGHBOURS, ROWS, RetrievalMemory, load_table, save_corpus_ref
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.search import search_neighbours
 from rlm.index.store import (
@@ -159,9 +159,11 @@ def build_sharded_memory(
     step: int,
     index_config: IndexConfig,
     step_dir: Path | None,
+    table: bool = True,
 ) -> ShardedMemory:
     """Collective: index this rank's share of the rows' vectors (shard_range order), build the whole neighbour table
-    with every part, and write this rank's part (with the table) to part_dir(step_dir, rank, world), atomically."""
+    with every part (table=False: none, the owner searches online), and write this rank's part (with the table)
+    to part_dir(step_dir, rank, world), atomically."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(rows) < world:
         raise ValueError(
@@ -179,7 +181,7 @@ def build_sharded_memory(
         mine,
         built,
         IndexSegments(segments.doc[mine], segments.start[mine]),
-        np.full((len(segments), k), -1, dtype=np.int64),
+        np.full((len(segments), k), -1, dtype=np.int64) if table else None,
         identity,
         step,
         None,
@@ -187,14 +189,15 @@ def build_sharded_memory(
         world=world,
         indexed=indexed,
     )
-    most = max(len(shard_range(len(rows), r, world)) for r in range(world))
+    most = max(len(shard_range(len(rows), r, world)) for r in range(world)) if table else 0
     for lo in range(0, most, TABLE_CHUNK):  # the same number of rounds on every rank
         ids_by_rank, found = memory.search_all(shard[lo : lo + TABLE_CHUNK], mine[lo : lo + TABLE_CHUNK], k)
         memory.neighbours[np.concatenate(ids_by_rank)] = found
     if step_dir is not None:
         path = part_dir(step_dir, rank, world)
         with atomic_dir(path) as tmp:
-            _save_npy(tmp / NEIGHBOURS, memory.neighbours)
+            if table:
+                _save_npy(tmp / NEIGHBOURS, memory.neighbours)
             _save_npy(tmp / ROWS, mine)
             save_corpus_ref(tmp, segments)
             shard_meta = {"rank": rank, "world": world, "rows_total": len(rows)}
@@ -239,7 +242,7 @@ def load_sharded_memory(
         mine,
         loaded.index,
         loaded.segments,
-        np.load(path / NEIGHBOURS),
+        load_table(path),
         identity,
         int(identity["step"]),
         path.resolve(),

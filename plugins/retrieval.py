@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 EMBEDDERS = ("shared", "separate", "tokens")
 MODES = ("blocking", "background")
 WARM_STARTS = ("recent", "similar", "none")
+LOOKUPS = ("table", "search")
 NEIGHBOUR_GRADS = ("full", "embedding", "none")
 
 
@@ -134,6 +135,13 @@ class RetrievalConfig:
     """Validation also computes the loss with every neighbour swapped for a random segment of another document
     (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
     model uses what it retrieves. Doubles the validation cost, so off by default."""
+    lookup: str = "table"
+    """How a training step finds its chunks' neighbours once an index exists. 'table' (MARGE): every rebuild also
+    searches the whole index for every training segment's k neighbours, and a step reads them. 'search': a rebuild
+    only embeds and indexes the corpus, and each step searches the index for its own queries, embedded by the
+    current embedder (as validation and generation always do; fresher queries against the rebuild's rows, as
+    REALM's are). A table costs a search of every segment at each rebuild; 'search' only those the steps up to
+    the next rebuild see, which is fewer when a rebuild interval covers less than an epoch."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     flat_below: int = 131072
@@ -184,6 +192,8 @@ class RetrievalConfig:
             raise ValueError(
                 f"retrieval.warm_candidates must be an integer >= k={self.k}, got {self.warm_candidates!r}"
             )
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"retrieval.lookup={self.lookup!r}; accepted: {list(LOOKUPS)}")
         if self.embed_batch_size < 1:
             raise ValueError(f"retrieval.embed_batch_size must be positive, got {self.embed_batch_size}")
         if self.neighbour_grad not in NEIGHBOUR_GRADS:
@@ -397,6 +407,7 @@ class RetrievalPlugin(Plugin):
                 progress=c.progress,
                 label=self.label,
                 sharded=c.sharded,
+                table=c.lookup == "table",
             )
         ]
 
@@ -473,7 +484,8 @@ class RetrievalPlugin(Plugin):
             batch,
             c.k,
             c.continuation,
-            online=not (ctx.training and batch.get("segment_ids") is not None),
+            online=not (ctx.training and batch.get("segment_ids") is not None)
+            or (memory is not None and memory.neighbours is None),
             embed=self._embed_queries,
             segments=seg,
             warm_k=(c.k if memory is None else c.same_doc_k) if can_warm else 0,
@@ -517,7 +529,7 @@ class RetrievalPlugin(Plugin):
         dtype = self._rebuild_dtype()
         try:
             with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
-                return self.encoder(tokens, mask)[1].float()
+                return self.encoder.pooled(tokens, mask).float()
         finally:
             self.encoder.train(was)
 

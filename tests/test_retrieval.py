@@ -64,6 +64,7 @@ def attach_memory(
         step,
         IndexConfig(factory="Flat", target_recall=None),
         path,
+        table=plugin.config.lookup == "table",
     )
     plugin.use_memory(memory)
     return memory, vectors
@@ -182,6 +183,8 @@ PATHS = {
     "table_same_doc_similar": ({"warm_start": "similar", "same_doc_k": 1}, True),
     "tokens_table": ({"warm_start": "none", "embedder": "tokens"}, True),
     "tokens_warm_recent": ({"warm_start": "recent", "embedder": "tokens"}, False),
+    "tokens_search": ({"warm_start": "none", "embedder": "tokens", "lookup": "search"}, True),
+    "search_same_doc": ({"warm_start": "recent", "same_doc_k": 1, "lookup": "search"}, True),
 }
 """Every way the retriever finds neighbours: (options, with a memory); without one, the warm start."""
 
@@ -253,6 +256,23 @@ def test_neighbours_never_reach_the_target_or_later(corpus, stage, path):
         assert (
             segments.doc[last[last >= 0]] == np.repeat(batch["doc_ids"].numpy(), n).reshape(B, n)[last >= 0]
         ).all()
+
+
+@pytest.mark.parametrize("embedder", ["shared", "tokens"])
+def test_search_lookup_finds_the_tables_neighbours_while_the_embedder_is_unchanged(corpus, embedder):
+    """lookup 'search': a training step searches its queries online, embedded by the current embedder; until the
+    embedder moves, that is exactly the table's neighbours (the same vectors and the same causal filter), and the
+    rebuild wrote no table."""
+    segments, windows = corpus
+    batch = windows.collate(np.arange(len(windows)))
+    found = {}
+    for lookup in ("table", "search"):
+        model = tiny_model(embedder=embedder, warm_start="none", lookup=lookup)
+        memory, _ = attach_memory(model, segments, np.arange(10))
+        assert (memory.neighbours is None) == (lookup == "search")
+        found[lookup] = context(model, batch, "train").extras["retrieval"].ids
+    assert (found["table"] >= 0).sum() > len(batch["tokens"])
+    torch.testing.assert_close(found["search"], found["table"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("continuation", [False, True])
@@ -484,6 +504,8 @@ def test_token_embedder_matches_a_naive_reference():
         want = torch.stack(real).mean(0) if real else torch.zeros(32)
         want = want / want.norm() if real else want
         torch.testing.assert_close(e[n], want)
+    # the rebuild's and the online queries' path (distinct ids, no states) gives the same e
+    torch.testing.assert_close(enc.pooled(tokens[:, :6], mask[:, :6]), e)
 
 
 def test_token_embedder_keys_and_values_per_distinct_id_equal_the_direct_projection():

@@ -226,6 +226,37 @@ def test_resume_reuses_a_matching_index_and_rebuilds_a_missing_one(tmp_path):
     assert cb3.history == [(6, "built")]
 
 
+@pytest.mark.parametrize("mode", ["blocking", "background"])
+def test_search_lookup_trains_on_an_index_without_a_table_and_resumes_on_it(tmp_path, mode):
+    """lookup 'search': rebuilds write the index and no neighbour table, training steps retrieve (coverage logged
+    > 0 once an index exists), and a resume with the same options reuses the index."""
+    data = small_data()
+    opts = {"k": 2, "schedule": "every 4", "index_factory": "Flat", "lookup": "search", "mode": mode}
+    module = make_module(opts)
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            memory = pl_module.model.plugins["retrieval"].memory
+            seen.append(memory is not None and float(trainer.callback_metrics["train/retrieval/coverage"]))
+
+    t = trainer(tmp_path, 6, enable_checkpointing=True, callbacks=[Watch()], log_every_n_steps=1)
+    t.fit(module, datamodule=data)
+    cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
+    assert [step for step, how in cb.history] == ([0, 4] if mode == "blocking" else [0, 4][: len(cb.history)])
+    memory = module.model.plugins["retrieval"].memory
+    assert memory.neighbours is None and not (memory.path / "neighbours.npy").exists()
+    assert (memory.path / "meta.json").exists() and any(c and c > 0 for c in seen[-2:])
+    ckpt = tmp_path / "last.ckpt"
+    t.save_checkpoint(ckpt)
+
+    resumed = make_module(opts, seed=1)
+    t2 = trainer(tmp_path, 7)
+    t2.fit(resumed, datamodule=data, ckpt_path=ckpt)
+    assert next(c for c in t2.callbacks if isinstance(c, RebuildCallback)).history[0][1] == "reused"
+    assert resumed.model.plugins["retrieval"].memory.neighbours is None
+
+
 def fitted_with_index(tmp_path) -> tuple[TokenData, LMModule, Path]:
     """Two steps on small_data with the step-0 index (never rebuilt), checkpointed to tmp_path/last.ckpt."""
     data = small_data()
