@@ -97,6 +97,11 @@ class RetrievalConfig:
     """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'
     (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively).
     No effect with embedder 'tokens', which runs no block over the neighbours."""
+    kv_heads: int | None = None
+    """Key/value heads of the cross-attention; None: one per query head. Fewer (a divisor of n_heads) share each
+    key/value head among n_heads / kv_heads query heads, as multi-query (Shazeer 2019) and grouped-query
+    attention (Ainslie et al. 2023) do: the neighbour tokens' keys and values, the larger side of a
+    cross-attention (k * M tokens per chunk of L), shrink by that factor."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
     zero_init: bool = True
@@ -192,6 +197,8 @@ class RetrievalConfig:
             raise ValueError(
                 f"retrieval.warm_candidates must be an integer >= k={self.k}, got {self.warm_candidates!r}"
             )
+        if self.kv_heads is not None and (not isinstance(self.kv_heads, int) or self.kv_heads < 1):
+            raise ValueError(f"retrieval.kv_heads must be a positive integer or null, got {self.kv_heads!r}")
         if self.lookup not in LOOKUPS:
             raise ValueError(f"retrieval.lookup={self.lookup!r}; accepted: {list(LOOKUPS)}")
         if self.embed_batch_size < 1:
@@ -272,10 +279,11 @@ class RetrievalCrossAttention(nn.Module):
         super().__init__()
         c = plugin.model_config
         self.layer, self.n_heads, self.head_dim = layer, c.n_heads, c.head_dim
+        self.kv_heads = plugin.config.kv_heads or c.n_heads
         object.__setattr__(self, "_plugin", plugin)  # unregistered: the plugin owns this module
         self.q = nn.Linear(c.d_model, c.d_model, bias=False)
         self.kv_norm = RMSNorm(plugin.encoder.dim, c.norm_eps)
-        self.kv = nn.Linear(plugin.encoder.dim, 2 * c.d_model, bias=False)
+        self.kv = nn.Linear(plugin.encoder.dim, 2 * self.kv_heads * c.head_dim, bias=False)
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
         for lin in (self.q, self.kv):
             nn.init.normal_(lin.weight, 0.0, c.init_std)
@@ -297,12 +305,12 @@ class RetrievalCrossAttention(nn.Module):
         Bn, KM = key_valid.shape
         n, nk = Bn // B, relevance.shape[1]
         M = KM // nk
-        h, hs = self.n_heads, self.head_dim
+        h, hs, g = self.n_heads, self.head_dim, self.kv_heads
         xq = F.pad(x, (0, 0, 0, n * L - T)).reshape(Bn, L, d)  # (B*n, L, d): chunk j = segment j
         q = self.q(xq).view(Bn, L, h, hs).transpose(1, 2)  # (B*n, h, L, hs)
         # keys and values once per distinct neighbour, then laid out per chunk
         U = enc.neighbours
-        kv = self._keys_values(enc).view(U, M, 2, h, hs).permute(2, 0, 3, 1, 4)  # (2, U, h, M, hs)
+        kv = self._keys_values(enc).view(U, M, 2, g, hs).permute(2, 0, 3, 1, 4)  # (2, U, g, M, hs)
         # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
         # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
         # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
@@ -310,17 +318,19 @@ class RetrievalCrossAttention(nn.Module):
         q = apply_rope(q, cos[L : 2 * L], sin[L : 2 * L])
         k = apply_rope(kv[0], cos[:M], sin[:M])  # (U, h, M, hs)
 
-        def per_chunk(t: Tensor) -> Tensor:  # (U, h, M, hs) -> (B*n, h, k*M, hs)
-            return t[enc.index].view(Bn, nk, h, M, hs).transpose(1, 2).reshape(Bn, h, KM, hs)
+        def per_chunk(t: Tensor) -> Tensor:  # (U, g, M, hs) -> (B*n, g, k*M, hs)
+            return t[enc.index].view(Bn, nk, g, M, hs).transpose(1, 2).reshape(Bn, g, KM, hs)
 
         k, v = per_chunk(k), per_chunk(kv[1])
+        # query head i reads key/value head i // (h / g): its group's queries side by side, (B*n, g, h/g * L, hs)
+        q = q.reshape(Bn, g, (h // g) * L, hs)
         # relevance bias beta * cos(e(S_t), e(z)) on every key of neighbour z (MARGE eq. 2)
         bias = (self.beta * relevance).repeat_interleave(M, dim=1).to(q.dtype)  # (B*n, k*M)
         rows = key_valid.any(1)  # (B*n,) chunks with at least one key
         # a chunk with no key at all would be an all -inf row (NaN): give it zeros and zero its output
         bias = bias.masked_fill(~key_valid & rows[:, None], float("-inf"))
-        attn_mask = bias[:, None, None, :].expand(Bn, h, L, KM)  # (B*n, h, L, k*M)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B*n, h, L, hs)
+        attn_mask = bias[:, None, None, :].expand(Bn, g, q.shape[2], KM)  # (B*n, g, h/g * L, k*M)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).view(Bn, h, L, hs)
         y = y * rows[:, None, None, None].to(y.dtype)
         y = y.transpose(1, 2).reshape(B, n * L, d)[:, :T]
         if self.layer == self._plugin.layers[0]:
@@ -329,7 +339,7 @@ class RetrievalCrossAttention(nn.Module):
         return self.proj(y)
 
     def _keys_values(self, enc: Encoded) -> Tensor:
-        """kv(kv_norm(states)), (U, M, 2 * d_model).
+        """kv(kv_norm(states)), (U, M, 2 * kv_heads * head_dim).
 
         With the token embedder a state s_j = [x_j, x_{j-1}] holds two token embeddings, so (RMSNorm's weight g
         folded into kv's weight W = [A | B] along its input) kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j),
@@ -339,8 +349,8 @@ class RetrievalCrossAttention(nn.Module):
             return self.kv(self.kv_norm(enc.states))
         x, rows = enc.vocab, enc.rows  # (V', d), (U, M)
         d = x.shape[1]
-        w = self.kv.weight * self.kv_norm.weight  # (2D, 2d)
-        proj = x @ torch.cat([w[:, :d], w[:, d:]], 0).T  # (V', 4D): A x and B x of every distinct id
+        w = self.kv.weight * self.kv_norm.weight  # (2 g hs, 2d)
+        proj = x @ torch.cat([w[:, :d], w[:, d:]], 0).T  # (V', 4 g hs): A x and B x of every distinct id
         cur, nxt = proj.chunk(2, dim=1)  # the token's own half, and its half as a predecessor
         prev = F.pad(rows[:, :-1], (1, 0))  # (U, M); position 0 has no predecessor (its state's half is 0)
         has_prev = (torch.arange(rows.shape[1], device=rows.device) > 0).to(x.dtype)  # (M,)
@@ -359,6 +369,12 @@ class RetrievalPlugin(Plugin):
     def __init__(self, config: RetrievalConfig, model_config) -> None:
         super().__init__(config, model_config)
         self.layers = check_layers(self.name, config.layers, model_config.n_layers)
+        heads = model_config.n_heads
+        if config.kv_heads is not None and heads % config.kv_heads:
+            raise ValueError(
+                f"retrieval.kv_heads={config.kv_heads} must divide the model's n_heads={heads}; accepted: "
+                f"{[g for g in range(1, heads + 1) if heads % g == 0]}"
+            )
         if config.embedder == "shared":
             if self.layers[0] < config.embed_layers:
                 raise ValueError(

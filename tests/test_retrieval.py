@@ -99,9 +99,11 @@ def corpus():
 # ----- numerics -----
 
 
-def test_cross_attention_matches_naive_loop():
-    """Relevance-biased chunked cross-attention (MARGE eq. 2) against explicit loops over heads, queries, keys."""
-    model = tiny_model(continuation=False)
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_cross_attention_matches_naive_loop(kv_heads):
+    """Relevance-biased chunked cross-attention (MARGE eq. 2) against explicit loops over heads, queries, keys;
+    with kv_heads=1 both query heads read the one key/value head (multi-query)."""
+    model = tiny_model(continuation=False, kv_heads=kv_heads)
     plugin = model.plugins["retrieval"]
     xattn = model.blocks[1].cross_attn
     with torch.no_grad():
@@ -121,7 +123,8 @@ def test_cross_attention_matches_naive_loop():
     got = xattn(x, ctx)
 
     h, hs = 2, 16
-    kv = xattn.kv(xattn.kv_norm(states)).view(B * n, k * M, 2, h, hs)
+    g = kv_heads or h
+    kv = xattn.kv(xattn.kv_norm(states)).view(B * n, k * M, 2, g, hs)
     inv = 1.0 / 10000.0 ** (torch.arange(0, hs, 2).float() / hs)  # rotary frequencies (Su et al. 2021)
 
     def rotate(vec, pos):  # one (hs,) vector at position pos: pairs (i, i + hs/2) turned by pos * inv_i
@@ -143,11 +146,11 @@ def test_cross_attention_matches_naive_loop():
                             z = key // M
                             # query i of the chunk at position L + i; key m of neighbour z at position m
                             qr = rotate(q[head], L + t - j * L)
-                            kr = rotate(kv[c, key, 0, head], key % M)
+                            kr = rotate(kv[c, key, 0, head // (h // g)], key % M)
                             s = qr @ kr / math.sqrt(hs) + 1.7 * relevance[c, z]
                             scores.append(s if key_valid[c, key] else torch.tensor(-math.inf))
                         p = torch.softmax(torch.stack(scores), 0)
-                        out[head] = sum(p[key] * kv[c, key, 1, head] for key in range(k * M))
+                        out[head] = sum(p[key] * kv[c, key, 1, head // (h // g)] for key in range(k * M))
                 want[b, t] = xattn.proj(out.reshape(-1))
     torch.testing.assert_close(got, want[:, :T], rtol=1e-4, atol=1e-5)
     assert torch.all(got[0, L : 2 * L] == 0)  # chunk 1 of row 0 had no key: no output, no NaN
@@ -595,11 +598,18 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"warm_candidates": 1}, "warm_candidates must be an integer >= k=2"),
         ({"target_recall": 1.5}, "target_recall"),
         ({"neighbour_grad": True}, "neighbour_grad must be a string, got True"),
+        ({"lookup": "cache"}, r"retrieval.lookup='cache'; accepted: \['table', 'search'\]"),
+        ({"kv_heads": 0}, "kv_heads must be a positive integer or null, got 0"),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
     with pytest.raises(ValueError, match=message):
         make_config(RetrievalPlugin, opts)
+
+
+def test_kv_heads_that_do_not_divide_the_heads_are_refused():
+    with pytest.raises(ValueError, match=r"kv_heads=3 must divide the model's n_heads=2; accepted: \[1, 2\]"):
+        tiny_model(kv_heads=3)
 
 
 def test_cross_attention_inside_the_shared_embedder_is_refused():
