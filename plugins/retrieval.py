@@ -73,7 +73,8 @@ class RetrievalConfig:
     'shared': the LM's embedding and first embed_layers blocks (MARGE shares its encoder); 'separate': a small
     encoder of its own. Measured (default corpus, 300 steps, last-layer cross-attention, 3 seeds, val loss):
     'tokens' 4.509 +- 0.008 ('none') and 4.526 +- 0.026 ('full') against 'shared' 4.571 +- 0.026 ('none') and
-    4.640 +- 0.032 ('full'), at 1.22x / 1.28x a base step against 1.64x / 2.28x; on the synthetic partner task
+    4.640 +- 0.032 ('full'), at 1.22x / 1.28x a base step against 1.64x / 2.28x (a key/value head per query head
+    and a table; the defaults now cost 1.13x, see kv_heads and lookup); on the synthetic partner task
     of tests/test_retrieval_training.py 1.77 against 3.88 ('shared', 'full'; 5.69 without retrieval), the
     partner found for every query after three rebuilds."""
     embed_layers: int = 1
@@ -91,17 +92,21 @@ class RetrievalConfig:
     the synthetic partner task of tests/test_retrieval_training.py (300 steps, val loss; no retrieval 5.69): with
     'shared', 'full' 3.88, 'embedding' 5.34, 'none' 5.70 (it never learned to use its neighbours); with 'tokens',
     'full' 1.77 and 'none' 1.79. On the default corpus ('tokens', 300 steps, 3 seeds) 'full' 4.526 +- 0.026 and
-    'none' 4.509 +- 0.008, inside the seeds' spread, and a step costs 1.28x and 1.22x a base step
-    (benchmarks/retrieval.py --clock cpu): 'none' is the default; 'full' is MARGE's exact joint training."""
+    'none' 4.509 +- 0.008, inside the seeds' spread, and a step costs 1.28x and 1.22x a base step with a key/value
+    head per query head, 1.06x both with kv_heads 1 (benchmarks/retrieval.py --clock cpu, lookup 'table'): 'none'
+    is the default; 'full' is MARGE's exact joint training."""
     neighbour_dtype: str = "float32"
     """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'
     (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively).
     No effect with embedder 'tokens', which runs no block over the neighbours."""
-    kv_heads: int | None = None
+    kv_heads: int | None = 1
     """Key/value heads of the cross-attention; None: one per query head. Fewer (a divisor of n_heads) share each
     key/value head among n_heads / kv_heads query heads, as multi-query (Shazeer 2019) and grouped-query
     attention (Ainslie et al. 2023) do: the neighbour tokens' keys and values, the larger side of a
-    cross-attention (k * M tokens per chunk of L), shrink by that factor."""
+    cross-attention (k * M tokens per chunk of L), shrink by that factor. Measured at the default config
+    (benchmarks/retrieval.py --clock cpu, lookup 'table'): 1.06x a base step with one head against 1.17x with
+    four; on the default corpus (300 steps, seeds 0-2, lookup 'search') val loss 4.518 +- 0.024 against
+    4.524 +- 0.030 with four (and 'table'), no worse within the seeds' spread, so 1 is the default."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
     zero_init: bool = True
@@ -140,20 +145,26 @@ class RetrievalConfig:
     """Validation also computes the loss with every neighbour swapped for a random segment of another document
     (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
     model uses what it retrieves. Doubles the validation cost, so off by default."""
-    lookup: str = "table"
+    lookup: str = "search"
     """How a training step finds its chunks' neighbours once an index exists. 'table' (MARGE): every rebuild also
     searches the whole index for every training segment's k neighbours, and a step reads them. 'search': a rebuild
     only embeds and indexes the corpus, and each step searches the index for its own queries, embedded by the
     current embedder (as validation and generation always do; fresher queries against the rebuild's rows, as
     REALM's are). A table costs a search of every segment at each rebuild; 'search' only those the steps up to
-    the next rebuild see, which is fewer when a rebuild interval covers less than an epoch."""
+    the next rebuild see, which is fewer when a rebuild interval covers less than an epoch. At the default corpus
+    (51,200 segments, 2 CPU threads) a rebuild took 10.6 s with the table and 1.3 s without (2.6 s in training,
+    where it is also written to disk), and the search
+    about 37 ms a step (5.5 s over 150 steps); on one thread a step costs 1.13x a base step with 'search' and
+    1.06x with 'table' (benchmarks/retrieval.py --clock cpu). Until the embedder moves, both find the same
+    neighbours (tests/test_retrieval.py)."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     flat_below: int = 131072
-    """index_factory 'auto' keeps exact flat search below this many segments. The retriever searches its whole
-    index at every rebuild (the neighbour table), where exact search is cheap: at the default corpus' 48,640
-    training segments (d=256, 2 CPU threads) an exact table took 14.7 s against 74.7 s for IVF905,Flat tuned to
-    recall 0.95 (its training and tuning dominate); `rlm index build` keeps 32,768, for online search."""
+    """index_factory 'auto' keeps exact flat search below this many segments. Below it, exact search is cheaper
+    than building a tuned approximate index: at the default corpus' 48,640 training segments (d=256, 2 CPU
+    threads) an exact table (lookup 'table') took 14.7 s against 74.7 s for IVF905,Flat tuned to recall 0.95 (its
+    training and tuning dominate), and with lookup 'search' a step's 32 queries scan the exact index in about
+    35 ms; `rlm index build` keeps 32,768, for online search."""
     target_recall: float | None = 0.95
     """Every index the retriever builds (first table and rebuilds, either mode, any number of processes) is tuned
     (nprobe/efSearch) until its recall@10 against exact search reaches this, as `rlm index build` does; the

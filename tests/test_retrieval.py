@@ -676,10 +676,16 @@ def test_benchmark_script_smoke(capsys):
     spec.loader.exec_module(bench)
     bench.main(
         "--d 32 --layers 2 --heads 2 --vocab 128 --seq 16 --segment 8 --batch 2 --docs 12 --doc-len 32 "
-        "--sizes 40 --steps 1 --rounds 1 --factory Flat".split()
+        "--step-segments 48 --sizes 40 --steps 1 --rounds 1 --factory Flat".split()
     )
     out = capsys.readouterr().out
-    for row in ("| no retrieval |", "| reading precomputed neighbours", "| 40 |", "| background rebuild"):
+    for row in (
+        "| no retrieval |",
+        "| finding the neighbours (prepare)",
+        "| 40 | embed, index, table |",
+        "| 40 | embed, index (lookup search) |",
+        "| background rebuild",
+    ):
         assert row in out
 
 

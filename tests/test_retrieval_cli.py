@@ -1,5 +1,5 @@
 """The retriever through the real ``rlm`` command: a fit smoke run stacked with an implicit-memory plugin,
-and DDP with 2 CPU processes ending with the same neighbour table on both ranks."""
+and DDP with 2 CPU processes ending with the same index (and neighbour table) on both ranks."""
 
 from __future__ import annotations
 
@@ -87,10 +87,12 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
-    """Each rank embeds half the segments; both ranks train on the table rank 0 wrote from the gathered vectors.
-    Steps 0 and 1 train on the warm start (each rank's own batch), the first table comes at step 2."""
-    ablation = _fragment(tmp_path, FAST + "      eval_ablation: true\n")
+@pytest.mark.parametrize("lookup", ["search", "table"])
+def test_ddp_two_processes_share_one_index(tmp_path, rlm_cache, lookup):
+    """Each rank embeds half the segments; both ranks train on the index (and with lookup 'table', the neighbour
+    table) rank 0 wrote from the gathered vectors. Steps 0 and 1 train on the warm start (each rank's own batch),
+    the first index comes at step 2."""
+    ablation = _fragment(tmp_path, FAST + f"      eval_ablation: true\n      lookup: {lookup}\n")
     args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", ablation) + DDP_2CPU
     proc = run_rlm(args, tmp_path, rlm_cache)
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
@@ -106,6 +108,7 @@ def test_ddp_two_processes_share_one_table(tmp_path, rlm_cache):
     # the callback checks under DDP that every rank holds the same table (a checksum all-gather) and raises if not;
     # here: the gathered vectors are complete (one unit vector per indexed segment)
     assert_complete_unit_vectors(index_root / "step-000000002")
+    assert (index_root / "step-000000002" / "neighbours.npy").exists() == (lookup == "table")
 
 
 @pytest.mark.slow
