@@ -42,8 +42,17 @@ def tiny_model(seed: int = 0, **retrieval) -> Transformer:
         vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=128, tie_embeddings=False
     )
     # a random output projection, so gradients reach every cross-attention weight from the first step
-    # the shared embedder unless a test asks for another ('tokens', the default, has tests of its own)
-    opts = {"layers": [1], "k": 2, "progress": False, "zero_init": False, "embedder": "shared", **retrieval}
+    # the shared embedder and the neighbour table unless a test asks for others ('tokens' and 'search', the
+    # defaults, have tests of their own)
+    opts = {
+        "layers": [1],
+        "k": 2,
+        "progress": False,
+        "zero_init": False,
+        "embedder": "shared",
+        "lookup": "table",
+        **retrieval,
+    }
     return Transformer(cfg, {"retrieval": opts})
 
 

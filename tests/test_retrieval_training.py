@@ -86,6 +86,7 @@ def make_module(retrieval: dict | None, seed: int = 0) -> LMModule:
                 "mode": "blocking",
                 "warm_start": "none",
                 "zero_init": False,  # the trajectories measured in the docstrings started from a random projection
+                "lookup": "table",  # these tests read the table (hit rates, resume); 'search' has its own
                 **retrieval,
             }
         }
