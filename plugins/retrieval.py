@@ -152,11 +152,10 @@ class RetrievalConfig:
     current embedder (as validation and generation always do; fresher queries against the rebuild's rows, as
     REALM's are). A table costs a search of every segment at each rebuild; 'search' only those the steps up to
     the next rebuild see, which is fewer when a rebuild interval covers less than an epoch. At the default corpus
-    (51,200 segments, 2 CPU threads) a rebuild took 10.6 s with the table and 1.3 s without (2.6 s in training,
-    where it is also written to disk), and the search
-    about 37 ms a step (5.5 s over 150 steps); on one thread a step costs 1.13x a base step with 'search' and
-    1.06x with 'table' (benchmarks/retrieval.py --clock cpu). Until the embedder moves, both find the same
-    neighbours (tests/test_retrieval.py)."""
+    (51,200 segments, 2 CPU threads) a rebuild took 10.6 s with the table and 1.3 s without (2.6-4 s in
+    training, where it is also written to disk), and the search about 35 ms a step (5.3 s over 150 steps); on one
+    thread a step costs 1.13x a base step with 'search' and 1.06x with 'table' (benchmarks/retrieval.py --clock
+    cpu). Until the embedder moves, both find the same neighbours (tests/test_retrieval.py)."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     flat_below: int = 131072
@@ -327,7 +326,7 @@ class RetrievalCrossAttention(nn.Module):
         # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
         cos, sin = rope_cache(max(M, 2 * L), hs, self.rope_base, device=x.device)
         q = apply_rope(q, cos[L : 2 * L], sin[L : 2 * L])
-        k = apply_rope(kv[0], cos[:M], sin[:M])  # (U, h, M, hs)
+        k = apply_rope(kv[0], cos[:M], sin[:M])  # (U, g, M, hs)
 
         def per_chunk(t: Tensor) -> Tensor:  # (U, g, M, hs) -> (B*n, g, k*M, hs)
             return t[enc.index].view(Bn, nk, g, M, hs).transpose(1, 2).reshape(Bn, g, KM, hs)
