@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from rlm.data.segments import SegmentTable
 from rlm.data.windows import Windows
-from rlm.index.build import IndexConfig
+from rlm.index.build import IndexConfig, as_unit_float32, flat_vectors, search_index
 from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
@@ -220,10 +220,45 @@ def step_table(a: argparse.Namespace) -> tuple[str, float]:
             prep / med[name],
         ]
     )
+    rows += search_rows(a, retr.model.plugins["retrieval"].memory, base)
     out = table(["training step", "ms/step", "note", "ratio"], rows)
     out += f"\nstep ratio, {name} / no retrieval: {med[name] / base:.2f}x (goal <= 1.4x)"
     out += f"\n(index of {len(segments)} segments; prepare() holds the online search with lookup 'search')"
     return out, med[name]
+
+
+def search_rows(a: argparse.Namespace, memory, base_s: float) -> list[list]:
+    """One step's online search (its B * n query segments, search_neighbours' first fetch of 2k + 8) of the
+    retriever's exact flat index: faiss's own search against search_index's torch scan, interleaved; the ratio
+    column is the share of a base step. Empty unless the index is an exact flat faiss index."""
+    if flat_vectors(memory.index.index) is None:
+        return []
+    n_q, fetch = a.batch * -(-a.seq // a.segment), 2 * a.k + 8
+    q = as_unit_float32(np.random.default_rng(1).standard_normal((n_q, memory.index.index.d)))
+    searches = {
+        "faiss IndexFlat.search": lambda: memory.index.index.search(q, fetch),
+        "torch scan (search_index, as the retriever searches)": lambda: search_index(memory.index, q, fetch),
+    }
+    times: dict[str, list[float]] = {name: [] for name in searches}
+    for fn in searches.values():
+        fn()  # warm-up
+    for _ in range(a.rounds):
+        for name, fn in searches.items():
+            t0 = CLOCK()
+            for _ in range(4 * a.steps):
+                fn()
+            times[name].append((CLOCK() - t0) / (4 * a.steps))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    faiss_s = med["faiss IndexFlat.search"]
+    return [
+        [
+            f"online search of one step ({n_q} queries, top {fetch} of {memory.index.ntotal}): {name}",
+            f"{1000 * t:.2f}",
+            f"{faiss_s / t:.2f}x faiss's speed",
+            t / base_s,
+        ]
+        for name, t in med.items()
+    ]
 
 
 def rebuild_table(a: argparse.Namespace, step_s: float) -> str:

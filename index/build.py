@@ -94,7 +94,7 @@ class BuiltIndex:
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k (scores float32 (Q, k), ids int64 (Q, k)) of L2-normalised queries; -1 ids pad."""
-        return self.index.search(as_unit_float32(queries, "queries"), k)
+        return search_index(self.index, as_unit_float32(queries, "queries"), k)
 
     def cpu_index(self) -> Any:
         """The index on the CPU, as it must be to be written."""
@@ -251,10 +251,10 @@ class TorchExactIndex:
         best_i = torch.zeros((len(q), 0), dtype=torch.long, device=self.device)
         step = max(kk, self.chunk_elems // max(1, len(q)))
         for lo in range(0, n, step):
-            base = torch.from_numpy(
-                np.array(self.vectors[lo : lo + step], dtype=np.float32)
-            )  # copy: may be a memmap
-            scores = q @ base.to(self.device).T  # (Q, chunk)
+            chunk = self.vectors[lo : lo + step]
+            if isinstance(chunk, np.memmap) or not chunk.flags.writeable or chunk.dtype != np.float32:
+                chunk = np.array(chunk, dtype=np.float32)  # a memmap is read into memory, chunk by chunk
+            scores = q @ torch.from_numpy(chunk).to(self.device).T  # (Q, chunk)
             s, i = scores.topk(min(kk, scores.shape[1]), dim=1)
             # keep a running top-k over base chunks so the base never has to fit in memory at once
             best_s, order = torch.cat([best_s, s], 1).topk(min(kk, best_s.shape[1] + s.shape[1]), dim=1)
@@ -263,6 +263,41 @@ class TorchExactIndex:
         ids = np.full((len(q), k), -1, dtype=np.int64)
         scores[:, :kk], ids[:, :kk] = best_s.cpu().numpy(), best_i.cpu().numpy()
         return scores, ids
+
+
+SCAN_QUERIES = (16, 512)
+"""search_index answers between this many queries (inclusive) of an exact flat faiss index on the CPU with one
+torch matmul over the index's own vectors (no copy) instead of faiss. Measured on 2 CPU cores, 51,200 vectors of
+dim 256, top 12: 32 queries (a retrieval training step's online lookups) 24 ms against faiss's 40 ms, 256
+queries 100 ms against 303 ms; below 16 queries faiss's per-query path wins (8: 10 ms against 14 ms), and from
+about 1,000 its blocked BLAS search does (1,024: 210 ms against 368 ms)."""
+
+
+def flat_vectors(index: Any) -> np.ndarray | None:
+    """(n, d) float32 view, without a copy, of the vectors of an inner-product faiss IndexFlat on the CPU; None for
+    any other index (quantised, IVF, HNSW, GPU, TorchExactIndex) or an empty one."""
+    if not isinstance(index, faiss.Index) or _is_gpu(index):
+        return None
+    flat = faiss.downcast_index(index)
+    if (
+        not isinstance(flat, faiss.IndexFlat)
+        or flat.metric_type != faiss.METRIC_INNER_PRODUCT
+        or not flat.ntotal
+    ):
+        return None
+    return faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
+
+
+def search_index(index: Any, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """index.search(queries, k), the same exact results; a batch of SCAN_QUERIES queries of a flat inner-product
+    faiss index on the CPU is scored by torch over its vectors."""
+    if isinstance(index, BuiltIndex):
+        index = index.index
+    lo, hi = SCAN_QUERIES
+    base = flat_vectors(index) if lo <= len(queries) <= hi else None
+    if base is None:
+        return index.search(queries, k)
+    return TorchExactIndex(base, device="cpu").search(queries, k)
 
 
 def exact_search(base: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

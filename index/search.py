@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from rlm.index.build import as_unit_float32, max_k
+from rlm.index.build import as_unit_float32, max_k, search_index
 
 
 @dataclass
@@ -129,7 +129,7 @@ def search_neighbours(
         rows = np.arange(lo, min(lo + batch_size, len(q)))
         size = min(first, limit)
         while len(rows):
-            s, i = index.search(q[rows], size)  # (R, size)
+            s, i = search_index(index, q[rows], size)  # (R, size)
             keep = allowed(i, query_ids[rows], segments, exclude_self, causal) if filtering else i >= 0
             ids[rows], scores[rows] = _compact(i, s, keep, k)
             # refill rows short of k whose search came back full (the index may hold more allowed ones)

@@ -6,16 +6,20 @@ import numpy as np
 import pytest
 import torch
 
+from rlm.index._faiss import faiss
 from rlm.index.build import (
+    SCAN_QUERIES,
     IndexConfig,
     TorchExactIndex,
     as_unit_float32,
     build_index,
     choose_factory,
     exact_search,
+    flat_vectors,
     gpu_available,
     nlist_for,
     recall_at_k,
+    search_index,
     set_search_params,
 )
 from rlm.index.synthetic import clustered_unit_vectors
@@ -52,6 +56,53 @@ def test_exact_search_pads_when_k_exceeds_n():
     scores, ids = exact_search(base, base, 5)
     assert (ids[:, 3:] == -1).all() and np.isneginf(scores[:, 3:]).all()
     assert (ids[:, 0] == np.arange(3)).all()
+
+
+def test_small_query_batches_of_a_flat_index_are_scanned_by_torch_with_faiss_results(data, monkeypatch):
+    base, queries, exact_ids = data
+    flat = build_index(base, IndexConfig(factory="Flat")).index
+    view = flat_vectors(flat)
+    assert view is not None and view.shape == base.shape
+    torch.testing.assert_close(view, base)  # the index's own vectors, as added
+    ref_scores, _ = brute_force(base, queries, K)
+    faiss_scores, faiss_ids = flat.search(queries, K)
+    calls = []
+    monkeypatch.setattr(
+        TorchExactIndex, "search", lambda self, q, k: calls.append(len(q)) or ORIGINAL(self, q, k)
+    )
+    scores, ids = search_index(flat, queries, K)  # 300 queries: the torch scan
+    assert calls == [len(queries)]
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores, faiss_scores, rtol=1e-5, atol=1e-5)
+    assert recall_at_k(ids, faiss_ids, K) > 0.999 and recall_at_k(ids, exact_ids, K) > 0.999
+    # k beyond the index pads as faiss does
+    _, few = search_index(flat, queries[:20], N + 3)
+    assert (few[:, N:] == -1).all() and (np.sort(few[:, :N], axis=1) == np.arange(N)).all()
+    # batches outside SCAN_QUERIES go to faiss, the same neighbours
+    many = np.tile(queries, (SCAN_QUERIES[1] // len(queries) + 1, 1))
+    calls.clear()
+    _, many_ids = search_index(flat, many, K)
+    _, few_ids = search_index(flat, queries[: SCAN_QUERIES[0] - 1], K)
+    assert calls == []  # neither was scanned by torch
+    assert recall_at_k(many_ids[: len(queries)], ids, K) > 0.999 and (few_ids == ids[: len(few_ids)]).all()
+
+
+ORIGINAL = TorchExactIndex.search
+
+
+def test_flat_vectors_only_for_exact_inner_product_flat_indices(data):
+    base = data[0]
+    assert (
+        flat_vectors(build_index(base, IndexConfig(factory="IVF16,Flat", target_recall=None)).index) is None
+    )
+    assert flat_vectors(build_index(base, IndexConfig(factory="SQ8")).index) is None
+    assert flat_vectors(TorchExactIndex(base)) is None
+    l2 = faiss.IndexFlatL2(DIM)
+    l2.add(base)
+    assert (
+        flat_vectors(l2) is None
+    )  # an L2 index ranks by distance, not by the inner product the scan computes
+    assert flat_vectors(faiss.IndexFlatIP(DIM)) is None  # empty
 
 
 # recall@10 thresholds per type on held-out queries; nprobe/efSearch tuned to 0.95 on the data itself
