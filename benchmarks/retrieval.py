@@ -3,8 +3,9 @@
 1. Training step time with retrieval (k neighbours with continuations, cross-attention; the default and the
    variants in STEP_VARIANTS) against the same model without, on an index of --step-segments segments (the
    default corpus' size, since lookup 'search' scans it every step); and the share of the step spent finding
-   the neighbours (prepare(): the online search, or the table lookup, and the token gather). Goal: a step with
-   retrieval <= 1.4x a base step.
+   the neighbours (prepare(): the online search, or the table lookup, and the token gather); a step before
+   the first index (the warm start, or warm_start none); and one step's online search, faiss's flat search
+   against the torch scan the retriever uses. Goal: a step with retrieval <= 1.4x a base step.
 2. Rebuild time against corpus size, with the neighbour table (lookup 'table': embed every segment, build the
    index, search it for every segment) and without (lookup 'search': embed and index), and its share of
    training wall-clock under the default schedule (one rebuild every `--interval` steps).
@@ -175,6 +176,7 @@ STEP_VARIANTS = {
     "a key/value head per query head, lookup table": {"kv_heads": None, "lookup": "table"},
     "kv_heads 1, neighbour_grad full, lookup table": {"neighbour_grad": "full", "lookup": "table"},
     "kv_heads 1, no continuations, lookup table": {"continuation": False, "lookup": "table"},
+    "k=1: one neighbour with its continuation, lookup search": {"k": 1},
     "embedder shared 1 block, neighbour_grad full, per-head kv, table": {
         "embedder": "shared",
         "neighbour_grad": "full",
@@ -197,9 +199,16 @@ def step_table(a: argparse.Namespace) -> tuple[str, float]:
     windows = Windows(segments, offsets, np.arange(len(offsets) - 1), a.seq)
     steppers = {"no retrieval": Stepper(model_for(a, False), windows, a.batch)}
     for name, options in STEP_VARIANTS.items():
-        steppers[f"retrieval k={a.k}, {name}"] = Stepper(model_for(a, True, **options), windows, a.batch)
+        label = name if "k" in options else f"retrieval k={a.k}, {name}"
+        steppers[label] = Stepper(model_for(a, True, **options), windows, a.batch)
     for s in list(steppers.values())[1:]:
         s.model.plugins["retrieval"].use_memory(rebuild(s.model, segments, a))
+    # before the first index: the warm start's neighbours (the document's own past), or none at all
+    for name, warm in (("warm start (the default)", "recent"), ("warm_start none: no retrieval yet", "none")):
+        s = steppers[f"retrieval k={a.k}, before the first index, {name}"] = Stepper(
+            model_for(a, True, warm_start=warm), windows, a.batch
+        )
+        s.model.plugins["retrieval"].use_segments(segments)
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for s in steppers.values():
         s.time(2)  # warm-up
@@ -237,7 +246,9 @@ def search_rows(a: argparse.Namespace, memory, base_s: float) -> list[list]:
     q = as_unit_float32(np.random.default_rng(1).standard_normal((n_q, memory.index.index.d)))
     searches = {
         "faiss IndexFlat.search": lambda: memory.index.index.search(q, fetch),
-        "torch scan (search_index, as the retriever searches)": lambda: search_index(memory.index, q, fetch),
+        "search_index, as the retriever searches (a torch scan of 16-512 queries)": lambda: search_index(
+            memory.index, q, fetch
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in searches}
     for fn in searches.values():

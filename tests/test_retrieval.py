@@ -691,6 +691,9 @@ def test_benchmark_script_smoke(capsys):
     for row in (
         "| no retrieval |",
         "| finding the neighbours (prepare)",
+        "| retrieval k=2, before the first index, warm start (the default) |",
+        "| k=1: one neighbour with its continuation, lookup search |",
+        "| online search of one step (4 queries, top 12 of ",
         "| 40 | embed, index, table |",
         "| 40 | embed, index (lookup search) |",
         "| background rebuild",
