@@ -399,6 +399,33 @@ def test_first_segment_uses_previous_segment_or_nothing(corpus):
 # ----- gradients -----
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_relevance_bias_trains_beta_only_when_a_chunk_has_neighbours_to_rank(corpus, k):
+    """With one neighbour every key of a chunk gets the same bias beta * cos, which the softmax cancels: beta's
+    gradient is zero (and k=1 warns); with two it ranks them and beta learns."""
+    segments, windows = corpus
+    if k == 1:
+        with pytest.warns(UserWarning, match="k=1: every key of a chunk"):
+            model = tiny_model(k=k)
+    else:
+        model = tiny_model(k=k)
+    attach_memory(model, segments, np.arange(10))
+    batch = windows.collate([1, 2, 4])
+    ctx = context(model, batch, "train")
+    assert ctx.extras["retrieval"].valid.any()
+    out = model(batch["tokens"], ctx)
+    torch.nn.functional.cross_entropy(
+        out.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100
+    ).backward()
+    xattn = model.blocks[1].cross_attn
+    assert xattn.q.weight.grad.abs().sum() > 0  # the cross-attention itself trains either way
+    if k == 1:
+        # zero up to rounding (3e-11 here), five orders below k=2's gradient on the same batch (8e-6)
+        torch.testing.assert_close(xattn.beta.grad, torch.zeros_like(xattn.beta), atol=1e-9, rtol=0)
+    else:
+        assert xattn.beta.grad.abs() > 1e-6
+
+
 def test_lm_loss_trains_the_shared_embedder_through_retrieval_neighbour_grad(corpus):
     """neighbour_grad: embedding rows of tokens that occur only in neighbours (never in the batch) get gradient
     from the LM loss."""

@@ -87,6 +87,7 @@ def make_module(retrieval: dict | None, seed: int = 0) -> LMModule:
                 "warm_start": "none",
                 "zero_init": False,  # the trajectories measured in the docstrings started from a random projection
                 "lookup": "table",  # these tests read the table (hit rates, resume); 'search' has its own
+                "k": 2,  # the hit rates and trajectories below were measured with two neighbours
                 **retrieval,
             }
         }
