@@ -197,7 +197,7 @@ class RetrievalConfig:
                 "retrieval.k=1: every key of a chunk belongs to its one neighbour and gets the same relevance "
                 "bias beta * cos(e(S_t), e(z)), which the softmax cancels, so beta and the embedder learn nothing "
                 "through it (the index is still searched with the current embedder); k >= 2 trains them (MARGE)",
-                stacklevel=2,
+                stacklevel=3,  # the caller of RetrievalConfig(...), past the dataclass's __init__
             )
         if self.embedder not in EMBEDDERS:
             raise ValueError(f"retrieval.embedder={self.embedder!r}; accepted: {list(EMBEDDERS)}")
