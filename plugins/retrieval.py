@@ -66,8 +66,8 @@ class RetrievalConfig:
     k: int = 2
     """Neighbours per segment. k=1 halves the cross-attention's keys and reached the same loss on the default
     corpus (300 steps, six seeds: 4.529 +- 0.014 against 4.533 +- 0.023), but its relevance bias is the same on
-    every key of a chunk and the softmax cancels it: beta stayed at 1.000 and the embedder learns only as the
-    LM's token embeddings (a warning says so). k >= 2 keeps MARGE's joint training of the retriever."""
+    every key of a chunk and the softmax cancels it: beta stayed at 1.000, and the token embedder learns only as
+    the LM's embeddings (a warning says so). k >= 2 keeps MARGE's joint training of the retriever."""
     continuation: bool = True
     """Each neighbour brings its document's next segment too (keys/values of 2L tokens per neighbour)."""
     embedder: str = "tokens"
