@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
+from cli_helpers import CONFIGS, DDP_2CPU, REPO, column, fit_args, read_metrics, run_rlm
 
 RUN = "runs/test/version_0"
 FAST = """
@@ -138,3 +138,27 @@ def assert_complete_unit_vectors(path) -> None:
     rows_ids = np.load(path / "rows.npy")
     assert len(vectors) == len(rows_ids) and np.isfinite(vectors).all()
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+
+
+def test_fit_time_benchmark_smoke(tmp_path, rlm_cache, monkeypatch):
+    """benchmarks/retrieval_fit.py runs `rlm fit` with and without retrieval, each retrieval run building its one
+    index, and prints every variant's ratio to the base run."""
+    import importlib.util
+
+    path = REPO / "benchmarks" / "retrieval_fit.py"
+    spec = importlib.util.spec_from_file_location("bench_retrieval_fit", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("RLM_CACHE", str(rlm_cache))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    configs = [CONFIGS / "default.yaml", CONFIGS / "data" / "tiny.yaml", CONFIGS / "model" / "tiny.yaml"]
+    out = bench.main(["--steps", "4", "--index-at", "2", "--rounds", "1", "--config", *map(str, configs)])
+    for row in (
+        "| no retrieval | ",
+        "| retrieval as shipped (k=2, no continuations) |",
+        "| retrieval with continuations |",
+    ):
+        assert row in out
+    assert "4 steps, one blocking index build at step 2" in out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--steps", "4", "--index-at", "4"])
