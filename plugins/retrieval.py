@@ -64,12 +64,19 @@ class RetrievalConfig:
     layers: list[int] = field(default_factory=lambda: [-1])
     """Layers that get a cross-attention to the neighbours (with embedder 'shared', above its blocks)."""
     k: int = 2
-    """Neighbours per segment. k=1 halves the cross-attention's keys and reached the same loss on the default
-    corpus (300 steps, six seeds: 4.529 +- 0.014 against 4.533 +- 0.023), but its relevance bias is the same on
-    every key of a chunk and the softmax cancels it: beta stayed at 1.000, and the token embedder learns only as
-    the LM's embeddings (a warning says so). k >= 2 keeps MARGE's joint training of the retriever."""
-    continuation: bool = True
-    """Each neighbour brings its document's next segment too (keys/values of 2L tokens per neighbour)."""
+    """Neighbours per segment. With k=1 the relevance bias is the same on every key of a chunk and the softmax
+    cancels it: beta stays at 1.000 and the token embedder learns only as the LM's embeddings (a warning says
+    so); k >= 2 keeps MARGE's joint training of the retriever. Measured on the default corpus (300 steps, six
+    seeds, val loss, with continuations): k=1 4.529 +- 0.014, k=2 4.533 +- 0.023; k=2 without continuations (as
+    many keys as k=1 with them, the default) 4.514 +- 0.023."""
+    continuation: bool = False
+    """Each neighbour brings its document's next segment too (keys/values of 2L tokens per neighbour, as RETRO's
+    chunk and continuation, Borgeaud et al. 2022). Off by default: Komatsuzaki's causal MARGE conditions S_{t+1}
+    on the neighbours of S_t alone. Measured on the default corpus (300 steps, six seeds, val loss, k=2): without
+    continuations 4.514 +- 0.023 against 4.533 +- 0.023 with them (paired -0.019 +- 0.034), at 1.11x a base step
+    against 1.20x (benchmarks/retrieval.py --clock cpu), with beta trained to 1.08-1.11 either way. With
+    continuations a neighbour similar to S_t brings the segment after it, which is what a near-copy of the
+    document (the synthetic partner task of tests/test_retrieval_training.py) needs."""
     embedder: str = "tokens"
     """'tokens' (default): the LM's token embeddings alone, each token's state beside its predecessor's, e(.) their
     mean (TokenEncoder; no block runs over the neighbours, so MARGE's full joint training costs table lookups);

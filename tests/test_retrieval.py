@@ -720,6 +720,8 @@ def test_benchmark_script_smoke(capsys):
         "| finding the neighbours (prepare)",
         "| retrieval k=2, before the first index, warm start (the default) |",
         "| k=1: one neighbour with its continuation, lookup search |",
+        "| retrieval k=2, with continuations (each neighbour and its next segment: 2x the keys), lookup search |",
+        "step ratio, retrieval k=2, with continuations",
         "| online search of one step (4 queries, top 12 of ",
         "| 40 | embed, index, table |",
         "| 40 | embed, index (lookup search) |",

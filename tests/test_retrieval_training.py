@@ -88,6 +88,8 @@ def make_module(retrieval: dict | None, seed: int = 0) -> LMModule:
                 "zero_init": False,  # the trajectories measured in the docstrings started from a random projection
                 "lookup": "table",  # these tests read the table (hit rates, resume); 'search' has its own
                 "k": 2,  # the hit rates and trajectories below were measured with two neighbours
+                # and their continuations: the partner's segment like S_t brings the one that predicts S_{t+1}
+                "continuation": True,
                 **retrieval,
             }
         }
