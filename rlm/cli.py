@@ -49,14 +49,19 @@ def run_lightning(command: str, args: list[str]) -> int:
         merged = with_checkpoint_settings(merged, rest)
     # The merged config travels as YAML text (jsonargparse reads a --config value that is not a file as YAML):
     # no temporary file to leave behind when the process is killed.
-    RLMCLI(
-        LMModule,
-        RLMDataModule,
-        args=[command, *(["--config", config_text(merged)] if merged else []), *rest],
-        parser_kwargs={"parser_mode": "omegaconf"},
-        save_config_kwargs={"overwrite": True},
-        seed_everything_default=0,
-    )
+    from rlm.strategy import release_process_group
+
+    try:
+        RLMCLI(
+            LMModule,
+            RLMDataModule,
+            args=[command, *(["--config", config_text(merged)] if merged else []), *rest],
+            parser_kwargs={"parser_mode": "omegaconf"},
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,
+        )
+    finally:  # joins gloo's worker threads before Python finalizes (see release_process_group)
+        release_process_group()
     return 0
 
 

@@ -66,3 +66,20 @@ def prepare_trainer(trainer: Any) -> None:
     """Check the strategy and resolve ``devices`` in a parsed ``trainer`` config (a jsonargparse Namespace)."""
     check_strategy(trainer.strategy)
     trainer.devices = resolve_devices(trainer.strategy, trainer.accelerator, trainer.devices)
+
+
+def release_process_group() -> None:
+    """Destroy the default process group, if one is up, while the interpreter is still whole.
+
+    Lightning leaves it alive after fit/validate/test. A gloo worker thread then drops the last reference to a
+    finished collective's tensors at any moment; if that happens while Python finalizes, the thread cannot take
+    the GIL to free them, CPython ends the thread with pthread_exit, the forced unwind crosses ``noexcept``
+    gloo code and the process aborts (``terminate called without an active exception``, exit -6) after a run
+    that had finished. Shutting the group down here joins those threads first (core dump of the CI failure:
+    ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
+    ``pthread_exit`` under ``Py_FinalizeEx``).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -61,3 +61,32 @@ def test_ddp_config_starts_two_cpu_processes(tmp_path, rlm_cache):
     out = proc.stdout + proc.stderr
     assert "distributed_backend=gloo" in out and "Starting with 2 processes" in out
     assert read_metrics(tmp_path / "runs/test/version_0")
+
+
+def test_lightning_commands_release_the_process_group(tmp_path, monkeypatch):
+    """`rlm fit|validate|test` shut the process group down before returning, on success and on error, so no
+    gloo worker thread outlives the interpreter (the CI abort at DDP teardown: a worker freeing a collective's
+    tensors during Py_FinalizeEx could not take the GIL and the process died with SIGABRT)."""
+    import torch
+    import torch.distributed as dist
+
+    import rlm.lightning_cli
+    from rlm.cli import run_lightning
+
+    def fake_cli(*args, fail: bool, **kwargs):
+        # what Lightning's DDP leaves behind: an initialised group with a finished collective
+        store = dist.FileStore(str(tmp_path / f"store-{fail}"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        out = [torch.zeros(3)]
+        dist.all_gather(out, torch.ones(3))
+        if fail:
+            raise ValueError("a config check failed")
+
+    for fail in (False, True):
+        monkeypatch.setattr(rlm.lightning_cli, "RLMCLI", lambda *a, fail=fail, **k: fake_cli(fail=fail))
+        if fail:
+            with pytest.raises(ValueError, match="config check"):
+                run_lightning("fit", [])
+        else:
+            assert run_lightning("fit", []) == 0
+        assert not dist.is_initialized()
