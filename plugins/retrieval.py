@@ -15,25 +15,27 @@ Training reads neighbour ids from the table of the last rebuild (index/rebuild.p
 plugin returns); validation and generation search the index online with the current embedder. Until the
 first table lands (it is built at the schedule's first due step), the warm start gives each segment earlier
 segments of its own document (Komatsuzaki 2020, sec. 5.4; RetrievalConfig.warm_start).
+
+This file holds the options (RetrievalConfig) and the plugin, whose methods read as one step: prepare() finds
+the batch's neighbours (_retrieval_neighbours.py), encoded() embeds them once per forward for the
+cross-attention layers (_retrieval_attention.py), and the step logs its metrics and loss groups. The embedders
+are in _retrieval_encoder.py; the index, its neighbour tables and the rebuild callback in rlm.index.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlm.index.build import IndexConfig
 from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule, load_memory_for_search
-from rlm.model.layers import RMSNorm, apply_rope, rope_cache
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
+from rlm.plugins._retrieval_attention import Encoded, RetrievalCrossAttention, encode_neighbours
 from rlm.plugins._retrieval_encoder import (
     REBUILD_DTYPES,
     FrozenEmbedder,
@@ -42,13 +44,33 @@ from rlm.plugins._retrieval_encoder import (
     TokenEncoder,
     config_hash,
     encoder_device,
-    masked_mean_unit,
     resolve_rebuild_dtype,
     weights_hash,
+)
+from rlm.plugins._retrieval_neighbours import (
+    RetrievalInputs,
+    gather_inputs,
+    most_similar,
+    neighbour_tokens,
+    random_neighbours,
+    warm_candidates_of,
 )
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+__all__ = [  # the parts live in _retrieval_*.py; their public names stay importable from here
+    "Encoded",
+    "RetrievalConfig",
+    "RetrievalCrossAttention",
+    "RetrievalInputs",
+    "RetrievalPlugin",
+    "gather_inputs",
+    "most_similar",
+    "neighbour_tokens",
+    "random_neighbours",
+    "warm_candidates_of",
+]
 
 EMBEDDERS = ("shared", "separate", "tokens")
 MODES = ("blocking", "background")
@@ -246,146 +268,6 @@ class RetrievalConfig:
         IndexConfig(factory=self.index_factory, target_recall=self.target_recall, flat_below=self.flat_below)
 
 
-@dataclass
-class Encoded:
-    """The batch's neighbours as the cross-attention layers read them (computed once per forward)."""
-
-    states: Tensor | None
-    """(U, M, De) embedder states of the batch's U distinct neighbours (each encoded once); None with the token
-    embedder, whose states the cross-attention projects from `vocab` and `rows` instead."""
-    index: Tensor
-    """(B*n*k,) row of `states` of each neighbour slot."""
-    key_valid: Tensor
-    """(B*n, k*M) real neighbour tokens of each chunk."""
-    relevance: Tensor
-    """(B*n, k) cos(e(S_t), e(z)) of each chunk's neighbours."""
-    segment_len: int
-    """L."""
-    vocab: Tensor | None = None
-    """Token embedder: (V', d) the embeddings of the distinct token ids among the neighbours."""
-    rows: Tensor | None = None
-    """Token embedder: (U, M) each neighbour token's row of `vocab`."""
-
-    @property
-    def neighbours(self) -> int:
-        """U, the distinct neighbours."""
-        return self.rows.shape[0] if self.states is None else self.states.shape[0]
-
-
-@dataclass
-class RetrievalInputs:
-    """The batch's neighbours (ctx.extras[label]): chunk j of a row holds segment j's queries and neighbours."""
-
-    query_tokens: Tensor
-    """(B, n, L) tokens of the query segment S_{j-1} of each chunk j."""
-    query_mask: Tensor
-    """(B, n, L) real tokens of the query segments."""
-    tokens: Tensor
-    """(B, n, k, M) neighbour tokens (M = L, or 2L with continuations)."""
-    mask: Tensor
-    """(B, n, k, M) real neighbour tokens (False for absent neighbours and continuations)."""
-    valid: Tensor
-    """(B, n, k) whether each neighbour exists."""
-    same_doc: Tensor
-    """(B, n, k) whether the neighbour is from the row's own document (False when unknown)."""
-    ids: Tensor | None = None
-    """(B, n, k) global segment ids of the neighbours (-1: none)."""
-
-
-def _beta_as_vector(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Checkpoints written before beta became shape (1,) hold it as a scalar: load those as (1,)."""
-    beta = state_dict.get(prefix + "beta")
-    if beta is not None and beta.ndim == 0:
-        state_dict[prefix + "beta"] = beta.reshape(1)
-
-
-class RetrievalCrossAttention(nn.Module):
-    """Chunked cross-attention with relevance bias: chunk j's L queries attend to the k*M neighbour tokens."""
-
-    def __init__(self, plugin: RetrievalPlugin, layer: int) -> None:
-        super().__init__()
-        c = plugin.model_config
-        self.layer, self.n_heads, self.head_dim = layer, c.n_heads, c.head_dim
-        self.kv_heads = plugin.config.kv_heads or c.n_heads
-        object.__setattr__(self, "_plugin", plugin)  # unregistered: the plugin owns this module
-        self.q = nn.Linear(c.d_model, c.d_model, bias=False)
-        self.kv_norm = RMSNorm(plugin.encoder.dim, c.norm_eps)
-        self.kv = nn.Linear(plugin.encoder.dim, 2 * self.kv_heads * c.head_dim, bias=False)
-        self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
-        for lin in (self.q, self.kv):
-            nn.init.normal_(lin.weight, 0.0, c.init_std)
-        if plugin.config.zero_init:  # starts as the model without retrieval (RetrievalConfig.zero_init)
-            nn.init.zeros_(self.proj.weight)
-        else:
-            nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
-        # shape (1,), not a scalar: FSDP2 shards every parameter along dim 0 (and refuses 0-d ones)
-        self.beta = nn.Parameter(torch.full((1,), float(plugin.config.beta_init)))
-        self.register_load_state_dict_pre_hook(_beta_as_vector)
-        self.rope_base = c.rope_base
-
-    def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        enc = self._plugin.encoded(ctx)
-        if enc is None:  # no memory yet (before the first table lands, or no index exists): no retrieval
-            return self._plugin.no_retrieval(x, self)
-        key_valid, relevance, L = enc.key_valid, enc.relevance, enc.segment_len  # (B*n, k*M), (B*n, k)
-        B, T, d = x.shape
-        Bn, KM = key_valid.shape
-        n, nk = Bn // B, relevance.shape[1]
-        M = KM // nk
-        h, hs, g = self.n_heads, self.head_dim, self.kv_heads
-        xq = F.pad(x, (0, 0, 0, n * L - T)).reshape(Bn, L, d)  # (B*n, L, d): chunk j = segment j
-        q = self.q(xq).view(Bn, L, h, hs).transpose(1, 2)  # (B*n, h, L, hs)
-        # keys and values once per distinct neighbour, then laid out per chunk
-        U = enc.neighbours
-        kv = self._keys_values(enc).view(U, M, 2, g, hs).permute(2, 0, 3, 1, 4)  # (2, U, g, M, hs)
-        # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
-        # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
-        # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
-        cos, sin = rope_cache(max(M, 2 * L), hs, self.rope_base, device=x.device)
-        q = apply_rope(q, cos[L : 2 * L], sin[L : 2 * L])
-        k = apply_rope(kv[0], cos[:M], sin[:M])  # (U, g, M, hs)
-
-        def per_chunk(t: Tensor) -> Tensor:  # (U, g, M, hs) -> (B*n, g, k*M, hs)
-            return t[enc.index].view(Bn, nk, g, M, hs).transpose(1, 2).reshape(Bn, g, KM, hs)
-
-        k, v = per_chunk(k), per_chunk(kv[1])
-        # query head i reads key/value head i // (h / g): its group's queries side by side, (B*n, g, h/g * L, hs)
-        q = q.reshape(Bn, g, (h // g) * L, hs)
-        # relevance bias beta * cos(e(S_t), e(z)) on every key of neighbour z (MARGE eq. 2)
-        bias = (self.beta * relevance).repeat_interleave(M, dim=1).to(q.dtype)  # (B*n, k*M)
-        rows = key_valid.any(1)  # (B*n,) chunks with at least one key
-        # a chunk with no key at all would be an all -inf row (NaN): give it zeros and zero its output
-        bias = bias.masked_fill(~key_valid & rows[:, None], float("-inf"))
-        attn_mask = bias[:, None, None, :].expand(Bn, g, q.shape[2], KM)  # (B*n, g, h/g * L, k*M)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).view(Bn, h, L, hs)
-        y = y * rows[:, None, None, None].to(y.dtype)
-        y = y.transpose(1, 2).reshape(B, n * L, d)[:, :T]
-        if self.layer == self._plugin.layers[0]:
-            # a copy, not a view: under FSDP the gathered parameter is freed after this block's forward
-            ctx.log(f"{self._plugin.label}/beta", self.beta.detach().squeeze(0).clone())
-        return self.proj(y)
-
-    def _keys_values(self, enc: Encoded) -> Tensor:
-        """kv(kv_norm(states)), (U, M, 2 * kv_heads * head_dim).
-
-        With the token embedder a state s_j = [x_j, x_{j-1}] holds two token embeddings, so (RMSNorm's weight g
-        folded into kv's weight W = [A | B] along its input) kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j),
-        rms(s_j) = sqrt((|x_j|^2 + |x_{j-1}|^2) / 2d + eps): each distinct token id is projected once, not each
-        neighbour token (fewer rows than neighbour tokens whenever ids repeat), and rms is a sum of two norms."""
-        if enc.states is not None:
-            return self.kv(self.kv_norm(enc.states))
-        x, rows = enc.vocab, enc.rows  # (V', d), (U, M)
-        d = x.shape[1]
-        w = self.kv.weight * self.kv_norm.weight  # (2 g hs, 2d)
-        proj = x @ torch.cat([w[:, :d], w[:, d:]], 0).T  # (V', 4 g hs): A x and B x of every distinct id
-        cur, nxt = proj.chunk(2, dim=1)  # the token's own half, and its half as a predecessor
-        prev = F.pad(rows[:, :-1], (1, 0))  # (U, M); position 0 has no predecessor (its state's half is 0)
-        has_prev = (torch.arange(rows.shape[1], device=rows.device) > 0).to(x.dtype)  # (M,)
-        sq = (x * x).sum(-1)  # (V',)
-        ms = (sq[rows] + sq[prev] * has_prev) / (2 * d)  # (U, M) mean square of s_j
-        return (cur[rows] + nxt[prev] * has_prev[:, None]) * torch.rsqrt(ms + self.kv_norm.eps)[..., None]
-
-
 class RetrievalPlugin(Plugin):
     """The retriever: an embedder, cross-attention at chosen layers, and the index rebuild callback."""
 
@@ -454,59 +336,7 @@ class RetrievalPlugin(Plugin):
             )
         ]
 
-    # ----- what the rebuild callback calls (rlm.index.rebuild.MemoryOwner) -----
-
-    def use_memory(self, memory: RetrievalMemory | None) -> None:
-        """Swap in a new index and neighbour table (one reference assignment: atomic for the training loop)."""
-        object.__setattr__(self, "memory", memory)
-
-    def eval_variants(self) -> list[str]:
-        """With eval_ablation: the validation pass with random neighbours."""
-        return [f"{self.label}_random"] if self.config.eval_ablation else []
-
-    def use_segments(self, segments: Any) -> None:
-        """The data's segment table, known at fit start (the warm start reads the documents' past from it)."""
-        object.__setattr__(self, "segments", segments)
-
-    def snapshot(self, step: int) -> FrozenEmbedder:
-        """A frozen copy of the current embedder (rlm.index Embedder protocol)."""
-        return FrozenEmbedder(self.encoder, self.identity(step), self._rebuild_dtype())
-
-    def _rebuild_dtype(self) -> torch.dtype:
-        return resolve_rebuild_dtype(self.config.rebuild_dtype, encoder_device(self.encoder))
-
-    def identity(self, step: int) -> dict[str, Any]:
-        """Which embedder and weights produce the vectors now."""
-        return {
-            "name": f"retrieval/{self.config.embedder}",
-            # the resolved rebuild dtype is hashed with the config ('auto' may mean bfloat16 on one machine only)
-            "config_hash": config_hash(self.config, self.model_config, self._rebuild_dtype()),
-            "weights_hash": weights_hash(self.encoder.weights()),
-            "step": int(step),
-        }
-
-    # ----- per batch -----
-
-    def get_extra_state(self) -> dict[str, Any]:
-        """Checkpointed with the weights: the index directory in use, so validation and generation can search it."""
-        memory = self.memory
-        return {
-            "index_dir": str(memory.path) if memory is not None and memory.path else self._saved_index_dir
-        }
-
-    def set_extra_state(self, state: dict[str, Any]) -> None:
-        self._saved_index_dir = state.get("index_dir")
-
-    def _load_saved_memory(self) -> None:
-        """Outside training (validate, generate) with no callback: load the checkpoint's index once, if it is there."""
-        path, self._saved_index_dir = self._saved_index_dir, None
-        try:
-            self.use_memory(load_memory_for_search(path))
-        except (FileNotFoundError, ValueError) as err:
-            warnings.warn(
-                f"retrieval: cannot load the index {path} named by the checkpoint ({err}); no retrieval",
-                stacklevel=2,
-            )
+    # ----- one step: the batch's neighbours (prepare), the cross-attention's view of them (encoded), metrics -----
 
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
         """Put the batch's query segments and neighbours (ids from the table, or searched online) in ctx.extras."""
@@ -540,6 +370,41 @@ class RetrievalPlugin(Plugin):
         ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
         self._declare_loss_groups(ctx, inputs, seg.segment_len)
 
+    @torch.no_grad()
+    def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        """Online queries (validation, generation), embedded as the index rows were (eval mode, rebuild dtype)."""
+        was = self.encoder.training
+        self.encoder.eval()
+        dtype = self._rebuild_dtype()
+        try:
+            with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
+                return self.encoder.pooled(tokens, mask).float()
+        finally:
+            self.encoder.train(was)
+
+    def encoded(self, ctx: Context) -> Encoded | None:
+        """Neighbour states, key mask, relevance and segment length, computed once per forward and shared by the
+        cross-attention layers."""
+        key = f"{self.label}/encoded"
+        if key not in ctx.extras:
+            inputs: RetrievalInputs | None = ctx.extras.get(self.label)
+            ctx.extras[key] = (
+                None
+                if inputs is None
+                else encode_neighbours(self.encoder, inputs, ctx, self.label, self.config)
+            )
+        return ctx.extras[key]
+
+    def no_retrieval(self, x: Tensor, layer: nn.Module) -> Tensor:
+        """Zeros like x; under autograd, still a function of x and of the layer's and encoder's parameters (times 0),
+        so every parameter gets a (zero) gradient and DDP, which expects all of them each step, keeps working
+        while training waits for the first table."""
+        if not torch.is_grad_enabled():
+            return torch.zeros_like(x)
+        params = [p for m in (layer, self.encoder) for p in m.parameters() if p.requires_grad]
+        # x * 0 also reaches the block's norm in front of the cross-attention
+        return x * 0.0 + 0.0 * sum(p.sum() for p in params).to(x.dtype)
+
     def _declare_loss_groups(self, ctx: Context, inputs: RetrievalInputs | None, L: int) -> None:
         """At evaluation, the tokens of each chunk by where its neighbours come from (ctx.loss_groups, logged as
         val/loss_by/<label>/<group>): own_doc (all from the row's document), other_doc (none from it), mixed, none."""
@@ -564,256 +429,56 @@ class RetrievalPlugin(Plugin):
         for name, mask in groups.items():
             ctx.loss_groups[f"{p}/{name}"] = mask
 
-    @torch.no_grad()
-    def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        """Online queries (validation, generation), embedded as the index rows were (eval mode, rebuild dtype)."""
-        was = self.encoder.training
-        self.encoder.eval()
-        dtype = self._rebuild_dtype()
+    # ----- what the rebuild callback calls (rlm.index.rebuild.MemoryOwner) -----
+
+    def use_memory(self, memory: RetrievalMemory | None) -> None:
+        """Swap in a new index and neighbour table (one reference assignment: atomic for the training loop)."""
+        object.__setattr__(self, "memory", memory)
+
+    def eval_variants(self) -> list[str]:
+        """With eval_ablation: the validation pass with random neighbours."""
+        return [f"{self.label}_random"] if self.config.eval_ablation else []
+
+    def use_segments(self, segments: Any) -> None:
+        """The data's segment table, known at fit start (the warm start reads the documents' past from it)."""
+        object.__setattr__(self, "segments", segments)
+
+    def snapshot(self, step: int) -> FrozenEmbedder:
+        """A frozen copy of the current embedder (rlm.index Embedder protocol)."""
+        return FrozenEmbedder(self.encoder, self.identity(step), self._rebuild_dtype())
+
+    def _rebuild_dtype(self) -> torch.dtype:
+        return resolve_rebuild_dtype(self.config.rebuild_dtype, encoder_device(self.encoder))
+
+    def identity(self, step: int) -> dict[str, Any]:
+        """Which embedder and weights produce the vectors now."""
+        return {
+            "name": f"retrieval/{self.config.embedder}",
+            # the resolved rebuild dtype is hashed with the config ('auto' may mean bfloat16 on one machine only)
+            "config_hash": config_hash(self.config, self.model_config, self._rebuild_dtype()),
+            "weights_hash": weights_hash(self.encoder.weights()),
+            "step": int(step),
+        }
+
+    # ----- checkpoint -----
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Checkpointed with the weights: the index directory in use, so validation and generation can search it."""
+        memory = self.memory
+        return {
+            "index_dir": str(memory.path) if memory is not None and memory.path else self._saved_index_dir
+        }
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self._saved_index_dir = state.get("index_dir")
+
+    def _load_saved_memory(self) -> None:
+        """Outside training (validate, generate) with no callback: load the checkpoint's index once, if it is there."""
+        path, self._saved_index_dir = self._saved_index_dir, None
         try:
-            with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
-                return self.encoder.pooled(tokens, mask).float()
-        finally:
-            self.encoder.train(was)
-
-    def no_retrieval(self, x: Tensor, layer: nn.Module) -> Tensor:
-        """Zeros like x; under autograd, still a function of x and of the layer's and encoder's parameters (times 0),
-        so every parameter gets a (zero) gradient and DDP, which expects all of them each step, keeps working
-        while training waits for the first table."""
-        if not torch.is_grad_enabled():
-            return torch.zeros_like(x)
-        params = [p for m in (layer, self.encoder) for p in m.parameters() if p.requires_grad]
-        # x * 0 also reaches the block's norm in front of the cross-attention
-        return x * 0.0 + 0.0 * sum(p.sum() for p in params).to(x.dtype)
-
-    def encoded(self, ctx: Context) -> Encoded | None:
-        """Neighbour states, key mask, relevance and segment length, computed once per forward and shared by the
-        cross-attention layers."""
-        key = f"{self.label}/encoded"
-        if key not in ctx.extras:
-            inputs: RetrievalInputs | None = ctx.extras.get(self.label)
-            ctx.extras[key] = None if inputs is None else self._encode(inputs, ctx)
-        return ctx.extras[key]
-
-    def _encode(self, inp: RetrievalInputs, ctx: Context) -> Encoded:
-        B, n, k, M = inp.tokens.shape
-        L = inp.query_tokens.shape[-1]
-        _, e_query = self.encoder(
-            inp.query_tokens.reshape(B * n, L), inp.query_mask.reshape(B * n, L)
-        )  # (B*n, D), with gradients: the embedder's path from the LM loss
-        tokens, mask = inp.tokens.reshape(B * n * k, M), inp.mask.reshape(B * n * k, M)
-        if inp.ids is not None:  # a neighbour's tokens follow from its id: encode each distinct one once
-            ids = inp.ids.reshape(-1)
-            uniq, index = torch.unique(ids, return_inverse=True)  # (U,), (B*n*k,)
-            slots = torch.arange(len(ids), device=ids.device)
-            first = torch.full_like(uniq, len(ids)).scatter_reduce(0, index, slots, "amin")  # (U,)
-            tokens, mask = tokens[first], mask[first]
-        else:
-            index = torch.arange(B * n * k, device=tokens.device)
-        mode = self.config.neighbour_grad if torch.is_grad_enabled() else "none"
-        if isinstance(self.encoder, TokenEncoder):
-            # no blocks: each distinct token id embedded once; the cross-attention projects from these
-            # ('embedding' is 'full' here: the token embeddings are the whole encoder)
-            with torch.set_grad_enabled(mode != "none"):
-                vocab, rows = self.encoder.distinct(tokens)  # (V', d), (U, M)
-                e_nb = masked_mean_unit(vocab[rows[:, :L]], mask[:, :L])  # (U, D), as TokenEncoder.forward
-            return self._encoded(inp, ctx, e_query, e_nb, index, None, L, vocab.float(), rows)
-        grad = mode == "full"
-        low = torch.float32 if grad else resolve_rebuild_dtype(self.config.neighbour_dtype, tokens.device)
-        with (
-            torch.set_grad_enabled(grad),
-            torch.autocast(tokens.device.type, low, enabled=low != torch.float32),
-        ):
-            states, e_nb = self.encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
-        states = states.float()
-        if (
-            mode == "embedding"
-        ):  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
-            x0 = self.encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
-            states = states + (x0 - x0.detach())
-        return self._encoded(inp, ctx, e_query, e_nb, index, states, L)
-
-    def _encoded(self, inp, ctx, e_query, e_nb, index, states, L, vocab=None, rows=None) -> Encoded:
-        """Relevance cos(e(S_t), e(z)) of each chunk's neighbours, the coverage logs, and the Encoded record."""
-        B, n, k, M = inp.tokens.shape
-        e_nb = e_nb[index]  # (B*n*k, D)
-        relevance = (e_query.unsqueeze(1) * e_nb.view(B * n, k, -1)).sum(-1)  # (B*n, k) cosine
-        valid = inp.valid.reshape(B * n, k)
-        if valid.any():
-            ctx.log(f"{self.label}/relevance", relevance.detach()[valid].mean())
-            ctx.log(f"{self.label}/same_doc", inp.same_doc.reshape(B * n, k)[valid].float().mean())
-        ctx.log(f"{self.label}/coverage", valid.any(1).float().mean())
-        return Encoded(states, index, inp.mask.reshape(B * n, k * M), relevance, L, vocab, rows)
-
-
-def gather_inputs(
-    memory: RetrievalMemory | None,
-    batch: dict[str, Any],
-    k: int,
-    continuation: bool,
-    online: bool,
-    embed,
-    segments: Any = None,
-    warm_k: int = 0,
-    warm: str = "recent",
-    warm_candidates: int = 16,
-    randomise: bool = False,
-) -> RetrievalInputs:
-    """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs): the first k - warm_k
-    from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours)."""
-    seg = memory.segments if memory is not None else segments
-    L = seg.segment_len
-    tokens = batch["tokens"]
-    device = tokens.device
-    B, T = tokens.shape
-    n = -(-T // L)
-    mask = batch.get("mask")
-    mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.bool()
-    chunks = F.pad(tokens, (0, n * L - T), value=seg.pad_id).view(B, n, L)
-    chunk_mask = F.pad(mask, (0, n * L - T), value=False).view(B, n, L)
-    # chunk j's query is segment j-1 of the window; chunk 0's is the document's previous segment, if any
-    prev = np.full(B, -1, dtype=np.int64)
-    seg_ids = batch.get("segment_ids")
-    if seg_ids is not None and batch.get("starts") is not None:
-        first = seg_ids[:, 0].cpu().numpy()
-        prev = np.where((batch["starts"].cpu().numpy() > 0) & (first > 0), first - 1, -1)
-    prev_tokens = torch.from_numpy(seg.tokens(np.maximum(prev, 0))).to(device)  # (B, L)
-    prev_mask = torch.from_numpy(np.arange(L) < seg.length[np.maximum(prev, 0)][:, None]).to(device)
-    prev_mask &= torch.from_numpy(prev >= 0).to(device)[:, None]
-    q_tokens = torch.cat([prev_tokens[:, None], chunks[:, :-1]], 1)  # (B, n, L)
-    q_mask = torch.cat([prev_mask[:, None], chunk_mask[:, :-1]], 1)
-    q_valid = q_mask.any(-1).cpu().numpy()  # (B, n)
-    if seg_ids is not None:
-        q_ids = np.concatenate([prev[:, None], seg_ids[:, : n - 1].cpu().numpy()], 1)  # (B, n) global ids
-        q_ids = np.where(q_valid, q_ids, -1)
-    else:
-        q_ids = np.full((B, n), -1, dtype=np.int64)
-    parts = []
-    k_table = k - warm_k if memory is not None else 0
-    if k_table and online:
-        nb = np.full((B * n, k_table), -1, dtype=np.int64)
-        rows = np.flatnonzero(q_valid.reshape(-1))
-        if len(rows):
-            e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
-            nb[rows] = memory.search(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table)
-        elif memory.collective:  # a sharded index searches with every rank: join in with no query
-            memory.search(np.zeros((0, 0), dtype=np.float32), rows, k_table)
-        parts.append(nb.reshape(B, n, k_table))
-    elif k_table:
-        table = memory.neighbours[np.maximum(q_ids, 0), :k_table]
-        parts.append(np.where((q_ids >= 0)[..., None], table, -1))  # (B, n, k_table)
-    if warm_k:
-        window_first = seg_ids[:, 0].cpu().numpy()
-        doc_first = (
-            seg.first[batch["doc_ids"].cpu().numpy()]
-            if batch.get("doc_ids") is not None
-            else seg.first[seg.doc[np.maximum(window_first, 0)]]
-        )
-        cands = warm_candidates_of(
-            q_ids, window_first, doc_first, warm_k if warm == "recent" else warm_candidates, continuation
-        )
-        if warm == "similar":
-            cands = most_similar(seg, cands, q_tokens, q_mask, warm_k, embed, window_first)
-        parts.append(cands)
-    nb = np.concatenate(parts, -1)  # (B, n, k)
-    if randomise:
-        nb = random_neighbours(nb, q_ids, seg, memory.rows if memory is not None else None)
-    nb_tokens, nb_mask = neighbour_tokens(seg, nb, continuation)
-    same = np.zeros_like(nb, dtype=bool)
-    if batch.get("doc_ids") is not None:
-        same = (nb >= 0) & (seg.doc[np.maximum(nb, 0)] == batch["doc_ids"].cpu().numpy()[:, None, None])
-    return RetrievalInputs(
-        query_tokens=q_tokens,
-        query_mask=q_mask,
-        tokens=torch.from_numpy(nb_tokens).to(device),
-        mask=torch.from_numpy(nb_mask).to(device),
-        valid=torch.from_numpy(nb >= 0).to(device),
-        same_doc=torch.from_numpy(same).to(device),
-        ids=torch.from_numpy(nb).to(device),
-    )
-
-
-def random_neighbours(nb: np.ndarray, q_ids: np.ndarray, seg, pool: np.ndarray | None) -> np.ndarray:
-    """The ablation: every present neighbour (B, n, k) replaced by a random segment of the pool (None: all
-    segments) from another document than its query's (so never the query's future); seeded by the query ids,
-    so a batch always gets the same ones."""
-    rng = np.random.default_rng(np.abs(q_ids).ravel().tolist() or [0])
-    pool = np.arange(len(seg)) if pool is None else pool
-    q_doc = np.where(q_ids >= 0, seg.doc[np.maximum(q_ids, 0)], -1)[..., None]  # (B, n, 1)
-    out = pool[rng.integers(0, len(pool), size=nb.shape)]
-    for _ in range(8):  # redraw those that landed in the query's own document
-        clash = seg.doc[out] == q_doc
-        if not clash.any():
-            break
-        out[clash] = pool[rng.integers(0, len(pool), size=int(clash.sum()))]
-    return np.where((nb >= 0) & (seg.doc[out] != q_doc), out, -1)
-
-
-def warm_candidates_of(
-    q_ids: np.ndarray, window_first: np.ndarray, doc_first: np.ndarray, c: int, continuation: bool = False
-) -> np.ndarray:
-    """(B, n, c) earlier segments of each query's own document, best first (-1 pads): those before the attention
-    window, most recent first, then those inside it, most recent first. Every z < q (the query S_t), so z and its
-    continuation z + 1 <= S_t never reach the target segment S_{t+1}.
-
-    With continuation (each neighbour brings z + 1), the segments before the window come every other one first,
-    before-2, before-4, ..., so the picks and their continuations cover before-1, before-2, before-3, ... once each
-    (the plain order would repeat before-1 as the second pick and bring the window's own first segment as the
-    first pick's continuation); the skipped before-1, before-3, ... follow, then the window.
-
-    q_ids (B, n) global query ids (-1: none); window_first (B,) the window's first segment; doc_first (B,) the
-    document's first segment."""
-    q = q_ids[..., None]  # (B, n, 1)
-    w0, d0 = window_first[:, None, None], doc_first[:, None, None]  # (B, 1, 1)
-    r = np.arange(c)  # (c,) rank of the pick
-    before = np.minimum(w0, q)  # candidates before the window: before-1, before-2, ..., d0
-    n_out = np.maximum(before - d0, 0)  # (B, n, 1)
-    if continuation:
-        even = n_out // 2  # before-2, before-4, ..., before-2*even (>= d0), then before-1, before-3, ...
-        out = np.where(r < even, before - 2 - 2 * r, before - 1 - 2 * (r - even))
-    else:
-        out = before - 1 - r
-    inside = q - 1 - (r - n_out)  # then q-1, q-2, ..., w0
-    z = np.where(r < n_out, out, np.where(inside >= w0, inside, -1))
-    return np.where(q >= 0, z, -1).astype(np.int64)
-
-
-def most_similar(
-    seg, cands: np.ndarray, q_tokens: Tensor, q_mask: Tensor, k: int, embed, window_first: np.ndarray
-) -> np.ndarray:
-    """(B, n, k) of the candidates (B, n, c): those before the window first, then by cosine to the query's e(S_t)
-    under the current embedder (embed: no-grad tokens, mask -> unit vectors), each distinct candidate embedded once."""
-    B, n, c = cands.shape
-    L = seg.segment_len
-    ids, inverse = np.unique(np.maximum(cands, 0), return_inverse=True)
-    device = q_tokens.device
-    e_c = embed(
-        torch.from_numpy(seg.tokens(ids)).to(device),
-        torch.from_numpy(np.arange(L) < seg.length[ids][:, None]).to(device),
-    )  # (U, D)
-    e_q = embed(q_tokens.reshape(B * n, L), q_mask.reshape(B * n, L)).view(B, n, 1, -1)  # (B, n, 1, D)
-    cos = (
-        (e_q * e_c[torch.from_numpy(inverse.reshape(-1)).to(device)].view(B, n, c, -1)).sum(-1).cpu().numpy()
-    )
-    score = cos + 4.0 * (cands < window_first[:, None, None])  # before the window first (cos is in [-1, 1])
-    score = np.where(cands >= 0, score, -np.inf)
-    order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
-    return np.where(np.take_along_axis(score, order, -1) > -np.inf, np.take_along_axis(cands, order, -1), -1)
-
-
-def neighbour_tokens(seg, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(..., M) tokens and real-token mask of neighbour ids nb (...), -1 = absent; M = L or 2L."""
-    L = seg.segment_len
-    flat = nb.reshape(-1)
-    safe = np.maximum(flat, 0)
-    cols = np.arange(L)
-    toks = seg.tokens(safe)  # (N, L)
-    mask = (cols < seg.length[safe][:, None]) & (flat >= 0)[:, None]
-    if continuation:
-        nxt = safe + 1
-        has = (flat >= 0) & (nxt < len(seg)) & (seg.doc[np.minimum(nxt, len(seg) - 1)] == seg.doc[safe])
-        nxt = np.where(has, nxt, 0)
-        toks = np.concatenate([toks, seg.tokens(nxt)], 1)
-        mask = np.concatenate([mask, (cols < seg.length[nxt][:, None]) & has[:, None]], 1)
-    M = toks.shape[1]
-    return toks.reshape(*nb.shape, M), mask.reshape(*nb.shape, M)
+            self.use_memory(load_memory_for_search(path))
+        except (FileNotFoundError, ValueError) as err:
+            warnings.warn(
+                f"retrieval: cannot load the index {path} named by the checkpoint ({err}); no retrieval",
+                stacklevel=2,
+            )

@@ -1,0 +1,210 @@
+"""The retriever's chunked cross-attention with MARGE's relevance bias (Lewis et al. 2020, eq. 2, as adapted by
+Komatsuzaki 2020): the tokens of chunk j (segment S_{t+1}) attend to the tokens of the k neighbours of S_t, with
+
+    logit(i, j in z) = q_i . k_j / sqrt(h) + beta * cos(e(S_t), e(z))      beta trainable, per layer
+
+One job: from the batch's RetrievalInputs, encode the neighbours once per forward (encode_neighbours: their
+states and the relevance cos(e(S_t), e(z)), shared by every cross-attention layer), and attend to them
+(RetrievalCrossAttention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlm.model.layers import RMSNorm, apply_rope, rope_cache
+from rlm.plugin import Context
+from rlm.plugins._retrieval_encoder import (
+    SegmentEncoder,
+    TokenEncoder,
+    masked_mean_unit,
+    resolve_rebuild_dtype,
+)
+
+if TYPE_CHECKING:
+    from rlm.plugins._retrieval_neighbours import RetrievalInputs
+    from rlm.plugins.retrieval import RetrievalConfig, RetrievalPlugin
+
+
+@dataclass
+class Encoded:
+    """The batch's neighbours as the cross-attention layers read them (computed once per forward)."""
+
+    states: Tensor | None
+    """(U, M, De) embedder states of the batch's U distinct neighbours (each encoded once); None with the token
+    embedder, whose states the cross-attention projects from `vocab` and `rows` instead."""
+    index: Tensor
+    """(B*n*k,) row of `states` of each neighbour slot."""
+    key_valid: Tensor
+    """(B*n, k*M) real neighbour tokens of each chunk."""
+    relevance: Tensor
+    """(B*n, k) cos(e(S_t), e(z)) of each chunk's neighbours."""
+    segment_len: int
+    """L."""
+    vocab: Tensor | None = None
+    """Token embedder: (V', d) the embeddings of the distinct token ids among the neighbours."""
+    rows: Tensor | None = None
+    """Token embedder: (U, M) each neighbour token's row of `vocab`."""
+
+    @property
+    def neighbours(self) -> int:
+        """U, the distinct neighbours."""
+        return self.rows.shape[0] if self.states is None else self.states.shape[0]
+
+
+def encode_neighbours(
+    encoder: SegmentEncoder,
+    inp: RetrievalInputs,
+    ctx: Context,
+    label: str,
+    config: RetrievalConfig,
+) -> Encoded:
+    """The Encoded record of the batch's neighbours: e(S_t) with gradients, each distinct neighbour encoded
+    once, as config.neighbour_grad and config.neighbour_dtype say."""
+    B, n, k, M = inp.tokens.shape
+    L = inp.query_tokens.shape[-1]
+    _, e_query = encoder(
+        inp.query_tokens.reshape(B * n, L), inp.query_mask.reshape(B * n, L)
+    )  # (B*n, D), with gradients: the embedder's path from the LM loss
+    tokens, mask = inp.tokens.reshape(B * n * k, M), inp.mask.reshape(B * n * k, M)
+    if inp.ids is not None:  # a neighbour's tokens follow from its id: encode each distinct one once
+        ids = inp.ids.reshape(-1)
+        uniq, index = torch.unique(ids, return_inverse=True)  # (U,), (B*n*k,)
+        slots = torch.arange(len(ids), device=ids.device)
+        first = torch.full_like(uniq, len(ids)).scatter_reduce(0, index, slots, "amin")  # (U,)
+        tokens, mask = tokens[first], mask[first]
+    else:
+        index = torch.arange(B * n * k, device=tokens.device)
+    mode = config.neighbour_grad if torch.is_grad_enabled() else "none"
+    if isinstance(encoder, TokenEncoder):
+        # no blocks: each distinct token id embedded once; the cross-attention projects from these
+        # ('embedding' is 'full' here: the token embeddings are the whole encoder)
+        with torch.set_grad_enabled(mode != "none"):
+            vocab, rows = encoder.distinct(tokens)  # (V', d), (U, M)
+            e_nb = masked_mean_unit(vocab[rows[:, :L]], mask[:, :L])  # (U, D), as TokenEncoder.forward
+        return _encoded(inp, ctx, label, e_query, e_nb, index, None, L, vocab.float(), rows)
+    grad = mode == "full"
+    low = torch.float32 if grad else resolve_rebuild_dtype(config.neighbour_dtype, tokens.device)
+    with (
+        torch.set_grad_enabled(grad),
+        torch.autocast(tokens.device.type, low, enabled=low != torch.float32),
+    ):
+        states, e_nb = encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
+    states = states.float()
+    if mode == "embedding":  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
+        x0 = encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
+        states = states + (x0 - x0.detach())
+    return _encoded(inp, ctx, label, e_query, e_nb, index, states, L)
+
+
+def _encoded(inp, ctx, label, e_query, e_nb, index, states, L, vocab=None, rows=None) -> Encoded:
+    """Relevance cos(e(S_t), e(z)) of each chunk's neighbours, the coverage logs, and the Encoded record."""
+    B, n, k, M = inp.tokens.shape
+    e_nb = e_nb[index]  # (B*n*k, D)
+    relevance = (e_query.unsqueeze(1) * e_nb.view(B * n, k, -1)).sum(-1)  # (B*n, k) cosine
+    valid = inp.valid.reshape(B * n, k)
+    if valid.any():
+        ctx.log(f"{label}/relevance", relevance.detach()[valid].mean())
+        ctx.log(f"{label}/same_doc", inp.same_doc.reshape(B * n, k)[valid].float().mean())
+    ctx.log(f"{label}/coverage", valid.any(1).float().mean())
+    return Encoded(states, index, inp.mask.reshape(B * n, k * M), relevance, L, vocab, rows)
+
+
+def _beta_as_vector(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Checkpoints written before beta became shape (1,) hold it as a scalar: load those as (1,)."""
+    beta = state_dict.get(prefix + "beta")
+    if beta is not None and beta.ndim == 0:
+        state_dict[prefix + "beta"] = beta.reshape(1)
+
+
+class RetrievalCrossAttention(nn.Module):
+    """Chunked cross-attention with relevance bias: chunk j's L queries attend to the k*M neighbour tokens."""
+
+    def __init__(self, plugin: RetrievalPlugin, layer: int) -> None:
+        super().__init__()
+        c = plugin.model_config
+        self.layer, self.n_heads, self.head_dim = layer, c.n_heads, c.head_dim
+        self.kv_heads = plugin.config.kv_heads or c.n_heads
+        object.__setattr__(self, "_plugin", plugin)  # unregistered: the plugin owns this module
+        self.q = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.kv_norm = RMSNorm(plugin.encoder.dim, c.norm_eps)
+        self.kv = nn.Linear(plugin.encoder.dim, 2 * self.kv_heads * c.head_dim, bias=False)
+        self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
+        for lin in (self.q, self.kv):
+            nn.init.normal_(lin.weight, 0.0, c.init_std)
+        if plugin.config.zero_init:  # starts as the model without retrieval (RetrievalConfig.zero_init)
+            nn.init.zeros_(self.proj.weight)
+        else:
+            nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
+        # shape (1,), not a scalar: FSDP2 shards every parameter along dim 0 (and refuses 0-d ones)
+        self.beta = nn.Parameter(torch.full((1,), float(plugin.config.beta_init)))
+        self.register_load_state_dict_pre_hook(_beta_as_vector)
+        self.rope_base = c.rope_base
+
+    def forward(self, x: Tensor, ctx: Context) -> Tensor:
+        enc = self._plugin.encoded(ctx)
+        if enc is None:  # no memory yet (before the first table lands, or no index exists): no retrieval
+            return self._plugin.no_retrieval(x, self)
+        key_valid, relevance, L = enc.key_valid, enc.relevance, enc.segment_len  # (B*n, k*M), (B*n, k)
+        B, T, d = x.shape
+        Bn, KM = key_valid.shape
+        n, nk = Bn // B, relevance.shape[1]
+        M = KM // nk
+        h, hs, g = self.n_heads, self.head_dim, self.kv_heads
+        xq = F.pad(x, (0, 0, 0, n * L - T)).reshape(Bn, L, d)  # (B*n, L, d): chunk j = segment j
+        q = self.q(xq).view(Bn, L, h, hs).transpose(1, 2)  # (B*n, h, L, hs)
+        # keys and values once per distinct neighbour, then laid out per chunk
+        U = enc.neighbours
+        kv = self._keys_values(enc).view(U, M, 2, g, hs).permute(2, 0, 3, 1, 4)  # (2, U, g, M, hs)
+        # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
+        # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
+        # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
+        cos, sin = rope_cache(max(M, 2 * L), hs, self.rope_base, device=x.device)
+        q = apply_rope(q, cos[L : 2 * L], sin[L : 2 * L])
+        k = apply_rope(kv[0], cos[:M], sin[:M])  # (U, g, M, hs)
+
+        def per_chunk(t: Tensor) -> Tensor:  # (U, g, M, hs) -> (B*n, g, k*M, hs)
+            return t[enc.index].view(Bn, nk, g, M, hs).transpose(1, 2).reshape(Bn, g, KM, hs)
+
+        k, v = per_chunk(k), per_chunk(kv[1])
+        # query head i reads key/value head i // (h / g): its group's queries side by side, (B*n, g, h/g * L, hs)
+        q = q.reshape(Bn, g, (h // g) * L, hs)
+        # relevance bias beta * cos(e(S_t), e(z)) on every key of neighbour z (MARGE eq. 2)
+        bias = (self.beta * relevance).repeat_interleave(M, dim=1).to(q.dtype)  # (B*n, k*M)
+        rows = key_valid.any(1)  # (B*n,) chunks with at least one key
+        # a chunk with no key at all would be an all -inf row (NaN): give it zeros and zero its output
+        bias = bias.masked_fill(~key_valid & rows[:, None], float("-inf"))
+        attn_mask = bias[:, None, None, :].expand(Bn, g, q.shape[2], KM)  # (B*n, g, h/g * L, k*M)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).view(Bn, h, L, hs)
+        y = y * rows[:, None, None, None].to(y.dtype)
+        y = y.transpose(1, 2).reshape(B, n * L, d)[:, :T]
+        if self.layer == self._plugin.layers[0]:
+            # a copy, not a view: under FSDP the gathered parameter is freed after this block's forward
+            ctx.log(f"{self._plugin.label}/beta", self.beta.detach().squeeze(0).clone())
+        return self.proj(y)
+
+    def _keys_values(self, enc: Encoded) -> Tensor:
+        """kv(kv_norm(states)), (U, M, 2 * kv_heads * head_dim).
+
+        With the token embedder a state s_j = [x_j, x_{j-1}] holds two token embeddings, so (RMSNorm's weight g
+        folded into kv's weight W = [A | B] along its input) kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j),
+        rms(s_j) = sqrt((|x_j|^2 + |x_{j-1}|^2) / 2d + eps): each distinct token id is projected once, not each
+        neighbour token (fewer rows than neighbour tokens whenever ids repeat), and rms is a sum of two norms."""
+        if enc.states is not None:
+            return self.kv(self.kv_norm(enc.states))
+        x, rows = enc.vocab, enc.rows  # (V', d), (U, M)
+        d = x.shape[1]
+        w = self.kv.weight * self.kv_norm.weight  # (2 g hs, 2d)
+        proj = x @ torch.cat([w[:, :d], w[:, d:]], 0).T  # (V', 4 g hs): A x and B x of every distinct id
+        cur, nxt = proj.chunk(2, dim=1)  # the token's own half, and its half as a predecessor
+        prev = F.pad(rows[:, :-1], (1, 0))  # (U, M); position 0 has no predecessor (its state's half is 0)
+        has_prev = (torch.arange(rows.shape[1], device=rows.device) > 0).to(x.dtype)  # (M,)
+        sq = (x * x).sum(-1)  # (V',)
+        ms = (sq[rows] + sq[prev] * has_prev) / (2 * d)  # (U, M) mean square of s_j
+        return (cur[rows] + nxt[prev] * has_prev[:, None]) * torch.rsqrt(ms + self.kv_norm.eps)[..., None]
