@@ -29,12 +29,12 @@ def _load_source(
     import yaml
 
     from rlm.data import RLMDataModule
-    from rlm.lightning import LMModule
     from rlm.model import ModelConfig
+    from rlm.train.module import LMModule
 
     if not Path(ckpt).is_file():
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
-    from rlm.checkpoint import load_checkpoint_file
+    from rlm.train.checkpoint import load_checkpoint_file
 
     state = load_checkpoint_file(ckpt)  # a damaged file is named, not a traceback
     data_hp = dict(state.get("datamodule_hyper_parameters") or {})

@@ -33,8 +33,8 @@ def run_lightning(command: str, args: list[str]) -> int:
     from rlm.cli_support import flag_value, refuse_optimizer_options
     from rlm.config_override import apply_plugin_flags, split_plugin_args
     from rlm.data import RLMDataModule
-    from rlm.lightning import LMModule
     from rlm.lightning_cli import RLMCLI
+    from rlm.train.module import LMModule
 
     configs, rest = split_config_args(args)
     plugin_flags, rest = split_plugin_args(rest)
@@ -66,7 +66,7 @@ def run_generate(command: str, args: list[str]) -> int:
 
     from rlm.data import RLMDataModule
     from rlm.generate import sample
-    from rlm.lightning import LMModule
+    from rlm.train.module import LMModule
 
     p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
     p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
@@ -78,7 +78,7 @@ def run_generate(command: str, args: list[str]) -> int:
     a = p.parse_args(args)
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
-    from rlm.checkpoint import load_checkpoint_file
+    from rlm.train.checkpoint import load_checkpoint_file
 
     ckpt = load_checkpoint_file(a.ckpt)  # a damaged file is named, not a traceback
     data_hp = ckpt.get("datamodule_hyper_parameters")

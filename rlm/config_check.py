@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlm.plugin.options import check_option, field_types, parse_option
-from rlm.resume import _as_list, _get, _init_args
+from rlm.train.resume import _as_list, _get, _init_args
 
 
 def _keys(section: Any) -> list[str]:
@@ -29,8 +29,8 @@ def _keys(section: Any) -> list[str]:
 
 def check_sections(model_cfg: Any) -> None:
     """Unknown keys under ``model.model`` or ``model.optim`` name themselves and the accepted ones."""
-    from rlm.lightning import OptimConfig
     from rlm.model.config import ModelConfig
+    from rlm.train.module import OptimConfig
 
     for name, cls in (("model", ModelConfig), ("optim", OptimConfig)):
         accepted = [f.name for f in dataclasses.fields(cls)]

@@ -184,7 +184,7 @@ def evaluate(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint on its own split, or on all of ``corpus``, with its own tokenizer."""
-    from rlm.lightning import LMModule
+    from rlm.train.module import LMModule
 
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; accepted: {list(SPLITS)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlm.lightning import LMModule
+from rlm.train.module import LMModule
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ class RLMCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         from rlm.cli_support import link_vocab
         from rlm.config_check import check_fit, check_sections
-        from rlm.strategy import prepare_trainer
+        from rlm.train.strategy import prepare_trainer
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         # Clear errors before anything is built: unknown keys, max_steps 0, unwritable output folders.
@@ -46,7 +46,7 @@ class RLMCLI(LightningCLI):
         # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another
         # model or plugin config is refused naming the keys that differ (LightningCLI would silently replace
         # the model config with the checkpoint's).
-        from rlm.resume import prepare_ckpt_path
+        from rlm.train.resume import prepare_ckpt_path
 
         prepare_ckpt_path(self.config)
         super()._parse_ckpt_path()

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from rlm.data import Tokenizer
 from rlm.evaluate import evaluate
-from rlm.lightning import LMModule
+from rlm.train.module import LMModule
 
 # The shipped loggers and checkpoint callback (configs/trainer/cpu.yaml), the tiny corpus and model.
 BASE = ["--config", CONFIGS / "default.yaml", "--config", CONFIGS / "data" / "tiny.yaml"]

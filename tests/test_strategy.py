@@ -1,4 +1,4 @@
-"""Strategy defaults and refusals (rlm/strategy.py): devices: auto gives 2 CPU processes under a multi-process
+"""Strategy defaults and refusals (rlm/train/strategy.py): devices: auto gives 2 CPU processes under a multi-process
 strategy, and strategies rlm cannot run end in one ``rlm fit: error:`` line."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from cli_helpers import CONFIGS, fit_args, read_metrics, run_rlm
 
-from rlm.strategy import CPU_PROCESSES, check_strategy, resolve_devices, strategy_name
+from rlm.train.strategy import CPU_PROCESSES, check_strategy, resolve_devices, strategy_name
 
 
 def test_strategy_names():

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rlm.checkpoint import load_checkpoint_file
+from rlm.train.checkpoint import load_checkpoint_file
 
 
 def _get(ns: Any, key: str, default: Any = None) -> Any:
@@ -109,8 +109,8 @@ def prepare_ckpt_path(config: Any) -> None:
 
     ``config`` is LightningCLI's parsed config (with a ``subcommand``); ``ckpt_path`` is replaced in place.
     """
-    from rlm.lightning import OptimConfig, config_diff
     from rlm.model.config import ModelConfig
+    from rlm.train.module import OptimConfig, config_diff
 
     command = config.get("subcommand")
     if not command:

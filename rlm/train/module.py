@@ -13,10 +13,10 @@ from torch import Tensor, nn
 
 from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
-from rlm.parallel import parallelize, unshard_root
 from rlm.plugin.base import ParamGroup
 from rlm.plugin.context import Context
-from rlm.throughput import Throughput
+from rlm.train.parallel import parallelize, unshard_root
+from rlm.train.throughput import Throughput
 
 
 @dataclass
@@ -86,7 +86,7 @@ class LMModule(pl.LightningModule):
                 eagerly behind graph breaks (PKM's search and value read; MoE's expert dispatch).
             peak_flops: peak FLOP/s of one device, the denominator of the logged train/mfu; None: a known
                 GPU's dense peak in the training precision (H100 SXM bf16: 989e12), or on CPU the fp32 matmul
-                rate measured when training starts (see rlm/throughput.py).
+                rate measured when training starts (see rlm/train/throughput.py).
         """
         super().__init__()
         # Dicts come back from checkpoints' hyper_parameters (load_from_checkpoint).
@@ -116,7 +116,7 @@ class LMModule(pl.LightningModule):
             doc_ids=batch.get("doc_ids"),
             variant=variant,
         )
-        unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.parallel)
+        unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.train.parallel)
         for plugin in self.model.plugins.values():
             plugin.prepare(ctx, batch)
         return ctx
@@ -269,8 +269,8 @@ class LMModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        from rlm.checkpoint import CheckpointHygiene
-        from rlm.guard import NonFiniteGuard
+        from rlm.train.checkpoint import CheckpointHygiene
+        from rlm.train.guard import NonFiniteGuard
 
         core = [NonFiniteGuard(), CheckpointHygiene()]  # stop at NaN; crash-safe checkpoint files
         plugin_callbacks = [cb for plugin in self.model.plugins.values() for cb in plugin.callbacks()]
@@ -293,7 +293,7 @@ class LMModule(pl.LightningModule):
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two LMModule hyperparameter dicts in the parts that shape the model."""
-    from rlm.resume import dict_diff
+    from rlm.train.resume import dict_diff
 
     diffs = []
     for key in ("model", "plugins"):
