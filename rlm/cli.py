@@ -44,7 +44,7 @@ def run_lightning(command: str, args: list[str]) -> int:
     merged = apply_plugin_flags(merge_configs(layers), plugin_flags) if configs or plugin_flags else {}
     refuse_optimizer_options(command, merged, rest)
     if command in ("validate", "test"):
-        from rlm.evaluate import with_checkpoint_settings
+        from rlm.eval.evaluate import with_checkpoint_settings
 
         merged = with_checkpoint_settings(merged, rest)
     # The merged config travels as YAML text (jsonargparse reads a --config value that is not a file as YAML):
@@ -65,7 +65,7 @@ def run_generate(command: str, args: list[str]) -> int:
     import torch
 
     from rlm.data import RLMDataModule
-    from rlm.generate import sample
+    from rlm.eval.generate import sample
     from rlm.train.module import LMModule
 
     p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
@@ -100,7 +100,7 @@ def run_generate(command: str, args: list[str]) -> int:
 
 def run_eval(command: str, args: list[str]) -> int:
     """``rlm eval --ckpt PATH [--corpus X]``: loss, perplexity and bits per byte with the model's tokenizer."""
-    from rlm.evaluate import main as eval_main
+    from rlm.eval.evaluate import main as eval_main
 
     return eval_main(args)
 
