@@ -6,7 +6,7 @@ import pytest
 from cli_helpers import CONFIGS, TINY
 
 from rlm.cli import main
-from rlm.config_check import check_writable
+from rlm.cli.check import check_writable
 
 BASE = [a for p in TINY for a in ("--config", str(p))]
 

@@ -66,8 +66,8 @@ def count_parameters(model_cfg: dict[str, Any], plugins: dict[str, Any] | None) 
 @functools.lru_cache(maxsize=1)
 def _fit_parser() -> argparse.ArgumentParser:
     """The parser ``rlm fit`` uses (jsonargparse via LightningCLI), built without parsing or running."""
+    from rlm.cli.lightning_cli import RLMCLI
     from rlm.data import RLMDataModule
-    from rlm.lightning_cli import RLMCLI
     from rlm.train.module import LMModule
 
     class ParseOnly(RLMCLI):

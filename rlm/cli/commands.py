@@ -12,28 +12,19 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
-from rlm.config_merge import config_text, merge_configs, split_config_args
+from rlm.cli.merge import config_text, merge_configs, split_config_args
 from rlm.extras import MissingExtra
 
 # torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
 
-def __getattr__(name: str) -> Any:
-    if name == "RLMCLI":  # moved to rlm.lightning_cli; still importable from here
-        from rlm.lightning_cli import RLMCLI
-
-        return RLMCLI
-    raise AttributeError(f"module 'rlm.cli' has no attribute {name!r}")
-
-
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
-    from rlm.cli_support import flag_value, refuse_optimizer_options
-    from rlm.config_override import apply_plugin_flags, split_plugin_args
+    from rlm.cli.lightning_cli import RLMCLI
+    from rlm.cli.override import apply_plugin_flags, split_plugin_args
+    from rlm.cli.support import flag_value, refuse_optimizer_options
     from rlm.data import RLMDataModule
-    from rlm.lightning_cli import RLMCLI
     from rlm.train.module import LMModule
 
     configs, rest = split_config_args(args)

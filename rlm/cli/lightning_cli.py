@@ -1,4 +1,4 @@
-"""LightningCLI with rlm's additions, apart from rlm/cli.py so that ``rlm --help`` imports neither torch nor Lightning."""
+"""LightningCLI with rlm's additions, apart from the command table (rlm/cli/commands.py) so that ``rlm --help`` imports neither torch nor Lightning."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ class RLMCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
-        # (rlm.cli_support.refuse_optimizer_options explains it to the user).
+        # (rlm.cli.support.refuse_optimizer_options explains it to the user).
         kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        from rlm.cli_support import link_vocab
-        from rlm.config_check import check_fit, check_sections
+        from rlm.cli.check import check_fit, check_sections
+        from rlm.cli.support import link_vocab
         from rlm.train.strategy import prepare_trainer
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -37,7 +37,7 @@ class RLMCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
         # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
-        from rlm.cli_support import pop_print_config
+        from rlm.cli.support import pop_print_config
 
         args, self._print_config = pop_print_config(list(args))
         self.config = parser.parse_args(args)
@@ -51,7 +51,7 @@ class RLMCLI(LightningCLI):
         prepare_ckpt_path(self.config)
         super()._parse_ckpt_path()
         if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
-            from rlm.cli_support import link_vocab
+            from rlm.cli.support import link_vocab
 
             sub = self.config["subcommand"]
             link_vocab(self.config[sub])

@@ -1,4 +1,4 @@
-"""Checks and fixes around LightningCLI for ``rlm fit|validate|test`` (kept apart from rlm/cli.py; no torch).
+"""Checks and fixes around LightningCLI for ``rlm fit|validate|test`` (kept apart from rlm/cli/commands.py; no torch).
 
 - ``--optimizer`` / ``--lr_scheduler`` (LightningCLI's automatic optimizer options) would replace the model's
   ``configure_optimizers`` and so silently drop the plugins' parameter groups (e.g. the PKM values' own Adam)
