@@ -2,4 +2,4 @@
 
 from rlm._moved import forward
 
-__getattr__, __dir__ = forward(__name__, "rlm.train.module")
+__getattr__, __dir__ = forward(__name__, "rlm.train.module", "rlm.train.diff")

@@ -2,4 +2,4 @@
 
 from rlm._moved import forward
 
-__getattr__, __dir__ = forward(__name__, "rlm.train.resume")
+__getattr__, __dir__ = forward(__name__, "rlm.train.resume", "rlm.train.diff")

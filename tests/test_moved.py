@@ -40,6 +40,16 @@ def test_old_path_warns_and_gives_the_same_object(old):
         module.no_such_name  # noqa: B018
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_config_diffing_resolves_from_both_old_homes():
+    import rlm.lightning
+    import rlm.resume
+    from rlm.train import diff
+
+    assert rlm.lightning.config_diff is diff.config_diff and rlm.lightning._normalise is diff._normalise
+    assert rlm.resume.dict_diff is diff.dict_diff and rlm.resume._plain is diff._plain
+
+
 def test_old_class_paths_and_pickles_load():
     from jsonargparse import ArgumentParser
 

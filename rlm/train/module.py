@@ -15,6 +15,7 @@ from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup
 from rlm.plugin.context import Context
+from rlm.train.diff import config_diff
 from rlm.train.parallel import parallelize, unshard_root
 from rlm.train.throughput import Throughput
 
@@ -289,26 +290,3 @@ class LMModule(pl.LightningModule):
         diffs = config_diff(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
         if diffs:
             raise ValueError("checkpoint was written by a different config:\n  " + "\n  ".join(diffs))
-
-
-def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between two LMModule hyperparameter dicts in the parts that shape the model."""
-    from rlm.train.resume import dict_diff
-
-    diffs = []
-    for key in ("model", "plugins"):
-        empty = {} if key == "plugins" else None  # no plugins: None and {} alike
-        if key in saved:  # only the keys that differ, as dotted names
-            diffs += dict_diff(
-                {key: _normalise(saved[key] or empty)}, {key: _normalise(current.get(key) or empty)}
-            )
-    return diffs
-
-
-def _normalise(value: Any) -> Any:
-    """Plain containers for comparing configs (tuples and lists alike, disabled plugins dropped)."""
-    if isinstance(value, dict):
-        return {k: _normalise(v) for k, v in value.items() if v is not None and v is not False}
-    if isinstance(value, list | tuple):
-        return [_normalise(v) for v in value]
-    return value

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlm.train.checkpoint import load_checkpoint_file
+from rlm.train.diff import config_diff, dict_diff
 
 
 def _get(ns: Any, key: str, default: Any = None) -> Any:
@@ -86,31 +87,13 @@ def newest_loadable(roots: list[Path], say: Any = None) -> tuple[Path, dict[str,
     )
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
-
-
-def dict_diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
-    """``key: a -> b`` for every dotted key whose value differs between two nested configs."""
-    if isinstance(saved, dict) and isinstance(current, dict) and saved and current:
-        out = []
-        for key in sorted(set(saved) | set(current), key=str):
-            out += dict_diff(saved.get(key), current.get(key), f"{prefix}{key}.")
-        return out
-    if _plain(saved) != _plain(current):
-        return [f"{prefix.rstrip('.')}: checkpoint has {saved!r}, this run has {current!r}"]
-    return []
-
-
 def prepare_ckpt_path(config: Any) -> None:
     """Resolve ``--ckpt_path last``, check the file loads, and refuse resuming ``fit`` under another model.
 
     ``config`` is LightningCLI's parsed config (with a ``subcommand``); ``ckpt_path`` is replaced in place.
     """
     from rlm.model.config import ModelConfig
-    from rlm.train.module import OptimConfig, config_diff
+    from rlm.train.module import OptimConfig
 
     command = config.get("subcommand")
     if not command:
