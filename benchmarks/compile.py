@@ -38,8 +38,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
-from rlm.lightning import LMModule, OptimConfig  # noqa: E402
 from rlm.model import ModelConfig  # noqa: E402
+from rlm.train.module import LMModule, OptimConfig  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

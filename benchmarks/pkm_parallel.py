@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
 from rlm.model import ModelConfig  # noqa: E402
-from rlm.parallel import spawn_local
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
+from rlm.train.parallel import spawn_local
 
 
 class _Net(nn.Module):

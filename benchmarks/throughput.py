@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import matmul_gflops, table  # noqa: E402
 
-from rlm.lightning import LMModule, OptimConfig  # noqa: E402
 from rlm.model import ModelConfig  # noqa: E402
+from rlm.train.module import LMModule, OptimConfig  # noqa: E402
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, n_params_matmul: int) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
-from rlm.config_merge import merge_configs  # noqa: E402
+from rlm.cli.merge import merge_configs  # noqa: E402
 from rlm.data import RLMDataModule  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """``rlm index build|search|eval|info``: build an index directory from a checkpoint, query it with text,
-measure its recall against exact search, and print its metadata. rlm/cli.py dispatches here.
+measure its recall against exact search, and print its metadata. rlm/cli/commands.py dispatches here.
 
 `build` embeds with the retriever's own embedder when the checkpoint's model has one (any plugin that
 implements the rebuild callback's MemoryOwner protocol), else with MeanPoolEmbedder: the mean-pooled hidden
@@ -29,12 +29,12 @@ def _load_source(
     import yaml
 
     from rlm.data import RLMDataModule
-    from rlm.lightning import LMModule
     from rlm.model import ModelConfig
+    from rlm.train.module import LMModule
 
     if not Path(ckpt).is_file():
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
-    from rlm.checkpoint import load_checkpoint_file
+    from rlm.train.checkpoint import load_checkpoint_file
 
     state = load_checkpoint_file(ckpt)  # a damaged file is named, not a traceback
     data_hp = dict(state.get("datamodule_hyper_parameters") or {})
@@ -74,7 +74,7 @@ def cmd_build(a: argparse.Namespace) -> int:
     """Embed every segment of the chosen split with the checkpoint's model and write the index directory."""
     import torch
 
-    from rlm.config_check import check_writable
+    from rlm.cli.check import check_writable
     from rlm.index.protocol import embed_all
     from rlm.index.search import SegmentTable
     from rlm.index.store import build_index_dir

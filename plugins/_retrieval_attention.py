@@ -29,7 +29,6 @@ from rlm.plugins._retrieval_encoder import (
 
 if TYPE_CHECKING:
     from rlm.plugins._retrieval_neighbours import RetrievalInputs
-    from rlm.plugins.retrieval import RetrievalConfig, RetrievalPlugin
 
 
 @dataclass
@@ -63,7 +62,7 @@ def encode_neighbours(
     inp: RetrievalInputs,
     ctx: Context,
     label: str,
-    config: RetrievalConfig,
+    config: Any,  # the plugin's RetrievalConfig (not imported: the plugin file imports this one)
 ) -> Encoded:
     """The Encoded record of the batch's neighbours: e(S_t) with gradients, each distinct neighbour encoded
     once, as config.neighbour_grad and config.neighbour_dtype say."""
@@ -126,7 +125,7 @@ def _beta_as_vector(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
 class RetrievalCrossAttention(nn.Module):
     """Chunked cross-attention with relevance bias: chunk j's L queries attend to the k*M neighbour tokens."""
 
-    def __init__(self, plugin: RetrievalPlugin, layer: int) -> None:
+    def __init__(self, plugin: Any, layer: int) -> None:  # the RetrievalPlugin that owns it
         super().__init__()
         c = plugin.model_config
         self.layer, self.n_heads, self.head_dim = layer, c.n_heads, c.head_dim

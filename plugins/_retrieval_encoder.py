@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from rlm.model.config import ModelConfig
 from rlm.model.layers import TokenEmbedding
 from rlm.model.transformer import Block
-from rlm.parallel import full_tensor, plain_copy
 from rlm.plugin import Context
+from rlm.train.parallel import full_tensor, plain_copy
 
 
 def masked_mean_unit(states: Tensor, mask: Tensor) -> Tensor:

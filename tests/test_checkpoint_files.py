@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_resume import _Toy, _toy_fit
 
-from rlm.checkpoint import remove_tmp_files
+from rlm.train.checkpoint import remove_tmp_files
 
 
 def test_resume_removes_partial_files_and_checkpoints_past_the_resumed_step(tmp_path):
@@ -43,7 +43,7 @@ def test_last_checkpoint_holds_the_final_step_between_periodic_saves(tmp_path):
 
 CHILD = """
 import sys, torch
-from rlm.checkpoint import atomic_save
+from rlm.train.checkpoint import atomic_save
 t = torch.arange(3_000_000, dtype=torch.float32)
 atomic_save({"i": -1, "t": t}, sys.argv[1])
 print("ready", flush=True)

@@ -7,7 +7,7 @@ import yaml
 from cli_helpers import fit_args, run_rlm
 from torch.testing import assert_close
 
-from rlm.lightning import LMModule
+from rlm.train.module import LMModule
 
 MODEL = dict(vocab_size=128, d_model=64, n_layers=2, n_heads=2, max_seq_len=64)
 PLUGINS = {

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlm.config_merge import merge_configs, split_config_args
+from rlm.cli.merge import merge_configs, split_config_args
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import pytest
 from cli_helpers import CONFIGS, TINY
 
 from rlm.cli import main
-from rlm.config_check import check_writable
+from rlm.cli.check import check_writable
 
 BASE = [a for p in TINY for a in ("--config", str(p))]
 
@@ -75,7 +75,7 @@ def test_no_merged_config_file_is_left_in_the_temp_folder(tmp_path, monkeypatch,
 
 
 def test_truncated_checkpoint_is_named_by_generate_and_index_build(tmp_path, capsys):
-    from rlm.checkpoint import atomic_save
+    from rlm.train.checkpoint import atomic_save
 
     bad = tmp_path / "last.ckpt"
     atomic_save({"state_dict": {}, "pad": list(range(1000))}, bad)

@@ -16,8 +16,8 @@ from cli_helpers import CONFIGS, run_rlm
 from torch.testing import assert_close
 
 from rlm.data import Tokenizer
-from rlm.evaluate import evaluate
-from rlm.lightning import LMModule
+from rlm.eval.evaluate import evaluate
+from rlm.train.module import LMModule
 
 # The shipped loggers and checkpoint callback (configs/trainer/cpu.yaml), the tiny corpus and model.
 BASE = ["--config", CONFIGS / "default.yaml", "--config", CONFIGS / "data" / "tiny.yaml"]
@@ -144,7 +144,7 @@ def test_print_config_shows_the_vocabulary_that_runs(tmp_path):
 
 @pytest.mark.slow
 def test_restored_settings_reuse_the_training_cache_when_it_holds_the_checkpoint_tokenizer(trained, monkeypatch, rlm_cache, tmp_path):  # fmt: skip
-    from rlm.evaluate import with_checkpoint_settings
+    from rlm.eval.evaluate import with_checkpoint_settings
 
     _, root, _ = trained
     monkeypatch.setenv("RLM_CACHE", str(rlm_cache))

@@ -121,7 +121,7 @@ def test_shipped_experiment_files_validate(path):
 
 
 def test_run_config_points_logs_and_checkpoints_into_the_run(tmp_path):
-    from rlm.config_merge import merge_configs
+    from rlm.cli.merge import merge_configs
 
     cfg = run_config(merge_configs(TINY), 3, tmp_path / "v" / "seed3")
     run = str((tmp_path / "v" / "seed3").resolve())

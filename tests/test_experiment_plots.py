@@ -12,7 +12,7 @@ from test_experiment import fake_run
 pytest.importorskip("matplotlib")
 
 from rlm.experiment.plots import curve_figure, label_box, params_figure, styles  # noqa: E402
-from rlm.experiment.report import collect  # noqa: E402
+from rlm.experiment.results import collect  # noqa: E402
 
 
 def _experiment(tmp_path, runs: dict[str, tuple[float, int]], seeds=(0,)):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from rlm.checkpoint import atomic_save
 from rlm.experiment.runner import METRICS_CSV, Run, _prepare_dir, run_metrics, series
+from rlm.train.checkpoint import atomic_save
 
 
 def _csv(path: Path, rows: list[tuple[int, float]]) -> None:

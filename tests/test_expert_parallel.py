@@ -9,10 +9,10 @@ from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_r
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig
-from rlm.parallel import spawn_local
 from rlm.plugin import Context
 from rlm.plugins._expert_parallel import ExpertParallelCallback, shard_experts
 from rlm.plugins.moe import MoEConfig, MoELayer
+from rlm.train.parallel import spawn_local
 
 D, V, B, T = 32, 64, 2, 12  # B rows per rank
 TOL = dict(rtol=1e-4, atol=1e-5)  # float32; sums over tokens run in another order

@@ -335,7 +335,7 @@ def test_benchmark_script_smoke(capsys):
 )
 def test_config_fragments_build_the_default_model(fragments):
     """Every routed-memory fragment (stacked as `rlm fit` stacks them) is valid for the default 4-layer model."""
-    from rlm.config_merge import merge_configs
+    from rlm.cli.merge import merge_configs
     from rlm.plugin.registry import validate_specs
 
     root = Path(__file__).resolve().parents[1] / "configs"

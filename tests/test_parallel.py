@@ -1,4 +1,4 @@
-"""rlm/parallel.py with 2 gloo processes: a sharded model computes what the unsharded one does, and a plain copy of
+"""rlm/train/parallel.py with 2 gloo processes: a sharded model computes what the unsharded one does, and a plain copy of
 a sharded part is an ordinary module with the full weights (what retrieval's rebuild snapshot embeds with)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from rlm.parallel import parallelize, plain_copy, unshard_root
+    from rlm.train.parallel import parallelize, plain_copy, unshard_root
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

@@ -370,7 +370,7 @@ def test_values_are_shared_and_registered_once():
 
 
 def test_param_group_reaches_the_optimizer_with_its_lr():
-    from rlm.lightning import LMModule
+    from rlm.train.module import LMModule
 
     mc = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2)
     spec = dict(layers=[1], n_keys=8, topk=2, k_dim=8, values_lr=1e-3)

@@ -7,9 +7,9 @@ from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_r
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig
-from rlm.parallel import spawn_local
 from rlm.plugin import Context
 from rlm.plugins.pkm import PKMConfig, PKMPlugin
+from rlm.train.parallel import spawn_local
 
 D, B, T, STEPS = 32, 2, 6, 3  # B rows per rank
 

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from rlm.lightning import LMModule
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, known_plugins, resolve
 from rlm.plugin.registry import validate_specs
+from rlm.train.module import LMModule
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq_len=32)
 EVERY = "everyslot_plugin.EverySlotPlugin"

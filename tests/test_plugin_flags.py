@@ -7,8 +7,8 @@ import torch
 import yaml
 from cli_helpers import CONFIGS, fit_args, run_rlm
 
-from rlm.config_merge import merge_configs
-from rlm.config_override import apply_plugin_flags, split_plugin_args
+from rlm.cli.merge import merge_configs
+from rlm.cli.override import apply_plugin_flags, split_plugin_args
 from rlm.plugin.base import make_config
 from rlm.plugin.options import parse_option
 from rlm.plugin.registry import resolve

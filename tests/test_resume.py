@@ -14,9 +14,10 @@ from cli_helpers import column, fit_args, read_metrics, run_rlm
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
-from rlm.checkpoint import AtomicCheckpointIO, CheckpointHygiene, atomic_save, load_checkpoint_file
-from rlm.guard import NonFiniteError, NonFiniteGuard
-from rlm.resume import checkpoint_roots, dict_diff, newest_loadable
+from rlm.train.checkpoint import AtomicCheckpointIO, CheckpointHygiene, atomic_save, load_checkpoint_file
+from rlm.train.diff import dict_diff
+from rlm.train.guard import NonFiniteError, NonFiniteGuard
+from rlm.train.resume import checkpoint_roots, newest_loadable
 
 
 class _Toy(pl.LightningModule):

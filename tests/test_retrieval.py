@@ -788,7 +788,7 @@ def test_retriever_build_reaches_the_target_recall(tmp_path):
 def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighbours(corpus):
     """val/loss_by/retrieval/<group> sums partition the token-weighted validation loss (each against a naive
     per-token loss); the eval variant recomputes the batch with random other-document neighbours."""
-    from rlm.lightning import LMModule
+    from rlm.train.module import LMModule
 
     segments, windows = corpus
     torch.manual_seed(0)

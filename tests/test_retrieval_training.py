@@ -15,8 +15,8 @@ from test_retrieval import make_segments
 
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule
-from rlm.lightning import LMModule, OptimConfig
 from rlm.model import ModelConfig
+from rlm.train.module import LMModule, OptimConfig
 
 SEG, SEQ = 8, 32
 VOCAB = 512

@@ -1,4 +1,4 @@
-"""Strategy defaults and refusals (rlm/strategy.py): devices: auto gives 2 CPU processes under a multi-process
+"""Strategy defaults and refusals (rlm/train/strategy.py): devices: auto gives 2 CPU processes under a multi-process
 strategy, and strategies rlm cannot run end in one ``rlm fit: error:`` line."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from cli_helpers import CONFIGS, fit_args, read_metrics, run_rlm
 
-from rlm.strategy import CPU_PROCESSES, check_strategy, resolve_devices, strategy_name
+from rlm.train.strategy import CPU_PROCESSES, check_strategy, resolve_devices, strategy_name
 
 
 def test_strategy_names():
@@ -70,8 +70,8 @@ def test_lightning_commands_release_the_process_group(tmp_path, monkeypatch):
     import torch
     import torch.distributed as dist
 
-    import rlm.lightning_cli
-    from rlm.cli import run_lightning
+    import rlm.cli.lightning_cli
+    from rlm.cli.commands import run_lightning
 
     def fake_cli(*args, fail: bool, **kwargs):
         # what Lightning's DDP leaves behind: an initialised group with a finished collective
@@ -83,7 +83,7 @@ def test_lightning_commands_release_the_process_group(tmp_path, monkeypatch):
             raise ValueError("a config check failed")
 
     for fail in (False, True):
-        monkeypatch.setattr(rlm.lightning_cli, "RLMCLI", lambda *a, fail=fail, **k: fake_cli(fail=fail))
+        monkeypatch.setattr(rlm.cli.lightning_cli, "RLMCLI", lambda *a, fail=fail, **k: fake_cli(fail=fail))
         if fail:
             with pytest.raises(ValueError, match="config check"):
                 run_lightning("fit", [])

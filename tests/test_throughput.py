@@ -8,9 +8,9 @@ from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities.model_summary import ModelSummary
 from torch.utils.flop_counter import FlopCounterMode
 
-from rlm.lightning import LMModule
 from rlm.model import ModelConfig
-from rlm.throughput import gpu_peak_flops, matmul_parameters, train_flops_per_token
+from rlm.train.module import LMModule
+from rlm.train.throughput import gpu_peak_flops, matmul_parameters, train_flops_per_token
 
 MODEL = dict(vocab_size=128, d_model=64, n_layers=2, n_heads=2, max_seq_len=64)
 B, T = 2, 32

@@ -11,6 +11,8 @@ of each document -> batches, a dict of tensors:
   segment_ids  (B, T // segment_len) long   global ids of the window's segments, -1 for all-padding ones
   doc_ids      (B,) long     document of each row
   starts       (B,) long     offset of the window inside its document (a multiple of seq_len)
+
+Core layer: imports nothing of rlm but rlm.extras.
 """
 
 from rlm.data.corpus import Document, read_corpus

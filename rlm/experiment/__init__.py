@@ -43,6 +43,10 @@ is resumed from ``ckpt/last.ckpt`` when its config is unchanged, and started afr
 Validation happens before anything trains and lists every problem of the file at once: the file's own
 structure, missing config files, plugin specs (:func:`rlm.plugin.registry.validate_specs`), every override
 parsed by the real ``rlm fit`` parser, and each variant's model built on the meta device.
+
+Imports rlm.train, rlm.cli's config plumbing (``merge``, ``lightning_cli``: configs are read and checked as
+``rlm fit`` reads them) and the core; never rlm.cli.commands, which dispatches here. ``report`` calls
+``plots``; both read the runs through ``results``.
 """
 
 from rlm.experiment.cli import main

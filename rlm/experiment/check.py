@@ -66,9 +66,9 @@ def count_parameters(model_cfg: dict[str, Any], plugins: dict[str, Any] | None) 
 @functools.lru_cache(maxsize=1)
 def _fit_parser() -> argparse.ArgumentParser:
     """The parser ``rlm fit`` uses (jsonargparse via LightningCLI), built without parsing or running."""
+    from rlm.cli.lightning_cli import RLMCLI
     from rlm.data import RLMDataModule
-    from rlm.lightning import LMModule
-    from rlm.lightning_cli import RLMCLI
+    from rlm.train.module import LMModule
 
     class ParseOnly(RLMCLI):
         def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -154,7 +154,7 @@ def _blame(exp: Experiment, name: str, parser: ConfigParser) -> tuple[list[str],
 def _instantiate_configs(ns: Any, plugins: dict[str, Any]) -> ParamCounts:
     """Run the model, optimizer and data configs' own checks; the model's parameter counts."""
     from rlm.data import RLMDataModule
-    from rlm.lightning import OptimConfig
+    from rlm.train.module import OptimConfig
 
     if ns.model.optim is not None:
         OptimConfig(**ns.model.optim.as_dict())

@@ -8,10 +8,11 @@ when the sizes span two decades or more.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.report import VariantResult, _save, _val_curves
+from rlm.experiment.results import VariantResult, val_curves
 from rlm.extras import require
 
 MARKERS = "o^vD<>PX*hp"
@@ -52,7 +53,7 @@ def curve_figure(info: dict[str, Any], variants: list[VariantResult], index: int
     handles = {}
     for v in _baseline_last(info, variants):
         for run in sorted(v.runs, key=lambda r: r["seed"]):
-            curve = _val_curves(run)
+            curve = val_curves(run)
             (handles[v.name],) = ax.plot(curve[index], curve[2], **style[v.name])
     names = [v.name for v in variants if v.name in handles]  # the legend in the file's order
     labels = [f"{n} (baseline)" if n == info["baseline"] else n for n in names]
@@ -160,6 +161,16 @@ def _box(x0: float, y0: float, x1: float, y1: float) -> Any:
     from matplotlib.transforms import Bbox
 
     return Bbox([[x0, y0], [x1, y1]])
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
 
 
 def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:

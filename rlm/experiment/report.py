@@ -7,13 +7,12 @@ import fnmatch
 import io
 import json
 import math
-import os
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.runner import SUMMARY, run_metrics, series
+from rlm.experiment.results import VariantResult, collect, val_curves
+from rlm.experiment.runner import SUMMARY
 from rlm.experiment.spec import flatten, write_atomic
 
 RUN_COLUMNS = [
@@ -23,42 +22,6 @@ RUN_COLUMNS = [
 ]  # fmt: skip
 PLOTS = ("val_loss_vs_step.png", "val_loss_vs_time.png", "loss_vs_added_params.png")
 MAX_METRIC_COLUMNS = 12
-
-
-@dataclass
-class VariantResult:
-    """A variant's finished runs and their means."""
-
-    name: str
-    runs: list[dict[str, Any]] = field(default_factory=list)
-
-    def mean(self, key: str) -> float | None:
-        values = [r[key] for r in self.runs if r.get(key) is not None]
-        return statistics.fmean(values) if values else None
-
-    def sd(self, key: str) -> float | None:
-        values = [r[key] for r in self.runs if r.get(key) is not None]
-        return statistics.stdev(values) if len(values) > 1 else None
-
-    def metric(self, name: str) -> float | None:
-        values = [r["metrics"][name] for r in self.runs if r["metrics"].get(name) is not None]
-        return statistics.fmean(values) if values else None
-
-
-def collect(out: Path) -> tuple[dict[str, Any], list[VariantResult]]:
-    """The experiment's description and its variants' finished runs, in the file's variant order."""
-    info_path = out / "experiment.json"
-    if not info_path.is_file():
-        raise FileNotFoundError(
-            f"{str(info_path)!r} does not exist: is {str(out)!r} an experiment directory?"
-        )
-    info = json.loads(info_path.read_text())
-    results: dict[str, VariantResult] = {name: VariantResult(name) for name in info["variants"]}
-    for path in sorted(out.glob(f"*/seed*/{SUMMARY}")):
-        summary = json.loads(path.read_text())
-        summary["dir"] = path.parent
-        results.setdefault(summary["variant"], VariantResult(summary["variant"])).runs.append(summary)
-    return info, [r for r in results.values() if r.runs]
 
 
 def _short(path: str) -> str:
@@ -190,20 +153,6 @@ def _metrics_table(info: dict[str, Any], variants: list[VariantResult]) -> list[
     ]
 
 
-def _val_curves(run: dict[str, Any]) -> tuple[list[float], list[float], list[float]]:
-    """Steps, training seconds and validation losses of a run's validations."""
-    rows = run_metrics(run["dir"])
-    clock = series(rows, "time/train_s")
-    steps, times, losses = [], [], []
-    for step, loss in series(rows, "val/loss"):
-        # The training time at the last training step before this validation.
-        before = [t for s, t in clock if s <= step]
-        steps.append(step + 1)
-        times.append(before[-1] if before else 0.0)
-        losses.append(loss)
-    return steps, times, losses
-
-
 def _loss_at_time(times: list[float], losses: list[float], t: float) -> float | None:
     """Validation loss at training time t, linear between the two validations around it."""
     if not times or not times[0] <= t <= times[-1]:
@@ -216,7 +165,7 @@ def _loss_at_time(times: list[float], losses: list[float], t: float) -> float | 
 
 def equal_time_losses(variants: list[VariantResult]) -> tuple[float | None, dict[str, float | None]]:
     """The shortest run's training time T, and each variant's validation loss at T (mean over seeds)."""
-    curves = {id(r): _val_curves(r)[1:] for v in variants for r in v.runs}
+    curves = {id(r): val_curves(r)[1:] for v in variants for r in v.runs}
     ends = [times[-1] for times, _ in curves.values() if times]
     if not ends:
         return None, {}
@@ -234,16 +183,6 @@ def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None
     from rlm.experiment.plots import plot as plot_all
 
     plot_all(out, info, variants)
-
-
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
 
 
 def write_report(out: Path) -> list[Path]:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from rlm.experiment.check import count_parameters
 from rlm.experiment.spec import Experiment, config_hash, run_config, variant_config, write_atomic
-from rlm.resume import newest_loadable
+from rlm.train.resume import newest_loadable
 
 SUMMARY = "summary.json"
 """The finished marker of a run, written last."""

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from rlm.config_merge import load_config
+from rlm.cli.merge import load_config
 
 TOP_KEYS = (
     "name",

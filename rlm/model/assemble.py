@@ -1,16 +1,18 @@
-"""Applying plugins to a built model: ordering, conflict checks, slot filling."""
+"""Applying plugins to a built model: ordering, conflict checks, slot filling.
+
+:class:`~rlm.model.transformer.Transformer` calls :func:`apply_plugins` on itself while it is built, so this
+module only sees it as an ``nn.Module`` with the slots (``embed``, ``stack``, ``blocks``, ``config``,
+``plugins``) and never imports it: the import goes one way, transformer -> assemble.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from rlm.plugin.base import LAYERLESS, Claim, Mode, Plugin, Slot, make_config
 from rlm.plugin.registry import parse_spec
-
-if TYPE_CHECKING:
-    from rlm.model.transformer import Transformer
 
 _MODE_ORDER = {Mode.REPLACE: 0, Mode.ADD: 1, Mode.WRAP: 2}
 
@@ -70,7 +72,7 @@ def check_conflicts(plugins: dict[str, Plugin], n_layers: int) -> list[tuple[Plu
     return claims
 
 
-def _get(model: Transformer, slot: Slot, layer: int | None) -> nn.Module | None:
+def _get(model: nn.Module, slot: Slot, layer: int | None) -> nn.Module | None:
     if slot is Slot.EMBED:
         return model.embed.main
     if slot is Slot.STACK:
@@ -78,7 +80,7 @@ def _get(model: Transformer, slot: Slot, layer: int | None) -> nn.Module | None:
     return getattr(model.blocks[layer], slot.value)
 
 
-def _set(model: Transformer, slot: Slot, layer: int | None, mode: Mode, module: nn.Module) -> None:
+def _set(model: nn.Module, slot: Slot, layer: int | None, mode: Mode, module: nn.Module) -> None:
     if slot in LAYERLESS:
         holder, attr = (model.embed, "main") if slot is Slot.EMBED else (model, "stack")
         adds = model.embed.add if slot is Slot.EMBED else None
@@ -97,7 +99,7 @@ def _set(model: Transformer, slot: Slot, layer: int | None, mode: Mode, module: 
         holder.cross_norm = RMSNorm(model.config.d_model, model.config.norm_eps)
 
 
-def apply_plugins(model: Transformer, specs: dict[str, Any]) -> None:
+def apply_plugins(model: nn.Module, specs: dict[str, Any]) -> None:
     """Instantiate the plugins named in ``specs`` and fill the model's slots with their modules."""
     plugins = instantiate_plugins(specs, model.config)
     for name, plugin in plugins.items():

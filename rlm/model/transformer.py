@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlm.model.assemble import apply_plugins
 from rlm.model.config import ModelConfig
 from rlm.model.layers import FeedForward, RMSNorm, SelfAttention, TokenEmbedding
 from rlm.plugin.context import Context
@@ -93,8 +94,6 @@ class Transformer(nn.Module):
         object.__setattr__(self, "_blocks", list(blocks))
         self.plugins = nn.ModuleDict()
         if plugins:
-            from rlm.model.assemble import apply_plugins
-
             apply_plugins(self, plugins)
 
     def _init_weights(self, module: nn.Module) -> None:

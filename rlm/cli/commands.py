@@ -12,29 +12,20 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
 
-from rlm.config_merge import config_text, merge_configs, split_config_args
+from rlm.cli.merge import config_text, merge_configs, split_config_args
 from rlm.extras import MissingExtra
 
 # torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
 
-def __getattr__(name: str) -> Any:
-    if name == "RLMCLI":  # moved to rlm.lightning_cli; still importable from here
-        from rlm.lightning_cli import RLMCLI
-
-        return RLMCLI
-    raise AttributeError(f"module 'rlm.cli' has no attribute {name!r}")
-
-
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
-    from rlm.cli_support import flag_value, refuse_optimizer_options
-    from rlm.config_override import apply_plugin_flags, split_plugin_args
+    from rlm.cli.lightning_cli import RLMCLI
+    from rlm.cli.override import apply_plugin_flags, split_plugin_args
+    from rlm.cli.support import flag_value, refuse_optimizer_options
     from rlm.data import RLMDataModule
-    from rlm.lightning import LMModule
-    from rlm.lightning_cli import RLMCLI
+    from rlm.train.module import LMModule
 
     configs, rest = split_config_args(args)
     plugin_flags, rest = split_plugin_args(rest)
@@ -44,12 +35,12 @@ def run_lightning(command: str, args: list[str]) -> int:
     merged = apply_plugin_flags(merge_configs(layers), plugin_flags) if configs or plugin_flags else {}
     refuse_optimizer_options(command, merged, rest)
     if command in ("validate", "test"):
-        from rlm.evaluate import with_checkpoint_settings
+        from rlm.eval.evaluate import with_checkpoint_settings
 
         merged = with_checkpoint_settings(merged, rest)
     # The merged config travels as YAML text (jsonargparse reads a --config value that is not a file as YAML):
     # no temporary file to leave behind when the process is killed.
-    from rlm.strategy import release_process_group
+    from rlm.train.strategy import release_process_group
 
     try:
         RLMCLI(
@@ -70,8 +61,8 @@ def run_generate(command: str, args: list[str]) -> int:
     import torch
 
     from rlm.data import RLMDataModule
-    from rlm.generate import sample
-    from rlm.lightning import LMModule
+    from rlm.eval.generate import sample
+    from rlm.train.module import LMModule
 
     p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
     p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
@@ -83,7 +74,7 @@ def run_generate(command: str, args: list[str]) -> int:
     a = p.parse_args(args)
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
-    from rlm.checkpoint import load_checkpoint_file
+    from rlm.train.checkpoint import load_checkpoint_file
 
     ckpt = load_checkpoint_file(a.ckpt)  # a damaged file is named, not a traceback
     data_hp = ckpt.get("datamodule_hyper_parameters")
@@ -105,7 +96,7 @@ def run_generate(command: str, args: list[str]) -> int:
 
 def run_eval(command: str, args: list[str]) -> int:
     """``rlm eval --ckpt PATH [--corpus X]``: loss, perplexity and bits per byte with the model's tokenizer."""
-    from rlm.evaluate import main as eval_main
+    from rlm.eval.evaluate import main as eval_main
 
     return eval_main(args)
 

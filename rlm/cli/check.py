@@ -1,0 +1,95 @@
+"""Checks of a parsed ``rlm fit`` config before anything is built: clear errors instead of tracebacks.
+
+jsonargparse falls back to a plain dict for ``model.model`` / ``model.optim`` when a key is unknown, which
+then fails deep inside the module's constructor; an unwritable output folder used to fail at the first log or
+checkpoint, after the data was prepared; ``max_steps 0`` trained nothing and exited 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rlm.plugin.options import check_option, field_types, parse_option
+from rlm.train.resume import _as_list, _get, _init_args
+
+
+def _keys(section: Any) -> list[str]:
+    if section is None:
+        return []
+    if isinstance(section, dict):
+        return list(section)
+    if hasattr(section, "as_dict"):
+        return list(section.as_dict())
+    return [f.name for f in dataclasses.fields(section)] if dataclasses.is_dataclass(section) else []
+
+
+def check_sections(model_cfg: Any) -> None:
+    """Unknown keys under ``model.model`` or ``model.optim`` name themselves and the accepted ones."""
+    from rlm.model.config import ModelConfig
+    from rlm.train.module import OptimConfig
+
+    for name, cls in (("model", ModelConfig), ("optim", OptimConfig)):
+        accepted = [f.name for f in dataclasses.fields(cls)]
+        section = _get(model_cfg, name)
+        unknown = sorted(set(_keys(section)) - set(accepted))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} under model.{name}; accepted: {accepted}")
+        if isinstance(section, dict):  # jsonargparse kept a dict: some value did not fit its field's type
+            types_ = field_types(cls)
+            for key, value in section.items():
+                if isinstance(value, str) and types_[key] is not str:
+                    parse_option(f"model.{name}", key, value, types_[key])  # raises naming key and type
+                elif not isinstance(value, str):
+                    check_option(f"model.{name}", key, value, types_[key])
+
+
+def output_dirs(trainer_cfg: Any) -> list[Path]:
+    """The folders a fit writes to: the root, each logger's save_dir and each checkpoint dirpath."""
+    dirs = [Path(_get(trainer_cfg, "default_root_dir") or ".")]
+    loggers = _get(trainer_cfg, "logger")
+    for lg in _as_list(loggers) if loggers not in (True, False) else []:
+        save_dir = _get(_init_args(lg), "save_dir")
+        if save_dir:
+            dirs.append(Path(save_dir))
+    for cb in _as_list(_get(trainer_cfg, "callbacks")):
+        dirpath = _get(_init_args(cb), "dirpath")
+        if dirpath:
+            dirs.append(Path(dirpath))
+    return list(dict.fromkeys(dirs))
+
+
+def check_writable(
+    directory: str | Path,
+    what: str = "output folder",
+    hint: str = "give a folder you can write to (e.g. --trainer.default_root_dir)",
+) -> None:
+    """Write (and remove) a probe file in ``directory`` or, when it does not exist yet, in its nearest existing
+    ancestor (creating nothing); OSError naming the path when that fails."""
+    directory = Path(directory)
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, f"{existing} is a file")
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".rlm-write-probe-"):
+            pass
+    except OSError as err:
+        raise OSError(f"{what} {str(directory)!r} is not writable ({err.strerror or err}); {hint}") from err
+
+
+def check_fit(cfg: Any) -> None:
+    """All checks of a parsed ``fit`` config (``cfg`` is the subcommand's namespace)."""
+    check_sections(_get(cfg, "model"))
+    trainer = _get(cfg, "trainer")
+    if _get(trainer, "max_steps") == 0:
+        raise ValueError(
+            "--trainer.max_steps 0 trains nothing; give a positive number of steps (or -1: no limit)"
+        )
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for d in output_dirs(trainer):
+            check_writable(d)

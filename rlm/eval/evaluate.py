@@ -1,0 +1,261 @@
+"""Evaluation with a checkpoint's own tokenizer: ``rlm eval``, and the settings ``rlm validate|test`` restore.
+
+A loss means something only under the token mapping the model was trained with, so evaluation never trains a
+tokenizer: it takes the one the checkpoint carries (``RLMDataModule.state_dict``), or, for checkpoints written
+before they carried one, the tokenizer of the cache entry they trained on; neither found is an error.
+
+``rlm eval --ckpt CKPT`` evaluates the checkpoint's own test (or validation) split; ``--corpus X`` evaluates
+every document of X. It reports the mean token loss, its perplexity and bits per byte,
+
+    bpb = sum_t NLL_t (nats) / (ln 2 * UTF-8 bytes of the evaluated text)        (DESIGN.md, Measurement)
+
+which does not depend on the tokenizer, so models with different vocabularies compare. Every target counts:
+each document's tokens and its end-of-document token, scored in the training windows of seq_len tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlm.data import RLMDataModule, SegmentTable, TokenStore, Windows
+from rlm.data.pretrained import TRAIN
+from rlm.data.windows import IGNORE_INDEX, eval_loader
+
+SPLITS = ("test", "val", "train")
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint as a dict (on the CPU); a clear error when the file is missing."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def data_settings(ckpt: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The data module's arguments saved in the checkpoint (those RLMDataModule still accepts)."""
+    saved = ckpt.get("datamodule_hyper_parameters")
+    if not saved:
+        raise ValueError(f"{str(path)!r} holds no data module settings, so its tokenizer cannot be found")
+    accepted = inspect.signature(RLMDataModule).parameters
+    hp = {k: v for k, v in saved.items() if k in accepted}
+    hp.setdefault("test_fraction", 0.0)  # written before the test split existed: its split had none
+    return hp
+
+
+def _cache_dir(hp: dict[str, Any]) -> Path:
+    return Path(
+        hp.get("cache_dir") or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm"
+    ).expanduser()
+
+
+def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[str, Any]) -> str:
+    """A file holding the checkpoint's own sentencepiece model; ValueError when it cannot be found."""
+    model = (ckpt.get(RLMDataModule.__qualname__) or {}).get("tokenizer_model")
+    if model:
+        digest = hashlib.sha256(model).hexdigest()[:20]
+        target = _cache_dir(hp) / "tokenizers" / f"{digest}.model"
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+            tmp.write_bytes(model)
+            os.replace(tmp, target)
+        return str(target)
+    if hp.get("tokenizer") and Path(hp["tokenizer"]).is_file():
+        return str(hp["tokenizer"])
+    # Older checkpoints carry no tokenizer: the cache entry they trained on has it, if it is still there.
+    try:
+        root = RLMDataModule(**{**hp, "progress": False}).cache_path()
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{str(path)!r} carries no tokenizer and its training corpus {hp.get('corpus')!r} cannot be read "
+            f"to find the cached one ({err}); evaluating under another tokenizer would not measure this model"
+        ) from err
+    if not TokenStore.exists(root):
+        raise ValueError(
+            f"{str(path)!r} carries no tokenizer and its token cache {root} is missing (deleted, or another "
+            "cache_dir / $RLM_CACHE); evaluating under another tokenizer would not measure this model"
+        )
+    return str(root / "tokenizer.model")
+
+
+# Data arguments the token cache depends on: given on the command line, they change the entry after this check.
+CACHE_ARGS = ("corpus", "hf_split", "hf_config", "text_field", "extensions", "max_documents", "vocab_size",
+              "val_fraction", "test_fraction", "seed", "cache_dir", "tokenizer_model_type", "max_tokenizer_chars")  # fmt: skip
+
+
+def with_tokenizer(
+    data: dict[str, Any], ckpt: dict[str, Any], path: str | os.PathLike[str], force: bool = False
+) -> dict[str, Any]:
+    """Data arguments that read their tokens with the checkpoint's tokenizer: unchanged when their cache entry
+    already holds it (the training run's own entry: nothing is encoded again, and retrieval indices keyed by
+    it stay valid), else (or with ``force``) with ``tokenizer`` set to the checkpoint's model file."""
+    if data.get("tokenizer") not in (None, TRAIN):
+        return data
+    model = tokenizer_file(ckpt, path, data_settings(ckpt, path))  # the training data's, not `data`'s
+    if force:
+        return {**data, "tokenizer": model}
+    try:
+        root = RLMDataModule(**{**data, "progress": False}).cache_path()
+    except (OSError, ValueError):
+        root = None
+    if root is not None and TokenStore.exists(root):
+        if (root / "tokenizer.model").read_bytes() == Path(model).read_bytes():
+            return data
+    return {**data, "tokenizer": model}
+
+
+def ckpt_path_arg(args: list[str]) -> str | None:
+    """The value of ``--ckpt_path`` in LightningCLI arguments, if any."""
+    for i, arg in enumerate(args):
+        if arg == "--ckpt_path" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--ckpt_path="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def with_checkpoint_settings(merged: dict[str, Any], args: list[str]) -> dict[str, Any]:
+    """For ``rlm validate|test --ckpt_path CKPT``: the checkpoint's data settings under the given config.
+
+    The checkpoint's data arguments come first, so no training config is needed; config files and
+    ``--data.*`` flags still override them (``--data.corpus X`` evaluates X's split). The tokenizer is always
+    the checkpoint's (see with_tokenizer), never one trained anew. LightningCLI itself restores the model's
+    settings from the checkpoint.
+    """
+    path = ckpt_path_arg(args)
+    if path is None:
+        return merged
+    ckpt = load_checkpoint(path)
+    data = {**data_settings(ckpt, path), **(merged.get("data") or {})}
+    flags = {arg.split("=", 1)[0] for arg in args if arg.startswith("--data.")}
+    changed = any(f"--data.{k}" in flags for k in CACHE_ARGS)  # e.g. --data.corpus X: another cache entry
+    return {**merged, "data": with_tokenizer(data, ckpt, path, force=changed)}
+
+
+def _windows(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:
+    """Windows of seq_len over the given documents of a built store (no training-length check: any text)."""
+    fp = hashlib.sha256(f"{store.root.name}/segment_len={data.segment_len}".encode()).hexdigest()[:20]
+    segments = SegmentTable(store.tokens, store.doc_offsets, data.segment_len, store.tokenizer.pad_id, fp)
+    return Windows(segments, store.doc_offsets, docs, data.seq_len)
+
+
+@torch.no_grad()
+def nll_sum(module: Any, windows: Windows, batch_size: int) -> tuple[float, int]:
+    """(sum of the token NLLs in nats, in float64; number of scored tokens) over all windows."""
+    module.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for batch in eval_loader(windows, batch_size):
+        batch = {k: v.to(module.device) for k, v in batch.items()}
+        ctx = module.make_context(batch, "test")
+        logits = module.model(batch["tokens"], ctx)  # (B, T, V)
+        targets = batch["targets"]  # (B, T), IGNORE_INDEX past the document's end
+        nll = F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        total += nll.double().cpu()
+        count += int((targets != IGNORE_INDEX).sum())
+    return float(total), count
+
+
+def metrics(nll: float, tokens: int, n_bytes: int) -> dict[str, float]:
+    """loss (nats per token), perplexity and bits per byte from the summed NLL."""
+    loss = nll / max(tokens, 1)
+    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "bpb": nll / (math.log(2) * max(n_bytes, 1))}
+
+
+def evaluate(
+    ckpt_path: str,
+    corpus: list[str] | None = None,
+    split: str = "test",
+    batch_size: int | None = None,
+    device: str = "cpu",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint on its own split, or on all of ``corpus``, with its own tokenizer."""
+    from rlm.train.module import LMModule
+
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; accepted: {list(SPLITS)}")
+    ckpt = load_checkpoint(ckpt_path)
+    hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
+    if corpus:  # all of the new text: no document held out
+        hp.update(corpus=corpus, max_documents=None, val_fraction=0.0, test_fraction=0.0)
+    hp = with_tokenizer(hp, ckpt, ckpt_path)
+    data = RLMDataModule(**hp)
+    data.prepare_data()
+    store = TokenStore(data.cache_path())
+    docs = store.train_docs if corpus else getattr(store, f"{split}_docs")
+    if not len(docs):
+        raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
+    texts = data.documents()
+    n_bytes = sum(len(texts[d].text.encode("utf-8")) for d in docs)
+    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
+    if module.model_config.vocab_size != store.tokenizer.vocab_size:
+        raise ValueError(
+            f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer "
+            f"{store.tokenizer.vocab_size}"
+        )
+    nll, tokens = nll_sum(module, _windows(data, store, docs), batch_size or data.val_batch_size)
+    return {
+        "checkpoint": str(ckpt_path),
+        "corpus": corpus if corpus else hp["corpus"],
+        "split": "all" if corpus else split,
+        "documents": int(len(docs)),
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "nll_sum": nll,
+        **metrics(nll, tokens, n_bytes),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``rlm eval`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="rlm eval",
+        description="Loss, perplexity and bits per byte of a checkpoint, with its own tokenizer: on its "
+        "corpus's test (or validation) split, or on all of any text (--corpus).",
+    )
+    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
+    p.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        help="evaluate every document of this text (a file, directory, glob, 'stdlib' or hf:NAME) instead",
+    )
+    p.add_argument(
+        "--split", default="test", choices=SPLITS, help="the checkpoint corpus's split to evaluate"
+    )
+    p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default: the run's)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    return p
+
+
+def main(args: list[str]) -> int:
+    """Entry point of ``rlm eval``."""
+    a = parser().parse_args(args)
+    if a.batch_size is not None and a.batch_size < 1:
+        raise ValueError(f"--batch-size={a.batch_size}; accepted: a positive integer")
+    result = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=sys.stderr.isatty())
+    print(
+        f"{result['split']} of {result['corpus']}: {result['documents']} documents, {result['tokens']} tokens, "
+        f"{result['bytes']} bytes\nloss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
+        f"bits/byte {result['bpb']:.4f}"
+    )
+    if a.json:
+        tmp = f"{a.json}.tmp{os.getpid()}"
+        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, a.json)
+    return 0

@@ -1,0 +1,151 @@
+"""Crash-safe checkpoint files: written beside their target and renamed, loaded with the file named on failure.
+
+Lightning's own writer goes through an fsspec transaction that writes to ``$TMPDIR`` and then moves the file;
+when the run directory is on another filesystem the move is a copy, so a kill or a full disk leaves a
+truncated ``last.ckpt`` under its real name. :class:`AtomicCheckpointIO` writes ``.NAME.tmp-PID`` in the
+target's own directory, fsyncs it, ``os.replace``\\ s it over the target and fsyncs the directory: a reader
+sees the old file or the new one, never part of one. :class:`CheckpointHygiene` installs it and removes the
+debris of killed runs (temporary files, and checkpoints past ``save_top_k`` that no checkpoint tracks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+TMP_PATTERN = re.compile(r"^\..+\.tmp-\d+$")
+"""Names of the temporary files :func:`atomic_save` writes (``.last.ckpt.tmp-1234``)."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems do not open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: str | Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``.
+
+    Raises OSError naming ``path`` (disk full, read-only folder) and leaves no temporary file behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save reports a short write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise OSError(
+            f"cannot write checkpoint {str(path)!r}: {reason} "
+            "(a full disk or an unwritable folder; the previous checkpoint is intact)",
+        ) from err
+    _fsync_dir(path.parent)
+
+
+def load_checkpoint_file(path: str | Path, map_location: Any = "cpu", weights_only: bool = False) -> Any:
+    """``torch.load`` of a checkpoint, raising ValueError that names the file when it cannot be read."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+    except Exception as err:  # zip, pickle and storage errors alike: the file is damaged
+        raise ValueError(
+            f"checkpoint {str(path)!r} cannot be loaded ({type(err).__name__}: {err}); it is truncated or "
+            "damaged: resume from another checkpoint, or `--ckpt_path last` to pick the newest loadable one"
+        ) from err
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """TorchCheckpointIO that writes with :func:`atomic_save` and names the file when loading fails."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        atomic_save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        return load_checkpoint_file(path, map_location or "cpu", bool(weights_only))
+
+
+def remove_tmp_files(directory: str | Path) -> list[Path]:
+    """Delete the temporary files of interrupted :func:`atomic_save` calls in ``directory``."""
+    directory = Path(directory)
+    removed = []
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if p.is_file() and TMP_PATTERN.match(p.name):
+                p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed
+
+
+def _step_of(name: str) -> int | None:
+    m = re.search(r"step=(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+class CheckpointHygiene(pl.Callback):
+    """Installs :class:`AtomicCheckpointIO`, clears what killed runs left in the checkpoint folders, and makes
+    ``last.ckpt`` hold the final weights when training ends between two of ModelCheckpoint's saves."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:  # leave a user's own CheckpointIO alone
+            strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With every_n_train_steps=100 and max_steps=390, ModelCheckpoint's last save is step 300: ``rlm eval``
+        of last.ckpt then scored older weights than the run ended with, and a resume retrained 90 steps. Save the
+        final state as last.ckpt (every rank calls this: saving is collective under DDP and FSDP)."""
+        for cb in trainer.checkpoint_callbacks:
+            if not isinstance(cb, ModelCheckpoint) or not cb.save_last or not cb.dirpath:
+                continue
+            # Lightning keeps the step of its last save privately; without it, save anyway (one more write)
+            if getattr(cb, "_last_global_step_saved", None) == trainer.global_step:
+                continue
+            trainer.save_checkpoint(os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        resumed = trainer.ckpt_path
+        for cb in trainer.checkpoint_callbacks:
+            if not isinstance(cb, ModelCheckpoint) or not cb.dirpath:
+                continue
+            for p in remove_tmp_files(cb.dirpath):
+                print(f"rlm: removed {p}, a partial checkpoint of an interrupted run", file=sys.stderr)
+            if resumed is None or cb.save_top_k < 0:
+                continue
+            # A kill between writing a new top-k checkpoint and deleting the one it displaced, or after the
+            # checkpoint we resume from, leaves files that no restored state tracks: the callback would keep
+            # them forever beyond save_top_k. Those written after the resumed step are trained again anyway.
+            tracked = {os.path.abspath(p) for p in [*cb.best_k_models, cb.last_model_path, resumed] if p}
+            for p in Path(cb.dirpath).glob("*" + cb.FILE_EXTENSION):
+                step = _step_of(p.name)
+                if os.path.abspath(p) in tracked or step is None or step <= trainer.global_step:
+                    continue
+                p.unlink(missing_ok=True)
+                print(
+                    f"rlm: removed {p}: written after step {trainer.global_step}, which this run resumes from",
+                    file=sys.stderr,
+                )

@@ -1,0 +1,48 @@
+"""Config diffing: which keys differ between the config a checkpoint was written under and this run's.
+
+Used by the LightningModule (refusing a checkpoint of another model in ``on_load_checkpoint``) and by
+``--ckpt_path`` resuming (rlm.train.resume), which each name the keys that differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def dict_diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
+    """``key: a -> b`` for every dotted key whose value differs between two nested configs."""
+    if isinstance(saved, dict) and isinstance(current, dict) and saved and current:
+        out = []
+        for key in sorted(set(saved) | set(current), key=str):
+            out += dict_diff(saved.get(key), current.get(key), f"{prefix}{key}.")
+        return out
+    if _plain(saved) != _plain(current):
+        return [f"{prefix.rstrip('.')}: checkpoint has {saved!r}, this run has {current!r}"]
+    return []
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between two LMModule hyperparameter dicts in the parts that shape the model."""
+    diffs = []
+    for key in ("model", "plugins"):
+        empty = {} if key == "plugins" else None  # no plugins: None and {} alike
+        if key in saved:  # only the keys that differ, as dotted names
+            diffs += dict_diff(
+                {key: _normalise(saved[key] or empty)}, {key: _normalise(current.get(key) or empty)}
+            )
+    return diffs
+
+
+def _normalise(value: Any) -> Any:
+    """Plain containers for comparing configs (tuples and lists alike, disabled plugins dropped)."""
+    if isinstance(value, dict):
+        return {k: _normalise(v) for k, v in value.items() if v is not None and v is not False}
+    if isinstance(value, list | tuple):
+        return [_normalise(v) for v in value]
+    return value

@@ -1,0 +1,292 @@
+"""The LightningModule: cross-entropy plus plugin aux losses, AdamW groups, warmup + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlm.model.config import ModelConfig
+from rlm.model.transformer import Transformer
+from rlm.plugin.base import ParamGroup
+from rlm.plugin.context import Context
+from rlm.train.diff import config_diff
+from rlm.train.parallel import parallelize, unshard_root
+from rlm.train.throughput import Throughput
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its schedule."""
+
+    lr: float = 3e-3
+    """Peak learning rate of the default groups."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of matrices (never of norms, biases or embeddings)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    warmup_steps: int = 100
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to min_lr_ratio * lr at the last step."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warmup to 1, then cosine down to min_ratio at ``total``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _no_decay_ids(model: Transformer) -> set[int]:
+    """Parameters exempt from weight decay: vectors (norms, biases) and embedding tables (the tied head too)."""
+    ids = {id(p) for p in model.parameters() if p.ndim < 2}
+    if model.config.tie_embeddings:
+        ids.add(id(model.head.weight))
+    for module in model.modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            ids.add(id(module.weight))
+    return ids
+
+
+class LMModule(pl.LightningModule):
+    """Trains a :class:`~rlm.model.Transformer` (with its plugins) as a causal language model."""
+
+    def __init__(
+        self,
+        model: ModelConfig | dict | None = None,
+        plugins: dict[str, Any] | None = None,
+        optim: OptimConfig | dict | None = None,
+        compile: bool = False,
+        peak_flops: float | None = None,
+    ) -> None:
+        """Build the model.
+
+        Args:
+            model: the transformer's shape; ``vocab_size`` is linked from the data module.
+            plugins: plugin name -> options (a mapping of the plugin's Config fields, or
+                ``{class_path, init_args}``); ``null`` disables a plugin set by an earlier config file.
+            optim: optimizer and schedule.
+            compile: compile the model with torch.compile (Inductor); plugins that cannot be traced run
+                eagerly behind graph breaks (PKM's search and value read; MoE's expert dispatch).
+            peak_flops: peak FLOP/s of one device, the denominator of the logged train/mfu; None: a known
+                GPU's dense peak in the training precision (H100 SXM bf16: 989e12), or on CPU the fp32 matmul
+                rate measured when training starts (see rlm/train/throughput.py).
+        """
+        super().__init__()
+        # Dicts come back from checkpoints' hyper_parameters (load_from_checkpoint).
+        model = ModelConfig(**model) if isinstance(model, dict) else (model or ModelConfig())
+        optim = OptimConfig(**optim) if isinstance(optim, dict) else (optim or OptimConfig())
+        plugins = {k: v for k, v in (plugins or {}).items()}
+        self.save_hyperparameters({"model": asdict(model), "plugins": plugins, "optim": asdict(optim)})
+        self.model_config, self.optim = model, optim
+        self.model = Transformer(model, plugins)
+        if compile:
+            # In place (nn.Module.compile): parameter names and checkpoints stay those of the eager model.
+            self.model.compile()
+        self.peak_flops = peak_flops
+        self._val_sum = torch.zeros(())
+        self._val_count = torch.zeros(())
+        self._eval_sums: dict[str, Tensor] = {}
+
+    # ----- forward -----
+
+    def make_context(self, batch: dict[str, Any], stage: str, variant: str | None = None) -> Context:
+        """The per-step context for a batch, filled by every plugin's ``prepare``."""
+        ctx = Context(
+            tokens=batch["tokens"],
+            mask=batch.get("mask"),
+            stage=stage,
+            segment_ids=batch.get("segment_ids"),
+            doc_ids=batch.get("doc_ids"),
+            variant=variant,
+        )
+        unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.train.parallel)
+        for plugin in self.model.plugins.values():
+            plugin.prepare(ctx, batch)
+        return ctx
+
+    def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
+        return self.model(tokens, ctx)
+
+    def _loss(
+        self, batch: dict[str, Any], stage: str, variant: str | None = None
+    ) -> tuple[Tensor, Tensor, Context, int]:
+        ctx = self.make_context(batch, stage, variant)
+        logits = self.model(batch["tokens"], ctx)  # (B, T, V)
+        targets = batch["targets"]
+        n_tokens = int((targets != -100).sum())
+        if ctx.loss_groups and stage != "train":  # per-token losses for val/loss_by/<group>
+            token_loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
+            ).view_as(targets)  # (B, T), 0 at ignored targets
+            ctx.extras["lm/token_loss"] = token_loss.detach()
+        lm = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        aux = ctx.total_aux_loss()
+        return lm, (lm if aux is None else lm + aux), ctx, n_tokens
+
+    def _log_context(self, ctx: Context, stage: str, on_step: bool) -> None:
+        for name, (value, _) in ctx.aux_losses.items():
+            self.log(
+                f"{stage}/aux/{name}",
+                value.detach().float(),
+                on_step=on_step,
+                on_epoch=not on_step,
+                sync_dist=not on_step,
+            )
+        for name, value in ctx.metrics.items():
+            self.log(f"{stage}/{name}", value, on_step=on_step, on_epoch=not on_step, sync_dist=not on_step)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        lm, loss, ctx, n_tokens = self._loss(batch, "train")
+        self.log("train/loss", lm, prog_bar=True)
+        self.log("train/ppl", torch.exp(lm.detach().clamp(max=20)))
+        if ctx.aux_losses:
+            self.log("train/total_loss", loss)
+        self._log_context(ctx, "train", on_step=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._eval_sums: dict[str, Tensor] = {}  # 'loss_by/<group>' and '<variant>/loss' -> (sum, count)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "test")
+
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    def _eval_step(self, batch: dict[str, Any], stage: str) -> Tensor:
+        lm, _, ctx, n_tokens = self._loss(batch, stage)
+        # Token-weighted sums so the epoch loss is the mean over tokens, not over (unequal) batches.
+        self._val_sum += lm.detach().double() * n_tokens
+        self._val_count += n_tokens
+        self._log_context(ctx, stage, on_step=False)
+        token_loss = ctx.extras.get("lm/token_loss")
+        for name, group in ctx.loss_groups.items():
+            real = group & (batch["targets"] != -100)  # (B, T)
+            self._eval_add(f"loss_by/{name}", token_loss[real].double().sum(), real.sum())
+        for plugin in self.model.plugins.values():
+            for variant in plugin.eval_variants():
+                other, _, _, _ = self._loss(batch, stage, variant)
+                self._eval_add(f"{variant}/loss", other.detach().double() * n_tokens, n_tokens)
+        return lm
+
+    def _eval_add(self, name: str, total: Tensor, count: Tensor | int) -> None:
+        """Accumulate a token-weighted sum and its token count under `name` (reduced at epoch end)."""
+        acc = self._eval_sums.setdefault(name, torch.zeros(2, device=self.device, dtype=torch.float64))
+        acc[0] += total
+        acc[1] += count
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        total = self.trainer.strategy.reduce(self._val_sum.clone(), reduce_op="sum")
+        count = self.trainer.strategy.reduce(self._val_count.clone(), reduce_op="sum")
+        if float(count) == 0:
+            return
+        loss = (total / count).float()
+        self.log(f"{stage}/loss", loss, prog_bar=True, rank_zero_only=True)
+        self.log(f"{stage}/ppl", torch.exp(loss.clamp(max=20)), rank_zero_only=True)
+        for name in sorted(self._eval_sums):  # the same names on every rank (see Context.loss_groups)
+            acc = self.trainer.strategy.reduce(self._eval_sums[name].clone(), reduce_op="sum")
+            if float(acc[1]) > 0:
+                self.log(f"{stage}/{name}", (acc[0] / acc[1]).float(), rank_zero_only=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def configure_model(self) -> None:
+        """Shard the model with FSDP2 when the strategy gives a device mesh (ModelParallelStrategy); with DDP or
+        one device there is none and nothing changes."""
+        if self.device_mesh is not None:
+            parallelize(self.model, self.device_mesh)
+
+    # ----- optimisation -----
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """AdamW groups: plugin groups first, then decayed matrices and non-decayed vectors/embeddings."""
+        groups: list[dict[str, Any]] = []
+        taken: set[int] = set()
+        for label, plugin in self.model.plugins.items():
+            for g in plugin.param_groups():
+                if not isinstance(g, ParamGroup):
+                    raise TypeError(
+                        f"plugin {label!r} returned {type(g).__name__} from param_groups(); expected ParamGroup"
+                    )
+                params = [p for p in g.params if p.requires_grad and id(p) not in taken]
+                taken |= {id(p) for p in params}
+                group = {"name": g.name, "params": params, "schedule": g.schedule, **g.extra}
+                for key in ("lr", "weight_decay", "betas"):
+                    if getattr(g, key) is not None:
+                        group[key] = getattr(g, key)
+                groups.append(group)
+        no_decay = _no_decay_ids(self.model)
+        seen: set[int] = set()
+        decay, plain = [], []
+        for p in self.model.parameters():
+            if not p.requires_grad or id(p) in taken or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (plain if id(p) in no_decay else decay).append(p)
+        groups.append(
+            {"name": "decay", "params": decay, "weight_decay": self.optim.weight_decay, "schedule": True}
+        )
+        groups.append({"name": "no_decay", "params": plain, "weight_decay": 0.0, "schedule": True})
+        return [g for g in groups if g["params"]]
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        o = self.optim
+        groups = self.parameter_groups()
+        schedules = [g.pop("schedule") for g in groups]
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
+        lambdas = [
+            (lambda s: warmup_cosine(s, o.warmup_steps, total, o.min_lr_ratio)) if sched else (lambda s: 1.0)
+            for sched in schedules
+        ]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        from rlm.train.checkpoint import CheckpointHygiene
+        from rlm.train.guard import NonFiniteGuard
+
+        core = [NonFiniteGuard(), CheckpointHygiene()]  # stop at NaN; crash-safe checkpoint files
+        plugin_callbacks = [cb for plugin in self.model.plugins.values() for cb in plugin.callbacks()]
+        return [*core, Throughput(self.peak_flops), *plugin_callbacks]
+
+    def setup(self, stage: str) -> None:
+        # One sequence of the data's length for Lightning's model summary, which counts its forward FLOPs.
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None) if self._trainer is not None else None
+        T = min(seq_len or self.model_config.max_seq_len, self.model_config.max_seq_len)
+        self.example_input_array = torch.zeros(1, T, dtype=torch.long)
+
+    # ----- checkpoints -----
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint written under another model or plugin config, naming what differs."""
+        diffs = config_diff(checkpoint.get("hyper_parameters", {}), dict(self.hparams))
+        if diffs:
+            raise ValueError("checkpoint was written by a different config:\n  " + "\n  ".join(diffs))

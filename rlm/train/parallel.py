@@ -1,0 +1,180 @@
+"""Parallelism applied from outside the model (torchtitan's habit): FSDP2 sharding, and plain copies of sharded parts.
+
+The model and plugin code stay single-device. ``parallelize`` shards a built :class:`~rlm.model.Transformer`
+with ``torch.distributed.fsdp.fully_shard``: each block is one unit (its parameters are all-gathered just before
+its forward and freed after it), and the root unit holds what is left (the embedding, tied to the head, the final
+norm, and the parameters plugins own at the top: PKM value tables, a separate retrieval encoder, AltUp's tables).
+Gradients are reduce-scattered, so every rank ends a step with its shard of the averaged gradient, as DDP would
+with the full one.
+
+PKM's row-wise lazy Adam (``sparse``) is off under any distributed strategy (``sparse: auto`` resolves to the
+dense path), so the value tables are sharded like any other parameter and reduce-scattered densely.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+# Lightning's ModelParallelStrategy names its 2-D mesh (data_parallel, tensor_parallel); rlm has no tensor
+# parallelism, so both dimensions serve FSDP (see fsdp_mesh).
+DP, TP = "data_parallel", "tensor_parallel"
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: a 1-D mesh of every rank, or (nodes, devices) for HSDP.
+
+    ModelParallelStrategy's default mesh is (data_parallel=nodes, tensor_parallel=devices per node). Without tensor
+    parallelism, a size-1 dimension is dropped (one node: plain FSDP over its devices) and a 2-D mesh is used as
+    HSDP: parameters sharded within a node, replicated across nodes (the all-gathers stay on the fast links)."""
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim != 2 or tuple(names) != (DP, TP):
+        raise ValueError(
+            f"rlm shards over a 1-D mesh or a ({DP}, {TP}) mesh, got dims {names} of {mesh.shape}"
+        )
+    dp, tp = mesh.shape
+    if dp == 1:
+        return mesh[TP]
+    if tp == 1:
+        return mesh[DP]
+    return mesh
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` (a Transformer) in place with FSDP2: every block, then the root. A mesh of one rank and an
+    already sharded model are left as they are (nothing to shard; ``configure_model`` may be called twice)."""
+    if isinstance(model, FSDPModule) or mesh.size() == 1:
+        return model
+    mesh = fsdp_mesh(mesh)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    # the root's parameters are all-gathered at its forward and stay so until its backward (FSDP2's root rule)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit."""
+    return isinstance(module, FSDPModule)
+
+
+def unshard_root(module: nn.Module) -> None:
+    """All-gather the root unit's parameters now (a no-op unless ``module`` is an FSDP unit).
+
+    Plugins' ``prepare`` may run model modules before the forward (retrieval embeds its online queries with the
+    LM's own embedding); under FSDP those parameters must be gathered first. The forward would do this very
+    all-gather a moment later, and finds it done, so it costs nothing extra; FSDP frees them after the backward.
+    FSDP2 marks as root the first unit whose forward runs: its lazy init is done here, so that a block run by a
+    plugin before the model's forward (the shared encoder's) does not claim to be a root (FSDP then refuses the
+    real root's forward). There is no public call for it; the private one is idempotent."""
+    if isinstance(module, FSDPModule):
+        module._get_fsdp_state()._lazy_init()
+        module.unshard()
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor of a sharded DTensor (an all-gather: every rank must call it), else ``t`` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# Per-module hook tables FSDP fills (its unshard / reshard / reduce-scatter hooks): a plain copy starts them empty.
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+# Attributes fully_shard sets on a unit: its state (under torch's composable-API keys) and flags for Dynamo.
+_FSDP_STATE = ("__composable_api_state_key", "_fsdp", "_is_fsdp_managed_module")
+
+
+def _copy_unsharded_module(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """deepcopy of one FSDP unit as an instance of its own class, without FSDP's hooks and state."""
+    cls = next(c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
+    new = cls.__new__(cls)
+    memo[id(module)] = new
+    for key, value in module.__dict__.items():
+        if key.startswith(_FSDP_STATE):
+            continue
+        new.__dict__[key] = type(value)() if key in _HOOKS else copy.deepcopy(value, memo)
+    return new
+
+
+def _copy_full(t: DTensor, memo: dict[int, Any]) -> Tensor:
+    """deepcopy of a DTensor as the plain full tensor (a Parameter stays a Parameter)."""
+    full = t.full_tensor().detach().clone()
+    out = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
+    memo[id(t)] = out
+    return out
+
+
+@contextmanager
+def _plain_deepcopy() -> Iterator[None]:
+    """While open, deepcopy turns FSDP units into plain modules and DTensors into full tensors."""
+    classes = [c for c in _subclasses(FSDPModule) if "__deepcopy__" in c.__dict__]
+    saved = {c: c.__dict__["__deepcopy__"] for c in classes}
+    saved_dtensor = DTensor.__dict__.get("__deepcopy__")
+    try:
+        for c in classes:
+            c.__deepcopy__ = _copy_unsharded_module
+        DTensor.__deepcopy__ = _copy_full
+        yield
+    finally:
+        for c, fn in saved.items():
+            c.__deepcopy__ = fn
+        if saved_dtensor is None:
+            del DTensor.__deepcopy__
+        else:
+            DTensor.__deepcopy__ = saved_dtensor
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+def plain_copy(obj: Any) -> Any:
+    """``copy.deepcopy`` that a single process can run alone: FSDP units come back as their own classes without
+    FSDP, and sharded parameters as full plain tensors. Under FSDP this all-gathers, so every rank calls it at the
+    same point (retrieval's rebuild snapshot does, at a step boundary); without FSDP it is ``copy.deepcopy``."""
+    if not _subclasses(FSDPModule):
+        return copy.deepcopy(obj)
+    with torch.no_grad(), _plain_deepcopy():
+        return copy.deepcopy(obj)
+
+
+def spawn_local(worker: Any, *args: Any, nprocs: int = 2) -> dict:
+    """Run ``worker(rank, port, *args, out)`` in ``nprocs`` local processes (for gloo tests and benchmarks):
+    ``port`` is a free loopback port for the process group, ``out`` a shared dict; returns what they put in it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(worker, args=(port, *args, out), nprocs=nprocs)
+        return dict(out)

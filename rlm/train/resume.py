@@ -1,0 +1,133 @@
+"""``--ckpt_path``: finding a run's newest loadable checkpoint, and refusing one written by another model.
+
+Lightning looks for ``last`` only in the new run's folder (a new logger version each run), says "No checkpoint
+will be loaded" and trains from step 0. Here ``--ckpt_path last`` searches every folder the run's config
+writes checkpoints to (the ModelCheckpoint ``dirpath``s, each logger's ``save_dir/name/version_*``, the
+``default_root_dir``), newest file first, skips files that do not load (saying so), and is an error when
+none loads.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rlm.train.checkpoint import load_checkpoint_file
+from rlm.train.diff import config_diff, dict_diff
+
+
+def _get(ns: Any, key: str, default: Any = None) -> Any:
+    if ns is None:
+        return default
+    try:
+        value = ns.get(key, default) if hasattr(ns, "get") else getattr(ns, key, default)
+    except (KeyError, AttributeError):
+        return default
+    return default if value is None else value
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _init_args(entry: Any) -> Any:
+    """A ``{class_path, init_args}`` entry's init_args, or the object's attributes when instantiated."""
+    return _get(entry, "init_args", entry)
+
+
+def checkpoint_roots(trainer_cfg: Any) -> list[Path]:
+    """Every folder under which a run with this trainer config writes checkpoints."""
+    roots: list[Path] = []
+    root_dir = _get(trainer_cfg, "default_root_dir")
+    for cb in _as_list(_get(trainer_cfg, "callbacks")):
+        if "Checkpoint" in str(_get(cb, "class_path", type(cb).__name__)):
+            dirpath = _get(_init_args(cb), "dirpath")
+            if dirpath:
+                roots.append(Path(dirpath))
+    loggers = _get(trainer_cfg, "logger")
+    for lg in _as_list(loggers) if loggers is not True else []:
+        args = _init_args(lg)
+        save_dir, name = _get(args, "save_dir", root_dir), _get(args, "name", "lightning_logs")
+        if save_dir:
+            roots.append(Path(save_dir) / str(name))
+    roots.append(Path(root_dir or "."))
+    if root_dir is None:  # Lightning's default logger writes under ./lightning_logs
+        roots = [r if r != Path(".") else Path("lightning_logs") for r in roots]
+    out: list[Path] = []
+    for r in roots:
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def find_checkpoints(roots: list[Path]) -> list[Path]:
+    """The ``*.ckpt`` files under ``roots``, newest first."""
+    found = {p.resolve() for r in roots if r.is_dir() for p in r.rglob("*.ckpt") if p.is_file()}
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def newest_loadable(roots: list[Path], say: Any = None) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint under ``roots`` that loads, and its contents; ValueError when there is none."""
+    say = say or (lambda msg: print(msg, file=sys.stderr))
+    candidates = find_checkpoints(roots)
+    for path in candidates:
+        try:
+            return path, load_checkpoint_file(path)
+        except ValueError as err:
+            say(f"rlm: skipping {path}: {err}")
+    where = ", ".join(str(r) for r in roots)
+    if candidates:
+        raise ValueError(f"--ckpt_path last: none of the {len(candidates)} checkpoints under {where} loads")
+    raise ValueError(
+        f"--ckpt_path last: no checkpoint under {where}; train first, or give a checkpoint file's path"
+    )
+
+
+def prepare_ckpt_path(config: Any) -> None:
+    """Resolve ``--ckpt_path last``, check the file loads, and refuse resuming ``fit`` under another model.
+
+    ``config`` is LightningCLI's parsed config (with a ``subcommand``); ``ckpt_path`` is replaced in place.
+    """
+    from rlm.model.config import ModelConfig
+    from rlm.train.module import OptimConfig
+
+    command = config.get("subcommand")
+    if not command:
+        return
+    cfg = config[command]
+    path = cfg.get("ckpt_path")
+    if not path:
+        return
+    if path == "last":
+        found, ckpt = newest_loadable(checkpoint_roots(cfg.get("trainer")))
+        print(f"rlm {command}: resuming from {found} (step {ckpt.get('global_step', '?')})", file=sys.stderr)
+        cfg.ckpt_path = path = str(found)
+    elif path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
+        return  # Lightning's own names
+    else:
+        ckpt = load_checkpoint_file(path)
+    if command != "fit":
+        return
+    saved = ckpt.get("hyper_parameters", {})
+    current = cfg.model.as_dict()
+    if current.get("model") is not None:
+        current["model"]["vocab_size"] = cfg.data.vocab_size
+    current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
+    diffs = config_diff(saved, current)
+    if diffs:
+        raise ValueError(f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs))
+    # LightningCLI then replaces the model config by the checkpoint's, and the optimizer and schedule state
+    # come from the checkpoint too: a changed optim setting would be dropped without a word.
+    optim = current.get("optim")
+    optim = asdict(OptimConfig(**optim)) if isinstance(optim, dict) else asdict(OptimConfig())
+    changed = dict_diff(saved.get("optim") or {}, optim, "model.optim.")
+    if changed:
+        print(
+            "rlm fit: warning: resuming keeps the checkpoint's optimizer settings; ignored:\n  "
+            + "\n  ".join(changed),
+            file=sys.stderr,
+        )
