@@ -71,6 +71,11 @@ def run_generate(command: str, args: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--datastore", default=None, help="sample from kNN-LM with this datastore (rlm knnlm build)"
+    )
+    p.add_argument("--knn-k", type=int, default=None, help="neighbours per token (default: the datastore's)")
+    p.add_argument("--lam", type=float, default=None, help="kNN-LM interpolation weight (default: tuned)")
     a = p.parse_args(args)
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
@@ -87,18 +92,38 @@ def run_generate(command: str, args: list[str]) -> int:
     module = LMModule.load_from_checkpoint(a.ckpt, map_location="cpu")
     tok = data.tokenizer
     gen = torch.Generator().manual_seed(a.seed)
+    mixer = None
+    if a.datastore:
+        from rlm.eval.datastore import Datastore
+        from rlm.eval.knnlm import Mixer
+
+        ds = Datastore(a.datastore)
+        ds.check_model(module)
+        tuned = ds.meta.get("tuning") or {}
+        lam = a.lam if a.lam is not None else tuned.get("lam", 0.25)
+        if not 0 <= lam < 1:
+            p.error(f"--lam {lam}; accepted: 0 <= lam < 1")
+        mixer = Mixer(ds, lam, tuned.get("temperature", 1.0), a.knn_k or ds.meta["k"])
     out = sample(
-        module, [tok.bos_id, *tok.encode(a.prompt)], a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen
-    )
+        module, [tok.bos_id, *tok.encode(a.prompt)], a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen,
+        mixer,
+    )  # fmt: skip
     print(a.prompt + tok.decode(out))
     return 0
 
 
 def run_eval(command: str, args: list[str]) -> int:
     """``rlm eval --ckpt PATH [--corpus X]``: loss, perplexity and bits per byte with the model's tokenizer."""
-    from rlm.eval.evaluate import main as eval_main
+    from rlm.eval.knnlm_cli import eval_main  # plain evaluation, or kNN-LM with --datastore
 
     return eval_main(args)
+
+
+def run_knnlm(command: str, args: list[str]) -> int:
+    """``rlm knnlm build|info``."""
+    from rlm.eval.knnlm_cli import main as knnlm_main
+
+    return knnlm_main(args)
 
 
 def run_index(command: str, args: list[str]) -> int:
@@ -139,6 +164,10 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "eval": (run_eval, "loss, perplexity and bits per byte of a checkpoint on any text, its own tokenizer"),
     "generate": (run_generate, "sample text from a checkpoint"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
+    "knnlm": (
+        run_knnlm,
+        "build a kNN-LM datastore from a checkpoint (rlm eval / generate --datastore use it)",
+    ),
     "experiment": (run_experiment, "run plugin comparisons and report them"),
     "plugins": (run_plugins, "list the plugins, or show one plugin's options"),
 }

@@ -240,6 +240,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default: the run's)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    knn = p.add_argument_group("kNN-LM (a datastore from `rlm knnlm build`)")
+    knn.add_argument("--datastore", default=None, help="also score kNN-LM with this datastore")
+    knn.add_argument(
+        "--knn-k", type=int, default=None, help="neighbours per token (default: the datastore's)"
+    )
+    knn.add_argument("--lam", type=float, default=None, help="interpolation weight (default: tuned at build)")
+    knn.add_argument(
+        "--temperature", type=float, default=None, help="kNN softmax temperature (default: tuned)"
+    )
+    knn.add_argument("--knn-cache", action="store_true",
+                     help="add the evaluated document's own past (the continuous cache)")  # fmt: skip
     return p
 
 
@@ -248,14 +259,20 @@ def main(args: list[str]) -> int:
     a = parser().parse_args(args)
     if a.batch_size is not None and a.batch_size < 1:
         raise ValueError(f"--batch-size={a.batch_size}; accepted: a positive integer")
+    if a.datastore:  # the kNN-LM path (rlm.eval.knnlm_cli.eval_main) is chosen by the command table
+        raise ValueError("--datastore is handled by rlm.eval.knnlm_cli.eval_main")
     result = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=sys.stderr.isatty())
     print(
         f"{result['split']} of {result['corpus']}: {result['documents']} documents, {result['tokens']} tokens, "
         f"{result['bytes']} bytes\nloss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
         f"bits/byte {result['bpb']:.4f}"
     )
-    if a.json:
-        tmp = f"{a.json}.tmp{os.getpid()}"
-        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, a.json)
+    write_json(a.json, result)
     return 0
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        tmp = f"{path}.tmp{os.getpid()}"
+        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, path)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -17,22 +20,32 @@ def sample(
     top_k: int | None = 50,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
+    mixer: Any = None,
 ) -> list[int]:
-    """Continue ``prompt_ids`` token by token (full recompute over the last max_seq_len tokens)."""
+    """Continue ``prompt_ids`` token by token (full recompute over the last max_seq_len tokens); ``mixer``
+    (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into kNN-LM log-probabilities."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     module.eval()
     device = module.device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
     window = module.model.config.max_seq_len
-    for _ in range(max_new_tokens):
-        context = ids[:, -window:]
-        ctx = module.make_context({"tokens": context}, "predict")
-        logits = module.model(context, ctx)[:, -1, :].float()  # (1, V)
-        next_id = _pick(logits, temperature, top_k, generator)
-        ids = torch.cat([ids, next_id], dim=1)
-        if eos_id is not None and int(next_id) == eos_id:
-            break
+    with contextlib.ExitStack() as stack:
+        hooked = None
+        if mixer is not None:
+            from rlm.eval.datastore import reading_keys
+
+            hooked = stack.enter_context(reading_keys(module, mixer.ds.meta["layer"]))
+        for _ in range(max_new_tokens):
+            context = ids[:, -window:]
+            ctx = module.make_context({"tokens": context}, "predict")
+            logits = module.model(context, ctx)[:, -1, :].float()  # (1, V)
+            if hooked is not None:
+                logits = mixer(logits, hooked["keys"][:, -1])  # (1, V) log-probabilities
+            next_id = _pick(logits, temperature, top_k, generator)
+            ids = torch.cat([ids, next_id], dim=1)
+            if eos_id is not None and int(next_id) == eos_id:
+                break
     return ids[0, len(prompt_ids) :].tolist()
 
 

@@ -1,0 +1,260 @@
+"""Indices over raw vectors by squared L2 distance, for token-level datastores (kNN-LM).
+
+The segment indices of build.py compare unit vectors by inner product. A kNN-LM datastore (Khandelwal et al.
+2020) compares an LM's context states by L2 distance instead (the paper found L2 better than inner product),
+and holds one vector per token, so it is two orders of magnitude larger: its keys stream from an on-disk
+float16 array in chunks, never all in memory as float32.
+
+Factories: 'SQfp16' is exact search over float16 keys (2 bytes a dimension); 'IVF{nlist},PQ{m}' quantises
+each key to m bytes and scans nprobe of nlist lists, tuned at build time to a target recall@k against exact
+search on a sample of the keys. 'auto' picks exact below ``flat_below`` keys.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rlm.index._faiss import faiss
+from rlm.index.build import recall_at_k, set_search_params, tunable_param
+
+ADD_CHUNK = 65536
+"""Keys converted to float32 and added per faiss call."""
+EXACT = "SQfp16"
+REFINE_FACTOR = 4
+"""A refined index re-ranks this many times k candidates of its quantised search by exact distance."""
+PLATEAU = 0.005
+"""Tuning stops doubling nprobe once recall gains less than this (a product quantiser's ceiling)."""
+
+
+@dataclass
+class L2Index:
+    """A searchable L2 index and how it was made."""
+
+    index: Any
+    factory: str
+    search_params: dict[str, int] = field(default_factory=dict)
+    tuned_recall: float | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall-clock seconds of each build phase: train, add, tune."""
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+
+def choose_l2_factory(n: int, dim: int, flat_below: int = 1_000_000) -> str:
+    """'SQfp16' (exact, float16 keys) below ``flat_below`` keys, else IVF-PQ with ~8 keys' dims per code byte
+    whose candidates (REFINE_FACTOR x k of them) are re-ranked by their exact distances over float16 keys: the
+    kNN distribution is a softmax of distances, and PQ's approximate ones blur it.
+
+    nlist ~ 2*sqrt(n), a quarter of build.nlist_for's: each of the nlist centroids needs ~39 training keys, and
+    k-means over millions of 256-d keys with 4*sqrt(n) lists takes minutes on two CPU cores.
+    """
+    if n <= 0 or dim <= 0:
+        raise ValueError(f"need n > 0 keys of dim > 0, got n={n}, dim={dim}")
+    if n < flat_below:
+        return EXACT
+    nlist = max(1, min(int(round(2 * math.sqrt(n))), n // 39))
+    m = max(d for d in range(1, min(dim, 64) + 1) if dim % d == 0 and d <= max(1, dim // 8))
+    return f"IVF{nlist},PQ{m},Refine({EXACT})"
+
+
+def bytes_per_key(factory: str, dim: int) -> int:
+    """Bytes the index stores per key (codes, the 8-byte id of IVF lists, refinement keys)."""
+    refine = 2 * dim if f"Refine({EXACT})" in factory else 4 * dim if "RFlat" in factory else 0
+    if factory == EXACT:
+        return 2 * dim
+    if factory in ("Flat", "IndexFlatL2"):
+        return 4 * dim
+    if ",PQ" in factory:
+        m = int(factory.split(",PQ")[1].split("x")[0].split(",")[0])
+        return m + 8 + refine
+    return 4 * dim + 8 + refine  # a safe upper bound for other strings
+
+
+def exact_l2(
+    base: np.ndarray, queries: np.ndarray, k: int, chunk: int = 262144
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k (squared L2 distances (Q, k) ascending, ids (Q, k)) of queries over ``base`` (any float
+    dtype, read in chunks): the reference every L2 index is checked against."""
+    q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))  # (Q, d)
+    qn = (q * q).sum(1, keepdim=True)  # (Q, 1)
+    best_d = torch.full((len(q), 0), float("inf"))
+    best_i = torch.zeros((len(q), 0), dtype=torch.int64)
+    for lo in range(0, len(base), chunk):
+        b = torch.from_numpy(np.asarray(base[lo : lo + chunk], dtype=np.float32))  # (C, d)
+        d = qn + (b * b).sum(1)[None, :] - 2.0 * q @ b.T  # (Q, C)
+        kk = min(k, d.shape[1])
+        dv, di = torch.topk(d, kk, dim=1, largest=False)
+        best_d = torch.cat([best_d, dv], 1)
+        best_i = torch.cat([best_i, di + lo], 1)
+        if best_d.shape[1] > k:
+            best_d, order = torch.topk(best_d, k, dim=1, largest=False)
+            best_i = torch.gather(best_i, 1, order)
+    order = torch.argsort(best_d, dim=1)
+    return torch.gather(best_d, 1, order).clamp_min(0).numpy(), torch.gather(best_i, 1, order).numpy()
+
+
+def build_l2_index(
+    keys: np.ndarray,
+    factory: str = "auto",
+    target_recall: float | None = 0.9,
+    tune_k: int = 32,
+    tune_queries: int = 256,
+    train_size: int = 131072,
+    flat_below: int = 1_000_000,
+    seed: int = 0,
+    progress: bool = False,
+) -> L2Index:
+    """Train, fill and tune an L2 index over ``keys`` (N, d), row i getting id i; ``keys`` may be a float16
+    memmap: it is read ``ADD_CHUNK`` rows at a time."""
+    n, dim = keys.shape
+    if factory == "auto":
+        factory = choose_l2_factory(n, dim, flat_below)
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_L2)
+    except RuntimeError as err:
+        raise ValueError(f"faiss cannot build factory string {factory!r} for dim {dim}: {err}") from None
+    rng = np.random.default_rng(seed)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    if not index.is_trained:
+        sample = np.sort(rng.choice(n, size=min(n, train_size), replace=False))
+        train = np.asarray(keys[sample], dtype=np.float32)
+        ivf = faiss.extract_index_ivf(index) if "IVF" in factory else None
+        need = max(ivf.nlist if ivf is not None else 1, 256 if ",PQ" in factory else 1)
+        if len(train) < need:
+            raise ValueError(
+                f"too few keys to train {factory!r}: got {len(train)}, it needs at least {need}; "
+                f"use factory '{EXACT}' (exact) or 'auto'"
+            )
+        index.train(train)
+    seconds["train"] = time.perf_counter() - start
+    start = time.perf_counter()
+    with tqdm(total=n, desc=f"add to {factory}", disable=not progress, unit="key") as bar:
+        for lo in range(0, n, ADD_CHUNK):
+            chunk = np.asarray(keys[lo : lo + ADD_CHUNK], dtype=np.float32)
+            index.add(chunk)
+            bar.update(len(chunk))
+    seconds["add"] = time.perf_counter() - start
+    built = L2Index(index, factory, seconds=seconds)
+    if _refine(index) is not None:
+        _refine(index).k_factor = REFINE_FACTOR
+        built.search_params["k_factor"] = REFINE_FACTOR
+    knob = ("nprobe", _ivf(index).nlist) if _ivf(index) is not None else tunable_param(index)
+    start = time.perf_counter()
+    if target_recall is not None and knob is not None:
+        qids = np.sort(rng.choice(n, size=min(n, tune_queries), replace=False))
+        queries = np.asarray(keys[qids], dtype=np.float32)
+        # k + 1: each query is a key of the index and finds itself first; recall is measured without it
+        _, exact = exact_l2(keys, queries, tune_k + 1)
+        tuned, built.tuned_recall = tune_l2(index, queries, qids, exact, tune_k, target_recall, knob)
+        built.search_params.update(tuned)
+    seconds["tune"] = time.perf_counter() - start
+    return built
+
+
+def tune_l2(
+    index: Any,
+    queries: np.ndarray,
+    query_ids: np.ndarray,
+    exact: np.ndarray,
+    k: int,
+    target: float,
+    knob: tuple[str, int],
+) -> tuple[dict[str, int], float]:
+    """Smallest nprobe (powers of two, then bisection) whose recall@k, each query's own id left out, reaches
+    ``target``; the largest when none does."""
+    name, top = knob
+
+    def recall(value: int) -> float:
+        apply_params(index, {name: value})
+        _, ids = index.search(queries, k + 1)
+        return recall_at_k(_without(ids, query_ids, k), _without(exact, query_ids, k), k)
+
+    lo, value, prev = 0, 1, -1.0
+    while True:
+        r = recall(value)
+        if r >= target or value >= top:
+            break
+        if r - prev < PLATEAU:  # quantised codes cap the recall: more lists only cost time
+            value, r = lo, prev
+            break
+        lo, value, prev = value, min(2 * value, top), r
+    hi, best = value, r
+    while r >= target and hi - lo > max(1, hi // 8):
+        mid = (lo + hi) // 2
+        r_mid = recall(mid)
+        if r_mid >= target:
+            hi, best = mid, r_mid
+        else:
+            lo = mid
+    apply_params(index, {name: hi})
+    return {name: hi}, best
+
+
+def _without(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
+    keep = ids != self_ids[:, None]
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]
+    out = np.take_along_axis(ids, order, 1)
+    out[~np.take_along_axis(keep, order, 1)] = -1
+    return out
+
+
+def _ivf(index: Any) -> Any:
+    try:
+        return faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return None
+
+
+def _refine(index: Any) -> Any:
+    down = faiss.downcast_index(index)
+    return down if isinstance(down, faiss.IndexRefine) else None
+
+
+def apply_params(index: Any, params: dict[str, int]) -> None:
+    """Set nprobe (on the IVF part, through a refinement wrapper) and k_factor (on the refinement)."""
+    if "nprobe" in params and _ivf(index) is not None:
+        _ivf(index).nprobe = int(params["nprobe"])
+    if "k_factor" in params and _refine(index) is not None:
+        _refine(index).k_factor = float(params["k_factor"])
+    rest = {k: v for k, v in params.items() if k not in ("nprobe", "k_factor")}
+    if rest:
+        set_search_params(index, rest)
+
+
+def search_l2(
+    index: Any,
+    queries: np.ndarray,
+    k: int,
+    exclude: tuple[int, int] | None = None,
+    params: dict | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(squared distances (Q, k), ids (Q, k), -1 padded) of float32 queries; ``exclude`` = [lo, hi) id range
+    that no query may find (a whole document of the datastore), applied inside the search, so what is found
+    never depends on the excluded keys."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    params = params or {}
+    if exclude is None:
+        apply_params(index, params)
+        return index.search(q, k)
+    sel = faiss.IDSelectorNot(faiss.IDSelectorRange(int(exclude[0]), int(exclude[1])))
+    ivf = _ivf(index)
+    if ivf is not None:
+        inner = faiss.SearchParametersIVF(sel=sel, nprobe=int(params.get("nprobe", ivf.nprobe)))
+    else:
+        inner = faiss.SearchParameters(sel=sel)
+    refine = _refine(index)
+    if refine is not None:
+        kf = float(params.get("k_factor", refine.k_factor))
+        sp = faiss.IndexRefineSearchParameters(k_factor=kf, base_index_params=inner)
+        return index.search(q, k, params=sp)
+    return index.search(q, k, params=inner)

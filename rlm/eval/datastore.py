@@ -1,0 +1,297 @@
+"""kNN-LM datastores (Khandelwal et al. 2020): one entry per token of a collection, the key the LM's context
+state at position t, the value the token at t + 1; built from a checkpoint, tied to its weights.
+
+Keys: ``final``, the final normed hidden state (the LM head's input), or ``ffn_input``, the normed input of the
+last block's FFN, the paper's best (its table 5); read by a forward hook, so every plugin composes. A datastore
+directory holds index.faiss (rlm.index.knn: exact over float16 keys, or IVF-PQ re-ranked over them),
+values.npy, docs.npy (each document's entry range) and meta.json (the checkpoint's fingerprint, the index's
+tuned search parameters, and lam / temperature once tuned). It is written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rlm.data import RLMDataModule, TokenStore
+from rlm.data.windows import IGNORE_INDEX, eval_loader
+
+LAYERS = ("final", "ffn_input")
+FORMAT = 1
+
+
+def model_fingerprint(module: Any) -> str:
+    """sha256 over the model's weights (names, shapes, dtypes and bytes): the identity a datastore is tied to."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:24]
+
+
+@contextlib.contextmanager
+def reading_keys(module: Any, layer: str) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield a dict whose 'keys' is set, at every forward, to the chosen layer's states (B, T, d)."""
+    if layer not in LAYERS:
+        raise ValueError(f"key layer {layer!r}; accepted: {list(LAYERS)}")
+    model = module.model
+    target = model.norm if layer == "final" else model.blocks[-1].ffn_norm
+    out: dict[str, torch.Tensor] = {}
+
+    def hook(_mod: Any, _inp: Any, output: torch.Tensor) -> None:
+        out["keys"] = output.detach()
+
+    handle = target.register_forward_hook(hook)
+    try:
+        yield out
+    finally:
+        handle.remove()
+
+
+def doc_hash(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:24]
+
+
+class Datastore:
+    """A built datastore directory: the faiss index, the values, the document table and meta.json."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from rlm.index._faiss import faiss
+
+        self.path = Path(path)
+        meta_file = self.path / "meta.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"no kNN-LM datastore at {self.path} (meta.json missing); build one with "
+                                    "`rlm knnlm build --ckpt CKPT --out DIR`")  # fmt: skip
+        self.meta: dict[str, Any] = json.loads(meta_file.read_text())
+        if self.meta.get("format") != FORMAT:
+            raise ValueError(
+                f"datastore {self.path} has format {self.meta.get('format')}; this rlm reads {FORMAT}"
+            )
+        self.index = faiss.read_index(str(self.path / "index.faiss"))
+        self.values = np.load(self.path / "values.npy", mmap_mode="r")  # (N,) int32 next tokens
+        docs = np.load(self.path / "docs.npy")  # (D, 2) int64 [lo, hi) entry range of each document
+        self.ranges = {h: (int(lo), int(hi)) for h, (lo, hi) in zip(self.meta["doc_hashes"], docs)}
+        self.doc_ids = {int(d): self.ranges[h] for d, h in zip(self.meta["doc_ids"], self.meta["doc_hashes"])}
+        if self.index.ntotal != len(self.values):
+            raise ValueError(
+                f"datastore {self.path}: index has {self.index.ntotal} keys, values {len(self.values)}"
+            )
+
+    def check_model(self, module: Any) -> None:
+        """Refuse a model other than the one whose states the keys are."""
+        fp = model_fingerprint(module)
+        if fp != self.meta["fingerprint"]:
+            raise ValueError(
+                f"datastore {self.path} was built from the states of another model (fingerprint "
+                f"{self.meta['fingerprint']}, checkpoint {self.meta['checkpoint']!r}); this model's is {fp}. "
+                "Keys are a model's own states: build a datastore from this checkpoint"
+            )
+
+    def exclusion(self, store_root: str, doc: int, tokens: np.ndarray) -> tuple[int, int] | None:
+        """The entry range a query of this document must not see: the same document of the same cache entry, or
+        a document with the same tokens (a copy)."""
+        if store_root == self.meta["store"] and doc in self.doc_ids:
+            return self.doc_ids[doc]
+        return self.ranges.get(doc_hash(tokens))
+
+    def search(
+        self, queries: np.ndarray, k: int, exclude: tuple[int, int] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(squared distances (Q, k), values (Q, k), -1 where none) of float32 queries."""
+        from rlm.index.knn import search_l2
+
+        d, ids = search_l2(self.index, queries, k, exclude, self.meta.get("search_params") or {})
+        vals = np.where(ids >= 0, np.asarray(self.values)[np.maximum(ids, 0)], -1)
+        return np.where(ids >= 0, d, np.inf).astype(np.float32), vals
+
+
+def entries(module: Any, windows: Any, batch_size: int, layer: str, progress: bool) -> Iterator[tuple]:
+    """(keys (n, d) float16, values (n,), doc, first position) of every window, in order."""
+    with reading_keys(module, layer) as hooked, torch.no_grad():
+        module.eval()
+        for batch in tqdm(eval_loader(windows, batch_size), desc="datastore keys", disable=not progress,
+                          unit="batch"):  # fmt: skip
+            batch = {key: v.to(module.device) for key, v in batch.items()}
+            ctx = module.make_context(batch, "test")
+            module.model(batch["tokens"], ctx)
+            keys = hooked["keys"].to(torch.float16).cpu().numpy()
+            targets = batch["targets"].cpu().numpy()
+            for b in range(len(targets)):
+                n = int((targets[b] != IGNORE_INDEX).sum())
+                yield keys[b, :n], targets[b, :n], int(batch["doc_ids"][b]), int(batch["starts"][b])
+
+
+def estimate(n_tokens: int, dim: int, factory: str) -> dict[str, int]:
+    """Bytes a build needs: on disk (the float16 keys while building, then the index, values and table) and in
+    memory (the index while it is filled, and the k-means training sample)."""
+    from rlm.index.knn import bytes_per_key
+
+    index = n_tokens * bytes_per_key(factory, dim)
+    return {"disk": n_tokens * (2 * dim + 4) + index, "memory": index + min(n_tokens, 131072) * dim * 4,
+            "index": index, "keys": n_tokens * 2 * dim}  # fmt: skip
+
+
+def available_memory() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def load_for_knn(
+    ckpt_path: str, corpus: list[str] | None, device: str, progress: bool
+) -> tuple[Any, RLMDataModule, TokenStore]:
+    """The checkpoint's module and a data module over its own corpus (or ``corpus``, read with its tokenizer)."""
+    from rlm.eval.evaluate import data_settings, load_checkpoint, with_tokenizer
+    from rlm.train.module import LMModule
+
+    ckpt = load_checkpoint(ckpt_path)
+    hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
+    if corpus:
+        hp.update(corpus=corpus, max_documents=None, val_fraction=0.0, test_fraction=0.0)
+    hp = with_tokenizer(hp, ckpt, ckpt_path, force=bool(corpus))
+    data = RLMDataModule(**hp)
+    data.prepare_data()
+    store = TokenStore(data.cache_path())
+    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
+    if module.model_config.vocab_size != store.tokenizer.vocab_size:
+        raise ValueError(f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer "
+                         f"{store.tokenizer.vocab_size}")  # fmt: skip
+    return module, data, store
+
+
+def windows_of(data: RLMDataModule, store: TokenStore, docs: np.ndarray) -> Any:
+    """Evaluation windows over ``docs`` (the ones rlm eval scores)."""
+    from rlm.eval.evaluate import _windows
+
+    return _windows(data, store, docs)
+
+
+def build_datastore(
+    ckpt_path: str,
+    out: str | os.PathLike[str],
+    corpus: list[str] | None = None,
+    layer: str = "final",
+    factory: str = "auto",
+    k: int = 32,
+    target_recall: float | None = 0.9,
+    flat_below: int = 1_000_000,
+    batch_size: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+    max_documents: int | None = None,
+    documents: list[int] | None = None,
+    tuner: Callable[[Datastore, Any, RLMDataModule, TokenStore], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Build a datastore from a checkpoint over its own training split, or over every document of ``corpus``
+    (read with the checkpoint's tokenizer); ``tuner`` (rlm.eval.knnlm.build's) then chooses lam and the
+    temperature, kept in meta.json. Returns meta.json's contents. The directory appears whole or not at all."""
+    from rlm.index._faiss import faiss
+    from rlm.index.knn import build_l2_index, choose_l2_factory
+    from rlm.index.store import atomic_dir
+
+    if k < 1:
+        raise ValueError(f"k={k}; accepted: a positive integer")
+    module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
+    docs = store.train_docs if not corpus else np.arange(store.n_docs)
+    if documents is not None:  # an explicit subset (tests, ablations)
+        docs = np.asarray([d for d in docs if int(d) in set(documents)], dtype=np.int64)
+    if max_documents is not None:
+        docs = docs[:max_documents]
+    if not len(docs):
+        raise ValueError(f"no documents to build a datastore from ({'corpus ' + str(corpus) if corpus else 'the training split'} is empty)")  # fmt: skip
+    n = int((store.doc_lengths[docs] - 1).sum())  # every target of every document
+    dim = module.model_config.d_model
+    resolved = factory if factory != "auto" else choose_l2_factory(n, dim, flat_below)
+    need = estimate(n, dim, resolved)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    mem = available_memory()
+    print(f"rlm knnlm: {n:,} keys of dim {dim} ({len(docs)} documents), index {resolved}: about "
+          f"{need['disk'] / 2**20:,.0f} MiB of disk while building ({free / 2**20:,.0f} MiB free), "
+          f"{need['memory'] / 2**20:,.0f} MiB of memory ({mem / 2**20:,.0f} MiB available)", file=sys.stderr)  # fmt: skip
+    if need["disk"] > free:
+        raise ValueError(f"the datastore needs about {need['disk'] / 2**20:,.0f} MiB of disk under {out.parent} "
+                         f"and {free / 2**20:,.0f} MiB are free; choose another --out or a smaller index "
+                         "(--factory IVF...,PQ16)")  # fmt: skip
+    if need["memory"] > mem:
+        raise ValueError(f"the index needs about {need['memory'] / 2**20:,.0f} MiB of memory and "
+                         f"{mem / 2**20:,.0f} MiB are available; use a product-quantised factory "
+                         "(--factory IVF4096,PQ16) or fewer --max-documents")  # fmt: skip
+    start = time.perf_counter()
+    with atomic_dir(out) as tmp:
+        keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, dim))
+        values = np.zeros(n, dtype=np.int32)
+        ranges = np.zeros((len(docs), 2), dtype=np.int64)
+        pos, row = 0, {int(d): i for i, d in enumerate(docs)}
+        windows = windows_of(data, store, docs)
+        for kv, vv, doc, _ in entries(module, windows, batch_size or data.val_batch_size, layer, progress):
+            i = row[doc]
+            if ranges[i, 1] == 0:
+                ranges[i, 0] = pos
+            keys[pos : pos + len(kv)] = kv
+            values[pos : pos + len(vv)] = vv
+            pos += len(kv)
+            ranges[i, 1] = pos
+        assert pos == n, (pos, n)
+        keys.flush()
+        embed_s = time.perf_counter() - start
+        built = build_l2_index(keys, resolved, target_recall, tune_k=k, progress=progress)
+        faiss.write_index(built.index, str(tmp / "index.faiss"))
+        del keys
+        (tmp / "keys.npy").unlink()
+        np.save(tmp / "values.npy", values)
+        np.save(tmp / "docs.npy", ranges)
+        meta = {
+            "format": FORMAT,
+            "checkpoint": str(Path(ckpt_path).resolve()),
+            "fingerprint": model_fingerprint(module),
+            "tokenizer": hashlib.sha256(Path(store.root / "tokenizer.model").read_bytes()).hexdigest()[:24]
+            if (store.root / "tokenizer.model").is_file()
+            else None,
+            "store": str(Path(store.root).resolve()),
+            "corpus": corpus if corpus else data.corpus,
+            "split": "all" if corpus else "train",
+            "layer": layer,
+            "dim": dim,
+            "entries": n,
+            "factory": built.factory,
+            "search_params": built.search_params,
+            "tuned_recall": built.tuned_recall,
+            "k": k,
+            "doc_ids": [int(d) for d in docs],
+            "doc_hashes": [doc_hash(store.doc_tokens(int(d))) for d in docs],
+            "seconds": {"keys": embed_s, **built.seconds},
+            "bytes": {
+                "index": (tmp / "index.faiss").stat().st_size,
+                "values": (tmp / "values.npy").stat().st_size,
+            },
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        if tuner is not None and not corpus and len(store.val_docs):
+            ds = Datastore(tmp)
+            meta["tuning"] = tuner(ds, module, data, store) if tuner else None
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    meta["seconds"]["total"] = time.perf_counter() - start
+    return meta
+
+
+def first_docs(store: TokenStore, docs: np.ndarray, tokens: int) -> np.ndarray:
+    """The fewest leading documents of ``docs`` that hold at least ``tokens`` targets."""
+    lengths = np.cumsum(store.doc_lengths[docs] - 1)
+    return docs[: int(np.searchsorted(lengths, tokens)) + 1]

@@ -1,0 +1,291 @@
+"""kNN-LM (Khandelwal et al., ICLR 2020): a trained LM interpolated with its nearest neighbours in a datastore.
+
+The datastore holds one entry per token of a collection: the key is the LM's context state at position t, the
+value the token at t + 1. At evaluation, the state at t retrieves its k nearest keys (squared L2) and
+
+    p_kNN(w) = sum_{i: v_i = w} exp(-d_i / T) / sum_i exp(-d_i / T)
+    p(w)     = lam * p_kNN(w) + (1 - lam) * p_LM(w)                  (the paper's eq. 2, with a temperature T)
+
+Why an evaluation wrapper and not a plugin: it needs no training and no slot of the model, only a state the
+model computes anyway (a forward hook reads it) and the output distribution, which no slot exposes; as a
+wrapper it composes with every plugin, the trained retriever included, and the core stays unchanged.
+
+Causality. A token never finds itself or anything later in its own document: when the evaluated document is
+in the datastore (the same cache entry and document id, or the same tokens: a copy of a training document),
+its whole entry range is excluded inside the search (a faiss ID selector), so what is found does not depend on
+that document at all. ``cache=True`` adds the document's own past, exactly: keys at s < t of the evaluated
+document (the continuous cache of the paper's sec. 6).
+
+Keys: ``final``, the final normed hidden state (the LM head's input), or ``ffn_input``, the normed input of the
+last block's FFN, the paper's best (its table 5). The datastore records the checkpoint's fingerprint and is
+refused under any other model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rlm.data import RLMDataModule, TokenStore
+from rlm.data.windows import IGNORE_INDEX, eval_loader
+from rlm.eval.datastore import Datastore, build_datastore, first_docs, load_for_knn, reading_keys, windows_of
+
+LAMBDAS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8)
+"""The interpolation weights tried when tuning on the validation split."""
+
+
+@dataclass
+class Scored:
+    """Per scored token: the LM's log-probability of the target, and the k neighbours' squared distances and
+    whether their value is the target (distance inf where fewer than k were found)."""
+
+    lm_logp: np.ndarray  # (N,) float64
+    dists: np.ndarray  # (N, k) float32
+    match: np.ndarray  # (N, k) bool
+    seconds: dict[str, float] | None = None
+    """Wall-clock seconds of the forward passes ('forward') and of the datastore searches ('search')."""
+
+    def log_probs(self, lam: float, temperature: float) -> np.ndarray:
+        """log p(target) of the interpolation (eq. 2); tokens with no neighbour keep the LM's."""
+        return interpolate(self.lm_logp, self.dists, self.match, lam, temperature)
+
+
+def knn_log_prob(dists: np.ndarray, match: np.ndarray, temperature: float) -> np.ndarray:
+    """log p_kNN(target) (N,) from (N, k) distances and matches: -inf where no neighbour's value is the target,
+    nan where no neighbour was found."""
+    d = torch.from_numpy(np.asarray(dists, dtype=np.float64))
+    logits = -d / temperature  # (N, k); -inf for missing neighbours
+    norm = torch.logsumexp(logits, dim=1)  # (N,)
+    hit = torch.logsumexp(logits.masked_fill(~torch.from_numpy(match), float("-inf")), dim=1)
+    return (hit - norm).numpy()
+
+
+def interpolate(
+    lm_logp: np.ndarray, dists: np.ndarray, match: np.ndarray, lam: float, temperature: float
+) -> np.ndarray:
+    """log(lam * p_kNN + (1 - lam) * p_LM) of each target (N,)."""
+    knn = knn_log_prob(dists, match, temperature)
+    found = np.isfinite(dists).any(axis=1)
+    with np.errstate(divide="ignore"):
+        mixed = np.logaddexp(math.log1p(-lam) + lm_logp, math.log(lam) + np.where(found, knn, -np.inf))
+    return np.where(found, mixed, lm_logp)
+
+
+def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, float]:
+    """The (lam, temperature) of lowest mean NLL on ``scored``; temperatures on a log grid around the median
+    nearest-neighbour distance (the scale of the distances depends on the model)."""
+    d1 = scored.dists[:, 0][np.isfinite(scored.dists[:, 0])]
+    scale = float(np.median(d1)) if len(d1) else 1.0
+    temps = [scale * f for f in (0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 4.0)]
+    best = {"loss": -float(scored.lm_logp.mean()), "lam": 0.0, "temperature": temps[0]}
+    base = best["loss"]
+    for t in temps:
+        for lam in lambdas:
+            loss = -float(scored.log_probs(lam, t).mean())
+            if loss < best["loss"]:
+                best = {"loss": loss, "lam": lam, "temperature": t}
+    return {**best, "lm_loss": base}
+
+
+@torch.no_grad()
+def score(
+    module: Any,
+    windows: Any,
+    store: TokenStore,
+    datastore: Datastore | None,
+    k: int,
+    batch_size: int,
+    cache: bool = False,
+    progress: bool = False,
+) -> Scored:
+    """One pass over ``windows``: the LM's log-probability of every target and its k neighbours, found in the
+    datastore (minus the evaluated document's own entries) and, with ``cache``, in the document's own past."""
+    module.eval()
+    layer = datastore.meta["layer"] if datastore is not None else "final"
+    lm, dists, match = [], [], []
+    seconds = {"forward": 0.0, "search": 0.0}
+    past: dict[
+        int, tuple[list[torch.Tensor], list[torch.Tensor]]
+    ] = {}  # doc -> (keys, values) of earlier windows
+    root = str(Path(store.root).resolve())
+    with reading_keys(module, layer) as hooked:
+        for batch in tqdm(
+            eval_loader(windows, batch_size), desc="kNN-LM", disable=not progress, unit="batch"
+        ):
+            t0 = time.perf_counter()
+            batch = {key: v.to(module.device) for key, v in batch.items()}
+            ctx = module.make_context(batch, "test")
+            logits = module.model(batch["tokens"], ctx).float()  # (B, T, V)
+            keys = hooked["keys"].float().cpu()  # (B, T, d)
+            targets = batch["targets"].cpu()  # (B, T)
+            logp = torch.log_softmax(logits, -1).cpu()
+            lengths = (targets != IGNORE_INDEX).sum(1).tolist()  # targets are a prefix of each window
+            t1 = time.perf_counter()
+            found = _search_batch(datastore, keys, lengths, batch["doc_ids"].tolist(), store, root, k)
+            seconds["forward"] += t1 - t0
+            seconds["search"] += time.perf_counter() - t1
+            for b, n in enumerate(lengths):
+                tgt = targets[b, :n]
+                lm.append(logp[b, torch.arange(n), tgt].double().numpy())
+                d, v = found[b]
+                if cache:
+                    doc = int(batch["doc_ids"][b])
+                    d, v = _with_cache(past.setdefault(doc, ([], [])), keys[b, :n], tgt, d, v, k)
+                dists.append(d)
+                match.append(v == tgt.numpy()[:, None])
+    kk = max((x.shape[1] for x in dists), default=k)
+    pad = [np.pad(x, ((0, 0), (0, kk - x.shape[1])), constant_values=np.inf) for x in dists]
+    padm = [np.pad(x, ((0, 0), (0, kk - x.shape[1]))) for x in match]
+    return Scored(np.concatenate(lm), np.concatenate(pad), np.concatenate(padm), seconds)
+
+
+def _search_batch(
+    datastore: Datastore | None,
+    keys: torch.Tensor,
+    lengths: list[int],
+    docs: list[int],
+    store: TokenStore,
+    root: str,
+    k: int,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each window's (distances, values): one search for all windows that exclude the same entry range."""
+    if datastore is None:
+        return [(np.full((n, 0), np.inf, np.float32), np.zeros((n, 0), np.int64)) for n in lengths]
+    groups: dict[tuple[int, int] | None, list[int]] = {}
+    for b, doc in enumerate(docs):
+        groups.setdefault(datastore.exclusion(root, doc, store.doc_tokens(doc)), []).append(b)
+    out: list[Any] = [None] * len(lengths)
+    for excl, rows in groups.items():
+        q = torch.cat([keys[b, : lengths[b]] for b in rows]).numpy()
+        d, v = datastore.search(q, k, excl)
+        lo = 0
+        for b in rows:
+            out[b] = (d[lo : lo + lengths[b]], v[lo : lo + lengths[b]])
+            lo += lengths[b]
+    return out
+
+
+def _with_cache(
+    past: tuple[list[torch.Tensor], list[torch.Tensor]],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    d: np.ndarray,
+    v: np.ndarray,
+    k: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge the datastore's neighbours with the k nearest of the document's own past: the keys of its earlier
+    windows and, in this window, of positions s < t (whose values s + 1 <= t are already seen)."""
+    n = len(keys)
+    pk = torch.cat([*past[0], keys]) if past[0] else keys  # (P + n, d)
+    pv = torch.cat([*past[1], values]) if past[1] else values  # (P + n,)
+    p = len(pk) - n
+    dist = torch.cdist(keys, pk).square()  # (n, P + n)
+    later = torch.arange(p + n)[None, :] >= (p + torch.arange(n))[:, None]  # (n, P + n): s >= t
+    dist = dist.masked_fill(later, float("inf"))
+    kk = min(k, p + n)
+    cd, ci = torch.topk(dist, kk, dim=1, largest=False)  # (n, kk)
+    cv = torch.where(torch.isfinite(cd), pv[ci], torch.full_like(pv[ci], -1))
+    past[0].append(keys)
+    past[1].append(values)
+    alld = np.concatenate([d, cd.numpy().astype(np.float32)], 1)
+    allv = np.concatenate([v, cv.numpy()], 1)
+    order = np.argsort(alld, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(alld, order, 1), np.take_along_axis(allv, order, 1)
+
+
+def tune_on(module: Any, data: RLMDataModule, store: TokenStore, ds: Datastore, docs: np.ndarray, k: int,
+            tokens: int, batch_size: int, progress: bool) -> dict[str, float]:  # fmt: skip
+    """lam and the temperature of lowest loss on the first ``tokens`` targets of ``docs`` (the validation split)."""
+    chosen = first_docs(store, docs, tokens)
+    scored = score(module, windows_of(data, store, chosen), store, ds, k, batch_size, progress=progress)
+    return {**tune(scored), "tokens": len(scored.lm_logp), "documents": len(chosen)}
+
+
+def evaluate_knn(
+    ckpt_path: str,
+    datastore: str | os.PathLike[str],
+    corpus: list[str] | None = None,
+    split: str = "test",
+    k: int | None = None,
+    lam: float | None = None,
+    temperature: float | None = None,
+    cache: bool = False,
+    batch_size: int | None = None,
+    device: str = "cpu",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The LM's and the kNN-LM's loss, perplexity and bits per byte on the checkpoint's split or on ``corpus``,
+    in one pass (the same tokens scored both ways)."""
+    from rlm.eval.evaluate import metrics
+
+    module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
+    ds = Datastore(datastore)
+    ds.check_model(module)
+    tuned = ds.meta.get("tuning") or {}
+    lam = tuned.get("lam") if lam is None else lam
+    temperature = tuned.get("temperature") if temperature is None else temperature
+    if lam is None or temperature is None:
+        raise ValueError(f"datastore {ds.path} holds no tuned lam/temperature (built over another corpus); "
+                         "pass --lam and --temperature")  # fmt: skip
+    if not 0.0 <= lam < 1.0 or not temperature > 0:
+        raise ValueError(f"lam={lam}, temperature={temperature}; accepted: 0 <= lam < 1, temperature > 0")
+    docs = np.arange(store.n_docs) if corpus else getattr(store, f"{split}_docs")
+    if not len(docs):
+        raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
+    texts = data.documents()
+    n_bytes = sum(len(texts[d].text.encode("utf-8")) for d in docs)
+    start = time.perf_counter()
+    scored = score(module, windows_of(data, store, docs), store, ds, k or ds.meta["k"], batch_size or data.val_batch_size,
+                   cache=cache, progress=progress)  # fmt: skip
+    lm_nll, knn_nll = -float(scored.lm_logp.sum()), -float(scored.log_probs(lam, temperature).sum())
+    n = len(scored.lm_logp)
+    return {
+        "checkpoint": str(ckpt_path), "datastore": str(ds.path), "corpus": corpus or data.corpus,
+        "split": "all" if corpus else split, "documents": int(len(docs)), "tokens": n, "bytes": n_bytes,
+        "lam": lam, "temperature": temperature, "k": k or ds.meta["k"], "cache": cache,
+        "lm": metrics(lm_nll, n, n_bytes), "knnlm": metrics(knn_nll, n, n_bytes),
+        "target_in_neighbours": float(scored.match.any(axis=1).mean()) if n else 0.0,
+        "seconds": time.perf_counter() - start,
+    }  # fmt: skip
+
+
+class Mixer:
+    """kNN-LM for sampling: the next token's log-probabilities over the whole vocabulary, mixed with the
+    datastore's neighbours of the last position's state."""
+
+    def __init__(self, datastore: Datastore, lam: float, temperature: float, k: int) -> None:
+        self.ds, self.lam, self.temperature, self.k = datastore, lam, temperature, k
+
+    def __call__(self, logits: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """(1, V) mixed log-probabilities from (1, V) logits and the (1, d) key of the last position."""
+        d, v = self.ds.search(key.float().cpu().numpy(), self.k, None)  # (1, k)
+        logp = torch.log_softmax(logits.float(), -1)
+        ok = torch.from_numpy(v[0] >= 0)
+        if not bool(ok.any()):
+            return logp
+        w = torch.softmax(-torch.from_numpy(d[0][v[0] >= 0]).double() / self.temperature, 0)  # (k',)
+        p_knn = torch.zeros(logits.shape[-1], dtype=torch.float64)
+        p_knn.scatter_add_(0, torch.from_numpy(v[0][v[0] >= 0]).long(), w)
+        mixed = self.lam * p_knn + (1 - self.lam) * logp[0].double().exp().cpu()
+        return mixed.clamp_min(1e-30).log().float().to(logits.device)[None]
+
+
+def build(
+    ckpt_path: str, out: str | os.PathLike[str], *args: Any, tune_tokens: int = 16384, **kwargs: Any
+) -> dict[str, Any]:
+    """A datastore (rlm.eval.datastore.build_datastore, same arguments) with lam and the temperature tuned on the
+    first ``tune_tokens`` targets of the checkpoint's validation split (0: not tuned)."""
+
+    def tuner(ds: Datastore, module: Any, data: RLMDataModule, store: TokenStore) -> dict[str, Any]:
+        return tune_on(module, data, store, ds, store.val_docs, ds.meta["k"], tune_tokens, data.val_batch_size,
+                       kwargs.get("progress", True))  # fmt: skip
+
+    return build_datastore(ckpt_path, out, *args, tuner=tuner if tune_tokens else None, **kwargs)

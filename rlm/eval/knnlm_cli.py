@@ -1,0 +1,97 @@
+"""``rlm knnlm build | info``: kNN-LM datastores from a checkpoint (rlm.eval.knnlm); ``rlm eval --datastore``
+and ``rlm generate --datastore`` use them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``rlm knnlm`` argument parser."""
+    p = argparse.ArgumentParser(prog="rlm knnlm", description="kNN-LM datastores (Khandelwal et al. 2020).")
+    sub = p.add_subparsers(dest="action", required=True)
+    b = sub.add_parser("build", help="build a datastore from a checkpoint's states over a corpus")
+    b.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
+    b.add_argument("--out", required=True, help="datastore directory to write (replaced atomically)")
+    b.add_argument("--corpus", nargs="+", default=None,
+                   help="every document of this text, read with the checkpoint's tokenizer (default: the "
+                        "checkpoint's own training split)")  # fmt: skip
+    b.add_argument("--layer", default="final", choices=["final", "ffn_input"],
+                   help="keys: the final normed hidden state, or the normed input of the last FFN (the paper's best)")  # fmt: skip
+    b.add_argument("--factory", default="auto",
+                   help="auto (exact SQfp16 below --flat-below keys, else IVF-PQ) or a faiss factory string")  # fmt: skip
+    b.add_argument(
+        "--flat-below", type=int, default=1_000_000, help="auto: exact search below this many keys"
+    )
+    b.add_argument("--k", type=int, default=32, help="neighbours per token")
+    b.add_argument("--target-recall", type=float, default=0.9,
+                   help="tune nprobe to this recall@k against exact search")  # fmt: skip
+    b.add_argument("--tune-tokens", type=int, default=16384,
+                   help="validation tokens lam and the temperature are tuned on (0: none)")  # fmt: skip
+    b.add_argument("--max-documents", type=int, default=None, help="only the first N documents")
+    b.add_argument("--batch-size", type=int, default=None, help="windows per forward pass")
+    b.add_argument("--device", default="cpu", help="torch device of the forward passes")
+    i = sub.add_parser("info", help="print a datastore's metadata")
+    i.add_argument("path")
+    return p
+
+
+def main(args: list[str]) -> int:
+    """Entry point of ``rlm knnlm``."""
+    a = parser().parse_args(args)
+    if a.action == "info":
+        meta = (
+            json.loads((Path(a.path) / "meta.json").read_text())
+            if (Path(a.path) / "meta.json").is_file()
+            else None
+        )
+        if meta is None:
+            raise FileNotFoundError(f"no kNN-LM datastore at {a.path} (meta.json missing)")
+        meta = {k: v for k, v in meta.items() if k not in ("doc_ids", "doc_hashes")}
+        print(json.dumps(meta, indent=1))
+        return 0
+    from rlm.eval.knnlm import build
+
+    for name in ("k", "tune_tokens", "flat_below"):
+        if getattr(a, name) < (1 if name == "k" else 0):
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}; accepted: a positive integer")
+    meta = build(a.ckpt, a.out, corpus=a.corpus, layer=a.layer, factory=a.factory, k=a.k,
+                 target_recall=a.target_recall, flat_below=a.flat_below, tune_tokens=a.tune_tokens,
+                 batch_size=a.batch_size, device=a.device, progress=sys.stderr.isatty(),
+                 max_documents=a.max_documents)  # fmt: skip
+    tuned = meta.get("tuning") or {}
+    print(f"datastore {a.out}: {meta['entries']:,} keys, {meta['factory']} {meta['search_params']} "
+          f"(recall@{meta['k']} {meta['tuned_recall']}), {sum(meta['bytes'].values()) / meta['entries']:.1f} "
+          f"bytes/key, built in {meta['seconds']['total']:.1f} s")  # fmt: skip
+    if tuned:
+        print(f"tuned on {tuned['tokens']} validation tokens: lam {tuned['lam']}, temperature "
+              f"{tuned['temperature']:.4g}: loss {tuned['lm_loss']:.4f} -> {tuned['loss']:.4f}")  # fmt: skip
+    return 0
+
+
+def eval_main(args: list[str]) -> int:
+    """``rlm eval``: with ``--datastore DIR`` the LM and kNN-LM from one pass, else plain rlm.eval.evaluate."""
+    from rlm.eval.evaluate import main, parser, write_json
+    from rlm.eval.knnlm import evaluate_knn
+
+    a = parser().parse_args(args)
+    if not a.datastore:
+        return main(args)
+
+    if a.knn_k is not None and a.knn_k < 1:
+        raise ValueError(f"--knn-k={a.knn_k}; accepted: a positive integer")
+    r = evaluate_knn(a.ckpt, a.datastore, a.corpus, a.split, a.knn_k, a.lam, a.temperature, a.knn_cache,
+                     a.batch_size, a.device, progress=sys.stderr.isatty())  # fmt: skip
+    lm, knn = r["lm"], r["knnlm"]
+    print(
+        f"{r['split']} of {r['corpus']}: {r['documents']} documents, {r['tokens']} tokens, {r['bytes']} bytes\n"
+        f"LM      loss {lm['loss']:.4f}  ppl {lm['ppl']:.2f}  bits/byte {lm['bpb']:.4f}\n"
+        f"kNN-LM  loss {knn['loss']:.4f}  ppl {knn['ppl']:.2f}  bits/byte {knn['bpb']:.4f}  "
+        f"(lam {r['lam']}, temperature {r['temperature']:.4g}, k {r['k']}{', with the cache' if r['cache'] else ''}; "
+        f"target among the neighbours {r['target_in_neighbours']:.1%})"
+    )
+    write_json(a.json, r)
+    return 0

@@ -1,0 +1,254 @@
+"""kNN-LM (issue 23): the interpolation against a by-hand reference, the L2 indices against exact search, a
+datastore from a real checkpoint, its refusal under another model, and causality by perturbation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import CONFIGS, run_rlm
+from torch.testing import assert_close
+
+from rlm.index.knn import build_l2_index, exact_l2, search_l2
+
+TINY = ["--config", CONFIGS / "default.yaml", "--config", CONFIGS / "data" / "tiny.yaml",
+        "--config", CONFIGS / "model" / "tiny.yaml"]  # fmt: skip
+
+
+def test_interpolation_matches_the_papers_equation_by_hand():
+    from rlm.eval.knnlm import interpolate
+
+    rng = np.random.default_rng(0)
+    n, k, lam, temp = 7, 5, 0.3, 2.0
+    lm = np.log(rng.uniform(0.01, 0.9, n))
+    d = rng.uniform(0, 10, (n, k)).astype(np.float32)
+    d[2, 3:] = np.inf  # fewer than k found
+    match = rng.uniform(size=(n, k)) < 0.4
+    match[4] = False  # no neighbour has the target: p = (1 - lam) p_LM
+    d[6] = np.inf  # nothing found: the LM alone
+    want = []
+    for i in range(n):
+        w = [math.exp(-d[i, j] / temp) for j in range(k) if np.isfinite(d[i, j])]
+        if not w:
+            want.append(lm[i])
+            continue
+        hit = sum(math.exp(-d[i, j] / temp) for j in range(k) if np.isfinite(d[i, j]) and match[i, j])
+        want.append(math.log(lam * hit / sum(w) + (1 - lam) * math.exp(lm[i])))
+    assert_close(
+        torch.from_numpy(interpolate(lm, d, match, lam, temp)), torch.tensor(want, dtype=torch.float64)
+    )
+
+
+def test_l2_indices_against_exact_search():
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(6000, 16)).astype(np.float16)
+    q = rng.normal(size=(50, 16)).astype(np.float32)
+    d, ids = exact_l2(keys, q, 8, chunk=1000)
+    brute = ((q[:, None, :] - keys.astype(np.float32)[None]) ** 2).sum(-1)  # (Q, N)
+    want = np.argsort(brute, axis=1, kind="stable")[:, :8]
+    assert (ids == want).mean() > 0.99
+    assert_close(
+        torch.from_numpy(d), torch.from_numpy(np.take_along_axis(brute, want, 1)), rtol=1e-4, atol=1e-3
+    )
+    exact = build_l2_index(keys, "SQfp16", target_recall=None)
+    fd, fids = search_l2(exact.index, q, 8)
+    assert (fids == ids).mean() > 0.99
+    # an excluded range is never found, and the rest is exact search over the complement
+    fd, fids = search_l2(exact.index, q, 8, exclude=(1000, 5000))
+    assert not ((fids >= 1000) & (fids < 5000)).any()
+    rest = np.concatenate([np.arange(1000), np.arange(5000, 6000)])
+    _, sub = exact_l2(keys[rest], q, 8)
+    assert (fids == rest[sub]).mean() > 0.99
+    ivf = build_l2_index(keys, "IVF16,PQ8", target_recall=0.5, tune_k=8)
+    assert ivf.search_params["nprobe"] >= 1 and ivf.tuned_recall >= 0.5
+    _, iids = search_l2(ivf.index, q, 8, exclude=(0, 3000), params=ivf.search_params)
+    assert not ((iids >= 0) & (iids < 3000)).any()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, rlm_cache):
+    """A 4-step tiny checkpoint and an exact datastore over its first 6 training documents."""
+    from rlm.eval.knnlm import build
+
+    work = tmp_path_factory.mktemp("knnlm")
+    run_rlm(["fit", *TINY, "--trainer.max_steps=4", "--trainer.enable_progress_bar=false",
+             f"--trainer.default_root_dir={work / 'run'}"], work, rlm_cache)  # fmt: skip
+    ckpt = work / "run" / "version_0" / "checkpoints" / "last.ckpt"
+    import os
+
+    os.environ["RLM_CACHE"] = str(rlm_cache)
+    meta = build(
+        str(ckpt), work / "ds", factory="SQfp16", k=8, tune_tokens=512, max_documents=6, progress=False
+    )
+    return work, ckpt, meta
+
+
+@pytest.mark.slow
+def test_datastore_holds_every_training_token_and_tunes_lam(tiny):
+    from rlm.data import TokenStore
+
+    work, ckpt, meta = tiny
+    store = TokenStore(meta["store"])
+    docs = np.asarray(meta["doc_ids"])
+    assert list(docs) == list(store.train_docs[:6])
+    assert meta["entries"] == int((store.doc_lengths[docs] - 1).sum())
+    values = np.load(work / "ds" / "values.npy")
+    ranges = np.load(work / "ds" / "docs.npy")
+    for d, (lo, hi) in zip(docs, ranges):  # value of entry t of a document = its token t + 1
+        assert (values[lo:hi] == store.doc_tokens(int(d))[1:]).all()
+    tuning = meta["tuning"]
+    assert 0 < tuning["lam"] < 1 and tuning["loss"] <= tuning["lm_loss"]
+    assert not list(work.glob(".ds.tmp-*"))  # nothing half-written left
+
+
+@pytest.mark.slow
+def test_datastore_of_another_checkpoint_is_refused(tiny, tmp_path, rlm_cache):
+    from rlm.eval.datastore import Datastore
+    from rlm.train.module import LMModule
+
+    work, ckpt, _ = tiny
+    module = LMModule.load_from_checkpoint(ckpt, map_location="cpu")
+    ds = Datastore(work / "ds")
+    ds.check_model(module)  # its own model passes
+    with torch.no_grad():
+        module.model.head.weight[0, 0] += 1e-3
+    with pytest.raises(ValueError, match="another model"):
+        ds.check_model(module)
+    other = tmp_path / "other.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    key = next(k for k in saved["state_dict"] if k.endswith("head.weight"))
+    saved["state_dict"][key] = saved["state_dict"][key] + 0.01
+    torch.save(saved, other)
+    out = run_rlm(["eval", "--ckpt", other, "--datastore", work / "ds"], tmp_path, rlm_cache, check=False)
+    assert out.returncode == 2 and "another model" in out.stderr and "Traceback" not in out.stderr
+
+
+def _score(ckpt, ds_path, corpus, cache):
+    from rlm.eval.datastore import Datastore, load_for_knn, windows_of
+    from rlm.eval.knnlm import score
+
+    module, data, store = load_for_knn(str(ckpt), corpus, "cpu", False)
+    ds = Datastore(ds_path)
+    docs = np.arange(store.n_docs)
+    s = score(module, windows_of(data, store, docs), store, ds, 8, 4, cache=cache)
+    return s, store
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", [False, True])
+def test_changing_later_tokens_never_moves_an_earlier_knnlm_probability(tiny, tmp_path, cache):
+    """A document evaluated twice, the second time with its end rewritten: every target before the first
+    changed token has the same kNN-LM probability, with and without the document's own past (the cache)."""
+    from rlm.data import TokenStore
+
+    work, ckpt, meta = tiny
+    store = TokenStore(meta["store"])
+    src = store.tokenizer.decode(store.doc_tokens(int(store.val_docs[0]))[1:-1].tolist())
+    text = src[:3000]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "doc.py").write_text(text)
+    (tmp_path / "b" / "doc.py").write_text(text[:2000] + "\n# something else entirely " * 40)
+    sa, ta = _score(ckpt, work / "ds", [str(tmp_path / "a")], cache)
+    sb, tb = _score(ckpt, work / "ds", [str(tmp_path / "b")], cache)
+    a, b = ta.doc_tokens(0), tb.doc_tokens(0)
+    same = int(np.argmin(a[: min(len(a), len(b))] == b[: min(len(a), len(b))]))  # first differing token
+    assert 200 < same < len(a) - 50
+    n = same - 1  # targets 1..same-1 are the same tokens in both
+    for lam, t in ((0.3, 1.0), (0.7, 10.0)):
+        assert_close(torch.from_numpy(sa.log_probs(lam, t)[:n]), torch.from_numpy(sb.log_probs(lam, t)[:n]))
+    assert not np.allclose(sa.log_probs(0.5, 1.0)[n : n + 50], sb.log_probs(0.5, 1.0)[n : n + 50])
+    if cache:  # the document's own past is used: its neighbours include earlier positions' next tokens
+        assert sa.match[100:].any()
+
+
+@pytest.mark.slow
+def test_a_copy_of_a_training_document_retrieves_what_a_datastore_without_it_gives(tiny, tmp_path):
+    """Evaluated as new text, a copy of a datastore document is recognised by its tokens and its own entries are
+    excluded inside the search: its neighbours are exactly those of a datastore built without it."""
+    from rlm.data import TokenStore
+    from rlm.eval.knnlm import build
+
+    work, ckpt, meta = tiny
+    store = TokenStore(meta["store"])
+    doc = int(meta["doc_ids"][0])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "copy.py").write_text(store.tokenizer.decode(store.doc_tokens(doc)[1:-1].tolist()))
+    with_copy, t = _score(ckpt, work / "ds", [str(tmp_path / "c")], cache=False)
+    assert (t.doc_tokens(0) == store.doc_tokens(doc)).all()
+    without = tmp_path / "without"
+    build(
+        str(ckpt),
+        without,
+        factory="SQfp16",
+        k=8,
+        tune_tokens=0,
+        documents=meta["doc_ids"][1:],
+        progress=False,
+    )
+    reference, _ = _score(ckpt, without, [str(tmp_path / "c")], cache=False)
+    assert_close(torch.from_numpy(with_copy.dists), torch.from_numpy(reference.dists))
+    assert (with_copy.match == reference.match).all()
+
+
+def test_the_cache_holds_only_strictly_earlier_positions():
+    """The continuous cache of position t offers entries s < t only (value s + 1 <= t): never the query's own
+    key (distance 0, value = its target) or a later one, across window boundaries too."""
+    from rlm.eval.knnlm import _with_cache
+
+    torch.manual_seed(0)
+    past: tuple[list, list] = ([], [])
+    keys = torch.randn(20, 4)
+    values = torch.arange(1, 21)  # entry s predicts token s + 1
+    empty_d, empty_v = np.full((10, 0), np.inf, np.float32), np.zeros((10, 0), np.int64)
+    for w in range(2):  # two windows of one document
+        d, v = _with_cache(
+            past, keys[10 * w : 10 * w + 10], values[10 * w : 10 * w + 10], empty_d, empty_v, 6
+        )
+        t = np.arange(10 * w, 10 * w + 10)[:, None]
+        assert ((v == -1) | (v <= t)).all() and (v[np.isfinite(d)] >= 1).all()
+        assert np.isinf(d[0]).all() if w == 0 else np.isfinite(d).all()  # the first position has no past
+        if w == 1:
+            full = torch.cdist(keys[10:], keys).square()
+            mask = torch.arange(20)[None, :] >= torch.arange(10, 20)[:, None]
+            want = torch.topk(full.masked_fill(mask, float("inf")), 6, largest=False).values
+            assert_close(torch.from_numpy(d), want)
+
+
+@pytest.mark.slow
+def test_knnlm_commands_build_evaluate_and_generate(tiny, tmp_path, rlm_cache):
+    """`rlm knnlm build`, `rlm eval --datastore` (the LM and kNN-LM from one pass, the LM line equal to plain
+    `rlm eval`) and `rlm generate --datastore`; bad values are one-line errors."""
+    work, ckpt, _ = tiny
+    ds = tmp_path / "ds"
+    out = run_rlm(["knnlm", "build", "--ckpt", ckpt, "--out", ds, "--factory", "SQfp16", "--k", "8",
+                   "--max-documents", "4", "--tune-tokens", "400"], tmp_path, rlm_cache)  # fmt: skip
+    assert "keys" in out.stdout and "tuned on" in out.stdout
+    info = json.loads(run_rlm(["knnlm", "info", ds], tmp_path, rlm_cache).stdout)
+    assert info["k"] == 8 and info["factory"] == "SQfp16" and "doc_ids" not in info
+    res = tmp_path / "r.json"
+    out = run_rlm(
+        ["eval", "--ckpt", ckpt, "--datastore", ds, "--split", "val", "--json", res], tmp_path, rlm_cache
+    )
+    assert "kNN-LM  loss" in out.stdout
+    r = json.loads(res.read_text())
+    plain = run_rlm(
+        ["eval", "--ckpt", ckpt, "--split", "val", "--json", tmp_path / "p.json"], tmp_path, rlm_cache
+    )
+    assert plain.returncode == 0
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert r["tokens"] == p["tokens"] and math.isclose(r["lm"]["loss"], p["loss"], rel_tol=1e-5)
+    assert r["knnlm"]["loss"] < r["lm"]["loss"]  # tuned on validation, scored on it: never worse
+    gen = run_rlm(["generate", "--ckpt", ckpt, "--datastore", ds, "--prompt", "import ", "--max-new-tokens", "8",
+                   "--temperature", "0"], tmp_path, rlm_cache)  # fmt: skip
+    assert gen.stdout.startswith("import ") and len(gen.stdout.strip()) > len("import ")
+    for bad, says in (
+        (["knnlm", "build", "--ckpt", ckpt, "--out", tmp_path / "x", "--k", "0"], "--k=0"),
+        (["eval", "--ckpt", ckpt, "--datastore", tmp_path / "nowhere"], "no kNN-LM datastore"),
+        (["eval", "--ckpt", ckpt, "--datastore", ds, "--lam", "1.5"], "lam=1.5"),
+    ):
+        out = run_rlm(bad, tmp_path, rlm_cache, check=False)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
