@@ -126,9 +126,10 @@ def build_l2_index(
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     if not index.is_trained:
-        sample = np.sort(rng.choice(n, size=min(n, train_size), replace=False))
+        ivf = _ivf(index)
+        size = max(train_size, 40 * ivf.nlist if ivf is not None else 0)  # faiss asks for >= 39 per centroid
+        sample = np.sort(rng.choice(n, size=min(n, size), replace=False))
         train = np.asarray(keys[sample], dtype=np.float32)
-        ivf = faiss.extract_index_ivf(index) if "IVF" in factory else None
         need = max(ivf.nlist if ivf is not None else 1, 256 if ",PQ" in factory else 1)
         if len(train) < need:
             raise ValueError(

@@ -40,6 +40,9 @@ def run_lightning(command: str, args: list[str]) -> int:
         merged = with_checkpoint_settings(merged, rest)
     # The merged config travels as YAML text (jsonargparse reads a --config value that is not a file as YAML):
     # no temporary file to leave behind when the process is killed.
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    from rlm.train.checkpoint import PREEMPTED
     from rlm.train.strategy import release_process_group
 
     try:
@@ -51,6 +54,8 @@ def run_lightning(command: str, args: list[str]) -> int:
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
         )
+    except SIGTERMException:  # a SystemExit with code None: it would end a preempted run with exit code 0
+        return PREEMPTED
     finally:  # joins gloo's worker threads before Python finalizes (see release_process_group)
         release_process_group()
     return 0

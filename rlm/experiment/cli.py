@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from rlm.experiment.check import ParamCounts, check_experiment
 from rlm.experiment.report import write_report
-from rlm.experiment.runner import plan, run_experiment
+from rlm.experiment.runner import PREEMPTED, Preempted, plan, run_experiment
 from rlm.extras import MissingExtra
 
 
@@ -33,7 +34,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
     _print_plan(exp.name, out, len(plan(exp, out, a.variants)), counts, exp.baseline)
-    failed = run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse)
+    try:
+        failed = run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse)
+    except Preempted as stop:
+        print(f"experiment stopped: {stop}", file=sys.stderr)
+        return PREEMPTED
     try:
         paths = write_report(out)
         print("wrote " + ", ".join(str(p) for p in paths))

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from rlm.experiment.check import count_parameters
 from rlm.experiment.spec import Experiment, config_hash, run_config, variant_config, write_atomic
+from rlm.train.checkpoint import PREEMPTED
 from rlm.train.resume import newest_loadable
 
 SUMMARY = "summary.json"
@@ -180,13 +182,35 @@ def train(run: Run) -> tuple[bool, float]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     with open(run.dir / "fit.log", "a") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "rlm", "fit", "--config", str(config_path), *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+        code = _run_forwarding_sigterm(
+            [sys.executable, "-m", "rlm", "fit", "--config", str(config_path), *extra], log, env
+        )
     wall = before + time.perf_counter() - start
     write_atomic(wall_file, f"{wall}\n")
-    return proc.returncode == 0, wall
+    if code in (PREEMPTED, -signal.SIGTERM):
+        raise Preempted(f"{run.label}: stopped by SIGTERM after {wall:.0f}s; its last.ckpt is kept, and the next "
+                        "`rlm experiment run` resumes it")  # fmt: skip
+    return code == 0, wall
+
+
+class Preempted(Exception):
+    """The running rlm fit was stopped by SIGTERM: the experiment stops, its run stays unfinished."""
+
+
+def _run_forwarding_sigterm(cmd: list[str], log: Any, env: dict[str, str]) -> int:
+    """Run ``cmd`` and return its exit code; a SIGTERM to this process is passed on to it (a scheduler that
+    signals only the runner still gets its training saved), and the runner waits for it to exit."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    except ValueError:  # not the main thread: no handler, the child still gets a group-wide signal
+        previous = None
+    try:
+        return proc.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def evaluate_test(run: Run) -> bool:

@@ -21,6 +21,9 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+PREEMPTED = 143
+"""rlm fit's exit code when SIGTERM stopped it after saving last.ckpt (128 + 15, as a shell reports a process
+the signal killed): the run is unfinished and resumes with ``--ckpt_path last``."""
 TMP_PATTERN = re.compile(r"^\..+\.tmp-\d+$")
 """Names of the temporary files :func:`atomic_save` writes (``.last.ckpt.tmp-1234``)."""
 
@@ -124,6 +127,32 @@ class CheckpointHygiene(pl.Callback):
             if getattr(cb, "_last_global_step_saved", None) == trainer.global_step:
                 continue
             trainer.save_checkpoint(os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Preemption: SLURM and Kubernetes stop a job with SIGTERM (Lightning turns it into SIGTERMException at
+        the next batch boundary, on every rank at once). Save last.ckpt at the step reached, so a rerun with
+        ``--ckpt_path last`` loses nothing; rlm fit then exits 143, so the scheduler and the experiment runner
+        see an unfinished run, not a finished one."""
+        from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
+            return
+        paths = [
+            os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+            for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath
+        ][:1]
+        for path in paths:  # every rank: saving is collective under DDP and FSDP
+            trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            where = (
+                f"saved {paths[0]}; rerun with --ckpt_path last to resume"
+                if paths
+                else "no checkpoint callback"
+            )
+            print(f"rlm fit: stopped by SIGTERM at step {trainer.global_step} ({where})", file=sys.stderr)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
