@@ -41,6 +41,17 @@ def test_last_checkpoint_holds_the_final_step_between_periodic_saves(tmp_path):
     assert again.global_step == 5
 
 
+@pytest.mark.parametrize(("max_steps", "every_n"), [(5, 10), (5, 2), (4, 2)])
+def test_the_final_checkpoint_is_written_once(tmp_path, max_steps, every_n):
+    """One last.ckpt holding the final step, whether or not a periodic save came before the end; never a
+    second copy named last-v1.ckpt (Lightning 2.6 saves last.ckpt itself when no periodic save happened)."""
+    _toy_fit(tmp_path, _Toy(nan_at=-1), max_steps=max_steps, every_n=every_n)
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "last.ckpt" in names and not [n for n in names if n.startswith("last-")], names
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == max_steps
+
+
 CHILD = """
 import sys, torch
 from rlm.train.checkpoint import atomic_save

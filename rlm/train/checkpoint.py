@@ -126,6 +126,11 @@ class CheckpointHygiene(pl.Callback):
             # Lightning keeps the step of its last save privately; without it, save anyway (one more write)
             if getattr(cb, "_last_global_step_saved", None) == trainer.global_step:
                 continue
+            # Lightning 2.6 saves last.ckpt in its own on_train_end when this run has saved none yet; saving it
+            # here first made that one a second file, last-v1.ckpt (the name was taken by a file it had not
+            # written). Older versions have no such save (and no such attribute): save here.
+            if not getattr(cb, "_last_checkpoint_saved", "no such save"):
+                continue
             trainer.save_checkpoint(os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
 
     def on_exception(
