@@ -96,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         cached = score(module, windows, store, ds, a.k, data.val_batch_size, cache=True)
         c = -float(cached.log_probs(lam, temp).mean())
+        sc = cached.seconds
         print(f"with the continuous cache (the document's own past): {c:.4f} ({c - lm_loss:+.4f}), "
               f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
-        result["cache_loss"] = c
+        rows = [["forward pass", sc["forward"], 1.0], ["datastore search", sc["search"], sc["search"] / sc["forward"]],
+                ["cache search", sc["cache"], sc["cache"] / sc["forward"]],
+                ["both searches", sc["search"] + sc["cache"], (sc["search"] + sc["cache"]) / sc["forward"]]]  # fmt: skip
+        print(table(["with the cache", "s", "ratio to forward"], rows))
+        result["cache_loss"], result["cache_seconds"] = c, sc
     (out / "knnlm.json").write_text(json.dumps(result, indent=1) + "\n")
     try:
         import matplotlib

@@ -38,6 +38,8 @@ from rlm.data import RLMDataModule, TokenStore
 from rlm.data.windows import IGNORE_INDEX, eval_loader
 from rlm.eval.datastore import Datastore, build_datastore, first_docs, load_for_knn, reading_keys, windows_of
 
+CACHE_TOKENS = 4096
+"""The continuous cache holds the document's most recent positions, at most this many before the window."""
 LAMBDAS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8)
 """The interpolation weights tried when tuning on the validation split."""
 
@@ -111,7 +113,7 @@ def score(
     module.eval()
     layer = datastore.meta["layer"] if datastore is not None else "final"
     lm, dists, match = [], [], []
-    seconds = {"forward": 0.0, "search": 0.0}
+    seconds = {"forward": 0.0, "search": 0.0, "cache": 0.0}
     past: dict[
         int, tuple[list[torch.Tensor], list[torch.Tensor]]
     ] = {}  # doc -> (keys, values) of earlier windows
@@ -137,8 +139,12 @@ def score(
                 lm.append(logp[b, torch.arange(n), tgt].double().numpy())
                 d, v = found[b]
                 if cache:
+                    t2 = time.perf_counter()
                     doc = int(batch["doc_ids"][b])
+                    if doc not in past:  # windows come in document order: an earlier document is done
+                        past.clear()
                     d, v = _with_cache(past.setdefault(doc, ([], [])), keys[b, :n], tgt, d, v, k)
+                    seconds["cache"] += time.perf_counter() - t2
                 dists.append(d)
                 match.append(v == tgt.numpy()[:, None])
     kk = max((x.shape[1] for x in dists), default=k)
@@ -182,8 +188,11 @@ def _with_cache(
     k: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Merge the datastore's neighbours with the k nearest of the document's own past: the keys of its earlier
-    windows and, in this window, of positions s < t (whose values s + 1 <= t are already seen)."""
+    windows (the last CACHE_TOKENS) and, in this window, of positions s < t (whose values s + 1 <= t are seen)."""
     n = len(keys)
+    if past[0]:  # the most recent CACHE_TOKENS positions before this window, kept as one tensor
+        past[0][:] = [torch.cat(past[0])[-CACHE_TOKENS:]]
+        past[1][:] = [torch.cat(past[1])[-CACHE_TOKENS:]]
     pk = torch.cat([*past[0], keys]) if past[0] else keys  # (P + n, d)
     pv = torch.cat([*past[1], values]) if past[1] else values  # (P + n,)
     p = len(pk) - n
