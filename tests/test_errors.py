@@ -41,6 +41,7 @@ def test_yaml_syntax_error_names_the_file(tmp_path, capsys):
         ),
         (["--model.optim.lr=abc"], "model.optim: option lr must be a number, got 'abc'"),
         (["--trainer.max_steps=0"], "--trainer.max_steps 0 trains nothing"),
+        (["--trainer.max_steps=-5"], "--trainer.max_steps -5 trains nothing"),
         (["--model.plugins.moe.capacity_factor=big"], "option capacity_factor must be a number, got 'big'"),
         (
             ["--config", str(CONFIGS / "plugins/retrieval.yaml"), "--model.plugins.retrieval.beta_init=x"],
@@ -85,3 +86,37 @@ def test_truncated_checkpoint_is_named_by_generate_and_index_build(tmp_path, cap
     assert main(["index", "build", "--ckpt", str(bad), "--out", str(tmp_path / "idx")]) == 2
     err = capsys.readouterr().err
     assert f"rlm index build: error: checkpoint '{bad}' cannot be loaded" in err and "Traceback" not in err
+
+
+def test_damaged_or_foreign_checkpoints_are_named_by_eval_validate_test_and_fit(tmp_path, capsys):
+    """rlm eval / validate / test on a truncated file, and rlm fit --ckpt_path on a plain torch.save dict: one
+    error line naming the file, never a traceback (issue 24, defect 4)."""
+    import torch
+
+    from rlm.train.checkpoint import atomic_save
+
+    bad = tmp_path / "cut.ckpt"
+    atomic_save({"state_dict": {}, "pad": list(range(1000))}, bad)
+    bad.write_bytes(bad.read_bytes()[:200])
+    assert main(["eval", "--ckpt", str(bad)]) == 2
+    assert f"rlm eval: error: checkpoint '{bad}' cannot be loaded" in capsys.readouterr().err
+    for command in ("validate", "test"):
+        assert main([command, "--ckpt_path", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"checkpoint '{bad}' cannot be loaded" in err and "Traceback" not in err
+    plain = tmp_path / "plain.pt"
+    torch.save({"weights": torch.zeros(2)}, plain)
+    err = _fit_error(["--ckpt_path", str(plain)], capsys)
+    assert f"--ckpt_path {plain} is not a checkpoint written by rlm fit" in err and "['weights']" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [("--top-k", "-3", "--top-k -3"), ("--max-new-tokens", "-5", "--max-new-tokens -5"),
+     ("--temperature", "-1", "--temperature -1.0")],
+)  # fmt: skip
+def test_generate_refuses_bad_values_by_name(tmp_path, capsys, flag, value, says):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--ckpt", str(tmp_path / "x.ckpt"), flag, value])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err

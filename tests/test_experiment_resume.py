@@ -45,3 +45,15 @@ def test_rerun_starts_afresh_when_no_checkpoint_loads(tmp_path, capsys):
     assert _prepare_dir(run) == []
     assert "starting afresh" in capsys.readouterr().out
     assert sorted(p.name for p in run.dir.iterdir()) == ["fingerprint"]
+
+
+def test_a_damaged_last_checkpoint_is_removed_so_the_rerun_can_write_it_again(tmp_path, capsys):
+    """A damaged last.ckpt beside a loadable step-30 checkpoint: the rerun resumes from step 30 and the damaged
+    file goes, so the final save can write last.ckpt (and the test evaluation read it) instead of failing on
+    every rerun (issue 24, defect 4)."""
+    run = _run(tmp_path)
+    ckpt = run.dir / "ckpt"
+    atomic_save({"global_step": 30}, ckpt / "epoch=0-step=30.ckpt")
+    (ckpt / "last.ckpt").write_bytes(b"PK\x03\x04 cut short")
+    assert _prepare_dir(run) == ["--ckpt_path", str((ckpt / "epoch=0-step=30.ckpt").resolve())]
+    assert not (ckpt / "last.ckpt").exists()

@@ -118,6 +118,22 @@ def test_truncated_checkpoint_is_named_and_last_skips_it(tmp_path, capsys):
         newest_loadable([tmp_path / "nothing"])
 
 
+def test_last_means_the_highest_step_not_the_newest_file(tmp_path):
+    """After a copy, an rsync or a touch, an old checkpoint is the newest file; `last` still takes the step-15
+    one (issue 24, defect 9). Among equal steps the newest file wins."""
+    import os
+
+    early, late = tmp_path / "v0" / "epoch=0-step=3.ckpt", tmp_path / "v1" / "epoch=0-step=15.ckpt"
+    atomic_save({"global_step": 15}, late)
+    atomic_save({"global_step": 3}, early)
+    os.utime(late, (1_000_000, 1_000_000))  # the step-15 file now looks years old
+    path, ckpt = newest_loadable([tmp_path])
+    assert path == late.resolve() and ckpt["global_step"] == 15
+    again = tmp_path / "v2" / "last.ckpt"
+    atomic_save({"global_step": 15, "newer": True}, again)
+    assert newest_loadable([tmp_path])[1].get("newer") is True
+
+
 def test_checkpoint_roots_cover_dirpaths_logger_versions_and_the_root():
     trainer = {
         "default_root_dir": "runs/x",

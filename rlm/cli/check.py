@@ -86,9 +86,10 @@ def check_fit(cfg: Any) -> None:
     """All checks of a parsed ``fit`` config (``cfg`` is the subcommand's namespace)."""
     check_sections(_get(cfg, "model"))
     trainer = _get(cfg, "trainer")
-    if _get(trainer, "max_steps") == 0:
+    max_steps = _get(trainer, "max_steps")
+    if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
         raise ValueError(
-            "--trainer.max_steps 0 trains nothing; give a positive number of steps (or -1: no limit)"
+            f"--trainer.max_steps {max_steps} trains nothing; give a positive number of steps (or -1: no limit)"
         )
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         for d in output_dirs(trainer):

@@ -82,6 +82,13 @@ def run_generate(command: str, args: list[str]) -> int:
     p.add_argument("--knn-k", type=int, default=None, help="neighbours per token (default: the datastore's)")
     p.add_argument("--lam", type=float, default=None, help="kNN-LM interpolation weight (default: tuned)")
     a = p.parse_args(args)
+    for flag, value, low in (("--max-new-tokens", a.max_new_tokens, 1), ("--top-k", a.top_k, 0)):
+        if value < low:
+            p.error(
+                f"{flag} {value}; accepted: an integer >= {low}" + (" (0: no top-k cut)" if low == 0 else "")
+            )
+    if a.temperature < 0:
+        p.error(f"--temperature {a.temperature}; accepted: >= 0 (0: greedy)")
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
     from rlm.train.checkpoint import load_checkpoint_file

@@ -37,9 +37,9 @@ SPLITS = ("test", "val", "train")
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checkpoint as a dict (on the CPU); a clear error when the file is missing."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    from rlm.train.checkpoint import load_checkpoint_file
+
+    return load_checkpoint_file(path)  # a truncated or damaged file is a ValueError that names it
 
 
 def data_settings(ckpt: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:

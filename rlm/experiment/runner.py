@@ -160,7 +160,7 @@ def _prepare_dir(run: Run) -> list[str]:
         same = saved.is_file() and saved.read_text().strip() == run.fingerprint
         if same and (run.dir / LAST_CKPT).parent.is_dir():
             try:  # the newest checkpoint that loads; damaged ones are skipped with a line in the output
-                path, _ = newest_loadable([run.dir / LAST_CKPT.parent], say=tqdm.write)
+                path, _ = newest_loadable([run.dir / LAST_CKPT.parent], say=tqdm.write, remove_damaged=True)
             except ValueError as err:
                 tqdm.write(f"{run.label}: {err}; starting afresh")
             else:

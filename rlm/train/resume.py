@@ -70,15 +70,29 @@ def find_checkpoints(roots: list[Path]) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def newest_loadable(roots: list[Path], say: Any = None) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint under ``roots`` that loads, and its contents; ValueError when there is none."""
+def newest_loadable(
+    roots: list[Path], say: Any = None, remove_damaged: bool = False
+) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint under ``roots`` of the highest training step that loads (the newest file among equal
+    steps), and its contents; ValueError when there is none. By step, not by file time: a copy, an rsync or a
+    ``touch`` makes an old file the newest. ``remove_damaged`` deletes files that do not load (for folders rlm
+    owns, such as an experiment run's: a damaged last.ckpt would otherwise block the name forever)."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     candidates = find_checkpoints(roots)
-    for path in candidates:
+    best: tuple[int, Path, dict[str, Any]] | None = None
+    for path in candidates:  # newest file first: the first of the highest step wins ties
         try:
-            return path, load_checkpoint_file(path)
+            ckpt = load_checkpoint_file(path)
         except ValueError as err:
             say(f"rlm: skipping {path}: {err}")
+            if remove_damaged:
+                path.unlink(missing_ok=True)
+            continue
+        step = int(ckpt.get("global_step", -1)) if isinstance(ckpt, dict) else -1
+        if best is None or step > best[0]:
+            best = (step, path, ckpt)
+    if best is not None:
+        return best[1], best[2]
     where = ", ".join(str(r) for r in roots)
     if candidates:
         raise ValueError(f"--ckpt_path last: none of the {len(candidates)} checkpoints under {where} loads")
@@ -110,6 +124,12 @@ def prepare_ckpt_path(config: Any) -> None:
         return  # Lightning's own names
     else:
         ckpt = load_checkpoint_file(path)
+    if not isinstance(ckpt, dict) or "pytorch-lightning_version" not in ckpt or "state_dict" not in ckpt:
+        raise ValueError(
+            f"--ckpt_path {path} is not a checkpoint written by rlm fit (a Lightning checkpoint holds "
+            "'pytorch-lightning_version' and 'state_dict'; this file has "
+            f"{sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__})"
+        )
     if command != "fit":
         return
     saved = ckpt.get("hyper_parameters", {})
