@@ -120,3 +120,29 @@ def test_generate_refuses_bad_values_by_name(tmp_path, capsys, flag, value, says
         main(["generate", "--ckpt", str(tmp_path / "x.ckpt"), flag, value])
     assert exit_.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_second_fit_in_the_same_root_is_refused_while_the_first_runs(tmp_path, capsys):
+    """Two rlm fit runs in one default_root_dir shared version_0 (one metrics.csv with both runs' rows, each
+    overwriting the other's checkpoints): the second is now refused, naming the first's pid (issue 24, defect
+    3); once the first has ended, the folder is free again."""
+    import subprocess
+    import sys
+
+    from rlm.cli.check import hold_run_lock, release_run_locks
+
+    root = tmp_path / "shared"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from rlm.cli.check import "
+         f"hold_run_lock; hold_run_lock(Path({str(root)!r})); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        err = _fit_error([f"--trainer.default_root_dir={root}"], capsys)
+        assert f"another rlm fit (pid {holder.pid}) is running in {root}" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    hold_run_lock(root)  # free again: the lock went with the process
+    release_run_locks()

@@ -94,3 +94,56 @@ def check_fit(cfg: Any) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         for d in output_dirs(trainer):
             check_writable(d)
+
+
+RUN_LOCK = ".rlm-fit.lock"
+"""A file in default_root_dir that a running ``rlm fit`` holds locked (and names itself in)."""
+_held: list[Any] = []  # the open lock files: held until the fit ends (release_run_locks) or the process does
+
+
+def lock_fit(cfg: Any) -> None:
+    """Hold the run lock of a parsed ``fit`` config's default_root_dir (the first process of the first node:
+    the other ranks are this run's own)."""
+    ranks = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
+    if all(int(os.environ.get(v, "0") or 0) == 0 for v in ranks):
+        hold_run_lock(Path(_get(_get(cfg, "trainer"), "default_root_dir") or "."))
+
+
+def hold_run_lock(root: Path) -> None:
+    """Lock ``root`` for this process, or raise ValueError naming the run that holds it: two ``rlm fit`` runs
+    in one default_root_dir would take the same logger version (one metrics.csv with both runs' rows, each
+    overwriting the other's checkpoints). The lock is released when the process ends, however it ends."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): no lock
+        return
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    f = open(root / RUN_LOCK, "a+")  # noqa: SIM115 (kept open: the lock lives as long as the file)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        other = f.read().strip() or "?"
+        f.close()
+        raise ValueError(
+            f"another rlm fit (pid {other}) is running in {root}: two runs in one default_root_dir would share "
+            "its logger version and overwrite each other's checkpoints; wait for it to end, or give this run "
+            "its own --trainer.default_root_dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _held.append((f, root if created else None))
+
+
+def release_run_locks() -> None:
+    """Release the locks this process holds (the end of an in-process ``rlm fit``)."""
+    while _held:
+        f, created = _held.pop()
+        f.close()
+        # a run that failed before writing anything leaves no folder behind (only the lock file was in it)
+        if created is not None and [p.name for p in created.iterdir()] == [RUN_LOCK]:
+            (created / RUN_LOCK).unlink(missing_ok=True)
+            created.rmdir()

@@ -42,6 +42,7 @@ def run_lightning(command: str, args: list[str]) -> int:
     # no temporary file to leave behind when the process is killed.
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+    from rlm.cli.check import release_run_locks
     from rlm.train.checkpoint import PREEMPTED
     from rlm.train.strategy import release_process_group
 
@@ -58,6 +59,7 @@ def run_lightning(command: str, args: list[str]) -> int:
         return PREEMPTED
     finally:  # joins gloo's worker threads before Python finalizes (see release_process_group)
         release_process_group()
+        release_run_locks()
     return 0
 
 

@@ -33,6 +33,10 @@ class RLMCLI(LightningCLI):
             check_sections(cfg.get("model"))
         link_vocab(cfg)
         prepare_trainer(cfg.trainer)  # strategies rlm cannot run: a clear error; devices: auto on a CPU
+        if self.subcommand == "fit":  # the last check: nothing is created in default_root_dir before it
+            from rlm.cli.check import lock_fit
+
+            lock_fit(cfg)
 
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
