@@ -213,7 +213,20 @@ def write_dir_contents(
     meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
     # Sizes catch truncation; checksums catch bytes changed in place (zeros written inside index.faiss).
     meta["sha256"] = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
-    (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+    meta = json.loads(json.dumps(meta, default=str))  # as it will read back
+    meta[META_SHA] = meta_digest(meta)
+    (tmp / META).write_text(json.dumps(meta, indent=2))
+
+
+META_SHA = "meta_sha256"
+"""meta.json's own checksum: of its other keys, so an edit in place (nprobe 16 -> 1) is caught like a changed
+index file."""
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """sha256 of meta.json's content without its own checksum (keys sorted, compact)."""
+    body = {k: v for k, v in meta.items() if k != META_SHA}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def save_index_dir(
@@ -273,6 +286,11 @@ def read_meta(path: str | os.PathLike, verify: bool | None = None) -> dict[str, 
         ) from None
     except json.JSONDecodeError as err:
         raise IndexNotFoundError(f"damaged index at {path}: {META} is not valid JSON ({err})") from None
+    if META_SHA in meta and meta_digest(meta) != meta[META_SHA]:  # indices written before it have none
+        raise IndexNotFoundError(
+            f"damaged index at {path}: {META} was changed after it was written (its checksum does not match): "
+            "its search parameters or file list cannot be trusted; rebuild the index"
+        )
     if meta.get("format_version") != FORMAT_VERSION:
         raise IndexNotFoundError(
             f"index at {path} has format {meta.get('format_version')}, expected {FORMAT_VERSION}"

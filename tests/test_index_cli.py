@@ -11,7 +11,7 @@ from cli_helpers import fit_args, run_rlm
 from rlm.index.build import IndexConfig
 from rlm.index.cli import main
 from rlm.index.search import SegmentTable
-from rlm.index.store import build_index_dir
+from rlm.index.store import build_index_dir, meta_digest
 from rlm.index.synthetic import clustered_unit_vectors
 
 EMBEDDER = {"name": "random", "config_hash": "c", "weights_hash": "w", "step": 0}
@@ -71,6 +71,7 @@ def test_build_search_eval_info_round_trip_on_a_tiny_checkpoint(tmp_path, rlm_ca
     assert "| Flat | 1.0000 |" in capsys.readouterr().out
     # vectors from another embedder are refused, not silently mixed with this checkpoint's queries
     meta["embedder"]["weights_hash"] = "0" * 16
+    meta["meta_sha256"] = meta_digest(meta)  # an index really built so, not meta.json edited by hand
     (out / "meta.json").write_text(json.dumps(meta))
     assert main(["search", str(out), "def f():"]) == 2
     assert "another embedder" in capsys.readouterr().err

@@ -276,10 +276,13 @@ def test_resume_refuses_an_index_of_another_embedder(tmp_path):
     """An index directory whose metadata names other embedder weights is rebuilt, not reused."""
     import json
 
+    from rlm.index.store import meta_digest
+
     data, module, ckpt = fitted_with_index(tmp_path)
     path = module.model.plugins["retrieval"].memory.path
     meta = json.loads((path / "meta.json").read_text())
     meta["embedder"]["weights_hash"] = "0" * 16
+    meta["meta_sha256"] = meta_digest(meta)  # an index really built by other weights, not a hand edit
     (path / "meta.json").write_text(json.dumps(meta))
     again = make_module({"k": 2, "schedule": "never", "index_factory": "Flat"})
     t2 = trainer(tmp_path, 3)
