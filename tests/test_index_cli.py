@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from cli_helpers import fit_args, run_rlm
 
 from rlm.index.build import IndexConfig
@@ -78,3 +80,29 @@ def test_build_search_eval_info_round_trip_on_a_tiny_checkpoint(tmp_path, rlm_ca
     # and the rlm console script dispatches to the same commands
     proc = run_rlm(["index", "info", out], tmp_path, rlm_cache)
     assert "meanpool@0" in proc.stdout
+
+
+@pytest.mark.slow
+def test_build_with_another_data_config_reads_it_with_the_checkpoints_tokenizer(
+    tmp_path, rlm_cache, monkeypatch
+):
+    """`rlm index build --ckpt C --config DATA.yaml` trained a new tokenizer on DATA's corpus (a meaningless
+    index, rc 0), and with a larger vocab_size there an IndexError traceback (issue 24, defect 2)."""
+    from rlm.index.cli import _load_source
+
+    run_rlm(fit_args() + ["--trainer.max_steps=2"], tmp_path, rlm_cache)
+    ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
+    monkeypatch.setenv("RLM_CACHE", str(rlm_cache))
+    corpus = tmp_path / "other"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i}\n" * 40)
+    data_yaml = tmp_path / "other.yaml"
+    data_yaml.write_text(f"data:\n  corpus: {corpus}\n  vocab_size: 2048\n  val_fraction: 0.0\n"
+                         "  test_fraction: 0.0\n  max_documents: null\n")  # fmt: skip
+    module, data, _, hp = _load_source(str(ckpt), str(data_yaml))
+    own = torch.load(ckpt, map_location="cpu", weights_only=False)["RLMDataModule"]["tokenizer_model"]
+    assert Path(hp["tokenizer"]).read_bytes() == own and hp["vocab_size"] == module.model_config.vocab_size
+    assert data.store.tokenizer.vocab_size == module.model_config.vocab_size
+    assert main(["build", "--ckpt", str(ckpt), "--config", str(data_yaml), "--out", str(tmp_path / "idx"),
+                 "--split", "train", "--quiet"]) == 0  # fmt: skip
