@@ -41,6 +41,20 @@ def test_last_checkpoint_holds_the_final_step_between_periodic_saves(tmp_path):
     assert again.global_step == 5
 
 
+def test_partial_files_of_dead_runs_in_older_versions_are_removed(tmp_path):
+    """A killed run's .last.ckpt.tmp-PID in version_0/checkpoints survived seven resumes, each logging to a new
+    version_N (issue 24, defect 6): the start of training clears dead writers' files anywhere under
+    default_root_dir, and leaves a live writer's alone."""
+    dead = 2**22 + 4321  # above the default pid_max: no live process has it
+    old = tmp_path / "version_0" / "checkpoints" / f".last.ckpt.tmp-{dead}"
+    live = tmp_path / "version_1" / "checkpoints" / f".last.ckpt.tmp-{os.getpid()}"
+    for p in (old, live):
+        p.parent.mkdir(parents=True)
+        p.write_bytes(b"partial")
+    _toy_fit(tmp_path, _Toy(nan_at=-1), max_steps=1)
+    assert not old.exists() and live.exists()
+
+
 @pytest.mark.parametrize(("max_steps", "every_n"), [(5, 10), (5, 2), (4, 2)])
 def test_the_final_checkpoint_is_written_once(tmp_path, max_steps, every_n):
     """One last.ckpt holding the final step, whether or not a periodic save came before the end; never a

@@ -102,6 +102,31 @@ def remove_tmp_files(directory: str | Path) -> list[Path]:
     return removed
 
 
+def remove_stale_tmp_files(root: str | Path) -> list[Path]:
+    """Delete, anywhere under ``root``, the temporary files of :func:`atomic_save` calls whose process is gone:
+    each resume logs to a new version_N, so a killed run's ``.last.ckpt.tmp-PID`` in an older version's folder
+    was never looked at again."""
+    removed = []
+    root = Path(root)
+    for p in root.rglob(".*.tmp-*") if root.is_dir() else []:
+        m = TMP_PATTERN.match(p.name)
+        if not m or not p.is_file() or _alive(int(p.name.rsplit("-", 1)[1])):
+            continue
+        p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def _step_of(name: str) -> int | None:
     m = re.search(r"step=(\d+)", name)
     return int(m.group(1)) if m else None
@@ -163,6 +188,8 @@ class CheckpointHygiene(pl.Callback):
         if not trainer.is_global_zero:
             return
         resumed = trainer.ckpt_path
+        for p in remove_stale_tmp_files(trainer.default_root_dir):
+            print(f"rlm: removed {p}, a partial checkpoint of an interrupted run", file=sys.stderr)
         for cb in trainer.checkpoint_callbacks:
             if not isinstance(cb, ModelCheckpoint) or not cb.dirpath:
                 continue
