@@ -580,6 +580,8 @@ class RebuildCallback(pl.Callback):
             return
         self._job.join()
         self._job, result = None, self._job_result
+        if isinstance(result.get("error"), OSError):  # a full disk: the path is named, one error line
+            raise result["error"]
         if "error" in result:
             raise RuntimeError(f"background index rebuild of step {result['step']} failed") from result[
                 "error"

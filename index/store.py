@@ -152,7 +152,15 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        yield tmp
+        try:
+            yield tmp
+        except (OSError, RuntimeError) as err:  # a full disk: the path and the cause, not faiss's byte counts
+            from rlm.data.store import write_failure
+
+            failure = write_failure(path, err)
+            if failure is None:
+                raise
+            raise failure from err
         old = None
         if path.exists():
             # rename(2) cannot replace a non-empty directory: move the old one aside first

@@ -92,3 +92,52 @@ def test_search_uses_the_data_settings_build_recorded(tmp_path, rlm_cache, monke
     capsys.readouterr()
     assert main(["search", str(out), "def __init__(self):", "-k", "2"]) == 0
     assert capsys.readouterr().out.count("score ") == 2
+
+
+def test_a_full_disk_during_index_writes_names_the_path(tmp_path, monkeypatch):
+    """faiss reports a short write as a RuntimeError with byte counts and no path, numpy as an OSError
+    "N requested and M written" (issue 24, defect 5): both become an OSError naming the index directory and
+    the free space, the command's one error line; nothing half-written is left."""
+    import errno
+
+    from rlm.index import store
+
+    def faiss_short_write(index, name):
+        raise RuntimeError("Error in faiss::FileIOWriter: fwrite 1888120 requested and 612288 written")
+
+    monkeypatch.setattr(store.faiss, "write_index", faiss_short_write)
+    with pytest.raises(OSError, match=r"cannot write '.*idx'.*1888120 requested.*MiB free there"):
+        _build(tmp_path / "idx")
+    monkeypatch.undo()
+
+    def numpy_full(path, array):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_save_npy", numpy_full)
+    with pytest.raises(OSError, match=r"cannot write '.*idx2': No space left on device \(.* MiB free there"):
+        _build(tmp_path / "idx2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary directory left
+    # an error that is not a write failure passes through unchanged
+    monkeypatch.setattr(
+        store, "_save_npy", lambda p, a: (_ for _ in ()).throw(FileNotFoundError("input gone"))
+    )
+    with pytest.raises(FileNotFoundError, match="input gone"):
+        _build(tmp_path / "idx3")
+
+
+def test_a_full_disk_while_caching_tokens_names_the_cache(tmp_path, monkeypatch):
+    from rlm.data import store as data_store
+    from rlm.data.corpus import Document
+
+    def short(path, array):
+        raise OSError("1888120 requested and 612288 written")
+
+    monkeypatch.setattr(data_store.np, "save", short)
+    key = data_store.CacheKey(corpus="x", vocab_size=300, model_type="bpe", seed=0, val_fraction=0.0,
+                              max_tokenizer_chars=10**6)  # fmt: skip
+    docs = [Document(f"d{i}", f"def f{i}(x):\n    return x + {i}\n" * 30) for i in range(8)]
+    with pytest.raises(
+        OSError, match=r"cannot write '.*entry'.*requested and 612288 written.*MiB free there"
+    ):
+        data_store.build_store(tmp_path / "entry", docs, key, progress=False)
+    assert not list(tmp_path.iterdir())

@@ -13,6 +13,7 @@ The entry is built in a temporary directory and renamed into place, so a reader 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -111,6 +112,29 @@ def _encode_all(
     return np.concatenate(pieces), offsets
 
 
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES}
+
+
+def write_failure(path: str | os.PathLike[str], err: BaseException) -> OSError | None:
+    """An OSError naming ``path``, its cause and the free space, for a failed write (numpy's bare
+    "1888120 requested and 612288 written", faiss's short-write RuntimeError, ENOSPC); None for other errors."""
+    text = str(err)
+    if isinstance(err, OSError):
+        if err.errno not in _WRITE_ERRNOS and "written" not in text:
+            return None  # e.g. a missing input file: not a write failure
+    elif not isinstance(err, RuntimeError) or not any(w in text for w in ("write", "written", "space")):
+        return None
+    parent = Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        free = f"{shutil.disk_usage(parent).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else text
+    return OSError(f"cannot write {str(path)!r}: {reason} ({free}; a full disk or an unwritable folder)")
+
+
 def file_digest(path: str | os.PathLike[str]) -> str:
     """sha256 of a file's bytes."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -145,6 +169,11 @@ def build_store(
                 root / "meta.json"
             ).exists():  # not a concurrent builder that won the race: a real failure
                 raise
+    except (OSError, RuntimeError) as err:
+        failure = write_failure(root, err)
+        if failure is None:
+            raise
+        raise failure from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
