@@ -33,6 +33,11 @@ def _load_source(
     from rlm.train.module import LMModule
 
     if not Path(ckpt).is_file():
+        if recorded is not None:  # `search`: the index names its checkpoint; there is no --ckpt flag to give
+            raise ValueError(
+                f"the checkpoint this index was built from, {ckpt!r}, no longer exists: restore it, rebuild the "
+                "index with `rlm index build --ckpt NEW`, or query a stored segment with --segment ID"
+            )
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
     from rlm.train.checkpoint import load_checkpoint_file
 
@@ -137,7 +142,7 @@ def cmd_search(a: argparse.Namespace) -> int:
             raise ValueError(f"--segment {a.segment} out of range [0, {meta['count']})")
         query, qid = np.asarray(idx.vectors[a.segment : a.segment + 1]), np.array([a.segment])
         if source is not None:
-            _, data, _, _ = _load_source(source["ckpt"], None, source.get("data"))
+            _, data, _, _ = _load_source(source["ckpt"], None, source.get("data") or {})
     else:
         if a.text is None:
             raise ValueError("give a query TEXT or --segment ID")
@@ -145,7 +150,7 @@ def cmd_search(a: argparse.Namespace) -> int:
             raise ValueError(
                 f"{a.dir} was not built by `rlm index build` (no checkpoint recorded): use --segment"
             )
-        module, data, step, _ = _load_source(source["ckpt"], None, source.get("data"))
+        module, data, step, _ = _load_source(source["ckpt"], None, source.get("data") or {})
         embedder = _embedder(module, source["layer"], step)
         # refuse an index whose vectors this checkpoint and corpus did not produce
         idx = load_index_dir(a.dir, data.fingerprint, embedder.embedder_identity())

@@ -106,3 +106,14 @@ def test_build_with_another_data_config_reads_it_with_the_checkpoints_tokenizer(
     assert data.store.tokenizer.vocab_size == module.model_config.vocab_size
     assert main(["build", "--ckpt", str(ckpt), "--config", str(data_yaml), "--out", str(tmp_path / "idx"),
                  "--split", "train", "--quiet"]) == 0  # fmt: skip
+
+
+def test_search_names_its_own_missing_checkpoint_without_a_flag_it_lacks(tmp_path):
+    """`rlm index search` on an index whose checkpoint is gone named a --ckpt flag that search does not have
+    (issue 24, item 11)."""
+    from rlm.index.cli import _load_source
+
+    gone = str(tmp_path / "moved.ckpt")
+    with pytest.raises(ValueError, match="no longer exists: restore it, rebuild the index") as err:
+        _load_source(gone, None, {})
+    assert "--ckpt '" not in str(err.value)
