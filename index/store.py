@@ -112,6 +112,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def recover_swap(path: str | os.PathLike) -> Path | None:
+    """Finish the directory swap of a writer killed between its two renames (``path`` moved aside to
+    ``.NAME.old-*``, the new ``.NAME.tmp-PID-*`` not yet moved in): the new one when it is complete (its
+    meta.json is written last), else the old one goes back. Returns what was restored; None when nothing was
+    missing. Without it, ``path`` stayed absent and the next build deleted both copies as debris."""
+    path = Path(path)
+    if path.exists() or not path.parent.is_dir():
+        return None
+    olds = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not olds:
+        return None
+    news = [
+        p
+        for p in path.parent.glob(f".{path.name}.tmp-*-*")
+        if (m := re.fullmatch(rf"\.{re.escape(path.name)}\.tmp-(\d+)-[0-9a-f]{{8}}", p.name))
+        and not _alive(int(m.group(1)))
+        and (p / META).is_file()
+    ]
+    source = max(news, key=lambda p: p.stat().st_mtime) if news else olds[-1]
+    os.replace(source, path)
+    return source
+
+
 def remove_stale_tmp(parent: str | os.PathLike) -> list[Path]:
     """Delete the ``.NAME.tmp-PID-*`` / ``.NAME.old-*`` folders that killed writers left in ``parent``.
 
@@ -148,6 +171,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary sibling directory; on success it replaces `path`, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover_swap(path)  # before the debris goes: an interrupted swap's copies are the only index there is
     remove_stale_tmp(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -286,6 +310,7 @@ def read_meta(path: str | os.PathLike, verify: bool | None = None) -> dict[str, 
     """The metadata of a complete index directory, after checking every listed file is there, full size, and
     (``verify``; default :func:`verify_default`) has the checksum meta.json records."""
     path = Path(path)
+    recover_swap(path)
     try:
         meta = json.loads((path / META).read_text())
     except FileNotFoundError:

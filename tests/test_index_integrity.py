@@ -141,3 +141,50 @@ def test_a_full_disk_while_caching_tokens_names_the_cache(tmp_path, monkeypatch)
     ):
         data_store.build_store(tmp_path / "entry", docs, key, progress=False)
     assert not list(tmp_path.iterdir())
+
+
+KILL_MID_SWAP = """
+import os, signal, sys
+import numpy as np
+from rlm.index import store
+from rlm.index.build import IndexConfig
+from rlm.index.search import SegmentTable
+from rlm.index.synthetic import clustered_unit_vectors
+
+path, n = sys.argv[1], int(sys.argv[2])
+x = clustered_unit_vectors(n, 16, n_clusters=8, seed=2)
+segments = SegmentTable(np.arange(n) // 10, (np.arange(n) % 10) * 16)
+real = os.replace
+
+def replace(src, dst):
+    real(src, dst)
+    if str(src) == path:  # the old index moved aside, the new one not yet in: die here
+        os.kill(os.getpid(), signal.SIGKILL)
+
+store.os.replace = replace
+store.build_index_dir(path, x, segments, "fp", {"name": "r", "config_hash": "c", "weights_hash": "w", "step": 0},
+                      IndexConfig(factory="Flat"))
+"""
+
+
+@pytest.mark.parametrize("new_complete", [True, False])
+def test_a_kill_between_the_two_renames_of_a_swap_loses_no_index(tmp_path, new_complete):
+    """Killed with SIGKILL after moving the old index aside and before moving the new one in (issue 24, item
+    11): the next load finds the new index (complete: its meta.json was written) or, failing that, the old
+    one; before, the index was gone and the next build deleted both copies as debris."""
+    import subprocess
+    import sys
+
+    idx = tmp_path / "idx"
+    _build(idx)  # the old index: 600 vectors
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_MID_SWAP, str(idx), "500"], capture_output=True, text=True
+    )
+    assert proc.returncode == -9, proc.stderr
+    assert not idx.exists()
+    (new,) = tmp_path.glob(".idx.tmp-*")
+    if not new_complete:
+        (new / "meta.json").unlink()
+    assert load_index_dir(idx).meta["count"] == (500 if new_complete else 600)
+    _build(idx)  # and a later build replaces it as usual, leaving no debris
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]
