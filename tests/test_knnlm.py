@@ -252,3 +252,29 @@ def test_knnlm_commands_build_evaluate_and_generate(tiny, tmp_path, rlm_cache):
     ):
         out = run_rlm(bad, tmp_path, rlm_cache, check=False)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", ["moe", "pkm", "altup", "tokenid", "retrieval"])
+def test_knnlm_composes_with_every_plugin(plugin, tmp_path, rlm_cache):
+    """A datastore from a checkpoint with a memory plugin (the trained retriever included): keys are read from
+    the model's final norm whatever fills the slots, and kNN-LM scores the validation split."""
+    from rlm.eval.knnlm import build, evaluate_knn
+
+    extra = ["--config", CONFIGS / "plugins" / f"{plugin}.yaml"]
+    if plugin in ("moe", "pkm"):  # the shipped fragments name layers of the 4-layer default model
+        extra.append(f"--model.plugins.{plugin}.layers=[1]")
+    if plugin == "retrieval":
+        extra += ["--model.plugins.retrieval.schedule=every 2", "--model.plugins.retrieval.index_factory=Flat",
+                  "--model.plugins.retrieval.mode=blocking", "--model.plugins.retrieval.progress=false"]  # fmt: skip
+    run_rlm(["fit", *TINY, *extra, "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+             f"--trainer.default_root_dir={tmp_path / 'run'}"], tmp_path, rlm_cache)  # fmt: skip
+    ckpt = tmp_path / "run" / "version_0" / "checkpoints" / "last.ckpt"
+    import os
+
+    os.environ["RLM_CACHE"] = str(rlm_cache)
+    build(str(ckpt), tmp_path / "ds", factory="SQfp16", k=8, tune_tokens=400, max_documents=3, progress=False)
+    r = evaluate_knn(str(ckpt), tmp_path / "ds", split="val")
+    assert (
+        r["tokens"] > 0 and math.isfinite(r["knnlm"]["loss"]) and r["knnlm"]["loss"] < r["lm"]["loss"] + 0.05
+    )

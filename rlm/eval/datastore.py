@@ -36,6 +36,8 @@ def model_fingerprint(module: Any) -> str:
     """sha256 over the model's weights (names, shapes, dtypes and bytes): the identity a datastore is tied to."""
     h = hashlib.sha256()
     for name, t in sorted(module.model.state_dict().items()):
+        if not isinstance(t, torch.Tensor):  # a plugin's extra state (the retriever's index path): not weights
+            continue
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
