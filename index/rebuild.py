@@ -434,9 +434,6 @@ class RebuildCallback(pl.Callback):
                 "the retrieval rebuild callback needs a datamodule (trainer.fit(model, datamodule=...))"
             )
         self.segments, self.rows = dm.segments, indexed_rows(dm.segments, dm.store.train_docs)
-        use_segments = getattr(self.owner, "use_segments", None)  # optional part of MemoryOwner
-        if use_segments is not None:
-            use_segments(self.segments)
         self._writer = trainer.global_rank == 0
         self._ready = False
 
