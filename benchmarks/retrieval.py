@@ -153,7 +153,13 @@ class Stepper:
     def step(self) -> None:
         b = self.windows.collate(self.rng.choice(len(self.windows), self.batch, replace=False))
         t0 = CLOCK()
-        ctx = Context(tokens=b["tokens"], mask=b["mask"], segment_ids=b["segment_ids"], doc_ids=b["doc_ids"])
+        ctx = Context(
+            tokens=b["tokens"],
+            mask=b["mask"],
+            segment_ids=b["segment_ids"],
+            doc_ids=b["doc_ids"],
+            segments=self.windows.segments,
+        )
         for plugin in self.model.plugins.values():
             plugin.prepare(ctx, b)
         self.prepare_s += CLOCK() - t0
@@ -208,10 +214,9 @@ def step_table(a: argparse.Namespace) -> tuple[str, float]:
         s.model.plugins["retrieval"].use_memory(rebuild(s.model, segments, a))
     # before the first index: the warm start's neighbours (the document's own past), or none at all
     for name, warm in (("warm start (the default)", "recent"), ("warm_start none: no retrieval yet", "none")):
-        s = steppers[f"retrieval k={a.k}, before the first index, {name}"] = Stepper(
+        steppers[f"retrieval k={a.k}, before the first index, {name}"] = Stepper(
             model_for(a, True, warm_start=warm), windows, a.batch
         )
-        s.model.plugins["retrieval"].use_segments(segments)
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for s in steppers.values():
         s.time(2)  # warm-up

@@ -34,9 +34,10 @@ import torch
 
 from rlm.data.segments import SegmentTable
 from rlm.index.build import TORCH, IndexConfig, build_index
+from rlm.index.copies import SegmentHashes, TextRuns
 from rlm.index.protocol import Embedder, embed_all
+from rlm.index.search import Exclusions, Neighbours, neighbour_table, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
-from rlm.index.search import neighbour_table, search_neighbours
 from rlm.index.store import (
     IndexMismatchError,
     IndexNotFoundError,
@@ -132,18 +133,57 @@ class RetrievalMemory:
     """A sharded index (index/sharded.py): every rank's part directory, in rank order; None otherwise."""
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
+    _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     collective: ClassVar[bool] = False
     """Whether search is a collective that every rank calls together (a sharded index)."""
 
     def __post_init__(self) -> None:
+        if np.any(np.diff(self.rows) <= 0):
+            raise ValueError("the indexed rows must be global segment ids in increasing order")
         self.row_of = np.full(len(self.segments), -1, dtype=np.int64)
         self.row_of[self.rows] = np.arange(len(self.rows))
 
+    def indexed_mask(self) -> np.ndarray:
+        """(S,) bool: which global segment ids the index holds."""
+        return self.row_of >= 0
+
+    def segment_copies(self) -> SegmentHashes:
+        """The indexed segments' hashes, to find exact copies of segments (built on first use)."""
+        if "segments" not in self._copies:
+            self._copies["segments"] = SegmentHashes(self.segments, np.flatnonzero(self.indexed_mask()))
+        return self._copies["segments"]
+
+    def text_copies(self) -> TextRuns:
+        """Runs of L // 2 tokens of the indexed documents every L // 2 tokens (L the segment length), to find where
+        a text copies one of them at any offset: any L copied tokens hold such a run (built on first use)."""
+        if "text" not in self._copies:
+            half = max(1, self.segments.segment_len // 2)
+            docs = np.unique(self.segments.doc[self.indexed_mask()])
+            self._copies["text"] = TextRuns(self.segments, docs, half, half)
+        return self._copies["text"]
+
     def search(self, queries: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
         """(Q, k) global neighbour ids of query vectors; query_ids are global ids (-1: outside), filtered causally."""
+        return self.search_scored(queries, query_ids, k).ids
+
+    def search_scored(
+        self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
+    ) -> Neighbours:
+        """As search, with the scores, and excluding the given ranges of global ids (Exclusions over global ids
+        lo <= id < hi instead of rows; Neighbours.excluded counts what the counted ones took)."""
         rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
-        found = search_neighbours(self.index, queries, k, rows, self.index_segments).ids
-        return np.where(found >= 0, self.rows[np.maximum(found, 0)], -1)
+        found = search_neighbours(
+            self.index, queries, k, rows, self.index_segments, exclusions=self._as_rows(exclusions)
+        )
+        found.ids = np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
+        return found
+
+    def _as_rows(self, exclusions: Exclusions | None) -> Exclusions | None:
+        """Ranges of global ids as ranges of this index's rows (the rows are increasing global ids)."""
+        if exclusions is None:
+            return None
+        lo, hi = np.searchsorted(self.rows, exclusions.lo), np.searchsorted(self.rows, exclusions.hi)
+        return Exclusions(exclusions.query, lo, hi, exclusions.counted)
 
 
 @runtime_checkable
@@ -394,9 +434,6 @@ class RebuildCallback(pl.Callback):
                 "the retrieval rebuild callback needs a datamodule (trainer.fit(model, datamodule=...))"
             )
         self.segments, self.rows = dm.segments, indexed_rows(dm.segments, dm.store.train_docs)
-        use_segments = getattr(self.owner, "use_segments", None)  # optional part of MemoryOwner
-        if use_segments is not None:
-            use_segments(self.segments)
         self._writer = trainer.global_rank == 0
         self._ready = False
 

@@ -6,6 +6,10 @@ segment of its own document; its earlier segments S_0..S_{t-1} and every other d
 Filtering is over-fetch-and-filter with a refill loop: rows left with fewer than k allowed results are
 searched again with twice the fetch size, until they are full or the index has nothing more to give, so
 the result equals filtering the index's full ranking.
+
+Exclusions add row ranges that some queries must not find, beyond the causal filter: the retriever's exact-copy
+filter for queries from outside the index's segment table (rlm.index.copies). Those marked counted are counted as
+they remove results (a query's first k results without them, that they take away).
 """
 
 from __future__ import annotations
@@ -48,6 +52,53 @@ class Neighbours:
     """Segment ids, (Q, k) int64; -1 where fewer than k results were allowed."""
     scores: np.ndarray
     """Cosine similarities, (Q, k) float32; -inf where ids is -1."""
+    excluded: np.ndarray | None = None
+    """(Q,) results the counted exclusions took from each query's top k (None: no exclusions were given)."""
+
+
+@dataclass
+class Exclusions:
+    """Row ranges some queries must not find: query[e] keeps no row r with lo[e] <= r < hi[e]."""
+
+    query: np.ndarray
+    """(E,) position of the query (a row of the queries array), int64."""
+    lo: np.ndarray
+    """(E,) first excluded row, int64."""
+    hi: np.ndarray
+    """(E,) end of the excluded rows (exclusive), int64."""
+    counted: np.ndarray
+    """(E,) bool: count the results this exclusion removes (Neighbours.excluded)."""
+
+    def __post_init__(self) -> None:
+        self.query, self.lo, self.hi = (
+            np.asarray(a, dtype=np.int64).reshape(-1) for a in (self.query, self.lo, self.hi)
+        )
+        self.counted = np.broadcast_to(np.asarray(self.counted, dtype=bool), self.query.shape)
+        if not len(self.query) == len(self.lo) == len(self.hi):
+            raise ValueError(
+                f"exclusions of unequal lengths: {len(self.query)}, {len(self.lo)}, {len(self.hi)}"
+            )
+
+    @classmethod
+    def none(cls) -> Exclusions:
+        """No exclusion."""
+        return cls(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0, dtype=bool))
+
+    def __len__(self) -> int:
+        return len(self.query)
+
+    def hits(self, rows: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(R, F) bool each: the candidates (R, F) of queries `rows` (ascending positions) inside an uncounted
+        exclusion, and inside a counted one."""
+        out = np.zeros((2, *cand.shape), dtype=bool)
+        if len(self) and len(rows):
+            pos = np.minimum(np.searchsorted(rows, self.query), len(rows) - 1)
+            mine = rows[pos] == self.query  # (E,) exclusions of the queries searched now
+            pos, lo, hi, counted = pos[mine], self.lo[mine], self.hi[mine], self.counted[mine]
+            c = cand[pos]  # (E', F)
+            inside = (c >= lo[:, None]) & (c < hi[:, None])
+            np.logical_or.at(out, (counted.astype(np.int64), pos), inside)
+        return out[0], out[1]
 
 
 def allowed(
@@ -98,6 +149,7 @@ def search_neighbours(
     batch_size: int = 4096,
     fetch: int | None = None,
     progress: bool = False,
+    exclusions: Exclusions | None = None,
 ) -> Neighbours:
     """Top-k neighbours of every query, filtered (see the module docstring).
 
@@ -105,6 +157,7 @@ def search_neighbours(
     queries: (Q, d) vectors; query_ids: (Q,) segment id of each query (-1: not a segment, no filter);
     None means query q is segment q (a neighbour table of the whole index).
     fetch: first fetch size per query (default 2k + 8, enough for most rows; the rest are refilled).
+    exclusions: row ranges given queries must not find (Neighbours.excluded counts what the counted ones removed).
     """
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
@@ -118,24 +171,32 @@ def search_neighbours(
         raise ValueError(f"segment table has {len(segments)} rows but the index holds {index.ntotal} vectors")
     if causal and segments is not None and (query_ids >= len(segments)).any():
         raise ValueError(f"query_ids must be < {len(segments)} (segment table rows) or -1 (outside queries)")
-    filtering = exclude_self or causal
+    filtering = exclude_self or causal or exclusions is not None
     ids = np.full((len(q), k), -1, dtype=np.int64)
     scores = np.full((len(q), k), -np.inf, dtype=np.float32)
+    excluded = None if exclusions is None else np.zeros(len(q), dtype=np.int64)
     first = fetch or (2 * k + 8 if filtering else k)
     limit = max_k(index)  # rows still short at this fetch size stay padded (only on GPU: k <= 2048)
     if limit == 0:  # an empty index: nothing to find
-        return Neighbours(ids, scores)
+        return Neighbours(ids, scores, excluded)
     for lo in tqdm(range(0, len(q), batch_size), desc="neighbours", disable=not progress, unit="batch"):
         rows = np.arange(lo, min(lo + batch_size, len(q)))
         size = min(first, limit)
         while len(rows):
             s, i = search_index(index, q[rows], size)  # (R, size)
             keep = allowed(i, query_ids[rows], segments, exclude_self, causal) if filtering else i >= 0
+            if exclusions is not None:
+                plain, counted = exclusions.hits(rows, i)
+                keep &= ~plain
+                # what the counted exclusions take from the top k that the rest of the filter would give
+                shown = keep & (np.cumsum(keep, 1) <= k)
+                excluded[rows] = (shown & counted).sum(1)
+                keep &= ~counted
             ids[rows], scores[rows] = _compact(i, s, keep, k)
             # refill rows short of k whose search came back full (the index may hold more allowed ones)
             short = (keep.sum(1) < k) & (i[:, -1] >= 0) & (size < limit)
             rows, size = rows[short], min(2 * size, limit)
-    return Neighbours(ids, scores)
+    return Neighbours(ids, scores, excluded)
 
 
 def neighbour_table(

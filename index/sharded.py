@@ -35,8 +35,8 @@ import torch.distributed as dist
 from rlm.index.build import BuiltIndex, IndexConfig, build_index
 from rlm.index.protocol import shard_range
 from rlm.index.rebuild import NEIGHBOURS, ROWS, RetrievalMemory, load_table, save_corpus_ref
+from rlm.index.search import Exclusions, Neighbours, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
-from rlm.index.search import search_neighbours
 from rlm.index.store import (
     IndexMismatchError,
     IndexNotFoundError,
@@ -107,10 +107,15 @@ class ShardedMemory(RetrievalMemory):
         index = self.index.index if isinstance(self.index, BuiltIndex) else self.index
         return int(index.d)
 
+    def indexed_mask(self) -> np.ndarray:
+        """(S,) bool: which global segment ids some part of the index holds."""
+        return self.indexed
+
     def search_part(
-        self, queries: np.ndarray, query_ids: np.ndarray, k: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """This part's (Q, k) causally filtered top-k (scores, global ids) of queries with global ids (-1: outside)."""
+        self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
+    ) -> Neighbours:
+        """This part's (Q, k) causally filtered top-k (global ids) of queries with global ids (-1: outside), minus
+        the exclusions' ranges of global ids."""
         R = len(self.rows)
         safe = np.maximum(query_ids, 0)
         inside = (query_ids >= 0) & self.indexed[
@@ -126,28 +131,44 @@ class ShardedMemory(RetrievalMemory):
             np.concatenate([self.index_segments.doc, self.segments.doc[g]]),
             np.concatenate([self.index_segments.offset, self.segments.start[g]]),
         )
-        found = search_neighbours(self.index, queries, k, local, segs)
-        return found.scores, np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
+        found = search_neighbours(self.index, queries, k, local, segs, exclusions=self._as_rows(exclusions))
+        found.ids = np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
+        return found
 
     def search_all(
-        self, queries: np.ndarray, query_ids: np.ndarray, k: int
-    ) -> tuple[list[np.ndarray], np.ndarray]:
-        """Collective: (every rank's query ids, in rank order; (sum Q_r, k) global neighbour ids of all of them)."""
+        self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
+    ) -> tuple[list[np.ndarray], Neighbours]:
+        """Collective: (every rank's query ids, in rank order; the merged (sum Q_r, k) neighbours of all of them).
+
+        With exclusions (every rank must pass some, or none), Neighbours.excluded sums the parts' counts: with
+        several parts, an upper bound of what the exclusions took from the merged top k."""
         queries = np.asarray(queries, dtype=np.float32).reshape(len(queries), self.dim)
         all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
         ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
-        scores, found = self.search_part(all_q, np.concatenate(ids_by_rank), k)  # (sum Q_r, k) each
+        if exclusions is not None:  # every rank's, their query positions shifted to the gathered queries'
+            ex = np.stack([exclusions.query, exclusions.lo, exclusions.hi, exclusions.counted], 1)
+            parts = all_gather_rows(ex.astype(np.int64))
+            starts = np.cumsum([0] + [len(x) for x in ids_by_rank])
+            ex = np.concatenate([p + [start, 0, 0, 0] for p, start in zip(parts, starts)])
+            exclusions = Exclusions(ex[:, 0], ex[:, 1], ex[:, 2], ex[:, 3].astype(bool))
+        part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k) each
         if len(all_q) == 0:
-            return ids_by_rank, found
-        all_scores = np.stack(all_gather_rows(scores))  # (world, sum Q_r, k)
-        all_found = np.stack(all_gather_rows(found))
-        return ids_by_rank, merge_topk(all_scores, all_found, k)[1]
+            return ids_by_rank, part
+        all_scores = np.stack(all_gather_rows(part.scores))  # (world, sum Q_r, k)
+        all_found = np.stack(all_gather_rows(part.ids))
+        scores, found = merge_topk(all_scores, all_found, k)
+        excluded = None if part.excluded is None else np.sum(all_gather_rows(part.excluded), 0)
+        return ids_by_rank, Neighbours(found, scores, excluded)
 
-    def search(self, queries: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
-        """Collective: (Q, k) global neighbour ids of this rank's queries (as RetrievalMemory.search, over all parts)."""
-        ids_by_rank, found = self.search_all(queries, query_ids, k)
+    def search_scored(
+        self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
+    ) -> Neighbours:
+        """Collective: this rank's queries' neighbours (as RetrievalMemory.search_scored, over all parts)."""
+        ids_by_rank, found = self.search_all(queries, query_ids, k, exclusions)
         lo = sum(len(x) for x in ids_by_rank[: self.rank])
-        return found[lo : lo + len(queries)]
+        at = slice(lo, lo + len(queries))
+        excluded = None if found.excluded is None else found.excluded[at]
+        return Neighbours(found.ids[at], found.scores[at], excluded)
 
 
 def build_sharded_memory(
@@ -192,7 +213,7 @@ def build_sharded_memory(
     most = max(len(shard_range(len(rows), r, world)) for r in range(world)) if table else 0
     for lo in range(0, most, TABLE_CHUNK):  # the same number of rounds on every rank
         ids_by_rank, found = memory.search_all(shard[lo : lo + TABLE_CHUNK], mine[lo : lo + TABLE_CHUNK], k)
-        memory.neighbours[np.concatenate(ids_by_rank)] = found
+        memory.neighbours[np.concatenate(ids_by_rank)] = found.ids
     if step_dir is not None:
         path = part_dir(step_dir, rank, world)
         with atomic_dir(path) as tmp:

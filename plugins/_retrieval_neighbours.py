@@ -6,6 +6,9 @@ from the last rebuild's table (lookup 'table'), from an online search of the ind
 segments of the query's own document (warm_candidates_of, most_similar). The random-neighbour ablation
 (random_neighbours) swaps them for segments of other documents. Causality: no neighbour, nor its continuation,
 is the target segment S_{t+1} or a later segment of the same document.
+
+The batch's segment ids index its own table (Context.segments): the memory's ids are used only when that is the
+memory's table. At evaluation the filters and the own-past candidates of _retrieval_filter.py apply.
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlm.index.rebuild import RetrievalMemory
+from rlm.plugins._retrieval_filter import (
+    as_exclusions,
+    copy_exclusions,
+    future_exclusions,
+    merge_by_score,
+    same_table,
+    score_candidates,
+    window_table,
+)
 
 
 @dataclass
@@ -38,7 +50,11 @@ class RetrievalInputs:
     same_doc: Tensor
     """(B, n, k) whether the neighbour is from the row's own document (False when unknown)."""
     ids: Tensor | None = None
-    """(B, n, k) global segment ids of the neighbours (-1: none)."""
+    """(B, n, k) segment ids of the neighbours (-1: none): global ids of the memory's table (of the batch's own
+    table without a memory); an id i >= S, S the memory table's length, is segment i - S of the batch's own table
+    (the past of an evaluated document outside the memory's table)."""
+    excluded: int = 0
+    """Results the evaluation's future-copy filter took from the batch's top k (_retrieval_filter)."""
 
 
 def gather_inputs(
@@ -53,70 +69,121 @@ def gather_inputs(
     warm: str = "recent",
     warm_candidates: int = 16,
     randomise: bool = False,
+    evaluation: bool = False,
+    exclude_copies: bool = True,
 ) -> RetrievalInputs:
     """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs): the first k - warm_k
-    from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours)."""
-    seg = memory.segments if memory is not None else segments
-    L = seg.segment_len
+    from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours).
+
+    segments: the table the batch's segment_ids index (Context.segments; required with segment ids). Queries use
+    the memory's ids only when it is the memory's table; the others are outside queries, which the index's causal
+    filter does not know. evaluation (validation, test, rlm eval, generation): the filters and own-past candidates
+    of _retrieval_filter (its copy filters only with exclude_copies); a batch without a table (generation) is its
+    own document there."""
+    seg_ids = batch.get("segment_ids")
+    if seg_ids is not None and segments is None:
+        raise ValueError(
+            "the batch has segment_ids but names no segment table (Context.segments): they cannot be read as ids "
+            "of the retrieval memory's table; pass the table the ids index (LMModule.make_context(segments=...))"
+        )
+    own, docs, starts = segments, batch.get("doc_ids"), batch.get("starts")
+    ref = memory.segments if memory is not None else own
+    L = ref.segment_len
+    if own is not None and own.segment_len != L:
+        raise ValueError(f"the batch's segments have {own.segment_len} tokens, the memory's {L}")
     tokens = batch["tokens"]
     device = tokens.device
     B, T = tokens.shape
     n = -(-T // L)
     mask = batch.get("mask")
     mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask.bool()
-    chunks = F.pad(tokens, (0, n * L - T), value=seg.pad_id).view(B, n, L)
+    known_future = own is not None  # generation's text has no future to read
+    if own is None and evaluation and memory is not None:  # generation: the window is the document
+        own, window = window_table(tokens, mask, L, ref.pad_id)
+        seg_ids, docs, starts = torch.from_numpy(window), np.arange(B), np.zeros(B, dtype=np.int64)
+    seg_np = seg_ids.cpu().numpy() if seg_ids is not None else None
+    if seg_np is None or own is None:
+        warm_k = 0  # no document to take a past from
+    inside = memory is None or (own is not None and same_table(own, memory.segments))
+    off = 0 if inside else len(memory.segments)  # own-table ids in RetrievalInputs.ids
+    src = own if own is not None else ref
+    chunks = F.pad(tokens, (0, n * L - T), value=ref.pad_id).view(B, n, L)
     chunk_mask = F.pad(mask, (0, n * L - T), value=False).view(B, n, L)
     # chunk j's query is segment j-1 of the window; chunk 0's is the document's previous segment, if any
     prev = np.full(B, -1, dtype=np.int64)
-    seg_ids = batch.get("segment_ids")
-    if seg_ids is not None and batch.get("starts") is not None:
-        first = seg_ids[:, 0].cpu().numpy()
-        prev = np.where((batch["starts"].cpu().numpy() > 0) & (first > 0), first - 1, -1)
-    prev_tokens = torch.from_numpy(seg.tokens(np.maximum(prev, 0))).to(device)  # (B, L)
-    prev_mask = torch.from_numpy(np.arange(L) < seg.length[np.maximum(prev, 0)][:, None]).to(device)
+    if seg_np is not None and starts is not None:
+        prev = np.where((_numpy(starts) > 0) & (seg_np[:, 0] > 0), seg_np[:, 0] - 1, -1)
+    prev_tokens = torch.from_numpy(src.tokens(np.maximum(prev, 0))).to(device)  # (B, L)
+    prev_mask = torch.from_numpy(np.arange(L) < src.length[np.maximum(prev, 0)][:, None]).to(device)
     prev_mask &= torch.from_numpy(prev >= 0).to(device)[:, None]
     q_tokens = torch.cat([prev_tokens[:, None], chunks[:, :-1]], 1)  # (B, n, L)
     q_mask = torch.cat([prev_mask[:, None], chunk_mask[:, :-1]], 1)
     q_valid = q_mask.any(-1).cpu().numpy()  # (B, n)
-    if seg_ids is not None:
-        q_ids = np.concatenate([prev[:, None], seg_ids[:, : n - 1].cpu().numpy()], 1)  # (B, n) global ids
-        q_ids = np.where(q_valid, q_ids, -1)
-    else:
-        q_ids = np.full((B, n), -1, dtype=np.int64)
-    parts = []
+    own_q = np.full((B, n), -1, dtype=np.int64)  # query ids in the batch's own table
+    if seg_np is not None:
+        own_q = np.where(q_valid, np.concatenate([prev[:, None], seg_np[:, : n - 1]], 1), -1)
+    q_ids = own_q if inside else np.full_like(own_q, -1)  # in the memory's table: outside queries are -1
+    if seg_np is not None and own is not None:
+        docs = _numpy(docs) if docs is not None else own.doc[np.maximum(seg_np[:, 0], 0)]
+        doc_first = own.first[docs]  # (B,)
+    warm_part = None
+    if warm_k:
+        cands = warm_candidates_of(
+            own_q, seg_np[:, 0], doc_first, warm_k if warm == "recent" else warm_candidates, continuation
+        )
+        if warm == "similar":
+            cands = most_similar(own, cands, q_tokens, q_mask, warm_k, embed, seg_np[:, 0])
+        warm_part = cands  # (B, n, warm_k) own-table ids
+    parts, excluded = [], 0
     k_table = k - warm_k if memory is not None else 0
     if k_table and online:
         nb = np.full((B * n, k_table), -1, dtype=np.int64)
+        scores = np.full((B * n, k_table), -np.inf, dtype=np.float32)
         rows = np.flatnonzero(q_valid.reshape(-1))
+        exclusions = None
+        if evaluation and exclude_copies:  # the filters of an evaluated text (_retrieval_filter)
+            q_np, m_np = q_tokens.cpu().numpy(), q_mask.cpu().numpy()
+            found = [(copy_exclusions(memory, q_np, m_np, continuation), False)]
+            if known_future and seg_np is not None:
+                found.append((future_exclusions(memory, own, docs, seg_np, continuation), True))
+            exclusions = as_exclusions(rows, found)
+        e_q = None
         if len(rows):
             e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
-            nb[rows] = memory.search(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table)
+            got = memory.search_scored(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table, exclusions)
+            nb[rows], scores[rows] = got.ids, got.scores
+            excluded = int(got.excluded.sum()) if got.excluded is not None else 0
+            e_q = torch.zeros(B * n, e.shape[-1], device=e.device, dtype=e.dtype)  # (B*n, D)
+            e_q[torch.from_numpy(rows).to(e.device)] = e
         elif memory.collective:  # a sharded index searches with every rank: join in with no query
-            memory.search(np.zeros((0, 0), dtype=np.float32), rows, k_table)
-        parts.append(nb.reshape(B, n, k_table))
+            memory.search_scored(np.zeros((0, 0), dtype=np.float32), rows, k_table, exclusions)
+        nb, scores = nb.reshape(B, n, k_table), scores.reshape(B, n, k_table)
+        if evaluation and e_q is not None and seg_np is not None:
+            # a document the index does not hold: its own past, merged with the index's results by score
+            held = inside & memory.indexed_mask()[np.minimum(doc_first, len(memory.segments) - 1)]  # (B,)
+            cands = warm_candidates_of(
+                np.where(held[:, None], -1, own_q), seg_np[:, 0], doc_first, warm_candidates
+            )
+            if warm_part is not None:  # not twice: the warm picks have their own slots
+                cands = np.where((cands[..., :, None] == warm_part[..., None, :]).any(-1), -1, cands)
+            past = score_candidates(own, cands, e_q, embed)
+            nb = merge_by_score(nb, scores, np.where(cands >= 0, cands + off, -1), past, k_table)
+        parts.append(nb)
     elif k_table:
         table = memory.neighbours[np.maximum(q_ids, 0), :k_table]
         parts.append(np.where((q_ids >= 0)[..., None], table, -1))  # (B, n, k_table)
-    if warm_k:
-        window_first = seg_ids[:, 0].cpu().numpy()
-        doc_first = (
-            seg.first[batch["doc_ids"].cpu().numpy()]
-            if batch.get("doc_ids") is not None
-            else seg.first[seg.doc[np.maximum(window_first, 0)]]
-        )
-        cands = warm_candidates_of(
-            q_ids, window_first, doc_first, warm_k if warm == "recent" else warm_candidates, continuation
-        )
-        if warm == "similar":
-            cands = most_similar(seg, cands, q_tokens, q_mask, warm_k, embed, window_first)
-        parts.append(cands)
+    if warm_part is not None:
+        parts.append(np.where(warm_part >= 0, warm_part + off, -1))
     nb = np.concatenate(parts, -1)  # (B, n, k)
     if randomise:
-        nb = random_neighbours(nb, q_ids, seg, memory.rows if memory is not None else None)
-    nb_tokens, nb_mask = neighbour_tokens(seg, nb, continuation)
-    same = np.zeros_like(nb, dtype=bool)
-    if batch.get("doc_ids") is not None:
-        same = (nb >= 0) & (seg.doc[np.maximum(nb, 0)] == batch["doc_ids"].cpu().numpy()[:, None, None])
+        nb = random_neighbours(nb, q_ids, ref, memory.rows if memory is not None else None)
+    nb_tokens, nb_mask = two_table_tokens(ref, own, off, nb, continuation)
+    if off:
+        same = nb >= off  # the batch's own past; nothing of the memory's table is of its documents
+    elif docs is not None:
+        same = (nb >= 0) & (ref.doc[np.maximum(nb, 0)] == docs[:, None, None])
+    else:
+        same = np.zeros_like(nb, dtype=bool)
     return RetrievalInputs(
         query_tokens=q_tokens,
         query_mask=q_mask,
@@ -125,7 +192,23 @@ def gather_inputs(
         valid=torch.from_numpy(nb >= 0).to(device),
         same_doc=torch.from_numpy(same).to(device),
         ids=torch.from_numpy(nb).to(device),
+        excluded=excluded,
     )
+
+
+def _numpy(x: Any) -> np.ndarray:
+    return x.cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
+
+
+def two_table_tokens(ref, own, off: int, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:
+    """neighbour_tokens of ids of the memory's table `ref` (< off) and of the batch's own table (>= off; off = 0:
+    one table)."""
+    if not off:
+        return neighbour_tokens(ref, nb, continuation)
+    mine = nb >= off
+    a = neighbour_tokens(ref, np.where(mine, -1, nb), continuation)
+    b = neighbour_tokens(own, np.where(mine, nb - off, -1), continuation)
+    return tuple(np.where(mine[..., None], y, x) for x, y in zip(a, b))
 
 
 def random_neighbours(nb: np.ndarray, q_ids: np.ndarray, seg, pool: np.ndarray | None) -> np.ndarray:

@@ -16,6 +16,10 @@ plugin returns); validation and generation search the index online with the curr
 first table lands (it is built at the schedule's first due step), the warm start gives each segment earlier
 segments of its own document (Komatsuzaki 2020, sec. 5.4; RetrievalConfig.warm_start).
 
+A batch's segment ids are ids of its own segment table (Context.segments), which is the index's only for the
+training corpus; evaluated text (validation, test, rlm eval --corpus, generation) retrieves from the index and
+from its own document's past, kept causal by _retrieval_filter.py even where it copies a training document.
+
 This file holds the options (RetrievalConfig) and the plugin, whose methods read as one step: prepare() finds
 the batch's neighbours (_retrieval_neighbours.py), encoded() embeds them once per forward for the
 cross-attention layers (_retrieval_attention.py), and the step logs its metrics and loss groups. The embedders
@@ -168,11 +172,19 @@ class RetrievalConfig:
     the first step. 'recent' is the default: it costs nothing, and 'similar' ranks with an embedder that is
     still close to random in exactly this phase."""
     warm_candidates: int = 16
-    """Most recent earlier same-document segments scored by warm_start 'similar' (and by same_doc_k)."""
+    """Most recent earlier same-document segments scored by warm_start 'similar' (and by same_doc_k); at evaluation,
+    the own-past candidates of a document the index does not hold, merged with the index's results by score."""
     same_doc_k: int = 0
     """After the first table: this many of the k neighbours are warm-start picks from the query's own past (as
     warm_start chooses them; 'recent' when warm_start is 'none'), the other k - same_doc_k come from the table
     (or the online search). 0: all k from the table."""
+    exclude_copies: bool = True
+    """At evaluation (validation, test, rlm eval, generation), keep exact copies out of reach: a query whose text
+    copies an indexed document (L / 2 tokens in a row or more) retrieves nothing of that document from its own
+    position on, and indexed copies of the evaluated document's future segments are not retrieved (counted as
+    val/<label>/duplicates_excluded); see _retrieval_filter.py. False: evaluation retrieves copies as training
+    retrieves a document's neighbours, for synthetic tasks whose evaluated continuation is in the index by design
+    (the partner task of tests/test_retrieval_training.py); a copied text then finds its own continuation."""
     eval_ablation: bool = False
     """Validation also computes the loss with every neighbour swapped for a random segment of another document
     (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
@@ -296,9 +308,6 @@ class RetrievalPlugin(Plugin):
         else:
             self.encoder = SeparateEncoder(model_config, config.embed_layers, config.encoder_dim)
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
-        object.__setattr__(
-            self, "segments", None
-        )  # the data's SegmentTable (warm start before the first table)
         self._saved_index_dir: str | None = None  # from a checkpoint: loaded on first use outside training
         self.prepare_seconds = 0.0
         """Wall-clock time of the last prepare() (neighbour lookup or online search): a metric."""
@@ -344,9 +353,9 @@ class RetrievalPlugin(Plugin):
             self._load_saved_memory()
         memory = self.memory
         c = self.config
-        seg = memory.segments if memory is not None else self.segments
         warm = c.warm_start if c.warm_start != "none" else ("recent" if c.same_doc_k else "none")
-        can_warm = warm != "none" and seg is not None and batch.get("segment_ids") is not None
+        # the warm start reads the past of the batch's documents from the batch's own table (Context.segments)
+        can_warm = warm != "none" and batch.get("segment_ids") is not None
         if memory is None and not (can_warm and c.warm_start != "none"):
             ctx.extras[self.label] = None
             self._declare_loss_groups(ctx, None, 1)
@@ -360,15 +369,19 @@ class RetrievalPlugin(Plugin):
             online=not (ctx.training and batch.get("segment_ids") is not None)
             or (memory is not None and memory.neighbours is None),
             embed=self._embed_queries,
-            segments=seg,
-            warm_k=(c.k if memory is None else c.same_doc_k) if can_warm else 0,
+            segments=ctx.segments,
+            warm_k=(c.k if memory is None else c.same_doc_k) if warm != "none" else 0,
             warm=warm,
             warm_candidates=c.warm_candidates,
             randomise=ctx.variant == f"{self.label}_random",
+            evaluation=not ctx.training,
+            exclude_copies=c.exclude_copies,
         )
         self.prepare_seconds = time.perf_counter() - start
         ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
-        self._declare_loss_groups(ctx, inputs, seg.segment_len)
+        if not ctx.training and memory is not None and c.exclude_copies:  # the evaluated future's copies
+            ctx.log(f"{self.label}/duplicates_excluded", float(inputs.excluded))
+        self._declare_loss_groups(ctx, inputs, inputs.query_tokens.shape[-1])
 
     @torch.no_grad()
     def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -438,10 +451,6 @@ class RetrievalPlugin(Plugin):
     def eval_variants(self) -> list[str]:
         """With eval_ablation: the validation pass with random neighbours."""
         return [f"{self.label}_random"] if self.config.eval_ablation else []
-
-    def use_segments(self, segments: Any) -> None:
-        """The data's segment table, known at fit start (the warm start reads the documents' past from it)."""
-        object.__setattr__(self, "segments", segments)
 
     def snapshot(self, step: int) -> FrozenEmbedder:
         """A frozen copy of the current embedder (rlm.index Embedder protocol)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlm.index.build import IndexConfig, build_index
-from rlm.index.search import SegmentTable, neighbour_table, search_neighbours
+from rlm.index.search import Exclusions, SegmentTable, neighbour_table, search_neighbours
 from rlm.index.synthetic import clustered_unit_vectors
 
 K = 8
@@ -122,3 +122,41 @@ def test_an_empty_index_finds_nothing():
     empty = build_index(x[:0], IndexConfig(factory="Flat"))
     got = search_neighbours(empty, x[:3], K, np.full(3, -1), seg)
     assert (got.ids == -1).all() and np.isneginf(got.scores).all()
+
+
+def test_exclusions_match_brute_force_and_count_what_they_took():
+    """Row ranges excluded per query (beyond the causal filter) equal setting them to -inf in the full ranking;
+    Neighbours.excluded counts the counted ranges' rows among the top k the rest of the filter would give."""
+    x, seg = corpus()
+    rng = np.random.default_rng(5)
+    index = build_index(x, IndexConfig(factory="Flat"))
+    query_ids = np.concatenate([np.arange(0, len(x), 7), [-1] * 5])  # some outside queries
+    q = x[np.maximum(query_ids, 0)]
+    E = 300
+    ex = Exclusions(
+        rng.integers(0, len(q), E),
+        lo := rng.integers(0, len(x), E),
+        lo + rng.integers(0, 20, E),
+        rng.random(E) < 0.5,
+    )
+    got = search_neighbours(
+        index, q, K, query_ids, seg, True, True, batch_size=13, fetch=K + 1, exclusions=ex
+    )
+    x64 = x.astype(np.float64)
+    for row, qid in enumerate(query_ids):
+        s = x64 @ x64[max(qid, 0)]
+        if qid >= 0:
+            s[qid] = -np.inf
+            s[(seg.doc == seg.doc[qid]) & (seg.offset > seg.offset[qid])] = -np.inf
+        banned = np.zeros((2, len(x)), dtype=bool)
+        for e in np.flatnonzero(ex.query == row):
+            banned[int(ex.counted[e]), ex.lo[e] : ex.hi[e]] = True
+        s[banned[0]] = -np.inf
+        shown = np.argsort(-s, kind="stable")[:K]
+        want = int(banned[1][shown[np.isfinite(s[shown])]].sum())
+        s[banned[1]] = -np.inf
+        order = np.argsort(-s, kind="stable")[:K]
+        order = order[np.isfinite(s[order])]
+        np.testing.assert_array_equal(got.ids[row, : len(order)], order)
+        assert (got.ids[row, len(order) :] == -1).all() and got.excluded[row] == want
+    assert got.excluded.sum() > 0

@@ -14,6 +14,7 @@ from test_retrieval import make_segments, random_docs
 
 from rlm.index.build import IndexConfig
 from rlm.index.rebuild import build_memory, indexed_rows, load_memory_for_search
+from rlm.index.search import Exclusions
 from rlm.index.sharded import merge_topk
 from rlm.index.store import IndexNotFoundError
 
@@ -55,6 +56,15 @@ def queries(rank: int, segments, rows):
     return rng.standard_normal((len(ids), DIM)).astype(np.float32), ids.astype(np.int64)
 
 
+def exclusions(rank: int, rows) -> Exclusions:
+    """Rank 0: ranges of global ids its queries may not find (one of them over both ranks' parts); rank 1: none."""
+    if rank == 1:
+        return Exclusions.none()
+    return Exclusions(
+        [0, 0, 3, 7, 9], rows[[1, 40, 17, 0, 30]], rows[[5, 41, 44, 3, 31]], [False, True, True, False, True]
+    )
+
+
 def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
     import torch.distributed as dist
 
@@ -74,6 +84,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
             )
             q, q_ids = queries(rank, segments, rows)
             found = memory.search(q, q_ids, K)
+            out[(factory, rank, "excluding")] = memory.search_scored(q, q_ids, K, exclusions(rank, rows)).ids
             dist.barrier()
             reloaded = load_sharded_memory(memory.parts, segments, rows, IDENTITY, K)
             again = reloaded.search(q, q_ids, K)
@@ -119,6 +130,9 @@ def test_two_ranks_equal_one_process_for_exact_indices(tmp_path):
             if rank == 0:
                 np.testing.assert_array_equal(found, want)
                 np.testing.assert_array_equal(again, want)
+                excluding = whole.search_scored(q, q_ids, K, exclusions(0, rows)).ids
+                assert (excluding != want).any()  # the exclusions took something
+                np.testing.assert_array_equal(got[(factory, 0, "excluding")], excluding)
             else:
                 assert found.shape == again.shape == (0, K)
             # each rank wrote only its own part: half of the rows

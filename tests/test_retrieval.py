@@ -3,6 +3,7 @@ neighbour tables against brute force, gradients into the embedder, config valida
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -79,13 +80,18 @@ def attach_memory(
     return memory, vectors
 
 
-def context(model: Transformer, batch: dict, stage: str) -> Context:
+def context(model: Transformer, batch: dict, stage: str, segments: SegmentTable | None = None) -> Context:
+    """The batch's context filled by the plugins; `segments` is the table its segment ids index (default: the
+    table of the fixture's corpus, which every batch of these tests is cut from, when it has segment ids)."""
+    if segments is None and batch.get("segment_ids") is not None:
+        segments = CORPUS_SEGMENTS
     ctx = Context(
         tokens=batch["tokens"],
         mask=batch["mask"],
         stage=stage,
         segment_ids=batch.get("segment_ids"),
         doc_ids=batch.get("doc_ids"),
+        segments=segments,
     )
     for plugin in model.plugins.values():
         plugin.prepare(ctx, batch)
@@ -96,13 +102,19 @@ def logits(model: Transformer, batch: dict, stage: str) -> torch.Tensor:
     return model(batch["tokens"], context(model, batch, stage))
 
 
+def corpus_of(docs: list[np.ndarray], fingerprint: str = "test") -> tuple[SegmentTable, np.ndarray]:
+    """The segment table of documents and their offsets."""
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+    return make_segments(docs, fingerprint=fingerprint), offsets
+
+
+CORPUS_SEGMENTS, CORPUS_OFFSETS = corpus_of(random_docs(12, 70))
+
+
 @pytest.fixture
 def corpus():
     """12 documents of 70 tokens (9 segments), the first 10 for training; windows of 4 segments."""
-    docs = random_docs(12, 70)
-    segments = make_segments(docs)
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
-    return segments, Windows(segments, offsets, np.arange(10), 32)
+    return CORPUS_SEGMENTS, Windows(CORPUS_SEGMENTS, CORPUS_OFFSETS, np.arange(10), 32)
 
 
 # ----- numerics -----
@@ -208,8 +220,6 @@ def with_path(path: str, corpus, **opts) -> Transformer:
     model = tiny_model(**extra, **opts)
     if table:
         attach_memory(model, segments, np.arange(10))
-    else:
-        model.plugins["retrieval"].use_segments(segments)
     return model
 
 
@@ -372,7 +382,6 @@ def test_zero_init_starts_as_the_model_without_retrieval(corpus):
 def test_warm_start_none_without_a_table_means_no_retrieval(corpus):
     segments, windows = corpus
     model = tiny_model(warm_start="none", same_doc_k=1)
-    model.plugins["retrieval"].use_segments(segments)
     assert context(model, windows.collate([1, 2]), "train").extras["retrieval"] is None
 
 
@@ -802,6 +811,8 @@ def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighb
         "zero_init": False,
     }
     module = LMModule(model=cfg, plugins={"retrieval": opts})
+    # no trainer, so no data module names the batches' table: give it as the data module would
+    module.make_context = functools.partial(LMModule.make_context, module, segments=segments)
     model = module.model
     memory, _ = attach_memory(model, segments, np.arange(10))
     module.on_validation_epoch_start()
@@ -826,6 +837,7 @@ def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighb
                 stage="val",
                 segment_ids=batch["segment_ids"],
                 doc_ids=batch["doc_ids"],
+                segments=segments,
                 variant="retrieval_random",
             )
             model.plugins["retrieval"].prepare(ablated, batch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 
 
@@ -83,3 +85,10 @@ class SegmentTable:
         """(B, n) ids of the n segments from offset `starts` (multiples of segment_len) of `docs`; -1 past the end."""
         ids = self.first[docs][:, None] + starts[:, None] // self.segment_len + np.arange(n)  # (B, n)
         return np.where(ids < self.first[docs + 1][:, None], ids, -1)
+
+
+@runtime_checkable
+class SegmentSource(Protocol):
+    """A data module whose batches' segment_ids and doc_ids index its `segments` (rlm.data.RLMDataModule)."""
+
+    segments: SegmentTable

@@ -128,7 +128,7 @@ def entries(module: Any, windows: Any, batch_size: int, layer: str, progress: bo
         for batch in tqdm(eval_loader(windows, batch_size), desc="datastore keys", disable=not progress,
                           unit="batch"):  # fmt: skip
             batch = {key: v.to(module.device) for key, v in batch.items()}
-            ctx = module.make_context(batch, "test")
+            ctx = module.make_context(batch, "test", segments=windows.segments)
             module.model(batch["tokens"], ctx)
             keys = hooked["keys"].to(torch.float16).cpu().numpy()
             targets = batch["targets"].cpu().numpy()

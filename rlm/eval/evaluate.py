@@ -151,14 +151,20 @@ def _windows(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:
 
 
 @torch.no_grad()
-def nll_sum(module: Any, windows: Windows, batch_size: int) -> tuple[float, int]:
-    """(sum of the token NLLs in nats, in float64; number of scored tokens) over all windows."""
+def nll_sum(
+    module: Any, windows: Windows, batch_size: int, logged: dict[str, float] | None = None
+) -> tuple[float, int]:
+    """(sum of the token NLLs in nats, in float64; number of scored tokens) over all windows; ``logged``, when
+    given, receives the mean over batches of every metric the plugins logged (for example retrieval/same_doc)."""
     module.eval()
     total = torch.zeros((), dtype=torch.float64)
     count = 0
+    seen: dict[str, list[float]] = {}
     for batch in eval_loader(windows, batch_size):
         batch = {k: v.to(module.device) for k, v in batch.items()}
-        ctx = module.make_context(batch, "test")
+        ctx = module.make_context(
+            batch, "test", segments=windows.segments
+        )  # the ids are of this text's table
         logits = module.model(batch["tokens"], ctx)  # (B, T, V)
         targets = batch["targets"]  # (B, T), IGNORE_INDEX past the document's end
         nll = F.cross_entropy(
@@ -166,6 +172,10 @@ def nll_sum(module: Any, windows: Windows, batch_size: int) -> tuple[float, int]
         )
         total += nll.double().cpu()
         count += int((targets != IGNORE_INDEX).sum())
+        for name, value in ctx.metrics.items():
+            seen.setdefault(name, []).append(float(value))
+    if logged is not None:
+        logged.update({name: sum(v) / len(v) for name, v in sorted(seen.items())})
     return float(total), count
 
 
@@ -207,7 +217,8 @@ def evaluate(
             f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer "
             f"{store.tokenizer.vocab_size}"
         )
-    nll, tokens = nll_sum(module, _windows(data, store, docs), batch_size or data.val_batch_size)
+    logged: dict[str, float] = {}
+    nll, tokens = nll_sum(module, _windows(data, store, docs), batch_size or data.val_batch_size, logged)
     return {
         "checkpoint": str(ckpt_path),
         "corpus": corpus if corpus else hp["corpus"],
@@ -217,6 +228,7 @@ def evaluate(
         "bytes": n_bytes,
         "nll_sum": nll,
         **metrics(nll, tokens, n_bytes),
+        "plugin_metrics": logged,
     }
 
 

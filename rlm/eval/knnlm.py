@@ -124,7 +124,7 @@ def score(
         ):
             t0 = time.perf_counter()
             batch = {key: v.to(module.device) for key, v in batch.items()}
-            ctx = module.make_context(batch, "test")
+            ctx = module.make_context(batch, "test", segments=windows.segments)
             logits = module.model(batch["tokens"], ctx).float()  # (B, T, V)
             keys = hooked["keys"].float().cpu()  # (B, T, d)
             targets = batch["targets"].cpu()  # (B, T)

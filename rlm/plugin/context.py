@@ -27,6 +27,9 @@ class Context:
     """Global ids of the fixed-length segments covered by each row, (B, T // segment_len); -1 for padding."""
     doc_ids: Tensor | None = None
     """Document id of each row, (B,)."""
+    segments: Any = None
+    """The segment table (rlm.data.SegmentTable) that segment_ids and doc_ids index: the batch's own text, which
+    need not be the training corpus (``rlm eval --corpus``); None when the batch names no segments (generation)."""
     offset: int = 0
     """Position of tokens[:, 0] within its sequence (for incremental decoding)."""
     extras: dict[str, Any] = field(default_factory=dict)

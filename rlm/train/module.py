@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlm.data.segments import SegmentSource
 from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup
@@ -107,14 +108,21 @@ class LMModule(pl.LightningModule):
 
     # ----- forward -----
 
-    def make_context(self, batch: dict[str, Any], stage: str, variant: str | None = None) -> Context:
-        """The per-step context for a batch, filled by every plugin's ``prepare``."""
+    def make_context(
+        self, batch: dict[str, Any], stage: str, variant: str | None = None, segments: Any = None
+    ) -> Context:
+        """The per-step context for a batch, filled by every plugin's ``prepare``; ``segments`` is the table the
+        batch's segment ids index (default: the attached data module's, during fit, validate and test)."""
+        if segments is None and batch.get("segment_ids") is not None:
+            dm = self._trainer.datamodule if self._trainer is not None else None
+            segments = dm.segments if isinstance(dm, SegmentSource) else None
         ctx = Context(
             tokens=batch["tokens"],
             mask=batch.get("mask"),
             stage=stage,
             segment_ids=batch.get("segment_ids"),
             doc_ids=batch.get("doc_ids"),
+            segments=segments,
             variant=variant,
         )
         unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.train.parallel)

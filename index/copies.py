@@ -1,0 +1,118 @@
+"""Exact copies of indexed text: which indexed segments hold exactly the given tokens (SegmentHashes), and where
+in the indexed documents a run of tokens occurs (TextRuns).
+
+The causal filter of search.py knows a query by its segment id in the index's own table. A query from another text
+(an evaluation corpus, a generation prompt) has no such id, yet may copy a training document, at any offset; the
+retriever finds the copied place here and filters the query as that document's own (rlm.plugins: the retriever's
+evaluation filter). Token rows are hashed (a polynomial hash of the row and its length, mod 2^64) once per memory;
+every hit is checked token by token, so a hash collision never counts as a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_BASE = 0x9E3779B97F4A7C15  # odd: the row hash is a polynomial in it, mod 2^64
+_LENGTH = 0xC2B2AE3D27D4EB4F  # mixes a segment's real length into its hash
+
+
+def _powers(L: int) -> np.ndarray:
+    """(L,) uint64 _BASE^(L-1-i) mod 2^64 (Python ints, so no overflow warning)."""
+    out, p = [], 1
+    for _ in range(L):
+        out.append(p)
+        p = (p * _BASE) % 2**64
+    return np.array(out[::-1], dtype=np.uint64)
+
+
+def row_hashes(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """(N,) uint64 hashes of token rows (N, L) with lengths (N,) real tokens (the rest padding)."""
+    L = tokens.shape[-1]
+    h = (tokens.astype(np.uint64) * _powers(L)).sum(-1, dtype=np.uint64)  # wraps mod 2^64
+    return h + np.asarray(lengths).astype(np.uint64) * np.uint64(_LENGTH)
+
+
+class SegmentHashes:
+    """The hashes of some segments of a table (the indexed ones), sorted, to find exact copies."""
+
+    def __init__(self, segments: Any, ids: np.ndarray, chunk: int = 1 << 16) -> None:
+        self.segments = segments
+        """The table the ids are of (rlm.data.SegmentTable)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        h = np.concatenate(
+            [np.zeros(0, dtype=np.uint64)]
+            + [
+                row_hashes(segments.tokens(part), segments.length[part])
+                for part in np.array_split(ids, max(1, -(-len(ids) // chunk)))
+            ]
+        )
+        order = np.argsort(h, kind="stable")
+        self.hashes, self.ids = h[order], ids[order]
+        """Sorted hashes and the segment id of each."""
+
+    def find(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(which row, segment id) of every segment holding exactly the tokens of a row (N, L) of the given lengths
+        (its padding aside); rows without a copy give none, rows with several give each."""
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        h = row_hashes(tokens, lengths)
+        lo, hi = np.searchsorted(self.hashes, h, "left"), np.searchsorted(self.hashes, h, "right")
+        count = hi - lo  # (N,) hash hits of each row
+        row = np.repeat(np.arange(len(h)), count)
+        at = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
+        seg = self.ids[at]
+        if not len(seg):
+            return row, seg
+        L = tokens.shape[-1]
+        real = np.arange(L) < lengths[row][:, None]  # compare real tokens only: padding may differ
+        same = (self.segments.length[seg] == lengths[row]) & (
+            (self.segments.tokens(seg) == tokens[row]) | ~real
+        ).all(1)
+        return row[same], seg[same]
+
+
+class TextRuns:
+    """Runs of `run` tokens of some documents, at every multiple of `stride` of each document, hashed: any text of
+    at least run + stride - 1 tokens copied from one of them holds one of these runs whole."""
+
+    def __init__(self, segments: Any, docs: np.ndarray, run: int, stride: int, chunk: int = 1 << 16) -> None:
+        if run < 1 or stride < 1:
+            raise ValueError(f"run={run} and stride={stride} must be positive")
+        self.segments, self.run, self.stride = segments, run, stride
+        docs = np.unique(np.asarray(docs, dtype=np.int64))
+        last = segments.first[docs + 1] - 1  # each document's last segment (documents have one at least)
+        start = segments.start[segments.first[docs]]  # (D,) first token of each document
+        n = np.maximum(segments.start[last] + segments.length[last] - start - run, -1) // stride + 1  # runs
+        doc = np.repeat(docs, n)
+        pos = (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)) * stride  # in the document
+        self.abs = np.repeat(start, n) + pos
+        """(N,) position of each run in the token array."""
+        h = np.concatenate(
+            [np.zeros(0, dtype=np.uint64)]
+            + [
+                row_hashes(self._tokens(part), np.full(len(part), run))
+                for part in np.array_split(np.arange(len(doc)), max(1, -(-len(doc) // chunk)))
+            ]
+        )
+        order = np.argsort(h, kind="stable")
+        self.hashes, self.doc, self.pos, self.abs = h[order], doc[order], pos[order], self.abs[order]
+        """Sorted hashes; the document and the position in it of each run."""
+
+    def _tokens(self, i: np.ndarray) -> np.ndarray:
+        """(len(i), run) tokens of runs i (in the order of self.abs)."""
+        return np.asarray(
+            self.segments.corpus_tokens[self.abs[i][:, None] + np.arange(self.run)], dtype=np.int64
+        )
+
+    def find(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(which row, document, position in it) of every indexed run holding exactly the tokens of a row
+        (N, run)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        h = row_hashes(tokens, np.full(len(tokens), self.run))
+        lo, hi = np.searchsorted(self.hashes, h, "left"), np.searchsorted(self.hashes, h, "right")
+        count = hi - lo
+        row = np.repeat(np.arange(len(h)), count)
+        at = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
+        same = (self._tokens(at) == tokens[row]).all(1) if len(at) else np.zeros(0, dtype=bool)
+        return row[same], self.doc[at[same]], self.pos[at[same]]

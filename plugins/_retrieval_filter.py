@@ -1,0 +1,176 @@
+"""The retriever at evaluation (validation, test, rlm eval, generation): causal for any evaluated text, and with the
+evaluated document's own past, as in training.
+
+DESIGN.md (Retrieval): segment S_t retrieves from the whole training set and from the past of its own document,
+never the target S_{t+1} nor anything after it. A training query is a segment of an indexed document and the
+index's causal filter knows it by id (rlm.index.search). An evaluated text is not indexed, and its segments may not
+even be of the index's table (``rlm eval --corpus X``, a generation prompt: the batch's own table, Context.segments),
+so three things are added here, at evaluation only (training retrieves as it always did):
+
+- copy_exclusions: when the text up to the end of S_t copies a run of L / 2 tokens of an indexed document (any L
+  copied tokens hold one: rlm.index.copies.TextRuns), the query is filtered as that document's own would be:
+  nothing of it from the position of S_t on (with continuations, nothing whose continuation reaches past S_t's
+  end). A copy of a training document, or a prompt cut from one at any offset, then retrieves like that document
+  itself: never its own continuation.
+- future_exclusions: an indexed segment that is an exact copy of a segment of the evaluated document at or after
+  the target S_{t+1} is not retrieved, and counted (RetrievalInputs.excluded). Unlike the rest, this filter reads
+  the evaluated text's future, as a leakage filter has to (RETRO's evaluation, Borgeaud et al. 2022, removes
+  neighbours by their overlap with the evaluated chunk): it only ever removes neighbours, and only where the
+  future has an exact copy in the index.
+- own past (score_candidates, merge_by_score): a document the index does not hold gets its own earlier segments
+  (strictly before S_t) as candidates, scored by the current embedder against S_t and merged with the index's
+  results by score, as an indexed training document finds its past in the index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rlm.data.segments import SegmentTable
+from rlm.index.rebuild import RetrievalMemory
+from rlm.index.search import Exclusions
+
+
+def same_table(a: Any, b: Any) -> bool:
+    """Whether two segment tables are one: the same object, or the same corpus, tokenizer and segment length (their
+    fingerprints match)."""
+    if a is b:
+        return True
+    same = a.fingerprint is not None and a.fingerprint == b.fingerprint
+    if same and (len(a) != len(b) or a.segment_len != b.segment_len):
+        raise ValueError(
+            f"two segment tables share the fingerprint {a.fingerprint!r} but differ ({len(a)} segments of "
+            f"{a.segment_len} tokens against {len(b)} of {b.segment_len})"
+        )
+    return same
+
+
+def window_table(tokens: Tensor, mask: Tensor, L: int, pad_id: int) -> tuple[SegmentTable, np.ndarray]:
+    """For a batch that names no segments (generation): a table in which each row's real tokens (a prefix) are one
+    document, and the (B, n) ids of the row's segments in it."""
+    B, T = tokens.shape
+    lengths = mask.sum(1).cpu().numpy().astype(np.int64)  # (B,)
+    tok = tokens.cpu().numpy()
+    flat = np.concatenate([tok[b, : lengths[b]] for b in range(B)]).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    table = SegmentTable(flat, offsets, L, pad_id, None)  # no fingerprint: never the index's table
+    return table, table.window_segments(np.arange(B), np.zeros(B, dtype=np.int64), -(-T // L))
+
+
+def _spread(count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For counts (N,): (item, rank) of every element of the ragged ranges 0..count[i]-1, in order."""
+    item = np.repeat(np.arange(len(count)), count)
+    return item, np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+
+
+def copy_exclusions(
+    memory: RetrievalMemory, q_tokens: np.ndarray, q_mask: np.ndarray, continuation: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query, lo, hi): the memory's global ids lo <= id < hi that query b * n + j may not find because its text
+    copies their document (see the module docstring); q_tokens, q_mask (B, n, L) the query segments, S_t of chunk
+    j being the text just before chunk j, so the text up to S_t's end is q_tokens[b, :j + 1]."""
+    B, n, L = q_tokens.shape
+    runs = memory.text_copies()
+    g = runs.run
+    text, real = q_tokens.reshape(B, n * L), q_mask.reshape(B, n * L)
+    grams = np.lib.stride_tricks.sliding_window_view(text, g, axis=1)  # (B, nL - g + 1, g): every run of g
+    b, p = np.nonzero(np.lib.stride_tricks.sliding_window_view(real, g, axis=1).all(-1))
+    row, doc, at = runs.find(grams[b, p])
+    b, p = b[row], p[row]  # text[p:p + g] of row b is an exact copy of document `doc` at position `at`
+    # the copy lies inside the text up to chunk j's S_t (which ends at (j + 1) L) for j >= (p + g) / L - 1
+    first = -(-(p + g) // L) - 1
+    m, r = _spread(n - first)
+    j = first[m] + r
+    start = j * L - p[m] + at[m]  # where S_t starts in the copied document, read through the copy
+    # allowed: the segments that end by S_t's start (no continuation) or, with it, whose continuation does
+    seg = memory.segments
+    lo = seg.first[doc[m]] + np.maximum(start // L if continuation else -(-start // L), 0)
+    hi = seg.first[doc[m] + 1]
+    keep = lo < hi
+    query, lo, hi = b[m][keep] * n + j[keep], lo[keep], hi[keep]
+    # one range per query and document: the widest
+    order = np.lexsort((lo, hi, query))
+    query, lo, hi = query[order], lo[order], hi[order]
+    first_of = (
+        np.r_[True, (query[1:] != query[:-1]) | (hi[1:] != hi[:-1])] if len(query) else np.zeros(0, bool)
+    )
+    return query[first_of], lo[first_of], hi[first_of]
+
+
+def future_exclusions(
+    memory: RetrievalMemory, own: Any, docs: np.ndarray, seg_ids: np.ndarray, continuation: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query, lo, hi): the memory's indexed segments that are exact copies of a segment of the evaluated document
+    at or after chunk j's target (with continuations, also the segment whose continuation such a copy is).
+
+    own: the batch's table; docs (B,) each row's document in it; seg_ids (B, n) the window's segments in it, the
+    target of chunk j being seg_ids[:, j] (-1 past the document's end)."""
+    B, n = seg_ids.shape
+    t0 = seg_ids[:, 0]  # chunk 0's target; chunk j's is t0 + j
+    m, r = _spread(np.where(t0 >= 0, own.first[docs + 1] - t0, 0))
+    future = t0[m] + r  # (F,) every segment of each row's document from chunk 0's target on
+    uniq, inv = np.unique(future, return_inverse=True)
+    which, g = memory.segment_copies().find(own.tokens(uniq), own.length[uniq])
+    order = np.argsort(which, kind="stable")
+    which, g = which[order], g[order]
+    lo_at = np.searchsorted(which, inv, "left")
+    e, r = _spread(np.searchsorted(which, inv, "right") - lo_at)
+    row, f, copy = m[e], future[e], g[lo_at[e] + r]  # future segment f of row `row` is copied by `copy`
+    c, j = _spread(np.minimum(n, f - t0[row] + 1))  # chunks whose target is at or before f
+    copy = copy[c]
+    seg = memory.segments
+    lo = np.where(continuation & (copy > seg.first[seg.doc[copy]]), copy - 1, copy)
+    return row[c] * n + j, lo, copy + 1
+
+
+def as_exclusions(rows: np.ndarray, parts: list[tuple[tuple[np.ndarray, ...], bool]]) -> Exclusions:
+    """Exclusions of the searched queries `rows` (ascending positions among the B * n queries) from ranges
+    ((query, lo, hi), counted) over all B * n queries."""
+    query, lo, hi, counted = [], [], [], []
+    for (q, a, b), count in parts:
+        pos = np.minimum(np.searchsorted(rows, q), max(len(rows) - 1, 0))
+        ok = rows[pos] == q if len(rows) else np.zeros(len(q), bool)
+        query.append(pos[ok])
+        lo.append(a[ok])
+        hi.append(b[ok])
+        counted.append(np.full(int(ok.sum()), count))
+    return Exclusions(*(np.concatenate(x) for x in (query, lo, hi, counted)))
+
+
+def score_candidates(own: Any, cands: np.ndarray, e_q: Tensor, embed) -> np.ndarray:
+    """(B, n, c) cosine of each candidate segment of the table `own` (-1: none, -inf) to its query's e(S_t)
+    (e_q (B * n, D), unit vectors) under the current embedder (embed: tokens, mask -> unit vectors); each distinct
+    candidate embedded once."""
+    B, n, c = cands.shape
+    score = np.full(cands.shape, -np.inf, dtype=np.float32)
+    present = cands >= 0
+    if not present.any():
+        return score
+    L = own.segment_len
+    ids, inverse = np.unique(cands[present], return_inverse=True)
+    device = e_q.device
+    e_c = embed(
+        torch.from_numpy(own.tokens(ids)).to(device),
+        torch.from_numpy(np.arange(L) < own.length[ids][:, None]).to(device),
+    )  # (U, D)
+    b, j, _ = np.nonzero(present)
+    query = torch.from_numpy(b * n + j).to(device)  # (P,) the query of each present candidate
+    cos = (e_q[query] * e_c[torch.from_numpy(inverse).to(device)]).sum(-1)  # (P,)
+    score[present] = cos.float().cpu().numpy()
+    return score
+
+
+def merge_by_score(
+    ids: np.ndarray, scores: np.ndarray, more: np.ndarray, more_scores: np.ndarray, k: int
+) -> np.ndarray:
+    """(..., k) ids of the k best of two candidate lists (..., a) and (..., c) by score (-1 / -inf: none); equal
+    scores keep the first list first."""
+    all_ids = np.concatenate([ids, more], -1)
+    all_scores = np.where(all_ids >= 0, np.concatenate([scores, more_scores], -1), -np.inf)
+    order = np.argsort(-all_scores, axis=-1, kind="stable")[..., :k]
+    best = np.take_along_axis(all_ids, order, -1)
+    return np.where(np.take_along_axis(all_scores, order, -1) > -np.inf, best, -1)
