@@ -18,38 +18,39 @@ This module knows no plugin: it talks to a ``MemoryOwner`` (snapshot an embedder
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from rlm.data.segments import SegmentTable
-from rlm.index.build import TORCH, IndexConfig, build_index
-from rlm.index.copies import SegmentHashes, TextRuns
-from rlm.index.protocol import Embedder, embed_all
-from rlm.index.search import Exclusions, Neighbours, neighbour_table, search_neighbours
-from rlm.index.search import SegmentTable as IndexSegments
-from rlm.index.store import (
-    IndexMismatchError,
-    IndexNotFoundError,
-    _save_npy,
-    atomic_dir,
-    load_index_dir,
-    write_dir_contents,
+from rlm.index.build import IndexConfig
+from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names were importable from here)
+    CORPUS,
+    CORPUS_TOKENS,
+    DOC_OFFSETS,
+    NEIGHBOURS,
+    ROWS,
+    MemoryOwner,
+    RetrievalMemory,
+    build_memory,
+    embed_rows,
+    indexed_rows,
+    load_corpus_ref,
+    load_memory,
+    load_part_memory,
+    load_table,
+    save_corpus_ref,
 )
-
-NEIGHBOURS, ROWS = "neighbours.npy", "rows.npy"
-CORPUS, DOC_OFFSETS, CORPUS_TOKENS = "corpus.json", "doc_offsets.npy", "corpus_tokens.npy"
-
+from rlm.index.sharded import load_parts_for_search
+from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir
 
 # ----- the schedule -----
 
@@ -105,254 +106,13 @@ class Schedule:
 # ----- what the plugin reads -----
 
 
-@dataclass
-class RetrievalMemory:
-    """An index over the training segments and their precomputed neighbour table."""
-
-    segments: Any
-    """The data's segment table (rlm.data.SegmentTable: tokens(ids), doc, start, length, segment_len, pad_id)."""
-    rows: np.ndarray
-    """(R,) global segment id of each index row."""
-    index: Any
-    """Searchable index over the R rows (search(x, k) -> (scores, row ids))."""
-    index_segments: IndexSegments
-    """(document, offset) of each row, for the causal filter."""
-    neighbours: np.ndarray | None
-    """(S, k) global neighbour ids of every global segment id (-1: none, or not a training segment); None when the
-    rebuild made no table (the retriever's lookup 'search': each training step searches its own queries)."""
-    identity: dict[str, Any]
-    """The embedder identity that produced the vectors."""
-    step: int
-    """Training step of the rebuild."""
-    path: Path | None = None
-    """The index directory it was written to or loaded from."""
-    recall: float | None = None
-    """Recall@tune_k of the index against exact search (tuned to the target; 1.0 for an exact index; None when
-    unmeasured)."""
-    parts: list[str] | None = None
-    """A sharded index (index/sharded.py): every rank's part directory, in rank order; None otherwise."""
-    row_of: np.ndarray = field(init=False)
-    """(S,) index row of each global segment id, -1 when it is not indexed."""
-    _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
-    collective: ClassVar[bool] = False
-    """Whether search is a collective that every rank calls together (a sharded index)."""
-
-    def __post_init__(self) -> None:
-        if np.any(np.diff(self.rows) <= 0):
-            raise ValueError("the indexed rows must be global segment ids in increasing order")
-        self.row_of = np.full(len(self.segments), -1, dtype=np.int64)
-        self.row_of[self.rows] = np.arange(len(self.rows))
-
-    def indexed_mask(self) -> np.ndarray:
-        """(S,) bool: which global segment ids the index holds."""
-        return self.row_of >= 0
-
-    def segment_copies(self) -> SegmentHashes:
-        """The indexed segments' hashes, to find exact copies of segments (built on first use)."""
-        if "segments" not in self._copies:
-            self._copies["segments"] = SegmentHashes(self.segments, np.flatnonzero(self.indexed_mask()))
-        return self._copies["segments"]
-
-    def text_copies(self) -> TextRuns:
-        """Runs of L // 2 tokens of the indexed documents every L // 2 tokens (L the segment length), to find where
-        a text copies one of them at any offset: any L copied tokens hold such a run (built on first use)."""
-        if "text" not in self._copies:
-            half = max(1, self.segments.segment_len // 2)
-            docs = np.unique(self.segments.doc[self.indexed_mask()])
-            self._copies["text"] = TextRuns(self.segments, docs, half, half)
-        return self._copies["text"]
-
-    def search(self, queries: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
-        """(Q, k) global neighbour ids of query vectors; query_ids are global ids (-1: outside), filtered causally."""
-        return self.search_scored(queries, query_ids, k).ids
-
-    def search_scored(
-        self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
-    ) -> Neighbours:
-        """As search, with the scores, and excluding the given ranges of global ids (Exclusions over global ids
-        lo <= id < hi instead of rows; Neighbours.excluded counts what the counted ones took)."""
-        rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
-        found = search_neighbours(
-            self.index, queries, k, rows, self.index_segments, exclusions=self._as_rows(exclusions)
-        )
-        found.ids = np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
-        return found
-
-    def _as_rows(self, exclusions: Exclusions | None) -> Exclusions | None:
-        """Ranges of global ids as ranges of this index's rows (the rows are increasing global ids)."""
-        if exclusions is None:
-            return None
-        lo, hi = np.searchsorted(self.rows, exclusions.lo), np.searchsorted(self.rows, exclusions.hi)
-        return Exclusions(exclusions.query, lo, hi, exclusions.counted)
-
-
-@runtime_checkable
-class MemoryOwner(Protocol):
-    """What the callback needs from the retriever (implemented by the retrieval plugin)."""
-
-    prepare_seconds: float
-    """Time the owner spent on retrieval in the last step (for the retrieval-time fraction)."""
-
-    def snapshot(self, step: int) -> Embedder:
-        """A frozen copy of the embedder, safe to run in another thread."""
-        ...
-
-    def use_memory(self, memory: RetrievalMemory | None) -> None:
-        """Take a new memory (an atomic swap)."""
-        ...
-
-
-# ----- building, writing, loading -----
-
-
-def indexed_rows(segments: Any, docs: np.ndarray) -> np.ndarray:
-    """Global ids of every segment of `docs` (the training documents), in order."""
-    return np.flatnonzero(np.isin(segments.doc, np.asarray(docs)))
-
-
-def embed_rows(
-    embedder: Embedder,
-    segments: Any,
-    rows: np.ndarray,
-    batch_size: int,
-    rank: int,
-    world: int,
-    progress: bool,
-) -> np.ndarray:
-    """This rank's shard (rlm.index.protocol.shard_range) of the rows' embeddings, float32."""
-    L = segments.segment_len
-
-    def tokens_of(i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = rows[i]
-        mask = np.arange(L) < segments.length[ids][:, None]  # (b, L)
-        return torch.from_numpy(segments.tokens(ids)), torch.from_numpy(mask)
-
-    return embed_all(embedder, tokens_of, len(rows), batch_size, rank, world, progress and rank == 0)
-
-
-def build_memory(
-    vectors: np.ndarray,
-    segments: Any,
-    rows: np.ndarray,
-    k: int,
-    identity: dict[str, Any],
-    step: int,
-    index_config: IndexConfig,
-    path: Path | None,
-    table: bool = True,
-) -> RetrievalMemory:
-    """Index the rows' vectors, find every row's k causal neighbours (table=False: no table, the owner searches
-    online), and write it all to `path` (atomically)."""
-    built = build_index(vectors, index_config)
-    recall = built.tuned_recall
-    if recall is None and built.factory in ("Flat", TORCH):
-        recall = 1.0  # exact search
-    index_segments = IndexSegments(segments.doc[rows], segments.start[rows])
-    neighbours = None
-    if table:
-        found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
-        neighbours = np.full((len(segments), k), -1, dtype=np.int64)
-        neighbours[rows] = np.where(found >= 0, rows[np.maximum(found, 0)], -1)
-    if path is not None:
-        with atomic_dir(path) as tmp:
-            if neighbours is not None:
-                _save_npy(tmp / NEIGHBOURS, neighbours)
-            _save_npy(tmp / ROWS, rows)
-            save_corpus_ref(tmp, segments)
-            extra = {"k": k, "recall": recall, "target_recall": index_config.target_recall}
-            write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, extra)
-    return RetrievalMemory(
-        segments,
-        rows,
-        built,
-        index_segments,
-        neighbours,
-        identity,
-        step,
-        None if path is None else path.resolve(),
-        recall,
-    )
-
-
-def save_corpus_ref(tmp: Path, segments: Any) -> None:
-    """Say where the segments' tokens are, so the memory can be loaded without the data module (generation).
-
-    A memory-mapped token array (the data module's cache) is referenced by file; any other is copied."""
-    doc_offsets = np.append(segments.start[segments.first[:-1]], segments.start[-1] + segments.length[-1])
-    _save_npy(tmp / DOC_OFFSETS, doc_offsets)
-    tokens = segments.corpus_tokens
-    ref = {
-        "segment_len": segments.segment_len,
-        "pad_id": int(segments.pad_id),
-        "fingerprint": segments.fingerprint,
-    }
-    if isinstance(tokens, np.memmap) and tokens.filename:
-        ref.update(file=str(Path(tokens.filename).resolve()), offset=tokens.offset, dtype=tokens.dtype.str)
-        ref["shape"] = list(tokens.shape)
-    else:
-        _save_npy(tmp / CORPUS_TOKENS, np.asarray(tokens))
-    (tmp / CORPUS).write_text(json.dumps(ref))
-
-
-def load_corpus_ref(path: Path) -> SegmentTable:
-    """The segment table a memory was built on, from the reference save_corpus_ref wrote."""
-    ref = json.loads((path / CORPUS).read_text())
-    if "file" in ref:
-        if not Path(ref["file"]).exists():
-            raise IndexNotFoundError(f"the corpus tokens of the index at {path} are gone: {ref['file']}")
-        tokens = np.memmap(
-            ref["file"],
-            dtype=np.dtype(ref["dtype"]),
-            mode="r",
-            offset=ref["offset"],
-            shape=tuple(ref["shape"]),
-        )
-    else:
-        tokens = np.load(path / CORPUS_TOKENS, mmap_mode="r")
-    return SegmentTable(
-        tokens, np.load(path / DOC_OFFSETS), ref["segment_len"], ref["pad_id"], ref["fingerprint"]
-    )
-
-
-def load_table(path: Path) -> np.ndarray | None:
-    """The neighbour table written beside an index, or None when its rebuild made none (lookup 'search')."""
-    return np.load(path / NEIGHBOURS) if (path / NEIGHBOURS).exists() else None
-
-
-def load_memory_for_search(path: str | Path, whole: bool = True) -> RetrievalMemory:
-    """Load a written memory with its own segment table, for online search (validation, generation).
-
-    A part of a sharded index (index/sharded.py) is loaded with every other part (whole=False: this part only)."""
+def load_memory_for_search(path: str | Path) -> RetrievalMemory:
+    """Load a written memory with its own segment table, for online search (validation, generation); a part of
+    a sharded index is loaded with every other part (index/sharded.py)."""
     path = Path(path)
-    loaded = load_index_dir(path)
-    if whole and "shard" in loaded.meta:
-        from rlm.index.sharded import load_parts_for_search
-
+    if "shard" in load_index_dir(path).meta:
         return load_parts_for_search(path)
-    return _memory_from(loaded, path, load_corpus_ref(path), loaded.meta["embedder"])
-
-
-def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> RetrievalMemory:
-    """Load a written memory, refusing one from another corpus, embedder or k (IndexMismatchError)."""
-    loaded = load_index_dir(path, expect_fingerprint=segments.fingerprint, expect_embedder=identity)
-    if loaded.meta.get("k") != k:
-        raise IndexMismatchError(f"index at {path} has k={loaded.meta.get('k')}, this run wants k={k}")
-    return _memory_from(loaded, path, segments, identity)
-
-
-def _memory_from(loaded: Any, path: Path, segments: Any, identity: dict[str, Any]) -> RetrievalMemory:
-    """The memory of a loaded index directory: its index, with the neighbour table and rows written beside it."""
-    return RetrievalMemory(
-        segments,
-        np.load(path / ROWS),
-        loaded.index,
-        loaded.segments,
-        load_table(path),
-        identity,
-        int(identity["step"]),
-        path.resolve(),
-        loaded.meta.get("recall", loaded.meta.get("tuned_recall")),
-    )
+    return load_part_memory(path)
 
 
 # ----- the callback -----

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from rlm.index.build import BuiltIndex, IndexConfig, build_index
+from rlm.index.memory import NEIGHBOURS, ROWS, RetrievalMemory, load_part_memory, load_table, save_corpus_ref
 from rlm.index.protocol import shard_range
-from rlm.index.rebuild import NEIGHBOURS, ROWS, RetrievalMemory, load_table, save_corpus_ref
 from rlm.index.search import Exclusions, Neighbours, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.store import (
@@ -297,8 +297,6 @@ class PartsIndex:
 def load_parts_for_search(path: str | Path) -> RetrievalMemory:
     """A sharded index loaded whole in one process, from one part's directory and its sibling parts (validation and
     generation outside training); IndexNotFoundError when a part is not reachable from here."""
-    from rlm.index.rebuild import load_memory_for_search
-
     path = Path(path)
     world = read_meta(path)["shard"]["world"]
     parts = []
@@ -309,7 +307,7 @@ def load_parts_for_search(path: str | Path) -> RetrievalMemory:
                 f"part {rank} of the sharded index is not at {where}: searched outside training, a sharded "
                 f"index needs every rank's part on this machine (copy the rank-* directories next to {path.name})"
             )
-        parts.append(load_memory_for_search(where, whole=False))
+        parts.append(load_part_memory(where))
     first = parts[0]
     memory = RetrievalMemory(
         first.segments,

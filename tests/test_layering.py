@@ -35,10 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("rlm.__main__", "rlm.cli", "rlm.cli.commands", "rlm.cli.__main__")),
 ]
 
-# index/rebuild.py and index/sharded.py import each other (ShardedMemory extends rebuild's RetrievalMemory, and
-# the rebuild callback builds and loads sharded memories). Issue 27 regrouped rlm/ only; this one waits for
-# its own change in index/. Any other cycle fails.
-KNOWN_CYCLES = [["rlm.index.rebuild", "rlm.index.sharded"]]
+# None left: index/rebuild.py and index/sharded.py imported each other until the memory moved to index/memory.py.
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def find_modules() -> dict[str, Path]:
