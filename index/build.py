@@ -345,6 +345,8 @@ def tune_search_params(
     k: int,
     target: float,
     knob: tuple[str, int] | None = None,
+    plateau: float | None = None,
+    apply: Any = None,
 ) -> tuple[dict[str, int], float]:
     """Smallest nprobe/efSearch whose recall@k on the sample reaches `target` (or the best one, with a warning).
 
@@ -353,27 +355,34 @@ def tune_search_params(
     knob: tunable_param of the index's CPU version (a GPU index hides its IVF/HNSW structure); None: find it.
     The sample are indexed vectors: for IVF their recall matches held-out queries' within ~0.01, but an HNSW
     graph links them directly, so held-out queries see lower recall than tuned for (see benchmarks/index.py).
+    plateau: stop doubling once recall gains less than this (a product quantiser caps the recall: more lists
+    only cost time); apply: sets the parameter (default set_search_params).
     """
     knob = knob or tunable_param(index)
     if knob is None:
         return {}, 1.0
     name, top = knob
+    apply = apply or set_search_params
 
     def recall(value: int) -> float:
-        set_search_params(index, {name: value})
+        apply(index, {name: value})
         _, ids = index.search(sample, k + 1)
         return recall_at_k(_drop_self(ids, sample_ids, k), _drop_self(exact_ids, sample_ids, k), k)
 
     # doubling, then bisection between the last failure and the first success: ~2*log2(top) searches
     # efSearch below k is meaningless (faiss searches max(efSearch, k) candidates)
-    lo, value = (0, 1) if name == "nprobe" else (k, max(16, k))
+    lo, value, prev = (0, 1, -1.0) if name == "nprobe" else (k, max(16, k), -1.0)
     while True:
         r = recall(value)
         if r >= target or value >= top:
             break
-        lo, value = value, min(2 * value, top)
+        if plateau is not None and r - prev < plateau:
+            value, r = lo, prev  # the last doubling bought nothing: keep the cheaper value
+            break
+        lo, value, prev = value, min(2 * value, top), r
     if r < target:
         warnings.warn(f"{name}={value} reaches recall@{k}={r:.3f} < target {target}", stacklevel=2)
+        apply(index, {name: value})
         return {name: value}, r
     hi, best = value, r
     while hi - lo > max(1, hi // 8):  # stop within ~12% of the smallest sufficient value
@@ -383,7 +392,7 @@ def tune_search_params(
             hi, best = mid, r
         else:
             lo = mid
-    set_search_params(index, {name: hi})
+    apply(index, {name: hi})
     return {name: hi}, best
 
 

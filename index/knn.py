@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlm.index._faiss import faiss
-from rlm.index.build import recall_at_k, set_search_params, tunable_param
+from rlm.index.build import set_search_params, tunable_param, tune_search_params
 
 ADD_CHUNK = 65536
 """Keys converted to float32 and added per faiss call."""
@@ -156,57 +156,12 @@ def build_l2_index(
         queries = np.asarray(keys[qids], dtype=np.float32)
         # k + 1: each query is a key of the index and finds itself first; recall is measured without it
         _, exact = exact_l2(keys, queries, tune_k + 1)
-        tuned, built.tuned_recall = tune_l2(index, queries, qids, exact, tune_k, target_recall, knob)
+        tuned, built.tuned_recall = tune_search_params(
+            index, queries, qids, exact, tune_k, target_recall, knob, plateau=PLATEAU, apply=apply_params
+        )
         built.search_params.update(tuned)
     seconds["tune"] = time.perf_counter() - start
     return built
-
-
-def tune_l2(
-    index: Any,
-    queries: np.ndarray,
-    query_ids: np.ndarray,
-    exact: np.ndarray,
-    k: int,
-    target: float,
-    knob: tuple[str, int],
-) -> tuple[dict[str, int], float]:
-    """Smallest nprobe (powers of two, then bisection) whose recall@k, each query's own id left out, reaches
-    ``target``; the largest when none does."""
-    name, top = knob
-
-    def recall(value: int) -> float:
-        apply_params(index, {name: value})
-        _, ids = index.search(queries, k + 1)
-        return recall_at_k(_without(ids, query_ids, k), _without(exact, query_ids, k), k)
-
-    lo, value, prev = 0, 1, -1.0
-    while True:
-        r = recall(value)
-        if r >= target or value >= top:
-            break
-        if r - prev < PLATEAU:  # quantised codes cap the recall: more lists only cost time
-            value, r = lo, prev
-            break
-        lo, value, prev = value, min(2 * value, top), r
-    hi, best = value, r
-    while r >= target and hi - lo > max(1, hi // 8):
-        mid = (lo + hi) // 2
-        r_mid = recall(mid)
-        if r_mid >= target:
-            hi, best = mid, r_mid
-        else:
-            lo = mid
-    apply_params(index, {name: hi})
-    return {name: hi}, best
-
-
-def _without(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
-    keep = ids != self_ids[:, None]
-    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]
-    out = np.take_along_axis(ids, order, 1)
-    out[~np.take_along_axis(keep, order, 1)] = -1
-    return out
 
 
 def _ivf(index: Any) -> Any:

@@ -102,7 +102,8 @@ def corpus_fingerprint(*arrays: np.ndarray, chunk: int = 2**24) -> str:
     return h.hexdigest()[:16]
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid is running (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -127,7 +128,7 @@ def recover_swap(path: str | os.PathLike) -> Path | None:
         p
         for p in path.parent.glob(f".{path.name}.tmp-*-*")
         if (m := re.fullmatch(rf"\.{re.escape(path.name)}\.tmp-(\d+)-[0-9a-f]{{8}}", p.name))
-        and not _alive(int(m.group(1)))
+        and not process_alive(int(m.group(1)))
         and (p / META).is_file()
     ]
     source = max(news, key=lambda p: p.stat().st_mtime) if news else olds[-1]
@@ -145,7 +146,7 @@ def remove_stale_tmp(parent: str | os.PathLike) -> list[Path]:
         if not m or not p.is_dir():
             continue
         pid = int(m.group(2)) if m.group(2) else None
-        if pid is not None and (pid == os.getpid() or _alive(pid)):
+        if pid is not None and (pid == os.getpid() or process_alive(pid)):
             continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)

@@ -106,25 +106,17 @@ def remove_stale_tmp_files(root: str | Path) -> list[Path]:
     """Delete, anywhere under ``root``, the temporary files of :func:`atomic_save` calls whose process is gone:
     each resume logs to a new version_N, so a killed run's ``.last.ckpt.tmp-PID`` in an older version's folder
     was never looked at again."""
+    from rlm.index.store import process_alive
+
     removed = []
     root = Path(root)
     for p in root.rglob(".*.tmp-*") if root.is_dir() else []:
         m = TMP_PATTERN.match(p.name)
-        if not m or not p.is_file() or _alive(int(p.name.rsplit("-", 1)[1])):
+        if not m or not p.is_file() or process_alive(int(p.name.rsplit("-", 1)[1])):
             continue
         p.unlink(missing_ok=True)
         removed.append(p)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _step_of(name: str) -> int | None:
