@@ -3,7 +3,7 @@ in the indexed documents a run of tokens occurs (TextRuns).
 
 The causal filter of search.py knows a query by its segment id in the index's own table. A query from another text
 (an evaluation corpus, a generation prompt) has no such id, yet may copy a training document, at any offset; the
-retriever finds the copied place here and filters the query as that document's own (rlm.plugins: the retriever's
+retriever finds the copied place here and filters the query as that document's own (the retriever plugin's
 evaluation filter). Token rows are hashed (a polynomial hash of the row and its length, mod 2^64) once per memory;
 every hit is checked token by token, so a hash collision never counts as a copy.
 """
