@@ -36,7 +36,9 @@ def model_fingerprint(module: Any) -> str:
     """sha256 over the model's weights (names, shapes, dtypes and bytes): the identity a datastore is tied to."""
     h = hashlib.sha256()
     for name, t in sorted(module.model.state_dict().items()):
-        if not isinstance(t, torch.Tensor):  # a plugin's extra state (the retriever's index path): not weights
+        if not isinstance(
+            t, torch.Tensor
+        ):  # a plugin's extra state (the retriever's index path): not weights
             continue
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
@@ -88,6 +90,8 @@ class Datastore:
         docs = np.load(self.path / "docs.npy")  # (D, 2) int64 [lo, hi) entry range of each document
         self.ranges = {h: (int(lo), int(hi)) for h, (lo, hi) in zip(self.meta["doc_hashes"], docs)}
         self.doc_ids = {int(d): self.ranges[h] for d, h in zip(self.meta["doc_ids"], self.meta["doc_hashes"])}
+        self._hashes: dict[tuple[str, int], str] = {}
+        """(cache entry, document) -> the evaluated document's token hash."""
         if self.index.ntotal != len(self.values):
             raise ValueError(
                 f"datastore {self.path}: index has {self.index.ntotal} keys, values {len(self.values)}"
@@ -108,7 +112,10 @@ class Datastore:
         a document with the same tokens (a copy)."""
         if store_root == self.meta["store"] and doc in self.doc_ids:
             return self.doc_ids[doc]
-        return self.ranges.get(doc_hash(tokens))
+        key = (store_root, doc)
+        if key not in self._hashes:  # once per document, not once per window
+            self._hashes[key] = doc_hash(tokens)
+        return self.ranges.get(self._hashes[key])
 
     def search(
         self, queries: np.ndarray, k: int, exclude: tuple[int, int] | None

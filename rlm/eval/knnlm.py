@@ -74,8 +74,11 @@ def interpolate(
     lm_logp: np.ndarray, dists: np.ndarray, match: np.ndarray, lam: float, temperature: float
 ) -> np.ndarray:
     """log(lam * p_kNN + (1 - lam) * p_LM) of each target (N,)."""
-    knn = knn_log_prob(dists, match, temperature)
-    found = np.isfinite(dists).any(axis=1)
+    return _mix(lm_logp, knn_log_prob(dists, match, temperature), np.isfinite(dists).any(axis=1), lam)
+
+
+def _mix(lm_logp: np.ndarray, knn: np.ndarray, found: np.ndarray, lam: float) -> np.ndarray:
+    """The interpolation of eq. 2 from log p_kNN (N,); tokens with no neighbour (``found`` False) keep the LM's."""
     with np.errstate(divide="ignore"):
         mixed = np.logaddexp(math.log1p(-lam) + lm_logp, math.log(lam) + np.where(found, knn, -np.inf))
     return np.where(found, mixed, lm_logp)
@@ -89,9 +92,11 @@ def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, floa
     temps = [scale * f for f in (0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 4.0)]
     best = {"loss": -float(scored.lm_logp.mean()), "lam": 0.0, "temperature": temps[0]}
     base = best["loss"]
+    found = np.isfinite(scored.dists).any(axis=1)
     for t in temps:
+        knn = knn_log_prob(scored.dists, scored.match, t)  # once per temperature, for every lam
         for lam in lambdas:
-            loss = -float(scored.log_probs(lam, t).mean())
+            loss = -float(_mix(scored.lm_logp, knn, found, lam).mean())
             if loss < best["loss"]:
                 best = {"loss": loss, "lam": lam, "temperature": t}
     return {**best, "lm_loss": base}
