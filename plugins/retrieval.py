@@ -90,29 +90,19 @@ class RetrievalConfig:
     layers: list[int] = field(default_factory=lambda: [-1])
     """Layers that get a cross-attention to the neighbours (with embedder 'shared', above its blocks)."""
     k: int = 2
-    """Neighbours per segment. With k=1 the relevance bias is the same on every key of a chunk and the softmax
-    cancels it: beta stays at 1.000 and the token embedder learns only as the LM's embeddings (a warning says
-    so); k >= 2 keeps MARGE's joint training of the retriever. Measured on the default corpus (300 steps, six
-    seeds, val loss, with continuations): k=1 4.529 +- 0.014, k=2 4.533 +- 0.023; k=2 without continuations (as
-    many keys as k=1 with them, the default) 4.514 +- 0.023."""
+    """Neighbours per segment. k >= 2 keeps MARGE's joint training of the retriever: with k=1 every key of a chunk
+    gets the same relevance bias, the softmax cancels it, and beta and the embedder learn nothing through it (a
+    warning says so)."""
     continuation: bool = False
     """Each neighbour brings its document's next segment too (keys/values of 2L tokens per neighbour, as RETRO's
     chunk and continuation, Borgeaud et al. 2022). Off by default: Komatsuzaki's causal MARGE conditions S_{t+1}
-    on the neighbours of S_t alone. Measured on the default corpus (300 steps, six seeds, val loss, k=2): without
-    continuations 4.514 +- 0.023 against 4.533 +- 0.023 with them (paired -0.019 +- 0.034), at 1.11x a base step
-    against 1.20x (benchmarks/retrieval.py --clock cpu), with beta trained to 1.08-1.11 either way. With
-    continuations a neighbour similar to S_t brings the segment after it, which is what a near-copy of the
-    document (the synthetic partner task of tests/test_retrieval_training.py) needs."""
+    on the neighbours of S_t alone. On: a neighbour similar to S_t brings the segment after it, which is what a
+    near-copy of the document needs (the synthetic partner task of tests/test_retrieval_training.py)."""
     embedder: str = "tokens"
-    """'tokens' (default): the LM's token embeddings alone, each token's state beside its predecessor's, e(.) their
-    mean (TokenEncoder; no block runs over the neighbours, so MARGE's full joint training costs table lookups);
+    """What embeds segments for the index and the cross-attention's keys. 'tokens': the LM's token embeddings
+    alone, each token's state beside its predecessor's, e(.) their mean (no block runs over the neighbours);
     'shared': the LM's embedding and first embed_layers blocks (MARGE shares its encoder); 'separate': a small
-    encoder of its own. Measured (default corpus, 300 steps, last-layer cross-attention, 3 seeds, val loss):
-    'tokens' 4.509 +- 0.008 ('none') and 4.526 +- 0.026 ('full') against 'shared' 4.571 +- 0.026 ('none') and
-    4.640 +- 0.032 ('full'), at 1.22x / 1.28x a base step against 1.64x / 2.28x (a key/value head per query head
-    and a table; the defaults now cost 1.13x, see kv_heads and lookup); on the synthetic partner task
-    of tests/test_retrieval_training.py 1.77 against 3.88 ('shared', 'full'; 5.69 without retrieval), the
-    partner found for every query after three rebuilds."""
+    encoder of its own."""
     embed_layers: int = 1
     """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth ('tokens': none)."""
     encoder_dim: int = 64
@@ -120,57 +110,37 @@ class RetrievalConfig:
     neighbour_grad: str = "none"
     """How the LM loss reaches the embedder through the neighbours. 'full' (MARGE's joint training): the neighbours
     run through the embedder with gradients (keys/values and e(z)). 'embedding': the neighbours run through the
-    embedder's blocks without gradients; their token embeddings still get the keys' and values' gradient as if
-    the blocks were the identity (their residual path), and the query embedding e(S_t) is computed with
-    gradients, so the relevance bias beta * cos(e(S_t), e(z)) trains the embedder through the query. 'none': as
-    'embedding' without the residual path (the embedder learns only through e(S_t)). The forward values are the
-    same in all three; with embedder 'tokens' (no blocks) 'embedding' is 'full' and all cost the same. Measured on
-    the synthetic partner task of tests/test_retrieval_training.py (300 steps, val loss; no retrieval 5.69): with
-    'shared', 'full' 3.88, 'embedding' 5.34, 'none' 5.70 (it never learned to use its neighbours); with 'tokens',
-    'full' 1.77 and 'none' 1.79. On the default corpus ('tokens', 300 steps, 3 seeds) 'full' 4.526 +- 0.026 and
-    'none' 4.509 +- 0.008, inside the seeds' spread, and a step costs 1.28x and 1.22x a base step with a key/value
-    head per query head, 1.06x both with kv_heads 1 (benchmarks/retrieval.py --clock cpu, lookup 'table'): 'none'
-    is the default; 'full' is MARGE's exact joint training."""
+    embedder's blocks without gradients, their token embeddings still get the keys' and values' gradient through
+    the residual path, and e(S_t) is computed with gradients. 'none': as 'embedding' without the residual path
+    (the embedder learns only through the query's e(S_t)). The forward values are the same in all three; with
+    embedder 'tokens' (no blocks) 'embedding' is 'full'."""
     neighbour_dtype: str = "float32"
     """dtype of the no-gradient neighbour pass (neighbour_grad 'embedding' or 'none'): 'float32', 'bfloat16'
     (autocast; keys and values then carry bfloat16 rounding) or 'auto' (bfloat16 where the device has it natively).
     No effect with embedder 'tokens', which runs no block over the neighbours."""
     kv_heads: int | None = 1
     """Key/value heads of the cross-attention; None: one per query head. Fewer (a divisor of n_heads) share each
-    key/value head among n_heads / kv_heads query heads, as multi-query (Shazeer 2019) and grouped-query
-    attention (Ainslie et al. 2023) do: the neighbour tokens' keys and values, the larger side of a
-    cross-attention (k * M tokens per chunk of L), shrink by that factor. Measured at the default config
-    (benchmarks/retrieval.py --clock cpu, lookup 'table'): 1.06x a base step with one head against 1.17x with
-    four; on the default corpus (300 steps, seeds 0-2, lookup 'search') val loss 4.518 +- 0.024 against
-    4.524 +- 0.030 with four (and 'table'), no worse within the seeds' spread, so 1 is the default."""
+    key/value head among n_heads / kv_heads query heads (multi-query, Shazeer 2019; grouped-query, Ainslie et
+    al. 2023), shrinking the neighbour tokens' keys and values by that factor."""
     beta_init: float = 1.0
     """Initial relevance-bias scale beta of each cross-attention layer."""
     zero_init: bool = True
     """Start each cross-attention's output projection at zero, so the model starts as the same model without
     retrieval and the neighbours' contribution grows only as far as it lowers the loss (the role of Flamingo's
-    zero-initialised gates, Alayrac et al. 2022). The other weights get gradients from the second step on.
-    Measured on the default corpus (600 steps, one seed each, neighbour_grad 'none', last layer): val loss 4.097
-    zero against 4.142 random; with 'full' 4.229 against 4.257; at layer 2 it went the other way (4.196 against
-    4.082): the seed-to-seed spread of the base model there was 0.03, so read these as weak evidence."""
+    zero-initialised gates, Alayrac et al. 2022)."""
     schedule: str = "0-2000:500,2000-1000000000:2000"
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
     mode: str = "background"
     """'background' (a snapshot embeds in a thread; atomic swap when done; until the first table lands the
     model trains on the warm start) or 'blocking' (training waits, also for the first table)."""
     warm_start: str = "recent"
-    """Neighbours until the first table lands (Komatsuzaki 2020, sec. 5.4: at the start, build each sub-batch from
-    segments of the same document, because poorly initialised neighbours make learning slow), in training and
-    validation alike: earlier segments of the query's own document, never the target segment or anything after
-    it (a neighbour z of query S_t has z < S_t, so its continuation z + 1 is at most S_t). Segments before the
-    attention window come first (inside it the tokens already see them), the most recent first; segments inside
-    the window fill the remaining slots. 'recent': in that order; 'similar': among up to warm_candidates of them,
-    the most similar to S_t by the current embedder (before the window still first); 'none': no retrieval until
-    the first table lands (the old behaviour). With a warm start the first table is not built at fit start but
-    at the schedule's first due step (for the default schedule, step 499): a table built at step 0 would rank
-    segments with a random embedder, the very neighbours Komatsuzaki warns against, and in blocking mode
-    training would wait for it; meanwhile the cross-attention and beta train on the warm-start neighbours from
-    the first step. 'recent' is the default: it costs nothing, and 'similar' ranks with an embedder that is
-    still close to random in exactly this phase."""
+    """Neighbours until the first table lands (Komatsuzaki 2020, sec. 5.4: poorly initialised neighbours make
+    learning slow, so start from segments of the same document), in training and validation alike: earlier
+    segments of the query's own document, never the target segment or anything after it. Segments before the
+    attention window come first, the most recent first. 'recent': in that order; 'similar': among up to
+    warm_candidates of them, the most similar to S_t by the current embedder; 'none': no retrieval until the
+    first table. With a warm start the first table is built at the schedule's first due step, not at fit start,
+    where it would rank segments with a random embedder."""
     warm_candidates: int = 16
     """Most recent earlier same-document segments scored by warm_start 'similar' (and by same_doc_k); at evaluation,
     the own-past candidates of a document the index does not hold, merged with the index's results by score."""
@@ -182,37 +152,27 @@ class RetrievalConfig:
     """At evaluation (validation, test, rlm eval, generation), keep exact copies out of reach: a query whose text
     copies an indexed document (L / 2 tokens in a row or more) retrieves nothing of that document from its own
     position on, and indexed copies of the evaluated document's future segments are not retrieved (counted as
-    val/<label>/duplicates_excluded); see _retrieval_filter.py. False: evaluation retrieves copies as training
-    retrieves a document's neighbours, for synthetic tasks whose evaluated continuation is in the index by design
-    (the partner task of tests/test_retrieval_training.py); a copied text then finds its own continuation."""
+    val/<label>/duplicates_excluded); see _retrieval_filter.py. False only for synthetic tasks whose evaluated
+    continuation is in the index by design (the partner task of tests/test_retrieval_training.py)."""
     eval_ablation: bool = False
     """Validation also computes the loss with every neighbour swapped for a random segment of another document
     (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
     model uses what it retrieves. Doubles the validation cost, so off by default."""
     lookup: str = "search"
     """How a training step finds its chunks' neighbours once an index exists. 'table' (MARGE): every rebuild also
-    searches the whole index for every training segment's k neighbours, and a step reads them. 'search': a rebuild
-    only embeds and indexes the corpus, and each step searches the index for its own queries, embedded by the
-    current embedder (as validation and generation always do; fresher queries against the rebuild's rows, as
-    REALM's are). A table costs a search of every segment at each rebuild; 'search' only those the steps up to
-    the next rebuild see, which is fewer when a rebuild interval covers less than an epoch. At the default corpus
-    (51,200 segments, 2 CPU threads) a rebuild took 10.6 s with the table and 1.3 s without (2.6-4 s in
-    training, where it is also written to disk), and the search about 35 ms a step (5.3 s over 150 steps); on one
-    thread a step costs 1.13x a base step with 'search' and 1.06x with 'table' (benchmarks/retrieval.py --clock
-    cpu). Until the embedder moves, both find the same neighbours (tests/test_retrieval.py)."""
+    searches the whole index for every training segment's k neighbours, and a step reads them. 'search': a
+    rebuild only embeds and indexes the corpus, and each step searches the index for its own queries, embedded by
+    the current embedder (as validation and generation always do). Until the embedder moves, both find the same
+    neighbours (tests/test_retrieval.py)."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     flat_below: int = 131072
-    """index_factory 'auto' keeps exact flat search below this many segments. Below it, exact search is cheaper
-    than building a tuned approximate index: at the default corpus' 48,640 training segments (d=256, 2 CPU
-    threads) an exact table (lookup 'table') took 14.7 s against 74.7 s for IVF905,Flat tuned to recall 0.95 (its
-    training and tuning dominate), and with lookup 'search' a step's 32 queries scan the exact index in about
-    35 ms; `rlm index build` keeps 32,768, for online search."""
+    """index_factory 'auto' keeps exact flat search below this many segments, where it is cheaper than building
+    and tuning an approximate index (`rlm index build` keeps 32,768, for online search)."""
     target_recall: float | None = 0.95
-    """Every index the retriever builds (first table and rebuilds, either mode, any number of processes) is tuned
-    (nprobe/efSearch) until its recall@10 against exact search reaches this, as `rlm index build` does; the
-    recall reached is in the index's meta.json and logged as train/<label>/index_recall. None: faiss defaults
-    (an untuned IVF index above 32,768 segments reached recall@10 0.79 on clustered vectors)."""
+    """Every index the retriever builds is tuned (nprobe/efSearch) until its recall@10 against exact search
+    reaches this, as `rlm index build` does; the recall reached is in the index's meta.json and logged as
+    train/<label>/index_recall. None: faiss defaults."""
     index_dir: str | None = None
     """Where rebuilt indices are written; None: <trainer.default_root_dir>/retrieval_index."""
     sharded: bool = False
@@ -223,10 +183,8 @@ class RetrievalConfig:
     """Segments per embedder call during a rebuild."""
     rebuild_dtype: str = "float32"
     """dtype of the rebuild's (and online queries') embedding pass: 'float32', 'bfloat16' (autocast), or 'auto'
-    (bfloat16 where the device computes it natively, else float32). bfloat16 embeds 2.5x faster on an
-    AVX512-BF16 CPU but ranks less precisely: on the synthetic partner task the final top-1 hit rate was
-    0.71 against 0.97 in float32. Part of the embedder identity, so a resumed run reuses an index only
-    when it was embedded the same way."""
+    (bfloat16 where the device computes it natively). Part of the embedder identity, so a resumed run reuses an
+    index only when it was embedded the same way."""
     progress: bool = True
     """Show a progress bar while embedding the corpus."""
 
