@@ -178,24 +178,21 @@ class Stepper:
 
 
 STEP_VARIANTS = {
-    "default: embedder tokens, neighbour_grad none, kv_heads 1, lookup search, no continuations": {},
+    "default: embedder tokens, neighbour_grad none, lookup search, no continuations": {},
     "with continuations (each neighbour and its next segment: 2x the keys), lookup search": {
         "continuation": True
     },
-    "kv_heads 1, lookup table": {"lookup": "table"},
-    "a key/value head per query head, lookup table": {"kv_heads": None, "lookup": "table"},
-    "kv_heads 1, neighbour_grad full, lookup table": {"neighbour_grad": "full", "lookup": "table"},
+    "lookup table": {"lookup": "table"},
+    "neighbour_grad full, lookup table": {"neighbour_grad": "full", "lookup": "table"},
     "k=1: one neighbour with its continuation, lookup search": {"k": 1, "continuation": True},
-    "embedder shared 1 block, neighbour_grad full, per-head kv, table": {
+    "embedder shared 1 block, neighbour_grad full, table": {
         "embedder": "shared",
         "neighbour_grad": "full",
-        "kv_heads": None,
         "lookup": "table",
     },
-    "embedder shared 1 block, neighbour_grad none, per-head kv, table": {
+    "embedder shared 1 block, neighbour_grad none, table": {
         "embedder": "shared",
         "neighbour_grad": "none",
-        "kv_heads": None,
         "lookup": "table",
     },
 }

@@ -24,7 +24,6 @@ from rlm.plugins._retrieval_encoder import (
     SegmentEncoder,
     TokenEncoder,
     masked_mean_unit,
-    resolve_rebuild_dtype,
 )
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ def encode_neighbours(
     config: Any,  # the plugin's RetrievalConfig (not imported: the plugin file imports this one)
 ) -> Encoded:
     """The Encoded record of the batch's neighbours: e(S_t) with gradients, each distinct neighbour encoded
-    once, as config.neighbour_grad and config.neighbour_dtype say."""
+    once, as config.neighbour_grad says (a no-gradient pass in float32)."""
     B, n, k, M = inp.tokens.shape
     L = inp.query_tokens.shape[-1]
     _, e_query = encoder(
@@ -88,12 +87,8 @@ def encode_neighbours(
             vocab, rows = encoder.distinct(tokens)  # (V', d), (U, M)
             e_nb = masked_mean_unit(vocab[rows[:, :L]], mask[:, :L])  # (U, D), as TokenEncoder.forward
         return _encoded(inp, ctx, label, e_query, e_nb, index, None, L, vocab.float(), rows)
-    grad = mode == "full"
-    low = torch.float32 if grad else resolve_rebuild_dtype(config.neighbour_dtype, tokens.device)
-    with (
-        torch.set_grad_enabled(grad),
-        torch.autocast(tokens.device.type, low, enabled=low != torch.float32),
-    ):
+    # float32 as before (autocast off): the removed neighbour_dtype's only value (RetrievalPlugin.removed_options)
+    with torch.set_grad_enabled(mode == "full"), torch.autocast(tokens.device.type, enabled=False):
         states, e_nb = encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
     states = states.float()
     if mode == "embedding":  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
@@ -129,7 +124,7 @@ class RetrievalCrossAttention(nn.Module):
         super().__init__()
         c = plugin.model_config
         self.layer, self.n_heads, self.head_dim = layer, c.n_heads, c.head_dim
-        self.kv_heads = plugin.config.kv_heads or c.n_heads
+        self.kv_heads = 1  # one key/value head shared by every query head (multi-query, Shazeer 2019)
         object.__setattr__(self, "_plugin", plugin)  # unregistered: the plugin owns this module
         self.q = nn.Linear(c.d_model, c.d_model, bias=False)
         self.kv_norm = RMSNorm(plugin.encoder.dim, c.norm_eps)

@@ -120,11 +120,10 @@ def corpus():
 # ----- numerics -----
 
 
-@pytest.mark.parametrize("kv_heads", [None, 1])
-def test_cross_attention_matches_naive_loop(kv_heads):
+def test_cross_attention_matches_naive_loop():
     """Relevance-biased chunked cross-attention (MARGE eq. 2) against explicit loops over heads, queries, keys;
-    with kv_heads=1 both query heads read the one key/value head (multi-query)."""
-    model = tiny_model(continuation=False, kv_heads=kv_heads)
+    both query heads read the one key/value head (multi-query)."""
+    model = tiny_model(continuation=False)
     plugin = model.plugins["retrieval"]
     xattn = model.blocks[1].cross_attn
     with torch.no_grad():
@@ -144,7 +143,7 @@ def test_cross_attention_matches_naive_loop(kv_heads):
     got = xattn(x, ctx)
 
     h, hs = 2, 16
-    g = kv_heads or h
+    g = 1  # one key/value head
     kv = xattn.kv(xattn.kv_norm(states)).view(B * n, k * M, 2, g, hs)
     inv = 1.0 / 10000.0 ** (torch.arange(0, hs, 2).float() / hs)  # rotary frequencies (Su et al. 2021)
 
@@ -644,7 +643,11 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"target_recall": 1.5}, "target_recall"),
         ({"neighbour_grad": True}, "neighbour_grad must be a string, got True"),
         ({"lookup": "cache"}, r"retrieval.lookup='cache'; accepted: \['table', 'search'\]"),
-        ({"kv_heads": 0}, "kv_heads must be a positive integer or null, got 0"),
+        ({"kv_heads": None}, r"option 'kv_heads' was removed; it is always 1 now .*got None"),
+        (
+            {"neighbour_dtype": "bfloat16"},
+            r"option 'neighbour_dtype' was removed; it is always 'float32' now",
+        ),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
@@ -652,9 +655,16 @@ def test_bad_config_is_a_clear_error(opts, message):
         make_config(RetrievalPlugin, opts)
 
 
-def test_kv_heads_that_do_not_divide_the_heads_are_refused():
-    with pytest.raises(ValueError, match=r"kv_heads=3 must divide the model's n_heads=2; accepted: \[1, 2\]"):
-        tiny_model(kv_heads=3)
+def test_removed_options_at_their_fixed_value_load_with_a_warning():
+    """Configs and checkpoints written while kv_heads and neighbour_dtype were options still load when they hold
+    the value the retriever now always uses."""
+    with pytest.warns(
+        FutureWarning, match=r"option 'kv_heads' was removed \(always 1 now: one key/value head"
+    ):
+        config = make_config(RetrievalPlugin, {"kv_heads": 1, "k": 3})
+    assert config.k == 3 and not hasattr(config, "kv_heads")
+    with pytest.warns(FutureWarning, match="option 'neighbour_dtype' was removed"):
+        make_config(RetrievalPlugin, {"neighbour_dtype": "float32"})
 
 
 def test_cross_attention_inside_the_shared_embedder_is_refused():
@@ -861,14 +871,22 @@ def test_loss_groups_partition_the_validation_loss_and_the_ablation_swaps_neighb
     assert float(sums["retrieval_random/loss"][0]) != float(module._val_sum)
 
 
-def test_bfloat16_neighbour_pass_is_close_to_float32(corpus):
-    """neighbour_dtype bfloat16 (the no-gradient neighbour pass under autocast) stays close to float32."""
+def test_neighbour_pass_runs_in_float32_under_autocast(corpus):
+    """The no-gradient neighbour pass keeps float32 under a bfloat16 autocast (the removed neighbour_dtype's one
+    value): the neighbours' states are bit for bit those computed without autocast."""
     segments, windows = corpus
     model = tiny_model(neighbour_grad="embedding")
     attach_memory(model, segments, np.arange(10))
+    plugin = model.plugins["retrieval"]
     batch = windows.collate(np.arange(6))
-    ref = logits(model, batch, "train")
-    model.plugins["retrieval"].config.neighbour_dtype = "bfloat16"
-    out = logits(model, batch, "train")
-    assert out.dtype == torch.float32 and not torch.equal(out, ref)
-    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+
+    def states(autocast: bool) -> torch.Tensor:
+        ctx = context(model, batch, "train")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            enc = plugin.encoded(ctx)
+        assert enc is not None and enc.states is not None
+        return enc.states
+
+    ref, got = states(False), states(True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
