@@ -22,14 +22,12 @@ import shutil
 import sys
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
-import torch
 
 from rlm.index.build import IndexConfig
 from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names were importable from here)
@@ -49,7 +47,7 @@ from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names w
     load_table,
     save_corpus_ref,
 )
-from rlm.index.sharded import load_parts_for_search
+from rlm.index.sharded import check_same_table, gather_shards, load_parts_for_search
 from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir
 
 # ----- the schedule -----
@@ -409,32 +407,3 @@ class RebuildCallback(pl.Callback):
         old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p.resolve() != current.resolve())
         for p in old[: max(0, len(old) - (self.keep - 1))]:
             shutil.rmtree(p, ignore_errors=True)
-
-
-def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None:
-    """Raise unless every rank holds the same neighbour table (a checksum all-gather); with no table (lookup
-    'search'), the ranks must agree on that."""
-    if neighbours is None:
-        neighbours = np.zeros(0, dtype=np.int64)
-    checksum = zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
-    sums = trainer.strategy.all_gather(
-        torch.tensor(checksum, dtype=torch.int64, device=trainer.strategy.root_device)
-    )
-    if not bool((sums == sums[0]).all()):
-        raise RuntimeError(
-            f"ranks hold different neighbour tables after a rebuild (checksums {sums.tolist()})"
-        )
-
-
-def gather_shards(trainer: pl.Trainer, shard: np.ndarray, total: int) -> np.ndarray:
-    """All ranks' contiguous shards, in rank order (all_gather through the strategy; shards padded to one size)."""
-    world, dev = trainer.world_size, trainer.strategy.root_device
-    dims = trainer.strategy.all_gather(
-        torch.tensor(shard.shape[1] if len(shard) else 0, device=dev)
-    )  # (world,)
-    counts = trainer.strategy.all_gather(torch.tensor(len(shard), device=dev))  # (world,)
-    padded = torch.zeros(-(-total // world) + 1, int(dims.max()), dtype=torch.float32, device=dev)
-    if len(shard):
-        padded[: len(shard)] = torch.from_numpy(shard).to(dev)
-    parts = trainer.strategy.all_gather(padded)  # (world, size, dim)
-    return torch.cat([parts[r, : int(counts[r])] for r in range(world)]).cpu().numpy()

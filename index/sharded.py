@@ -24,9 +24,10 @@ where the part directories are reachable.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ from rlm.index.store import (
     read_meta,
     write_dir_contents,
 )
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 TABLE_CHUNK = 4096
 """Query vectors each rank contributes per round while the neighbour table is built (bounds the gathered
@@ -323,3 +327,35 @@ def load_parts_for_search(path: str | Path) -> RetrievalMemory:
         path.resolve(),
     )
     return memory
+
+
+# ----- the whole-index rebuild under DDP: one table on every rank, every rank's vectors gathered -----
+
+
+def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None:
+    """Raise unless every rank holds the same neighbour table (a checksum all-gather); with no table (lookup
+    'search'), the ranks must agree on that."""
+    if neighbours is None:
+        neighbours = np.zeros(0, dtype=np.int64)
+    checksum = zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
+    sums = trainer.strategy.all_gather(
+        torch.tensor(checksum, dtype=torch.int64, device=trainer.strategy.root_device)
+    )
+    if not bool((sums == sums[0]).all()):
+        raise RuntimeError(
+            f"ranks hold different neighbour tables after a rebuild (checksums {sums.tolist()})"
+        )
+
+
+def gather_shards(trainer: pl.Trainer, shard: np.ndarray, total: int) -> np.ndarray:
+    """All ranks' contiguous shards, in rank order (all_gather through the strategy; shards padded to one size)."""
+    world, dev = trainer.world_size, trainer.strategy.root_device
+    dims = trainer.strategy.all_gather(
+        torch.tensor(shard.shape[1] if len(shard) else 0, device=dev)
+    )  # (world,)
+    counts = trainer.strategy.all_gather(torch.tensor(len(shard), device=dev))  # (world,)
+    padded = torch.zeros(-(-total // world) + 1, int(dims.max()), dtype=torch.float32, device=dev)
+    if len(shard):
+        padded[: len(shard)] = torch.from_numpy(shard).to(dev)
+    parts = trainer.strategy.all_gather(padded)  # (world, size, dim)
+    return torch.cat([parts[r, : int(counts[r])] for r in range(world)]).cpu().numpy()
