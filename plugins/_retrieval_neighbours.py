@@ -295,3 +295,19 @@ def neighbour_tokens(seg, nb: np.ndarray, continuation: bool) -> tuple[np.ndarra
         mask = np.concatenate([mask, (cols < seg.length[nxt][:, None]) & has[:, None]], 1)
     M = toks.shape[1]
     return toks.reshape(*nb.shape, M), mask.reshape(*nb.shape, M)
+
+
+def source_groups(
+    inputs: RetrievalInputs | None, shape: tuple[int, int], L: int, device: Any
+) -> dict[str, Tensor]:
+    """The (B, T) tokens of each chunk by where its neighbours come from: own_doc (all from the row's document),
+    other_doc (none from it), mixed, none (no neighbour found)."""
+    B, T = shape
+    if inputs is None:
+        everything = torch.ones(B, T, dtype=torch.bool, device=device)
+        return {"own_doc": ~everything, "other_doc": ~everything, "mixed": ~everything, "none": everything}
+    valid, same = inputs.valid, inputs.same_doc & inputs.valid  # (B, n, k)
+    found = valid.any(-1)  # (B, n)
+    own, other = found & (same == valid).all(-1), found & ~same.any(-1)
+    chunk = {"own_doc": own, "other_doc": other, "mixed": found & ~own & ~other, "none": ~found}
+    return {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}

@@ -57,6 +57,7 @@ from rlm.plugins._retrieval_neighbours import (
     most_similar,
     neighbour_tokens,
     random_neighbours,
+    source_groups,
     warm_candidates_of,
 )
 
@@ -374,24 +375,8 @@ class RetrievalPlugin(Plugin):
         val/loss_by/<label>/<group>): own_doc (all from the row's document), other_doc (none from it), mixed, none."""
         if ctx.training or ctx.variant is not None:
             return
-        B, T = ctx.tokens.shape
-        p = self.label
-        if inputs is None:
-            everything = torch.ones(B, T, dtype=torch.bool, device=ctx.tokens.device)
-            groups = {
-                "own_doc": ~everything,
-                "other_doc": ~everything,
-                "mixed": ~everything,
-                "none": everything,
-            }
-        else:
-            valid, same = inputs.valid, inputs.same_doc & inputs.valid  # (B, n, k)
-            found = valid.any(-1)  # (B, n)
-            own, other = found & (same == valid).all(-1), found & ~same.any(-1)
-            chunk = {"own_doc": own, "other_doc": other, "mixed": found & ~own & ~other, "none": ~found}
-            groups = {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}
-        for name, mask in groups.items():
-            ctx.loss_groups[f"{p}/{name}"] = mask
+        for name, mask in source_groups(inputs, ctx.tokens.shape, L, ctx.tokens.device).items():
+            ctx.loss_groups[f"{self.label}/{name}"] = mask
 
     # ----- what the rebuild callback calls (rlm.index.rebuild.MemoryOwner) -----
 
