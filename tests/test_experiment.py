@@ -390,3 +390,68 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_reused(tmp_path,
     assert "plain/seed0: same config and seed as" in capsys.readouterr().out
     runner.run_experiment(second, tmp_path / "runs" / "c", reuse_equal=False)
     assert trained[-4:] == ["plain/seed0", "plain/seed1", "longer/seed0", "longer/seed1"]
+
+
+@pytest.mark.slow
+def test_a_knnlm_variant_reuses_the_trained_model_and_reports_its_datastore(
+    tmp_path, rlm_cache, monkeypatch, capsys
+):
+    """A variant that only adds a kNN-LM stage trains nothing: it takes the base model's run, builds a datastore
+    over that run's training split, and its test loss is `rlm eval --datastore`'s kNN-LM loss, with the model's
+    own beside it; the datastore is removed afterwards, and a second `run` repeats nothing."""
+    monkeypatch.chdir(tmp_path)
+    for key, value in {"RLM_CACHE": str(rlm_cache), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}.items():
+        monkeypatch.setenv(key, value)
+    knn = {"factory": "SQfp16", "k": 8, "tune_tokens": 512, "max_documents": 6}
+    path = write_experiment(
+        tmp_path / "exp.yaml",
+        common={"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1}},
+        variants={"baseline": {}, "baseline_knnlm": {"knnlm": knn}},
+    )
+    out = tmp_path / "out"
+    assert rlm_main(["experiment", "run", str(path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "baseline_knnlm/seed0: same config and seed as" in printed and "(kNN-LM)" in printed
+    base = json.loads((out / "baseline/seed0/summary.json").read_text())
+    knn_run = out / "baseline_knnlm/seed0"
+    summary = json.loads((knn_run / "summary.json").read_text())
+    scored = json.loads((knn_run / "test_knnlm.json").read_text())
+    assert scored["split"] == "test" and scored["k"] == 8
+    assert summary["test_loss"] == scored["knnlm"]["loss"] and summary["test_bpb"] == scored["knnlm"]["bpb"]
+    # the same model: its own test loss is the baseline's, scored again in the kNN-LM pass
+    assert summary["lm_test"]["loss"] == pytest.approx(base["test_loss"], rel=1e-5)
+    assert summary["val_loss"] == base["val_loss"] and "knnlm" not in base
+    meta = json.loads((knn_run / "datastore_meta.json").read_text())
+    assert summary["knnlm"]["keys"] == meta["entries"] > 0 and summary["knnlm"]["options"] == knn
+    assert not (knn_run / "datastore").exists()
+    report = (out / "results.md").read_text()
+    assert "| baseline_knnlm | " in report and "kNN-LM test loss" in report
+    assert rlm_main(["experiment", "run", str(path), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("finished earlier, skipped") == 2
+
+
+def test_a_run_reusing_a_knnlm_run_gets_the_models_own_test_loss():
+    from rlm.experiment.runner import without_knnlm
+
+    knn = {"variant": "b", "test_loss": 3.0, "test_ppl": 20.0, "test_bpb": 1.0, "knnlm": {"lam": 0.2},
+           "lm_test": {"loss": 3.5, "ppl": 33.1, "bpb": 1.2}}  # fmt: skip
+    assert without_knnlm(knn) == {"variant": "b", "test_loss": 3.5, "test_ppl": 33.1, "test_bpb": 1.2}
+    plain = {"variant": "a", "test_loss": 3.5}
+    assert without_knnlm(plain) == plain
+
+
+@pytest.mark.parametrize(
+    ("knnlm", "message"),
+    [
+        ({"layers": "final"}, "unknown option 'layers'"),
+        ({"k": 0}, r"knnlm.k: got 0; accepted: a positive integer"),
+        ({"layer": "middle"}, "accepted: 'final' or 'ffn_input'"),
+        ({"target_recall": 1.5}, r"accepted: a number in \(0, 1\]"),
+        ({"cache": "yes"}, "accepted: true or false"),
+        ("everything", "expected true or a mapping of"),
+    ],
+)
+def test_bad_knnlm_options_are_listed(tmp_path, knnlm, message):
+    path = write_experiment(tmp_path / "exp.yaml", variants={"baseline": {}, "knn": {"knnlm": knnlm}})
+    with pytest.raises(ExperimentError, match=message):
+        load_experiment(path)

@@ -106,7 +106,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
             _fmt(at_t.get(v.name)),
             _fmt(ppl, 2),
             "—" if is_base or None in (ppl, b_ppl) else f"{100 * (ppl / b_ppl - 1):+.1f}%",
-            _fmt(v.mean("test_loss")),
+            _fmt(v.mean("test_loss")) + (f" ± {_fmt(v.sd('test_loss'))}" if v.sd("test_loss") is not None else ""),
             _fmt(v.mean("test_bpb")),
             _count(v.mean("params_total")),
             _count(v.mean("params_added")),
@@ -129,9 +129,37 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     described = [v for v in ordered if info["variants"].get(v.name, {}).get("description")]
     if described:
         lines += ["", *[f"- `{v.name}`: {info['variants'][v.name]['description']}" for v in described]]
+    lines += _knnlm_table(ordered)
     lines += _metrics_table(info, ordered)
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ".", ""]
     return "\n".join(lines)
+
+
+def _knnlm_table(variants: list[VariantResult]) -> list[str]:
+    """Variants with a kNN-LM stage: the model's test loss alone and with its datastore, paired by seed."""
+    rows = []
+    for v in variants:
+        runs = [r for r in v.runs if r.get("knnlm")]
+        if not runs:
+            continue
+        lm = [r["lm_test"]["loss"] for r in runs]
+        gains = [r["test_loss"] - r["lm_test"]["loss"] for r in runs]
+        sd = f" ± {statistics.stdev(gains):.3f}" if len(gains) > 1 else ""
+        k = runs[0]["knnlm"]
+        rows.append([
+            v.name, _fmt(statistics.fmean(lm)), _fmt(v.mean("test_loss")), f"{statistics.fmean(gains):+.3f}{sd}",
+            ", ".join(f"{g:+.3f}" for g in gains), "/".join(f"{r['knnlm']['lam']:g}" for r in runs),
+            "/".join(f"{r['knnlm']['temperature']:.3g}" for r in runs), _count(k.get("keys")),
+            f"{k.get('factory')}" + (", cache" if k.get("cache") else ""),
+            _seconds(statistics.fmean(r["knnlm"]["build_s"] or 0.0 for r in runs)),
+        ])  # fmt: skip
+    if not rows:
+        return []
+    header = ["variant", "LM test loss", "kNN-LM test loss", "gain (mean ± sd)", "gain by seed", "lam",
+              "temperature", "keys", "index", "build time"]  # fmt: skip
+    intro = ("kNN-LM (Khandelwal et al. 2020) over each run's own training split, lam and the temperature tuned "
+             "on its validation split; the table above shows these variants' kNN-LM test loss.")  # fmt: skip
+    return ["", intro, "", *_table(header, rows)]
 
 
 def _metrics_table(info: dict[str, Any], variants: list[VariantResult]) -> list[str]:

@@ -31,6 +31,11 @@ METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
 LAST_CKPT = Path("ckpt") / "last.ckpt"
 TEST_JSON = "test.json"
 """``rlm eval`` of the last checkpoint on the test split, written when training has finished."""
+KNNLM_JSON = "test_knnlm.json"
+"""``rlm eval --datastore`` of the last checkpoint on the test split (a variant with a ``knnlm`` stage)."""
+DATASTORE = "datastore"
+"""The kNN-LM stage's datastore directory; removed after evaluation unless the variant keeps it (its meta.json
+stays as datastore_meta.json)."""
 CORE_METRICS = {
     "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
     "val/loss", "val/ppl", "time/train_s",
@@ -47,6 +52,8 @@ class Run:
     dir: Path
     config: dict[str, Any]
     """The merged config before the runner's own keys."""
+    knnlm: dict[str, Any] | None = None
+    """The variant's kNN-LM stage options (rlm.experiment.spec.KNNLM_OPTIONS), or None; not in the fingerprint."""
 
     @property
     def label(self) -> str:
@@ -69,7 +76,13 @@ def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[
             raise ValueError(f"unknown variant(s) {unknown}; the experiment has {names}")
         names = [n for n in names if n in variants]
     return [
-        Run(name, seed, out / name / f"seed{seed}", variant_config(exp, exp.variants[name]))
+        Run(
+            name,
+            seed,
+            out / name / f"seed{seed}",
+            variant_config(exp, exp.variants[name]),
+            exp.variants[name].knnlm,
+        )
         for name in names
         for seed in exp.seeds
     ]
@@ -251,17 +264,71 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def reuse(run: Run, source: Path) -> dict[str, Any]:
     """Make run.dir a copy (hard links) of the equal finished run at ``source``; its summary names the source."""
-    summary = json.loads((source / SUMMARY).read_text())
+    summary = without_knnlm(json.loads((source / SUMMARY).read_text()))
     summary.update(variant=run.variant, reused_from=summary.get("reused_from") or str(source.resolve()))
     tmp = run.dir.with_name(run.dir.name + ".reuse-tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(SUMMARY))
+    ignore = shutil.ignore_patterns(SUMMARY, KNNLM_JSON, DATASTORE, "datastore_meta.json", "knnlm.log")
+    shutil.copytree(source, tmp, copy_function=_link_or_copy, ignore=ignore)
     write_atomic(tmp / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if run.dir.exists():
         shutil.rmtree(run.dir)
     run.dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, run.dir)  # the run appears finished in one step
     return summary
+
+
+def knnlm_stage(run: Run) -> bool:
+    """``rlm knnlm build`` over the run's training split, then ``rlm eval --datastore`` on the test split
+    (test_knnlm.json); whether both succeeded. The datastore is removed afterwards unless the variant keeps it."""
+    options, ckpt, ds = run.knnlm or {}, str(run.dir / LAST_CKPT), run.dir / DATASTORE
+    build = [sys.executable, "-m", "rlm", "knnlm", "build", "--ckpt", ckpt, "--out", str(ds)]
+    for key in ("layer", "factory", "k", "flat_below", "target_recall", "tune_tokens", "max_documents"):
+        if key in options:
+            build += [f"--{key.replace('_', '-')}", str(options[key])]
+    evaluate = [sys.executable, "-m", "rlm", "eval", "--ckpt", ckpt, "--split", "test", "--datastore", str(ds),
+                "--json", str(run.dir / KNNLM_JSON), *(["--knn-cache"] if options.get("cache") else [])]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(run.dir / "knnlm.log", "a") as log:
+        for cmd in (build, evaluate):
+            code = _run_forwarding_sigterm(cmd, log, env)
+            if code in (PREEMPTED, -signal.SIGTERM):
+                raise Preempted(
+                    f"{run.label}: the kNN-LM stage was stopped by SIGTERM; the next run repeats it"
+                )
+            if code != 0:
+                return False
+    if not options.get("keep"):
+        shutil.copy2(ds / "meta.json", run.dir / "datastore_meta.json")
+        shutil.rmtree(ds)
+    return True
+
+
+def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
+    """The summary of a run with a kNN-LM stage: test_* are the kNN-LM's, lm_test the model's alone, and knnlm
+    says how (lam, temperature, k, the datastore's size and build time)."""
+    r = json.loads((run.dir / KNNLM_JSON).read_text())
+    meta_path = run.dir / DATASTORE / "meta.json"
+    meta = json.loads((meta_path if meta_path.is_file() else run.dir / "datastore_meta.json").read_text())
+    knn, lm = r["knnlm"], r["lm"]
+    out = dict(summary)
+    out["lm_test"] = {"loss": lm["loss"], "ppl": lm["ppl"], "bpb": lm["bpb"]}
+    out.update(test_loss=knn["loss"], test_ppl=knn["ppl"], test_bpb=knn["bpb"])
+    out["knnlm"] = {
+        "options": run.knnlm, "lam": r["lam"], "temperature": r["temperature"], "k": r["k"], "cache": r["cache"],
+        "keys": meta.get("entries"), "factory": meta.get("factory"), "build_s": (meta.get("seconds") or {}).get("total"),
+        "eval_s": r.get("seconds"), "target_in_neighbours": r.get("target_in_neighbours"),
+    }  # fmt: skip
+    return out
+
+
+def without_knnlm(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary as the model alone scored it (for a run that reuses this one's training)."""
+    out = dict(summary)
+    if out.pop("knnlm", None) is not None:
+        lm = out.pop("lm_test")
+        out.update(test_loss=lm["loss"], test_ppl=lm["ppl"], test_bpb=lm["bpb"])
+    return out
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -284,34 +351,44 @@ def run_experiment(
     for run in bar:
         bar.set_postfix_str(run.label)
         if run.finished():
-            stored = json.loads((run.dir / SUMMARY).read_text()).get("fingerprint")
-            note = (
-                ""
-                if stored == run.fingerprint
-                else " (its config has changed since: delete the directory to rerun)"
-            )
-            tqdm.write(f"{run.label}: finished earlier, skipped{note}")
-            continue
-        source = find_equal_run(run, out) if reuse_equal else None
-        if source is not None:
-            reuse(run, source)
+            summary = json.loads((run.dir / SUMMARY).read_text())
+            if run.knnlm is None or summary.get("knnlm"):
+                note = (
+                    ""
+                    if summary.get("fingerprint") == run.fingerprint
+                    else " (its config has changed since: delete the directory to rerun)"
+                )
+                tqdm.write(f"{run.label}: finished earlier, skipped{note}")
+                continue
+        elif (source := find_equal_run(run, out) if reuse_equal else None) is not None:
+            summary = reuse(run, source)
             tqdm.write(f"{run.label}: same config and seed as {source}, reused")
-            continue
-        ok, wall = train(run)
-        step = "rlm fit"
-        if ok:  # validation during training; the test split once, at the end
-            ok, step = evaluate_test(run), "rlm eval"
-        if not ok:
-            failed.append(run.label)
-            tqdm.write(
-                f"{run.label}: {step} failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{_tail(run.dir / 'fit.log')}"
-            )
-            continue
-        summary = summarize(run, wall)
-        write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+        else:
+            ok, wall = train(run)
+            step = "rlm fit"
+            if ok:  # validation during training; the test split once, at the end
+                ok, step = evaluate_test(run), "rlm eval"
+            if not ok:
+                failed.append(run.label)
+                tqdm.write(
+                    f"{run.label}: {step} failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{_tail(run.dir / 'fit.log')}"
+                )
+                continue
+            summary = summarize(run, wall)
+            write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+        if run.knnlm is not None:
+            if not knnlm_stage(run):
+                failed.append(run.label)
+                tqdm.write(f"{run.label}: the kNN-LM stage failed; end of {run.dir / 'knnlm.log'}:\n"
+                           f"{_tail(run.dir / 'knnlm.log')}")  # fmt: skip
+                continue
+            summary = with_knnlm(summary, run)
+            write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
         loss, test = summary.get("val_loss"), summary.get("test_loss")
         tqdm.write(
             f"{run.label}: val loss {loss if loss is None else round(loss, 4)}, "
-            f"test loss {test if test is None else round(test, 4)} in {wall:.0f}s"
+            f"test loss {test if test is None else round(test, 4)}"
+            + (" (kNN-LM)" if run.knnlm is not None else "")
+            + (f" in {summary['wall_s']:.0f}s" if summary.get("wall_s") is not None else "")
         )
     return failed

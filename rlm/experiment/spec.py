@@ -26,7 +26,20 @@ TOP_KEYS = (
     "report_metrics",
     "variants",
 )
-VARIANT_KEYS = ("description", "configs", "set")
+VARIANT_KEYS = ("description", "configs", "set", "knnlm")
+KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
+    "layer": (str, "'final' or 'ffn_input'"),
+    "factory": (str, "'auto' or a faiss factory string"),
+    "k": (int, "a positive integer"),
+    "flat_below": (int, "an integer >= 0"),
+    "target_recall": (float, "a number in (0, 1]"),
+    "tune_tokens": (int, "an integer >= 0"),
+    "max_documents": (int, "a positive integer"),
+    "cache": (bool, "true or false"),
+    "keep": (bool, "true or false"),
+}
+"""A variant's ``knnlm`` stage: the options of ``rlm knnlm build`` (``--layer`` ...), ``cache`` (``rlm eval
+--knn-cache``) and ``keep`` (keep the datastore directory; by default only its meta.json stays)."""
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 """Variant and experiment names become directory names: letters, digits and ``_ . + -``."""
 DEFAULT_METRICS = ["val/*"]
@@ -54,6 +67,9 @@ class Variant:
     """A config mapping deep-merged after everything else of the experiment."""
     description: str = ""
     """One line for results.md."""
+    knnlm: dict[str, Any] | None = None
+    """Options of the kNN-LM stage after training (KNNLM_OPTIONS), or None: no datastore. Not part of the run's
+    config: a variant that only adds it trains (or reuses) the same model as the variant without it."""
 
 
 @dataclass
@@ -99,7 +115,12 @@ class Experiment:
             "baseline": self.baseline,
             "report_metrics": self.report_metrics,
             "variants": {
-                v.name: {"configs": [str(p) for p in v.configs], "set": v.set, "description": v.description}
+                v.name: {
+                    "configs": [str(p) for p in v.configs],
+                    "set": v.set,
+                    "description": v.description,
+                    "knnlm": v.knnlm,
+                }
                 for v in self.variants.values()
             },
         }
@@ -154,7 +175,37 @@ def _variant(name: Any, spec: Any, root: Path, problems: list[str]) -> Variant |
         configs=_paths(spec.get("configs"), f"{where}.configs", root, problems),
         set=_mapping(spec.get("set"), f"{where}.set", problems),
         description=description.strip(),
+        knnlm=_knnlm(spec.get("knnlm", None), f"{where}.knnlm", problems) if "knnlm" in spec else None,
     )
+
+
+def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None:
+    """A variant's kNN-LM options: true or {} for the defaults, or a mapping of KNNLM_OPTIONS."""
+    if value is True or value is None:
+        return {}
+    if value is False:
+        return None
+    if not isinstance(value, dict):
+        problems.append(f"{where}: expected true or a mapping of {list(KNNLM_OPTIONS)}, got {value!r}")
+        return None
+    out = {}
+    for key, option in value.items():
+        if key not in KNNLM_OPTIONS:
+            problems.append(f"{where}: unknown option {key!r}; accepted: {list(KNNLM_OPTIONS)}")
+            continue
+        kind, accepted = KNNLM_OPTIONS[key]
+        ok = isinstance(option, kind) and not (kind is not bool and isinstance(option, bool))
+        if kind is float:
+            ok = isinstance(option, (int, float)) and not isinstance(option, bool) and 0 < option <= 1
+        elif kind is int and ok:
+            ok = option >= (1 if key in ("k", "max_documents") else 0)
+        elif key == "layer":
+            ok = option in ("final", "ffn_input")
+        if not ok:
+            problems.append(f"{where}.{key}: got {option!r}; accepted: {accepted}")
+            continue
+        out[key] = option
+    return out
 
 
 def _seeds(value: Any, problems: list[str]) -> list[int]:
