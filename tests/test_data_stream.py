@@ -197,11 +197,11 @@ def test_hugging_face_tokenizer_directory(tmp_path):
             f"hf:{src}",
             tmp_path / f"cache{streaming}",
             tokenizer=str(folder),
-            vocab_size=512,
+            vocab_size=None,  # taken from the tokenizer
             streaming=streaming,
         )
         dm.setup()
-        assert isinstance(dm.tokenizer, HFTokenizer) and dm.vocab_size == 512
+        assert isinstance(dm.tokenizer, HFTokenizer) and dm.vocab_size == raw.get_vocab_size()
         eot = raw.token_to_id("<|endoftext|>")
         assert (dm.tokenizer.bos_id, dm.tokenizer.eos_id, dm.tokenizer.pad_id) == (
             eot,

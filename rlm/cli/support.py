@@ -62,8 +62,12 @@ def pop_print_config(args: list[str]) -> tuple[list[str], dict[str, Any] | None]
 
 
 def link_vocab(cfg: Any) -> None:
-    """Copy the data module's vocabulary size into the model config (a parsed LightningCLI namespace)."""
+    """Resolve the data module's vocabulary size (a given tokenizer's number of ids when unset) and copy it into
+    the model config (a parsed LightningCLI namespace)."""
     # Not parser.link_arguments: jsonargparse 4.53 then rejects every field of the optional ModelConfig
     # ("does not accept option 'model.model.d_model'"), so the copy is made after parsing instead.
+    from rlm.data.pretrained import resolve_vocab_size
+
+    cfg.data.vocab_size = resolve_vocab_size(cfg.data.vocab_size, cfg.data.get("tokenizer"))
     if cfg.get("model.model") is not None:
         cfg.model.model.vocab_size = cfg.data.vocab_size

@@ -2,22 +2,32 @@
 
 Every source is read in a deterministic order (sorted paths, dataset row order), so `max_documents`
 always picks the same documents and the corpus fingerprint is stable across runs.
+
+Local files are text, one document each, except the record formats in READERS (.jsonl, .json, .parquet):
+one document per row, its ``text_field``. Rows whose text is empty or null are skipped, like empty files.
+Any other record format (csv, arrow, ...) reads through datasets as ``hf:PATH``, or convert it to .jsonl.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import sysconfig
 import warnings
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
-ACCEPTED = "'stdlib', 'hf:NAME' (a Hugging Face dataset name or a saved dataset's path), a file, a directory or a glob"
+ACCEPTED = (
+    "'stdlib', 'hf:NAME' (a Hugging Face dataset name, a saved dataset's path or a data file's path), a file, "
+    "a directory or a glob"
+)
 # Test suites are skipped: they are large, repetitive and full of deliberately odd code.
 _STDLIB_SKIP_DIRS = {"test", "tests", "idlelib", "idle_test", "site-packages", "dist-packages"}
 _GLOB_CHARS = set("*?[")
@@ -53,22 +63,146 @@ def _expand_path(spec: str, extensions: Sequence[str]) -> list[Path]:
         return [path]
     if path.is_dir():
         exts = tuple(extensions)
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts))
+        if not files:
+            raise ValueError(_no_files_message(spec, path, list(exts)))
+        return files
     raise FileNotFoundError(f"corpus path {spec!r} does not exist; accepted: {ACCEPTED}")
 
 
+def _no_files_message(spec: str, path: Path, extensions: list[str]) -> str:
+    """Why a directory gave no files: the data.extensions it was read with, and the endings it does hold."""
+    found = Counter(p.suffix or p.name for p in path.rglob("*") if p.is_file())
+    if not found:
+        return f"corpus directory {spec!r} holds no files; accepted: {ACCEPTED}"
+    listed = ", ".join(f"{ext} ({n})" for ext, n in found.most_common(10))
+    top = found.most_common(1)[0][0]
+    return (
+        f"corpus directory {spec!r} has no files ending in data.extensions={extensions}; it holds {listed}. "
+        f"Set data.extensions to the endings to read, e.g. --data.extensions='[{top}]'"
+    )
+
+
+def _jsonl_rows(path: Path) -> Iterator[Any]:
+    """The values of a JSON-lines file, one a line (blank lines skipped)."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(
+                        f"corpus file {str(path)!r} line {line_no} is not JSON ({err}); accepted: one JSON "
+                        "object per line"
+                    ) from err
+
+
+def _json_rows(path: Path) -> Iterator[Any]:
+    """The objects of a .json file: a list of objects, or JSON lines under a .json name (as datasets reads it)."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        yield from _jsonl_rows(path)
+        return
+    if not isinstance(rows, list):
+        raise ValueError(
+            f"corpus file {str(path)!r} holds a JSON {type(rows).__name__}; accepted: a list of objects, "
+            "or one object per line"
+        )
+    yield from rows
+
+
+def _field_of_rows(rows: Callable[[Path], Iterator[Any]]) -> Callable[[Path, str], Iterator[Any]]:
+    """A reader of `text_field` from a reader of JSON rows; rows are objects, the first must hold the field."""
+
+    def read(path: Path, text_field: str) -> Iterator[Any]:
+        missing = 0
+        for i, row in enumerate(rows(path)):
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"row {i} of corpus file {str(path)!r} is a JSON {type(row).__name__}; accepted: objects "
+                    f"with a {text_field!r} field"
+                )
+            if text_field not in row:
+                if i == 0:  # a wrong field name: say so at once rather than skip every row
+                    raise ValueError(
+                        f"text_field={text_field!r} is not a field of corpus file {str(path)!r} (row 0); its "
+                        f"fields: {list(row)}. Set data.text_field to one of them"
+                    )
+                missing += 1
+            yield row.get(text_field)
+        if missing:
+            warnings.warn(
+                f"skipped {missing} row(s) of {str(path)!r} without a {text_field!r} field", stacklevel=4
+            )
+
+    return read
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[Any]:
+    """The `text_field` column of a parquet file, in row order, read in batches (only that column)."""
+    from rlm.extras import require
+
+    pq = require("pyarrow.parquet", "hf", "a .parquet corpus file")
+    file = pq.ParquetFile(path)
+    if text_field not in file.schema_arrow.names:
+        raise ValueError(
+            f"text_field={text_field!r} is not a column of corpus file {str(path)!r}; its columns: "
+            f"{file.schema_arrow.names}. Set data.text_field to one of them"
+        )
+    for batch in file.iter_batches(batch_size=4096, columns=[text_field]):
+        yield from batch.column(0).to_pylist()
+
+
+READERS: dict[str, Callable[[Path, str], Iterator[Any]]] = {
+    ".jsonl": _field_of_rows(_jsonl_rows),
+    ".json": _field_of_rows(_json_rows),
+    ".parquet": _read_parquet,
+}
+"""Record formats, by file ending: a reader yields each row's `text_field` value (None where it is missing)."""
+
+
+def _read_records(path: Path, name: str, text_field: str) -> Iterator[Document]:
+    """One document per row of a record file, named ``NAME/ROW``; empty and null texts are skipped."""
+    for i, text in enumerate(READERS[path.suffix.lower()](path, text_field)):
+        if text is not None and not isinstance(text, str):
+            raise ValueError(
+                f"text_field={text_field!r} of corpus file {str(path)!r} row {i} is "
+                f"{type(text).__name__}, not text; set data.text_field to a text field"
+            )
+        if text:
+            yield Document(f"{name}/{i}", text)
+
+
 def _read_files(
-    paths: list[Path], root: Path | None, limit: int | None, progress: bool, warn: bool = True
+    paths: list[Path],
+    root: Path | None,
+    limit: int | None,
+    progress: bool,
+    warn: bool = True,
+    text_field: str = "text",
 ) -> Iterator[Document]:
     """Read UTF-8 files in order, skipping unreadable ones, stopping after `limit` non-empty documents.
 
     Names are relative to `root` when given (a directory, or the stdlib), so the corpus fingerprint does
-    not depend on where the directory lives or how its path was spelled.
+    not depend on where the directory lives or how its path was spelled. Record files (READERS) give one
+    document per row; a malformed one is an error, not skipped: its rows were asked for by field.
     """
     skipped, kept = 0, 0
     for path in tqdm(paths, desc="reading corpus", unit="file", disable=not progress, leave=False):
         if limit is not None and kept >= limit:
             break
+        name = str(path.relative_to(root)) if root else str(path)
+        if path.suffix.lower() in READERS:
+            try:
+                for doc in _read_records(path, name, text_field):
+                    if limit is not None and kept >= limit:
+                        break
+                    kept += 1
+                    yield doc
+            except UnicodeDecodeError as err:
+                raise ValueError(f"corpus file {str(path)!r} is not UTF-8 ({err})") from err
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -76,7 +210,7 @@ def _read_files(
             continue
         if text:
             kept += 1
-            yield Document(str(path.relative_to(root)) if root else str(path), text)
+            yield Document(name, text)
     if skipped and warn:
         warnings.warn(f"skipped {skipped} unreadable or non-UTF-8 file(s) in the corpus", stacklevel=3)
 
@@ -87,15 +221,18 @@ def is_saved_dataset(name: str) -> bool:
     return os.path.isdir(name) and any(os.path.isfile(os.path.join(name, m)) for m in marks)
 
 
-def _load_hf(
-    name: str, split: str, config: str | None, text_field: str, limit: int | None
-) -> Iterator[Document]:
-    """Documents of a Hugging Face dataset: a saved dataset, a local folder of data files, or a hub name."""
+# datasets' builder for a single data file given as hf:PATH (load_dataset(PATH) takes folders and hub names only)
+_HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
+                ".txt": "text"}  # fmt: skip
+
+
+def hf_dataset(name: str, split: str, config: str | None, streaming: bool = False) -> Any:
+    """The ``split`` of an hf: source: a dataset saved with save_to_disk, a local data file, a local folder of
+    data files, or a hub name; an IterableDataset when ``streaming``."""
     from rlm.extras import require
 
     datasets = require("datasets", "hf", "an hf: corpus")  # slow import, only when asked for
-
-    if is_saved_dataset(name):
+    if is_saved_dataset(name):  # memory-mapped Arrow files, read in order
         ds = datasets.load_from_disk(name)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
@@ -103,8 +240,22 @@ def _load_hf(
                     f"hf_split={split!r} is not in the saved dataset {name!r}; splits: {list(ds)}"
                 )
             ds = ds[split]
-    else:
-        ds = datasets.load_dataset(name, config, split=split)
+        return ds.to_iterable_dataset() if streaming else ds
+    if os.path.isfile(name):  # the file is the split
+        builder = _HF_BUILDERS.get(Path(name).suffix.lower())
+        if builder is None:
+            raise ValueError(
+                f"hf:{name} is a file datasets cannot read by its ending; accepted: {list(_HF_BUILDERS)}"
+            )
+        return datasets.load_dataset(builder, data_files={split: name}, split=split, streaming=streaming)
+    return datasets.load_dataset(name, config, split=split, streaming=streaming)
+
+
+def _load_hf(
+    name: str, split: str, config: str | None, text_field: str, limit: int | None
+) -> Iterator[Document]:
+    """Documents of a Hugging Face dataset (see hf_dataset), in row order."""
+    ds = hf_dataset(name, split, config)
     if text_field not in ds.column_names:
         raise ValueError(f"text_field={text_field!r} is not a column of {name!r}; columns: {ds.column_names}")
     if limit is not None:
@@ -128,7 +279,10 @@ def read_corpus(
     text_field: str = "text",
     progress: bool = True,
 ) -> list[Document]:
-    """Read every source of `corpus` in order; empty documents are dropped; at most `max_documents` kept."""
+    """Read every source of `corpus` in order; empty documents are dropped; at most `max_documents` kept.
+
+    `text_field` is the field read from .jsonl/.json/.parquet files (a document per row) and hf: datasets.
+    """
     specs = [corpus] if isinstance(corpus, str) else list(corpus)
     if not specs:
         raise ValueError(f"corpus is an empty list; accepted: {ACCEPTED}")
@@ -146,7 +300,8 @@ def read_corpus(
         else:
             is_dir = Path(spec).expanduser().is_dir() and not _GLOB_CHARS.intersection(spec)
             root = Path(spec).expanduser() if is_dir else None
-            docs.extend(_read_files(_expand_path(spec, extensions), root, left, progress))
+            files = _expand_path(spec, extensions)
+            docs.extend(_read_files(files, root, left, progress, text_field=text_field))
     if not docs:
         raise ValueError(f"corpus {corpus!r} has no non-empty documents; accepted: {ACCEPTED}")
     return docs

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlm.data.corpus import Document, fingerprint, read_corpus
-from rlm.data.pretrained import TRAIN, HFTokenizer, load_tokenizer, tokenizer_digest
+from rlm.data.pretrained import TRAIN, HFTokenizer, resolve_vocab_size, tokenizer_digest
 from rlm.data.segments import SegmentTable
 from rlm.data.store import CacheKey, TokenStore, build_store
 from rlm.data.tokenizer import MODEL_TYPES, Tokenizer
@@ -26,14 +26,19 @@ class RLMDataModule(pl.LightningDataModule):
     """Language-modelling windows over a tokenized corpus, with global segment ids for retrieval.
 
     Args:
-        corpus: "stdlib" (this interpreter's standard library sources); a file, directory or glob; "hf:NAME"
-            (a Hugging Face dataset name, or the path of one saved with save_to_disk); or a list of these.
+        corpus: "stdlib" (this interpreter's standard library sources); a file, directory or glob (.jsonl, .json
+            and .parquet files are read by text_field, others as one text each); "hf:NAME" (a Hugging Face dataset
+            name, the path of one saved with save_to_disk, or of a data file); or a list of these.
         hf_split: Split of a Hugging Face dataset.
         hf_config: Configuration name of a Hugging Face dataset.
-        text_field: Column holding the text in a Hugging Face dataset.
-        extensions: File name endings read from directories.
+        text_field: Field holding the text: in .jsonl, .json and .parquet files (a document per row; rows with
+            empty text are skipped) and in hf: datasets.
+        extensions: File name endings read from directories (add .jsonl, .json or .parquet to read those by
+            text_field); a directory with none of them is an error naming the endings it holds.
         max_documents: Keep only the first N documents (sorted order), for quick runs; None keeps all.
-        vocab_size: sentencepiece vocabulary size, special ids (pad 0, unk 1, bos 2, eos 3) included.
+        vocab_size: Number of token ids, special ids included; the model's embedding is sized by it. With a trained
+            tokenizer, the sentencepiece vocabulary size (None: 4096). With an existing tokenizer (``tokenizer``),
+            None takes its number of ids, and any other value must equal it.
         seq_len: Training window length in tokens; a multiple of segment_len.
         segment_len: Retrieval segment length in tokens.
         batch_size: Training batch size (per device).
@@ -48,10 +53,9 @@ class RLMDataModule(pl.LightningDataModule):
         progress: Show progress bars while reading, training the tokenizer and encoding.
         tokenizer: "train" trains a sentencepiece model on the training documents (the default); or the path of
             an existing sentencepiece .model file, or of a Hugging Face tokenizer (a tokenizer.json file or the
-            directory holding it, as tokenizers or transformers save it; extra ``hf``). An existing tokenizer
-            needs vocab_size >= its number of ids (the model's embedding is sized by vocab_size). Evaluation
-            with a checkpoint's own tokenizer (``rlm validate|test --ckpt_path``, ``rlm eval``) sets it; None is
-            "train".
+            directory holding it, as tokenizers or transformers save it; extra ``hf``), whose number of ids sets
+            vocab_size. Evaluation with a checkpoint's own tokenizer (``rlm validate|test --ckpt_path``,
+            ``rlm eval``) sets it; None is "train".
         streaming: Read hf: sources as a datasets IterableDataset and encode them on the fly into shards on
             disk, never holding the corpus in memory (see rlm/data/stream.py; hf: sources only).
     """
@@ -64,7 +68,7 @@ class RLMDataModule(pl.LightningDataModule):
         text_field: str = "text",
         extensions: list[str] = [".py", ".txt", ".md"],  # noqa: B006 (copied below; jsonargparse shows it)
         max_documents: int | None = None,
-        vocab_size: int = 4096,
+        vocab_size: int | None = None,
         seq_len: int = 256,
         segment_len: int = 64,
         batch_size: int = 8,
@@ -82,6 +86,8 @@ class RLMDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         tokenizer = TRAIN if tokenizer is None else tokenizer
+        # an existing tokenizer is opened now: a missing file or a disagreeing vocab_size fails before any work
+        vocab_size = resolve_vocab_size(vocab_size, tokenizer)  # before save_hyperparameters: saved resolved
         _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size)
         _positive(max_tokenizer_chars=max_tokenizer_chars)
         if max_documents is not None:
@@ -93,14 +99,7 @@ class RLMDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"streaming=True reads hf: sources only, got corpus={corpus!r}; accepted: 'hf:NAME'"
             )
-        if tokenizer != TRAIN:  # open it now: a missing file or a too small vocab_size fails before any work
-            n_ids = load_tokenizer(tokenizer).vocab_size
-            if vocab_size < n_ids:
-                raise ValueError(
-                    f"vocab_size={vocab_size} but data.tokenizer={tokenizer!r} has {n_ids} ids; accepted: "
-                    f"vocab_size >= {n_ids}"
-                )
-        elif vocab_size < _MIN_VOCAB:
+        if tokenizer == TRAIN and vocab_size < _MIN_VOCAB:
             raise ValueError(
                 f"vocab_size={vocab_size}; accepted: >= {_MIN_VOCAB} (4 special ids + 256 byte pieces)"
             )
@@ -287,8 +286,9 @@ class RLMDataModule(pl.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids (sentencepiece gives exactly the requested size, so this works before setup)."""
-        if self.tokenizer_spec != TRAIN:  # the model is sized by the requested size, at least the tokenizer's
+        """Number of token ids (sentencepiece gives exactly the requested size, and a given tokenizer sets it, so
+        this works before setup)."""
+        if self.tokenizer_spec != TRAIN:
             return self.vocab_size_requested
         return self._store.tokenizer.vocab_size if self._store is not None else self.vocab_size_requested
 

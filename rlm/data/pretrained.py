@@ -26,6 +26,8 @@ ACCEPTED = (
     "'train' (a sentencepiece model trained on the corpus), the path of a sentencepiece .model file, or a "
     "Hugging Face tokenizer: a tokenizer.json file or the directory holding it"
 )
+DEFAULT_VOCAB = 4096
+"""``data.vocab_size`` when it is unset and the tokenizer is trained on the corpus."""
 HF_FILES = ("tokenizer.json", "special_tokens_map.json", "tokenizer_config.json")
 _CANDIDATES = {
     "bos": ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]", "<|endoftext|>"),
@@ -150,6 +152,20 @@ def load_tokenizer(spec: str) -> Tokenizer | HFTokenizer:
         raise ValueError(
             f"data.tokenizer={spec!r} is not a Hugging Face tokenizer ({err}); accepted: {ACCEPTED}"
         ) from err
+
+
+def resolve_vocab_size(vocab_size: int | None, tokenizer: str | None = TRAIN) -> int:
+    """``data.vocab_size`` as the model is sized by it: a given tokenizer's number of ids, else ``vocab_size``
+    (DEFAULT_VOCAB when unset). A set ``vocab_size`` that disagrees with a given tokenizer is a ValueError."""
+    if tokenizer in (None, TRAIN):
+        return DEFAULT_VOCAB if vocab_size is None else vocab_size
+    n_ids = load_tokenizer(tokenizer).vocab_size
+    if vocab_size is not None and vocab_size != n_ids:
+        raise ValueError(
+            f"data.vocab_size={vocab_size} but data.tokenizer={tokenizer!r} has {n_ids} ids; accepted: "
+            f"{n_ids}, or leave data.vocab_size unset (null) to take it from the tokenizer"
+        )
+    return n_ids
 
 
 def tokenizer_digest(spec: str) -> str:

@@ -28,10 +28,9 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from rlm.data.corpus import Document, is_saved_dataset
+from rlm.data.corpus import Document, hf_dataset
 from rlm.data.pretrained import TRAIN, open_cached
 from rlm.data.store import _ENCODE_BATCH, FORMAT_VERSION, CacheKey, make_tokenizer, token_dtype
-from rlm.extras import require
 
 SHARD_TOKENS = 1 << 24
 """Tokens per shard (32 MiB of uint16): the most the build holds in memory at once, besides per-document
@@ -61,18 +60,7 @@ def stream_documents(
 
 
 def _stream_one(name: str, split: str, config: str | None, text_field: str) -> Iterator[Document]:
-    datasets = require("datasets", "hf", "an hf: corpus")
-    if is_saved_dataset(name):  # saved with save_to_disk: memory-mapped Arrow files, read in order
-        ds = datasets.load_from_disk(name)
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise ValueError(
-                    f"hf_split={split!r} is not in the saved dataset {name!r}; splits: {list(ds)}"
-                )
-            ds = ds[split]
-        ds = ds.to_iterable_dataset()
-    else:  # a hub name, or a local folder / file of json, csv, parquet or text files
-        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+    ds = hf_dataset(name, split, config, streaming=True)
     for i, row in enumerate(ds):
         if text_field not in row:
             raise ValueError(f"text_field={text_field!r} is not a column of {name!r}; columns: {list(row)}")

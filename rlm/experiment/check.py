@@ -158,9 +158,9 @@ def _instantiate_configs(ns: Any, plugins: dict[str, Any]) -> ParamCounts:
 
     if ns.model.optim is not None:
         OptimConfig(**ns.model.optim.as_dict())
-    RLMDataModule(**ns.data.as_dict())
+    data = RLMDataModule(**ns.data.as_dict())
     model_cfg = ns.model.model.as_dict() if ns.model.model is not None else {}
-    model_cfg["vocab_size"] = ns.data.vocab_size  # as rlm fit copies it
+    model_cfg["vocab_size"] = data.vocab_size  # as rlm fit copies it (a given tokenizer's size when unset)
     return count_parameters(model_cfg, plugins)
 
 

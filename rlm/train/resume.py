@@ -135,7 +135,9 @@ def prepare_ckpt_path(config: Any) -> None:
     saved = ckpt.get("hyper_parameters", {})
     current = cfg.model.as_dict()
     if current.get("model") is not None:
-        current["model"]["vocab_size"] = cfg.data.vocab_size
+        from rlm.data.pretrained import resolve_vocab_size
+
+        current["model"]["vocab_size"] = resolve_vocab_size(cfg.data.vocab_size, cfg.data.get("tokenizer"))
     current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
     diffs = config_diff(saved, current)
     if diffs:
