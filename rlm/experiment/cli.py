@@ -10,22 +10,25 @@ from pathlib import Path
 from rlm.experiment.check import ParamCounts, check_experiment
 from rlm.experiment.report import write_report
 from rlm.experiment.runner import PREEMPTED, Preempted, plan, run_experiment
+from rlm.experiment.spec import Experiment
 from rlm.extras import MissingExtra
 
 
-def _print_plan(exp_name: str, out: Path, runs: int, counts: dict[str, ParamCounts], baseline: str) -> None:
-    print(f"experiment {exp_name}: {len(counts)} variants, {runs} runs, output {out}")
-    print(f"  {'variant':<24} {'params':>12} {'added':>12} {'active/token':>13}")
+def _print_plan(exp: Experiment, out: Path, runs: int, counts: dict[str, ParamCounts]) -> None:
+    print(f"experiment {exp.name}: {len(counts)} variants, {runs} runs, output {out}")
+    print(f"  {'variant':<24} {'params':>12} {'added':>12} {'active/token':>13}  then")
     for name, c in counts.items():
-        mark = " (baseline)" if name == baseline else ""
-        print(f"  {name + mark:<24} {c.total:>12,} {c.added:>12,} {c.active:>13,}")
+        mark = " (baseline)" if name == exp.baseline else ""
+        knn = exp.variants[name].knnlm
+        then = "" if knn is None else "kNN-LM datastore " + " ".join(f"{k}={v}" for k, v in knn.items())
+        print(f"  {name + mark:<24} {c.total:>12,} {c.added:>12,} {c.active:>13,}  {then}".rstrip())
 
 
 def cmd_check(a: argparse.Namespace) -> int:
     """Validate the file and print the plan with each variant's parameter counts; train nothing."""
     exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
-    _print_plan(exp.name, out, len(plan(exp, out, a.variants)), counts, exp.baseline)
+    _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
     return 0
 
 
@@ -33,7 +36,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     """Validate, train every unfinished run, then write the report."""
     exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
-    _print_plan(exp.name, out, len(plan(exp, out, a.variants)), counts, exp.baseline)
+    _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
     try:
         failed = run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse)
     except Preempted as stop:
