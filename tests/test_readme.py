@@ -1,0 +1,42 @@
+"""The README's code runs as written: the plugin example of "Adding a plugin"."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from rlm.model import ModelConfig, Transformer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _python_block(section: str) -> str:
+    text = README.read_text()
+    body = text[text.index(f"## {section}") :]
+    return re.search(r"```python\n(.*?)```", body, flags=re.S).group(1)
+
+
+def test_the_plugin_example_builds_and_scales_the_ffn(tmp_path, monkeypatch):
+    """The example plugin, saved as a module, loads by class_path; with scale s at layer 1 the logits equal those of
+    the plain model whose layer-1 FFN output projection is multiplied by s (the FFN is linear in it)."""
+    (tmp_path / "readme_scale.py").write_text(_python_block("Adding a plugin"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    torch.manual_seed(0)
+    plain = Transformer(config)
+    torch.manual_seed(0)
+    spec = {"class_path": "readme_scale.ScalePlugin", "init_args": {"layers": [1], "init": 1.0}}
+    scaled = Transformer(config, {"scale": spec})
+    assert type(scaled.blocks[1].ffn).__name__ == "Scaled" and type(scaled.blocks[0].ffn).__name__ != "Scaled"
+    assert scaled.added_parameters() == 1
+    tokens = torch.randint(0, 64, (2, 16))
+    plain.eval(), scaled.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(scaled(tokens), plain(tokens))  # init 1: the same model
+        scaled.blocks[1].ffn.scale.fill_(2.5)
+        plain.blocks[1].ffn.down.weight.mul_(2.5)
+        torch.testing.assert_close(scaled(tokens), plain(tokens))
+    sys.modules.pop("readme_scale", None)
