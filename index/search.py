@@ -1,4 +1,4 @@
-"""Batched, filtered search of a whole table of queries: the neighbour tables of DESIGN.md 'Retrieval'.
+"""Batched, filtered search of a whole table of queries: the retriever's neighbour tables.
 
 Filters follow MARGE for causal LMs (Komatsuzaki 2020): the neighbours of segment S_t condition the
 prediction of S_{t+1}, so a query segment must never retrieve itself, its target S_{t+1}, or any later

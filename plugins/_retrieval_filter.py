@@ -1,7 +1,7 @@
 """The retriever at evaluation (validation, test, rlm eval, generation): causal for any evaluated text, and with the
 evaluated document's own past, as in training.
 
-DESIGN.md (Retrieval): segment S_t retrieves from the whole training set and from the past of its own document,
+The rule (Komatsuzaki 2020, sec. 5.4, as the retriever applies it): segment S_t retrieves from the whole training set and from the past of its own document,
 never the target S_{t+1} nor anything after it. A training query is a segment of an indexed document and the
 index's causal filter knows it by id (rlm.index.search). An evaluated text is not indexed, and its segments may not
 even be of the index's table (``rlm eval --corpus X``, a generation prompt: the batch's own table, Context.segments),

@@ -7,7 +7,7 @@ before they carried one, the tokenizer of the cache entry they trained on; neith
 ``rlm eval --ckpt CKPT`` evaluates the checkpoint's own test (or validation) split; ``--corpus X`` evaluates
 every document of X. It reports the mean token loss, its perplexity and bits per byte,
 
-    bpb = sum_t NLL_t (nats) / (ln 2 * UTF-8 bytes of the evaluated text)        (DESIGN.md, Measurement)
+    bpb = sum_t NLL_t (nats) / (ln 2 * UTF-8 bytes of the evaluated text)        (as The Pile reports it, Gao et al. 2020)
 
 which does not depend on the tokenizer, so models with different vocabularies compare. Every target counts:
 each document's tokens and its end-of-document token, scored in the training windows of seq_len tokens.

@@ -1,4 +1,4 @@
-"""The pre-norm decoder-only transformer and its named slots (see DESIGN.md, 'The core and its slots')."""
+"""The pre-norm decoder-only transformer and its named slots (rlm.plugin.base.Slot; README, 'Adding a plugin')."""
 
 from __future__ import annotations
 
