@@ -9,7 +9,7 @@ and computes only one selected block j* per layer. Around layer l (Algorithm 1 o
     correct:  x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})   (K trainable scalars, init 1)
 
 The block runs on the *predicted* block x_hat^{j*}, as in the paper's algorithm (and in Gemma 3n); with
-p = identity this is the stored x^{j*}, the L(x^{j*}) of the paper's simplified form. With g = 1 every block receives the layer's residual update, so
+p = identity this is the stored x^{j*} itself, and the compute step reads L(x^{j*}). With g = 1 every block receives the layer's residual update, so
 at initialisation Recycled-AltUp is exactly the base model and K=1 is the base model for any variant.
 
 How this differs from the plain stack:
