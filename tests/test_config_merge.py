@@ -62,3 +62,16 @@ def test_shipped_default_config_resolves():
     cfg = merge_configs([REPO / "configs" / "default.yaml"])
     assert {"model", "data", "trainer"} <= set(cfg)
     assert cfg["model"]["model"]["d_model"] == 256
+
+
+def test_the_wandb_fragment_keeps_checkpoints_under_the_csv_logger():
+    """configs/logger/wandb.yaml adds W&B after the CSV and TensorBoard loggers: Lightning puts checkpoints under
+    the first logger, so they stay in DIR/version_N/checkpoints; W&B uploads no checkpoint."""
+    from rlm.cli.merge import merge_configs
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    plain = merge_configs([root / "default.yaml"])["trainer"]["logger"]
+    cfg = merge_configs([root / "default.yaml", root / "logger" / "wandb.yaml"])["trainer"]["logger"]
+    assert cfg[:2] == plain and len(cfg) == 3
+    assert cfg[2]["class_path"] == "pytorch_lightning.loggers.WandbLogger"
+    assert cfg[2]["init_args"]["log_model"] is False
