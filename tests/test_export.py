@@ -83,9 +83,15 @@ def _index(module: LMModule, folder: Path) -> Path:
 
 
 def make_checkpoint(
-    folder: Path, plugins: dict, sp_model: bytes, with_index: bool = False, **model: int
+    folder: Path,
+    plugins: dict,
+    sp_model: bytes | None,
+    with_index: bool = False,
+    tokenizer: str | None = None,
+    **model: int,
 ) -> Path:
-    """A checkpoint as rlm fit writes it (LMModule weights and hyper-parameters, data settings, tokenizer)."""
+    """A checkpoint as rlm fit writes it (LMModule weights and hyper-parameters, data settings, tokenizer: the
+    sentencepiece model's bytes, or the data.tokenizer it names)."""
     torch.manual_seed(0)
     module = LMModule(model={**MODEL, **model}, plugins=plugins)
     _perturb(module)
@@ -101,8 +107,9 @@ def make_checkpoint(
             "corpus": "stdlib",
             "vocab_size": VOCAB,
             "cache_dir": str(folder / "c"),
+            "tokenizer": tokenizer or "train",
         },
-        "RLMDataModule": {"tokenizer_model": sp_model},
+        "RLMDataModule": {"tokenizer_model": sp_model} if sp_model else {},
     }
     path = folder / "ckpt" / "last.ckpt"
     path.parent.mkdir()
@@ -188,6 +195,10 @@ def test_retrieval_index_travels_with_the_weights(tmp_path, sp_model):
         without = model(tokens).logits
     assert (got[:, L:] - without[:, L:]).abs().max() > 1e-3  # the neighbours reach the logits after segment 0
     assert_close(got[:, :L], without[:, :L])  # the first segment has no earlier segment to retrieve with
+    said: list[str] = []
+    export(ckpt, tmp_path / "again", say=said.append)  # the checkpoint's index is gone now: said, not copied
+    assert any("is gone: exported without one" in line for line in said)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["indices"] == {"retrieval": None}
 
 
 def test_loss_shift_and_greedy_generate_match_rlm(tmp_path, sp_model):
@@ -245,3 +256,40 @@ def test_card_reads_the_runs_final_losses(tmp_path, sp_model):
     assert "train/loss: 4.7500 (step 2)" in readme and "val/loss: 5.1250 (step 1)" in readme
     assert '"vocab_size": 400' in readme and '"corpus": "stdlib"' in readme  # model and data settings
     assert "lr-AdamW" not in readme
+
+
+def test_a_hugging_face_tokenizer_is_exported_for_auto_tokenizer(tmp_path):
+    """A run that used a tokenizer.json (data.tokenizer): it is copied, with a tokenizer_config.json so that
+    AutoTokenizer loads it, and encodes as the original does."""
+    from tokenizers import Tokenizer as HFTokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    raw = HFTokenizers(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=350,
+        special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator([Path(json.__file__).read_text()], trainer)
+    (tmp_path / "tok").mkdir()
+    raw.save(str(tmp_path / "tok" / "tokenizer.json"))
+    ckpt = make_checkpoint(
+        tmp_path, PLUGINS["base"], None, tokenizer=str(tmp_path / "tok" / "tokenizer.json")
+    )
+    export(ckpt, tmp_path / "hf", say=lambda _: None)
+    out = tmp_path / "hf"
+    assert not (out / "tokenizer.model").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 3, 0)
+    text = "def f(x):\n    return x + 12"
+    auto = AutoTokenizer.from_pretrained(out)
+    assert (
+        auto(text)["input_ids"]
+        == raw.encode(text).ids
+        == load_tokenizer(str(out / "tokenizer.json")).encode(text)
+    )
+    assert (auto.bos_token, auto.eos_token, auto.pad_token) == ("<s>", "</s>", "<pad>")
+    assert "tokenizer.json" in (out / "README.md").read_text()

@@ -32,6 +32,7 @@ from rlm.index.store import atomic_dir
 from rlm.model.transformer import Transformer
 
 SP_FILE = "tokenizer.model"
+HF_JSON = "tokenizer.json"
 INDEX_DIR = "index"
 KNNLM_NOTE = (
     "kNN-LM datastores (`rlm knnlm build`) are not part of the export: build one from the original checkpoint "
@@ -48,21 +49,36 @@ def _refuse_existing(out: Path, force: bool) -> None:
 
 
 def write_tokenizer(ckpt: dict[str, Any], ckpt_path: Path, dest: Path) -> tuple[str, Any]:
-    """Write the checkpoint's own tokenizer into ``dest``; returns (what was written, the loaded tokenizer)."""
+    """Write the checkpoint's own tokenizer into ``dest``; returns (what was written, the loaded tokenizer).
+
+    A sentencepiece model (carried by the checkpoint, or the file it names) becomes ``tokenizer.model``; a Hugging
+    Face tokenizer is copied with the files beside it, plus a tokenizer_config.json when it had none, so that
+    transformers' AutoTokenizer loads it."""
     hp = data_settings(ckpt, ckpt_path)  # ValueError: no data settings, so no tokenizer
     spec = hp.get("tokenizer")
     carried = (ckpt.get("RLMDataModule") or {}).get("tokenizer_model")
-    if not carried and spec not in (None, TRAIN) and not str(spec).endswith(".model"):
-        source = Path(spec)  # a Hugging Face tokenizer: tokenizer.json, or the directory that holds it
-        folder = source if source.is_dir() else source.parent
-        names = [n for n in HF_FILES if (folder / n).is_file()]
-        if "tokenizer.json" not in names:
-            raise ValueError(f"{str(ckpt_path)!r} trained with the tokenizer {spec!r}, which is gone")
-        for name in names:
-            shutil.copyfile(folder / name, dest / name)
-        return ", ".join(names), load_tokenizer(str(dest / "tokenizer.json"))
-    shutil.copyfile(tokenizer_file(ckpt, ckpt_path, hp), dest / SP_FILE)
-    return f"{SP_FILE} (sentencepiece)", load_tokenizer(str(dest / SP_FILE))
+    if carried or spec in (None, TRAIN) or str(spec).endswith(".model"):
+        shutil.copyfile(tokenizer_file(ckpt, ckpt_path, hp), dest / SP_FILE)
+        return f"{SP_FILE} (sentencepiece)", load_tokenizer(str(dest / SP_FILE))
+    source = Path(spec)  # a Hugging Face tokenizer: tokenizer.json, or the directory that holds it
+    folder = source if source.is_dir() else source.parent
+    if not (folder / HF_JSON).is_file():
+        raise ValueError(f"{str(ckpt_path)!r} trained with the tokenizer {spec!r}, which is gone")
+    names = [n for n in HF_FILES if (folder / n).is_file()]
+    for name in names:
+        shutil.copyfile(folder / name, dest / name)
+    tok = load_tokenizer(str(dest / HF_JSON))
+    if "tokenizer_config.json" not in names:
+        from tokenizers import Tokenizer as HFTokenizers
+
+        raw = HFTokenizers.from_file(str(dest / HF_JSON))
+        specials = {
+            f"{kind}_token": raw.id_to_token(getattr(tok, f"{kind}_id")) for kind in ("bos", "eos", "pad")
+        }
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials}
+        (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        names.append("tokenizer_config.json")
+    return ", ".join(names), tok
 
 
 def export_indices(model: Transformer, dest: Path, say: Callable[[str], None]) -> dict[str, str | None]:
@@ -140,7 +156,7 @@ def card(
 ) -> str:
     """The README.md of the exported folder."""
     hp = ckpt.get("hyper_parameters") or {}
-    data = ckpt.get("datamodule_hyper_parameters") or {}
+    data = {k: v for k, v in (ckpt.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
     step = int(ckpt.get("global_step", 0))
     metrics_file, losses = final_metrics(ckpt_path, step)
     lines = [
@@ -240,6 +256,9 @@ def export(
             hf = RLMForCausalLM(config)
         hf.model = model
         hf.save_pretrained(tmp)
+        for path in tmp.iterdir():  # safetensors writes its file private; the folder is to be shared
+            if path.is_file():
+                path.chmod(0o644)
         (tmp / "README.md").write_text(card(ckpt, ckpt_path, config, tokenizer, indices))
     say(f"wrote {out}: model.safetensors, config.json, {tokenizer}, README.md")
     say(KNNLM_NOTE)

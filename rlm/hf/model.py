@@ -16,6 +16,7 @@ directory); from_pretrained hands it to the plugin, which searches it online as 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import asdict, field
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,17 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
     ):
         """transformers' from_pretrained, then the retrievers' index folders, found beside the weights."""
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        if model.config.indices and os.path.isdir(pretrained_model_name_or_path):
+        if not any(rel is not None for rel in (model.config.indices or {}).values()):
+            return model
+        if os.path.isdir(pretrained_model_name_or_path):
             model.attach_indices(pretrained_model_name_or_path)
+        else:
+            warnings.warn(
+                f"{pretrained_model_name_or_path!r} is not a local folder, so its retrieval index "
+                f"{model.config.indices} is not loaded and the retriever runs without neighbours; download the "
+                "folder and load it from there, or call model.attach_indices(folder)",
+                stacklevel=2,
+            )
         return model
 
     def attach_indices(self, root: str | os.PathLike[str]) -> None:
