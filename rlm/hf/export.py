@@ -113,10 +113,24 @@ def export_indices(model: Transformer, dest: Path, say: Callable[[str], None]) -
     return found
 
 
-def _check_rebuild(config: Any, model: Transformer) -> None:
-    """The model built from config.json alone (on the meta device) has the checkpoint's parameters."""
-    with torch.device("meta"):
-        again = Transformer(config.model_config(), config.plugins or None)
+def export_files(specs: dict[str, Any], dest: Path, say: Callable[[str], None]) -> dict[str, list[str]]:
+    """Copy the files that plugin options name (a token_counts array, say) into ``dest/files`` and point the
+    options there, relative to ``dest``; returns plugin label -> the options rewritten."""
+    found: dict[str, list[str]] = {}
+    for label, spec in specs.items():
+        for option, value in spec["init_args"].items():
+            if isinstance(value, str) and value and Path(value).is_file():
+                rel = f"files/{label}.{option}{Path(value).suffix}"
+                (dest / "files").mkdir(exist_ok=True)
+                shutil.copyfile(value, dest / rel)
+                spec["init_args"][option] = rel
+                found.setdefault(label, []).append(option)
+                say(f"plugin {label!r}: copied {option}={value} to {rel}")
+    return found
+
+
+def _check_rebuild(again: Transformer, model: Transformer) -> None:
+    """The model built from config.json alone has the checkpoint's parameters (names and shapes)."""
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     got = {k: tuple(v.shape) for k, v in again.state_dict().items() if isinstance(v, torch.Tensor)}
     if want != got:
@@ -243,17 +257,22 @@ def export(
         ) in indices:  # a training option (where rebuilds are written): meaningless on another machine
             if "index_dir" in specs[label]["init_args"]:
                 specs[label]["init_args"]["index_dir"] = None
+        files = export_files(specs, tmp, say)
         config = RLMConfig(
             rlm_model=asdict(module.model_config),
             plugins=specs,
             indices=indices,
+            files=files,
             bos_token_id=tok.bos_id,
             eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id,
         )
-        _check_rebuild(config, model)
-        with torch.device("meta"):  # a shell: the checkpoint's own Transformer goes inside, no copy
+        config.name_or_path = str(tmp)  # where the copied files are (not written to config.json)
+        with torch.device(
+            "meta"
+        ):  # a shell built from config.json alone; the checkpoint's Transformer goes in
             hf = RLMForCausalLM(config)
+        _check_rebuild(hf.model, model)
         hf.model = model
         hf.save_pretrained(tmp)
         for path in tmp.iterdir():  # safetensors writes its file private; the folder is to be shared

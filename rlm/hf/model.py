@@ -51,6 +51,9 @@ class RLMConfig(PretrainedConfig):
     """Plugin label -> {class_path, init_args}: every option of every plugin, defaults included."""
     indices: dict[str, str | None] = field(default_factory=dict)
     """Plugin label -> its index folder, relative to the model directory (None: exported without one)."""
+    files: dict[str, list[str]] = field(default_factory=dict)
+    """Plugin label -> its options that name a file copied into the model directory (their values are relative
+    to it), for example a token_counts array."""
     vocab_size: int | None = None
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
@@ -77,6 +80,24 @@ class RLMConfig(PretrainedConfig):
         return ModelConfig(**self.rlm_model)
 
 
+def _with_files(config: RLMConfig, root: str | None) -> dict[str, Any]:
+    """The plugin specs with the options naming exported files resolved against the model folder ``root``."""
+    specs = {
+        label: {**spec, "init_args": dict(spec["init_args"])}
+        for label, spec in (config.plugins or {}).items()
+    }
+    for label, options in (config.files or {}).items():
+        for option in options:
+            rel = specs[label]["init_args"][option]
+            if root is None:
+                raise ValueError(
+                    f"plugin {label!r}: option {option}={rel!r} names a file of the exported folder; load the model "
+                    "from a local folder (from_pretrained(DIR)), where that file is"
+                )
+            specs[label]["init_args"][option] = str(Path(root, rel))
+    return specs
+
+
 def _tied_source(model: Transformer) -> str | None:
     """The name under which the head's weight is first registered when it is tied to an embedding table."""
     if not model.config.tie_embeddings:
@@ -99,7 +120,11 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: RLMConfig) -> None:
         super().__init__(config)
-        self.model = Transformer(config.model_config(), config.plugins or None)
+        # from_pretrained sets name_or_path before building: the folder that files and indices are relative to
+        root = config.name_or_path if config.name_or_path and os.path.isdir(config.name_or_path) else None
+        self.model = Transformer(config.model_config(), _with_files(config, root) or None)
+        if root is not None:
+            self.attach_indices(root)
         source = _tied_source(self.model)
         # transformers loads parameters one by one, which breaks rlm's tie of head and table: declare it
         self._tied_weights_keys = {"model.head.weight": f"model.{source}"} if source else None
