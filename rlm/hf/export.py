@@ -252,9 +252,8 @@ def export(
             )
         indices = export_indices(model, tmp, say)
         specs = plugin_specs(model)
-        for (
-            label
-        ) in indices:  # a training option (where rebuilds are written): meaningless on another machine
+        # index_dir says where training writes rebuilds: meaningless on another machine
+        for label in indices:
             if "index_dir" in specs[label]["init_args"]:
                 specs[label]["init_args"]["index_dir"] = None
         files = export_files(specs, tmp, say)
@@ -268,9 +267,8 @@ def export(
             pad_token_id=tok.pad_id,
         )
         config.name_or_path = str(tmp)  # where the copied files are (not written to config.json)
-        with torch.device(
-            "meta"
-        ):  # a shell built from config.json alone; the checkpoint's Transformer goes in
+        # a shell built from config.json alone (checked against the checkpoint); its Transformer goes in
+        with torch.device("meta"):
             hf = RLMForCausalLM(config)
         _check_rebuild(hf.model, model)
         hf.model = model

@@ -15,6 +15,7 @@ directory); from_pretrained hands it to the plugin, which searches it online as 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import asdict, field
@@ -251,6 +252,11 @@ def plugin_specs(model: Transformer) -> dict[str, Any]:
     specs = {}
     for label, plugin in model.plugins.items():
         cls = type(plugin)
+        if not dataclasses.is_dataclass(plugin.config):
+            raise ValueError(
+                f"plugin {label!r} ({cls.__qualname__}): its config {type(plugin.config).__name__} is not a "
+                "dataclass, so its options cannot be written to config.json; accepted: a dataclass Config"
+            )
         specs[label] = {
             "class_path": f"{cls.__module__}.{cls.__qualname__}",
             "init_args": asdict(plugin.config),
