@@ -8,6 +8,7 @@ rank; both build on this module. A memory's owner (the retriever) implements ``M
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -22,11 +23,16 @@ from rlm.index.protocol import Embedder, embed_all
 from rlm.index.search import Exclusions, Neighbours, neighbour_table, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.store import (
+    META,
+    META_SHA,
     IndexMismatchError,
     IndexNotFoundError,
     _save_npy,
     atomic_dir,
+    file_sha256,
     load_index_dir,
+    meta_digest,
+    read_meta,
     write_dir_contents,
 )
 
@@ -241,6 +247,31 @@ def load_corpus_ref(path: Path) -> SegmentTable:
     return SegmentTable(
         tokens, np.load(path / DOC_OFFSETS), ref["segment_len"], ref["pad_id"], ref["fingerprint"]
     )
+
+
+def copy_memory(src: str | Path, dst: Path) -> dict[str, Any]:
+    """Copy a written memory to ``dst`` (a new folder) so that it stands alone: corpus tokens it references in a
+    data cache (save_corpus_ref) are copied in, and its checksums rewritten to match. Returns its metadata.
+
+    The source is verified first; one part of a sharded index is refused (its parts live in other folders)."""
+    src = Path(src)
+    meta = read_meta(src, verify=True)
+    if "shard" in meta:
+        raise ValueError(
+            f"the index at {src} is one part of a sharded index; only an unsharded index is copied"
+        )
+    shutil.copytree(src, dst)
+    ref = json.loads((dst / CORPUS).read_text())
+    if "file" in ref:
+        _save_npy(dst / CORPUS_TOKENS, np.asarray(load_corpus_ref(src).corpus_tokens))
+        ref = {k: v for k, v in ref.items() if k not in ("file", "offset", "dtype", "shape")}
+        (dst / CORPUS).write_text(json.dumps(ref))
+        for name in (CORPUS, CORPUS_TOKENS):
+            meta["files"][name] = (dst / name).stat().st_size
+            meta.setdefault("sha256", {})[name] = file_sha256(dst / name)
+        meta[META_SHA] = meta_digest(meta)
+        (dst / META).write_text(json.dumps(meta, indent=2))
+    return meta
 
 
 def load_table(path: Path) -> np.ndarray | None:

@@ -15,7 +15,18 @@ RUN = Path("runs/test/version_0")
 
 
 def test_command_table_is_pinned(capsys):
-    assert list(COMMANDS) == ["fit", "validate", "test", "eval", "generate", "index", "knnlm", "experiment", "plugins"]
+    assert list(COMMANDS) == [
+        "fit",
+        "validate",
+        "test",
+        "eval",
+        "generate",
+        "export",
+        "index",
+        "knnlm",
+        "experiment",
+        "plugins",
+    ]
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)

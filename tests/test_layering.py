@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("index and parallelism", ("rlm.index", "rlm.train.parallel")),
     ("plugins", ("rlm.plugins",)),
     ("train", ("rlm.train",)),
-    ("eval", ("rlm.eval",)),
+    ("eval", ("rlm.eval", "rlm.hf.export")),
     (
         "cli plumbing",
         ("rlm.cli.merge", "rlm.cli.override", "rlm.cli.check", "rlm.cli.support", "rlm.cli.lightning_cli"),

@@ -140,6 +140,25 @@ def run_knnlm(command: str, args: list[str]) -> int:
     return knnlm_main(args)
 
 
+def run_export(command: str, args: list[str]) -> int:
+    """``rlm export --ckpt PATH --out DIR [--force]``: a folder transformers loads (after ``import rlm.hf``)."""
+    p = argparse.ArgumentParser(
+        prog="rlm export",
+        description="Write a checkpoint as model.safetensors + config.json + tokenizer + README.md (and a "
+        "retriever's index) that transformers' AutoModelForCausalLM loads after `import rlm.hf`.",
+    )
+    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
+    p.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    p.add_argument("--force", action="store_true", help="replace --out when it exists and is not empty")
+    a = p.parse_args(args)
+    if not os.path.isfile(a.ckpt):
+        p.error(f"--ckpt {a.ckpt!r} does not exist")
+    from rlm.hf.export import export
+
+    export(a.ckpt, a.out, a.force)
+    return 0
+
+
 def run_index(command: str, args: list[str]) -> int:
     """``rlm index build|search|eval|info``."""
     from rlm.index.cli import main as index_main
@@ -177,6 +196,7 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "test": (run_lightning, "evaluate on the test split"),
     "eval": (run_eval, "loss, perplexity and bits per byte of a checkpoint on any text, its own tokenizer"),
     "generate": (run_generate, "sample text from a checkpoint"),
+    "export": (run_export, "a checkpoint as a transformers folder (safetensors, config, tokenizer, card)"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
     "knnlm": (
         run_knnlm,

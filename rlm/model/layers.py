@@ -46,6 +46,9 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.rope_base = (
+            config.rope_base
+        )  # to compute the tables again (rlm.hf: from_pretrained leaves them empty)
         cos, sin = rope_cache(config.max_seq_len, config.head_dim, config.rope_base)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

@@ -1,0 +1,282 @@
+"""``rlm export --ckpt CKPT --out DIR``: a checkpoint as a folder that transformers loads (after ``import rlm.hf``).
+
+DIR holds ``model.safetensors`` (the Transformer's parameters, plugins included), ``config.json`` (rlm's
+ModelConfig and every plugin's options, see rlm.hf.model.RLMConfig), ``generation_config.json``, the tokenizer
+the checkpoint carries (``tokenizer.model``, sentencepiece; or the Hugging Face tokenizer files it trained
+with), a retriever's index in ``index/`` when it has one, and ``README.md``, a card with the training settings,
+data, steps and final losses. The folder is written under a temporary name and renamed; an existing non-empty
+DIR is refused unless ``force``.
+
+What stays rlm's: a retriever's index search (rlm.index, faiss) runs inside the plugin, so loading a model with
+retrieval needs rlm installed as any rlm model does; kNN-LM datastores (rlm knnlm build) are not exported.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlm.data.pretrained import HF_FILES, TRAIN, load_tokenizer
+from rlm.eval.evaluate import data_settings, load_checkpoint, tokenizer_file
+from rlm.extras import require
+from rlm.index.memory import copy_memory
+from rlm.index.store import atomic_dir
+from rlm.model.transformer import Transformer
+
+SP_FILE = "tokenizer.model"
+HF_JSON = "tokenizer.json"
+INDEX_DIR = "index"
+KNNLM_NOTE = (
+    "kNN-LM datastores (`rlm knnlm build`) are not part of the export: build one from the original checkpoint "
+    "with rlm."
+)
+
+
+def _refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; accepted: a new or empty directory (or --force)")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {str(out)!r} exists and is not empty; accepted: a new or empty directory, "
+                         "or --force to replace it")  # fmt: skip
+
+
+def write_tokenizer(ckpt: dict[str, Any], ckpt_path: Path, dest: Path) -> tuple[str, Any]:
+    """Write the checkpoint's own tokenizer into ``dest``; returns (what was written, the loaded tokenizer).
+
+    A sentencepiece model (carried by the checkpoint, or the file it names) becomes ``tokenizer.model``; a Hugging
+    Face tokenizer is copied with the files beside it, plus a tokenizer_config.json when it had none, so that
+    transformers' AutoTokenizer loads it."""
+    hp = data_settings(ckpt, ckpt_path)  # ValueError: no data settings, so no tokenizer
+    spec = hp.get("tokenizer")
+    carried = (ckpt.get("RLMDataModule") or {}).get("tokenizer_model")
+    if carried or spec in (None, TRAIN) or str(spec).endswith(".model"):
+        shutil.copyfile(tokenizer_file(ckpt, ckpt_path, hp), dest / SP_FILE)
+        return f"{SP_FILE} (sentencepiece)", load_tokenizer(str(dest / SP_FILE))
+    source = Path(spec)  # a Hugging Face tokenizer: tokenizer.json, or the directory that holds it
+    folder = source if source.is_dir() else source.parent
+    if not (folder / HF_JSON).is_file():
+        raise ValueError(f"{str(ckpt_path)!r} trained with the tokenizer {spec!r}, which is gone")
+    names = [n for n in HF_FILES if (folder / n).is_file()]
+    for name in names:
+        shutil.copyfile(folder / name, dest / name)
+    tok = load_tokenizer(str(dest / HF_JSON))
+    if "tokenizer_config.json" not in names:
+        from tokenizers import Tokenizer as HFTokenizers
+
+        raw = HFTokenizers.from_file(str(dest / HF_JSON))
+        specials = {
+            f"{kind}_token": raw.id_to_token(getattr(tok, f"{kind}_id")) for kind in ("bos", "eos", "pad")
+        }
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials}
+        (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        names.append("tokenizer_config.json")
+    return ", ".join(names), tok
+
+
+def export_indices(model: Transformer, dest: Path, say: Callable[[str], None]) -> dict[str, str | None]:
+    """Copy every index a plugin's checkpointed state names (``{'index_dir': path}``) under ``dest``; returns
+    plugin label -> folder relative to ``dest``, or None for a plugin that has no index to export."""
+    owners = {}
+    for label, plugin in model.plugins.items():
+        if type(plugin).get_extra_state is not nn.Module.get_extra_state:
+            state = plugin.get_extra_state()
+            if isinstance(state, dict) and "index_dir" in state:
+                owners[label] = state["index_dir"]
+    found: dict[str, str | None] = {}
+    for label, path in owners.items():
+        rel = INDEX_DIR if len(owners) == 1 else f"{INDEX_DIR}/{label}"
+        if path is None:
+            say(
+                f"plugin {label!r} has no index (none was built before this checkpoint): exported without one"
+            )
+        elif not Path(path).is_dir():
+            say(f"plugin {label!r}: its index {path} is gone: exported without one")
+            path = None
+        else:
+            try:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                meta = copy_memory(path, dest / rel)
+                say(f"plugin {label!r}: copied its index ({meta['count']} segments) from {path} to {rel}/")
+            except (ValueError, FileNotFoundError) as err:
+                say(f"plugin {label!r}: its index {path} cannot be exported ({err}): exported without one")
+                shutil.rmtree(dest / rel, ignore_errors=True)
+                path = None
+        found[label] = rel if path is not None else None
+    return found
+
+
+def export_files(specs: dict[str, Any], dest: Path, say: Callable[[str], None]) -> dict[str, list[str]]:
+    """Copy the files that plugin options name (a token_counts array, say) into ``dest/files`` and point the
+    options there, relative to ``dest``; returns plugin label -> the options rewritten."""
+    found: dict[str, list[str]] = {}
+    for label, spec in specs.items():
+        for option, value in spec["init_args"].items():
+            if isinstance(value, str) and value and Path(value).is_file():
+                rel = f"files/{label}.{option}{Path(value).suffix}"
+                (dest / "files").mkdir(exist_ok=True)
+                shutil.copyfile(value, dest / rel)
+                spec["init_args"][option] = rel
+                found.setdefault(label, []).append(option)
+                say(f"plugin {label!r}: copied {option}={value} to {rel}")
+    return found
+
+
+def _check_rebuild(again: Transformer, model: Transformer) -> None:
+    """The model built from config.json alone has the checkpoint's parameters (names and shapes)."""
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    got = {k: tuple(v.shape) for k, v in again.state_dict().items() if isinstance(v, torch.Tensor)}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))[:5]
+        raise ValueError(
+            f"the exported config does not rebuild the checkpoint's model; first differences: {diff}"
+        )
+
+
+def final_metrics(ckpt_path: Path, step: int) -> tuple[Path | None, dict[str, tuple[int, float]]]:
+    """The run's metrics.csv (CSVLogger) beside the checkpoint, if any, and the last value up to ``step`` of
+    each loss column: name -> (step, value)."""
+    run = ckpt_path.resolve().parent.parent
+    versions = sorted(run.glob("version_*/metrics.csv"), key=lambda p: p.stat().st_mtime, reverse=True)
+    candidates = [ckpt_path.resolve().parent / "metrics.csv", run / "metrics.csv", *versions]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        return None, {}
+    last: dict[str, tuple[int, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            at = int(float(row.get("step") or 0))
+            if at > step:
+                continue
+            for name, value in row.items():
+                if name and "loss" in name and value not in (None, ""):
+                    last[name] = (at, float(value))
+    return path, last
+
+
+def _block(obj: Any) -> str:
+    return "```json\n" + json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n```"
+
+
+def card(
+    ckpt: dict[str, Any], ckpt_path: Path, config: Any, tokenizer: str, indices: dict[str, str | None]
+) -> str:
+    """The README.md of the exported folder."""
+    hp = ckpt.get("hyper_parameters") or {}
+    data = {k: v for k, v in (ckpt.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
+    step = int(ckpt.get("global_step", 0))
+    metrics_file, losses = final_metrics(ckpt_path, step)
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [rlm]",
+        "---",
+        f"# {ckpt_path.stem}: an rlm model",
+        "",
+        f"Exported by `rlm export` from `{ckpt_path}` at step {step} (epoch {ckpt.get('epoch', '?')}).",
+        "",
+        "```python",
+        "import rlm.hf  # registers model_type 'rlm' with AutoConfig and AutoModelForCausalLM",
+        "from transformers import AutoModelForCausalLM",
+        "model = AutoModelForCausalLM.from_pretrained(DIR)",
+        "```",
+        "",
+        f"Tokenizer: {tokenizer} (load it with `rlm.data.pretrained.load_tokenizer(DIR/<file>)`; documents "
+        "are framed as [bos] + ids + [eos]). Generation recomputes the window at every step (no cache).",
+        "",
+        "## Training",
+        "",
+        f"- steps: {step}",
+    ]
+    if losses:
+        lines.append(f"- final losses (the last logged value up to step {step}, from `{metrics_file}`):")
+        lines += [f"  - {name}: {value:.4f} (step {at})" for name, (at, value) in sorted(losses.items())]
+    else:
+        lines.append("- final losses: no metrics.csv was found beside the checkpoint")
+    for cb, state in (ckpt.get("callbacks") or {}).items():
+        if isinstance(state, dict) and state.get("best_model_score") is not None:
+            lines.append(
+                f"- {str(cb).split('{')[0]} {state.get('monitor')}: best {float(state['best_model_score']):.4f}"
+            )
+    lines += ["", "Model:", "", _block(hp.get("model") or config.rlm_model), "", "Optimizer:", "",
+              _block(hp.get("optim") or {}), "", "## Data", "", _block(data) if data else "(no data settings)", ""]  # fmt: skip
+    lines += ["## Plugins", ""]
+    if config.plugins:
+        lines += [_block(config.plugins), ""]
+    else:
+        lines += ["None: the base transformer.", ""]
+    lines += ["## Retrieval", ""]
+    for label, rel in indices.items():
+        if rel is None:
+            lines.append(
+                f"- plugin `{label}`: no index was exported (it had none); it runs without neighbours."
+            )
+        else:
+            lines.append(
+                f"- plugin `{label}`: its index is in `{rel}/`, searched online with rlm's faiss code."
+            )
+    if not indices:
+        lines.append("- no retriever.")
+    lines += [f"- {KNNLM_NOTE}", ""]
+    return "\n".join(lines)
+
+
+def export(
+    ckpt_path: str | Path, out: str | Path, force: bool = False, say: Callable[[str], None] = print
+) -> Path:
+    """Write the exported folder of a checkpoint at ``out`` (see the module docstring)."""
+    require("transformers", "hf-export", "rlm export")
+    require("safetensors", "hf-export", "rlm export")
+    from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs
+    from rlm.train.module import LMModule
+
+    ckpt_path, out = Path(ckpt_path), Path(out)
+    _refuse_existing(out, force)
+    ckpt = load_checkpoint(ckpt_path)  # a missing or damaged file is a one-line error naming it
+    if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
+        raise ValueError(f"{str(ckpt_path)!r} is not a checkpoint of rlm fit (it holds no model settings)")
+    module = LMModule.load_from_checkpoint(ckpt_path, map_location="cpu")
+    model = module.model.eval()
+    with atomic_dir(out) as tmp:
+        tokenizer, tok = write_tokenizer(ckpt, ckpt_path, tmp)
+        if tok.vocab_size > model.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}"
+            )
+        indices = export_indices(model, tmp, say)
+        specs = plugin_specs(model)
+        # index_dir says where training writes rebuilds: meaningless on another machine
+        for label in indices:
+            if "index_dir" in specs[label]["init_args"]:
+                specs[label]["init_args"]["index_dir"] = None
+        files = export_files(specs, tmp, say)
+        config = RLMConfig(
+            rlm_model=asdict(module.model_config),
+            plugins=specs,
+            indices=indices,
+            files=files,
+            bos_token_id=tok.bos_id,
+            eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+        )
+        config.name_or_path = str(tmp)  # where the copied files are (not written to config.json)
+        # a shell built from config.json alone (checked against the checkpoint); its Transformer goes in
+        with torch.device("meta"):
+            hf = RLMForCausalLM(config)
+        _check_rebuild(hf.model, model)
+        hf.model = model
+        hf.save_pretrained(tmp)
+        for path in tmp.iterdir():  # safetensors writes its file private; the folder is to be shared
+            if path.is_file():
+                path.chmod(0o644)
+        (tmp / "README.md").write_text(card(ckpt, ckpt_path, config, tokenizer, indices))
+    say(f"wrote {out}: model.safetensors, config.json, {tokenizer}, README.md")
+    say(KNNLM_NOTE)
+    return out

@@ -1,0 +1,264 @@
+"""rlm's Transformer, with its plugins, as a ``transformers`` causal LM (model_type 'rlm').
+
+:class:`RLMConfig` carries rlm's own ModelConfig (``rlm_model``) and every plugin's options (``plugins``, as
+``{label: {class_path, init_args}}``, the form ``model.plugins`` accepts); :class:`RLMForCausalLM` builds the
+very same :class:`~rlm.model.transformer.Transformer` from them, so the parameter names of ``model.safetensors``
+are the checkpoint's (``model.`` + the Transformer's). How it differs from rlm's own path (LMModule +
+rlm.eval.generate.sample): nothing in the numbers: a forward builds the Context as LMModule.make_context does and
+lets every plugin prepare it. Generation recomputes the whole window at every step (no key/value cache), over
+the last ``max_seq_len`` tokens, as ``rlm generate`` does. Attention is causal with no padding mask (as in rlm's
+training): a right-padded batch scores exactly, a left-padded one does not; the mask reaches the plugins.
+
+A retriever's index is a folder beside the weights (``indices``: plugin label -> folder relative to the model
+directory); from_pretrained hands it to the plugin, which searches it online as ``rlm generate`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import asdict, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlm.extras import require
+
+require("transformers", "hf-export", "rlm.hf (a transformers model of rlm checkpoints)")
+
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutput  # noqa: E402
+
+from rlm.model.config import ModelConfig  # noqa: E402
+from rlm.model.layers import Rotary, rope_cache  # noqa: E402
+from rlm.model.transformer import Transformer  # noqa: E402
+from rlm.plugin.context import Context  # noqa: E402
+
+MODEL_TYPE = "rlm"
+
+
+class RLMConfig(PretrainedConfig):
+    """The transformers config of an rlm model: rlm's ModelConfig and the plugins' options, verbatim."""
+
+    model_type = MODEL_TYPE
+
+    rlm_model: dict[str, Any] = field(default_factory=dict)
+    """rlm.model.ModelConfig's fields."""
+    plugins: dict[str, Any] = field(default_factory=dict)
+    """Plugin label -> {class_path, init_args}: every option of every plugin, defaults included."""
+    indices: dict[str, str | None] = field(default_factory=dict)
+    """Plugin label -> its index folder, relative to the model directory (None: exported without one)."""
+    files: dict[str, list[str]] = field(default_factory=dict)
+    """Plugin label -> its options that name a file copied into the model directory (their values are relative
+    to it), for example a token_counts array."""
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    use_cache: bool = False
+    """No key/value cache: generate() recomputes the window at every step."""
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.rlm_model:  # the standard names, for tools that read them, always from rlm's own config
+            shape = ModelConfig(**self.rlm_model)
+            self.vocab_size, self.hidden_size = shape.vocab_size, shape.d_model
+            self.num_hidden_layers, self.num_attention_heads = shape.n_layers, shape.n_heads
+            self.max_position_embeddings = shape.max_seq_len
+            self.tie_word_embeddings = shape.tie_embeddings
+        super().__post_init__(**kwargs)
+
+    def model_config(self) -> ModelConfig:
+        """rlm's ModelConfig (validated)."""
+        return ModelConfig(**self.rlm_model)
+
+
+def _with_files(config: RLMConfig, root: str | None) -> dict[str, Any]:
+    """The plugin specs with the options naming exported files resolved against the model folder ``root``."""
+    specs = {
+        label: {**spec, "init_args": dict(spec["init_args"])}
+        for label, spec in (config.plugins or {}).items()
+    }
+    for label, options in (config.files or {}).items():
+        for option in options:
+            rel = specs[label]["init_args"][option]
+            if root is None:
+                raise ValueError(
+                    f"plugin {label!r}: option {option}={rel!r} names a file of the exported folder; load the model "
+                    "from a local folder (from_pretrained(DIR)), where that file is"
+                )
+            specs[label]["init_args"][option] = str(Path(root, rel))
+    return specs
+
+
+def _tied_source(model: Transformer) -> str | None:
+    """The name under which the head's weight is first registered when it is tied to an embedding table."""
+    if not model.config.tie_embeddings:
+        return None
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is model.head.weight and name != "head.weight":
+            return name
+    return None
+
+
+class RLMForCausalLM(PreTrainedModel, GenerationMixin):
+    """rlm's Transformer with its plugins behind the transformers causal-LM interface (logits, shifted loss,
+    greedy and sampled generate() without a cache)."""
+
+    config_class = RLMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _supports_cache_class = False
+    _is_stateful = False
+
+    def __init__(self, config: RLMConfig) -> None:
+        super().__init__(config)
+        # from_pretrained sets name_or_path before building: the folder that files and indices are relative to
+        root = config.name_or_path if config.name_or_path and os.path.isdir(config.name_or_path) else None
+        self.model = Transformer(config.model_config(), _with_files(config, root) or None)
+        if root is not None:
+            self.attach_indices(root)
+        source = _tied_source(self.model)
+        # transformers loads parameters one by one, which breaks rlm's tie of head and table: declare it
+        self._tied_weights_keys = {"model.head.weight": f"model.{source}"} if source else None
+        if source:  # not in model.safetensors: tied again on load
+            self._keys_to_ignore_on_load_missing = [r"^model\.head\.weight$"]
+        self.post_init()
+
+    # A plugin's non-tensor extra state (the retriever's index folder) travels in config.json (``indices``), not
+    # in the state dict, which transformers reads and writes as tensors only.
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The parameters and persistent buffers (tensors only; see ``indices`` for the retrievers' index)."""
+        full = super().state_dict(*args, **kwargs)
+        for key in [k for k, v in full.items() if not isinstance(v, Tensor)]:
+            del full[key]
+        return full
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """As nn.Module's, with plugins' extra state optional."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {result.unexpected_keys}")
+        return result
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """Weights come from model.safetensors (or rlm's own init in Transformer.__init__); only the rotary tables,
+        non-persistent buffers that from_pretrained leaves empty, are computed again."""
+        if isinstance(module, Rotary):
+            cos, sin = rope_cache(module.cos.shape[0], 2 * module.cos.shape[1], module.rope_base)
+            module.cos.copy_(cos)
+            module.sin.copy_(sin)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed.main
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.head
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
+    ):
+        """transformers' from_pretrained, then the retrievers' index folders, found beside the weights."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if not any(rel is not None for rel in (model.config.indices or {}).values()):
+            return model
+        if os.path.isdir(pretrained_model_name_or_path):
+            model.attach_indices(pretrained_model_name_or_path)
+        else:
+            warnings.warn(
+                f"{pretrained_model_name_or_path!r} is not a local folder, so its retrieval index "
+                f"{model.config.indices} is not loaded and the retriever runs without neighbours; download the "
+                "folder and load it from there, or call model.attach_indices(folder)",
+                stacklevel=2,
+            )
+        return model
+
+    def attach_indices(self, root: str | os.PathLike[str]) -> None:
+        """Point each retriever at its exported index folder under ``root`` (loaded on its first forward)."""
+        for label, rel in (self.config.indices or {}).items():
+            if rel is not None:
+                self.model.plugins[label].set_extra_state({"index_dir": str(Path(root, rel).resolve())})
+
+    def context(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Context:
+        """The per-step Context, filled by every plugin's prepare (as LMModule.make_context does)."""
+        mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
+        ctx = Context(tokens=input_ids, mask=mask, stage="train" if self.training else "predict")
+        for plugin in self.model.plugins.values():
+            plugin.prepare(ctx, {"tokens": input_ids, "mask": mask})
+        return ctx
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutput | tuple[Tensor, ...]:
+        """Logits (B, T, V); with ``labels`` (B, T) also the mean next-token loss (labels shifted here, -100
+        ignored), plus the plugins' weighted auxiliary losses in training mode (rlm's training objective)."""
+        ctx = self.context(input_ids, attention_mask)
+        logits = self.model(input_ids, ctx)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+            aux = ctx.total_aux_loss() if self.training else None
+            loss = loss if aux is None else loss + aux
+        if return_dict is False:
+            return (logits,) if loss is None else (loss, logits)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, **kwargs: Any) -> dict[str, Any]:
+        """The whole sequence at every step (no cache), cut to the last max_seq_len tokens as rlm generate does."""
+        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        window = self.model.config.max_seq_len
+        out = {"input_ids": inputs["input_ids"][:, -window:]}
+        if inputs.get("attention_mask") is not None:
+            out["attention_mask"] = inputs["attention_mask"][:, -window:]
+        return out
+
+
+def register() -> None:
+    """Register model_type 'rlm' with AutoConfig and AutoModelForCausalLM (once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        AutoConfig.register(MODEL_TYPE, RLMConfig)
+        AutoModelForCausalLM.register(RLMConfig, RLMForCausalLM)
+    except ValueError:  # already registered (a second import after a reload)
+        pass
+
+
+def plugin_specs(model: Transformer) -> dict[str, Any]:
+    """Every plugin of a built model as ``{label: {class_path, init_args}}`` with all its options."""
+    specs = {}
+    for label, plugin in model.plugins.items():
+        cls = type(plugin)
+        if not dataclasses.is_dataclass(plugin.config):
+            raise ValueError(
+                f"plugin {label!r} ({cls.__qualname__}): its config {type(plugin.config).__name__} is not a "
+                "dataclass, so its options cannot be written to config.json; accepted: a dataclass Config"
+            )
+        specs[label] = {
+            "class_path": f"{cls.__module__}.{cls.__qualname__}",
+            "init_args": asdict(plugin.config),
+        }
+    return specs

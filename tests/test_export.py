@@ -1,0 +1,319 @@
+"""``rlm export`` and rlm.hf: every plugin's checkpoint round-trips through AutoModelForCausalLM with the
+checkpoint's own logits; config.json holds each plugin's options; the tokenizer and a retriever's index travel
+with the weights (or the folder says there is none)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.testing import assert_close
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import rlm.hf  # noqa: E402,F401  (registers model_type 'rlm')
+from rlm.cli import main  # noqa: E402
+from rlm.data.pretrained import load_tokenizer  # noqa: E402
+from rlm.data.segments import SegmentTable  # noqa: E402
+from rlm.data.tokenizer import Tokenizer  # noqa: E402
+from rlm.hf.export import export  # noqa: E402
+from rlm.index.build import IndexConfig  # noqa: E402
+from rlm.index.rebuild import build_memory, embed_rows, indexed_rows  # noqa: E402
+from rlm.train.module import LMModule  # noqa: E402
+
+VOCAB = 400
+MODEL = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
+PLUGINS = {
+    "base": {},
+    "moe": {"moe": {"layers": [1], "num_experts": 4}},
+    "partial_experts": {"partial_experts": {"layers": [1], "buckets": 8, "rank": 2}},
+    "pkm": {"pkm": {"layers": [0], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16}},
+    "altup": {"altup": {"k": 2}},
+    "tokenid": {"tokenid": {"layers": [0, 1], "rank": 2}},
+    "retrieval": {"retrieval": {"layers": [1], "k": 2, "progress": False}},
+}
+L = 8  # the retrieval index's segment length
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> bytes:
+    """A small sentencepiece model's bytes (trained on a stdlib file), as checkpoints carry them."""
+    path = tmp_path_factory.mktemp("tok") / "sp.model"
+    text = Path(json.__file__).read_text()
+    Tokenizer.train([text], path, vocab_size=VOCAB)
+    return path.read_bytes()
+
+
+def _perturb(module: LMModule) -> None:
+    """Noise on every parameter, so zero-initialised parts (retrieval's output, routers) reach the logits."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _index(module: LMModule, folder: Path) -> Path:
+    """A Flat index over 12 random documents, its corpus tokens in a memory-mapped file (as a data cache's)."""
+    rng = np.random.default_rng(0)
+    docs = [np.concatenate([[2], rng.integers(4, VOCAB, size=38), [3]]) for _ in range(12)]
+    flat = np.concatenate(docs).astype(np.int32)
+    tokens = np.memmap(folder / "tokens.bin", dtype=np.int32, mode="w+", shape=flat.shape)
+    tokens[:] = flat
+    tokens.flush()
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+    segments = SegmentTable(np.memmap(folder / "tokens.bin", dtype=np.int32, mode="r"), offsets, L, 0, "exp")
+    plugin = module.model.plugins["retrieval"]
+    rows = indexed_rows(segments, np.arange(len(docs)))
+    embedder = plugin.snapshot(0)
+    vectors = embed_rows(embedder, segments, rows, 64, 0, 1, False)
+    index = folder / "retrieval_index"
+    config = IndexConfig(factory="Flat", target_recall=None)
+    memory = build_memory(
+        vectors, segments, rows, 2, embedder.embedder_identity(), 0, config, index, table=False
+    )
+    plugin.use_memory(memory)  # checkpointed as the plugin's extra state {'index_dir': ...}
+    return index
+
+
+def make_checkpoint(
+    folder: Path,
+    plugins: dict,
+    sp_model: bytes | None,
+    with_index: bool = False,
+    tokenizer: str | None = None,
+    **model: int,
+) -> Path:
+    """A checkpoint as rlm fit writes it (LMModule weights and hyper-parameters, data settings, tokenizer: the
+    sentencepiece model's bytes, or the data.tokenizer it names)."""
+    torch.manual_seed(0)
+    module = LMModule(model={**MODEL, **model}, plugins=plugins)
+    _perturb(module)
+    if with_index:
+        _index(module, folder)
+    ckpt = {
+        "state_dict": module.state_dict(),
+        "hyper_parameters": dict(module.hparams),
+        "global_step": 2,
+        "epoch": 0,
+        "pytorch-lightning_version": pl.__version__,
+        "datamodule_hyper_parameters": {
+            "corpus": "stdlib",
+            "vocab_size": VOCAB,
+            "cache_dir": str(folder / "c"),
+            "tokenizer": tokenizer or "train",
+        },
+        "RLMDataModule": {"tokenizer_model": sp_model} if sp_model else {},
+    }
+    path = folder / "ckpt" / "last.ckpt"
+    path.parent.mkdir()
+    torch.save(ckpt, path)
+    return path
+
+
+def reference_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's LMModule logits, its context as rlm generate builds it (eval mode)."""
+    module = LMModule.load_from_checkpoint(ckpt, map_location="cpu").eval()
+    with torch.no_grad():
+        return module.model(tokens, module.make_context({"tokens": tokens}, "predict"))
+
+
+def _tokens(n: int = 2, T: int = 24) -> torch.Tensor:
+    return torch.randint(4, VOCAB, (n, T), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("name", list(PLUGINS))
+def test_every_plugin_round_trips_through_auto_model(tmp_path, sp_model, name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = make_checkpoint(tmp_path, PLUGINS[name], sp_model)
+    out = tmp_path / "hf"
+    said: list[str] = []
+    export(ckpt, out, say=said.append)
+    assert {"model.safetensors", "config.json", "tokenizer.model", "README.md"} <= {
+        p.name for p in out.iterdir()
+    }
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.tmp")]  # written aside, then renamed
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "rlm" and config["rlm_model"]["d_model"] == MODEL["d_model"]
+    assert set(config["plugins"]) == set(PLUGINS[name])
+    for label, options in PLUGINS[name].items():  # every option, the given ones with their values
+        args = config["plugins"][label]["init_args"]
+        assert {k: args[k] for k in options} == options
+        assert len(args) > len(options)  # the defaults too
+    assert isinstance(AutoConfig.from_pretrained(out), rlm.hf.RLMConfig)
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(model, rlm.hf.RLMForCausalLM)
+    tokens = _tokens()
+    with torch.no_grad():
+        got = model(tokens).logits
+    assert_close(got, reference_logits(ckpt, tokens), rtol=1e-5, atol=1e-5)
+
+    tok = load_tokenizer(str(out / "tokenizer.model"))
+    assert (
+        tok.vocab_size == VOCAB
+        and tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+    )
+    readme = (out / "README.md").read_text()
+    assert "steps: 2" in readme and "kNN-LM datastores" in readme
+    if name == "retrieval":  # no index was built before this checkpoint: the folder says so
+        assert config["indices"] == {"retrieval": None} and not (out / "index").exists()
+        assert any("has no index" in line for line in said)
+        assert "no index was exported" in readme
+
+
+def test_retrieval_index_travels_with_the_weights(tmp_path, sp_model):
+    """The index is copied beside the weights (with its corpus tokens, which lived in a cache file), the path in
+    config.json is relative, and the loaded model retrieves from it: the checkpoint's logits, and other logits
+    than without neighbours."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = make_checkpoint(tmp_path, PLUGINS["retrieval"], sp_model, with_index=True)
+    tokens = _tokens(1, 32)
+    want = reference_logits(ckpt, tokens)
+    export(ckpt, tmp_path / "hf", say=lambda _: None)
+    out = tmp_path / "moved"
+    shutil.move(tmp_path / "hf", out)  # the folder is relocatable
+    shutil.rmtree(tmp_path / "retrieval_index")
+    os.remove(tmp_path / "tokens.bin")
+    config = json.loads((out / "config.json").read_text())
+    assert config["indices"] == {"retrieval": "index"}
+    assert config["plugins"]["retrieval"]["init_args"]["index_dir"] is None
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        got = model(tokens).logits
+        assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.model.plugins["retrieval"].use_memory(None)
+        without = model(tokens).logits
+    assert (got[:, L:] - without[:, L:]).abs().max() > 1e-3  # the neighbours reach the logits after segment 0
+    assert_close(got[:, :L], without[:, :L])  # the first segment has no earlier segment to retrieve with
+    said: list[str] = []
+    export(ckpt, tmp_path / "again", say=said.append)  # the checkpoint's index is gone now: said, not copied
+    assert any("is gone: exported without one" in line for line in said)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["indices"] == {"retrieval": None}
+
+
+def test_loss_shift_and_greedy_generate_match_rlm(tmp_path, sp_model):
+    from transformers import AutoModelForCausalLM
+
+    from rlm.eval.generate import sample
+
+    ckpt = make_checkpoint(tmp_path, PLUGINS["moe"], sp_model, max_seq_len=16)
+    export(ckpt, tmp_path / "hf", say=lambda _: None)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = _tokens(2, 16)
+    with torch.no_grad():
+        out = model(tokens, labels=tokens)
+    naive = torch.stack(  # position t predicts token t+1
+        [-torch.log_softmax(out.logits[b, t], -1)[tokens[b, t + 1]] for b in range(2) for t in range(15)]
+    ).mean()
+    assert_close(out.loss, naive)
+    prompt = tokens[:1, :10]
+    ids = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)  # past max_seq_len
+    module = LMModule.load_from_checkpoint(ckpt, map_location="cpu")
+    assert ids[0, 10:].tolist() == sample(module, prompt[0].tolist(), 12, temperature=0.0)
+
+
+def test_cli_export_refuses_bad_input_and_replaces_with_force(tmp_path, sp_model, capsys):
+    ckpt = make_checkpoint(tmp_path, PLUGINS["retrieval"], sp_model)
+    out = tmp_path / "hf"
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "plugin 'retrieval' has no index" in printed and f"wrote {out}" in printed
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    (out / "stale.txt").write_text("x")
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(out), "--force"]) == 0
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(ckpt.read_bytes()[:1000])
+    assert main(["export", "--ckpt", str(damaged), "--out", str(tmp_path / "x")]) == 2
+    assert "cannot be loaded" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit):
+        main(["export", "--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")])
+    assert "missing.ckpt' does not exist" in capsys.readouterr().err
+
+
+def test_card_reads_the_runs_final_losses(tmp_path, sp_model):
+    """metrics.csv of the run (CSVLogger, version_N beside the checkpoint folder): the last value of each loss
+    column up to the checkpoint's step, not past it."""
+    ckpt = make_checkpoint(tmp_path, PLUGINS["base"], sp_model)
+    (tmp_path / "version_0").mkdir()
+    (tmp_path / "version_0" / "metrics.csv").write_text(
+        "epoch,step,train/loss,val/loss,lr-AdamW\n0,0,5.5,,0.001\n0,1,5.25,,0.001\n0,1,,5.125,\n0,2,4.75,,0.001\n"
+        "0,3,4.0,,0.001\n"
+    )
+    export(ckpt, tmp_path / "hf", say=lambda _: None)
+    readme = (tmp_path / "hf" / "README.md").read_text()
+    assert "train/loss: 4.7500 (step 2)" in readme and "val/loss: 5.1250 (step 1)" in readme
+    assert '"vocab_size": 400' in readme and '"corpus": "stdlib"' in readme  # model and data settings
+    assert "lr-AdamW" not in readme
+
+
+def test_a_hugging_face_tokenizer_is_exported_for_auto_tokenizer(tmp_path):
+    """A run that used a tokenizer.json (data.tokenizer): it is copied, with a tokenizer_config.json so that
+    AutoTokenizer loads it, and encodes as the original does."""
+    from tokenizers import Tokenizer as HFTokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    raw = HFTokenizers(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=350,
+        special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator([Path(json.__file__).read_text()], trainer)
+    (tmp_path / "tok").mkdir()
+    raw.save(str(tmp_path / "tok" / "tokenizer.json"))
+    ckpt = make_checkpoint(
+        tmp_path, PLUGINS["base"], None, tokenizer=str(tmp_path / "tok" / "tokenizer.json")
+    )
+    export(ckpt, tmp_path / "hf", say=lambda _: None)
+    out = tmp_path / "hf"
+    assert not (out / "tokenizer.model").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 3, 0)
+    text = "def f(x):\n    return x + 12"
+    auto = AutoTokenizer.from_pretrained(out)
+    assert (
+        auto(text)["input_ids"]
+        == raw.encode(text).ids
+        == load_tokenizer(str(out / "tokenizer.json")).encode(text)
+    )
+    assert (auto.bos_token, auto.eos_token, auto.pad_token) == ("<s>", "</s>", "<pad>")
+    assert "tokenizer.json" in (out / "README.md").read_text()
+
+
+def test_a_file_a_plugin_option_names_is_copied_into_the_folder(tmp_path, sp_model):
+    """token_map 'balanced' reads its token_counts array when the model is built: the array travels in files/,
+    config.json names it relative to the folder, and the original can go."""
+    from transformers import AutoModelForCausalLM
+
+    counts = tmp_path / "counts.npy"
+    np.save(counts, np.random.default_rng(0).integers(1, 100, size=VOCAB))
+    options = {"layers": [1], "buckets": 8, "rank": 2, "lookup": "token_id", "token_map": "balanced"}
+    ckpt = make_checkpoint(tmp_path, {"partial_experts": {**options, "token_counts": str(counts)}}, sp_model)
+    tokens = _tokens()
+    want = reference_logits(ckpt, tokens)
+    export(ckpt, tmp_path / "hf", say=lambda _: None)
+    counts.unlink()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (
+        config["plugins"]["partial_experts"]["init_args"]["token_counts"]
+        == "files/partial_experts.token_counts.npy"
+    )
+    assert config["files"] == {"partial_experts": ["token_counts"]}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert_close(model(tokens).logits, want, rtol=1e-5, atol=1e-5)
