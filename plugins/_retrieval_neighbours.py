@@ -295,3 +295,29 @@ def neighbour_tokens(seg, nb: np.ndarray, continuation: bool) -> tuple[np.ndarra
         mask = np.concatenate([mask, (cols < seg.length[nxt][:, None]) & has[:, None]], 1)
     M = toks.shape[1]
     return toks.reshape(*nb.shape, M), mask.reshape(*nb.shape, M)
+
+
+def chunk_slice(inp: RetrievalInputs, lo: int, hi: int) -> RetrievalInputs:
+    """Chunks lo..hi-1 of every row (incremental decoding keeps each chunk's neighbours from the step it began)."""
+    return RetrievalInputs(
+        query_tokens=inp.query_tokens[:, lo:hi],
+        query_mask=inp.query_mask[:, lo:hi],
+        tokens=inp.tokens[:, lo:hi],
+        mask=inp.mask[:, lo:hi],
+        valid=inp.valid[:, lo:hi],
+        same_doc=inp.same_doc[:, lo:hi],
+        ids=inp.ids[:, lo:hi] if inp.ids is not None else None,
+    )
+
+
+def chunk_cat(parts: list[RetrievalInputs]) -> RetrievalInputs:
+    """Consecutive chunks side by side, (B, sum of n, ...): the inverse of chunk_slice."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name: str) -> Tensor:
+        return torch.cat([getattr(p, name) for p in parts], dim=1)
+
+    ids = None if any(p.ids is None for p in parts) else cat("ids")
+    fields = ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc")
+    return RetrievalInputs(**{name: cat(name) for name in fields}, ids=ids)

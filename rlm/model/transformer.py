@@ -29,7 +29,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn: nn.Module = SelfAttention(config)
+        self.attn: nn.Module = SelfAttention(config, layer)
         self.attn_add = nn.ModuleList()
         self.cross_norm: nn.Module | None = None
         self.cross_attn: nn.Module | None = None  # absent until a plugin fills it
@@ -121,9 +121,14 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
-        """Logits (B, T, vocab)."""
+        """Logits (B, T, vocab); with ``ctx.cache``, of the T tokens that follow the cached ones (and cached too)."""
         ctx = ctx if ctx is not None else Context(tokens=tokens, stage="train" if self.training else "val")
-        return self.head(self.hidden(tokens, ctx))
+        if ctx.cache is None:
+            return self.head(self.hidden(tokens, ctx))
+        ctx.cache.check(ctx.offset, tokens)
+        logits = self.head(self.hidden(tokens, ctx))
+        ctx.cache.advance(ctx.offset, tokens)
+        return logits
 
     def num_parameters(self) -> int:
         """Total number of distinct parameters."""
