@@ -4,6 +4,9 @@ including past max_seq_len, where both restart the window the same way (rlm.eval
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -207,3 +210,15 @@ def test_knnlm_mixer_sees_the_same_keys_with_and_without_the_cache():
     b = sample(module, PROMPT, steps, temperature=0, mixer=Recorder(False), cache=False)
     assert a == b
     assert_close(torch.cat(seen[True]), torch.cat(seen[False]), rtol=1e-4, atol=1e-4)
+
+
+def test_benchmark_script_smoke(capsys):
+    """benchmarks/generate.py --smoke: both lengths run, inside the window both paths give the same tokens."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("benchmark_generate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--smoke"])
+    assert [r[:3] for r in rows][0] == [8, "no", "8/8"] and rows[1][:2] == [40, "yes"]
+    assert all(r[3] > 0 and r[4] > 0 and r[5].endswith("x") for r in rows)
+    assert "| new tokens | past max_seq_len |" in capsys.readouterr().out
