@@ -115,20 +115,20 @@ class Transformer(nn.Module):
         return self.head if self.config.tie_embeddings else self.embed.main.table  # type: ignore[return-value]
 
     def hidden(self, tokens: Tensor, ctx: Context) -> Tensor:
-        """Final normed hidden states (B, T, d)."""
+        """Final normed hidden states (B, T, d); with ``ctx.cache``, of the T tokens that follow the cached ones,
+        whose keys, values and ids the cache then holds too."""
+        if ctx.cache is not None:
+            ctx.cache.check(ctx.offset, tokens)
         x = self.embed(tokens, ctx)  # (B, T, d)
-        x = self.stack(x, ctx)
-        return self.norm(x)
+        x = self.norm(self.stack(x, ctx))
+        if ctx.cache is not None:
+            ctx.cache.advance(ctx.offset, tokens)
+        return x
 
     def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
-        """Logits (B, T, vocab); with ``ctx.cache``, of the T tokens that follow the cached ones (and cached too)."""
+        """Logits (B, T, vocab)."""
         ctx = ctx if ctx is not None else Context(tokens=tokens, stage="train" if self.training else "val")
-        if ctx.cache is None:
-            return self.head(self.hidden(tokens, ctx))
-        ctx.cache.check(ctx.offset, tokens)
-        logits = self.head(self.hidden(tokens, ctx))
-        ctx.cache.advance(ctx.offset, tokens)
-        return logits
+        return self.head(self.hidden(tokens, ctx))
 
     def num_parameters(self) -> int:
         """Total number of distinct parameters."""
