@@ -162,9 +162,8 @@ class RetrievalCrossAttention(nn.Module):
         q = self.q(xq).view(Bn, L, h, hs).transpose(1, 2)  # (B*n, h, L, hs)
         # keys and values once per distinct neighbour, then laid out per chunk
         U = enc.neighbours
-        kv = (
-            self._cached_keys_values(enc, ctx).view(U, M, 2, g, hs).permute(2, 0, 3, 1, 4)
-        )  # (2, U, g, M, hs)
+        kv = self._cached_keys_values(enc, ctx).view(U, M, 2, g, hs)
+        kv = kv.permute(2, 0, 3, 1, 4)  # (2, U, g, M, hs)
         # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
         # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
         # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
