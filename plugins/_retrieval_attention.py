@@ -151,11 +151,14 @@ class RetrievalCrossAttention(nn.Module):
         n, nk = Bn // B, relevance.shape[1]
         M = KM // nk
         h, hs, g = self.n_heads, self.head_dim, self.kv_heads
-        xq = F.pad(x, (0, 0, 0, n * L - T)).reshape(Bn, L, d)  # (B*n, L, d): chunk j = segment j
+        # incremental decoding: x starts `lead` positions into the first chunk whose neighbours enc holds
+        lead = ctx.offset % L if ctx.cache is not None else 0
+        xq = F.pad(x, (0, 0, lead, n * L - T - lead)).reshape(Bn, L, d)  # (B*n, L, d): chunk j = segment j
         q = self.q(xq).view(Bn, L, h, hs).transpose(1, 2)  # (B*n, h, L, hs)
         # keys and values once per distinct neighbour, then laid out per chunk
         U = enc.neighbours
-        kv = self._keys_values(enc).view(U, M, 2, g, hs).permute(2, 0, 3, 1, 4)  # (2, U, g, M, hs)
+        kv = self._cached_keys_values(enc, ctx).view(U, M, 2, g, hs)
+        kv = kv.permute(2, 0, 3, 1, 4)  # (2, U, g, M, hs)
         # Relative positions, as RETRO's chunked cross-attention has: chunk j (S_{t+1}) sits at positions L..2L-1,
         # right after its query segment S_t, which lines up with each neighbour z at 0..L-1 and its continuation
         # z+1 at L..2L-1; so "the token one position after mine in the continuation" is one fixed offset.
@@ -177,11 +180,20 @@ class RetrievalCrossAttention(nn.Module):
         attn_mask = bias[:, None, None, :].expand(Bn, g, q.shape[2], KM)  # (B*n, g, h/g * L, k*M)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).view(Bn, h, L, hs)
         y = y * rows[:, None, None, None].to(y.dtype)
-        y = y.transpose(1, 2).reshape(B, n * L, d)[:, :T]
+        y = y.transpose(1, 2).reshape(B, n * L, d)[:, lead : lead + T]
         if self.layer == self._plugin.layers[0]:
             # a copy, not a view: under FSDP the gathered parameter is freed after this block's forward
             ctx.log(f"{self._plugin.label}/beta", self.beta.detach().squeeze(0).clone())
         return self.proj(y)
+
+    def _cached_keys_values(self, enc: Encoded, ctx: Context) -> Tensor:
+        """_keys_values, kept in the plugin's cache state while incremental decoding stays in the same chunks."""
+        if ctx.cache is None:
+            return self._keys_values(enc)
+        kv = ctx.cache.state[self._plugin.label]["kv"]
+        if self.layer not in kv:
+            kv[self.layer] = self._keys_values(enc)
+        return kv[self.layer]
 
     def _keys_values(self, enc: Encoded) -> Tensor:
         """kv(kv_norm(states)), (U, M, 2 * kv_heads * head_dim).

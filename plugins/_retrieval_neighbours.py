@@ -311,3 +311,29 @@ def source_groups(
     own, other = found & (same == valid).all(-1), found & ~same.any(-1)
     chunk = {"own_doc": own, "other_doc": other, "mixed": found & ~own & ~other, "none": ~found}
     return {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}
+
+
+def chunk_slice(inp: RetrievalInputs, lo: int, hi: int) -> RetrievalInputs:
+    """Chunks lo..hi-1 of every row (incremental decoding keeps each chunk's neighbours from the step it began)."""
+    return RetrievalInputs(
+        query_tokens=inp.query_tokens[:, lo:hi],
+        query_mask=inp.query_mask[:, lo:hi],
+        tokens=inp.tokens[:, lo:hi],
+        mask=inp.mask[:, lo:hi],
+        valid=inp.valid[:, lo:hi],
+        same_doc=inp.same_doc[:, lo:hi],
+        ids=inp.ids[:, lo:hi] if inp.ids is not None else None,
+    )
+
+
+def chunk_cat(parts: list[RetrievalInputs]) -> RetrievalInputs:
+    """Consecutive chunks side by side, (B, sum of n, ...): the inverse of chunk_slice."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name: str) -> Tensor:
+        return torch.cat([getattr(p, name) for p in parts], dim=1)
+
+    ids = None if any(p.ids is None for p in parts) else cat("ids")
+    fields = ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc")
+    return RetrievalInputs(**{name: cat(name) for name in fields}, ids=ids)

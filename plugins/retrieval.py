@@ -53,6 +53,8 @@ from rlm.plugins._retrieval_encoder import (
 )
 from rlm.plugins._retrieval_neighbours import (
     RetrievalInputs,
+    chunk_cat,
+    chunk_slice,
     gather_inputs,
     most_similar,
     neighbour_tokens,
@@ -312,6 +314,9 @@ class RetrievalPlugin(Plugin):
             ctx.extras[self.label] = None
             self._declare_loss_groups(ctx, None, 1)
             return
+        if ctx.cache is not None:
+            self._prepare_cached(ctx, batch)
+            return
         start = time.perf_counter()
         inputs = ctx.extras[self.label] = gather_inputs(
             memory,
@@ -335,6 +340,39 @@ class RetrievalPlugin(Plugin):
             ctx.log(f"{self.label}/duplicates_excluded", float(inputs.excluded))
         self._declare_loss_groups(ctx, inputs, inputs.query_tokens.shape[-1])
 
+    def _prepare_cached(self, ctx: Context, batch: dict[str, Any]) -> None:
+        """Incremental decoding: the neighbours of the chunks the new tokens fall in (chunks of L positions from
+        the cache's start, as a full forward over the cached window cuts them). A chunk's neighbours follow from
+        the text before it alone (the evaluation path is causal), so each chunk is searched once, at the step its
+        first token arrives, with the window so far, and kept in the cache (ctx.cache.state[label])."""
+        if batch.get("segment_ids") is not None or batch.get("mask") is not None:
+            raise ValueError(
+                "retrieval: incremental decoding (ctx.cache) takes plain tokens, without segment ids or a padding "
+                "mask; evaluate such batches with a full forward"
+            )
+        cache, c = ctx.cache, self.config
+        L = self.memory.segments.segment_len
+        chunks: dict[int, RetrievalInputs] = cache.state.setdefault(self.label, {}).setdefault("chunks", {})
+        offset, T = ctx.offset, ctx.tokens.shape[1]
+        first, last = offset // L, (offset + T - 1) // L
+        if any(j not in chunks for j in range(first, last + 1)):
+            start = time.perf_counter()
+            inputs = gather_inputs(
+                self.memory,
+                {"tokens": cache.history(offset, ctx.tokens)},
+                c.k,
+                c.continuation,
+                online=True,
+                embed=self._embed_queries,
+                evaluation=True,
+                exclude_copies=c.exclude_copies,
+            )
+            for j in range(first, last + 1):
+                chunks.setdefault(j, chunk_slice(inputs, j, j + 1))
+            self.prepare_seconds = time.perf_counter() - start
+            ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
+        ctx.extras[self.label] = chunk_cat([chunks[j] for j in range(first, last + 1)])
+
     @torch.no_grad()
     def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """Online queries (validation, generation), embedded as the index rows were (eval mode, rebuild dtype)."""
@@ -353,12 +391,21 @@ class RetrievalPlugin(Plugin):
         key = f"{self.label}/encoded"
         if key not in ctx.extras:
             inputs: RetrievalInputs | None = ctx.extras.get(self.label)
-            ctx.extras[key] = (
-                None
-                if inputs is None
-                else encode_neighbours(self.encoder, inputs, ctx, self.label, self.config)
-            )
+            ctx.extras[key] = None if inputs is None else self._encode(inputs, ctx)
         return ctx.extras[key]
+
+    def _encode(self, inputs: RetrievalInputs, ctx: Context) -> Encoded:
+        """encode_neighbours; under incremental decoding once per span of chunks (a chunk's L steps share it)."""
+        if ctx.cache is None:
+            return encode_neighbours(self.encoder, inputs, ctx, self.label, self.config)
+        L = self.memory.segments.segment_len
+        span = (ctx.offset // L, (ctx.offset + ctx.tokens.shape[1] - 1) // L)
+        state = ctx.cache.state[self.label]
+        if state.get("span") != span:
+            state["span"] = span
+            state["encoded"] = encode_neighbours(self.encoder, inputs, ctx, self.label, self.config)
+            state["kv"] = {}  # each cross-attention layer's keys and values of these neighbours
+        return state["encoded"]
 
     def no_retrieval(self, x: Tensor, layer: nn.Module) -> Tensor:
         """Zeros like x; under autograd, still a function of x and of the layer's and encoder's parameters (times 0),

@@ -61,11 +61,17 @@ class Rotary(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+def causal_mask(T: int, offset: int, device=None) -> Tensor:
+    """(T, offset+T) bool: query i, at position offset+i, sees keys 0..offset+i (is_causal aligns top-left)."""
+    return torch.ones(T, offset + T, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head (optionally grouped-query) attention with rotary positions."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer  # its keys and values in a KVCache
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
         self.qkv = nn.Linear(
             config.d_model, (config.n_heads + 2 * config.kv_heads) * config.head_dim, bias=False
@@ -83,12 +89,17 @@ class SelfAttention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q, k)
+        q, k = self.rotary(q, k, ctx.offset)  # absolute positions offset..offset+T-1
+        mask = None
+        if ctx.cache is not None:  # incremental decoding: attend to the cached positions too
+            k, v = ctx.cache.update(self.layer, k, v, ctx.offset)  # (B, nkv, offset+T, hs)
+            mask = causal_mask(T, ctx.offset, x.device) if ctx.offset and T > 1 else None
         y = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None and k.shape[2] == T,  # a single new query sees every cached key
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.kv_heads != self.n_heads,
         )  # (B, nh, T, hs)

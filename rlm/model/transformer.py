@@ -29,7 +29,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn: nn.Module = SelfAttention(config)
+        self.attn: nn.Module = SelfAttention(config, layer)
         self.attn_add = nn.ModuleList()
         self.cross_norm: nn.Module | None = None
         self.cross_attn: nn.Module | None = None  # absent until a plugin fills it
@@ -115,10 +115,15 @@ class Transformer(nn.Module):
         return self.head if self.config.tie_embeddings else self.embed.main.table  # type: ignore[return-value]
 
     def hidden(self, tokens: Tensor, ctx: Context) -> Tensor:
-        """Final normed hidden states (B, T, d)."""
+        """Final normed hidden states (B, T, d); with ``ctx.cache``, of the T tokens that follow the cached ones,
+        whose keys, values and ids the cache then holds too."""
+        if ctx.cache is not None:
+            ctx.cache.check(ctx.offset, tokens)
         x = self.embed(tokens, ctx)  # (B, T, d)
-        x = self.stack(x, ctx)
-        return self.norm(x)
+        x = self.norm(self.stack(x, ctx))
+        if ctx.cache is not None:
+            ctx.cache.advance(ctx.offset, tokens)
+        return x
 
     def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
         """Logits (B, T, vocab)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlm.plugin.base import LAYERLESS, Claim, Mode, ParamGroup, Plugin, Slot, check_layers, make_config
+    from rlm.plugin.cache import KVCache
     from rlm.plugin.context import Context
     from rlm.plugin.registry import known_plugins, resolve
 
@@ -27,6 +28,7 @@ _WHERE = {
     "check_layers": "base",
     "make_config": "base",
     "Context": "context",
+    "KVCache": "cache",
     "known_plugins": "registry",
     "resolve": "registry",
 }
@@ -35,6 +37,7 @@ __all__ = [
     "LAYERLESS",
     "Claim",
     "Context",
+    "KVCache",
     "Mode",
     "ParamGroup",
     "Plugin",

@@ -5,6 +5,10 @@ which slots it takes at which layers (``claims``), builds the module for each cl
 and may contribute optimizer parameter groups, Lightning callbacks, per-batch preparation of the
 context, and its count of parameters not used per token. Aux losses and metrics are written into
 the :class:`~rlm.plugin.context.Context` during forward.
+
+Under incremental decoding (``ctx.cache``, rlm/plugin/cache.py) a forward sees only the new positions
+``ctx.offset..ctx.offset + T - 1``: a module whose output there depends on earlier positions keeps what it
+needs of them in ``ctx.cache.state[label]`` (the retriever's chunk neighbours); per-token modules need nothing.
 """
 
 from __future__ import annotations

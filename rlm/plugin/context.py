@@ -7,10 +7,13 @@ torch.compile); they read and write this object instead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rlm.plugin.cache import KVCache
 
 
 @dataclass
@@ -32,6 +35,9 @@ class Context:
     need not be the training corpus (``rlm eval --corpus``); None when the batch names no segments (generation)."""
     offset: int = 0
     """Position of tokens[:, 0] within its sequence (for incremental decoding)."""
+    cache: KVCache | None = None
+    """Incremental decoding: the keys, values and plugin state of positions 0..offset-1 (offset equals its
+    length); the forward appends its own. None: the tokens are the whole sequence (training, evaluation)."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Per-step values owned by plugins, keyed by plugin name (for example the batch's neighbours)."""
     aux_losses: dict[str, tuple[Tensor, float]] = field(default_factory=dict)

@@ -15,6 +15,7 @@ from rlm.data.segments import SegmentSource
 from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup
+from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
 from rlm.train.diff import config_diff
 from rlm.train.parallel import parallelize, unshard_root
@@ -109,10 +110,16 @@ class LMModule(pl.LightningModule):
     # ----- forward -----
 
     def make_context(
-        self, batch: dict[str, Any], stage: str, variant: str | None = None, segments: Any = None
+        self,
+        batch: dict[str, Any],
+        stage: str,
+        variant: str | None = None,
+        segments: Any = None,
+        cache: KVCache | None = None,
     ) -> Context:
         """The per-step context for a batch, filled by every plugin's ``prepare``; ``segments`` is the table the
-        batch's segment ids index (default: the attached data module's, during fit, validate and test)."""
+        batch's segment ids index (default: the attached data module's, during fit, validate and test); with
+        ``cache`` the batch's tokens continue the cached ones (incremental decoding, ctx.offset = its length)."""
         if segments is None and batch.get("segment_ids") is not None:
             dm = self._trainer.datamodule if self._trainer is not None else None
             segments = dm.segments if isinstance(dm, SegmentSource) else None
@@ -124,6 +131,8 @@ class LMModule(pl.LightningModule):
             doc_ids=batch.get("doc_ids"),
             segments=segments,
             variant=variant,
+            offset=cache.length if cache is not None else 0,
+            cache=cache,
         )
         unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.train.parallel)
         for plugin in self.model.plugins.values():

@@ -1,0 +1,74 @@
+"""The state of incremental decoding: every self-attention layer's keys and values, and the plugins' own state.
+
+One cache holds one window of one batch of sequences: positions 0..length-1, at most ``capacity`` of them
+(the model's max_seq_len or less). It travels on the Context (``ctx.cache``) with ``ctx.offset`` set to its
+length, so a forward over the next T tokens attends to what earlier forwards left here, and writes its own
+keys and values at positions offset..offset+T-1. Plugins keep what they carry from step to step in
+``state[label]``, never on their modules (see rlm/plugin/context.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values of every self-attention layer for one window, preallocated to ``capacity`` positions."""
+
+    def __init__(self, capacity: int, batch: int = 1, device: torch.device | str | None = None) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"cache capacity must be a positive integer, got {capacity!r}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"cache batch must be a positive integer, got {batch!r}")
+        self.capacity, self.batch = capacity, batch
+        self.length = 0
+        """Positions filled so far (the offset of the next forward's first token)."""
+        self.tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        """(B, capacity) the token ids at the filled positions."""
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+        """layer -> keys and values (B, n_kv_heads, capacity, head_dim), allocated at the layer's first write."""
+        self.state: dict[str, Any] = {}
+        """Plugin label -> whatever that plugin carries between steps (chunk neighbours, projected keys)."""
+
+    def check(self, offset: int, tokens: Tensor) -> None:
+        """Refuse a forward that does not continue the cache exactly, or would overflow it."""
+        B, T = tokens.shape
+        if B != self.batch:
+            raise ValueError(f"a cache of batch {self.batch} got tokens of batch {B}")
+        if offset != self.length:
+            raise ValueError(
+                f"ctx.offset={offset}, but the cache holds {self.length} positions; they must match"
+            )
+        if offset + T > self.capacity:
+            raise ValueError(
+                f"{T} new tokens at offset {offset} overflow the cache of {self.capacity} positions; "
+                "start a new cache (generation re-fills the last part of the window, see rlm.eval.generate)"
+            )
+
+    def history(self, offset: int, tokens: Tensor) -> Tensor:
+        """The window's tokens up to and including the new ones, (B, offset + T)."""
+        return torch.cat([self.tokens[:, :offset], tokens], dim=1)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+        """Write the new keys and values (B, nkv, T, hs) at offset; return all of them so far (B, nkv, offset+T, hs)."""
+        if layer not in self.kv:
+            B, nkv, _, hs = k.shape
+            shape = (B, nkv, self.capacity, hs)
+            self.kv[layer] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = self.kv[layer]
+        end = offset + k.shape[2]
+        keys[:, :, offset:end] = k
+        values[:, :, offset:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def advance(self, offset: int, tokens: Tensor) -> None:
+        """Record the tokens of a finished forward and move the length past them."""
+        end = offset + tokens.shape[1]
+        self.tokens[:, offset:end] = tokens
+        self.length = end
+
+
+__all__ = ["KVCache"]
