@@ -39,7 +39,7 @@ PLUGINS = {
 RETRIEVAL = {
     "retrieval_tokens": {"embedder": "tokens"},
     "retrieval_continuation": {"embedder": "tokens", "continuation": True},
-    "retrieval_shared": {"embedder": "shared", "kv_heads": None},
+    "retrieval_shared": {"embedder": "shared"},
 }
 
 
