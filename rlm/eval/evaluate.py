@@ -237,7 +237,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rlm eval",
         description="Loss, perplexity and bits per byte of a checkpoint, with its own tokenizer: on its "
-        "corpus's test (or validation) split, or on all of any text (--corpus).",
+        "corpus's test (or validation) split, or on all of any text (--corpus); or lm-evaluation-harness "
+        "tasks (--tasks).",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
     p.add_argument(
@@ -249,9 +250,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--split", default="test", choices=SPLITS, help="the checkpoint corpus's split to evaluate"
     )
-    p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default: the run's)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="windows per batch (default: the run's); with --tasks, requests per batch (default 8)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    h = p.add_argument_group("lm-evaluation-harness (pip install 'rlm[eval]'; rlm.eval.harness)")
+    h.add_argument("--tasks", default=None,
+                   help="comma-separated lm-eval tasks, e.g. hellaswag,lambada_openai (hub data sets: they "
+                        "need the network or a filled Hugging Face cache)")  # fmt: skip
+    h.add_argument("--limit", type=float, default=None, help="examples per task (below 1: a fraction)")
+    h.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    h.add_argument("--tasks-path", default=None, help="a folder of your own task YAML files")
+    h.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="bootstrap draws for the stderr of metrics such as perplexity (0: none)")  # fmt: skip
     knn = p.add_argument_group("kNN-LM (a datastore from `rlm knnlm build`)")
     knn.add_argument("--datastore", default=None, help="also score kNN-LM with this datastore")
     knn.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,9 +22,11 @@ def sample(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     mixer: Any = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Continue ``prompt_ids`` token by token (full recompute over the last max_seq_len tokens); ``mixer``
-    (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into kNN-LM log-probabilities."""
+    (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into kNN-LM log-probabilities;
+    ``stop``, given the new ids so far after each token, ends the sampling when it returns True."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     module.eval()
@@ -45,6 +48,8 @@ def sample(
             next_id = _pick(logits, temperature, top_k, generator)
             ids = torch.cat([ids, next_id], dim=1)
             if eos_id is not None and int(next_id) == eos_id:
+                break
+            if stop is not None and stop(ids[0, len(prompt_ids) :].tolist()):
                 break
     return ids[0, len(prompt_ids) :].tolist()
 
