@@ -246,6 +246,12 @@ def test_rlm_eval_tasks_prints_the_table_and_bad_values_are_named(
     right = [max(range(len(d["choices"])), key=lambda i: ll_by_hand(scorer, [(d["question"], " " + d["choices"][i])])[0][0])
              == d["label"] for d in docs]  # fmt: skip
     assert got["sample_len"] == 3 and float(row[7]) == got["acc,none"] == sum(right) / 3
+    import lm_eval  # the registered model type, built by lm-eval from its arguments
+
+    by_name = lm_eval.simple_evaluate(model="rlm", model_args=f"ckpt={ckpt}", tasks=["rlm_tiny_mc"], limit=3,
+                                      batch_size=2, bootstrap_iters=0,
+                                      task_manager=harness.task_manager(["rlm_tiny_mc"], str(TASKS)))  # fmt: skip
+    assert by_name["results"]["rlm_tiny_mc"]["acc,none"] == sum(right) / 3
     for bad, says in ((["--tasks", "rlm_tiny_mcq"], "unknown lm-eval tasks ['rlm_tiny_mcq']"),
                       (["--tasks", "rlm_tiny_mc", "--limit", "0"], "--limit=0"),
                       (["--tasks", " , "], "--tasks ' , '")):  # fmt: skip

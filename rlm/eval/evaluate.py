@@ -185,6 +185,18 @@ def metrics(nll: float, tokens: int, n_bytes: int) -> dict[str, float]:
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "bpb": nll / (math.log(2) * max(n_bytes, 1))}
 
 
+def load_module(ckpt_path: str, device: str, tokenizer: Any) -> Any:
+    """The checkpoint's LMModule on ``device``; ValueError when its vocabulary is not the tokenizer's."""
+    from rlm.train.module import LMModule
+
+    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
+    if module.model_config.vocab_size != tokenizer.vocab_size:
+        raise ValueError(
+            f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer {tokenizer.vocab_size}"
+        )
+    return module
+
+
 def evaluate(
     ckpt_path: str,
     corpus: list[str] | None = None,
@@ -194,8 +206,6 @@ def evaluate(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint on its own split, or on all of ``corpus``, with its own tokenizer."""
-    from rlm.train.module import LMModule
-
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; accepted: {list(SPLITS)}")
     ckpt = load_checkpoint(ckpt_path)
@@ -211,12 +221,7 @@ def evaluate(
         raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
     texts = data.documents()
     n_bytes = sum(len(texts[d].text.encode("utf-8")) for d in docs)
-    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
-    if module.model_config.vocab_size != store.tokenizer.vocab_size:
-        raise ValueError(
-            f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer "
-            f"{store.tokenizer.vocab_size}"
-        )
+    module = load_module(ckpt_path, device, store.tokenizer)
     logged: dict[str, float] = {}
     nll, tokens = nll_sum(module, _windows(data, store, docs), batch_size or data.val_batch_size, logged)
     return {

@@ -184,15 +184,24 @@ def model_class() -> type:
 
     @register_model("rlm")
     class RLMHarnessLM(LM):
-        """An rlm checkpoint (``ckpt=PATH``, optional ``datastore=DIR``) or a ready :class:`Scorer`."""
+        """An rlm checkpoint (``ckpt=PATH``; kNN-LM with ``datastore=DIR``, ``lam``, ``temperature``, ``knn_k``)
+        or a ready :class:`Scorer`. After ``model_class()``, ``lm_eval.simple_evaluate(model="rlm",
+        model_args="ckpt=PATH")`` builds one (max_batch_size is unused: batches are of batch_size)."""
 
         def __init__(self, ckpt: str | None = None, scorer: Scorer | None = None, batch_size: int | str = 8,
-                     device: str | None = None, datastore: str | None = None, **_: Any) -> None:  # fmt: skip
+                     device: str | None = None, datastore: str | None = None, lam: float | None = None,
+                     temperature: float | None = None, knn_k: int | None = None,
+                     max_batch_size: int | None = None) -> None:  # fmt: skip
             super().__init__()
             if scorer is None:
                 if ckpt is None:
                     raise ValueError("the rlm model type needs ckpt=PATH (a checkpoint written by rlm fit)")
-                scorer = load_scorer(ckpt, int(batch_size), device or "cpu", datastore)
+                if not str(batch_size).isdigit():
+                    raise ValueError(f"batch_size={batch_size!r}; accepted: a positive integer ('auto' is not "
+                                     "supported)")  # fmt: skip
+                scorer = load_scorer(
+                    ckpt, int(batch_size), device or "cpu", datastore, lam, temperature, knn_k
+                )
             self.scorer = scorer
             self._device = scorer.module.device
 
@@ -220,32 +229,21 @@ def load_scorer(
     """A Scorer for a checkpoint and its own tokenizer; with ``datastore``, kNN-LM with the datastore's tuned
     lam and temperature unless given."""
     from rlm.data import Tokenizer
-    from rlm.eval.evaluate import data_settings, load_checkpoint, tokenizer_file
-    from rlm.train.module import LMModule
+    from rlm.eval.evaluate import data_settings, load_checkpoint, load_module, tokenizer_file
 
     ckpt = load_checkpoint(ckpt_path)
     tokenizer = Tokenizer(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
-    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
-    if module.model_config.vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer "
-                         f"{tokenizer.vocab_size}")  # fmt: skip
+    module = load_module(ckpt_path, device, tokenizer)
     mixer = None
     if datastore is not None:
         from rlm.eval.datastore import Datastore
-        from rlm.eval.knnlm import Mixer
+        from rlm.eval.knnlm import Mixer, mixing
 
         ds = Datastore(datastore)
         ds.check_model(module)
-        tuned = ds.meta.get("tuning") or {}
-        lam = tuned.get("lam") if lam is None else lam
-        temperature = tuned.get("temperature") if temperature is None else temperature
-        if lam is None or temperature is None:
-            raise ValueError(
-                f"datastore {ds.path} holds no tuned lam/temperature; pass --lam and --temperature"
-            )
-        if not 0.0 <= lam < 1.0 or not temperature > 0 or (k is not None and k < 1):
-            raise ValueError(f"lam={lam}, temperature={temperature}, k={k}; accepted: 0 <= lam < 1, "
-                             "temperature > 0, k >= 1")  # fmt: skip
+        lam, temperature = mixing(ds, lam, temperature)
+        if k is not None and k < 1:
+            raise ValueError(f"--knn-k={k}; accepted: a positive integer")
         mixer = Mixer(ds, lam, temperature, k or ds.meta["k"])
     return Scorer(module, tokenizer, batch_size, mixer)
 
@@ -255,10 +253,9 @@ def task_manager(tasks: list[str], tasks_path: str | None = None) -> Any:
     model_class()
     from lm_eval.tasks import TaskManager
 
+    # Indexing all ~15k of lm-eval's tasks takes ~10 s: only the folder's own when it holds every name.
     manager = TaskManager(include_path=tasks_path, include_defaults=False) if tasks_path else None
-    if manager is None or not set(tasks) <= set(
-        manager.all_tasks
-    ):  # indexing all ~15k of lm-eval's tasks: ~10 s
+    if manager is None or not set(tasks) <= set(manager.all_tasks):
         manager = TaskManager(include_path=tasks_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:

@@ -223,6 +223,19 @@ def tune_on(module: Any, data: RLMDataModule, store: TokenStore, ds: Datastore, 
     return {**tune(scored), "tokens": len(scored.lm_logp), "documents": len(chosen)}
 
 
+def mixing(ds: Datastore, lam: float | None, temperature: float | None) -> tuple[float, float]:
+    """(lam, temperature): those given, else the ones tuned at build; ValueError when missing or out of range."""
+    tuned = ds.meta.get("tuning") or {}
+    lam = tuned.get("lam") if lam is None else lam
+    temperature = tuned.get("temperature") if temperature is None else temperature
+    if lam is None or temperature is None:
+        raise ValueError(f"datastore {ds.path} holds no tuned lam/temperature (built over another corpus); "
+                         "pass --lam and --temperature")  # fmt: skip
+    if not 0.0 <= lam < 1.0 or not temperature > 0:
+        raise ValueError(f"lam={lam}, temperature={temperature}; accepted: 0 <= lam < 1, temperature > 0")
+    return lam, temperature
+
+
 def evaluate_knn(
     ckpt_path: str,
     datastore: str | os.PathLike[str],
@@ -243,14 +256,7 @@ def evaluate_knn(
     module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
     ds = Datastore(datastore)
     ds.check_model(module)
-    tuned = ds.meta.get("tuning") or {}
-    lam = tuned.get("lam") if lam is None else lam
-    temperature = tuned.get("temperature") if temperature is None else temperature
-    if lam is None or temperature is None:
-        raise ValueError(f"datastore {ds.path} holds no tuned lam/temperature (built over another corpus); "
-                         "pass --lam and --temperature")  # fmt: skip
-    if not 0.0 <= lam < 1.0 or not temperature > 0:
-        raise ValueError(f"lam={lam}, temperature={temperature}; accepted: 0 <= lam < 1, temperature > 0")
+    lam, temperature = mixing(ds, lam, temperature)
     docs = np.arange(store.n_docs) if corpus else getattr(store, f"{split}_docs")
     if not len(docs):
         raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
