@@ -108,13 +108,21 @@ def results_close(got, want) -> None:
 
 def test_loglikelihood_matches_the_logits_by_hand(tiny):
     """Batched (3 per batch, padded) scores equal each request alone: summed log_softmax over the continuation and
-    the argmax check; a context past max_seq_len loses its left; an empty continuation is log 1."""
+    the argmax check (true for the model's own greedy tokens); a context past max_seq_len loses its left; an empty
+    continuation is log 1."""
     _, scorer = tiny
     pairs = [("import", " os"), ("", "def f(x):\n    return x\n"), ("def main():\n    ", "return 0"),
              (LONG_CTX, "    return s\n"), ("x = 1", ""), ("import os\nimport", " sys")]  # fmt: skip
     ctx, cont = split(scorer.tokenizer, *pairs[3])
     assert len(ctx) + len(cont) > scorer.max_len + 50  # truncation is exercised
     results_close(scorer.loglikelihood(pairs), ll_by_hand(scorer, pairs))
+    tok, module, size = scorer.tokenizer, scorer.module, scorer.max_len
+    prompt = [tok.bos_id, *tok.encode("def f(x):\n    ")]
+    greedy = sample(module, prompt, 4, temperature=0.0, top_k=None)  # the model's own argmax tokens
+    conts = [greedy, [*greedy[:3], (greedy[3] + 1) % tok.vocab_size]]
+    got = scorer.score_tokens([(prompt, c) for c in conts])
+    assert [g for _, g in got] == [True, False]
+    results_close(got, [by_hand(module, prompt + c, 4, size) for c in conts])
     with pytest.raises(ValueError, match="max_seq_len=256"):
         scorer.loglikelihood([("a", " b" * 400)])
 
