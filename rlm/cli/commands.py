@@ -127,8 +127,9 @@ def run_generate(command: str, args: list[str]) -> int:
 
 
 def run_eval(command: str, args: list[str]) -> int:
-    """``rlm eval --ckpt PATH [--corpus X]``: loss, perplexity and bits per byte with the model's tokenizer."""
-    from rlm.eval.knnlm_cli import eval_main  # plain evaluation, or kNN-LM with --datastore
+    """``rlm eval --ckpt PATH [--corpus X | --tasks T1,T2]``: loss, perplexity and bits per byte with the model's
+    tokenizer, or lm-evaluation-harness tasks."""
+    from rlm.eval.knnlm_cli import eval_main  # plain; kNN-LM with --datastore; lm-eval with --tasks
 
     return eval_main(args)
 
@@ -194,7 +195,11 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "fit": (run_lightning, "train a model (LightningCLI; stack --config files)"),
     "validate": (run_lightning, "evaluate on the validation split"),
     "test": (run_lightning, "evaluate on the test split"),
-    "eval": (run_eval, "loss, perplexity and bits per byte of a checkpoint on any text, its own tokenizer"),
+    "eval": (
+        run_eval,
+        "loss, perplexity and bits per byte of a checkpoint on any text, its own tokenizer; "
+        "lm-eval tasks (--tasks)",
+    ),
     "generate": (run_generate, "sample text from a checkpoint"),
     "export": (run_export, "a checkpoint as a transformers folder (safetensors, config, tokenizer, card)"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),

@@ -165,8 +165,7 @@ def load_for_knn(
     ckpt_path: str, corpus: list[str] | None, device: str, progress: bool
 ) -> tuple[Any, RLMDataModule, TokenStore]:
     """The checkpoint's module and a data module over its own corpus (or ``corpus``, read with its tokenizer)."""
-    from rlm.eval.evaluate import data_settings, load_checkpoint, with_tokenizer
-    from rlm.train.module import LMModule
+    from rlm.eval.evaluate import data_settings, load_checkpoint, load_module, with_tokenizer
 
     ckpt = load_checkpoint(ckpt_path)
     hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
@@ -176,10 +175,7 @@ def load_for_knn(
     data = RLMDataModule(**hp)
     data.prepare_data()
     store = TokenStore(data.cache_path())
-    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
-    if module.model_config.vocab_size != store.tokenizer.vocab_size:
-        raise ValueError(f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer "
-                         f"{store.tokenizer.vocab_size}")  # fmt: skip
+    module = load_module(ckpt_path, device, store.tokenizer)
     return module, data, store
 
 

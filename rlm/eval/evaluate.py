@@ -185,6 +185,18 @@ def metrics(nll: float, tokens: int, n_bytes: int) -> dict[str, float]:
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "bpb": nll / (math.log(2) * max(n_bytes, 1))}
 
 
+def load_module(ckpt_path: str, device: str, tokenizer: Any) -> Any:
+    """The checkpoint's LMModule on ``device``; ValueError when its vocabulary is not the tokenizer's."""
+    from rlm.train.module import LMModule
+
+    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
+    if module.model_config.vocab_size != tokenizer.vocab_size:
+        raise ValueError(
+            f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer {tokenizer.vocab_size}"
+        )
+    return module
+
+
 def evaluate(
     ckpt_path: str,
     corpus: list[str] | None = None,
@@ -194,8 +206,6 @@ def evaluate(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint on its own split, or on all of ``corpus``, with its own tokenizer."""
-    from rlm.train.module import LMModule
-
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; accepted: {list(SPLITS)}")
     ckpt = load_checkpoint(ckpt_path)
@@ -211,12 +221,7 @@ def evaluate(
         raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
     texts = data.documents()
     n_bytes = sum(len(texts[d].text.encode("utf-8")) for d in docs)
-    module = LMModule.load_from_checkpoint(ckpt_path, map_location=device)
-    if module.model_config.vocab_size != store.tokenizer.vocab_size:
-        raise ValueError(
-            f"the model has vocab_size {module.model_config.vocab_size} but its tokenizer "
-            f"{store.tokenizer.vocab_size}"
-        )
+    module = load_module(ckpt_path, device, store.tokenizer)
     logged: dict[str, float] = {}
     nll, tokens = nll_sum(module, _windows(data, store, docs), batch_size or data.val_batch_size, logged)
     return {
@@ -237,7 +242,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rlm eval",
         description="Loss, perplexity and bits per byte of a checkpoint, with its own tokenizer: on its "
-        "corpus's test (or validation) split, or on all of any text (--corpus).",
+        "corpus's test (or validation) split, or on all of any text (--corpus); or lm-evaluation-harness "
+        "tasks (--tasks).",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
     p.add_argument(
@@ -249,9 +255,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--split", default="test", choices=SPLITS, help="the checkpoint corpus's split to evaluate"
     )
-    p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default: the run's)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="windows per batch (default: the run's); with --tasks, requests per batch (default 8)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    h = p.add_argument_group("lm-evaluation-harness (pip install 'rlm[eval]'; rlm.eval.harness)")
+    h.add_argument("--tasks", default=None,
+                   help="comma-separated lm-eval tasks, e.g. hellaswag,lambada_openai (hub data sets: they "
+                        "need the network or a filled Hugging Face cache)")  # fmt: skip
+    h.add_argument("--limit", type=float, default=None, help="examples per task (below 1: a fraction)")
+    h.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    h.add_argument("--tasks-path", default=None, help="a folder of your own task YAML files")
+    h.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="bootstrap draws for the stderr of metrics such as perplexity (0: none)")  # fmt: skip
     knn = p.add_argument_group("kNN-LM (a datastore from `rlm knnlm build`)")
     knn.add_argument("--datastore", default=None, help="also score kNN-LM with this datastore")
     knn.add_argument(

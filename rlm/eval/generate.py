@@ -14,6 +14,7 @@ and max_seq_len tokens of context instead of always max_seq_len.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,10 +65,12 @@ def sample(
     generator: torch.Generator | None = None,
     mixer: Any = None,
     cache: bool = True,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Continue ``prompt_ids`` token by token: with ``cache`` (default) incrementally (see the module doc for the
     window past max_seq_len), else by a full recompute over the last max_seq_len tokens at every step; ``mixer``
-    (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into kNN-LM log-probabilities."""
+    (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into kNN-LM log-probabilities;
+    ``stop``, given the new ids so far after each token, ends the sampling when it returns True."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not prompt_ids:
@@ -95,6 +98,8 @@ def sample(
             next_id = _pick(logits, temperature, top_k, generator)
             ids = torch.cat([ids, next_id], dim=1)
             if eos_id is not None and int(next_id) == eos_id:
+                break
+            if stop is not None and stop(ids[0, len(prompt_ids) :].tolist()):
                 break
     return ids[0, len(prompt_ids) :].tolist()
 

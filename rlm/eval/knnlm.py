@@ -223,6 +223,19 @@ def tune_on(module: Any, data: RLMDataModule, store: TokenStore, ds: Datastore, 
     return {**tune(scored), "tokens": len(scored.lm_logp), "documents": len(chosen)}
 
 
+def mixing(ds: Datastore, lam: float | None, temperature: float | None) -> tuple[float, float]:
+    """(lam, temperature): those given, else the ones tuned at build; ValueError when missing or out of range."""
+    tuned = ds.meta.get("tuning") or {}
+    lam = tuned.get("lam") if lam is None else lam
+    temperature = tuned.get("temperature") if temperature is None else temperature
+    if lam is None or temperature is None:
+        raise ValueError(f"datastore {ds.path} holds no tuned lam/temperature (built over another corpus); "
+                         "pass --lam and --temperature")  # fmt: skip
+    if not 0.0 <= lam < 1.0 or not temperature > 0:
+        raise ValueError(f"lam={lam}, temperature={temperature}; accepted: 0 <= lam < 1, temperature > 0")
+    return lam, temperature
+
+
 def evaluate_knn(
     ckpt_path: str,
     datastore: str | os.PathLike[str],
@@ -243,14 +256,7 @@ def evaluate_knn(
     module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
     ds = Datastore(datastore)
     ds.check_model(module)
-    tuned = ds.meta.get("tuning") or {}
-    lam = tuned.get("lam") if lam is None else lam
-    temperature = tuned.get("temperature") if temperature is None else temperature
-    if lam is None or temperature is None:
-        raise ValueError(f"datastore {ds.path} holds no tuned lam/temperature (built over another corpus); "
-                         "pass --lam and --temperature")  # fmt: skip
-    if not 0.0 <= lam < 1.0 or not temperature > 0:
-        raise ValueError(f"lam={lam}, temperature={temperature}; accepted: 0 <= lam < 1, temperature > 0")
+    lam, temperature = mixing(ds, lam, temperature)
     docs = np.arange(store.n_docs) if corpus else getattr(store, f"{split}_docs")
     if not len(docs):
         raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
@@ -272,24 +278,24 @@ def evaluate_knn(
 
 
 class Mixer:
-    """kNN-LM for sampling: the next token's log-probabilities over the whole vocabulary, mixed with the
-    datastore's neighbours of the last position's state."""
+    """kNN-LM over the whole vocabulary, for sampling and for lm-evaluation-harness: each row's log-probabilities
+    mixed with the datastore's neighbours of that position's state (eq. 2)."""
 
     def __init__(self, datastore: Datastore, lam: float, temperature: float, k: int) -> None:
         self.ds, self.lam, self.temperature, self.k = datastore, lam, temperature, k
 
     def __call__(self, logits: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """(1, V) mixed log-probabilities from (1, V) logits and the (1, d) key of the last position."""
-        d, v = self.ds.search(key.float().cpu().numpy(), self.k, None)  # (1, k)
-        logp = torch.log_softmax(logits.float(), -1)
-        ok = torch.from_numpy(v[0] >= 0)
-        if not bool(ok.any()):
-            return logp
-        w = torch.softmax(-torch.from_numpy(d[0][v[0] >= 0]).double() / self.temperature, 0)  # (k',)
-        p_knn = torch.zeros(logits.shape[-1], dtype=torch.float64)
-        p_knn.scatter_add_(0, torch.from_numpy(v[0][v[0] >= 0]).long(), w)
-        mixed = self.lam * p_knn + (1 - self.lam) * logp[0].double().exp().cpu()
-        return mixed.clamp_min(1e-30).log().float().to(logits.device)[None]
+        """(N, V) mixed log-probabilities from (N, V) logits and the (N, d) keys of the same positions; a row
+        with no neighbour found keeps the LM's."""
+        d, v = self.ds.search(key.float().cpu().numpy(), self.k, None)  # (N, k); -1 where none was found
+        logp = torch.log_softmax(logits.float(), -1).cpu().double()  # (N, V)
+        found = torch.from_numpy(v >= 0)  # (N, k)
+        scaled = (-torch.from_numpy(d).double() / self.temperature).masked_fill(~found, float("-inf"))
+        w = torch.softmax(scaled, 1).nan_to_num(0.0)  # (N, k); a row without neighbours: nan -> 0
+        p_knn = torch.zeros_like(logp).scatter_add_(1, torch.from_numpy(np.maximum(v, 0)).long(), w)
+        mixed = (self.lam * p_knn + (1 - self.lam) * logp.exp()).clamp_min(1e-30).log()
+        mixed = torch.where(found.any(1, keepdim=True), mixed, logp)
+        return mixed.float().to(logits.device)
 
 
 def build(

@@ -73,11 +73,18 @@ def main(args: list[str]) -> int:
 
 
 def eval_main(args: list[str]) -> int:
-    """``rlm eval``: with ``--datastore DIR`` the LM and kNN-LM from one pass, else plain rlm.eval.evaluate."""
+    """``rlm eval``: with ``--tasks`` lm-evaluation-harness (rlm.eval.harness), with ``--datastore DIR`` the LM and
+    kNN-LM from one pass, else plain rlm.eval.evaluate."""
     from rlm.eval.evaluate import main, parser, write_json
     from rlm.eval.knnlm import evaluate_knn
 
     a = parser().parse_args(args)
+    if a.batch_size is not None and a.batch_size < 1:
+        raise ValueError(f"--batch-size={a.batch_size}; accepted: a positive integer")
+    if a.tasks is not None:  # lm-evaluation-harness, with the datastore's kNN-LM when one is given
+        from rlm.eval.harness import main as harness_main
+
+        return harness_main(a)
     if not a.datastore:
         return main(args)
 

@@ -1,0 +1,315 @@
+"""EleutherAI's lm-evaluation-harness on rlm checkpoints: the ``rlm`` model type and ``rlm eval --tasks``.
+
+``rlm eval --ckpt C --tasks hellaswag,lambada_openai [--limit N] [--num-fewshot K]`` hands the tasks to
+``lm_eval.simple_evaluate`` with a :class:`Scorer` wrapped as an ``lm_eval.api.model.LM`` (registered as the
+model type ``rlm``; ``lm_eval`` is imported here only, when a task runs: ``pip install 'rlm[eval]'``).
+
+How requests are scored, with the checkpoint's own tokenizer:
+
+- Every text is conditioned as the model saw documents in training, on the beginning-of-document token:
+  ``[bos] + encode(context + continuation)``. The continuation's tokens are those of the whole text after the
+  context's own encoding (trailing spaces of the context move to the continuation first), so a word is
+  scored as it is tokenized in running text.
+- ``loglikelihood``: sum over the continuation's tokens of log_softmax(logits), and whether each was the
+  argmax (greedy). A text longer than the model's max_seq_len loses its context from the left; a
+  continuation longer than max_seq_len is an error.
+- ``loglikelihood_rolling`` (perplexity tasks): the document ``[bos] + tokens`` in disjoint windows of
+  max_seq_len tokens (lm-eval's ``get_rolling_token_windows`` with context_len 1, then ``make_disjoint_window``):
+  every token is scored exactly once, a window reads only its own tokens (its first token sees only the one
+  before it), and a shorter last window reads the max_seq_len tokens before its end. This is lm-eval's choice
+  for Hugging Face models and close to rlm eval's own training windows, at one forward pass per max_seq_len
+  tokens; a sliding window would give each token a longer past at several times the cost.
+- ``generate_until``: greedy (or sampled with ``do_sample``) continuation by rlm.eval.generate.sample, the last
+  max_seq_len tokens as context, stopped at the first ``until`` string (cut there), at the end-of-document token
+  or after ``max_gen_toks`` tokens.
+- The model runs as it does for ``rlm generate``: every plugin takes part, the trained retriever searching its
+  saved index online. With a kNN-LM datastore (``--datastore``) every log-probability, greedy check and
+  generated token is of the kNN-LM mixture (rlm.eval.knnlm.Mixer); the evaluated text is not in the datastore,
+  so nothing is excluded from the search.
+
+Requests are batched (longest first, right-padded: causal attention and causal routing keep a row's padding
+from reaching its scored positions).
+
+Downloads: every standard task (hellaswag, lambada_openai, wikitext, arc_easy, ...) reads its data set from
+the Hugging Face hub, so it needs the network once, or a Hugging Face cache already holding it
+(HF_DATASETS_OFFLINE=1 then reads only the cache). A task of your own in a folder (``--tasks-path DIR``, a
+YAML with ``dataset_path: json`` and ``dataset_kwargs: {data_files: ...}``) runs offline.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlm.extras import require
+
+GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+"""The generation arguments a task may pass (top_p only without do_sample, where greedy ignores it)."""
+
+
+@dataclass
+class Scorer:
+    """Scores lm-eval's requests with an rlm model and its tokenizer (rlm.data.Tokenizer); ``mixer``
+    (rlm.eval.knnlm.Mixer) makes every distribution the kNN-LM's."""
+
+    module: Any
+    tokenizer: Any
+    batch_size: int = 8
+    mixer: Any = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size}; accepted: a positive integer")
+        self.max_len = int(self.module.model.config.max_seq_len)
+        self.module.eval()
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """([bos] + the context's tokens, the continuation's tokens within the whole text's encoding)."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:  # "a word" is scored as " word": the space belongs to the continuation's first token
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.tokenizer.encode(context + continuation)
+        n_ctx = len(self.tokenizer.encode(context))
+        return [self.tokenizer.bos_id, *whole[:n_ctx]], whole[n_ctx:]
+
+    def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), greedy?) of every (context, continuation)."""
+        return self.score_tokens([self.encode_pair(c, x) for c, x in pairs])
+
+    def loglikelihood_rolling(self, texts: list[str]) -> list[float]:
+        """log p of every text, conditioned on bos, in windows of max_seq_len tokens (see the module docstring)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owner = [], []
+        for i, text in enumerate(texts):
+            for pair in get_rolling_token_windows(
+                self.tokenizer.encode(text), self.tokenizer.bos_id, self.max_len, context_len=1
+            ):
+                windows.append(make_disjoint_window(pair))
+                owner.append(i)
+        totals = [0.0] * len(texts)
+        for i, (logp, _) in zip(owner, self.score_tokens(windows)):
+            totals[i] += logp
+        return totals
+
+    @torch.no_grad()
+    def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(sum of log p, greedy?) of each continuation's tokens after its context's (the context truncated
+        from the left so that both fit max_seq_len)."""
+        import contextlib
+
+        from rlm.eval.datastore import reading_keys
+
+        inputs: list[list[int]] = []
+        for ctx, cont in pairs:
+            if len(cont) > self.max_len:
+                raise ValueError(f"a continuation of {len(cont)} tokens; accepted: at most the model's "
+                                 f"max_seq_len={self.max_len}")  # fmt: skip
+            if not ctx:
+                raise ValueError("a request without context tokens; the context starts with bos")
+            inputs.append([*ctx, *cont][-(self.max_len + 1) : -1])  # the last token is only a target
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation: log 1, greedy
+        order = sorted((i for i in range(len(pairs)) if pairs[i][1]), key=lambda i: -len(inputs[i]))
+        with contextlib.ExitStack() as stack:
+            hooked = None
+            if self.mixer is not None:
+                hooked = stack.enter_context(reading_keys(self.module, self.mixer.ds.meta["layer"]))
+            for lo in range(0, len(order), self.batch_size):
+                rows = order[lo : lo + self.batch_size]
+                width = len(inputs[rows[0]])
+                tokens = torch.full((len(rows), width), self.tokenizer.pad_id, dtype=torch.long)  # (B, T)
+                for b, i in enumerate(rows):
+                    tokens[b, : len(inputs[i])] = torch.tensor(inputs[i])
+                tokens = tokens.to(self.module.device)
+                ctx = self.module.make_context({"tokens": tokens}, "predict")
+                logits = self.module.model(tokens, ctx)  # (B, T, V)
+                for b, i in enumerate(rows):
+                    cont = torch.tensor(pairs[i][1], device=tokens.device)  # (n,)
+                    n, end = len(cont), len(inputs[i])
+                    row = logits[b, end - n : end].float()  # (n, V): the positions that predict cont
+                    if hooked is not None:
+                        logp = self.mixer(row, hooked["keys"][b, end - n : end])
+                    else:
+                        logp = torch.log_softmax(row, -1)
+                    picked = logp.gather(1, cont[:, None])[:, 0]  # (n,)
+                    greedy = bool((logp.argmax(-1) == cont).all())
+                    out[i] = (float(picked.double().sum()), greedy)
+        return out
+
+    def generate_until(self, requests: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        """Each context's continuation, cut at the first of its ``until`` strings."""
+        from rlm.eval.generate import sample
+
+        results = []
+        for i, (context, kwargs) in enumerate(requests):
+            kwargs = dict(kwargs or {})
+            unknown = sorted(set(kwargs) - set(GEN_KWARGS))
+            if unknown:
+                raise ValueError(f"generation arguments {unknown}; accepted: {list(GEN_KWARGS)}")
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            do_sample = bool(kwargs.get("do_sample", False))
+            temperature = float(kwargs.get("temperature", 1.0)) if do_sample else 0.0
+            if do_sample and kwargs.get("top_p") not in (None, 1, 1.0):
+                raise ValueError(f"top_p={kwargs['top_p']} with do_sample; accepted: top_k sampling only")
+            max_new = int(kwargs.get("max_gen_toks", 256))
+
+            def stop(ids: list[int], until: list[str] = until) -> bool:
+                text = self.tokenizer.decode(ids)
+                return any(u in text for u in until)
+
+            ids = sample(
+                self.module, [self.tokenizer.bos_id, *self.tokenizer.encode(context)], max_new, temperature,
+                kwargs.get("top_k"), self.tokenizer.eos_id, torch.Generator().manual_seed(self.seed + i),
+                self.mixer, stop if until else None,
+            )  # fmt: skip
+            text = self.tokenizer.decode(ids)
+            cut = min((text.index(u) for u in until if u in text), default=len(text))
+            results.append(text[:cut])
+        return results
+
+
+@functools.cache
+def model_class() -> type:
+    """The ``lm_eval.api.model.LM`` subclass for rlm checkpoints, registered as the model type ``rlm``."""
+    require("lm_eval", "eval", "lm-evaluation-harness tasks (rlm eval --tasks)")
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+
+    @register_model("rlm")
+    class RLMHarnessLM(LM):
+        """An rlm checkpoint (``ckpt=PATH``; kNN-LM with ``datastore=DIR``, ``lam``, ``temperature``, ``knn_k``)
+        or a ready :class:`Scorer`. After ``model_class()``, ``lm_eval.simple_evaluate(model="rlm",
+        model_args="ckpt=PATH")`` builds one (max_batch_size is unused: batches are of batch_size)."""
+
+        def __init__(self, ckpt: str | None = None, scorer: Scorer | None = None, batch_size: int | str = 8,
+                     device: str | None = None, datastore: str | None = None, lam: float | None = None,
+                     temperature: float | None = None, knn_k: int | None = None,
+                     max_batch_size: int | None = None) -> None:  # fmt: skip
+            super().__init__()
+            if scorer is None:
+                if ckpt is None:
+                    raise ValueError("the rlm model type needs ckpt=PATH (a checkpoint written by rlm fit)")
+                if not str(batch_size).isdigit():
+                    raise ValueError(f"batch_size={batch_size!r}; accepted: a positive integer ('auto' is not "
+                                     "supported)")  # fmt: skip
+                scorer = load_scorer(
+                    ckpt, int(batch_size), device or "cpu", datastore, lam, temperature, knn_k
+                )
+            self.scorer = scorer
+            self._device = scorer.module.device
+
+        def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+            return self.scorer.loglikelihood([tuple(r.args) for r in requests])
+
+        def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
+            return self.scorer.loglikelihood_rolling([r.args[0] for r in requests])
+
+        def generate_until(self, requests: list[Any]) -> list[str]:
+            return self.scorer.generate_until([tuple(r.args) for r in requests])
+
+    return RLMHarnessLM
+
+
+def load_scorer(
+    ckpt_path: str,
+    batch_size: int = 8,
+    device: str = "cpu",
+    datastore: str | os.PathLike[str] | None = None,
+    lam: float | None = None,
+    temperature: float | None = None,
+    k: int | None = None,
+) -> Scorer:
+    """A Scorer for a checkpoint and its own tokenizer; with ``datastore``, kNN-LM with the datastore's tuned
+    lam and temperature unless given."""
+    from rlm.data import Tokenizer
+    from rlm.eval.evaluate import data_settings, load_checkpoint, load_module, tokenizer_file
+
+    ckpt = load_checkpoint(ckpt_path)
+    tokenizer = Tokenizer(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
+    module = load_module(ckpt_path, device, tokenizer)
+    mixer = None
+    if datastore is not None:
+        from rlm.eval.datastore import Datastore
+        from rlm.eval.knnlm import Mixer, mixing
+
+        ds = Datastore(datastore)
+        ds.check_model(module)
+        lam, temperature = mixing(ds, lam, temperature)
+        if k is not None and k < 1:
+            raise ValueError(f"--knn-k={k}; accepted: a positive integer")
+        mixer = Mixer(ds, lam, temperature, k or ds.meta["k"])
+    return Scorer(module, tokenizer, batch_size, mixer)
+
+
+def task_manager(tasks: list[str], tasks_path: str | None = None) -> Any:
+    """An ``lm_eval.tasks.TaskManager`` that knows every name in ``tasks``; ValueError naming those it does not."""
+    model_class()
+    from lm_eval.tasks import TaskManager
+
+    # Indexing all ~15k of lm-eval's tasks takes ~10 s: only the folder's own when it holds every name.
+    manager = TaskManager(include_path=tasks_path, include_defaults=False) if tasks_path else None
+    if manager is None or not set(tasks) <= set(manager.all_tasks):
+        manager = TaskManager(include_path=tasks_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        near = {t: difflib.get_close_matches(t, manager.all_tasks, 3) for t in unknown}
+        raise ValueError(f"unknown lm-eval tasks {unknown} (close: {near}); accepted: the names `lm-eval ls tasks` "
+                         "lists" + (f", or tasks defined under {tasks_path}" if tasks_path else ", or your own "
+                         "task YAML under --tasks-path DIR"))  # fmt: skip
+    return manager
+
+
+def evaluate_tasks(
+    scorer: Scorer,
+    tasks: list[str],
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    tasks_path: str | None = None,
+    bootstrap_iters: int = 100000,
+    log_samples: bool = False,
+    manager: Any = None,
+) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` of ``tasks`` (names known to lm-eval, or defined under ``tasks_path``)."""
+    import lm_eval
+
+    manager = manager or task_manager(tasks, tasks_path)
+    return lm_eval.simple_evaluate(
+        model=model_class()(scorer=scorer), tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+        task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=log_samples,
+    )  # fmt: skip
+
+
+def main(a: Any) -> int:
+    """``rlm eval --tasks``: the parsed arguments of rlm.eval.evaluate.parser; prints lm-eval's table."""
+    from rlm.eval.evaluate import write_json
+
+    if a.corpus or a.knn_cache:
+        raise ValueError("--tasks scores lm-eval's tasks: --corpus and --knn-cache do not apply")
+    if a.limit is not None and a.limit <= 0:
+        raise ValueError(f"--limit={a.limit}; accepted: a positive number (below 1: a fraction)")
+    if a.num_fewshot is not None and a.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot={a.num_fewshot}; accepted: an integer >= 0")
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError(f"--tasks {a.tasks!r}; accepted: comma-separated lm-eval task names")
+    require("lm_eval", "eval", "lm-evaluation-harness tasks (rlm eval --tasks)")
+    manager = task_manager(tasks, a.tasks_path)  # a misspelt task fails before the model loads
+    scorer = load_scorer(a.ckpt, a.batch_size or 8, a.device, a.datastore, a.lam, a.temperature, a.knn_k)
+    limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
+    results = evaluate_tasks(
+        scorer, tasks, limit, a.num_fewshot, a.tasks_path, a.bootstrap_iters, manager=manager
+    )
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    write_json(a.json, {k: results[k] for k in ("results", "versions", "n-shot") if k in results})
+    return 0
