@@ -166,8 +166,9 @@ class Scorer:
 
             ids = sample(
                 self.module, [self.tokenizer.bos_id, *self.tokenizer.encode(context)], max_new, temperature,
-                kwargs.get("top_k"), self.tokenizer.eos_id, torch.Generator().manual_seed(self.seed + i),
-                self.mixer, stop if until else None,
+                kwargs.get("top_k"), eos_id=self.tokenizer.eos_id,
+                generator=torch.Generator().manual_seed(self.seed + i), mixer=self.mixer,
+                stop=stop if until else None,
             )  # fmt: skip
             text = self.tokenizer.decode(ids)
             cut = min((text.index(u) for u in until if u in text), default=len(text))
