@@ -1,5 +1,6 @@
 """Expert parallelism (plugins/_expert_parallel.py): 2 gloo processes against one process on the global batch."""
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,13 @@ from torch.testing import assert_close
 
 from rlm.model import ModelConfig
 from rlm.plugin import Context
-from rlm.plugins._expert_parallel import ExpertParallelCallback, shard_experts
+from rlm.plugins._expert_parallel import (
+    ExpertParallelCallback,
+    parallel_dispatch,
+    route_group,
+    shard_experts,
+)
+from rlm.plugins._experts import plan
 from rlm.plugins.moe import MoEConfig, MoELayer
 from rlm.train.parallel import spawn_local
 
@@ -44,11 +51,45 @@ def _loss(layer, x, tokens, mask, r):
     return y, (y * r).sum() / x.shape[0]
 
 
+@contextmanager
+def _host_reads():
+    """Counts the tensor-to-Python reads (tolist, item, int(), float(), bool(), index): each a host sync on a GPU."""
+    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+    calls: list[str] = []
+    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
+
+    def counted(name, fn):
+        def read(self, *args, **kwargs):
+            calls.append(name)
+            return fn(self, *args, **kwargs)
+
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, counted(n, getattr(torch.Tensor, n)))
+    try:
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            if fn is None:
+                delattr(torch.Tensor, n)
+            else:
+                setattr(torch.Tensor, n, fn)
+
+
 def _worker(rank: int, port: int, cases: list, out: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sent_dtypes = []
+    all_to_all_single = dist.all_to_all_single
+
+    def recording(output, input, *args, **kwargs):
+        sent_dtypes.append(input.dtype)
+        return all_to_all_single(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = recording  # this process only (spawned)
     try:
         for name, cf, mode in cases:
             layer = _layer(cf, mode)
@@ -56,8 +97,11 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
             layer.expert_group = dist.group.WORLD
             x, tokens, mask, r = (t[rank * B : (rank + 1) * B] for t in _batch())
             x = x.clone().requires_grad_(True)
-            y, loss = _loss(layer, x, tokens, mask, r)
+            sent_dtypes.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("bf16")):
+                y, loss = _loss(layer, x, tokens, mask, r)
             loss.backward()
+            out[(name, rank, "sent")] = list(sent_dtypes)  # forward's two exchanges, then backward's two
             grads = {}
             for n, p in layer.named_parameters():
                 if n.startswith("experts."):
@@ -67,6 +111,19 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
                     dist.all_reduce(g)  # what DDP does: the mean over ranks
                     grads[n] = g / 2
             out[(name, rank)] = (y.detach(), x.grad / 2, grads)
+        # Host reads of one dispatch: forward and backward (the MoE layer around it is not counted).
+        layer = _layer(0.75, "grouped")
+        shard_experts(layer.experts, rank, 2)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T * B, D, generator=g, requires_grad=True)
+        index = torch.randint(0, 4, (T * B, 2), generator=g)
+        weight, valid = torch.rand(T * B, 2, generator=g), torch.ones(T * B, dtype=torch.bool)
+        with _host_reads() as forward:
+            y, _ = parallel_dispatch(x, index, weight, valid, layer.experts, layer.capacity, "grouped",
+                                     dist.group.WORLD, seq_len=T)  # fmt: skip
+        with _host_reads() as backward:
+            y.sum().backward()
+        out[("host reads", rank)] = (list(forward), list(backward))
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
@@ -74,32 +131,156 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
         dist.destroy_process_group()
 
 
-CASES = [("capacity", 0.75, "grouped"), ("dropless", 0.0, "grouped"), ("capacity_bmm", 0.75, "bmm")]
+CASES = [
+    ("capacity", 0.75, "grouped"),
+    ("dropless", 0.0, "grouped"),
+    ("capacity_bmm", 0.75, "bmm"),
+    ("capacity_bf16", 0.75, "grouped"),  # under CPU autocast: tokens travel in bfloat16
+]
 
 
 @pytest.mark.ddp
 def test_two_processes_equal_one_process_on_the_global_batch():
     got = spawn_local(_worker, CASES)
     for name, cf, mode in CASES:
+        bf16 = name.endswith("bf16")
+        tol = dict(rtol=2e-2, atol=2e-2) if bf16 else TOL
         layer = _layer(cf, mode)
         x, tokens, mask, r = _batch()
         x.requires_grad_(True)
-        y, loss = _loss(layer, x, tokens, mask, r)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y, loss = _loss(layer, x, tokens, mask, r)
         # The mean over 2*B rows: each rank's loss is the mean over its B rows, DDP averages the two.
         loss.backward()
         ctx = Context(tokens=tokens, mask=mask, stage="train")
         layer(x.detach(), ctx)
         assert (ctx.metrics["moe_dropped/l0"] > 0) == (cf > 0), name  # capacity bites where it is set
         (y0, gx0, g0), (y1, gx1, g1) = got[(name, 0)], got[(name, 1)]
-        assert_close(torch.cat([y0, y1]), y.detach(), msg=name, **TOL)
-        assert_close(torch.cat([gx0, gx1]), x.grad, msg=name, **TOL)
+        assert_close(torch.cat([y0, y1]), y.detach(), msg=name, **tol)
+        assert_close(torch.cat([gx0, gx1]), x.grad, msg=name, **tol)
         for n, p in layer.named_parameters():
             want = p.grad
             if n.startswith("experts."):
-                assert_close(torch.cat([g0[n], g1[n]]), want, msg=f"{name}: {n}", **TOL)
+                assert_close(torch.cat([g0[n], g1[n]]), want, msg=f"{name}: {n}", **tol)
             else:
-                assert_close(g0[n], want, msg=f"{name}: {n}", **TOL)
-                assert_close(g1[n], want, msg=f"{name}: {n}", **TOL)
+                assert_close(g0[n], want, msg=f"{name}: {n}", **tol)
+                assert_close(g1[n], want, msg=f"{name}: {n}", **tol)
+        # Expert tokens travel in the experts' compute dtype: bfloat16 under autocast, both ways.
+        want_dtype = torch.bfloat16 if bf16 else torch.float32
+        for rank in (0, 1):
+            assert got[(name, rank, "sent")] == [want_dtype] * 4, name
+    # Per dispatch: two host reads (every rank's row count; the W x W split matrix), none in backward. The
+    # loop it replaces read ~2 * seq_len * W + 6 ints.
+    for rank in (0, 1):
+        assert got[("host reads", rank)] == (["tolist", "tolist"], []), rank
+
+
+def _route_reference(routed, sizes, T, rank, n_local, cap):
+    """The per-position, per-rank loop parallel_dispatch planned with before route_group (a naive reference)."""
+    world, _, k = routed.shape
+    parts = [routed[r, : sizes[r]].long() for r in range(world)]
+    sizes_t = torch.tensor(sizes)
+    ends = torch.cumsum(sizes_t, 0)
+    g = torch.cat(parts)  # (S_total, k) rank-major
+    starts = (ends - sizes_t).tolist()
+    order = torch.cat(
+        [
+            starts[r] + t * (sizes[r] // T) + torch.arange(sizes[r] // T)
+            for t in range(T)
+            for r in range(world)
+        ]
+    )  # gathered row of each global (position-major) row
+    n = n_local * world
+    p = plan(g[order], g[order, 0] < n, n, cap)
+    gathered = order[p.token]
+    src = torch.searchsorted(ends, gathered, right=True)
+    dst = torch.div(p.expert, n_local, rounding_mode="floor")
+    mine = src == rank
+    here = (dst == rank).nonzero().squeeze(1)
+    return dict(
+        plan=p,
+        token=gathered[mine] - starts[rank],
+        choice=p.assignment[mine] % k,
+        send=torch.bincount(dst[mine], minlength=world).tolist(),
+        recv=torch.bincount(src[here], minlength=world).tolist(),
+        perm=torch.argsort(src[here], stable=True),
+        local=(p.assignment[here], p.token[here], p.expert[here] - rank * n_local, p.position[here]),
+        counts=p.counts[rank * n_local : (rank + 1) * n_local],
+    )
+
+
+def _random_routing(g, world, seqs, T, k, n):
+    """(W, S_max, k) expert ids, rank r with seqs[r] sequences; padding (id n) mid-row and past each rank's rows."""
+    sizes = [b * T for b in seqs]
+    routed = torch.full((world, max(sizes), k), n, dtype=torch.uint8)
+    for r, S in enumerate(sizes):
+        # k distinct experts per token, as top-k gives; skewed so that a few experts overflow their capacity
+        scores = torch.rand(S, n, generator=g) + torch.linspace(0, 0.6, n)
+        ids = scores.topk(k, dim=1).indices
+        ids[torch.rand(S, generator=g) < 0.15] = n  # padding tokens
+        routed[r, :S] = ids.to(torch.uint8)
+    return routed, sizes
+
+
+@pytest.mark.parametrize("world,seqs,T,k,n_local,cap", [
+    (2, [2, 2], 5, 2, 2, 3),  # capacity overflows
+    (3, [1, 3, 2], 4, 2, 2, 2),  # unequal batches, tight capacity
+    (2, [3, 1], 6, 1, 4, None),  # dropless, Switch's k = 1
+    (4, [2, 0, 1, 2], 3, 3, 1, 4),  # a rank with no tokens
+])  # fmt: skip
+def test_route_group_equals_the_loop_reference(world, seqs, T, k, n_local, cap):
+    g = torch.Generator().manual_seed(world * 100 + T)
+    for trial in range(3):
+        routed, sizes = _random_routing(g, world, seqs, T, k, n_local * world)
+        for rank in range(world):
+            got = route_group(routed, sizes, T, rank, n_local, cap)
+            want = _route_reference(routed, sizes, T, rank, n_local, cap)
+            for field in ("assignment", "token", "expert", "position", "counts", "dropped"):
+                assert_close(getattr(got.plan, field), getattr(want["plan"], field), msg=field)
+            assert got.send == want["send"] and got.recv == want["recv"]
+            assert_close(got.token, want["token"])
+            assert_close(got.choice, want["choice"])
+            assert_close(got.perm, want["perm"])
+            local = (got.local.assignment, got.local.token, got.local.expert, got.local.position)
+            for a, b in zip(local, want["local"]):
+                assert_close(a, b)
+            assert_close(got.local.counts, want["counts"])
+        assert (want["plan"].dropped > 0) == (cap is not None), trial  # the capacity overflowed where set
+
+
+def _count_ops(fn, *args) -> int:
+    """Number of aten operations fn(*args) runs (each a kernel launch, or a host-to-device copy, on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn(*args)
+    return Count.n
+
+
+def test_route_group_runs_no_loop_over_positions_or_ranks():
+    g = torch.Generator().manual_seed(0)
+    counts = {}
+    for T, world in [(4, 2), (32, 2), (32, 8)]:
+        routed, sizes = _random_routing(g, world, [2] * world, T, 2, 2 * world)
+        counts[T, world] = (
+            _count_ops(route_group, routed, sizes, T, 0, 2, 8),
+            _count_ops(_route_reference, routed, sizes, T, 0, 2, 8),
+        )
+    # The same operations whatever seq_len and the world size; the loop it replaced ran ~2 per (position, rank).
+    assert counts[4, 2][0] == counts[32, 2][0] == counts[32, 8][0]
+    assert counts[32, 8][1] - counts[4, 2][1] >= 2 * (32 * 8 - 4 * 2)
+
+
+def test_parallel_dispatch_is_an_eager_island_under_compile():
+    # As dispatch: data-dependent shapes and host split sizes; Dynamo runs it eagerly behind one graph break.
+    assert getattr(parallel_dispatch, "_torchdynamo_disable", False)
 
 
 def test_shard_keeps_a_slice_and_loads_its_slice_of_full_tensors():
