@@ -161,8 +161,15 @@ def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: in
     q1, q2: (N, H, dh) query halves; keys1, keys2: (H, n, dh) sub-key sets C and C'.
     Lample et al. Sec. 3.2: the best pair (i, j) has i in the top-k of C and j in the top-k of C' (else
     k better pairs exist), so the k*k candidates hold the exact top-k; nothing of size n^2 is built.
+
+    The search runs in at least float32 whatever autocast says: under bf16 autocast the key-score bmm would
+    round the scores to bf16 (8 mantissa bits), enough to reorder close keys and change the slots read. So
+    the inputs are cast up and autocast is off for the device around the search (its backward's ops take
+    their dtypes from the saved fp32 tensors).
     """
-    scores, i, j = _ProductKeySearch.apply(q1, q2, keys1, keys2, k)
+    up = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q1, q2, keys1, keys2)]
+    with torch.autocast(q1.device.type, enabled=False):
+        scores, i, j = _ProductKeySearch.apply(*up, k)
     return scores, i * keys1.shape[1] + j
 
 
