@@ -16,8 +16,8 @@ Data-parallel conventions (Lightning DDP): the other parameters' gradients are a
 rank's local expert gradient, a sum over all ranks' losses, is scaled by 1/W by a hook; the expert parameters
 are registered for DDP to ignore (no all-reduce, no broadcast from rank 0); gradient-norm clipping uses the
 global norm (the local norms differ between ranks, and different clip factors would split the replicas).
-Checkpoints hold the full (N, ...) expert tensors and their optimizer moments, gathered on save; loading
-slices this rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
+Checkpoints hold the full (N, ...) expert tensors and their optimizer moments, gathered to rank 0's host
+memory on save (one tensor at a time); loading slices this rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
 
 On one process (torch.distributed not initialised or world 1) nothing here runs: the layer is unchanged.
 """
@@ -316,11 +316,20 @@ class ExpertParallelCallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Every rank runs this (Lightning dumps the checkpoint on all ranks, rank 0 writes it).
+        # Every rank runs this (Lightning dumps the checkpoint on all ranks, rank 0 alone writes it). So the full
+        # tensors are gathered to rank 0 only, one tensor at a time and straight to host memory: at OLMoE's size
+        # an all-gather of every expert tensor and both Adam moments put 77 GB on every GPU (rlm/train/SCALE.md);
+        # this peaks at one full tensor on rank 0's device. The other ranks keep their shards (never written).
         group, world = dist.group.WORLD, self.world
+        rank = dist.get_rank() if world > 1 else 0
 
         def full(t: Tensor) -> Tensor:
-            return torch.cat(all_gather_rows(t.contiguous(), group)) if world > 1 else t
+            if world == 1:
+                return t
+            t = t.contiguous()
+            parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
+            dist.gather(t, parts, dst=0, group=group)
+            return torch.cat([part.cpu() for part in parts]) if rank == 0 else t
 
         state = checkpoint.get("state_dict", {})
         for name in self.params:

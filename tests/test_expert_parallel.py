@@ -333,6 +333,56 @@ def test_gradient_clipping_uses_the_global_norm():
         assert_close(got[rank][1], params[1].grad[2 * rank : 2 * rank + 2])
 
 
+def _save_worker(rank: int, port: int, full: torch.Tensor, out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        shared = torch.nn.Parameter(torch.ones(3))
+        own = torch.nn.Parameter(full[2 * rank : 2 * rank + 2].clone())  # this rank's 2 of 4 experts
+        opt = torch.optim.Adam([shared, own])
+        (shared.sum() + (own * (rank + 1)).pow(2).sum()).backward()
+        opt.step()
+        cb = ExpertParallelCallback(lambda: [])
+        cb.world, cb.params = 2, {"experts.up": own}
+        ckpt = {"state_dict": {"experts.up": own.detach().clone()}, "optimizer_states": [opt.state_dict()]}
+        cb.on_save_checkpoint(SimpleNamespace(optimizers=[opt]), None, ckpt)
+        moments = {k: v.clone() for k, v in opt.state[own].items() if k != "step"}
+        out[rank] = (
+            ckpt["state_dict"]["experts.up"],
+            ckpt["optimizer_states"][0]["state"][1],
+            own.detach(),
+            moments,
+        )
+        # every rank loads rank 0's file and takes its own experts' moments back
+        dist.barrier()
+        dist.broadcast_object_list(loaded := [ckpt if rank == 0 else None], src=0)
+        cb.on_load_checkpoint(None, None, loaded[0])
+        out[rank, "loaded"] = loaded[0]["optimizer_states"][0]["state"][1]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_checkpoint_gathers_experts_to_rank_0_only_and_loads_each_rank_its_slice():
+    full = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    got = spawn_local(_save_worker, full)
+    (w0, m0, own0, mom0), (w1, m1, own1, mom1) = got[0], got[1]
+    # Rank 0 writes the file: every expert and both Adam moments, in host memory.
+    assert_close(w0, torch.cat([own0, own1]))
+    assert w0.device.type == "cpu" and m0["exp_avg"].device.type == "cpu"
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_close(m0[key], torch.cat([mom0[key], mom1[key]]))
+        # Rank 1 never holds the full tensors (it does not write): its shard stays as it was.
+        assert m1[key].shape == (2, 3)
+        assert_close(m1[key], mom1[key])
+        for rank, mom in ((0, mom0), (1, mom1)):
+            assert_close(got[rank, "loaded"][key], mom[key])
+    assert_close(w1, own1)
+
+
 MOE_DROPLESS = {"layers": [1], "num_experts": 4, "top_k": 2, "capacity_factor": 0.0}
 
 
