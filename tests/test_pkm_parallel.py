@@ -81,6 +81,66 @@ def test_two_processes_hold_the_values_of_one_process_on_the_global_batch():
     assert 8 < got["bytes0"] <= 8 + 2 * 4 * B * T * (8 + 4 * D)
 
 
+def _rank_rows(rank: int, slots: int, d: int):
+    """Distinct touched rows (some shared with the other rank, one only here) and their gradients."""
+    g = torch.Generator().manual_seed(10 + rank)
+    rows = torch.randperm(slots, generator=g)[: 5 if rank == 0 else 12]
+    return rows, torch.randn(rows.numel(), d, generator=g)
+
+
+def _exchange_worker(rank: int, port: int, cases: list, out: dict) -> None:
+    import torch.distributed as dist
+
+    from rlm.plugins._pkm_ops import exchange_rows
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        for slots, d, hint in cases:
+            rows, grads = _rank_rows(rank, slots, d)
+            if rank == 1:
+                grads[0] = 0.0  # a touched row with a zero gradient still belongs to the union
+            out[(slots, hint, rank)] = exchange_rows(rows, grads, d, dist.group.WORLD, slots=hint)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+def test_row_exchange_switches_to_a_dense_all_reduce_when_that_moves_fewer_bytes():
+    # Rank 1 touches 12 rows. A 12-slot table: all of it, so a dense all-reduce of 12 x (4 + 1) floats on a ring
+    # (2 * 12 * 5 * 4 = 480 bytes) beats gathering 2 x 12 rows of 8 + 16 bytes (576). A 4096-slot table: rows win.
+    # Without the table size (None) the rows are always gathered.
+    cases = [(12, 4, None), (12, 4, 12), (4096, 4, None), (4096, 4, 4096)]
+    got = spawn_local(_exchange_worker, cases)
+    dense_seen = rows_seen = False
+    for slots, d, hint in cases:
+        # The reference: DDP's mean of the two ranks' dense (slots, d) gradients, at the rows either touched.
+        dense, touched = torch.zeros(slots, d), torch.zeros(slots, dtype=torch.bool)
+        for rank in (0, 1):
+            rows, grads = _rank_rows(rank, slots, d)
+            if rank == 1:
+                grads[0] = 0.0
+            dense[rows] += grads
+            touched[rows] = True
+        want_rows = touched.nonzero().squeeze(1)
+        for rank in (0, 1):
+            rows, grads, sent = got[(slots, hint, rank)]
+            assert torch.equal(rows, want_rows), (slots, hint)
+            assert_close(grads, dense[want_rows] / 2)
+        r0, g0, sent0 = got[(slots, hint, 0)]
+        assert torch.equal(g0, got[(slots, hint, 1)][1])  # replicas equal bit for bit
+        as_dense = 8 + slots * (d + 1) * 4
+        most = max(_rank_rows(r, slots, d)[0].numel() for r in (0, 1))
+        as_rows = 8 + most * (8 + d * 4)
+        if hint is not None and 2 * slots * (d + 1) * 4 < 2 * most * (8 + d * 4):
+            assert sent0 == as_dense, (slots, d)
+            dense_seen = True
+        else:
+            assert sent0 == as_rows, (slots, d, hint)
+            rows_seen |= hint is not None
+    assert dense_seen and rows_seen  # both ways taken when the table size is known
+
+
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_fit_exchanges_rows_instead_of_a_dense_all_reduce(tmp_path, rlm_cache):
