@@ -124,6 +124,8 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
         with _host_reads() as backward:
             y.sum().backward()
         out[("host reads", rank)] = (list(forward), list(backward))
+        _save_part(rank, out)
+        _clip_part(rank, out)
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
@@ -139,9 +141,15 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """One 2-process run for the tests below (each spawn costs ~20 s of process start on a loaded CI CPU)."""
+    return spawn_local(_worker, CASES)
+
+
 @pytest.mark.ddp
-def test_two_processes_equal_one_process_on_the_global_batch():
-    got = spawn_local(_worker, CASES)
+def test_two_processes_equal_one_process_on_the_global_batch(two_ranks):
+    got = two_ranks
     for name, cf, mode in CASES:
         bf16 = name.endswith("bf16")
         tol = dict(rtol=2e-2, atol=2e-2) if bf16 else TOL
@@ -297,31 +305,27 @@ def test_shard_keeps_a_slice_and_loads_its_slice_of_full_tensors():
         shard_experts(_layer(0.0, "grouped").experts, rank=0, world=3)
 
 
-def _clip_worker(rank: int, port: int, grads: dict, out: dict) -> None:
-    import torch.distributed as dist
+_g = torch.Generator().manual_seed(2)
+CLIP_GRADS = {"shared": torch.randn(5, generator=_g), "experts": torch.randn(4, 3, generator=_g) * 3}
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        shared = torch.nn.Parameter(torch.zeros(5))
-        shared.grad = grads["shared"].clone()  # after DDP: the same on every rank
-        own = torch.nn.Parameter(torch.zeros(2, 3))
-        own.grad = grads["experts"][2 * rank : 2 * rank + 2].clone()  # this rank's experts
-        cb = ExpertParallelCallback(lambda: [])
-        cb.clip, cb.params = 1.0, {"experts": own}
-        optimizer = SimpleNamespace(param_groups=[{"params": [shared, own]}])
-        cb.on_before_optimizer_step(None, SimpleNamespace(device=torch.device("cpu")), optimizer)
-        out[rank] = (shared.grad, own.grad)
-        # both ranks done with every collective before either tears gloo down (a rank that exits while
-        # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+def _clip_part(rank: int, out: dict) -> None:
+    """The callback's global-norm clip on toy gradients (in _worker's process group)."""
+    shared = torch.nn.Parameter(torch.zeros(5))
+    shared.grad = CLIP_GRADS["shared"].clone()  # after DDP: the same on every rank
+    own = torch.nn.Parameter(torch.zeros(2, 3))
+    own.grad = CLIP_GRADS["experts"][2 * rank : 2 * rank + 2].clone()  # this rank's experts
+    cb = ExpertParallelCallback(lambda: [])
+    cb.clip, cb.params = 1.0, {"experts": own}
+    optimizer = SimpleNamespace(param_groups=[{"params": [shared, own]}])
+    cb.on_before_optimizer_step(None, SimpleNamespace(device=torch.device("cpu")), optimizer)
+    out[rank, "clip"] = (shared.grad, own.grad)
 
 
 @pytest.mark.ddp
-def test_gradient_clipping_uses_the_global_norm():
-    grads = {"shared": torch.randn(5), "experts": torch.randn(4, 3) * 3}
-    got = spawn_local(_clip_worker, grads)
+def test_gradient_clipping_uses_the_global_norm(two_ranks):
+    grads = CLIP_GRADS
+    got = {rank: two_ranks[rank, "clip"] for rank in (0, 1)}
     # One process holds every expert: torch's clip over [shared, all experts].
     ref = [grads["shared"].clone(), grads["experts"].clone()]
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]
@@ -333,43 +337,41 @@ def test_gradient_clipping_uses_the_global_norm():
         assert_close(got[rank][1], params[1].grad[2 * rank : 2 * rank + 2])
 
 
-def _save_worker(rank: int, port: int, full: torch.Tensor, out: dict) -> None:
+FULL = torch.randn(
+    4, 3, generator=torch.Generator().manual_seed(0)
+)  # 4 experts' rows for the checkpoint test
+
+
+def _save_part(rank: int, out: dict) -> None:
+    """Save and load an expert-parallel checkpoint of a toy expert tensor (in _worker's process group)."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        shared = torch.nn.Parameter(torch.ones(3))
-        own = torch.nn.Parameter(full[2 * rank : 2 * rank + 2].clone())  # this rank's 2 of 4 experts
-        opt = torch.optim.Adam([shared, own])
-        (shared.sum() + (own * (rank + 1)).pow(2).sum()).backward()
-        opt.step()
-        cb = ExpertParallelCallback(lambda: [])
-        cb.world, cb.params = 2, {"experts.up": own}
-        ckpt = {"state_dict": {"experts.up": own.detach().clone()}, "optimizer_states": [opt.state_dict()]}
-        cb.on_save_checkpoint(SimpleNamespace(optimizers=[opt]), None, ckpt)
-        moments = {k: v.clone() for k, v in opt.state[own].items() if k != "step"}
-        out[rank] = (
-            ckpt["state_dict"]["experts.up"],
-            ckpt["optimizer_states"][0]["state"][1],
-            own.detach(),
-            moments,
-        )
-        # every rank loads rank 0's file and takes its own experts' moments back
-        dist.barrier()
-        dist.broadcast_object_list(loaded := [ckpt if rank == 0 else None], src=0)
-        cb.on_load_checkpoint(None, None, loaded[0])
-        out[rank, "loaded"] = loaded[0]["optimizer_states"][0]["state"][1]
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    shared = torch.nn.Parameter(torch.ones(3))
+    own = torch.nn.Parameter(FULL[2 * rank : 2 * rank + 2].clone())  # this rank's 2 of 4 experts
+    opt = torch.optim.Adam([shared, own])
+    (shared.sum() + (own * (rank + 1)).pow(2).sum()).backward()
+    opt.step()
+    cb = ExpertParallelCallback(lambda: [])
+    cb.world, cb.params = 2, {"experts.up": own}
+    ckpt = {"state_dict": {"experts.up": own.detach().clone()}, "optimizer_states": [opt.state_dict()]}
+    cb.on_save_checkpoint(SimpleNamespace(optimizers=[opt]), None, ckpt)
+    moments = {k: v.clone() for k, v in opt.state[own].items() if k != "step"}
+    out[rank, "save"] = (
+        ckpt["state_dict"]["experts.up"],
+        ckpt["optimizer_states"][0]["state"][1],
+        own.detach(),
+        moments,
+    )
+    # every rank loads rank 0's file and takes its own experts' moments back
+    dist.broadcast_object_list(loaded := [ckpt if rank == 0 else None], src=0)
+    cb.on_load_checkpoint(None, None, loaded[0])
+    out[rank, "loaded"] = loaded[0]["optimizer_states"][0]["state"][1]
 
 
 @pytest.mark.ddp
-def test_checkpoint_gathers_experts_to_rank_0_only_and_loads_each_rank_its_slice():
-    full = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
-    got = spawn_local(_save_worker, full)
-    (w0, m0, own0, mom0), (w1, m1, own1, mom1) = got[0], got[1]
+def test_checkpoint_gathers_experts_to_rank_0_only_and_loads_each_rank_its_slice(two_ranks):
+    got = two_ranks
+    (w0, m0, own0, mom0), (w1, m1, own1, mom1) = got[0, "save"], got[1, "save"]
     # Rank 0 writes the file: every expert and both Adam moments, in host memory.
     assert_close(w0, torch.cat([own0, own1]))
     assert w0.device.type == "cpu" and m0["exp_avg"].device.type == "cpu"
