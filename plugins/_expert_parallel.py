@@ -1,23 +1,28 @@
 """Expert parallelism for the routed experts (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021).
 
-With W ranks, each rank keeps N/W of a layer's N experts (rank r: experts r*N/W .. (r+1)*N/W - 1) and tokens
-travel to their experts' rank and back with two ``all_to_all_single`` calls (dispatch, combine) whose
-backward is the same exchange in reverse, so an expert's gradient collects every rank's tokens.
+The P processes form P/W expert groups of W consecutive ranks (``moe.expert_group_size``; by default the
+processes of one node, so the exchange stays on the node's links). In a group each rank keeps N/W of a layer's
+N experts (group rank r: experts r*N/W .. (r+1)*N/W - 1) and tokens travel to their experts' rank and back
+with two ``all_to_all_single`` calls (dispatch, combine) whose backward is the same exchange in reverse, so an
+expert's gradient collects every group rank's tokens; the groups' copies of an expert are kept equal by an
+all-reduce of their gradients over the replica group before each optimizer step (:func:`sync_replicas`).
 
-Capacity is decided for the global batch, exactly as one process would decide it: the routing (k expert ids
+Capacity is decided for the group's batch, exactly as one process would decide it: the routing (k expert ids
 per token, padding as id N; one byte each below 256 experts) is all-gathered first and every rank runs the same
 :func:`~rlm.plugins._experts.plan` over the ranks' sequences side by side (:func:`route_group`, vectorised: no
 loop over positions or ranks). So with capacity or dropless, outputs and gradients equal the one-process layer
-on the global batch; only the activations of kept assignments are exchanged, in the experts' compute dtype
-(autocast's bf16 under bf16-mixed). Every rank knows the whole plan, so the all_to_all split sizes come from
-one host read of a W x W matrix, with no exchange of counts. rlm/train/SCALE.md has the costs at cluster scale.
+on the group's batch (with one group: the global batch); only the activations of kept assignments are
+exchanged, in the experts' compute dtype (autocast's bf16 under bf16-mixed). Every rank knows the whole plan,
+so the all_to_all split sizes come from one host read of a W x W matrix, with no exchange of counts.
+rlm/train/SCALE.md has the costs at cluster scale.
 
-Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over ranks, so each
-rank's local expert gradient, a sum over all ranks' losses, is scaled by 1/W by a hook; the expert parameters
-are registered for DDP to ignore (no all-reduce, no broadcast from rank 0); gradient-norm clipping uses the
-global norm (the local norms differ between ranks, and different clip factors would split the replicas).
-Checkpoints hold the full (N, ...) expert tensors and their optimizer moments, gathered to rank 0's host
-memory on save (one tensor at a time); loading slices this rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
+Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over the P ranks, so
+each rank's local expert gradient, a sum over its group's losses, is scaled by 1/P by a hook and summed over
+the groups; the expert parameters are registered for DDP to ignore (no all-reduce, no broadcast from rank 0);
+gradient-norm clipping uses the global norm (the local norms differ between ranks, and different clip factors
+would split the replicas). Checkpoints hold the full (N, ...) expert tensors and their optimizer moments,
+gathered from rank 0's group to rank 0's host memory on save (one tensor at a time); loading slices this
+rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
 
 On one process (torch.distributed not initialised or world 1) nothing here runs: the layer is unchanged.
 """
@@ -215,6 +220,18 @@ def parallel_dispatch(
     return y, r.plan
 
 
+def sync_replicas(params: list[nn.Parameter], replicas: Any) -> None:
+    """Sum the gradients of ``params`` over ``replicas`` (the ranks holding the same experts in other groups).
+
+    Each group's gradient is its own ranks' share (already scaled by 1/P, see :func:`shard_experts`); the sum
+    over the groups is the gradient of the mean loss over all P processes, as DDP gives the other parameters.
+    Run once per optimizer step, after gradient accumulation (a sum is not idempotent).
+    """
+    for p in params:  # one tensor at a time: a flat copy of every expert gradient would double their memory
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=replicas)
+
+
 class _ScaleGrad:
     """A gradient hook multiplying by a constant (picklable, unlike a lambda)."""
 
@@ -225,11 +242,13 @@ class _ScaleGrad:
         return grad * self.scale
 
 
-def shard_experts(experts: Experts, rank: int, world: int) -> None:
-    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` as its parameters (in place).
+def shard_experts(experts: Experts, rank: int, world: int, processes: int | None = None) -> None:
+    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` as its parameters (in place); W = ``world``,
+    the expert group's size, and ``rank`` this process's rank in it.
 
-    Gradients get the 1/W of data-parallel averaging, and loading a state dict with all N experts takes
-    this rank's slice (checkpoints hold full tensors, see :class:`ExpertParallelCallback`).
+    Gradients get the 1/P of data-parallel averaging over all P ``processes`` (default W), and loading a state
+    dict with all N experts takes this rank's slice (checkpoints hold full tensors, see
+    :class:`ExpertParallelCallback`).
     """
     n = experts.up.shape[0]
     if n % world:
@@ -242,7 +261,7 @@ def shard_experts(experts: Experts, rank: int, world: int) -> None:
     for name in ("up", "down"):
         full = getattr(experts, name)
         shard = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
-        shard.register_hook(_ScaleGrad(1.0 / world))
+        shard.register_hook(_ScaleGrad(1.0 / (processes or world)))
         setattr(experts, name, shard)
     experts.shard = (rank, world, n)
 
@@ -255,31 +274,70 @@ def shard_experts(experts: Experts, rank: int, world: int) -> None:
     experts.register_load_state_dict_pre_hook(take_slice)
 
 
+def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
+    """(expert group, replica group) of ``rank`` when ``world`` processes form world/size expert groups of
+    ``size`` consecutive ranks (a node's, with ranks numbered node by node): each group holds every expert
+    once; the replica group joins the ranks holding the same experts (one per expert group), None if one.
+
+    Every rank must call this with the same arguments (``dist.new_group`` is collective over all ranks).
+    """
+    if size < 1 or world % size:
+        raise ValueError(
+            f"moe.expert_group_size={size} must divide the {world} processes; accepted: a divisor of {world}"
+        )
+    groups = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+    replicas = [list(range(i, world, size)) for i in range(size)]
+    made = [dist.group.WORLD if len(ranks) == world else dist.new_group(ranks) for ranks in groups]
+    copies = [dist.new_group(ranks) for ranks in replicas] if len(groups) > 1 else [None] * size
+    return made[rank // size], copies[rank % size]
+
+
+def _node_size(trainer: pl.Trainer, world: int) -> int:
+    """The default expert group: the processes of one node (Lightning's devices per node), else all."""
+    per_node = int(getattr(trainer, "num_devices", world) or world)
+    return per_node if 0 < per_node <= world and world % per_node == 0 else world
+
+
 class ExpertParallelCallback(pl.Callback):
     """Shards the experts of ``layers()`` at setup when torch.distributed runs with several processes.
 
     ``layers`` returns the modules holding an ``experts`` (:class:`Experts`) and an ``expert_group`` attribute,
-    which is set to the process group (the layer then dispatches with :func:`parallel_dispatch`).
+    which is set to the expert group (the layer then dispatches with :func:`parallel_dispatch`). With P
+    processes and an expert group of G (``group_size``; default a node's processes), each of the P/G groups
+    holds every expert once, N/G per rank; tokens travel only within their group (NVLink, not the network,
+    for a node), capacity is decided per group's batch, and the P/G copies of an expert are kept equal by an
+    all-reduce of their gradients over the replica group before each optimizer step.
     """
 
-    def __init__(self, layers: Callable[[], list[nn.Module]]) -> None:
+    def __init__(self, layers: Callable[[], list[nn.Module]], group_size: int | None = None) -> None:
         self.layers = layers
+        self.group_size = group_size
         self.params: dict[str, nn.Parameter] = {}  # state-dict name -> expert parameter
-        self.world = 1  # processes the experts are sharded over (1: not sharded)
+        self.world = 1  # processes the experts are sharded over: the expert group's size (1: not sharded)
+        self.rank = 0  # this process's rank in its expert group
+        self.group: Any = None  # the expert group
+        self.replicas: Any = None  # the ranks holding the same experts in the other groups (None: one group)
+        self.holds_file = True  # whether this rank's expert group gathers the checkpoint (rank 0's group)
+        self.placed = False  # whether setup has sharded the experts (Lightning calls setup once per stage)
         self.clip: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         got = default_group()
-        if got is not None and self.world == 1:
+        if got is not None and not self.placed:
             if not isinstance(trainer.strategy, DDPStrategy):
                 raise ValueError(
                     f"moe.expert_parallel runs under the ddp strategy; got {type(trainer.strategy).__name__} "
                     "(use --trainer.strategy ddp, or expert_parallel: false)"
                 )
-            group, rank, self.world = got
-            for layer in self.layers():
-                shard_experts(layer.experts, rank, self.world)
-                layer.expert_group = group
+            _, rank, processes = got
+            size = self.group_size or _node_size(trainer, processes)
+            self.placed = True
+            if size > 1:  # 1: every rank holds every expert, which DDP averages as any parameter
+                self.group, self.replicas = expert_groups(rank, processes, size)
+                self.rank, self.world, self.holds_file = rank % size, size, rank < size
+                for layer in self.layers():
+                    shard_experts(layer.experts, self.rank, size, processes)
+                    layer.expert_group = self.group
         ids = {id(p) for layer in self.layers() for p in (layer.experts.up, layer.experts.down)}
         self.params = {name: p for name, p in pl_module.named_parameters() if id(p) in ids}
         if self.world == 1:
@@ -294,6 +352,8 @@ class ExpertParallelCallback(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
+        if self.replicas is not None and self.world > 1:
+            sync_replicas(list(self.params.values()), self.replicas)
         if self.clip is None:
             return
         sharded = {id(p) for p in self.params.values()}
@@ -306,7 +366,9 @@ class ExpertParallelCallback(pl.Callback):
         if same:
             sq[1] = torch.stack([g.double().pow(2).sum() for g in same]).sum()
         sq0 = sq[:1].clone()
-        dist.all_reduce(sq0)  # the experts' squares summed over ranks; the replicated grads are equal
+        # the experts' squares summed over one expert group (the copies in other groups are equal now); the
+        # replicated grads are equal on every rank
+        dist.all_reduce(sq0, group=self.group if self.world > 1 else None)
         total = float((sq0[0] + sq[1]).sqrt())
         # torch.nn.utils.clip_grad_norm_'s factor, from the norm over every rank's experts and the shared rest.
         coef = min(1.0, self.clip / (total + 1e-6))
@@ -320,11 +382,10 @@ class ExpertParallelCallback(pl.Callback):
         # tensors are gathered to rank 0 only, one tensor at a time and straight to host memory: at OLMoE's size
         # an all-gather of every expert tensor and both Adam moments put 77 GB on every GPU (rlm/train/SCALE.md);
         # this peaks at one full tensor on rank 0's device. The other ranks keep their shards (never written).
-        group, world = dist.group.WORLD, self.world
-        rank = dist.get_rank() if world > 1 else 0
+        group, world, rank = self.group, self.world, self.rank
 
         def full(t: Tensor) -> Tensor:
-            if world == 1:
+            if world == 1 or not self.holds_file:  # rank 0's expert group alone gathers what rank 0 writes
                 return t
             t = t.contiguous()
             parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
@@ -358,7 +419,7 @@ class ExpertParallelCallback(pl.Callback):
         # The model's expert tensors are sliced by shard_experts' load hook; here the optimizer moments.
         if self.world == 1:
             return
-        rank, world = dist.get_rank(), self.world
+        rank, world = self.rank, self.world
         for o, index, n in checkpoint.get("expert_parallel", {}).get("optimizer_params", []):
             moments = checkpoint["optimizer_states"][o]["state"].get(index, {})
             rows = slice(rank * n // world, (rank + 1) * n // world)

@@ -13,9 +13,12 @@ from rlm.model import ModelConfig
 from rlm.plugin import Context
 from rlm.plugins._expert_parallel import (
     ExpertParallelCallback,
+    _node_size,
+    expert_groups,
     parallel_dispatch,
     route_group,
     shard_experts,
+    sync_replicas,
 )
 from rlm.plugins._experts import plan
 from rlm.plugins.moe import MoEConfig, MoELayer
@@ -35,14 +38,14 @@ def _layer(capacity_factor: float, dispatch: str) -> MoELayer:
     return MoELayer(c, mc, 0)  # float32: torch._grouped_mm takes no float64
 
 
-def _batch():
+def _batch(ranks: int = 2):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2 * B, T, D, generator=g, dtype=torch.float32)
-    tokens = torch.randint(0, V, (2 * B, T), generator=g)
-    mask = torch.ones(2 * B, T, dtype=torch.bool)
+    x = torch.randn(ranks * B, T, D, generator=g, dtype=torch.float32)
+    tokens = torch.randint(0, V, (ranks * B, T), generator=g)
+    mask = torch.ones(ranks * B, T, dtype=torch.bool)
     mask[1, 9:] = False  # padding on rank 0
     mask[3, 5:] = False  # and on rank 1
-    r = torch.randn(2 * B, T, D, generator=g, dtype=torch.float32)  # the loss is sum(y * r) / tokens
+    r = torch.randn(ranks * B, T, D, generator=g, dtype=torch.float32)  # the loss is sum(y * r) / tokens
     return x, tokens, mask, r
 
 
@@ -352,7 +355,7 @@ def _save_part(rank: int, out: dict) -> None:
     (shared.sum() + (own * (rank + 1)).pow(2).sum()).backward()
     opt.step()
     cb = ExpertParallelCallback(lambda: [])
-    cb.world, cb.params = 2, {"experts.up": own}
+    cb.world, cb.rank, cb.group, cb.params = 2, rank, dist.group.WORLD, {"experts.up": own}
     ckpt = {"state_dict": {"experts.up": own.detach().clone()}, "optimizer_states": [opt.state_dict()]}
     cb.on_save_checkpoint(SimpleNamespace(optimizers=[opt]), None, ckpt)
     moments = {k: v.clone() for k, v in opt.state[own].items() if k != "step"}
@@ -383,6 +386,77 @@ def test_checkpoint_gathers_experts_to_rank_0_only_and_loads_each_rank_its_slice
         for rank, mom in ((0, mom0), (1, mom1)):
             assert_close(got[rank, "loaded"][key], mom[key])
     assert_close(w1, own1)
+
+
+def _group_worker(rank: int, port: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        group, replicas = expert_groups(rank, 4, 2)  # groups {0, 1} and {2, 3}; replicas {0, 2} and {1, 3}
+        layer = _layer(0.75, "grouped")
+        shard_experts(layer.experts, rank % 2, 2, processes=4)
+        layer.expert_group = group
+        x, tokens, mask, r = (t[rank * B : (rank + 1) * B] for t in _batch(4))
+        x = x.clone().requires_grad_(True)
+        y, loss = _loss(layer, x, tokens, mask, r)
+        loss.backward()
+        sync_replicas([layer.experts.up, layer.experts.down], replicas)
+        grads = {}
+        for n, p in layer.named_parameters():
+            if n.startswith("experts."):
+                grads[n] = p.grad
+            else:
+                g = p.grad.clone()
+                dist.all_reduce(g)
+                grads[n] = g / 4
+        out[rank] = (y.detach(), x.grad / 4, grads)
+        # the checkpoint: rank 0's group gathers (rank 0 writes); the other group keeps its shards
+        cb = ExpertParallelCallback(lambda: [])
+        cb.world, cb.rank, cb.group, cb.holds_file = 2, rank % 2, group, rank < 2
+        cb.params = {"experts.up": layer.experts.up}
+        ckpt = {"state_dict": {"experts.up": layer.experts.up.detach().clone()}, "optimizer_states": []}
+        cb.on_save_checkpoint(SimpleNamespace(optimizers=[]), None, ckpt)
+        out[rank, "saved"] = ckpt["state_dict"]["experts.up"].shape[0]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 4 processes
+@pytest.mark.ddp
+def test_expert_groups_of_two_among_four_processes_equal_one_process_per_group():
+    got = spawn_local(_group_worker, nprocs=4)
+    # The reference: one process per expert group, capacity decided on the group's batch, the loss the mean
+    # over the 4 ranks (each group's _loss is the mean of its 2 ranks': 1/2 each).
+    layer = _layer(0.75, "grouped")
+    x, tokens, mask, r = _batch(4)
+    x.requires_grad_(True)
+    ys, total = [], 0
+    for g in (0, 1):
+        rows = slice(2 * g * B, 2 * (g + 1) * B)
+        y, loss = _loss(layer, x[rows], tokens[rows], mask[rows], r[rows])
+        ys.append(y)
+        total = total + loss / 2
+    total.backward()
+    assert_close(torch.cat([got[rank][0] for rank in range(4)]), torch.cat(ys).detach(), **TOL)
+    assert_close(torch.cat([got[rank][1] for rank in range(4)]), x.grad, **TOL)
+    for n, p in layer.named_parameters():
+        for rank in range(4):
+            want = p.grad[2 * (rank % 2) : 2 * (rank % 2) + 2] if n.startswith("experts.") else p.grad
+            assert_close(got[rank][2][n], want, msg=f"rank {rank}: {n}", **TOL)
+    assert [got[rank, "saved"] for rank in range(4)] == [4, 2, 2, 2]  # full on rank 0 only
+
+
+def test_expert_group_size_is_checked_and_defaults_to_a_node():
+    with pytest.raises(ValueError, match="expert_group_size=3 must divide the 4 processes"):
+        expert_groups(0, 4, 3)
+    with pytest.raises(ValueError, match="expert_group_size must be a positive integer"):
+        MoEConfig(expert_group_size=0)
+    assert _node_size(SimpleNamespace(num_devices=8), 64) == 8  # 8 nodes of 8: a node's 8 processes
+    assert _node_size(SimpleNamespace(num_devices=2), 2) == 2  # one machine: all of them
+    assert _node_size(SimpleNamespace(num_devices=3), 4) == 4  # not a divisor: all
 
 
 MOE_DROPLESS = {"layers": [1], "num_experts": 4, "top_k": 2, "capacity_factor": 0.0}
