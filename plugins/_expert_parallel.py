@@ -1,21 +1,28 @@
 """Expert parallelism for the routed experts (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021).
 
-With W ranks, each rank keeps N/W of a layer's N experts (rank r: experts r*N/W .. (r+1)*N/W - 1) and tokens
-travel to their experts' rank and back with two ``all_to_all_single`` calls (dispatch, combine) whose
-backward is the same exchange in reverse, so an expert's gradient collects every rank's tokens.
+The P processes form P/W expert groups of W consecutive ranks (``moe.expert_group_size``; by default the
+processes of one node, so the exchange stays on the node's links). In a group each rank keeps N/W of a layer's
+N experts (group rank r: experts r*N/W .. (r+1)*N/W - 1) and tokens travel to their experts' rank and back
+with two ``all_to_all_single`` calls (dispatch, combine) whose backward is the same exchange in reverse, so an
+expert's gradient collects every group rank's tokens; the groups' copies of an expert are kept equal by an
+all-reduce of their gradients over the replica group before each optimizer step (:func:`sync_replicas`).
 
-Capacity is decided for the global batch, exactly as one process would decide it: the routing (k expert ids
-and a validity flag per token, a few bytes each) is all-gathered first and every rank runs the same
-:func:`~rlm.plugins._experts.plan` over the concatenated (rank 0 first) batch. So with capacity or dropless,
-outputs and gradients equal the one-process layer on the global batch; only the activations of kept
-assignments are exchanged.
+Capacity is decided for the group's batch, exactly as one process would decide it: the routing (k expert ids
+per token, padding as id N; one byte each below 256 experts) is all-gathered first and every rank runs the same
+:func:`~rlm.plugins._experts.plan` over the ranks' sequences side by side (:func:`route_group`, vectorised: no
+loop over positions or ranks). So with capacity or dropless, outputs and gradients equal the one-process layer
+on the group's batch (with one group: the global batch); only the activations of kept assignments are
+exchanged, in the experts' compute dtype (autocast's bf16 under bf16-mixed). Every rank knows the whole plan,
+so the all_to_all split sizes come from one host read of a W x W matrix, with no exchange of counts.
+rlm/train/SCALE.md has the costs at cluster scale.
 
-Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over ranks, so each
-rank's local expert gradient, a sum over all ranks' losses, is scaled by 1/W by a hook; the expert parameters
-are registered for DDP to ignore (no all-reduce, no broadcast from rank 0); gradient-norm clipping uses the
-global norm (the local norms differ between ranks, and different clip factors would split the replicas).
-Checkpoints hold the full (N, ...) expert tensors and their optimizer moments, gathered on save; loading
-slices this rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
+Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over the P ranks, so
+each rank's local expert gradient, a sum over its group's losses, is scaled by 1/P by a hook and summed over
+the groups; the expert parameters are registered for DDP to ignore (no all-reduce, no broadcast from rank 0);
+gradient-norm clipping uses the global norm (the local norms differ between ranks, and different clip factors
+would split the replicas). Checkpoints hold the full (N, ...) expert tensors and their optimizer moments,
+gathered from rank 0's group to rank 0's host memory on save (one tensor at a time); loading slices this
+rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
 
 On one process (torch.distributed not initialised or world 1) nothing here runs: the layer is unchanged.
 """
@@ -23,6 +30,7 @@ On one process (torch.distributed not initialised or world 1) nothing here runs:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
@@ -63,13 +71,19 @@ def all_to_all(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tenso
     return _AllToAll.apply(x, send, recv, group)
 
 
+def gather_sizes(n: int, group: Any, device: torch.device) -> list[int]:
+    """Every rank's n as host ints: one small all_gather and one device-to-host read (a sync)."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([n], dtype=torch.int64, device=device)  # NCCL: on the device
+    counts = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(counts, mine, group=group)
+    return torch.cat(counts).tolist()
+
+
 def all_gather_rows(t: Tensor, group: Any) -> list[Tensor]:
     """Every rank's t (n_r, ...) with n_r varying by rank (counts first, then padded rows); no gradient."""
     world = dist.get_world_size(group)
-    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)  # NCCL: on the device
-    counts = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(counts, n, group=group)
-    counts = [int(c) for c in counts]
+    counts = gather_sizes(t.shape[0], group, t.device)
     pad = t.new_zeros(max(counts), *t.shape[1:])
     pad[: t.shape[0]] = t
     parts = [torch.empty_like(pad) for _ in range(world)]
@@ -77,6 +91,81 @@ def all_gather_rows(t: Tensor, group: Any) -> list[Tensor]:
     return [p[:c] for p, c in zip(parts, counts)]
 
 
+@dataclass
+class GroupRoute:
+    """One rank's share of the plan made for the whole expert group's batch (:func:`route_group`)."""
+
+    plan: Plan
+    """The plan of the group's batch, its rows position-major over every rank's sequences (global token ids)."""
+    local: Plan
+    """The assignments to this rank's experts, in plan order, with expert ids local to the rank."""
+    token: Tensor
+    """(A_r,) this rank's row of each of its kept assignments, in send order (grouped by destination rank)."""
+    choice: Tensor
+    """(A_r,) which of its token's k choices each sent assignment is."""
+    perm: Tensor
+    """(A_e,) arrival i (grouped by source rank, each group in plan order) is ``local``'s row perm[i]."""
+    send: list[int]
+    """Assignments this rank sends to each rank."""
+    recv: list[int]
+    """Assignments this rank receives from each rank."""
+
+
+def route_group(
+    routed: Tensor, sizes: list[int], seq_len: int, rank: int, n_local: int, capacity: int | None
+) -> GroupRoute:
+    """Plan the group's batch and this rank's part in it, with no loop over positions or ranks.
+
+    ``routed`` (W, S_max, k) holds every rank's expert ids (the expert count N = n_local * W for padding), rows
+    padded past ``sizes[r]``. Rank r's S_r = seq_len * B_r rows are position-major, and the group's batch is
+    the ranks' sequences side by side, position-major too: global row t * sum(B) + (B_0 + ... + B_{r-1}) + b
+    is rank r's row t * B_r + b. So queue places, and drops, are those of one process on that batch.
+    """
+    W, S_max, k = routed.shape
+    n, device = n_local * W, routed.device
+    B = torch.tensor(sizes, device=device) // seq_len  # (W,) sequences per rank
+    total, per_position = sum(sizes), sum(sizes) // seq_len
+    i = torch.arange(total, device=device)
+    t, j = i // per_position, i % per_position  # position, and column among the group's sequences
+    ends = torch.cumsum(B, 0)
+    owner = torch.searchsorted(ends, j, right=True)  # (total,) rank holding each global row
+    row = t * B[owner] + j - (ends - B)[owner]  # (total,) its row on that rank
+    ids = routed.reshape(W * S_max, k)[owner * S_max + row].long()  # (total, k)
+    p = plan(ids, ids[:, 0] < n, n, capacity)
+    src = owner[p.token]  # (A,) rank owning each kept assignment's token
+    dst = torch.div(p.expert, n_local, rounding_mode="floor")  # (A,) rank owning its expert
+    # Split sizes need host ints: the W x W matrix of assignments from rank to rank, read once. Every rank
+    # plans the whole group's batch, so it knows what it sends and receives without another exchange.
+    counts = torch.bincount(src * W + dst, minlength=W * W).tolist()  # the one host read
+    send = counts[rank * W : (rank + 1) * W]
+    recv = counts[rank::W]
+    # The plan is sorted by expert, hence by destination: this rank's experts own one contiguous range of it.
+    first = sum(counts[r * W + d] for r in range(W) for d in range(rank))
+    here = slice(first, first + sum(recv))
+    # This rank's own assignments, kept in plan order (so grouped by destination) by a stable sort on a 0/1 key
+    # (no boolean indexing: that would read the count back to the host once more).
+    mine = torch.argsort((src != rank).to(torch.uint8), stable=True)[: sum(send)]  # (A_r,)
+    local = Plan(
+        assignment=p.assignment[here],
+        token=p.token[here],
+        expert=p.expert[here] - rank * n_local,
+        position=p.position[here],
+        counts=p.counts[rank * n_local : (rank + 1) * n_local],
+        dropped=p.dropped,
+    )
+    perm = torch.argsort(src[here], stable=True)  # arrival i is plan row here[perm[i]]
+    # plan flattens token-major: assignment = token * k + choice
+    return GroupRoute(p, local, row[p.token[mine]], p.assignment[mine] % k, perm, send, recv)
+
+
+def _id_dtype(n: int) -> torch.dtype:
+    """The narrowest dtype both NCCL and gloo gather that holds expert ids 0..n (n: padding)."""
+    return torch.uint8 if n < 256 else torch.int32
+
+
+# An eager island under torch.compile, as dispatch is (plugins/_experts.py): the plan's shapes depend on data,
+# and the all_to_all split sizes are host ints.
+@torch.compiler.disable
 def parallel_dispatch(
     x: Tensor,
     index: Tensor,
@@ -91,62 +180,56 @@ def parallel_dispatch(
     """:func:`~rlm.plugins._experts.dispatch` with this rank's N/W experts: x (S, d), index/weight (S, k).
 
     Each rank's S = seq_len * B_r rows are position-major (all its sequences' token 0, then token 1, ...), as
-    MoELayer orders them; the global batch is the ranks' sequences side by side, planned position-major too, so
+    MoELayer orders them; the group's batch is the ranks' sequences side by side, planned position-major too, so
     queue places (and drops) equal the 1-process layer's on that batch. ``capacity(tokens)`` gives the
-    per-expert capacity for the global token count. Returns y (S, d) and the global plan (its ``dropped`` is
-    the global fraction).
+    per-expert capacity for the group's token count. Returns y (S, d) and the group's plan (its ``dropped`` is
+    the group's fraction).
+
+    Host syncs per call: two reads (every rank's row count, for the gather's padding and the capacity; the
+    split matrix) and the plan's compaction of kept assignments, as in :func:`dispatch`; none in backward.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     S, k = index.shape
     n_local = experts.up.shape[0]
-    # 1. Every rank plans the global batch: k expert ids and the validity of every token, all-gathered.
-    meta = torch.cat([index, valid.reshape(-1, 1).to(index.dtype)], dim=1)  # (S, k+1)
-    parts = all_gather_rows(meta, group)
-    sizes = torch.tensor([p.shape[0] for p in parts])
-    ends = torch.cumsum(sizes, 0)  # (W,) end of each rank's tokens in the global batch
-    start, total = int(ends[rank] - sizes[rank]), int(ends[-1])
-    g = torch.cat(parts).to(index.device)  # (S_total, k+1), rank-major
-    # global position-major order: for each position t, every rank's sequences in rank order
-    T = seq_len
-    starts = (ends - sizes).tolist()
-    order = torch.cat(
-        [
-            (starts[r] + t * (int(sizes[r]) // T) + torch.arange(int(sizes[r]) // T)).to(index.device)
-            for t in range(T)
-            for r in range(world)
-        ]
-    )  # (S_total,) gathered row of each global (position-major) row
-    p = plan(g[order, :k], g[order, k].bool(), n_local * world, capacity(total))
-    gathered = order[p.token]  # (A,) gathered (rank-major) row of each kept assignment's token
-    src = torch.searchsorted(ends.to(p.token.device), gathered, right=True)  # (A,) rank owning the token
-    dst = torch.div(p.expert, n_local, rounding_mode="floor")  # (A,) rank owning the expert
-    # 2. Dispatch: this rank's kept assignments, already sorted by expert (hence by destination rank).
-    mine = src == rank
-    token = gathered[mine] - start  # (A_r,) local token of each
-    send = torch.bincount(dst[mine], minlength=world).tolist()
-    # What arrives here: the assignments to this rank's experts, grouped by source rank, each group in plan
-    # order. perm maps the arrival order to the expert-sorted (plan) order the experts compute in.
-    here = (dst == rank).nonzero().squeeze(1)  # (A_e,) plan order
-    perm = torch.argsort(src[here], stable=True)  # arrival i is here[perm[i]]
-    recv = torch.bincount(src[here], minlength=world).tolist()
-    arrived = all_to_all(x.index_select(0, token), send, recv, group)  # (A_e, d)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    local = Plan(
-        assignment=p.assignment[here],
-        token=p.token[here],
-        expert=p.expert[here] - rank * n_local,
-        position=p.position[here],
-        counts=p.counts[rank * n_local : (rank + 1) * n_local],
-        dropped=p.dropped,
-    )
-    out = experts(arrived.index_select(0, inverse), local, capacity(total), mode)  # (A_e, d) plan order
+    n = n_local * world
+    if S % seq_len:
+        raise ValueError(
+            f"parallel_dispatch: {S} rows are not a whole number of positions of seq_len={seq_len}"
+        )
+    # 1. Every rank plans the group's batch: k expert ids per token (padding as expert n), all-gathered.
+    sizes = gather_sizes(S, group, index.device)  # host read 1
+    ids = torch.where(valid.reshape(-1, 1), index, n).to(_id_dtype(n))  # (S, k)
+    pad = ids.new_full((max(sizes), k), n)
+    pad[:S] = ids
+    parts = [torch.empty_like(pad) for _ in range(world)]
+    dist.all_gather(parts, pad, group=group)
+    cap = capacity(sum(sizes))
+    r = route_group(torch.stack(parts), sizes, seq_len, rank, n_local, cap)  # host read 2
+    # 2. Dispatch in the dtype the experts compute in (autocast's), not the residual stream's float32.
+    sent = x.index_select(0, r.token)  # (A_r, d)
+    if torch.is_autocast_enabled(x.device.type):
+        sent = sent.to(torch.get_autocast_dtype(x.device.type))
+    arrived = all_to_all(sent, r.send, r.recv, group)  # (A_e, d) grouped by source rank
+    inverse = torch.empty_like(r.perm)
+    inverse[r.perm] = torch.arange(r.perm.numel(), device=r.perm.device)
+    out = experts(arrived.index_select(0, inverse), r.local, cap, mode)  # (A_e, d) plan order
     # 3. Combine: results go back along the reversed splits, then the gate-weighted sum per token.
-    back = all_to_all(out.index_select(0, perm), recv, send, group).to(x.dtype)  # (A_r, d)
-    choice = p.assignment[mine] % k  # plan flattens token-major: assignment = token * k + choice
-    gate = weight[token, choice].to(x.dtype)  # (A_r,)
-    y = x.new_zeros(x.shape).index_add(0, token, back * gate.unsqueeze(-1))  # (S, d)
-    return y, p
+    back = all_to_all(out.index_select(0, r.perm), r.recv, r.send, group).to(x.dtype)  # (A_r, d)
+    gate = weight[r.token, r.choice].to(x.dtype)  # (A_r,)
+    y = x.new_zeros(x.shape).index_add(0, r.token, back * gate.unsqueeze(-1))  # (S, d)
+    return y, r.plan
+
+
+def sync_replicas(params: list[nn.Parameter], replicas: Any) -> None:
+    """Sum the gradients of ``params`` over ``replicas`` (the ranks holding the same experts in other groups).
+
+    Each group's gradient is its own ranks' share (already scaled by 1/P, see :func:`shard_experts`); the sum
+    over the groups is the gradient of the mean loss over all P processes, as DDP gives the other parameters.
+    Run once per optimizer step, after gradient accumulation (a sum is not idempotent).
+    """
+    for p in params:  # one tensor at a time: a flat copy of every expert gradient would double their memory
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=replicas)
 
 
 class _ScaleGrad:
@@ -159,11 +242,13 @@ class _ScaleGrad:
         return grad * self.scale
 
 
-def shard_experts(experts: Experts, rank: int, world: int) -> None:
-    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` as its parameters (in place).
+def shard_experts(experts: Experts, rank: int, world: int, processes: int | None = None) -> None:
+    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` as its parameters (in place); W = ``world``,
+    the expert group's size, and ``rank`` this process's rank in it.
 
-    Gradients get the 1/W of data-parallel averaging, and loading a state dict with all N experts takes
-    this rank's slice (checkpoints hold full tensors, see :class:`ExpertParallelCallback`).
+    Gradients get the 1/P of data-parallel averaging over all P ``processes`` (default W), and loading a state
+    dict with all N experts takes this rank's slice (checkpoints hold full tensors, see
+    :class:`ExpertParallelCallback`).
     """
     n = experts.up.shape[0]
     if n % world:
@@ -176,7 +261,7 @@ def shard_experts(experts: Experts, rank: int, world: int) -> None:
     for name in ("up", "down"):
         full = getattr(experts, name)
         shard = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
-        shard.register_hook(_ScaleGrad(1.0 / world))
+        shard.register_hook(_ScaleGrad(1.0 / (processes or world)))
         setattr(experts, name, shard)
     experts.shard = (rank, world, n)
 
@@ -189,31 +274,70 @@ def shard_experts(experts: Experts, rank: int, world: int) -> None:
     experts.register_load_state_dict_pre_hook(take_slice)
 
 
+def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
+    """(expert group, replica group) of ``rank`` when ``world`` processes form world/size expert groups of
+    ``size`` consecutive ranks (a node's, with ranks numbered node by node): each group holds every expert
+    once; the replica group joins the ranks holding the same experts (one per expert group), None if one.
+
+    Every rank must call this with the same arguments (``dist.new_group`` is collective over all ranks).
+    """
+    if size < 1 or world % size:
+        raise ValueError(
+            f"moe.expert_group_size={size} must divide the {world} processes; accepted: a divisor of {world}"
+        )
+    groups = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+    replicas = [list(range(i, world, size)) for i in range(size)]
+    made = [dist.group.WORLD if len(ranks) == world else dist.new_group(ranks) for ranks in groups]
+    copies = [dist.new_group(ranks) for ranks in replicas] if len(groups) > 1 else [None] * size
+    return made[rank // size], copies[rank % size]
+
+
+def _node_size(trainer: pl.Trainer, world: int) -> int:
+    """The default expert group: the processes of one node (Lightning's devices per node), else all."""
+    per_node = int(getattr(trainer, "num_devices", world) or world)
+    return per_node if 0 < per_node <= world and world % per_node == 0 else world
+
+
 class ExpertParallelCallback(pl.Callback):
     """Shards the experts of ``layers()`` at setup when torch.distributed runs with several processes.
 
     ``layers`` returns the modules holding an ``experts`` (:class:`Experts`) and an ``expert_group`` attribute,
-    which is set to the process group (the layer then dispatches with :func:`parallel_dispatch`).
+    which is set to the expert group (the layer then dispatches with :func:`parallel_dispatch`). With P
+    processes and an expert group of G (``group_size``; default a node's processes), each of the P/G groups
+    holds every expert once, N/G per rank; tokens travel only within their group (NVLink, not the network,
+    for a node), capacity is decided per group's batch, and the P/G copies of an expert are kept equal by an
+    all-reduce of their gradients over the replica group before each optimizer step.
     """
 
-    def __init__(self, layers: Callable[[], list[nn.Module]]) -> None:
+    def __init__(self, layers: Callable[[], list[nn.Module]], group_size: int | None = None) -> None:
         self.layers = layers
+        self.group_size = group_size
         self.params: dict[str, nn.Parameter] = {}  # state-dict name -> expert parameter
-        self.world = 1  # processes the experts are sharded over (1: not sharded)
+        self.world = 1  # processes the experts are sharded over: the expert group's size (1: not sharded)
+        self.rank = 0  # this process's rank in its expert group
+        self.group: Any = None  # the expert group
+        self.replicas: Any = None  # the ranks holding the same experts in the other groups (None: one group)
+        self.holds_file = True  # whether this rank's expert group gathers the checkpoint (rank 0's group)
+        self.placed = False  # whether setup has sharded the experts (Lightning calls setup once per stage)
         self.clip: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         got = default_group()
-        if got is not None and self.world == 1:
+        if got is not None and not self.placed:
             if not isinstance(trainer.strategy, DDPStrategy):
                 raise ValueError(
                     f"moe.expert_parallel runs under the ddp strategy; got {type(trainer.strategy).__name__} "
                     "(use --trainer.strategy ddp, or expert_parallel: false)"
                 )
-            group, rank, self.world = got
-            for layer in self.layers():
-                shard_experts(layer.experts, rank, self.world)
-                layer.expert_group = group
+            _, rank, processes = got
+            size = self.group_size or _node_size(trainer, processes)
+            self.placed = True
+            if size > 1:  # 1: every rank holds every expert, which DDP averages as any parameter
+                self.group, self.replicas = expert_groups(rank, processes, size)
+                self.rank, self.world, self.holds_file = rank % size, size, rank < size
+                for layer in self.layers():
+                    shard_experts(layer.experts, self.rank, size, processes)
+                    layer.expert_group = self.group
         ids = {id(p) for layer in self.layers() for p in (layer.experts.up, layer.experts.down)}
         self.params = {name: p for name, p in pl_module.named_parameters() if id(p) in ids}
         if self.world == 1:
@@ -228,6 +352,8 @@ class ExpertParallelCallback(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
+        if self.replicas is not None and self.world > 1:
+            sync_replicas(list(self.params.values()), self.replicas)
         if self.clip is None:
             return
         sharded = {id(p) for p in self.params.values()}
@@ -240,7 +366,9 @@ class ExpertParallelCallback(pl.Callback):
         if same:
             sq[1] = torch.stack([g.double().pow(2).sum() for g in same]).sum()
         sq0 = sq[:1].clone()
-        dist.all_reduce(sq0)  # the experts' squares summed over ranks; the replicated grads are equal
+        # the experts' squares summed over one expert group (the copies in other groups are equal now); the
+        # replicated grads are equal on every rank
+        dist.all_reduce(sq0, group=self.group if self.world > 1 else None)
         total = float((sq0[0] + sq[1]).sqrt())
         # torch.nn.utils.clip_grad_norm_'s factor, from the norm over every rank's experts and the shared rest.
         coef = min(1.0, self.clip / (total + 1e-6))
@@ -250,11 +378,19 @@ class ExpertParallelCallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Every rank runs this (Lightning dumps the checkpoint on all ranks, rank 0 writes it).
-        group, world = dist.group.WORLD, self.world
+        # Every rank runs this (Lightning dumps the checkpoint on all ranks, rank 0 alone writes it). So the full
+        # tensors are gathered to rank 0 only, one tensor at a time and straight to host memory: at OLMoE's size
+        # an all-gather of every expert tensor and both Adam moments put 77 GB on every GPU (rlm/train/SCALE.md);
+        # this peaks at one full tensor on rank 0's device. The other ranks keep their shards (never written).
+        group, world, rank = self.group, self.world, self.rank
 
         def full(t: Tensor) -> Tensor:
-            return torch.cat(all_gather_rows(t.contiguous(), group)) if world > 1 else t
+            if world == 1 or not self.holds_file:  # rank 0's expert group alone gathers what rank 0 writes
+                return t
+            t = t.contiguous()
+            parts = [torch.empty_like(t) for _ in range(world)] if rank == 0 else None
+            dist.gather(t, parts, dst=0, group=group)
+            return torch.cat([part.cpu() for part in parts]) if rank == 0 else t
 
         state = checkpoint.get("state_dict", {})
         for name in self.params:
@@ -283,7 +419,7 @@ class ExpertParallelCallback(pl.Callback):
         # The model's expert tensors are sliced by shard_experts' load hook; here the optimizer moments.
         if self.world == 1:
             return
-        rank, world = dist.get_rank(), self.world
+        rank, world = self.rank, self.world
         for o, index, n in checkpoint.get("expert_parallel", {}).get("optimizer_params", []):
             moments = checkpoint["optimizer_states"][o]["state"].get(index, {})
             rows = slice(rank * n // world, (rank + 1) * n // world)

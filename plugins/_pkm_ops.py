@@ -161,8 +161,15 @@ def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: in
     q1, q2: (N, H, dh) query halves; keys1, keys2: (H, n, dh) sub-key sets C and C'.
     Lample et al. Sec. 3.2: the best pair (i, j) has i in the top-k of C and j in the top-k of C' (else
     k better pairs exist), so the k*k candidates hold the exact top-k; nothing of size n^2 is built.
+
+    The search runs in at least float32 whatever autocast says: under bf16 autocast the key-score bmm would
+    round the scores to bf16 (8 mantissa bits), enough to reorder close keys and change the slots read. So
+    the inputs are cast up and autocast is off for the device around the search (its backward's ops take
+    their dtypes from the saved fp32 tensors).
     """
-    scores, i, j = _ProductKeySearch.apply(q1, q2, keys1, keys2, k)
+    up = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q1, q2, keys1, keys2)]
+    with torch.autocast(q1.device.type, enabled=False):
+        scores, i, j = _ProductKeySearch.apply(*up, k)
     return scores, i * keys1.shape[1] + j
 
 
@@ -405,7 +412,9 @@ class RowAdam:
                     g = row_gradients(offsets, tok, w, grad)  # (U_r, d) for the rows (U_r,)
                 else:
                     rows, g = table.new_empty(0, dtype=torch.int64), table.new_empty(0, table.shape[1])
-                rows, g, sent = exchange_rows(rows, g.to(table.dtype), table.shape[1], self.group)
+                rows, g, sent = exchange_rows(
+                    rows, g.to(table.dtype), table.shape[1], self.group, slots=table.shape[0]
+                )
                 self.sent_bytes += sent
                 ids = torch.arange(rows.numel() + 1, device=rows.device)  # one lookup of weight 1 per row
                 got = (rows, ids, ids[:-1], g.new_ones(rows.numel()), g)
@@ -465,14 +474,24 @@ class RowAdam:
         }
 
 
-def exchange_rows(rows: Tensor, grads: Tensor, d: int, group: Any) -> tuple[Tensor, Tensor, int]:
+def exchange_rows(
+    rows: Tensor, grads: Tensor, d: int, group: Any, slots: int | None = None
+) -> tuple[Tensor, Tensor, int]:
     """The data-parallel gradient of a table from each rank's (distinct rows (U_r,), row gradients (U_r, d)).
 
-    Returns (rows (U,), gradients (U, d), bytes this rank sent): the union of every rank's rows, each row's
-    gradient summed over ranks and divided by the world size W. That is what DDP's mean all-reduce of the
-    dense (slots, d) gradient gives, and the gradient of the mean loss over the global batch, but the bytes
-    scale with the rows touched: an all-gather of W counts, then of max_r U_r row ids (int64) and gradients.
-    Every rank gets the same tensors in the same order, so the same row-wise Adam keeps the replicas equal.
+    Returns (rows (U,), gradients (U, d), bytes this rank put into the collective): the union of every rank's
+    rows (ascending), each row's gradient summed over ranks and divided by the world size W. That is what
+    DDP's mean all-reduce of the dense (slots, d) gradient gives, and the gradient of the mean loss over the
+    global batch. Every rank gets the same tensors in the same order, so the same row-wise Adam keeps the
+    replicas equal.
+
+    Two ways, chosen by the bytes each moves (both need the W row counts first, one small all-gather):
+    - rows: an all-gather of max_r U_r row ids (int64) and gradients from every rank, W * max_r U_r * (8 + 4d)
+      bytes received; scales with the rows touched, never with the table;
+    - dense (when ``slots``, the table's row count, is given and it is cheaper): one all-reduce of the
+      (slots, d + 1) gradient with a touched-row column, ~2 * slots * (d + 1) * 4 bytes on a ring.
+    With many tokens per rank the rows are most of the table and the all-gather moves ~W/2 times the dense
+    bytes (rlm/train/SCALE.md: 476 GB against 17 GB per rank at 1M slots, 16k tokens, 64 ranks).
     """
     world = dist.get_world_size(group)
     grads = grads.reshape(-1, d)
@@ -481,6 +500,14 @@ def exchange_rows(rows: Tensor, grads: Tensor, d: int, group: Any) -> tuple[Tens
     dist.all_gather(counts, count, group=group)
     counts = [int(c) for c in counts]
     most = max(counts)
+    size = grads.element_size()
+    if slots is not None and 2 * slots * (d + 1) * size < world * most * (8 + d * size):
+        dense = grads.new_zeros(slots, d + 1)
+        dense[rows, :d] = grads
+        dense[rows, d] = 1.0  # touched here: a row touched by any rank is in the union, even at zero gradient
+        dist.all_reduce(dense, group=group)
+        union = (dense[:, d] > 0).nonzero().squeeze(1)  # (U,) ascending, as torch.unique gives
+        return union, dense[union, :d] / world, count.element_size() + dense.numel() * size
     # Padded to the largest count (all_gather wants equal sizes); pads are cut off below.
     pad_rows = rows.new_zeros(most)
     pad_rows[: rows.numel()] = rows

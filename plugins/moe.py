@@ -59,6 +59,11 @@ class MoEConfig(LookupOptions):
     expert_parallel: bool = False
     """Under torch.distributed with W processes, each keeps num_experts / W experts and tokens travel to them
     with all_to_all (plugins/_expert_parallel.py); the same numbers as replicated experts. One process: no-op."""
+    expert_group_size: int | None = None
+    """Processes that share one copy of the experts under expert_parallel (num_experts / size each); tokens
+    travel only within the group, and capacity is decided for the group's batch. null: the processes of one
+    node (all of them on one machine), so the exchange stays on the node's links. It must divide the number
+    of processes; the groups' copies are kept equal by an all-reduce of their gradients. 1: no sharding."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +81,12 @@ class MoEConfig(LookupOptions):
             raise ValueError(
                 f"moe loss coefficients must be >= 0, got balance_coef={self.balance_coef}, "
                 f"z_coef={self.z_coef}"
+            )
+        if self.expert_group_size is not None and (
+            not isinstance(self.expert_group_size, int) or self.expert_group_size < 1
+        ):
+            raise ValueError(
+                f"moe.expert_group_size must be a positive integer or null (a node), got {self.expert_group_size!r}"
             )
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"moe.dispatch={self.dispatch!r} is unknown; expected one of {DISPATCH_MODES}")
@@ -182,7 +193,11 @@ class MoEPlugin(Plugin):
     def callbacks(self) -> list[pl.Callback]:
         if not self.config.expert_parallel:
             return []
-        return [ExpertParallelCallback(lambda: [self.moe_layers[i] for i in sorted(self.moe_layers)])]
+
+        def layers() -> list[MoELayer]:
+            return [self.moe_layers[i] for i in sorted(self.moe_layers)]
+
+        return [ExpertParallelCallback(layers, self.config.expert_group_size)]
 
     def expert_parameters(self) -> int:
         """Parameters of one layer's N experts."""

@@ -13,8 +13,9 @@ The layer replaces the dense FFN or runs beside it (mode 'add'). Value tables li
 shared by every memory layer by default) so they are registered once. Values train with their own Adam
 group (lr 1e-3, constant, no decay); the plugin updates them itself with a row-wise lazy Adam that reads
 and writes only the touched rows (``sparse``). Under DDP the ranks all-gather their touched rows and row
-gradients (bytes scale with the rows read, not the table) and run the same update, so the replicas stay
-equal; under other distributed strategies the values get ordinary dense gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer.
+gradients (bytes scale with the rows read, not the table), or all-reduce the dense table gradient when the
+rows are so many that it moves fewer bytes (plugins/_pkm_ops.py exchange_rows), and run the same update, so
+the replicas stay equal; under other distributed strategies the values get ordinary dense gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Expert parallelism (plugins/_expert_parallel.py): 2 gloo processes against one process on the global batch."""
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,16 @@ from torch.testing import assert_close
 
 from rlm.model import ModelConfig
 from rlm.plugin import Context
-from rlm.plugins._expert_parallel import ExpertParallelCallback, shard_experts
+from rlm.plugins._expert_parallel import (
+    ExpertParallelCallback,
+    _node_size,
+    expert_groups,
+    parallel_dispatch,
+    route_group,
+    shard_experts,
+    sync_replicas,
+)
+from rlm.plugins._experts import plan
 from rlm.plugins.moe import MoEConfig, MoELayer
 from rlm.train.parallel import spawn_local
 
@@ -28,14 +38,14 @@ def _layer(capacity_factor: float, dispatch: str) -> MoELayer:
     return MoELayer(c, mc, 0)  # float32: torch._grouped_mm takes no float64
 
 
-def _batch():
+def _batch(ranks: int = 2):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2 * B, T, D, generator=g, dtype=torch.float32)
-    tokens = torch.randint(0, V, (2 * B, T), generator=g)
-    mask = torch.ones(2 * B, T, dtype=torch.bool)
+    x = torch.randn(ranks * B, T, D, generator=g, dtype=torch.float32)
+    tokens = torch.randint(0, V, (ranks * B, T), generator=g)
+    mask = torch.ones(ranks * B, T, dtype=torch.bool)
     mask[1, 9:] = False  # padding on rank 0
     mask[3, 5:] = False  # and on rank 1
-    r = torch.randn(2 * B, T, D, generator=g, dtype=torch.float32)  # the loss is sum(y * r) / tokens
+    r = torch.randn(ranks * B, T, D, generator=g, dtype=torch.float32)  # the loss is sum(y * r) / tokens
     return x, tokens, mask, r
 
 
@@ -44,11 +54,45 @@ def _loss(layer, x, tokens, mask, r):
     return y, (y * r).sum() / x.shape[0]
 
 
+@contextmanager
+def _host_reads():
+    """Counts the tensor-to-Python reads (tolist, item, int(), float(), bool(), index): each a host sync on a GPU."""
+    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+    calls: list[str] = []
+    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
+
+    def counted(name, fn):
+        def read(self, *args, **kwargs):
+            calls.append(name)
+            return fn(self, *args, **kwargs)
+
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, counted(n, getattr(torch.Tensor, n)))
+    try:
+        yield calls
+    finally:
+        for n, fn in saved.items():
+            if fn is None:
+                delattr(torch.Tensor, n)
+            else:
+                setattr(torch.Tensor, n, fn)
+
+
 def _worker(rank: int, port: int, cases: list, out: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sent_dtypes = []
+    all_to_all_single = dist.all_to_all_single
+
+    def recording(output, input, *args, **kwargs):
+        sent_dtypes.append(input.dtype)
+        return all_to_all_single(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = recording  # this process only (spawned)
     try:
         for name, cf, mode in cases:
             layer = _layer(cf, mode)
@@ -56,8 +100,11 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
             layer.expert_group = dist.group.WORLD
             x, tokens, mask, r = (t[rank * B : (rank + 1) * B] for t in _batch())
             x = x.clone().requires_grad_(True)
-            y, loss = _loss(layer, x, tokens, mask, r)
+            sent_dtypes.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("bf16")):
+                y, loss = _loss(layer, x, tokens, mask, r)
             loss.backward()
+            out[(name, rank, "sent")] = list(sent_dtypes)  # forward's two exchanges, then backward's two
             grads = {}
             for n, p in layer.named_parameters():
                 if n.startswith("experts."):
@@ -67,6 +114,21 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
                     dist.all_reduce(g)  # what DDP does: the mean over ranks
                     grads[n] = g / 2
             out[(name, rank)] = (y.detach(), x.grad / 2, grads)
+        # Host reads of one dispatch: forward and backward (the MoE layer around it is not counted).
+        layer = _layer(0.75, "grouped")
+        shard_experts(layer.experts, rank, 2)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T * B, D, generator=g, requires_grad=True)
+        index = torch.randint(0, 4, (T * B, 2), generator=g)
+        weight, valid = torch.rand(T * B, 2, generator=g), torch.ones(T * B, dtype=torch.bool)
+        with _host_reads() as forward:
+            y, _ = parallel_dispatch(x, index, weight, valid, layer.experts, layer.capacity, "grouped",
+                                     dist.group.WORLD, seq_len=T)  # fmt: skip
+        with _host_reads() as backward:
+            y.sum().backward()
+        out[("host reads", rank)] = (list(forward), list(backward))
+        _save_part(rank, out)
+        _clip_part(rank, out)
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
@@ -74,32 +136,162 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
         dist.destroy_process_group()
 
 
-CASES = [("capacity", 0.75, "grouped"), ("dropless", 0.0, "grouped"), ("capacity_bmm", 0.75, "bmm")]
+CASES = [
+    ("capacity", 0.75, "grouped"),
+    ("dropless", 0.0, "grouped"),
+    ("capacity_bmm", 0.75, "bmm"),
+    ("capacity_bf16", 0.75, "grouped"),  # under CPU autocast: tokens travel in bfloat16
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """One 2-process run for the tests below (each spawn costs ~20 s of process start on a loaded CI CPU)."""
+    return spawn_local(_worker, CASES)
 
 
 @pytest.mark.ddp
-def test_two_processes_equal_one_process_on_the_global_batch():
-    got = spawn_local(_worker, CASES)
+def test_two_processes_equal_one_process_on_the_global_batch(two_ranks):
+    got = two_ranks
     for name, cf, mode in CASES:
+        bf16 = name.endswith("bf16")
+        tol = dict(rtol=2e-2, atol=2e-2) if bf16 else TOL
         layer = _layer(cf, mode)
         x, tokens, mask, r = _batch()
         x.requires_grad_(True)
-        y, loss = _loss(layer, x, tokens, mask, r)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y, loss = _loss(layer, x, tokens, mask, r)
         # The mean over 2*B rows: each rank's loss is the mean over its B rows, DDP averages the two.
         loss.backward()
         ctx = Context(tokens=tokens, mask=mask, stage="train")
         layer(x.detach(), ctx)
         assert (ctx.metrics["moe_dropped/l0"] > 0) == (cf > 0), name  # capacity bites where it is set
         (y0, gx0, g0), (y1, gx1, g1) = got[(name, 0)], got[(name, 1)]
-        assert_close(torch.cat([y0, y1]), y.detach(), msg=name, **TOL)
-        assert_close(torch.cat([gx0, gx1]), x.grad, msg=name, **TOL)
+        assert_close(torch.cat([y0, y1]), y.detach(), msg=name, **tol)
+        assert_close(torch.cat([gx0, gx1]), x.grad, msg=name, **tol)
         for n, p in layer.named_parameters():
             want = p.grad
             if n.startswith("experts."):
-                assert_close(torch.cat([g0[n], g1[n]]), want, msg=f"{name}: {n}", **TOL)
+                assert_close(torch.cat([g0[n], g1[n]]), want, msg=f"{name}: {n}", **tol)
             else:
-                assert_close(g0[n], want, msg=f"{name}: {n}", **TOL)
-                assert_close(g1[n], want, msg=f"{name}: {n}", **TOL)
+                assert_close(g0[n], want, msg=f"{name}: {n}", **tol)
+                assert_close(g1[n], want, msg=f"{name}: {n}", **tol)
+        # Expert tokens travel in the experts' compute dtype: bfloat16 under autocast, both ways.
+        want_dtype = torch.bfloat16 if bf16 else torch.float32
+        for rank in (0, 1):
+            assert got[(name, rank, "sent")] == [want_dtype] * 4, name
+    # Per dispatch: two host reads (every rank's row count; the W x W split matrix), none in backward. The
+    # loop it replaces read ~2 * seq_len * W + 6 ints.
+    for rank in (0, 1):
+        assert got[("host reads", rank)] == (["tolist", "tolist"], []), rank
+
+
+def _route_reference(routed, sizes, T, rank, n_local, cap):
+    """The per-position, per-rank loop parallel_dispatch planned with before route_group (a naive reference)."""
+    world, _, k = routed.shape
+    parts = [routed[r, : sizes[r]].long() for r in range(world)]
+    sizes_t = torch.tensor(sizes)
+    ends = torch.cumsum(sizes_t, 0)
+    g = torch.cat(parts)  # (S_total, k) rank-major
+    starts = (ends - sizes_t).tolist()
+    order = torch.cat(
+        [
+            starts[r] + t * (sizes[r] // T) + torch.arange(sizes[r] // T)
+            for t in range(T)
+            for r in range(world)
+        ]
+    )  # gathered row of each global (position-major) row
+    n = n_local * world
+    p = plan(g[order], g[order, 0] < n, n, cap)
+    gathered = order[p.token]
+    src = torch.searchsorted(ends, gathered, right=True)
+    dst = torch.div(p.expert, n_local, rounding_mode="floor")
+    mine = src == rank
+    here = (dst == rank).nonzero().squeeze(1)
+    return dict(
+        plan=p,
+        token=gathered[mine] - starts[rank],
+        choice=p.assignment[mine] % k,
+        send=torch.bincount(dst[mine], minlength=world).tolist(),
+        recv=torch.bincount(src[here], minlength=world).tolist(),
+        perm=torch.argsort(src[here], stable=True),
+        local=(p.assignment[here], p.token[here], p.expert[here] - rank * n_local, p.position[here]),
+        counts=p.counts[rank * n_local : (rank + 1) * n_local],
+    )
+
+
+def _random_routing(g, world, seqs, T, k, n):
+    """(W, S_max, k) expert ids, rank r with seqs[r] sequences; padding (id n) mid-row and past each rank's rows."""
+    sizes = [b * T for b in seqs]
+    routed = torch.full((world, max(sizes), k), n, dtype=torch.uint8)
+    for r, S in enumerate(sizes):
+        # k distinct experts per token, as top-k gives; skewed so that a few experts overflow their capacity
+        scores = torch.rand(S, n, generator=g) + torch.linspace(0, 0.6, n)
+        ids = scores.topk(k, dim=1).indices
+        ids[torch.rand(S, generator=g) < 0.15] = n  # padding tokens
+        routed[r, :S] = ids.to(torch.uint8)
+    return routed, sizes
+
+
+@pytest.mark.parametrize("world,seqs,T,k,n_local,cap", [
+    (2, [2, 2], 5, 2, 2, 3),  # capacity overflows
+    (3, [1, 3, 2], 4, 2, 2, 2),  # unequal batches, tight capacity
+    (2, [3, 1], 6, 1, 4, None),  # dropless, Switch's k = 1
+    (4, [2, 0, 1, 2], 3, 3, 1, 4),  # a rank with no tokens
+])  # fmt: skip
+def test_route_group_equals_the_loop_reference(world, seqs, T, k, n_local, cap):
+    g = torch.Generator().manual_seed(world * 100 + T)
+    for trial in range(3):
+        routed, sizes = _random_routing(g, world, seqs, T, k, n_local * world)
+        for rank in range(world):
+            got = route_group(routed, sizes, T, rank, n_local, cap)
+            want = _route_reference(routed, sizes, T, rank, n_local, cap)
+            for field in ("assignment", "token", "expert", "position", "counts", "dropped"):
+                assert_close(getattr(got.plan, field), getattr(want["plan"], field), msg=field)
+            assert got.send == want["send"] and got.recv == want["recv"]
+            assert_close(got.token, want["token"])
+            assert_close(got.choice, want["choice"])
+            assert_close(got.perm, want["perm"])
+            local = (got.local.assignment, got.local.token, got.local.expert, got.local.position)
+            for a, b in zip(local, want["local"]):
+                assert_close(a, b)
+            assert_close(got.local.counts, want["counts"])
+        assert (want["plan"].dropped > 0) == (cap is not None), trial  # the capacity overflowed where set
+
+
+def _count_ops(fn, *args) -> int:
+    """Number of aten operations fn(*args) runs (each a kernel launch, or a host-to-device copy, on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn(*args)
+    return Count.n
+
+
+def test_route_group_runs_no_loop_over_positions_or_ranks():
+    g = torch.Generator().manual_seed(0)
+    counts = {}
+    for T, world in [(4, 2), (32, 2), (32, 8)]:
+        routed, sizes = _random_routing(g, world, [2] * world, T, 2, 2 * world)
+        counts[T, world] = (
+            _count_ops(route_group, routed, sizes, T, 0, 2, 8),
+            _count_ops(_route_reference, routed, sizes, T, 0, 2, 8),
+        )
+    # The same operations whatever seq_len and the world size; the loop it replaced ran ~2 per (position, rank).
+    assert counts[4, 2][0] == counts[32, 2][0] == counts[32, 8][0]
+    assert counts[32, 8][1] - counts[4, 2][1] >= 2 * (32 * 8 - 4 * 2)
+
+
+def test_parallel_dispatch_is_an_eager_island_under_compile():
+    # As dispatch: data-dependent shapes and host split sizes; Dynamo runs it eagerly behind one graph break.
+    assert getattr(parallel_dispatch, "_torchdynamo_disable", False)
 
 
 def test_shard_keeps_a_slice_and_loads_its_slice_of_full_tensors():
@@ -116,31 +308,27 @@ def test_shard_keeps_a_slice_and_loads_its_slice_of_full_tensors():
         shard_experts(_layer(0.0, "grouped").experts, rank=0, world=3)
 
 
-def _clip_worker(rank: int, port: int, grads: dict, out: dict) -> None:
-    import torch.distributed as dist
+_g = torch.Generator().manual_seed(2)
+CLIP_GRADS = {"shared": torch.randn(5, generator=_g), "experts": torch.randn(4, 3, generator=_g) * 3}
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        shared = torch.nn.Parameter(torch.zeros(5))
-        shared.grad = grads["shared"].clone()  # after DDP: the same on every rank
-        own = torch.nn.Parameter(torch.zeros(2, 3))
-        own.grad = grads["experts"][2 * rank : 2 * rank + 2].clone()  # this rank's experts
-        cb = ExpertParallelCallback(lambda: [])
-        cb.clip, cb.params = 1.0, {"experts": own}
-        optimizer = SimpleNamespace(param_groups=[{"params": [shared, own]}])
-        cb.on_before_optimizer_step(None, SimpleNamespace(device=torch.device("cpu")), optimizer)
-        out[rank] = (shared.grad, own.grad)
-        # both ranks done with every collective before either tears gloo down (a rank that exits while
-        # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+def _clip_part(rank: int, out: dict) -> None:
+    """The callback's global-norm clip on toy gradients (in _worker's process group)."""
+    shared = torch.nn.Parameter(torch.zeros(5))
+    shared.grad = CLIP_GRADS["shared"].clone()  # after DDP: the same on every rank
+    own = torch.nn.Parameter(torch.zeros(2, 3))
+    own.grad = CLIP_GRADS["experts"][2 * rank : 2 * rank + 2].clone()  # this rank's experts
+    cb = ExpertParallelCallback(lambda: [])
+    cb.clip, cb.params = 1.0, {"experts": own}
+    optimizer = SimpleNamespace(param_groups=[{"params": [shared, own]}])
+    cb.on_before_optimizer_step(None, SimpleNamespace(device=torch.device("cpu")), optimizer)
+    out[rank, "clip"] = (shared.grad, own.grad)
 
 
 @pytest.mark.ddp
-def test_gradient_clipping_uses_the_global_norm():
-    grads = {"shared": torch.randn(5), "experts": torch.randn(4, 3) * 3}
-    got = spawn_local(_clip_worker, grads)
+def test_gradient_clipping_uses_the_global_norm(two_ranks):
+    grads = CLIP_GRADS
+    got = {rank: two_ranks[rank, "clip"] for rank in (0, 1)}
     # One process holds every expert: torch's clip over [shared, all experts].
     ref = [grads["shared"].clone(), grads["experts"].clone()]
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]
@@ -150,6 +338,125 @@ def test_gradient_clipping_uses_the_global_norm():
     for rank in (0, 1):
         assert_close(got[rank][0], params[0].grad)
         assert_close(got[rank][1], params[1].grad[2 * rank : 2 * rank + 2])
+
+
+FULL = torch.randn(
+    4, 3, generator=torch.Generator().manual_seed(0)
+)  # 4 experts' rows for the checkpoint test
+
+
+def _save_part(rank: int, out: dict) -> None:
+    """Save and load an expert-parallel checkpoint of a toy expert tensor (in _worker's process group)."""
+    import torch.distributed as dist
+
+    shared = torch.nn.Parameter(torch.ones(3))
+    own = torch.nn.Parameter(FULL[2 * rank : 2 * rank + 2].clone())  # this rank's 2 of 4 experts
+    opt = torch.optim.Adam([shared, own])
+    (shared.sum() + (own * (rank + 1)).pow(2).sum()).backward()
+    opt.step()
+    cb = ExpertParallelCallback(lambda: [])
+    cb.world, cb.rank, cb.group, cb.params = 2, rank, dist.group.WORLD, {"experts.up": own}
+    ckpt = {"state_dict": {"experts.up": own.detach().clone()}, "optimizer_states": [opt.state_dict()]}
+    cb.on_save_checkpoint(SimpleNamespace(optimizers=[opt]), None, ckpt)
+    moments = {k: v.clone() for k, v in opt.state[own].items() if k != "step"}
+    out[rank, "save"] = (
+        ckpt["state_dict"]["experts.up"],
+        ckpt["optimizer_states"][0]["state"][1],
+        own.detach(),
+        moments,
+    )
+    # every rank loads rank 0's file and takes its own experts' moments back
+    dist.broadcast_object_list(loaded := [ckpt if rank == 0 else None], src=0)
+    cb.on_load_checkpoint(None, None, loaded[0])
+    out[rank, "loaded"] = loaded[0]["optimizer_states"][0]["state"][1]
+
+
+@pytest.mark.ddp
+def test_checkpoint_gathers_experts_to_rank_0_only_and_loads_each_rank_its_slice(two_ranks):
+    got = two_ranks
+    (w0, m0, own0, mom0), (w1, m1, own1, mom1) = got[0, "save"], got[1, "save"]
+    # Rank 0 writes the file: every expert and both Adam moments, in host memory.
+    assert_close(w0, torch.cat([own0, own1]))
+    assert w0.device.type == "cpu" and m0["exp_avg"].device.type == "cpu"
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_close(m0[key], torch.cat([mom0[key], mom1[key]]))
+        # Rank 1 never holds the full tensors (it does not write): its shard stays as it was.
+        assert m1[key].shape == (2, 3)
+        assert_close(m1[key], mom1[key])
+        for rank, mom in ((0, mom0), (1, mom1)):
+            assert_close(got[rank, "loaded"][key], mom[key])
+    assert_close(w1, own1)
+
+
+def _group_worker(rank: int, port: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        group, replicas = expert_groups(rank, 4, 2)  # groups {0, 1} and {2, 3}; replicas {0, 2} and {1, 3}
+        layer = _layer(0.75, "grouped")
+        shard_experts(layer.experts, rank % 2, 2, processes=4)
+        layer.expert_group = group
+        x, tokens, mask, r = (t[rank * B : (rank + 1) * B] for t in _batch(4))
+        x = x.clone().requires_grad_(True)
+        y, loss = _loss(layer, x, tokens, mask, r)
+        loss.backward()
+        sync_replicas([layer.experts.up, layer.experts.down], replicas)
+        grads = {}
+        for n, p in layer.named_parameters():
+            if n.startswith("experts."):
+                grads[n] = p.grad
+            else:
+                g = p.grad.clone()
+                dist.all_reduce(g)
+                grads[n] = g / 4
+        out[rank] = (y.detach(), x.grad / 4, grads)
+        # the checkpoint: rank 0's group gathers (rank 0 writes); the other group keeps its shards
+        cb = ExpertParallelCallback(lambda: [])
+        cb.world, cb.rank, cb.group, cb.holds_file = 2, rank % 2, group, rank < 2
+        cb.params = {"experts.up": layer.experts.up}
+        ckpt = {"state_dict": {"experts.up": layer.experts.up.detach().clone()}, "optimizer_states": []}
+        cb.on_save_checkpoint(SimpleNamespace(optimizers=[]), None, ckpt)
+        out[rank, "saved"] = ckpt["state_dict"]["experts.up"].shape[0]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 4 processes
+@pytest.mark.ddp
+def test_expert_groups_of_two_among_four_processes_equal_one_process_per_group():
+    got = spawn_local(_group_worker, nprocs=4)
+    # The reference: one process per expert group, capacity decided on the group's batch, the loss the mean
+    # over the 4 ranks (each group's _loss is the mean of its 2 ranks': 1/2 each).
+    layer = _layer(0.75, "grouped")
+    x, tokens, mask, r = _batch(4)
+    x.requires_grad_(True)
+    ys, total = [], 0
+    for g in (0, 1):
+        rows = slice(2 * g * B, 2 * (g + 1) * B)
+        y, loss = _loss(layer, x[rows], tokens[rows], mask[rows], r[rows])
+        ys.append(y)
+        total = total + loss / 2
+    total.backward()
+    assert_close(torch.cat([got[rank][0] for rank in range(4)]), torch.cat(ys).detach(), **TOL)
+    assert_close(torch.cat([got[rank][1] for rank in range(4)]), x.grad, **TOL)
+    for n, p in layer.named_parameters():
+        for rank in range(4):
+            want = p.grad[2 * (rank % 2) : 2 * (rank % 2) + 2] if n.startswith("experts.") else p.grad
+            assert_close(got[rank][2][n], want, msg=f"rank {rank}: {n}", **TOL)
+    assert [got[rank, "saved"] for rank in range(4)] == [4, 2, 2, 2]  # full on rank 0 only
+
+
+def test_expert_group_size_is_checked_and_defaults_to_a_node():
+    with pytest.raises(ValueError, match="expert_group_size=3 must divide the 4 processes"):
+        expert_groups(0, 4, 3)
+    with pytest.raises(ValueError, match="expert_group_size must be a positive integer"):
+        MoEConfig(expert_group_size=0)
+    assert _node_size(SimpleNamespace(num_devices=8), 64) == 8  # 8 nodes of 8: a node's 8 processes
+    assert _node_size(SimpleNamespace(num_devices=2), 2) == 2  # one machine: all of them
+    assert _node_size(SimpleNamespace(num_devices=3), 4) == 4  # not a divisor: all
 
 
 MOE_DROPLESS = {"layers": [1], "num_experts": 4, "top_k": 2, "capacity_factor": 0.0}

@@ -75,3 +75,29 @@ def test_require_passes_an_inner_import_error_through(monkeypatch, tmp_path):
         require("pkg_with_broken_dep", "hf", "a test")
     assert not isinstance(info.value, MissingExtra)
     assert require("json", "hf", "a test").__name__ == "json"
+
+
+# Names the package imports from torch modules whose public API grew recently, with the torch release that made
+# them public (torch's release notes). A new import from one of these modules must be added here.
+TORCH_API_SINCE = {
+    "torch.distributed.fsdp": {"fully_shard": (2, 6), "FSDPModule": (2, 6), "MixedPrecisionPolicy": (2, 6)},
+    "torch.distributed.tensor": {"DTensor": (2, 5)},
+    "torch.distributed.device_mesh": {"DeviceMesh": (2, 2), "init_device_mesh": (2, 2)},
+}
+
+
+def test_torch_floor_covers_the_torch_apis_imported():
+    text = (ROOT / "pyproject.toml").read_text()
+    floor = tuple(int(v) for v in re.search(r'"torch>=(\d+)\.(\d+)', text).groups())
+    sources = [p for d in ("rlm", "plugins", "index") for p in (ROOT / d).rglob("*.py")]
+    needed = {}
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in TORCH_API_SINCE:
+                for alias in node.names:
+                    since = TORCH_API_SINCE[node.module].get(alias.name)
+                    assert since, f"{path.name} imports {node.module}.{alias.name}: add it to TORCH_API_SINCE"
+                    needed[f"{node.module}.{alias.name}"] = since
+    assert "torch.distributed.fsdp.fully_shard" in needed  # the scan sees the package's imports
+    too_new = {name: v for name, v in needed.items() if v > floor}
+    assert not too_new, f"pyproject allows torch {floor}, but these need a later release: {too_new}"

@@ -50,23 +50,33 @@ def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -
         with torch.no_grad():
             e = copy.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
         out[rank] = (logits.detach(), grads, plain and full, e, weights_hash(encoder.weights()))
+        _mp_part(rank, tokens, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.ddp
-def test_sharded_model_and_plain_copy_match_one_process():
+TOKENS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """One 2-process run for the tests below (each spawn costs ~20 s of process start on a loaded CI CPU)."""
     import torch.multiprocessing as mp
 
-    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(2, port, tokens, out), nprocs=2)
-        got = dict(out)
+        mp.spawn(_worker, args=(2, port, TOKENS, out), nprocs=2)
+        return dict(out)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_sharded_model_and_plain_copy_match_one_process(two_ranks):
+    got, tokens = two_ranks, TOKENS
     model = _model()
     logits = model(tokens, Context(tokens=tokens, stage="train"))
     # each rank's loss is its half's mean; FSDP averages the ranks' gradients: the whole batch's mean
@@ -93,3 +103,54 @@ def test_beta_loads_from_a_scalar_checkpoint():
     state[key] = torch.tensor(1.7)
     model.load_state_dict(state)
     assert_close(model.state_dict()[key], torch.tensor([1.7]))
+
+
+def test_mixed_precision_policy_follows_the_trainer_precision():
+    from rlm.train.parallel import mixed_precision_policy
+
+    policy = mixed_precision_policy("bf16-mixed")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert not policy.cast_forward_inputs  # the residual stream stays fp32, as under autocast alone
+    for precision in ("32-true", "32", "16-mixed", "bf16-true", "64-true"):
+        assert mixed_precision_policy(precision) is None, precision
+
+
+def _mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
+    """FSDP2 with bf16-mixed's policy under CPU autocast (in _worker's process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
+
+    model = _model()
+    parallelize(model, init_device_mesh("cpu", (2,)), mp_policy=mixed_precision_policy("bf16-mixed"))
+    seen = []  # the dtype of a block's weights as its forward sees them (FSDP's all-gathered copy)
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    mine = tokens[rank * 2 : rank * 2 + 2]
+    unshard_root(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(mine, Context(tokens=mine, stage="train"))
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mine.flatten()).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    kept = {p.dtype for p in model.parameters()} | {g.dtype for g in grads.values()}
+    out[rank, "bf16"] = (logits.detach().float(), grads, seen, kept)
+
+
+@pytest.mark.ddp
+def test_bf16_mixed_gathers_bf16_and_keeps_fp32_master_weights_and_gradients(two_ranks):
+    got = {rank: two_ranks[rank, "bf16"] for rank in (0, 1)}
+    tokens = TOKENS
+    # The reference: one process under autocast with its weights rounded to bf16 (what the gather hands over).
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens, Context(tokens=tokens, stage="train"))
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    tol = dict(rtol=2e-2, atol=2e-2)  # bf16 matmuls, and bf16 gradients before the fp32 reduce-scatter
+    assert_close(torch.cat([got[0][0], got[1][0]]), logits.detach().float(), **tol)
+    for rank in (0, 1):
+        assert got[rank][2] == [torch.bfloat16], "FSDP2 did not gather the block's weights in bf16"
+        assert got[rank][3] == {torch.float32}, "sharded weights and their gradients are fp32"
+        for name, p in model.named_parameters():
+            assert_close(got[rank][1][name], p.grad, msg=name, **tol)

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
-from rlm.plugins import _pkm_native
+from rlm.plugins import _pkm_native, _pkm_ops
 from rlm.plugins._pkm_ops import (
     MaskedBatchNorm,
     RowAdam,
@@ -60,6 +60,40 @@ def test_product_key_search_is_exact(seed, heads, n, k):
         grads.append((q_.grad, c_.grad))
     assert_close(grads[0][0], grads[1][0])
     assert_close(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_search_stays_float32_under_bf16_autocast(onednn, monkeypatch):
+    # The key scores under autocast must be the fp32 ones: a bf16 score bmm reorders close keys. torch.bmm
+    # is the path on CUDA (autocast casts it to bf16); on CPU fp32 the oneDNN op, which autocast leaves alone.
+    if not onednn:
+        monkeypatch.setattr(_pkm_ops, "_ONEDNN_LINEAR", [None])
+    g = torch.Generator().manual_seed(0)
+    N, H, n, dh, k = 256, 2, 64, 16, 8
+    q = torch.randn(N, H, 2 * dh, generator=g)
+    keys = torch.randn(H, 2, n, dh, generator=g)
+    ref_scores, ref_slots = brute_force_topk(q.double(), keys[:, 0].double(), keys[:, 1].double(), k)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, slots = product_key_topk(q[..., :dh], q[..., dh:], keys[:, 0], keys[:, 1], k)
+        # what a bf16 search would pick: the same brute force on bf16-rounded scores
+        bf16 = torch.einsum("nhd,hsd->nhs", q, torch.cat([keys[:, 0].repeat_interleave(n, 1),
+                                                           keys[:, 1].repeat(1, n, 1)], -1))  # fmt: skip
+    assert bf16.dtype == torch.bfloat16 and not torch.equal(bf16.float().topk(k, -1).indices, ref_slots)
+    assert scores.dtype == torch.float32
+    assert torch.equal(slots, ref_slots)
+    assert_close(scores, ref_scores.float())
+    # Through the layer: a bf16 query (autocast's linear) is searched in fp32.
+    _, layer = small_layer(n_keys=16, topk=4)
+    layer.float()
+    x = torch.randn(64, 32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        slots, weights = layer.lookup(x, torch.ones(64, dtype=torch.bool))
+        q = layer.norm(layer.query(x).view(64, layer.heads, -1)).float()  # the bf16-computed query, widened
+    keys = layer.keys.detach()
+    ref_scores, ref_slots = brute_force_topk(q.double(), keys[:, 0].double(), keys[:, 1].double(), 4)
+    assert weights.dtype == torch.float32
+    assert torch.equal(slots, ref_slots)
+    assert_close(weights, ref_scores.softmax(-1).float())
 
 
 def small_layer(**kw) -> tuple[PKMPlugin, PKMLayer]:

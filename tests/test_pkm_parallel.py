@@ -54,6 +54,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         st = plugin.row_optimizer.state["shared"]
         out[rank] = (plugin.values["shared"].detach().clone(), st["exp_avg_sq"].clone(), int(st["step"]))
         out[f"bytes{rank}"] = plugin.row_optimizer.sent_bytes
+        _exchange_part(rank, out)
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
@@ -61,9 +62,15 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """One 2-process run for the tests below (each spawn costs ~20 s of process start on a loaded CI CPU)."""
+    return spawn_local(_worker)
+
+
 @pytest.mark.ddp
-def test_two_processes_hold_the_values_of_one_process_on_the_global_batch():
-    got = spawn_local(_worker)
+def test_two_processes_hold_the_values_of_one_process_on_the_global_batch(two_ranks):
+    got = two_ranks
     plugin, layer = _memory()
     before = plugin.values["shared"].detach().clone()
     assert plugin.resolve_sparse(distributed=False)
@@ -79,6 +86,64 @@ def test_two_processes_hold_the_values_of_one_process_on_the_global_batch():
     assert not torch.equal(values, before)  # the steps did move rows
     # Sent: one count, then the largest rank's rows as (int64 id + D float32) each, at most H*k*B*T rows.
     assert 8 < got["bytes0"] <= 8 + 2 * 4 * B * T * (8 + 4 * D)
+
+
+def _rank_rows(rank: int, slots: int, d: int):
+    """Distinct touched rows (some shared with the other rank, one only here) and their gradients."""
+    g = torch.Generator().manual_seed(10 + rank)
+    rows = torch.randperm(slots, generator=g)[: 5 if rank == 0 else 12]
+    return rows, torch.randn(rows.numel(), d, generator=g)
+
+
+def _exchange_part(rank: int, out: dict) -> None:
+    """exchange_rows on EXCHANGE_CASES (in _worker's process group)."""
+    import torch.distributed as dist
+
+    from rlm.plugins._pkm_ops import exchange_rows
+
+    for slots, d, hint in EXCHANGE_CASES:
+        rows, grads = _rank_rows(rank, slots, d)
+        if rank == 1:
+            grads[0] = 0.0  # a touched row with a zero gradient still belongs to the union
+        out[(slots, hint, rank)] = exchange_rows(rows, grads, d, dist.group.WORLD, slots=hint)
+
+
+# Rank 1 touches 12 rows. A 12-slot table: all of it, so a dense all-reduce of 12 x (4 + 1) floats on a ring
+# (2 * 12 * 5 * 4 = 480 bytes) beats gathering 2 x 12 rows of 8 + 16 bytes (576). A 4096-slot table: rows win.
+# Without the table size (None) the rows are always gathered.
+EXCHANGE_CASES = [(12, 4, None), (12, 4, 12), (4096, 4, None), (4096, 4, 4096)]
+
+
+@pytest.mark.ddp
+def test_row_exchange_switches_to_a_dense_all_reduce_when_that_moves_fewer_bytes(two_ranks):
+    got = two_ranks
+    dense_seen = rows_seen = False
+    for slots, d, hint in EXCHANGE_CASES:
+        # The reference: DDP's mean of the two ranks' dense (slots, d) gradients, at the rows either touched.
+        dense, touched = torch.zeros(slots, d), torch.zeros(slots, dtype=torch.bool)
+        for rank in (0, 1):
+            rows, grads = _rank_rows(rank, slots, d)
+            if rank == 1:
+                grads[0] = 0.0
+            dense[rows] += grads
+            touched[rows] = True
+        want_rows = touched.nonzero().squeeze(1)
+        for rank in (0, 1):
+            rows, grads, sent = got[(slots, hint, rank)]
+            assert torch.equal(rows, want_rows), (slots, hint)
+            assert_close(grads, dense[want_rows] / 2)
+        r0, g0, sent0 = got[(slots, hint, 0)]
+        assert torch.equal(g0, got[(slots, hint, 1)][1])  # replicas equal bit for bit
+        as_dense = 8 + slots * (d + 1) * 4
+        most = max(_rank_rows(r, slots, d)[0].numel() for r in (0, 1))
+        as_rows = 8 + most * (8 + d * 4)
+        if hint is not None and 2 * slots * (d + 1) * 4 < 2 * most * (8 + d * 4):
+            assert sent0 == as_dense, (slots, d)
+            dense_seen = True
+        else:
+            assert sent0 == as_rows, (slots, d, hint)
+            rows_seen |= hint is not None
+    assert dense_seen and rows_seen  # both ways taken when the table size is known
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from rlm.plugin.base import ParamGroup
 from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
 from rlm.train.diff import config_diff
-from rlm.train.parallel import parallelize, unshard_root
+from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
 from rlm.train.throughput import Throughput
 
 
@@ -236,9 +236,10 @@ class LMModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Shard the model with FSDP2 when the strategy gives a device mesh (ModelParallelStrategy); with DDP or
-        one device there is none and nothing changes."""
+        one device there is none and nothing changes. Under bf16-mixed, FSDP2 gathers parameters in bf16."""
         if self.device_mesh is not None:
-            parallelize(self.model, self.device_mesh)
+            policy = mixed_precision_policy(self.trainer.precision)
+            parallelize(self.model, self.device_mesh, mp_policy=policy)
 
     # ----- optimisation -----
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 # Lightning's ModelParallelStrategy names its 2-D mesh (data_parallel, tensor_parallel); rlm has no tensor
@@ -50,16 +50,41 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+def mixed_precision_policy(precision: Any) -> MixedPrecisionPolicy | None:
+    """FSDP2's mixed precision for the trainer's ``precision``: under 'bf16-mixed', parameters all-gathered in
+    bf16 and gradients reduce-scattered in fp32 (torchtitan's default); else None (FSDP moves the parameters'
+    own dtype).
+
+    Lightning's bf16-mixed is autocast alone, so without a policy FSDP2 all-gathers fp32 parameters (twice a
+    bf16 gather's bytes, in the forward and again in the backward) for matmuls that autocast runs in bf16
+    anyway. Block inputs are not cast (``cast_forward_inputs=False``): the residual stream stays fp32 as under
+    autocast alone, and autocast still picks each op's dtype (norms and softmax in fp32, matmuls in bf16); what
+    changes is that the weights reach the ops already rounded to bf16.
+    """
+    if str(precision) in ("bf16-mixed", "bf16"):
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    return None
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
     """Shard ``model`` (a Transformer) in place with FSDP2: every block, then the root. A mesh of one rank and an
-    already sharded model are left as they are (nothing to shard; ``configure_model`` may be called twice)."""
+    already sharded model are left as they are (nothing to shard; ``configure_model`` may be called twice).
+    ``mp_policy``: see :func:`mixed_precision_policy`; None keeps the parameters' dtype."""
     if isinstance(model, FSDPModule) or mesh.size() == 1:
         return model
     mesh = fsdp_mesh(mesh)
+    mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
     # the root's parameters are all-gathered at its forward and stay so until its backward (FSDP2's root rule)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, **mp)
     return model
 
 
