@@ -9,7 +9,7 @@ torch's DistributedDataParallel and train it for a few steps, each rank on its o
 - dense (pkm.sparse: false, the old path): the values get a dense (slots, d) gradient that DDP all-reduces
   with the other parameters;
 - rows (pkm.sparse: auto under DDP): DDP reduces the other parameters only; the plugin's row-wise Adam
-  all-gathers each rank's touched rows and row gradients (plugins/_pkm_ops.py exchange_rows).
+  all-gathers each rank's touched rows and row gradients (plugins/_pkm_rows.py exchange_rows).
 
 DDP bytes are the sizes of the gradient buckets DDP hands its communication hook (counted by a hook that then
 runs the default all-reduce; a ring all-reduce sends 2 (W-1)/W of them per rank, = 1x for W=2); row bytes are

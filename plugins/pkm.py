@@ -14,7 +14,7 @@ shared by every memory layer by default) so they are registered once. Values tra
 group (lr 1e-3, constant, no decay); the plugin updates them itself with a row-wise lazy Adam that reads
 and writes only the touched rows (``sparse``). Under DDP the ranks all-gather their touched rows and row
 gradients (bytes scale with the rows read, not the table), or all-reduce the dense table gradient when the
-rows are so many that it moves fewer bytes (plugins/_pkm_ops.py exchange_rows), and run the same update, so
+rows are so many that it moves fewer bytes (plugins/_pkm_rows.py exchange_rows), and run the same update, so
 the replicas stay equal; under other distributed strategies the values get ordinary dense gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer.
 """
 
@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
 from rlm.plugins._pkm_native import huge_page_empty
-from rlm.plugins._pkm_ops import MaskedBatchNorm, RowAdam, product_key_topk, slot_stats, value_lookup
+from rlm.plugins._pkm_ops import MaskedBatchNorm, product_key_topk, slot_stats, value_lookup
+from rlm.plugins._pkm_rows import RowAdam
 
 SPARSE_CHOICES = ("auto", "true", "false")
 QUERY_NORMS = ("layernorm", "batchnorm", "none")

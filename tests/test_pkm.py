@@ -15,12 +15,12 @@ from rlm.plugin import Context
 from rlm.plugins import _pkm_native, _pkm_ops
 from rlm.plugins._pkm_ops import (
     MaskedBatchNorm,
-    RowAdam,
     bag_dot,
     coalesce_rows,
     product_key_topk,
     slot_stats,
 )
+from rlm.plugins._pkm_rows import RowAdam
 from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
 
 RUN = "runs/test/version_0"

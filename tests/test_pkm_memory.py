@@ -6,7 +6,7 @@ import torch
 
 from rlm.model import ModelConfig
 from rlm.plugins import _pkm_native
-from rlm.plugins._pkm_ops import RowAdam
+from rlm.plugins._pkm_rows import RowAdam
 from rlm.plugins.pkm import PKMConfig, PKMPlugin
 
 

@@ -1,4 +1,4 @@
-"""PKM values under data parallelism: the touched-row exchange (plugins/_pkm_ops.py exchange_rows)."""
+"""PKM values under data parallelism: the touched-row exchange (plugins/_pkm_rows.py exchange_rows)."""
 
 import pytest
 import torch
@@ -99,7 +99,7 @@ def _exchange_part(rank: int, out: dict) -> None:
     """exchange_rows on EXCHANGE_CASES (in _worker's process group)."""
     import torch.distributed as dist
 
-    from rlm.plugins._pkm_ops import exchange_rows
+    from rlm.plugins._pkm_rows import exchange_rows
 
     for slots, d, hint in EXCHANGE_CASES:
         rows, grads = _rank_rows(rank, slots, d)

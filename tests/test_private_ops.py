@@ -10,7 +10,8 @@ from torch.testing import assert_close
 
 from rlm.plugins import _experts, _pkm_native, _pkm_ops
 from rlm.plugins._experts import Experts, plan
-from rlm.plugins._pkm_ops import RowAdam, half_scores
+from rlm.plugins._pkm_ops import half_scores
+from rlm.plugins._pkm_rows import RowAdam
 from rlm.plugins._retrieval_encoder import cpu_bf16_native, resolve_rebuild_dtype
 
 
