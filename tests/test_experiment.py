@@ -327,7 +327,7 @@ def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monke
     }
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
-    assert "**baseline** (baseline)" in (out / "results.md").read_text()
+    assert "| **baseline** |" in (out / "results.md").read_text()  # not "baseline (baseline)"
     assert "test bits/byte" in (out / "results.md").read_text()
     for name in PLOTS:
         assert (out / name).read_bytes().startswith(PNG)
@@ -455,3 +455,16 @@ def test_bad_knnlm_options_are_listed(tmp_path, knnlm, message):
     path = write_experiment(tmp_path / "exp.yaml", variants={"baseline": {}, "knn": {"knnlm": knnlm}})
     with pytest.raises(ExperimentError, match=message):
         load_experiment(path)
+
+
+def test_duration_columns_that_all_read_zero_seconds_are_dropped():
+    from rlm.experiment.report import _without_zero_seconds
+
+    header = ["variant", "val loss", "train time", "test loss"]
+    rows = [["a", "3.000", "0s", "—"], ["b", "2.900", "—", "—"]]
+    assert _without_zero_seconds(header, rows) == (
+        ["variant", "val loss", "test loss"],
+        [["a", "3.000", "—"], ["b", "2.900", "—"]],
+    )
+    rows[1][2] = "12s"
+    assert _without_zero_seconds(header, rows) == (header, rows)

@@ -11,17 +11,18 @@ from test_experiment import fake_run
 
 pytest.importorskip("matplotlib")
 
-from rlm.experiment.plots import curve_figure, label_box, params_figure, styles  # noqa: E402
-from rlm.experiment.results import collect  # noqa: E402
+from rlm.experiment.plots import curve_figure, label_box, legend_label, params_figure, styles  # noqa: E402
+from rlm.experiment.results import collect, val_curves  # noqa: E402
 
 
-def _experiment(tmp_path, runs: dict[str, tuple[float, int]], seeds=(0,)):
+def _experiment(tmp_path, runs: dict[str, tuple[float, int]], seeds=(0,), spread: float = 0.0):
+    """Fake finished runs; seed s of a variant ends at loss + spread * s."""
     info = {"name": "fake", "base": ["default.yaml"], "baseline": "base", "report_metrics": [],
             "variants": {name: {"description": ""} for name in runs}}  # fmt: skip
     (tmp_path / "experiment.json").write_text(json.dumps(info))
     for name, (loss, added) in runs.items():
         for seed in seeds:
-            fake_run(tmp_path, name, seed, loss, added, 100.0)
+            fake_run(tmp_path, name, seed, loss + spread * seed, added, 100.0)
     return collect(tmp_path)
 
 
@@ -87,3 +88,49 @@ def test_parameter_axis_is_logarithmic_over_decades(tmp_path, added, scale):
     ax = params_figure(info, variants).axes[0]
     assert ax.get_xscale() == scale
     assert ("symmetric log scale" in ax.get_xlabel()) == (scale == "symlog")
+
+
+def test_one_line_and_band_per_variant_are_the_seeds_mean_and_spread(tmp_path):
+    """With three seeds a variant is one line, the seeds' mean at each validation, inside a band of mean ± sd;
+    the title stays inside the figure."""
+    info, variants = _experiment(
+        tmp_path, {"base": (3.0, 0), "other": (2.5, 10)}, seeds=(0, 1, 2), spread=0.1
+    )
+    fig = curve_figure(info, variants, 0, "training step")
+    ax = fig.axes[0]
+    assert len(ax.lines) == 2 and len(ax.collections) == 2  # one mean line and one band per variant
+    other = next(v for v in variants if v.name == "other")
+    curves = [val_curves(r) for r in other.runs]
+    want = np.mean([c[2] for c in curves], axis=0)
+    line = next(line for line in ax.lines if line.get_color() != "black")
+    np.testing.assert_allclose(line.get_ydata(), want)
+    band = next(c for c in ax.collections if np.allclose(c.get_facecolor()[0][:3], line.get_color()[:3]))
+    low, high = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+    sd = np.std([c[2] for c in curves], axis=0, ddof=1)
+    np.testing.assert_allclose([low, high], [(want - sd).min(), (want + sd).max()], rtol=1e-6)
+    fig.canvas.draw()
+    title = ax.title.get_window_extent(fig.canvas.get_renderer())
+    assert fig.bbox.contains(title.x0, title.y0) and fig.bbox.contains(title.x1, title.y1)
+
+
+def test_points_at_the_same_x_are_set_apart_and_a_baseline_named_baseline_is_not_marked_twice(tmp_path):
+    """baseline and baseline_335 both add nothing (x = 0): their markers and error bars sit apart, and the
+    labels read 'baseline', not 'baseline (baseline)'."""
+    info, variants = _experiment(
+        tmp_path, {"base": (3.0, 0), "base_335": (2.95, 0), "big": (2.9, 10)}, seeds=(0, 1), spread=0.05
+    )
+    info["baseline"] = "base"
+    fig = params_figure(info, variants)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    markers = [line for line in ax.lines if line.get_marker() not in ("_", "None", "", None)]
+    xs = sorted(float(line.get_transform().transform(line.get_xydata())[0][0]) for line in markers)
+    assert len(xs) == 3 and min(b - a for a, b in zip(xs, xs[1:])) > 5, xs  # apart on screen, two share x = 0
+    bars = [c for c in ax.collections if len(c.get_segments())]  # each point's error bar, beside its marker
+    bar_x = sorted(
+        float(seg[0][0]) for c in bars for seg in (c.get_transform().transform(s) for s in c.get_segments())
+    )
+    np.testing.assert_allclose(bar_x, xs, atol=0.5)
+    assert {t.get_text() for t in ax.texts} == {"base", "base_335", "big"}
+    assert legend_label("baseline", "baseline") == "baseline"
+    assert legend_label("base", "base") == "base (baseline)"

@@ -1,14 +1,16 @@
 """The experiment plots: validation loss against step and time, and final loss against added parameters.
 
-Every variant stays visible: the baseline is drawn last, on top, black and dashed with hollow square
-markers, so a variant with the same losses shows through it; each variant has its own marker; labels of the
-parameter plot are placed where they overlap no other label or point; the parameter axis is symmetric-log
-when the sizes span two decades or more.
+One colour per variant: its seeds' mean as a line and their spread (mean ± sd) as a band. Every variant stays
+visible: the baseline is drawn last, on top, black and dashed with hollow square markers, so a variant with the
+same losses shows through it; each variant has its own marker; points of the parameter plot that share an x are
+set apart sideways, so their error bars do not cover each other, and labels are placed where they overlap no
+other label or point; the parameter axis is symmetric-log when the sizes span two decades or more.
 """
 
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -41,25 +43,62 @@ def styles(info: dict[str, Any], variants: list[VariantResult]) -> dict[str, dic
     return out
 
 
+def legend_label(name: str, baseline: str) -> str:
+    """A variant's legend entry: the baseline marked, unless its name already says it."""
+    return f"{name} (baseline)" if name == baseline and "baseline" not in name else name
+
+
+def _title(ax: Any, text: str) -> None:
+    """A title wrapped to the axes' width, so it stays inside the figure."""
+    ax.set_title(textwrap.fill(text, 70), fontsize=10)
+
+
+def seed_mean(curves: list[tuple[list[float], list[float]]]) -> tuple[Any, Any, Any]:
+    """(x, mean, sd) over the seeds' (x, loss) curves: point by point when they have the same validations, else
+    on the first curve's x (the others interpolated, within their own range); sd is 0 for one seed."""
+    import numpy as np
+
+    if len({len(x) for x, _ in curves}) == 1:
+        xs = np.array([x for x, _ in curves], dtype=float)
+        ys = np.array([y for _, y in curves], dtype=float)
+        x = xs.mean(0)
+    else:
+        x = np.asarray(curves[0][0], dtype=float)
+        ys = np.array([np.interp(x, cx, cy, left=np.nan, right=np.nan) for cx, cy in curves], dtype=float)
+    sd = np.nanstd(ys, axis=0, ddof=1) if len(curves) > 1 else np.zeros(len(x))
+    return x, np.nanmean(ys, axis=0), np.nan_to_num(sd)
+
+
 def _baseline_last(info: dict[str, Any], variants: list[VariantResult]) -> list[VariantResult]:
     return sorted(variants, key=lambda v: v.name == info["baseline"])  # stable: the others keep their order
 
 
 def curve_figure(info: dict[str, Any], variants: list[VariantResult], index: int, xlabel: str) -> Any:
-    """Validation loss against step (index 0) or training seconds (index 1), one line per run."""
+    """Validation loss against step (index 0) or training seconds (index 1): per variant the seeds' mean line and
+    a mean ± sd band."""
     plt = _pyplot()
     style = styles(info, variants)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     handles = {}
+    seeds = 0
     for v in _baseline_last(info, variants):
-        for run in sorted(v.runs, key=lambda r: r["seed"]):
-            curve = val_curves(run)
-            (handles[v.name],) = ax.plot(curve[index], curve[2], **style[v.name])
+        curves = [(c[index], c[2]) for c in (val_curves(r) for r in sorted(v.runs, key=lambda r: r["seed"]))]
+        curves = [c for c in curves if len(c[0])]
+        if not curves:
+            continue
+        seeds = max(seeds, len(curves))
+        x, mean, sd = seed_mean(curves)
+        s = style[v.name]
+        (handles[v.name],) = ax.plot(x, mean, **s)
+        if len(curves) > 1:
+            ax.fill_between(
+                x, mean - sd, mean + sd, color=s["color"], alpha=0.15, lw=0, zorder=s["zorder"] - 1
+            )
     names = [v.name for v in variants if v.name in handles]  # the legend in the file's order
-    labels = [f"{n} (baseline)" if n == info["baseline"] else n for n in names]
-    ax.legend([handles[n] for n in names], labels, fontsize=8)
-    ax.set(xlabel=xlabel, ylabel="validation loss",
-           title=f"experiment {info['name']}: validation loss (one line per seed)")  # fmt: skip
+    ax.legend([handles[n] for n in names], [legend_label(n, info["baseline"]) for n in names], fontsize=8)
+    ax.set(xlabel=xlabel, ylabel="validation loss")
+    spread = f"mean of {seeds} seeds, band ± sd" if seeds > 1 else "one seed"
+    _title(ax, f"{info['name']}: validation loss ({spread})")
     ax.grid(alpha=0.3)
     return fig
 
@@ -67,6 +106,8 @@ def curve_figure(info: dict[str, Any], variants: list[VariantResult], index: int
 def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
     """Final validation loss (mean ± sd over seeds) against parameters over the baseline, labelled points."""
     plt = _pyplot()
+    from matplotlib.transforms import ScaledTranslation
+
     style = styles(info, variants)
     # Parameters over the baseline's total: the plugins' added parameters, and also a change of model shape.
     base = next((v.mean("params_total") for v in variants if v.name == info["baseline"]), None)
@@ -76,14 +117,20 @@ def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
         total = v.mean("params_total") or 0.0
         x = (total - base if base is not None else v.mean("params_added") or 0.0) / 1e6
         y, err = v.mean("val_loss"), v.sd("val_loss")
-        if y is None:
-            continue
-        s = style[v.name]
-        ax.errorbar(x, y, yerr=err, fmt=s["marker"], ms=s["ms"], mfc=s.get("mfc"), color=s["color"], capsize=3,
-                    zorder=s["zorder"])  # fmt: skip
-        points.append((x, y))
-        errs.append(err or 0.0)
-        names.append(v.name)
+        if y is not None:
+            points.append((x, y))
+            errs.append(err or 0.0)
+            names.append(v.name)
+    shifts = dodge([x for x, _ in points])
+    for (x, y), err, name, shift in zip(points, errs, names, shifts):
+        s = style[name]
+        bars = ax.errorbar(x, y, yerr=err or None, fmt=s["marker"], ms=s["ms"], mfc=s.get("mfc"), color=s["color"],
+                           capsize=3, zorder=s["zorder"])  # fmt: skip
+        if shift:  # drawn at (x, y) so the axes' limits hold it, then moved sideways on screen
+            for artist in bars.get_children():
+                artist.set_transform(
+                    artist.get_transform() + ScaledTranslation(shift / 72, 0, fig.dpi_scale_trans)
+                )
     xlabel = (
         f"parameters over the baseline {info['baseline']!r} (millions)"
         if base is not None
@@ -94,33 +141,58 @@ def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
         # symlog: linear within the smallest size of zero (the baseline sits at 0; a smaller shape is < 0).
         ax.set_xscale("symlog", linthresh=min(sizes))
         xlabel += ", symmetric log scale"
-    ax.set(xlabel=xlabel, ylabel="final validation loss",
-           title=f"experiment {info['name']}: loss against added parameters (mean ± sd over seeds)")  # fmt: skip
+    ax.set(xlabel=xlabel, ylabel="final validation loss")
+    _title(ax, f"{info['name']}: final loss against added parameters (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.margins(x=0.15, y=0.15)
     fig.tight_layout()
-    place_labels(ax, points, names, errs)
+    place_labels(ax, points, names, errs, shifts)  # the baseline is the black square the x label names
     return fig
 
 
+DODGE_POINTS = 9.0
+"""Sideways distance, in points, between markers that share an x in the parameter plot."""
+
+
+def dodge(xs: list[float]) -> list[float]:
+    """Sideways shifts (points) that set apart markers at the same x, centred on it: 0; -4.5, +4.5; -9, 0, +9 ..."""
+    out = [0.0] * len(xs)
+    groups: dict[float, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(round(x, 9), []).append(i)
+    for members in groups.values():
+        for j, i in enumerate(members):
+            out[i] = (j - (len(members) - 1) / 2) * DODGE_POINTS
+    return out
+
+
 def place_labels(
-    ax: Any, points: list[tuple[float, float]], labels: list[str], yerr: list[float] | None = None
+    ax: Any,
+    points: list[tuple[float, float]],
+    labels: list[str],
+    yerr: list[float] | None = None,
+    shifts: list[float] | None = None,
 ) -> list[Any]:
     """Annotate each point, at the first of a ring of offsets where the label overlaps no label placed before
-    it, no point or error bar, and stays inside the axes (greedy, adjustText-like; far offsets get a leader)."""
+    it, no point or error bar, and stays inside the axes (greedy, adjustText-like; far offsets get a leader).
+    ``shifts``: each marker's sideways shift in points (dodge), which its box and label follow."""
     renderer = ax.figure.canvas.get_renderer()
     pad = 5.0  # pixels around a point's marker
+    shifts = shifts or [0.0] * len(points)
+    per_point = ax.figure.dpi / 72.0  # display pixels per point
     taken = []
-    for (x, y), err in zip(points, yerr or [0.0] * len(points)):
+    for (x, y), err, shift in zip(points, yerr or [0.0] * len(points), shifts):
         px, low = ax.transData.transform((x, y - err))
         _, high = ax.transData.transform((x, y + err))
+        px += shift * per_point
         taken.append(_box(px - pad, low - pad, px + pad, high + pad))
     directions = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
     offsets = [(dx * r, dy * r) for r in (5, 14, 26, 40, 56, 75, 100) for dx, dy in directions]
     placed = []
-    for (x, y), label in zip(points, labels):
+    for (x, y), label, shift in zip(points, labels, shifts):
         fallback = None
         for dx, dy in offsets:
+            dx = dx + shift if dx else shift  # measured from the shifted marker
             ann = _annotate(ax, label, (x, y), dx, dy)
             box = label_box(ann, renderer)
             free = not any(box.overlaps(t) for t in taken)
@@ -130,7 +202,8 @@ def place_labels(
             if free and fallback is None:
                 fallback = (dx, dy)
         else:  # nowhere free inside the axes: the first free place outside, else the nearest place
-            ann = _annotate(ax, label, (x, y), *(fallback or offsets[0]))
+            fx, fy = fallback or (offsets[0][0] + shift, offsets[0][1])
+            ann = _annotate(ax, label, (x, y), fx, fy)
             box = label_box(ann, renderer)
         taken.append(box)
         placed.append(ann)

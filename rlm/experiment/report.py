@@ -63,6 +63,16 @@ def write_csv(out: Path, info: dict[str, Any], variants: list[VariantResult]) ->
     write_atomic(out / "results.csv", buf.getvalue())
 
 
+def _without_zero_seconds(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """The table without columns of durations that all round to 0 s (small runs): they say nothing."""
+    keep = [
+        i
+        for i in range(len(header))
+        if not all(r[i] in ("0s", "—") for r in rows) or not any(r[i] == "0s" for r in rows)
+    ]
+    return [header[i] for i in keep], [[r[i] for i in keep] for r in rows]
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
@@ -100,7 +110,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
         loss, sd, ppl, speed = v.mean("val_loss"), v.sd("val_loss"), v.mean("val_ppl"), v.mean("tokens_per_s")
         is_base = v is base
         rows.append([
-            f"**{v.name}** (baseline)" if is_base else v.name,
+            (f"**{v.name}**" + ("" if "baseline" in v.name else " (baseline)")) if is_base else v.name,
             _fmt(loss) + (f" ± {_fmt(sd)}" if sd is not None else ""),
             "—" if is_base or None in (loss, b_loss) else f"{loss - b_loss:+.3f}",
             _fmt(at_t.get(v.name)),
@@ -116,7 +126,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
             str(len(v.runs)),
             "—" if None in (speed, b_speed) else f"{speed / b_speed:.2f}x",
         ])  # fmt: skip
-    lines += _table(header, rows)
+    lines += _table(*_without_zero_seconds(header, rows))
     stale = sorted(
         f"{v.name}/seed{r['seed']}"
         for v in variants
