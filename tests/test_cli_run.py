@@ -1,0 +1,72 @@
+"""What a run of ``rlm fit`` does around the training: the trainer it builds from the user's values, and what
+it leaves on disk and prints."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from cli_helpers import TINY, fit_args, run_rlm
+
+from rlm.cli.merge import config_text, merge_configs
+from rlm.cli.support import integer_batch_limits
+
+
+def test_integer_batch_limits_are_read_from_flags_and_configs_the_last_one_winning(tmp_path):
+    cfg = tmp_path / "limits.yaml"
+    cfg.write_text(yaml.safe_dump({"trainer": {"limit_val_batches": 1, "limit_test_batches": 1.0}}))
+    text = yaml.safe_dump({"trainer": {"limit_train_batches": 3, "max_steps": 1}})
+    args = ["fit", "--config", text, "--config", str(cfg), "--trainer.limit_test_batches=2"]
+    assert integer_batch_limits(args) == {
+        "limit_train_batches": 3,
+        "limit_val_batches": 1,
+        "limit_test_batches": 2,
+    }
+    later = [*args, "--trainer.limit_val_batches", "1.0", "--trainer.limit_train_batches=0.5"]
+    assert integer_batch_limits(later) == {"limit_test_batches": 2}
+
+
+def test_limit_val_batches_1_is_one_batch_and_1_0_the_whole_set(tmp_path, monkeypatch):
+    """jsonargparse reads Lightning's Union[float, int] `1` as 1.0, which Lightning takes for 100% of the batches
+    (issue 24: `--trainer.limit_val_batches 1` validated on the whole set)."""
+    from rlm.cli.lightning_cli import RLMCLI
+    from rlm.data import RLMDataModule
+    from rlm.train.module import LMModule
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLM_CACHE", str(tmp_path / "cache"))
+    configs = ["--config", config_text(merge_configs([str(p) for p in TINY]))]  # as run_lightning passes them
+
+    def trainer(*flags: str):
+        cli = RLMCLI(LMModule, RLMDataModule, args=[*configs, *flags], run=False, seed_everything_default=0,
+                     parser_kwargs={"parser_mode": "omegaconf"})  # fmt: skip
+        return cli.trainer
+
+    t = trainer("--trainer.limit_val_batches", "1", "--trainer.limit_test_batches=1.0")
+    assert t.limit_val_batches == 1 and isinstance(t.limit_val_batches, int)
+    assert t.limit_test_batches == 1.0 and isinstance(t.limit_test_batches, float)
+    cfg = tmp_path / "one.yaml"
+    cfg.write_text("trainer:\n  limit_val_batches: 1\n")
+    t = trainer("--config", str(cfg))
+    assert t.limit_val_batches == 1 and isinstance(t.limit_val_batches, int)
+
+
+@pytest.fixture(scope="module")
+def tiny_fit(tmp_path_factory, rlm_cache):
+    """One 2-step tiny fit validating on one batch: (workdir, the finished process)."""
+    work = tmp_path_factory.mktemp("fit")
+    args = [
+        *fit_args(),
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches",
+        "1",
+    ]
+    return work, run_rlm(args, work, rlm_cache)
+
+
+def test_the_saved_config_keeps_limit_val_batches_1_as_an_integer(tiny_fit):
+    work, _ = tiny_fit
+    saved = yaml.safe_load((work / "runs/test/version_0/config.yaml").read_text())["trainer"]
+    assert saved["limit_val_batches"] == 1 and isinstance(
+        saved["limit_val_batches"], int
+    )  # a rerun: one batch
