@@ -70,3 +70,30 @@ def test_the_saved_config_keeps_limit_val_batches_1_as_an_integer(tiny_fit):
     assert saved["limit_val_batches"] == 1 and isinstance(
         saved["limit_val_batches"], int
     )  # a rerun: one batch
+
+
+def test_a_fit_failing_before_its_first_step_leaves_no_version_folder(tmp_path, rlm_cache):
+    """The data module's check of the batch size runs inside trainer.fit, after the loggers made their folders
+    (issue 24: an empty version_N was left behind, and the next run took version_N+1)."""
+    old = tmp_path / "runs/test/version_7"
+    old.mkdir(parents=True)  # an earlier run's folder: not this run's to remove
+    (old / "hparams.yaml").write_text("{}\n")
+    proc = run_rlm([*fit_args(), "--data.batch_size=100000"], tmp_path, rlm_cache, check=False)
+    assert proc.returncode == 2 and "fewer than batch_size=100000" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "runs/test").iterdir()) == [".rlm-fit.lock", "version_7"]
+    assert "created by this run before it failed" in proc.stderr
+
+
+def test_only_folders_created_by_the_run_and_holding_startup_files_are_removed(tmp_path):
+    from rlm.cli.check import new_dirs, remove_unused_dirs
+
+    kept, gone = tmp_path / "a/version_0", tmp_path / "a/tb/version_0"
+    fresh = new_dirs([kept, gone, tmp_path])
+    assert fresh == [gone, kept, tmp_path / "a/tb", tmp_path / "a"]
+    (kept / "checkpoints").mkdir(parents=True)
+    (kept / "metrics.csv").write_text("step\n0\n")  # trained: kept
+    gone.mkdir(parents=True)
+    (gone / "hparams.yaml").write_text("{}\n")
+    (gone / "events.out.tfevents.1.host.2.0").write_bytes(b"")
+    assert remove_unused_dirs(fresh) == [gone, tmp_path / "a/tb"]
+    assert (kept / "metrics.csv").is_file() and not (tmp_path / "a/tb").exists()

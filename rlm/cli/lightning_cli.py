@@ -83,6 +83,24 @@ class RLMCLI(LightningCLI):
             self.save_config_kwargs["batch_limits"] = ints
         return super().instantiate_trainer(**ints, **kwargs)
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        # A fit that fails before its first step (the data is too small for the batch, a plugin's setup check)
+        # used to leave its logger folders behind, an empty version_N, so the next run took version_N+1.
+        from rlm.cli.check import new_dirs, remove_unused_dirs
+
+        trainer = self.trainer
+        fresh = []
+        if subcommand == "fit" and trainer.is_global_zero:
+            fresh = new_dirs([Path(lg.log_dir) for lg in trainer.loggers if lg.log_dir])
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            if fresh and trainer.global_step == 0:  # nothing trained: nothing of value can be in them
+                removed = remove_unused_dirs(fresh)
+                for d in [d for d in removed if d.parent not in removed]:
+                    print(f"rlm fit: removed {d}, created by this run before it failed", file=sys.stderr)
+            raise
+
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
         # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
