@@ -60,6 +60,7 @@ def tiny_fit(tmp_path_factory, rlm_cache):
         "--trainer.val_check_interval=2",
         "--trainer.limit_val_batches",
         "1",
+        "--trainer.enable_progress_bar=true",  # where the pytree warning used to appear
     ]
     return work, run_rlm(args, work, rlm_cache)
 
@@ -97,3 +98,35 @@ def test_only_folders_created_by_the_run_and_holding_startup_files_are_removed(t
     (gone / "events.out.tfevents.1.host.2.0").write_bytes(b"")
     assert remove_unused_dirs(fresh) == [gone, tmp_path / "a/tb"]
     assert (kept / "metrics.csv").is_file() and not (tmp_path / "a/tb").exists()
+
+
+def test_a_fit_prints_no_litlogger_tip_and_no_pytree_deprecation(tiny_fit):
+    _, proc = tiny_fit
+    out = proc.stdout + proc.stderr
+    assert "Epoch 0" in out  # the progress bar ran, where the warning used to appear
+    assert "litlogger" not in out.lower() and "LeafSpec" not in out
+
+
+def test_the_noise_filters_are_precise():
+    """Only those two messages go: the same logger's other lines and other FutureWarnings still show."""
+    import logging
+    import warnings
+
+    from rlm.cli.support import LITLOGGER_TIP, quiet_known_noise
+
+    quiet_known_noise()
+    quiet_known_noise()  # idempotent
+    log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    record = lambda msg: logging.LogRecord(log.name, logging.INFO, __file__, 1, msg, None, None)  # noqa: E731
+    assert not log.filter(record(LITLOGGER_TIP + " and experiment tracking, try installing [litlogger]"))
+    assert log.filter(record("`Trainer(limit_val_batches=1)` was configured so 1 batch will be used."))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        quiet_known_noise()
+        warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning,
+                               "_pytree.py", 21, module="pytorch_lightning.utilities._pytree")  # fmt: skip
+        warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning,
+                               "mine.py", 1, module="mypackage.mine")  # fmt: skip
+        warnings.warn_explicit("something else is deprecated", FutureWarning, "_pytree.py", 22,
+                               module="pytorch_lightning.utilities._pytree")  # fmt: skip
+    assert [str(w.message)[:20] for w in seen] == ["`isinstance(treespec", "something else is de"]

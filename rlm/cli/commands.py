@@ -23,10 +23,11 @@ def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
     from rlm.cli.lightning_cli import RLMCLI
     from rlm.cli.override import apply_plugin_flags, split_plugin_args
-    from rlm.cli.support import flag_value, refuse_optimizer_options
+    from rlm.cli.support import flag_value, quiet_known_noise, refuse_optimizer_options
     from rlm.data import RLMDataModule
     from rlm.train.module import LMModule
 
+    quiet_known_noise()
     configs, rest = split_config_args(args)
     plugin_flags, rest = split_plugin_args(rest)
     # The command line's default_root_dir as a last config layer, so ${trainer.default_root_dir} resolves to it.

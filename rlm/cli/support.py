@@ -6,12 +6,18 @@
 - ``--print_config`` is printed after the model's vocabulary is linked to the data's, so it shows what runs.
 - ``--trainer.default_root_dir`` on the command line reaches the config's ``${trainer.default_root_dir}``
   interpolations (the loggers' directories, hence the checkpoints').
+- Two lines of third-party noise a newcomer meets on every run are filtered, each by its exact message and
+  origin: Lightning's advertisement for its cloud logger, and torch's deprecation warning about
+  ``LeafSpec`` that Lightning 2.6's own pytree helper triggers mid progress bar (nothing rlm or a user can
+  act on).
 - ``limit_*_batches`` keep the integer the user wrote: Lightning types them ``Union[float, int]``, so
   jsonargparse reads ``1`` as ``1.0``, which Lightning takes as 100% of the batches instead of one batch.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +122,31 @@ def integer_batch_limits(args: list[str]) -> dict[str, int]:
         if isinstance(value, int) and not isinstance(value, bool):
             ints[key] = value
     return ints
+
+
+LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
+"""The start of the line Lightning 2.6 logs (INFO, rank zero) on every run without its LitLogger."""
+PYTREE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+"""torch 2.13's FutureWarning that Lightning 2.6's pytorch_lightning/utilities/_pytree.py triggers."""
+
+
+class _DropLine(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_known_noise() -> None:
+    """Filter the LitLogger tip and the LeafSpec deprecation warning, and nothing else (idempotent)."""
+    warnings.filterwarnings(
+        "ignore",
+        message=PYTREE_WARNING,
+        category=FutureWarning,
+        module=r"pytorch_lightning\.utilities\._pytree",
+    )
+    log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    if not any(isinstance(f, _DropLine) for f in log.filters):
+        log.addFilter(_DropLine(LITLOGGER_TIP))
