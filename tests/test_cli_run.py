@@ -3,9 +3,11 @@ it leaves on disk and prints."""
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import yaml
-from cli_helpers import TINY, fit_args, run_rlm
+from cli_helpers import TINY, fit_args, read_metrics, run_rlm
 
 from rlm.cli.merge import config_text, merge_configs
 from rlm.cli.support import integer_batch_limits
@@ -100,6 +102,38 @@ def test_only_folders_created_by_the_run_and_holding_startup_files_are_removed(t
     assert (kept / "metrics.csv").is_file() and not (tmp_path / "a/tb").exists()
 
 
+def _block(stdout: str) -> dict[str, str]:
+    """The end-of-run block's ``name  value`` lines (after its title line)."""
+    lines = stdout[stdout.index("rlm fit: finished") :].splitlines()
+    return {k: v.strip() for k, v in (ln.strip().split("  ", 1) for ln in lines[1:] if ln.startswith("  "))}
+
+
+def test_the_end_of_a_fit_says_where_everything_went_and_what_to_run_next(tiny_fit, rlm_cache):
+    work, proc = tiny_fit
+    title = proc.stdout[proc.stdout.index("rlm fit: finished") :].splitlines()[0]
+    val = float(title.split("val/loss ")[1].split(",")[0])
+    rows = [r for r in read_metrics(work / "runs/test/version_0") if r.get("val/loss")]
+    assert title.startswith("rlm fit: finished at step 2, val/loss") and val == round(
+        float(rows[-1]["val/loss"]), 4
+    )
+    facts = _block(proc.stdout)
+    assert (
+        facts["checkpoint"] == "runs/test/ckpt/last.ckpt"
+        and facts["metrics"] == "runs/test/version_0/metrics.csv"
+    )
+    assert facts["config"] == "runs/test/version_0/config.yaml"
+    assert all((work / facts[k]).is_file() for k in ("checkpoint", "metrics", "config"))
+    assert "tensorboard" not in facts  # the test config logs no TensorBoard: no line rather than a wrong one
+    assert facts["eval"] == "rlm eval --ckpt runs/test/ckpt/last.ckpt"
+    assert facts["export"] == "rlm export --ckpt runs/test/ckpt/last.ckpt --out runs/test/export"
+    assert facts["generate"].startswith("rlm generate --ckpt runs/test/ckpt/last.ckpt --prompt")
+    # the printed resume command, run as printed, continues the run from its last checkpoint
+    resume = facts["resume (on to step 4)"]
+    assert resume == "rlm fit --config runs/test/version_0/config.yaml --ckpt_path last --trainer.max_steps 4"
+    again = run_rlm([*shlex.split(resume)[1:], "--trainer.enable_progress_bar=false"], work, rlm_cache)
+    assert "resuming from" in again.stderr and "rlm fit: finished at step 4" in again.stdout
+
+
 def test_a_fit_prints_no_litlogger_tip_and_no_pytree_deprecation(tiny_fit):
     _, proc = tiny_fit
     out = proc.stdout + proc.stderr
@@ -130,3 +164,21 @@ def test_the_noise_filters_are_precise():
         warnings.warn_explicit("something else is deprecated", FutureWarning, "_pytree.py", 22,
                                module="pytorch_lightning.utilities._pytree")  # fmt: skip
     assert [str(w.message)[:20] for w in seen] == ["`isinstance(treespec", "something else is de"]
+
+
+def test_eval_and_experiment_blocks_name_the_checkpoint_and_the_best_run(tmp_path, monkeypatch):
+    from rlm.cli.summary import eval_summary, experiment_summary
+
+    monkeypatch.chdir(tmp_path)
+    text = eval_summary("runs/x/ckpt/last.ckpt", "out.json")
+    assert "checkpoint  runs/x/ckpt/last.ckpt" in text and "results     out.json" in text
+    assert "rlm generate --ckpt runs/x/ckpt/last.ckpt" in text
+    assert "rlm export --ckpt runs/x/ckpt/last.ckpt --out runs/x/export" in text
+    assert "rlm eval --ckpt" not in text  # it just ran
+    out = tmp_path / "exp"
+    runs = [("a/seed0", out / "a/seed0", out / "a/seed0/ckpt/last.ckpt", {"val_loss": 3.5, "test_loss": 3.6}),
+            ("b/seed0", out / "b/seed0", out / "b/seed0/ckpt/last.ckpt", {"val_loss": 3.25, "test_loss": None})]  # fmt: skip
+    text = experiment_summary(out, runs, [out / "results.md"])
+    assert "exp/a/seed0  (val loss 3.5000, test loss 3.6000)" in text and "(val loss 3.2500)" in text
+    assert "rlm experiment report exp" in text and "exp/results.md" in text
+    assert "rlm eval --ckpt exp/b/seed0/ckpt/last.ckpt" in text  # the lowest validation loss

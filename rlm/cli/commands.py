@@ -131,7 +131,14 @@ def run_eval(command: str, args: list[str]) -> int:
     """``rlm eval --ckpt PATH [--corpus X]``: loss, perplexity and bits per byte with the model's tokenizer."""
     from rlm.eval.knnlm_cli import eval_main  # plain evaluation, or kNN-LM with --datastore
 
-    return eval_main(args)
+    code = eval_main(args)
+    if code == 0:  # the results are printed above; then the checkpoint and what to run next
+        from rlm.cli.summary import eval_summary
+        from rlm.eval.evaluate import parser
+
+        a = parser().parse_args(args)
+        print(eval_summary(a.ckpt, a.json))
+    return code
 
 
 def run_knnlm(command: str, args: list[str]) -> int:

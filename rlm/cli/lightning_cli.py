@@ -101,6 +101,14 @@ class RLMCLI(LightningCLI):
                     print(f"rlm fit: removed {d}, created by this run before it failed", file=sys.stderr)
             raise
 
+    def after_fit(self) -> None:
+        # Where the run went and what to run next, once, from the first process.
+        if self.trainer.is_global_zero:
+            from rlm.cli.summary import fit_summary
+
+            saved = [cb.path for cb in self.trainer.callbacks if isinstance(cb, SaveConfig)]
+            print(fit_summary(self.trainer, saved[0] if saved else None), flush=True)
+
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
         # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
