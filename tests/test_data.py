@@ -273,8 +273,34 @@ def test_train_loader_state_round_trip(dm):
     resumed = TrainLoader(w, 4, seed=5)
     resumed.load_state_dict(loader.state_dict())
     assert head + _keys(resumed) == full
-    with pytest.raises(ValueError, match="checkpoint has world_size=1, this run has world_size=2"):
+    with pytest.raises(ValueError, match=r"batch_size=4 x world_size=1 = 4 windows, this run's is .* = 8; .*"
+                       r"on 2 process\(es\) with the same batches, set --data.batch_size=2"):  # fmt: skip
         TrainLoader(w, 4, seed=5, world_size=2).load_state_dict(loader.state_dict())
+    with pytest.raises(ValueError, match="checkpoint has seed=5, this run has seed=6"):
+        TrainLoader(w, 4, seed=6).load_state_dict(loader.state_dict())
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 4)])
+def test_resuming_on_another_process_count_keeps_the_global_batches(dm, before, after):
+    """Issue 24: a checkpoint of a 2-process run resumed on 1 process (batch_size doubled) trains on the same
+    windows at every step as the run that was not interrupted."""
+    w, glob = dm.windows("train"), 8
+
+    def loaders(world):
+        return [TrainLoader(w, glob // world, seed=3, rank=r, world_size=world) for r in range(world)]
+
+    def steps(ranks, n):  # the set of windows of each global batch
+        its = [iter(x) for x in ranks]
+        return [sorted(k for it in its for k in _keys([next(it)])[0]) for _ in range(n)]
+
+    straight = steps(loaders(before), 5)
+    first = loaders(before)
+    head = steps(first, 2)
+    resumed = loaders(after)
+    for x in resumed:
+        x.load_state_dict(first[0].state_dict())  # the checkpoint holds rank 0's loader state
+    assert head + steps(resumed, 3) == straight
+    assert all(len(b) == glob for b in straight)
 
 
 @pytest.mark.slow

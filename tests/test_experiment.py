@@ -213,6 +213,32 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, c
     assert "bad/seed0: rlm fit failed" in out and "RuntimeError: boom" in out
 
 
+def test_the_end_of_an_experiment_run_names_each_run_and_the_next_commands(tmp_path, monkeypatch, capsys):
+    from rlm.experiment import runner
+
+    exp = write_experiment(tmp_path / "e.yaml", variants={"baseline": {}, "other": {}})
+
+    def fake_train(run):
+        run.dir.mkdir(parents=True, exist_ok=True)
+        return True, 1.0
+
+    losses = {"baseline": 3.5, "other": 3.25}
+    monkeypatch.setattr(runner, "train", fake_train)
+    monkeypatch.setattr(
+        runner, "summarize", lambda run, wall: {"val_loss": losses[run.variant], "test_loss": 3.0}
+    )
+    monkeypatch.setattr(runner, "evaluate_test", lambda run: True)
+    monkeypatch.setattr("rlm.experiment.cli.write_report", lambda out: [out / "results.md"])
+    monkeypatch.chdir(tmp_path)
+    assert rlm_main(["experiment", "run", str(exp), "--out", "out"]) == 0
+    text = capsys.readouterr().out
+    block = text[text.index("rlm experiment: 2 finished run(s) in out") :]
+    assert "baseline/seed0" in block and "out/other/seed0  (val loss 3.2500, test loss 3.0000)" in block
+    assert "rlm eval --ckpt out/other/seed0/ckpt/last.ckpt" in block  # the lowest validation loss
+    assert "rlm export --ckpt out/other/seed0/ckpt/last.ckpt --out out/other/seed0/export" in block
+    assert "report" in block and "out/results.md" in block
+
+
 # ----- the report's numbers, from hand-made runs ----------------------------------------------------------
 
 

@@ -29,7 +29,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("eval", ("rlm.eval", "rlm.hf.export")),
     (
         "cli plumbing",
-        ("rlm.cli.merge", "rlm.cli.override", "rlm.cli.check", "rlm.cli.support", "rlm.cli.lightning_cli"),
+        (
+            "rlm.cli.merge",
+            "rlm.cli.override",
+            "rlm.cli.check",
+            "rlm.cli.support",
+            "rlm.cli.summary",
+            "rlm.cli.lightning_cli",
+        ),
     ),  # fmt: skip
     ("subcommands", ("rlm.experiment", "rlm.index.cli")),
     ("entry points", ("rlm.__main__", "rlm.cli", "rlm.cli.commands", "rlm.cli.__main__")),

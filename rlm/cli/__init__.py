@@ -5,6 +5,8 @@
   LightningCLI sees them;
 - ``support``, ``check``: checks of the arguments and of the parsed config;
 - ``lightning_cli``: ``RLMCLI``, LightningCLI with rlm's additions.
+- ``summary``: the block ``fit``, ``eval`` and ``experiment run`` print at their end (where the files went,
+  the next commands).
 
 ``commands`` sits on top and may import anything, torch and Lightning only inside the commands. The plumbing
 may import rlm.train, rlm.eval, rlm.model, rlm.data, rlm.plugin and rlm.extras; rlm.experiment and

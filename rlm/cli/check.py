@@ -147,3 +147,41 @@ def release_run_locks() -> None:
         if created is not None and [p.name for p in created.iterdir()] == [RUN_LOCK]:
             (created / RUN_LOCK).unlink(missing_ok=True)
             created.rmdir()
+
+
+STARTUP_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.*")
+"""What Lightning's loggers and the config callback write into a run's folder before the first training step."""
+
+
+def new_dirs(dirs: list[Path]) -> list[Path]:
+    """Each of ``dirs`` that does not exist yet, with its missing ancestors, deepest first (what a run will
+    create)."""
+    out: list[Path] = []
+    for d in dirs:
+        d = Path(d).absolute()
+        while not d.exists() and d != d.parent and d not in out:
+            out.append(d)
+            d = d.parent
+    return sorted(out, key=lambda p: len(p.parts), reverse=True)
+
+
+def _startup_only(directory: Path) -> bool:
+    return all(
+        (p.is_dir() and _startup_only(p)) or (p.is_file() and any(p.match(g) for g in STARTUP_FILES))
+        for p in directory.iterdir()
+    )
+
+
+def remove_unused_dirs(created: list[Path]) -> list[Path]:
+    """Remove the folders of ``created`` (from :func:`new_dirs`, before the run) that hold nothing but what the
+    loggers write at the start of a run: a fit that failed before its first step left an empty ``version_N``
+    (the next run then took ``version_N+1``). Returns the folders removed."""
+    removed = []
+    for d in created:  # deepest first
+        if not d.is_dir() or not _startup_only(d):
+            continue
+        for p in sorted(d.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        d.rmdir()
+        removed.append(d)
+    return removed

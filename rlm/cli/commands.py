@@ -23,10 +23,11 @@ def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
     from rlm.cli.lightning_cli import RLMCLI
     from rlm.cli.override import apply_plugin_flags, split_plugin_args
-    from rlm.cli.support import flag_value, refuse_optimizer_options
+    from rlm.cli.support import flag_value, quiet_known_noise, refuse_optimizer_options
     from rlm.data import RLMDataModule
     from rlm.train.module import LMModule
 
+    quiet_known_noise()
     configs, rest = split_config_args(args)
     plugin_flags, rest = split_plugin_args(rest)
     # The command line's default_root_dir as a last config layer, so ${trainer.default_root_dir} resolves to it.
@@ -131,7 +132,14 @@ def run_eval(command: str, args: list[str]) -> int:
     tokenizer, or lm-evaluation-harness tasks."""
     from rlm.eval.knnlm_cli import eval_main  # plain; kNN-LM with --datastore; lm-eval with --tasks
 
-    return eval_main(args)
+    code = eval_main(args)
+    if code == 0:  # the results are printed above; then the checkpoint and what to run next
+        from rlm.cli.summary import eval_summary
+        from rlm.eval.evaluate import parser
+
+        a = parser().parse_args(args)
+        print(eval_summary(a.ckpt, a.json))
+    return code
 
 
 def run_knnlm(command: str, args: list[str]) -> int:

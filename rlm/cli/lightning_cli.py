@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from pathlib import Path
+from typing import Any
 
-from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+
+
+class SaveConfig(SaveConfigCallback):
+    """SaveConfigCallback whose config.yaml keeps the integer ``limit_*_batches`` the run used: jsonargparse
+    writes them as floats, and a rerun from that file would take ``1.0`` for the whole set."""
+
+    def __init__(self, *args: Any, batch_limits: dict[str, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_limits = batch_limits or {}
+
+    path: Path | None = None
+    """The config.yaml this callback writes (None: it writes none)."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # trainer.log_dir is a broadcast under DDP: read on every rank (as Lightning's setup does), not in
+        # save_config, which only rank 0 runs (the ranks then waited for each other forever)
+        self.path = Path(trainer.log_dir or "") / self.config_filename if self.save_to_log_dir else None
+        super().setup(trainer, pl_module, stage)
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:  # rank 0, after config.yaml is written
+        path = self.path
+        if not self.batch_limits or path is None or not path.is_file():
+            return
+        text = path.read_text()
+        for key, value in self.batch_limits.items():
+            text = re.sub(rf"^(\s*{key}:) [0-9.]+[ \t]*$", rf"\g<1> {value}", text, flags=re.M)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 class RLMCLI(LightningCLI):
@@ -13,11 +46,14 @@ class RLMCLI(LightningCLI):
 
     _print_config: dict | None = None
     """The --print_config dump options, when it was asked for (taken out of the arguments)."""
+    _batch_limits: dict[str, int] = {}
+    """The limit_*_batches the arguments give as integers (jsonargparse parses them as floats)."""
 
     def __init__(self, *args, **kwargs) -> None:
         # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
         # (rlm.cli.support.refuse_optimizer_options explains it to the user).
         kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("save_config_callback", SaveConfig)
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
@@ -38,13 +74,49 @@ class RLMCLI(LightningCLI):
 
             lock_fit(cfg)
 
+    def instantiate_trainer(self, **kwargs):
+        # Lightning types limit_*_batches Union[float, int], so jsonargparse reads `limit_val_batches: 1` as 1.0,
+        # which Lightning takes for 100% of the batches: pass the integers the user wrote.
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        ints = {k: v for k, v in self._batch_limits.items() if trainer_cfg.get(k) == v and k not in kwargs}
+        if self.save_config_callback is SaveConfig:
+            self.save_config_kwargs["batch_limits"] = ints
+        return super().instantiate_trainer(**ints, **kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        # A fit that fails before its first step (the data is too small for the batch, a plugin's setup check)
+        # used to leave its logger folders behind, an empty version_N, so the next run took version_N+1.
+        from rlm.cli.check import new_dirs, remove_unused_dirs
+
+        trainer = self.trainer
+        fresh = []
+        if subcommand == "fit" and trainer.is_global_zero:
+            fresh = new_dirs([Path(lg.log_dir) for lg in trainer.loggers if lg.log_dir])
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            if fresh and trainer.global_step == 0:  # nothing trained: nothing of value can be in them
+                removed = remove_unused_dirs(fresh)
+                for d in [d for d in removed if d.parent not in removed]:
+                    print(f"rlm fit: removed {d}, created by this run before it failed", file=sys.stderr)
+            raise
+
+    def after_fit(self) -> None:
+        # Where the run went and what to run next, once, from the first process.
+        if self.trainer.is_global_zero:
+            from rlm.cli.summary import fit_summary
+
+            saved = [cb.path for cb in self.trainer.callbacks if isinstance(cb, SaveConfig)]
+            print(fit_summary(self.trainer, saved[0] if saved else None), flush=True)
+
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
         # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
-        from rlm.cli.support import pop_print_config
+        from rlm.cli.support import integer_batch_limits, pop_print_config
 
         args, self._print_config = pop_print_config(list(args))
         self.config = parser.parse_args(args)
+        self._batch_limits = integer_batch_limits(args)
 
     def _parse_ckpt_path(self) -> None:
         # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another

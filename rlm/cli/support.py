@@ -6,10 +6,19 @@
 - ``--print_config`` is printed after the model's vocabulary is linked to the data's, so it shows what runs.
 - ``--trainer.default_root_dir`` on the command line reaches the config's ``${trainer.default_root_dir}``
   interpolations (the loggers' directories, hence the checkpoints').
+- Two lines of third-party noise a newcomer meets on every run are filtered, each by its exact message and
+  origin: Lightning's advertisement for its cloud logger, and torch's deprecation warning about
+  ``LeafSpec`` that Lightning 2.6's own pytree helper triggers mid progress bar (nothing rlm or a user can
+  act on).
+- ``limit_*_batches`` keep the integer the user wrote: Lightning types them ``Union[float, int]``, so
+  jsonargparse reads ``1`` as ``1.0``, which Lightning takes as 100% of the batches instead of one batch.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+from pathlib import Path
 from typing import Any
 
 REFUSED = ("optimizer", "lr_scheduler")
@@ -71,3 +80,77 @@ def link_vocab(cfg: Any) -> None:
     cfg.data.vocab_size = resolve_vocab_size(cfg.data.vocab_size, cfg.data.get("tokenizer"))
     if cfg.get("model.model") is not None:
         cfg.model.model.vocab_size = cfg.data.vocab_size
+
+
+BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
+"""Trainer arguments where Lightning reads an int as a number of batches and a float as a fraction."""
+
+
+def _yaml_trainer(value: str) -> dict[str, Any]:
+    """The ``trainer`` section of a ``--config`` value (a file's path or YAML text), or {} when it has none."""
+    import yaml
+
+    try:
+        try:
+            is_file = Path(value).is_file()
+        except OSError:  # YAML text longer than a file name
+            is_file = False
+        text = Path(value).read_text() if is_file else value
+        data = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):  # jsonargparse reports a bad config itself
+        return {}
+    trainer = data.get("trainer") if isinstance(data, dict) else None
+    return trainer if isinstance(trainer, dict) else {}
+
+
+def integer_batch_limits(args: list[str]) -> dict[str, int]:
+    """The ``limit_*_batches`` that ``args`` (``--config`` files or YAML text, ``--trainer.X`` flags; the last
+    setting wins) give as integers, e.g. ``{"limit_val_batches": 1}`` for ``--trainer.limit_val_batches 1``."""
+    found: dict[str, Any] = {}
+    for i, arg in enumerate(args):
+        value = args[i + 1] if i + 1 < len(args) else None
+        if arg == "--config" and value is not None:
+            found.update({k: v for k, v in _yaml_trainer(value).items() if k in BATCH_LIMITS})
+        elif arg.startswith("--config="):
+            found.update({k: v for k, v in _yaml_trainer(arg.split("=", 1)[1]).items() if k in BATCH_LIMITS})
+        for key in BATCH_LIMITS:
+            flag = f"--trainer.{key}"
+            if arg == flag and value is not None:
+                found[key] = value
+            elif arg.startswith(flag + "="):
+                found[key] = arg.split("=", 1)[1]
+    ints = {}
+    for key, value in found.items():
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            ints[key] = value
+    return ints
+
+
+LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
+"""The start of the line Lightning 2.6 logs (INFO, rank zero) on every run without its LitLogger."""
+PYTREE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+"""torch 2.13's FutureWarning that Lightning 2.6's pytorch_lightning/utilities/_pytree.py triggers."""
+
+
+class _DropLine(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_known_noise() -> None:
+    """Filter the LitLogger tip and the LeafSpec deprecation warning, and nothing else (idempotent)."""
+    warnings.filterwarnings(
+        "ignore",
+        message=PYTREE_WARNING,
+        category=FutureWarning,
+        module=r"pytorch_lightning\.utilities\._pytree",
+    )
+    log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    if not any(isinstance(f, _DropLine) for f in log.filters):
+        log.addFilter(_DropLine(LITLOGGER_TIP))

@@ -175,12 +175,29 @@ class TrainLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue where `state` left off; the data and sharding must be the ones it was saved with."""
-        for name in ("seed", "batch_size", "world_size", "windows"):
+        """Continue where `state` left off; the data must be the one it was saved with.
+
+        The process count may change when the global batch (batch_size x world_size) stays the same: global batch
+        i is windows perm[i*G : (i+1)*G] of the epoch's permutation whatever the sharding, so 2 processes of 8 and
+        1 process of 16 train on the same windows at every step (each rank has handed out `position` batches)."""
+        for name in ("seed", "windows"):
             mine = len(self.windows) if name == "windows" else getattr(self, name)
             if state[name] != mine:
                 raise ValueError(
                     f"cannot resume the training loader exactly: checkpoint has {name}={state[name]}, "
                     f"this run has {name}={mine}"
                 )
+        saved, mine = state["batch_size"] * state["world_size"], self.batch_size * self.world_size
+        if saved != mine:
+            hint = (
+                f"; to continue on {self.world_size} process(es) with the same batches, "
+                f"set --data.batch_size={saved // self.world_size}"
+                if saved % self.world_size == 0
+                else f"; {self.world_size} process(es) cannot split it evenly: use a process count dividing {saved}"
+            )
+            raise ValueError(
+                "cannot resume the training loader exactly: the checkpoint's global batch is "
+                f"batch_size={state['batch_size']} x world_size={state['world_size']} = {saved} windows, this run's "
+                f"is batch_size={self.batch_size} x world_size={self.world_size} = {mine}" + hint
+            )
         self.epoch, self.position = state["epoch"], state["position"]

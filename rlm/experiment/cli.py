@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from rlm.cli.summary import experiment_summary
 from rlm.experiment.check import ParamCounts, check_experiment
 from rlm.experiment.report import write_report
-from rlm.experiment.runner import PREEMPTED, Preempted, plan, run_experiment
+from rlm.experiment.runner import LAST_CKPT, PREEMPTED, SUMMARY, Preempted, plan, run_experiment
 from rlm.experiment.spec import Experiment
 from rlm.extras import MissingExtra
 
@@ -42,11 +44,17 @@ def cmd_run(a: argparse.Namespace) -> int:
     except Preempted as stop:
         print(f"experiment stopped: {stop}", file=sys.stderr)
         return PREEMPTED
+    paths: list[Path] = []
     try:
         paths = write_report(out)
         print("wrote " + ", ".join(str(p) for p in paths))
     except (ValueError, MissingExtra) as err:
         print(f"no report: {err}")
+    finished = [r for r in plan(exp, out, a.variants) if r.finished()]
+    summaries = [
+        (r.label, r.dir, r.dir / LAST_CKPT, json.loads((r.dir / SUMMARY).read_text())) for r in finished
+    ]
+    print(experiment_summary(out, summaries, paths))
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their fit.log); rerun to retry them")
         return 1

@@ -177,6 +177,7 @@ class CheckpointHygiene(pl.Callback):
             print(f"rlm fit: stopped by SIGTERM at step {trainer.global_step} ({where})", file=sys.stderr)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        recount_resumed_batch(trainer)
         if not trainer.is_global_zero:
             return
         resumed = trainer.ckpt_path
@@ -202,3 +203,24 @@ class CheckpointHygiene(pl.Callback):
                     f"rlm: removed {p}: written after step {trainer.global_step}, which this run resumes from",
                     file=sys.stderr,
                 )
+
+
+def recount_resumed_batch(trainer: pl.Trainer) -> bool:
+    """Undo Lightning 2.6's second count of the last batch when resuming a checkpoint saved after that batch was
+    counted (``last.ckpt`` of :meth:`CheckpointHygiene.on_exception`) at a step where validation is due.
+
+    Resuming such a checkpoint ("restarted on last"), Lightning's training loop assumes it was saved at the end of
+    that step's validation, before the loop counted the batch in ``_batches_that_stepped``: it skips the
+    validation and counts the batch once more, training nothing. A SIGTERM seen at the end of a validation is
+    raised after the count, so the resumed run logged every metric at global_step + 1 (no batch was skipped or
+    repeated: only the loggers' step). Returns whether the count was corrected."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is None or not (epoch_loop.restarting and epoch_loop.restarted_on_last):
+        return False
+    if epoch_loop.val_loop.restarted_mid_evaluation or not epoch_loop._should_check_val_fx(fetcher):
+        return False  # Lightning trains the next batch (or finishes the validation) first: no second count
+    if epoch_loop._batches_that_stepped != trainer.global_step:
+        return False  # saved before the count (ModelCheckpoint at the end of validation): Lightning is right
+    epoch_loop._batches_that_stepped -= 1
+    return True

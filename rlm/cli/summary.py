@@ -1,0 +1,130 @@
+"""The short block a run prints at its end: its final loss, where its files went, and the next commands.
+
+A newcomer's first ``rlm fit`` ends in a screen of progress bars; this says in a few lines which checkpoint,
+metrics CSV, TensorBoard folder and merged config the run wrote, and the commands that use them, with the real
+paths filled in. ``rlm fit`` prints it on rank 0 (RLMCLI.after_fit), ``rlm eval`` and ``rlm experiment run``
+after their results. No torch or Lightning import here: the trainer is read through its public attributes.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+
+def show(path: str | Path | None) -> str:
+    """``path`` relative to the working directory when it lies under it, else absolute; quoted for a shell."""
+    if path is None:
+        return "-"
+    path = Path(path).absolute()
+    try:
+        text = str(path.relative_to(Path.cwd()))
+    except ValueError:
+        text = str(path)
+    return shlex.quote(text)
+
+
+def _logger_dir(trainer: Any, class_name: str) -> Path | None:
+    for lg in getattr(trainer, "loggers", []):
+        if type(lg).__name__ == class_name and lg.log_dir:
+            return Path(lg.log_dir)
+    return None
+
+
+def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None]:
+    """Where a finished fit wrote its checkpoint, metrics CSV, TensorBoard logs and merged config (``config``,
+    from the config callback: ``trainer.log_dir`` is a collective under DDP, and only rank 0 prints; None: not
+    written)."""
+    ckpt = None
+    for cb in getattr(trainer, "checkpoint_callbacks", []):
+        for name in ("last_model_path", "best_model_path"):
+            path = getattr(cb, name, "")
+            if path and Path(path).is_file():
+                ckpt = Path(path)
+                break
+        if ckpt:
+            break
+    csv = _logger_dir(trainer, "CSVLogger")
+    tb = _logger_dir(trainer, "TensorBoardLogger")
+    return {
+        "checkpoint": ckpt,
+        "metrics": csv / "metrics.csv" if csv and (csv / "metrics.csv").is_file() else None,
+        "tensorboard": tb if tb and tb.is_dir() else None,
+        "config": config if config and config.is_file() else None,
+    }
+
+
+def next_commands(
+    ckpt: Path | None, config: Path | None = None, step: int | None = None
+) -> list[tuple[str, str]]:
+    """(what, command) pairs for the commands that continue from a checkpoint."""
+    if ckpt is None:
+        return []
+    c = show(ckpt)
+    out = []
+    if config is not None:
+        more = f" --trainer.max_steps {2 * step}" if step else ""
+        what = f"resume (on to step {2 * step})" if step else "resume"
+        out.append((what, f"rlm fit --config {show(config)} --ckpt_path last{more}"))
+    export_dir = show(
+        ckpt.parent.parent / "export" if ckpt.parent.name in ("checkpoints", "ckpt") else "export"
+    )
+    out += [
+        ("eval", f"rlm eval --ckpt {c}"),
+        ("generate", f"rlm generate --ckpt {c} --prompt 'def '"),
+        ("export", f"rlm export --ckpt {c} --out {export_dir}"),
+    ]
+    return out
+
+
+def block(title: str, facts: list[tuple[str, Any]], commands: list[tuple[str, str]]) -> str:
+    """The printed block: a title line, aligned ``name  value`` lines, then the next commands."""
+    width = max((len(k) for k, _ in [*facts, *commands]), default=0)
+    lines = [title, *(f"  {k:<{width}}  {v}" for k, v in facts)]
+    if commands:
+        lines += ["next:", *(f"  {k:<{width}}  {v}" for k, v in commands)]
+    return "\n".join(lines)
+
+
+def _loss(metrics: dict[str, Any], key: str) -> str | None:
+    value = metrics.get(key)
+    if value is None:
+        return None
+    return f"{float(value):.4f}"
+
+
+def fit_summary(trainer: Any, config: Path | None = None) -> str:
+    """The block ``rlm fit`` prints when training ended normally (``config``: the merged config.yaml written)."""
+    metrics = dict(getattr(trainer, "callback_metrics", {}) or {})
+    paths = fit_paths(trainer, config)
+    step = int(trainer.global_step)
+    losses = [f"{k} {v}" for k in ("val/loss", "train/loss") if (v := _loss(metrics, k)) is not None]
+    title = f"rlm fit: finished at step {step}" + (f", {', '.join(losses)}" if losses else "")
+    facts = [(name, show(path)) for name, path in paths.items() if path is not None]
+    return block(title, facts, next_commands(paths["checkpoint"], paths["config"], step))
+
+
+def eval_summary(ckpt: str | Path, json_path: str | None) -> str:
+    """The block ``rlm eval`` prints after its results."""
+    facts = [("checkpoint", show(ckpt))] + ([("results", show(json_path))] if json_path else [])
+    commands = [c for c in next_commands(Path(ckpt)) if c[0] != "eval"]
+    return block("rlm eval: done", facts, commands)
+
+
+def experiment_summary(
+    out: Path, runs: list[tuple[str, Path, Path, dict[str, Any]]], report: list[Path]
+) -> str:
+    """The block ``rlm experiment run`` prints: each finished run's losses and folder (``runs``: label, folder,
+    checkpoint, summary.json), the report, and the next commands on the run of the lowest validation loss."""
+    facts: list[tuple[str, Any]] = []
+    for label, run_dir, _, s in runs:
+        losses = [f"{k} loss {s[f'{k}_loss']:.4f}" for k in ("val", "test") if s.get(f"{k}_loss") is not None]
+        facts.append((label, f"{show(run_dir)}  ({', '.join(losses) or 'no loss'})"))
+    facts.append(("report", ", ".join(show(p) for p in report) or "-"))
+    scored = [(s["val_loss"], label, ckpt) for label, _, ckpt, s in runs if s.get("val_loss") is not None]
+    commands = [("report", f"rlm experiment report {show(out)}")]
+    if scored:
+        _, label, ckpt = min(scored)
+        commands += [(f"{k} ({label})", v) for k, v in next_commands(ckpt)]
+    return block(f"rlm experiment: {len(runs)} finished run(s) in {show(out)}", facts, commands)

@@ -1,0 +1,184 @@
+"""What a run of ``rlm fit`` does around the training: the trainer it builds from the user's values, and what
+it leaves on disk and prints."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import yaml
+from cli_helpers import TINY, fit_args, read_metrics, run_rlm
+
+from rlm.cli.merge import config_text, merge_configs
+from rlm.cli.support import integer_batch_limits
+
+
+def test_integer_batch_limits_are_read_from_flags_and_configs_the_last_one_winning(tmp_path):
+    cfg = tmp_path / "limits.yaml"
+    cfg.write_text(yaml.safe_dump({"trainer": {"limit_val_batches": 1, "limit_test_batches": 1.0}}))
+    text = yaml.safe_dump({"trainer": {"limit_train_batches": 3, "max_steps": 1}})
+    args = ["fit", "--config", text, "--config", str(cfg), "--trainer.limit_test_batches=2"]
+    assert integer_batch_limits(args) == {
+        "limit_train_batches": 3,
+        "limit_val_batches": 1,
+        "limit_test_batches": 2,
+    }
+    later = [*args, "--trainer.limit_val_batches", "1.0", "--trainer.limit_train_batches=0.5"]
+    assert integer_batch_limits(later) == {"limit_test_batches": 2}
+
+
+def test_limit_val_batches_1_is_one_batch_and_1_0_the_whole_set(tmp_path, monkeypatch):
+    """jsonargparse reads Lightning's Union[float, int] `1` as 1.0, which Lightning takes for 100% of the batches
+    (issue 24: `--trainer.limit_val_batches 1` validated on the whole set)."""
+    from rlm.cli.lightning_cli import RLMCLI
+    from rlm.data import RLMDataModule
+    from rlm.train.module import LMModule
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLM_CACHE", str(tmp_path / "cache"))
+    configs = ["--config", config_text(merge_configs([str(p) for p in TINY]))]  # as run_lightning passes them
+
+    def trainer(*flags: str):
+        cli = RLMCLI(LMModule, RLMDataModule, args=[*configs, *flags], run=False, seed_everything_default=0,
+                     parser_kwargs={"parser_mode": "omegaconf"})  # fmt: skip
+        return cli.trainer
+
+    t = trainer("--trainer.limit_val_batches", "1", "--trainer.limit_test_batches=1.0")
+    assert t.limit_val_batches == 1 and isinstance(t.limit_val_batches, int)
+    assert t.limit_test_batches == 1.0 and isinstance(t.limit_test_batches, float)
+    cfg = tmp_path / "one.yaml"
+    cfg.write_text("trainer:\n  limit_val_batches: 1\n")
+    t = trainer("--config", str(cfg))
+    assert t.limit_val_batches == 1 and isinstance(t.limit_val_batches, int)
+
+
+@pytest.fixture(scope="module")
+def tiny_fit(tmp_path_factory, rlm_cache):
+    """One 2-step tiny fit validating on one batch: (workdir, the finished process)."""
+    work = tmp_path_factory.mktemp("fit")
+    args = [
+        *fit_args(),
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.enable_progress_bar=true",  # where the pytree warning used to appear
+    ]
+    return work, run_rlm(args, work, rlm_cache)
+
+
+def test_the_saved_config_keeps_limit_val_batches_1_as_an_integer(tiny_fit):
+    work, _ = tiny_fit
+    saved = yaml.safe_load((work / "runs/test/version_0/config.yaml").read_text())["trainer"]
+    assert saved["limit_val_batches"] == 1 and isinstance(
+        saved["limit_val_batches"], int
+    )  # a rerun: one batch
+
+
+def test_a_fit_failing_before_its_first_step_leaves_no_version_folder(tmp_path, rlm_cache):
+    """The data module's check of the batch size runs inside trainer.fit, after the loggers made their folders
+    (issue 24: an empty version_N was left behind, and the next run took version_N+1)."""
+    old = tmp_path / "runs/test/version_7"
+    old.mkdir(parents=True)  # an earlier run's folder: not this run's to remove
+    (old / "hparams.yaml").write_text("{}\n")
+    proc = run_rlm([*fit_args(), "--data.batch_size=100000"], tmp_path, rlm_cache, check=False)
+    assert proc.returncode == 2 and "fewer than batch_size=100000" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "runs/test").iterdir()) == [".rlm-fit.lock", "version_7"]
+    assert "created by this run before it failed" in proc.stderr
+
+
+def test_only_folders_created_by_the_run_and_holding_startup_files_are_removed(tmp_path):
+    from rlm.cli.check import new_dirs, remove_unused_dirs
+
+    kept, gone = tmp_path / "a/version_0", tmp_path / "a/tb/version_0"
+    fresh = new_dirs([kept, gone, tmp_path])
+    assert fresh == [gone, kept, tmp_path / "a/tb", tmp_path / "a"]
+    (kept / "checkpoints").mkdir(parents=True)
+    (kept / "metrics.csv").write_text("step\n0\n")  # trained: kept
+    gone.mkdir(parents=True)
+    (gone / "hparams.yaml").write_text("{}\n")
+    (gone / "events.out.tfevents.1.host.2.0").write_bytes(b"")
+    assert remove_unused_dirs(fresh) == [gone, tmp_path / "a/tb"]
+    assert (kept / "metrics.csv").is_file() and not (tmp_path / "a/tb").exists()
+
+
+def _block(stdout: str) -> dict[str, str]:
+    """The end-of-run block's ``name  value`` lines (after its title line)."""
+    lines = stdout[stdout.index("rlm fit: finished") :].splitlines()
+    return {k: v.strip() for k, v in (ln.strip().split("  ", 1) for ln in lines[1:] if ln.startswith("  "))}
+
+
+def test_the_end_of_a_fit_says_where_everything_went_and_what_to_run_next(tiny_fit, rlm_cache):
+    work, proc = tiny_fit
+    title = proc.stdout[proc.stdout.index("rlm fit: finished") :].splitlines()[0]
+    val = float(title.split("val/loss ")[1].split(",")[0])
+    rows = [r for r in read_metrics(work / "runs/test/version_0") if r.get("val/loss")]
+    assert title.startswith("rlm fit: finished at step 2, val/loss") and val == round(
+        float(rows[-1]["val/loss"]), 4
+    )
+    facts = _block(proc.stdout)
+    assert (
+        facts["checkpoint"] == "runs/test/ckpt/last.ckpt"
+        and facts["metrics"] == "runs/test/version_0/metrics.csv"
+    )
+    assert facts["config"] == "runs/test/version_0/config.yaml"
+    assert all((work / facts[k]).is_file() for k in ("checkpoint", "metrics", "config"))
+    assert "tensorboard" not in facts  # the test config logs no TensorBoard: no line rather than a wrong one
+    assert facts["eval"] == "rlm eval --ckpt runs/test/ckpt/last.ckpt"
+    assert facts["export"] == "rlm export --ckpt runs/test/ckpt/last.ckpt --out runs/test/export"
+    assert facts["generate"].startswith("rlm generate --ckpt runs/test/ckpt/last.ckpt --prompt")
+    # the printed resume command, run as printed, continues the run from its last checkpoint
+    resume = facts["resume (on to step 4)"]
+    assert resume == "rlm fit --config runs/test/version_0/config.yaml --ckpt_path last --trainer.max_steps 4"
+    again = run_rlm([*shlex.split(resume)[1:], "--trainer.enable_progress_bar=false"], work, rlm_cache)
+    assert "resuming from" in again.stderr and "rlm fit: finished at step 4" in again.stdout
+
+
+def test_a_fit_prints_no_litlogger_tip_and_no_pytree_deprecation(tiny_fit):
+    _, proc = tiny_fit
+    out = proc.stdout + proc.stderr
+    assert "Epoch 0" in out  # the progress bar ran, where the warning used to appear
+    assert "litlogger" not in out.lower() and "LeafSpec" not in out
+
+
+def test_the_noise_filters_are_precise():
+    """Only those two messages go: the same logger's other lines and other FutureWarnings still show."""
+    import logging
+    import warnings
+
+    from rlm.cli.support import LITLOGGER_TIP, quiet_known_noise
+
+    quiet_known_noise()
+    quiet_known_noise()  # idempotent
+    log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    record = lambda msg: logging.LogRecord(log.name, logging.INFO, __file__, 1, msg, None, None)  # noqa: E731
+    assert not log.filter(record(LITLOGGER_TIP + " and experiment tracking, try installing [litlogger]"))
+    assert log.filter(record("`Trainer(limit_val_batches=1)` was configured so 1 batch will be used."))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        quiet_known_noise()
+        warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning,
+                               "_pytree.py", 21, module="pytorch_lightning.utilities._pytree")  # fmt: skip
+        warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning,
+                               "mine.py", 1, module="mypackage.mine")  # fmt: skip
+        warnings.warn_explicit("something else is deprecated", FutureWarning, "_pytree.py", 22,
+                               module="pytorch_lightning.utilities._pytree")  # fmt: skip
+    assert [str(w.message)[:20] for w in seen] == ["`isinstance(treespec", "something else is de"]
+
+
+def test_eval_and_experiment_blocks_name_the_checkpoint_and_the_best_run(tmp_path, monkeypatch):
+    from rlm.cli.summary import eval_summary, experiment_summary
+
+    monkeypatch.chdir(tmp_path)
+    text = eval_summary("runs/x/ckpt/last.ckpt", "out.json")
+    assert "checkpoint  runs/x/ckpt/last.ckpt" in text and "results     out.json" in text
+    assert "rlm generate --ckpt runs/x/ckpt/last.ckpt" in text
+    assert "rlm export --ckpt runs/x/ckpt/last.ckpt --out runs/x/export" in text
+    assert "rlm eval --ckpt" not in text  # it just ran
+    out = tmp_path / "exp"
+    runs = [("a/seed0", out / "a/seed0", out / "a/seed0/ckpt/last.ckpt", {"val_loss": 3.5, "test_loss": 3.6}),
+            ("b/seed0", out / "b/seed0", out / "b/seed0/ckpt/last.ckpt", {"val_loss": 3.25, "test_loss": None})]  # fmt: skip
+    text = experiment_summary(out, runs, [out / "results.md"])
+    assert "exp/a/seed0  (val loss 3.5000, test loss 3.6000)" in text and "(val loss 3.2500)" in text
+    assert "rlm experiment report exp" in text and "exp/results.md" in text
+    assert "rlm eval --ckpt exp/b/seed0/ckpt/last.ckpt" in text  # the lowest validation loss
