@@ -172,10 +172,13 @@ def test_benchmark_script_smoke():
     # A subprocess: torch.multiprocessing.spawn needs the script importable as __main__.
     bench = CONFIGS.parent / "benchmarks" / "pkm_parallel.py"
     args = ["--n", "16", "32", "--topk", "4", "--repeat", "1", "--batch", "1", "--seq", "16", "--k-dim", "32"]
-    run = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, bench, *args, "--strategy", "both"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]  # the benchmark's own error, not only its exit status
-    out = run.stdout
-    assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
+    ddp, fsdp = run.stdout.split("PKM layer under FSDP2")
+    for out in (ddp, fsdp):
+        assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
+    assert "DDP step at 1,024 slots over 256: dense " in ddp
+    assert "| FSDP-managed |" in fsdp and "FSDP2 step at 1,024 slots over 256: dense " in fsdp
 
 
 # FSDP2: a 2-layer model with a memory at layer 0, 2 ranks of 2 sequences each against 1 process on all 4.
