@@ -1,10 +1,13 @@
-"""PKM values under DDP: bytes each rank sends per step with the touched-row exchange against the dense all-reduce.
+"""PKM values under DDP and FSDP2: the step and the bytes each rank sends with the touched-row exchange against the
+dense path, at 16k and 1M slots.
 
-    python benchmarks/pkm_parallel.py                          # 16k and 1M slots, d=64, 2 x 64 tokens per rank
-    python benchmarks/pkm_parallel.py --n 32 64 --repeat 1      # a quick smoke run
+    python benchmarks/pkm_parallel.py                          # DDP: 16k and 1M slots, d=64, 2 x 64 tokens per rank
+    python benchmarks/pkm_parallel.py --strategy fsdp2          # the FSDP2 table: the same sizes, and the ratio
+    python benchmarks/pkm_parallel.py --strategy fsdp2 --repeat 10   # the same, more steps for a steadier median
+    python benchmarks/pkm_parallel.py --strategy both --n 16 32 --repeat 1 --batch 1 --seq 16 --k-dim 32  # smoke
 
 Two processes (torch.multiprocessing, gloo, CPU) wrap one memory layer (with its plugin's value table) in
-torch's DistributedDataParallel and train it for a few steps, each rank on its own tokens:
+torch's DistributedDataParallel (``--strategy ddp``) and train it for a few steps, each rank on its own tokens:
 
 - dense (pkm.sparse: false, the old path): the values get a dense (slots, d) gradient that DDP all-reduces
   with the other parameters;
@@ -16,6 +19,22 @@ runs the default all-reduce; a ring all-reduce sends 2 (W-1)/W of them per rank,
 what the rank passes to the all-gathers. The row exchange scales with the rows a step touches (at most
 heads x topk x tokens, fewer on a small table where they repeat), the dense path with the table. Times are
 the median wall-clock step of rank 0 on a shared 2-core CPU with gloo: indicative only.
+
+``--strategy fsdp2`` shards the same module with FSDP2 (``fully_shard`` on the layer, as on a block, then on the
+root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, backward, the row-wise Adam
+(rows), and torch's Adam over what has a gradient:
+
+- dense (pkm.sparse: false, the FSDP2 path before issue 25 part 4): the values are sharded with the rest, their
+  dense (slots, d) gradient is reduce-scattered and each rank's Adam updates every row of its (slots / 2, d)
+  shard;
+- rows (pkm.sparse: auto): the values stay out of fully_shard (``Plugin.replicated_parameters`` as
+  ``ignored_params``), whole on each rank, and take the row exchange and row-wise Adam of DDP's rows; FSDP2
+  shards and reduces the layer's own parameters (query, sub-keys, norm).
+
+The optimizer step is in the FSDP2 step because the dense path's cost is mostly its Adam over the table (the
+DDP rows above leave the main optimizer out). "FSDP-managed" is the unsharded size of the parameters FSDP2
+all-gathers and reduce-scatters (each collective moves (W-1)/W of it per rank). The table ends with the step of
+the largest table over the smallest, per path (issue 25's goal for rows: 1M slots within 1.5x of 16k).
 
 Measured 2026-11-22 (defaults; gloo, 2 processes on a shared 2-core CPU): bytes sent per step by rank 0,
 16,384 slots: dense 4.59 MB (all DDP buckets), rows 2.99 MB (0.40 MB DDP + 2.59 MB rows, 9,829 rows touched);
@@ -36,6 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,11 +65,13 @@ from _common import table  # noqa: E402
 from rlm.model import ModelConfig  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
-from rlm.train.parallel import spawn_local
+from rlm.train.parallel import replicated_parameters, spawn_local  # noqa: E402
+
+KINDS = ("dense", "rows")
 
 
 class _Net(nn.Module):
-    """The memory layer and the plugin that owns its value table, as one module for DDP."""
+    """The memory layer and the plugin that owns its value table, as one module for DDP or FSDP2."""
 
     def __init__(self, a: argparse.Namespace, n: int, sparse: bool) -> None:
         super().__init__()
@@ -68,40 +91,84 @@ def _count_hook(state: list, bucket):  # a DDP communication hook
     return allreduce_hook(None, bucket)
 
 
+def _ddp_step(a: argparse.Namespace, n: int, kind: str, x: torch.Tensor, ctx: Context) -> tuple:
+    """DDP: (DDP bucket bytes, row bytes, rows touched, median step seconds) of rank 0's forward + backward
+    (+ the row-wise Adam for rows)."""
+    net = _Net(a, n, sparse=kind == "rows")
+    ddp = DistributedDataParallel(net)
+    ddp_bytes = [0]
+    ddp.register_comm_hook(ddp_bytes, _count_hook)
+    times, rows = [], 0
+    for i in range(a.repeat + 1):  # the first step warms up
+        ddp_bytes[0] = 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        ddp(x, ctx).square().mean().backward()
+        if kind == "rows":
+            rows = int(net.plugin.row_optimizer.pending("shared")[0].numel())
+            net.plugin.row_optimizer.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+        net.zero_grad(set_to_none=True)
+    return ddp_bytes[0], net.plugin.row_optimizer.sent_bytes, rows, statistics.median(times)
+
+
+def _fsdp_step(a: argparse.Namespace, n: int, kind: str, x: torch.Tensor, ctx: Context) -> tuple:
+    """FSDP2: (FSDP-managed bytes, row bytes, rows touched, median step seconds) of rank 0's forward + backward
+    + row-wise Adam (rows) + Adam over the parameters with a gradient."""
+    net = _Net(a, n, sparse=kind == "rows")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    replicated = replicated_parameters(net)  # rows: the value table; dense: nothing
+    fully_shard(net.layer, mesh=mesh)
+    fully_shard(net, mesh=mesh, **({"ignored_params": replicated} if replicated else {}))  # torch >= 2.7
+    managed = sum(
+        p.numel() * p.element_size() for p in net.parameters() if not any(p is r for r in replicated)
+    )
+    optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    times, rows = [], 0
+    for i in range(a.repeat + 1):  # the first step warms up (and allocates Adam's moments)
+        dist.barrier()
+        t0 = time.perf_counter()
+        net(x, ctx).square().mean().backward()
+        if kind == "rows":
+            rows = int(net.plugin.row_optimizer.pending("shared")[0].numel())
+            net.plugin.row_optimizer.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return managed, net.plugin.row_optimizer.sent_bytes, rows, statistics.median(times)
+
+
+STEPS = {"ddp": _ddp_step, "fsdp2": _fsdp_step}
+
+
 def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
+    import warnings
+
+    # the layer (a unit here, inside a block in the model) returns a view; nothing here writes into it in place
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(a.batch, a.seq, a.d, generator=g)
         ctx = Context(tokens=torch.zeros(a.batch, a.seq, dtype=torch.long))
-        for n in a.n:
-            for kind in ("dense", "rows"):
-                net = _Net(a, n, sparse=kind == "rows")
-                ddp = DistributedDataParallel(net)
-                ddp_bytes = [0]
-                ddp.register_comm_hook(ddp_bytes, _count_hook)
-                times, rows = [], 0
-                for i in range(a.repeat + 1):  # the first step warms up
-                    ddp_bytes[0] = 0
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    ddp(x, ctx).square().mean().backward()
-                    if kind == "rows":
-                        rows = int(net.plugin.row_optimizer.pending("shared")[0].numel())
-                        net.plugin.row_optimizer.step()
-                    if i:
-                        times.append(time.perf_counter() - t0)
-                    net.zero_grad(set_to_none=True)
-                if rank == 0:
-                    sent = net.plugin.row_optimizer.sent_bytes
-                    out[(n, kind)] = (ddp_bytes[0], sent, rows, statistics.median(times))
-                del ddp, net
+        for strategy in _strategies(a):
+            for n in a.n:
+                for kind in KINDS:
+                    got = STEPS[strategy](a, n, kind, x, ctx)
+                    if rank == 0:
+                        out[(strategy, n, kind)] = got
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _strategies(a: argparse.Namespace) -> list[str]:
+    return ["ddp", "fsdp2"] if a.strategy == "both" else [a.strategy]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,22 +182,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument(
+        "--strategy",
+        choices=("ddp", "fsdp2", "both"),
+        default="ddp",
+        help="ddp: DistributedDataParallel (the default); fsdp2: fully_shard, with an optimizer step; both",
+    )
     a = p.parse_args(argv)
     got = spawn_local(_worker, a)
-    print(
-        f"PKM layer under DDP, 2 gloo processes on CPU (a shared machine), d={a.d}, {a.heads} heads x top-"
-        f"{a.topk}, {a.batch}x{a.seq} tokens per rank, {a.threads} thread(s) per process; bytes sent by rank 0"
-    )
-    rows = []
-    for n in a.n:
-        for kind in ("dense", "rows"):
-            ddp_bytes, row_bytes, touched, seconds = got[(n, kind)]
-            rows.append(
-                [f"{n * n:,} slots, {kind}", f"{ddp_bytes:,}", f"{row_bytes:,}" if kind == "rows" else "-",
-                 f"{touched:,}" if kind == "rows" else "-", f"{ddp_bytes + row_bytes:,}", seconds * 1e3]
-            )  # fmt: skip
-    headers = ["values", "DDP buckets", "row exchange", "rows touched", "total bytes", "step ms (wall)"]
-    print(table(headers, rows))
+    for strategy in _strategies(a):
+        print(
+            f"PKM layer under {strategy.upper()}, 2 gloo processes on CPU (a shared machine), d={a.d}, {a.heads} "
+            f"heads x top-{a.topk}, {a.batch}x{a.seq} tokens per rank, {a.threads} thread(s) per process; bytes "
+            "sent by rank 0"
+        )
+        rows = []
+        for n in a.n:
+            for kind in KINDS:
+                first, row_bytes, touched, seconds = got[(strategy, n, kind)]
+                rows.append(
+                    [f"{n * n:,} slots, {kind}", f"{first:,}", f"{row_bytes:,}" if kind == "rows" else "-",
+                     f"{touched:,}" if kind == "rows" else "-",
+                     f"{first + row_bytes:,}" if strategy == "ddp" else "-", seconds * 1e3]
+                )  # fmt: skip
+        first = "DDP buckets" if strategy == "ddp" else "FSDP-managed"
+        headers = ["values", first, "row exchange", "rows touched", "total bytes", "step ms (wall)"]
+        print(table(headers, rows))
+        small, large = min(a.n), max(a.n)
+        ratios = ", ".join(
+            f"{kind} {got[(strategy, large, kind)][3] / got[(strategy, small, kind)][3]:.2f}x"
+            for kind in KINDS
+        )
+        print(f"{strategy.upper()} step at {large * large:,} slots over {small * small:,}: {ratios}\n")
 
 
 if __name__ == "__main__":

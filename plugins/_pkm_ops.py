@@ -4,7 +4,7 @@ Kept apart from ``plugins/pkm.py`` so the plugin file reads as the model: here a
 search (with a backward that touches only the selected sub-keys), the batch norm that ignores padding
 (synced under torch.distributed), the value read (EmbeddingBag) whose backward is dense or hands the reads
 to the row-wise lazy Adam that updates only touched rows, and the usage/KL statistics. Nothing here builds
-a tensor of size n^2 (slots) except the dense value gradient that DDP/FSDP need.
+a tensor of size n^2 (slots) except the dense value gradient of ``pkm.sparse: false``.
 """
 
 from __future__ import annotations
@@ -275,8 +275,8 @@ class LookupSink(Protocol):
 class _ValueBag(torch.autograd.Function):
     """sum_j weights[t, j] * values[slots[t, j]] with a backward that never builds a dense (N*m, d) tensor.
 
-    Weights get bag_dot; the values get either a dense gradient (for DDP/FSDP to reduce) or, with a sink,
-    nothing: backward hands (slots, weights, output gradient) to the row optimizer instead.
+    Weights get bag_dot; the values get either a dense gradient (sparse: false, for DDP/FSDP to reduce) or, with
+    a sink, nothing: backward hands (slots, weights, output gradient) to the row optimizer instead.
     """
 
     @staticmethod

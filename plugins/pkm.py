@@ -12,10 +12,12 @@ For a token x of width d, at each chosen layer (Lample et al. Sec. 3):
 The layer replaces the dense FFN or runs beside it (mode 'add'). Value tables live on the plugin (one
 shared by every memory layer by default) so they are registered once. Values train with their own Adam
 group (lr 1e-3, constant, no decay); the plugin updates them itself with a row-wise lazy Adam that reads
-and writes only the touched rows (``sparse``). Under DDP the ranks all-gather their touched rows and row
-gradients (bytes scale with the rows read, not the table), or all-reduce the dense table gradient when the
+and writes only the touched rows (``sparse``). Under DDP and FSDP2 the value tables are replicated on every rank
+(FSDP2 leaves them out of its sharding: ``replicated_parameters``), the ranks all-gather their touched rows and
+row gradients (bytes scale with the rows read, not the table), or all-reduce the dense table gradient when the
 rows are so many that it moves fewer bytes (plugins/_pkm_rows.py exchange_rows), and run the same update, so
-the replicas stay equal; under other distributed strategies the values get ordinary dense gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer.
+the replicas stay equal; under other distributed strategies the values get ordinary dense gradients for the
+strategy to reduce. Validation logs usage and KL to uniform per layer.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
 from rlm.plugins._pkm_native import huge_page_empty
 from rlm.plugins._pkm_ops import MaskedBatchNorm, product_key_topk, slot_stats, value_lookup
 from rlm.plugins._pkm_rows import RowAdam
+from rlm.train.parallel import CAN_REPLICATE
 
 SPARSE_CHOICES = ("auto", "true", "false")
 QUERY_NORMS = ("layernorm", "batchnorm", "none")
@@ -76,8 +79,9 @@ class PKMConfig:
     values_lr: float = 1e-3
     """Constant Adam learning rate of the values (Lample et al.: 1e-3, higher than the rest), no weight decay."""
     sparse: bool | str = "auto"
-    """Row-wise lazy Adam on the values: 'auto' (on one process and under DDP, with a row exchange; dense under
-    other distributed strategies), true, or false (dense gradients, all-reduced by DDP)."""
+    """Row-wise lazy Adam on the values: 'auto' (on one process, and under DDP and FSDP2 with a row exchange and
+    the values replicated; dense under other distributed strategies), true, or false (dense gradients,
+    all-reduced by DDP or reduce-scattered by FSDP2 with the values sharded)."""
 
     def __post_init__(self) -> None:
         if self.query_batchnorm is not None:
@@ -244,16 +248,18 @@ class PKMPlugin(Plugin):
     def resolve_sparse(self, distributed: bool | None = None, row_exchange: bool = True) -> bool:
         """Choose the sparse or dense value update from the config and whether training is distributed.
 
-        Distributed with ``row_exchange`` (DDP, which leaves parameters without gradients alone), the sparse
-        update exchanges the touched rows between ranks (``RowAdam.group``); other strategies get dense grads.
+        Distributed with ``row_exchange`` (DDP, which leaves parameters without gradients alone, or FSDP2, which
+        leaves ``replicated_parameters`` out of its sharding), the sparse update exchanges the touched rows between
+        ranks (``RowAdam.group``); other strategies get dense grads.
         """
         if distributed is None:
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         choice = self.config.sparse
         if choice == "true" and distributed and not row_exchange:
             raise ValueError(
-                "pkm.sparse=true updates the values by exchanging touched rows, which works under DDP only; "
-                "under this strategy use sparse: auto or false (dense gradients that the strategy reduces)"
+                "pkm.sparse=true updates the values by exchanging touched rows, which works under DDP and FSDP2 "
+                "(ModelParallelStrategy, torch >= 2.7) only; under this strategy use sparse: auto or false (dense "
+                "gradients that the strategy reduces)"
             )
         self._sparse = choice == "true" or (choice == "auto" and (row_exchange or not distributed))
         self.row_optimizer.group = dist.group.WORLD if (self._sparse and distributed) else None
@@ -262,6 +268,10 @@ class PKMPlugin(Plugin):
             # and, with no gradient, DDP does not all-reduce them.
             table.requires_grad_(not self._sparse)
         return self._sparse
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        # Sparse: whole on every rank, as under DDP; the row exchange keeps them equal (FSDP2 must not shard them).
+        return list(self.values.values()) if self._sparse else []
 
     def param_groups(self) -> list[ParamGroup]:
         if self._sparse is None:
@@ -311,7 +321,12 @@ class PKMCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         distributed = trainer.world_size > 1
-        sparse = self.plugin.resolve_sparse(distributed, isinstance(trainer.strategy, DDPStrategy))
+        strategy = trainer.strategy
+        # FSDP2 (ModelParallelStrategy): configure_model runs after this and keeps the values out of fully_shard.
+        row_exchange = isinstance(strategy, DDPStrategy) or (
+            isinstance(strategy, ModelParallelStrategy) and CAN_REPLICATE
+        )
+        sparse = self.plugin.resolve_sparse(distributed, row_exchange)
         if sparse and str(trainer.precision).startswith("16"):
             # The recorded output gradients would carry the GradScaler's scale, which only the main optimizer undoes.
             raise ValueError(

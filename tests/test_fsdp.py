@@ -16,12 +16,12 @@ GLOBAL_BATCH = 8  # data/tiny.yaml's batch_size: one process takes all 8 windows
 # Settings that make a step a function of the global batch alone (each is per-rank by design under any
 # data-parallel strategy, DDP included): MoE's balance loss and capacity are computed on a rank's own tokens
 # (dropless and no balance loss here), and router jitter draws per-rank noise. PKM's query batchnorm is synced
-# across ranks, so it stays on; PKM's row-wise Adam is one-process only, so both runs use the dense path.
+# across ranks, so it stays on; PKM's values take the row-wise Adam in both runs (pkm.sparse: auto; under FSDP2 the
+# tables stay out of fully_shard and the ranks exchange touched rows, tests/test_pkm_parallel.py).
 PARITY = {
     "moe": "      layers: [1]\n      num_experts: 4\n      capacity_factor: 0\n      router_jitter: 0\n"
     "      balance_coef: 0\n",
-    "pkm": "      layers: [0]\n      n_keys: 32\n      heads: 2\n      topk: 8\n      k_dim: 32\n"
-    "      sparse: false\n",
+    "pkm": "      layers: [0]\n      n_keys: 32\n      heads: 2\n      topk: 8\n      k_dim: 32\n",
     "tokenid": "      layers: [0]\n",
     "altup": "      k: 2\n",
     "partial_experts": "      layers: [1]\n      buckets: 64\n      balance_coef: 0\n",
@@ -95,3 +95,13 @@ def test_fsdp_two_processes_match_one_process(group, tmp_path, rlm_cache, monkey
     ]
     shapes = [{k: v.shape for k, v in c["state_dict"].items() if torch.is_tensor(v)} for c in ckpts]
     assert shapes[0] == shapes[1]
+    if "pkm" in plugins:  # both runs updated the values by the row-wise Adam, not by AdamW (pkm_values)
+        for c in ckpts:
+            assert (
+                int(c["callbacks"]["PKMCallback[pkm]"]["state"]["shared"]["step"])
+                == c["global_step"]
+                == STEPS
+            )
+            assert "pkm_values" not in [
+                g.get("name") for o in c["optimizer_states"] for g in o["param_groups"]
+            ]

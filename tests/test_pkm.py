@@ -22,6 +22,7 @@ from rlm.plugins._pkm_ops import (
 )
 from rlm.plugins._pkm_rows import RowAdam
 from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
+from rlm.train.parallel import CAN_REPLICATE
 
 RUN = "runs/test/version_0"
 
@@ -443,15 +444,41 @@ def test_bad_config_is_a_clear_error(kw, words):
     assert words in str(err.value)
 
 
-def test_sparse_values_under_ddp_and_dense_under_other_distributed_strategies():
+def test_sparse_values_under_ddp_and_fsdp2_and_dense_under_other_distributed_strategies():
     plugin, _ = small_layer(sparse=True)
     assert plugin.config.sparse == "true"
-    with pytest.raises(ValueError, match="DDP only"):
+    with pytest.raises(ValueError, match="under DDP and FSDP2"):
         plugin.resolve_sparse(distributed=True, row_exchange=False)
     assert plugin.resolve_sparse(distributed=True, row_exchange=True) is True and not plugin.param_groups()
     plugin, _ = small_layer(sparse="auto")
     assert plugin.resolve_sparse(distributed=True, row_exchange=True) is True
+    # sparse: FSDP2 must leave the tables whole (the row exchange updates them); dense: shard them like the rest
+    assert plugin.replicated_parameters() == [plugin.values["shared"]]
     assert plugin.resolve_sparse(distributed=True, row_exchange=False) is False and plugin.param_groups()
+    assert plugin.replicated_parameters() == []
+
+
+@pytest.mark.parametrize(
+    "strategy, sparse",
+    [("ddp", True), ("fsdp2", CAN_REPLICATE), ("another", False)],
+)
+def test_the_callback_exchanges_rows_under_ddp_and_fsdp2(strategy, sparse):
+    from types import SimpleNamespace
+
+    from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
+
+    from rlm.plugins.pkm import PKMCallback
+
+    kind = {"ddp": DDPStrategy, "fsdp2": ModelParallelStrategy}.get(strategy)
+    # setup reads the strategy's class only; 'another' stands for any other multi-process strategy
+    trainer = SimpleNamespace(
+        world_size=2, strategy=kind.__new__(kind) if kind else object(), precision="32-true"
+    )
+    plugin, _ = small_layer(sparse="auto")
+    PKMCallback(plugin).setup(trainer, None, "fit")
+    assert plugin.sparse_active is sparse
+    assert plugin.values["shared"].requires_grad is not sparse
+    assert plugin.replicated_parameters() == ([plugin.values["shared"]] if sparse else [])
 
 
 def test_config_fragment_builds_the_default_model():

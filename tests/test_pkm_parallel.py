@@ -1,4 +1,5 @@
-"""PKM values under data parallelism: the touched-row exchange (plugins/_pkm_rows.py exchange_rows)."""
+"""PKM values under data parallelism: the touched-row exchange (plugins/_pkm_rows.py exchange_rows), under DDP and
+under FSDP2 (the value tables left out of fully_shard, replicated, and updated by the same row-wise Adam)."""
 
 import pytest
 import torch
@@ -55,6 +56,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         out[rank] = (plugin.values["shared"].detach().clone(), st["exp_avg_sq"].clone(), int(st["step"]))
         out[f"bytes{rank}"] = plugin.row_optimizer.sent_bytes
         _exchange_part(rank, out)
+        _fsdp_part(rank, out)
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
@@ -170,7 +172,91 @@ def test_benchmark_script_smoke():
     # A subprocess: torch.multiprocessing.spawn needs the script importable as __main__.
     bench = CONFIGS.parent / "benchmarks" / "pkm_parallel.py"
     args = ["--n", "16", "32", "--topk", "4", "--repeat", "1", "--batch", "1", "--seq", "16", "--k-dim", "32"]
-    run = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, bench, *args, "--strategy", "both"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]  # the benchmark's own error, not only its exit status
-    out = run.stdout
-    assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
+    ddp, fsdp = run.stdout.split("PKM layer under FSDP2")
+    for out in (ddp, fsdp):
+        assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
+    assert "DDP step at 1,024 slots over 256: dense " in ddp
+    assert "| FSDP-managed |" in fsdp and "FSDP2 step at 1,024 slots over 256: dense " in fsdp
+
+
+# FSDP2: a 2-layer model with a memory at layer 0, 2 ranks of 2 sequences each against 1 process on all 4.
+FSDP_STEPS, FSDP_VOCAB = 3, 50
+FSDP_TOKENS = torch.randint(0, FSDP_VOCAB, (FSDP_STEPS, 4, 12), generator=torch.Generator().manual_seed(2))
+
+
+def _fsdp_model(sparse: str):
+    from rlm.model import Transformer
+
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=FSDP_VOCAB, d_model=D, n_layers=2, n_heads=2, max_seq_len=16)
+    pkm = dict(layers=[0], n_keys=8, heads=2, topk=4, k_dim=12, sparse=sparse)
+    return Transformer(mc, {"pkm": pkm})
+
+
+def _fsdp_train(model, rows: slice) -> list[bool]:
+    """FSDP_STEPS steps of AdamW (the rest) and the plugin's row-wise Adam (values, when sparse) on the mean
+    cross-entropy of the local rows; after each backward, whether the value table had no .grad."""
+    plugin = model.plugins["pkm"]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    no_grad = []
+    for tokens in FSDP_TOKENS:
+        mine = tokens[rows]
+        logits = model(mine[:, :-1], Context(tokens=mine[:, :-1], stage="train"))
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten()).backward()
+        no_grad.append(all(v.grad is None for v in plugin.values.values()))
+        if plugin.sparse_active:
+            plugin.row_optimizer.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return no_grad
+
+
+def _fsdp_part(rank: int, out: dict) -> None:
+    """Both value paths under FSDP2 (in _worker's process group): rows (sparse auto) and dense (sparse false)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from rlm.train.parallel import full_tensor, parallelize
+
+    for sparse in ("auto", "false"):
+        model = _fsdp_model(sparse)
+        plugin = model.plugins["pkm"]
+        plugin.resolve_sparse(distributed=True, row_exchange=True)
+        parallelize(model, init_device_mesh("cpu", (2,)))
+        sharded = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+        no_grad = _fsdp_train(model, slice(2 * rank, 2 * rank + 2))
+        params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+        out[("fsdp", sparse, rank)] = (params, sharded, no_grad, plugin.row_optimizer.sent_bytes)
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("sparse", ["auto", "false"])
+def test_fsdp2_two_processes_match_one_process_and_rows_replace_the_dense_value_gradient(two_ranks, sparse):
+    model = _fsdp_model(sparse)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert model.plugins["pkm"].resolve_sparse(distributed=False) == (sparse == "auto")
+    one_no_grad = _fsdp_train(model, slice(0, 4))
+    one = {n: p.detach() for n, p in model.named_parameters()}
+    values = "plugins.pkm.values.shared"
+    (two0, sharded, no_grad0, sent0), (two1, _, no_grad1, _) = (
+        two_ranks[("fsdp", sparse, r)] for r in (0, 1)
+    )
+    assert set(two0) == set(one) and values in one and "stack.blocks.0.ffn.keys" in one
+    for name in one:
+        # Same global batch, same start: equal but for the order of float32 sums (the gradients' reduction,
+        # each rank's loss over half the tokens), which Adam's first steps scale up on near-zero components.
+        assert_close(two0[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert not torch.equal(one[name], before[name]), name  # every parameter trained
+    if sparse == "auto":
+        # The values stay whole on every rank, get no dense .grad, and the replicas are equal bit for bit; every
+        # other parameter is sharded. One process takes the same row-wise path (no .grad there either).
+        assert not sharded[values] and all(s for n, s in sharded.items() if n != values)
+        assert all(no_grad0) and all(no_grad1) and all(one_no_grad)
+        assert torch.equal(two0[values], two1[values])
+        assert sent0 > 0  # the touched rows were exchanged
+    else:
+        # The old dense path, still there with sparse: false: the values sharded with a dense gradient.
+        assert all(sharded.values()) and not any(no_grad0) and not any(one_no_grad)
+        assert sent0 == 0

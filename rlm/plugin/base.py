@@ -149,6 +149,13 @@ class Plugin(nn.Module):
         """Parameters of this plugin that a single token does not use (for 'active parameters per token')."""
         return 0
 
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters FSDP2 must leave whole on every rank (not sharded, their gradients not reduced), because the
+        plugin updates them itself and keeps the replicas equal (PKM's row-wise Adam, which exchanges the rows a
+        step touched). Asked when the model is sharded (``rlm.train.parallel.parallelize``), after the callbacks'
+        ``setup``; DDP needs no list (it leaves parameters without ``requires_grad`` alone)."""
+        return []
+
     def attach(self, model: nn.Module) -> None:
         """Called once after every plugin has been built, with the assembled model."""
 

@@ -7,13 +7,17 @@ norm, and the parameters plugins own at the top: PKM value tables, a separate re
 Gradients are reduce-scattered, so every rank ends a step with its shard of the averaged gradient, as DDP would
 with the full one.
 
-PKM's row-wise lazy Adam (``sparse``) is off under any distributed strategy (``sparse: auto`` resolves to the
-dense path), so the value tables are sharded like any other parameter and reduce-scattered densely.
+Parameters a plugin updates itself stay out of the sharding (``Plugin.replicated_parameters``, handed to the root's
+``fully_shard`` as ``ignored_params``): whole on every rank, never all-gathered, their gradients never reduced.
+PKM's value tables are such under ``sparse: auto``: its row-wise lazy Adam exchanges the rows a step touched and
+updates them on every rank, as under DDP, instead of a dense (slots, d) gradient reduce-scattered and an Adam over
+every row of the shards (with ``sparse: false`` they are sharded like any other parameter).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -68,6 +72,17 @@ def mixed_precision_policy(precision: Any) -> MixedPrecisionPolicy | None:
     return None
 
 
+CAN_REPLICATE = "ignored_params" in inspect.signature(fully_shard).parameters
+"""Whether this torch's ``fully_shard`` can leave parameters out (``ignored_params``, torch >= 2.7)."""
+
+
+def replicated_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters the plugins in ``model`` keep whole on every rank (``Plugin.replicated_parameters``)."""
+    from rlm.plugin import Plugin
+
+    return {p for m in model.modules() if isinstance(m, Plugin) for p in m.replicated_parameters()}
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -76,7 +91,9 @@ def parallelize(
 ) -> nn.Module:
     """Shard ``model`` (a Transformer) in place with FSDP2: every block, then the root. A mesh of one rank and an
     already sharded model are left as they are (nothing to shard; ``configure_model`` may be called twice).
-    ``mp_policy``: see :func:`mixed_precision_policy`; None keeps the parameters' dtype."""
+    ``mp_policy``: see :func:`mixed_precision_policy`; None keeps the parameters' dtype. The plugins'
+    :func:`replicated_parameters` stay plain tensors where they are (Lightning's ``model_to_device`` moves them
+    with the rest of what is left on the CPU)."""
     if isinstance(model, FSDPModule) or mesh.size() == 1:
         return model
     mesh = fsdp_mesh(mesh)
@@ -84,8 +101,22 @@ def parallelize(
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
     # the root's parameters are all-gathered at its forward and stay so until its backward (FSDP2's root rule)
-    fully_shard(model, mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp, **_ignored(model))
     return model
+
+
+def _ignored(model: nn.Module) -> dict[str, Any]:
+    """``fully_shard``'s keyword for the plugins' replicated parameters: {} when there are none."""
+    ignored = replicated_parameters(model)
+    if not ignored:
+        return {}
+    if not CAN_REPLICATE:
+        raise ValueError(
+            f"a plugin keeps {len(ignored)} parameter(s) whole on every rank (PKM's values with pkm.sparse), which "
+            f"needs fully_shard(ignored_params=), torch >= 2.7; this is torch {torch.__version__}: upgrade torch, "
+            "or set pkm.sparse: false (dense value gradients that FSDP reduces)"
+        )
+    return {"ignored_params": ignored}
 
 
 def is_sharded(module: nn.Module) -> bool:
