@@ -213,3 +213,9 @@ def test_a_plugin_without_a_formula_is_named():
     cfg = merged("small", ["partial_experts"], {})
     with pytest.raises(ValueError, match="'partial_experts'.*plugins with one: \\['altup', 'moe'"):
         estimate(cfg)
+
+
+def test_a_layer_outside_the_model_is_named():
+    cfg = merged("gpt2_small", ["gpt2/pkm"], {"pkm": {"layers": [12]}})
+    with pytest.raises(ValueError, match=r"layers \[12\] are outside the model's 12; accepted: -12..11"):
+        estimate(cfg)

@@ -101,6 +101,11 @@ def _base(mc: ModelConfig) -> Parts:
 def _layers(layers: Sequence[int] | None, n_layers: int, default: Sequence[int]) -> list[int]:
     """Distinct layer indices, negative ones counted from the end (as plugins' check_layers)."""
     chosen = default if layers is None else layers
+    bad = [i for i in chosen if not -n_layers <= i < n_layers]
+    if bad:
+        raise ValueError(
+            f"layers {bad} are outside the model's {n_layers}; accepted: -{n_layers}..{n_layers - 1}"
+        )
     return sorted({i % n_layers for i in chosen})
 
 
@@ -118,6 +123,8 @@ def _pkm(c: Any, mc: ModelConfig, parts: Parts) -> None:
         parts.row_adam += values
         parts.row_tables += tables
     hk = c.heads * c.topk
+    # Not counted: in backward the row-wise update records each read's (N, d) fp32 output gradient (4d per token
+    # and memory layer) until the step; under FSDP (sparse resolves to dense) the values get .grad and AdamW.
     # Query input 2d (bf16); the layer norm's bf16 input 2 H k_dim and its mean and 1/std (8 H); the fp32 query
     # 4 H k_dim; per head the top-k indices of both halves (2 x 8 k), the softmax weights (4 k), the slots (8 k).
     act = 2 * d + 6 * c.heads * c.k_dim + 8 * c.heads + 28 * hk
@@ -188,6 +195,10 @@ def _retrieval(c: Any, mc: ModelConfig, parts: Parts) -> None:
     parts.params += len(layers) * per
     # Per token: its chunk's neighbours k x (1 + continuation) x segment tokens of width 2d (bf16), their keys
     # and values, and the layer's queries and output, spread over a segment's tokens.
+    # Unlike the other plugins' terms, this one is not measured by a test (a step needs an index and segments).
+    parts.notes.append(
+        "retrieval: cross-attention activations by formula (not measured); the index not counted"
+    )
     m = c.k * (2 if c.continuation else 1)
     parts.act_per_token += len(layers) * (
         norm_bytes(d) + 2 * d + m * (2 * enc + 4 * hd) + 2 * d + 4 * mc.n_heads
