@@ -159,10 +159,11 @@ class Run:
         """One training step; returns the loss."""
         b = self.windows.collate(self.rng.choice(len(self.windows), self.batch, replace=False))
         b = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-        t0 = time.perf_counter()
-        ctx = self.module.make_context(b, "train", segments=self.windows.segments)
-        self.search_s += time.perf_counter() - t0
+        # all under autocast, as Lightning's bf16-mixed runs training_step (the plugins' prepare included)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            t0 = time.perf_counter()
+            ctx = self.module.make_context(b, "train", segments=self.windows.segments)
+            self.search_s += time.perf_counter() - t0
             logits = self.module.model(b["tokens"], ctx)  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), b["targets"].flatten(), ignore_index=-100)
         aux = ctx.total_aux_loss()
@@ -197,12 +198,13 @@ def build_retrieval(run: Run, index_segments: SegmentTable, smoke: bool) -> dict
     c = plugin.config
     rows = indexed_rows(index_segments, np.arange(len(index_segments.first) - 1))
     t0 = time.perf_counter()
-    vectors = embed_rows(plugin.snapshot(0), index_segments, rows, 1024, 0, 1, False)
+    embedder = plugin.snapshot(0)
+    vectors = embed_rows(embedder, index_segments, rows, 1024, 0, 1, False)
     t1 = time.perf_counter()
     flat_below = 0 if smoke else 32768  # configs/plugins/gpt2/retrieval.yaml; the smoke run builds an IVF too
     cfg = IndexConfig(factory=c.index_factory, target_recall=c.target_recall, flat_below=flat_below)
     memory = build_memory(
-        vectors, index_segments, rows, c.k, plugin.snapshot(0).embedder_identity(), 0, cfg, None, False
+        vectors, index_segments, rows, c.k, embedder.embedder_identity(), 0, cfg, None, False
     )
     t2 = time.perf_counter()
     plugin.use_memory(memory)
@@ -225,8 +227,8 @@ def free(device: torch.device) -> None:
 
 def measure(a: argparse.Namespace, s: Shape, device: torch.device) -> dict[str, Any]:
     """Every row of parts 1-3."""
-    _, windows = corpus(s, 64 * s.batch * (s.seq // s.segment))
-    index_segments, _ = corpus(s, a.index_segments)
+    # one corpus: the windows trained on, and every segment of it in retrieval's index
+    index_segments, windows = corpus(s, max(a.index_segments, 4 * s.batch * (s.seq // s.segment)))
     cfg_of = lambda plugins: {  # noqa: E731
         "model": {"model": model_fields(s), "plugins": plugins},
         "data": {"batch_size": s.batch, "seq_len": s.seq},
