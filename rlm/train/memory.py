@@ -1,0 +1,281 @@
+"""Memory of a training run estimated from its config alone: parameters, gradients, optimizer state, activations.
+
+Checkable without a GPU: ``tests/test_memory.py`` builds each model on the meta device and compares the
+parameter and optimizer-state counts exactly, and the dense activations with the bytes autograd saves on CPU;
+``benchmarks/gpu.py`` sets the measured peak (``torch.cuda.max_memory_allocated``) against ``total_bytes``.
+
+Bytes, for bf16-mixed training as Lightning runs it (fp32 master weights, bf16 matmuls under autocast):
+- weights 4 B per parameter; gradients 4 B per parameter the main optimizer steps (PKM values updated row by
+  row have no ``.grad``, their reads' output gradients are recorded instead, see plugins/_pkm_rows.py);
+- AdamW: two fp32 moments, 8 B per parameter (``torch.optim.AdamW``); PKM's row-wise Adam keeps the same two
+  fp32 moments for every row of its tables (8 B per value parameter) plus a 4-byte step per table;
+- activations: what autograd saves for backward at the configured batch (B sequences of T tokens), counted per
+  token for rlm's pre-norm block with flash attention (SDPA, ``is_causal``: no T x T matrix is stored), in the
+  manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1,
+  whose GPT layer saves 34 B T d + 5 B h T^2 bytes in 16-bit with dropout and without flash). Per token and
+  layer, with d the width, f the FFN hidden width, h the heads, fp32 residual stream, bf16 matmul inputs:
+
+      RMSNorm    4d (input, fp32) + 4 (1/rms) + 4d (normalised input, for the weight's gradient) = 8d + 4
+      attention  norm + 2d (qkv input, bf16) + 6d (q, k, v) + 4d (rotated q, k) + 2d (attention output)
+                 + 4h (log-sum-exp, fp32) + 2d (projection input)                          = 24d + 4h + 4
+      FFN        norm + 2d (up input) + 2f (GELU input) + 2f (down input)                     = 10d + 4f + 4
+                 (SwiGLU: 2 x 2f up output + 2f silu + 2f product: 10d + 8f + 4)
+
+  plus, once per token: the ids (8), the final norm (8d + 4) and the head's input 2d, and the loss: bf16 logits,
+  their fp32 copy and fp32 log-probabilities, 10 V bytes (the end of the forward pass, when all of them and
+  every layer's activations are held: the estimate's peak). tests/test_memory.py measures the per-layer and
+  per-token terms with autograd's saved-tensor hooks on CPU under bf16 autocast. Besides, autocast keeps a bf16
+  copy of every matmul weight for the step, 2 B per parameter. Plugins replace or add terms (``_pkm``, ...).
+
+Not counted: the CUDA context and allocator fragmentation (~0.5-1 GB), torch.compile's workspace, retrieval's
+index and neighbour tensors (host memory or faiss's own GPU allocations), communication buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlm.model.config import ModelConfig
+from rlm.plugin.base import make_config
+from rlm.plugin.registry import parse_spec
+
+ADAM_BYTES = 8
+"""Two fp32 moments per parameter (torch.optim.AdamW; PKM's RowAdam alike)."""
+LOSS_BYTES_PER_LOGIT = 2 + 4 + 4
+"""bf16 logits, their fp32 copy (``logits.float()``) and the fp32 log-softmax cross_entropy saves."""
+
+
+@dataclass
+class Parts:
+    """Parameter counts and per-token activation bytes, summed over the model's components."""
+
+    params: int = 0
+    """Every parameter."""
+    row_adam: int = 0
+    """Parameters updated by PKM's row-wise Adam (no .grad, not in AdamW)."""
+    row_tables: int = 0
+    """Tables under row-wise Adam (a 4-byte step each)."""
+    act_per_token: int = 0
+    """Bytes autograd saves per token of the batch."""
+    notes: list[str] = field(default_factory=list)
+
+
+def norm_bytes(d: int) -> int:
+    """Saved bytes per token of rlm's RMSNorm in fp32: its input, 1/rms and the normalised input."""
+    return 8 * d + 4
+
+
+def _attention(mc: ModelConfig) -> tuple[int, int]:
+    """Parameters and saved bytes per token of one self-attention sublayer with its norm."""
+    d, hd = mc.d_model, mc.head_dim
+    params = d * (mc.n_heads + 2 * mc.kv_heads) * hd + d * d + d  # qkv, proj, norm
+    kv = 2 * mc.kv_heads * hd
+    # norm, qkv input, qkv output (v is a view of it), rotated q and k, attention output, lse, proj input
+    act = norm_bytes(d) + 2 * d + 2 * (d + kv) + 2 * (d + kv // 2) + 2 * d + 4 * mc.n_heads + 2 * d
+    return params, act
+
+
+def _ffn(mc: ModelConfig, hidden: int | None = None) -> tuple[int, int]:
+    """Parameters and saved bytes per token of one dense FFN (without its norm)."""
+    d, f = mc.d_model, hidden or mc.hidden
+    gated = mc.ffn == "gated"
+    params = d * (2 if gated else 1) * f + f * d
+    act = 2 * d + (8 * f if gated else 4 * f)
+    return params, act
+
+
+def _base(mc: ModelConfig) -> Parts:
+    d, V, L = mc.d_model, mc.vocab_size, mc.n_layers
+    attn_p, attn_a = _attention(mc)
+    ffn_p, ffn_a = _ffn(mc)
+    per_layer_p = attn_p + d + ffn_p  # + the FFN's norm
+    per_layer_a = attn_a + norm_bytes(d) + ffn_a
+    params = V * d + (0 if mc.tie_embeddings else V * d) + d + L * per_layer_p
+    act = L * per_layer_a + 8 + norm_bytes(d) + 2 * d + LOSS_BYTES_PER_LOGIT * V
+    return Parts(params=params, act_per_token=act)
+
+
+def _layers(layers: Sequence[int] | None, n_layers: int, default: Sequence[int]) -> list[int]:
+    """Distinct layer indices, negative ones counted from the end (as plugins' check_layers)."""
+    chosen = default if layers is None else layers
+    bad = [i for i in chosen if not -n_layers <= i < n_layers]
+    if bad:
+        raise ValueError(
+            f"layers {bad} are outside the model's {n_layers}; accepted: -{n_layers}..{n_layers - 1}"
+        )
+    return sorted({i % n_layers for i in chosen})
+
+
+def _pkm(c: Any, mc: ModelConfig, parts: Parts) -> None:
+    d = mc.d_model
+    layers = _layers(c.layers, mc.n_layers, [mc.n_layers // 2])
+    ffn_p, ffn_a = _ffn(mc)
+    norm = {"layernorm": 2 * c.k_dim, "batchnorm": 2 * c.heads * c.k_dim}.get(c.query_norm, 0)
+    per_layer = d * c.heads * c.k_dim + norm + c.heads * 2 * c.n_keys * (c.k_dim // 2)
+    per_layer += 2 * d * d if c.gated else 0
+    tables = 1 if c.shared_values else len(layers)
+    values = tables * c.slots * d
+    parts.params += len(layers) * per_layer + values
+    if c.sparse in ("auto", "true"):  # one process (and DDP): the row optimizer owns the values
+        parts.row_adam += values
+        parts.row_tables += tables
+    hk = c.heads * c.topk
+    # Not counted: in backward the row-wise update records each read's (N, d) fp32 output gradient (4d per token
+    # and memory layer) until the step; under FSDP (sparse resolves to dense) the values get .grad and AdamW.
+    # Query input 2d (bf16); the layer norm's bf16 input 2 H k_dim and its mean and 1/std (8 H); the fp32 query
+    # 4 H k_dim; per head the top-k indices of both halves (2 x 8 k), the softmax weights (4 k), the slots (8 k).
+    act = 2 * d + 6 * c.heads * c.k_dim + 8 * c.heads + 28 * hk
+    for _ in layers:
+        if c.mode == "replace":
+            parts.params -= ffn_p
+            parts.act_per_token -= ffn_a
+        parts.act_per_token += act
+
+
+def _moe(c: Any, mc: ModelConfig, parts: Parts) -> None:
+    d = mc.d_model
+    layers = _layers(c.layers, mc.n_layers, [1, 3])
+    hidden = c.expert_hidden or mc.hidden
+    expert_p, expert_a = _ffn(mc, hidden)
+    router = c.num_experts * d if c.lookup == "softmax" else 0
+    ffn_p, ffn_a = _ffn(mc)
+    k, n = c.top_k, c.num_experts
+    # Rows through the experts per token: its k assignments (grouped GEMM), or the capacity buffers (N, C, d)
+    # of the bmm path, capacity_factor x that (the dispatch 'auto' takes on CUDA in bf16 is the grouped one).
+    rows = k * (max(c.capacity_factor, 1.0) if c.dispatch == "bmm" else 1.0)
+    # Router: the fp32 input and its jittered copy 8d, three (N,) fp32 rows (softmax, the balance and z losses'),
+    # the chosen ids 8 k; per assignment: ids 8 + 8, gate 4, the expert output in fp32 and its gated copy 8d.
+    act = 8 * d + 12 * n + 8 * k + 12 + k * (20 + 8 * d) + int(rows * expert_a)
+    for _ in layers:
+        parts.params += n * expert_p + router - ffn_p
+        parts.act_per_token += act - ffn_a
+
+
+def _altup(c: Any, mc: ModelConfig, parts: Parts) -> None:
+    d, k, L = mc.d_model, c.k, mc.n_layers
+    params = L * k * k + L * k  # p (L, K, K), g (L, K)
+    if c.embedding != "recycled" and k > 1:
+        width = c.extra_width if c.extra_width is not None else (k - 1) * d
+        params += mc.vocab_size * width
+        if c.extra_width is not None:
+            params += (k - 1) * math.ceil(c.extra_width / (k - 1)) * d
+    if c.router:
+        params += L * (k * k + k) * d
+    if c.reduce == "project":
+        params += k * d * d
+    parts.params += params
+    # Each layer's fp32 predict and correct over the K blocks (4 K d) and the computed block's input (4d).
+    parts.act_per_token += L * (4 * k + 4) * d
+
+
+def _tokenid(c: Any, mc: ModelConfig, parts: Parts) -> None:
+    layers = _layers(c.layers, mc.n_layers, [0])
+    per = mc.d_model * (1 if c.rank == 0 else 2 * c.rank) * mc.vocab_size
+    parts.params += len(layers) * per
+    if c.rank:  # rank 0 saves nothing: the ids are the batch's, the read a residual add
+        # The token's (d, r) and (r, d) entries and its input in bf16, relu's output (r); at r = 1 einsum keeps
+        # one more bf16 copy of the input (measured, tests/test_memory.py).
+        d, r = mc.d_model, c.rank
+        parts.act_per_token += len(layers) * (4 * d * r + 2 * d + 2 * r + (2 * d if r == 1 else 0))
+
+
+def _retrieval(c: Any, mc: ModelConfig, parts: Parts) -> None:
+    if c.embedder != "tokens":
+        raise NotImplementedError(
+            f"retrieval.embedder={c.embedder!r}: the estimate covers embedder 'tokens' only (no parameters of its "
+            "own); the shared and separate embedders' blocks are not counted"
+        )
+    d, hd = mc.d_model, mc.head_dim
+    enc = 2 * d  # each token's embedding beside its predecessor's (TokenEncoder.dim)
+    layers = _layers(c.layers, mc.n_layers, [-1])
+    per = d * d + enc + enc * 2 * hd + d * d + 1 + d  # q, kv norm, kv (one shared head), proj, beta, norm
+    parts.params += len(layers) * per
+    # Per token: its chunk's neighbours k x (1 + continuation) x segment tokens of width 2d (bf16), their keys
+    # and values, and the layer's queries and output, spread over a segment's tokens.
+    # Unlike the other plugins' terms, this one is not measured by a test (a step needs an index and segments).
+    parts.notes.append(
+        "retrieval: cross-attention activations by formula (not measured); the index not counted"
+    )
+    m = c.k * (2 if c.continuation else 1)
+    parts.act_per_token += len(layers) * (
+        norm_bytes(d) + 2 * d + m * (2 * enc + 4 * hd) + 2 * d + 4 * mc.n_heads
+    )
+
+
+PLUGINS = {"pkm": _pkm, "moe": _moe, "altup": _altup, "tokenid": _tokenid, "retrieval": _retrieval}
+"""Plugins with a formula, by name (the registry's names)."""
+
+
+def model_config(config: dict[str, Any], vocab_size: int | None = None) -> ModelConfig:
+    """The ModelConfig of a merged config: ``model.model``, its vocab from data (or ``vocab_size``)."""
+    fields = dict((config.get("model") or {}).get("model") or {})
+    data = config.get("data") or {}
+    vocab = vocab_size or fields.get("vocab_size") or data.get("vocab_size")
+    if vocab is None:
+        raise ValueError(
+            "the vocabulary size is unknown: set model.model.vocab_size or data.vocab_size, or pass vocab_size "
+            "(50257 for GPT-2's tokenizer)"
+        )
+    fields["vocab_size"] = int(vocab)
+    return ModelConfig(**fields)
+
+
+def estimate(config: dict[str, Any], vocab_size: int | None = None) -> dict[str, Any]:
+    """Parameters, optimizer state and activations of a merged config (``model``, ``data``, ``trainer``) in bytes.
+
+    Keys: params, adamw_params, row_adam_params, param_bytes, grad_bytes, optimizer_bytes, activation_bytes,
+    autocast_weight_bytes, total_bytes, batch_size, seq_len, notes.
+    """
+    mc = model_config(config, vocab_size)
+    data = config.get("data") or {}
+    B, T = int(data.get("batch_size", 8)), int(data.get("seq_len", 256))
+    precision = str((config.get("trainer") or {}).get("precision", "32"))
+    parts = _base(mc)
+    for name, spec in ((config.get("model") or {}).get("plugins") or {}).items():
+        parsed = parse_spec(name, spec)
+        if parsed is None:
+            continue
+        cls, options = parsed
+        formula = PLUGINS.get(cls.name)
+        if formula is None:
+            raise ValueError(f"no memory formula for plugin {name!r}; plugins with one: {sorted(PLUGINS)}")
+        formula(make_config(cls, options), mc, parts)
+    dense = parts.params - parts.row_adam
+    act = B * T * parts.act_per_token
+    if not precision.startswith(("bf16", "16")):
+        act *= 2  # fp32 matmul inputs: every bf16 term doubles, roughly
+        parts.notes.append(f"precision {precision}: activations doubled from the bf16 count")
+    out = {
+        "params": parts.params,
+        "adamw_params": dense,
+        "row_adam_params": parts.row_adam,
+        "param_bytes": 4 * parts.params,
+        "grad_bytes": 4 * dense,
+        "optimizer_bytes": ADAM_BYTES * parts.params + 4 * parts.row_tables,
+        "activation_bytes": act,
+        # autocast's bf16 copies of the weights it casts, kept for the step: about the AdamW parameters
+        "autocast_weight_bytes": 2 * dense if precision.startswith(("bf16", "16")) else 0,
+        "batch_size": B,
+        "seq_len": T,
+        "notes": parts.notes,
+    }
+    out["total_bytes"] = (
+        out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"] + act + out["autocast_weight_bytes"]
+    )
+    return out
+
+
+def format_estimate(est: dict[str, Any]) -> str:
+    """A few lines of GiB for people."""
+    gib = 2**30
+    lines = [
+        f"parameters {est['params']:,} ({est['row_adam_params']:,} under PKM's row Adam)",
+        f"weights {est['param_bytes'] / gib:.2f} GiB, gradients {est['grad_bytes'] / gib:.2f} GiB, "
+        f"Adam moments {est['optimizer_bytes'] / gib:.2f} GiB, autocast copies {est['autocast_weight_bytes'] / gib:.2f} GiB",
+        f"activations at batch {est['batch_size']} x {est['seq_len']}: {est['activation_bytes'] / gib:.2f} GiB",
+        f"total {est['total_bytes'] / gib:.2f} GiB (not counted: CUDA context, allocator slack, compile workspace)",
+    ]
+    return "\n".join(lines + est["notes"])
