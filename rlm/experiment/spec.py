@@ -25,6 +25,7 @@ TOP_KEYS = (
     "output",
     "report_metrics",
     "variants",
+    "launcher",
 )
 VARIANT_KEYS = ("description", "configs", "set", "knnlm")
 KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
@@ -40,6 +41,26 @@ KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
 }
 """A variant's ``knnlm`` stage: the options of ``rlm knnlm build`` (``--layer`` ...), ``cache`` (``rlm eval
 --knn-cache``) and ``keep`` (keep the datastore directory; by default only its meta.json stays)."""
+LAUNCHERS = ("local", "slurm", "submitit-local")
+"""``local``: runs on this machine (``jobs`` at once); ``slurm``: one SLURM job per run through submitit;
+``submitit-local``: the same jobs as ``slurm``, run on this machine by submitit's LocalExecutor (a dry run of
+the job path)."""
+LAUNCHER_OPTIONS: dict[str, tuple[type, str]] = {
+    "name": (str, f"one of {list(LAUNCHERS)}"),
+    "jobs": (int, "a positive integer (local: runs at once)"),
+    "partition": (str, "a SLURM partition name"),
+    "gpus_per_job": (int, "an integer >= 0"),
+    "cpus_per_job": (int, "a positive integer"),
+    "mem_gb": (float, "a positive number of GB"),
+    "time": (str, "minutes (an integer) or [D-]HH:MM[:SS], e.g. 90 or '1-12:00:00'"),
+    "requeue": (bool, "true or false"),
+    "signal_delay_s": (int, "an integer >= 10 (seconds before the time limit when rlm fit is stopped)"),
+    "account": (str, "a SLURM account"),
+    "qos": (str, "a SLURM quality of service"),
+    "constraint": (str, "a SLURM node constraint"),
+    "setup": (list, "a list of shell lines run before each job, e.g. ['module load cuda']"),
+}
+"""An experiment's ``launcher`` mapping (``rlm experiment run`` flags override it): where its runs execute."""
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 """Variant and experiment names become directory names: letters, digits and ``_ . + -``."""
 DEFAULT_METRICS = ["val/*"]
@@ -96,6 +117,8 @@ class Experiment:
     """Output directory; None means runs/experiments/NAME under the working directory."""
     report_metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     """fnmatch patterns of the plugin metrics shown in results.md (results.csv has them all)."""
+    launcher: dict[str, Any] = field(default_factory=dict)
+    """Where the runs execute (LAUNCHER_OPTIONS); not part of any run's fingerprint."""
 
     def out_dir(self, override: str | Path | None = None) -> Path:
         """Where the runs and the report go."""
@@ -114,6 +137,7 @@ class Experiment:
             "seeds": self.seeds,
             "baseline": self.baseline,
             "report_metrics": self.report_metrics,
+            "launcher": self.launcher,
             "variants": {
                 v.name: {
                     "configs": [str(p) for p in v.configs],
@@ -208,6 +232,54 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
     return out
 
 
+def time_minutes(value: Any) -> int | None:
+    """A SLURM time limit in minutes: an integer, or ``[D-]HH:MM[:SS]`` (seconds round up); None if invalid."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value > 0 else None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d{1,2})(?::(\d{1,2}))?", str(value).strip())
+    if not isinstance(value, str) or m is None:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    if minutes >= 60 or seconds >= 60:
+        return None
+    total = days * 1440 + hours * 60 + minutes + (seconds > 0)
+    return total if total > 0 else None
+
+
+def parse_launcher(value: Any, where: str, problems: list[str]) -> dict[str, Any]:
+    """A ``launcher`` mapping checked against LAUNCHER_OPTIONS; every bad key or value is a problem."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        problems.append(f"{where}: expected a mapping of {list(LAUNCHER_OPTIONS)}, got {value!r}")
+        return {}
+    out: dict[str, Any] = {}
+    for key, option in value.items():
+        if key not in LAUNCHER_OPTIONS:
+            problems.append(f"{where}: unknown option {key!r}; accepted: {list(LAUNCHER_OPTIONS)}")
+            continue
+        kind, accepted = LAUNCHER_OPTIONS[key]
+        number = isinstance(option, (int, float)) and not isinstance(option, bool)
+        if key == "name":
+            ok = option in LAUNCHERS
+        elif key == "time":
+            ok = time_minutes(option) is not None
+        elif kind is int:
+            low = {"jobs": 1, "cpus_per_job": 1, "signal_delay_s": 10}.get(key, 0)
+            ok = number and isinstance(option, int) and option >= low
+        elif kind is float:
+            ok = number and option > 0
+        elif kind is list:
+            ok = isinstance(option, list) and all(isinstance(line, str) for line in option)
+        else:
+            ok = isinstance(option, kind)
+        if not ok:
+            problems.append(f"{where}.{key}: got {option!r}; accepted: {accepted}")
+            continue
+        out[key] = option
+    return out
+
+
 def _seeds(value: Any, problems: list[str]) -> list[int]:
     if value is None:
         return [0]
@@ -281,6 +353,7 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
     if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
         problems.append(f"report_metrics: expected a list of patterns such as ['val/*'], got {metrics!r}")
         metrics = list(DEFAULT_METRICS)
+    launcher = parse_launcher(raw.get("launcher"), "launcher", problems)
     exp = Experiment(
         path=path,
         name=name,
@@ -292,6 +365,7 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
         variants=variants,
         output=(root / output).resolve() if output else None,
         report_metrics=metrics,
+        launcher=launcher,
     )
     return exp, problems
 
