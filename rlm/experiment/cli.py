@@ -1,4 +1,4 @@
-"""``rlm experiment run|check|report``: a small table of subcommands."""
+"""``rlm experiment run|check|report|status``: a small table of subcommands."""
 
 from __future__ import annotations
 
@@ -10,8 +10,22 @@ from pathlib import Path
 from rlm.experiment.check import ParamCounts, check_experiment
 from rlm.experiment.report import write_report
 from rlm.experiment.runner import PREEMPTED, Preempted, plan, run_experiment
-from rlm.experiment.spec import Experiment
-from rlm.extras import MissingExtra
+from rlm.experiment.spec import Experiment, resolve_launcher
+from rlm.experiment.status import experiment_states, format_states
+from rlm.extras import MissingExtra, require
+
+LAUNCHER_FLAGS = (
+    "launcher",
+    "jobs",
+    "partition",
+    "gpus_per_job",
+    "cpus_per_job",
+    "mem_gb",
+    "time",
+    "account",
+    "qos",
+)
+"""``rlm experiment run`` flags that override the file's ``launcher`` mapping (``--launcher`` is its ``name``)."""
 
 
 def _print_plan(exp: Experiment, out: Path, runs: int, counts: dict[str, ParamCounts]) -> None:
@@ -37,8 +51,24 @@ def cmd_run(a: argparse.Namespace) -> int:
     exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
     _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
+    flags = {"name" if k == "launcher" else k: getattr(a, k) for k in LAUNCHER_FLAGS}
+    launcher = resolve_launcher(exp.launcher, flags)
+    if a.no_wait and launcher["name"] != "slurm":
+        raise ValueError(
+            f"--no-wait applies to --launcher slurm, not {launcher['name']} (its jobs end with this process)"
+        )
     try:
-        failed = run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse)
+        if launcher["name"] == "local":
+            failed = run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse, jobs=launcher["jobs"])
+        else:
+            require("submitit", "slurm", f"--launcher {launcher['name']}")
+            from rlm.experiment.submit import submit
+
+            ids, failed = submit(exp, out, launcher, a.variants, not a.no_reuse, wait=not a.no_wait)
+            if a.no_wait:
+                print(f"submitted {len(ids)} job(s); follow them with `rlm experiment status {out}`, "
+                      f"and write the report with `rlm experiment report {out}` once they are done")  # fmt: skip
+                return 0
     except Preempted as stop:
         print(f"experiment stopped: {stop}", file=sys.stderr)
         return PREEMPTED
@@ -53,6 +83,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(a: argparse.Namespace) -> int:
+    """Print each run's state (pending, queued, running, done, stopped, failed) from its directory's files."""
+    print(format_states(experiment_states(Path(a.dir))))
+    return 0
+
+
 def cmd_report(a: argparse.Namespace) -> int:
     """Regenerate the tables and plots from the finished runs of an experiment directory."""
     paths = write_report(Path(a.dir))
@@ -64,7 +100,29 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "run": (cmd_run, "train every unfinished (variant, seed) run, then write the report"),
     "check": (cmd_check, "validate an experiment file and print its plan; trains nothing"),
     "report": (cmd_report, "regenerate results.csv, results.md and the plots from finished runs"),
+    "status": (cmd_status, "show each run's state: pending, queued, running, done, stopped or failed"),
 }
+
+
+def _launcher_flags(s: argparse.ArgumentParser) -> None:
+    """Where the runs execute; each flag overrides the experiment file's ``launcher`` mapping."""
+    g = s.add_argument_group("launcher (each overrides the file's launcher: mapping)")
+    g.add_argument("--launcher", default=None, help="local (default), slurm (a submitit job per run), or "
+                   "submitit-local (those jobs on this machine)")  # fmt: skip
+    g.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="local: runs at once, one GPU each when there are GPUs (default 1: one after another)")  # fmt: skip
+    g.add_argument("--partition", default=None, help="SLURM partition")
+    g.add_argument(
+        "--gpus-per-job", type=int, default=None, metavar="N", help="GPUs per run (slurm default 1)"
+    )
+    g.add_argument("--cpus-per-job", type=int, default=None, metavar="N", help="CPU cores per run")
+    g.add_argument("--mem-gb", type=float, default=None, metavar="GB", help="memory per run")
+    g.add_argument("--time", default=None, help="time limit per job: minutes or [D-]HH:MM[:SS]; a run that needs "
+                   "longer is stopped, requeued and resumed")  # fmt: skip
+    g.add_argument("--account", default=None, help="SLURM account")
+    g.add_argument("--qos", default=None, help="SLURM quality of service")
+    g.add_argument("--no-wait", action="store_true", help="slurm: return once the jobs are submitted "
+                   "(then `rlm experiment status DIR` and `rlm experiment report DIR`)")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,7 +132,7 @@ def parser() -> argparse.ArgumentParser:
     for name, (fn, help_) in SUBCOMMANDS.items():
         s = sub.add_parser(name, help=help_, description=help_)
         s.set_defaults(fn=fn)
-        if name == "report":
+        if name in ("report", "status"):
             s.add_argument("dir", help="an experiment's output directory (holds experiment.json)")
             continue
         s.add_argument("file", help="experiment file, e.g. configs/experiments/lookups.yaml")
@@ -89,6 +147,7 @@ def parser() -> argparse.ArgumentParser:
                 help="train every run, even one whose config and seed equal a finished run of a sibling "
                 "experiment directory (by default that run is reused)",
             )
+            _launcher_flags(s)
         s.add_argument(
             "--seeds",
             nargs="+",

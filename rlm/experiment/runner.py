@@ -77,6 +77,12 @@ class Run:
     def finished(self) -> bool:
         return (self.dir / SUMMARY).is_file()
 
+    def complete(self) -> bool:
+        """Finished, with the kNN-LM stage too when the variant has one: nothing left to do."""
+        if not self.finished():
+            return False
+        return self.knnlm is None or bool(json.loads((self.dir / SUMMARY).read_text()).get("knnlm"))
+
 
 def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[Run]:
     """Every run of the experiment (restricted to ``variants`` when given), in file order, seeds inner."""
@@ -389,7 +395,7 @@ def without_knnlm(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
     text = path.read_text(errors="replace").splitlines() if path.is_file() else []
     return "\n".join(f"    {ln}" for ln in text[-lines:])
 
@@ -451,7 +457,7 @@ def _execute(run: Run, out: Path, reuse_equal: bool) -> dict[str, Any] | None:
         if not ok:
             write_job(run.dir, state="failed", step=step, log=str(run.dir / "fit.log"), ended=time.time())
             tqdm.write(
-                f"{run.label}: {step} failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{_tail(run.dir / 'fit.log')}"
+                f"{run.label}: {step} failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{log_tail(run.dir / 'fit.log')}"
             )
             return None
         summary = summarize(run, wall)
@@ -462,7 +468,7 @@ def _execute(run: Run, out: Path, reuse_equal: bool) -> dict[str, Any] | None:
                 run.dir, state="failed", step="kNN-LM", log=str(run.dir / "knnlm.log"), ended=time.time()
             )
             tqdm.write(f"{run.label}: the kNN-LM stage failed; end of {run.dir / 'knnlm.log'}:\n"
-                       f"{_tail(run.dir / 'knnlm.log')}")  # fmt: skip
+                       f"{log_tail(run.dir / 'knnlm.log')}")  # fmt: skip
             return None
         summary = with_knnlm(summary, run)
         write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")

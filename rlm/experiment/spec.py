@@ -52,7 +52,10 @@ LAUNCHER_OPTIONS: dict[str, tuple[type, str]] = {
     "gpus_per_job": (int, "an integer >= 0"),
     "cpus_per_job": (int, "a positive integer"),
     "mem_gb": (float, "a positive number of GB"),
-    "time": (str, "minutes (an integer) or [D-]HH:MM[:SS], e.g. 90 or '1-12:00:00'"),
+    "time": (
+        str,
+        "SLURM's formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 90 or '1-12:00:00'",
+    ),
     "requeue": (bool, "true or false"),
     "signal_delay_s": (int, "an integer >= 10 (seconds before the time limit when rlm fit is stopped)"),
     "account": (str, "a SLURM account"),
@@ -233,16 +236,26 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
 
 
 def time_minutes(value: Any) -> int | None:
-    """A SLURM time limit in minutes: an integer, or ``[D-]HH:MM[:SS]`` (seconds round up); None if invalid."""
+    """A time limit in whole minutes (seconds round up), read as SLURM reads ``--time``: minutes, MM:SS,
+    HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS; None if it is none of these or not positive."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value if value > 0 else None
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d{1,2})(?::(\d{1,2}))?", str(value).strip())
-    if not isinstance(value, str) or m is None:
+    if not isinstance(value, str):
         return None
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    if minutes >= 60 or seconds >= 60:
+    days, dash, clock = value.strip().rpartition("-")
+    parts = clock.split(":")
+    if (dash and not days.isdigit()) or not all(p.isdigit() for p in parts) or len(parts) > 3:
         return None
-    total = days * 1440 + hours * 60 + minutes + (seconds > 0)
+    n = [int(p) for p in parts]
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, m, sec = n + [0] * (3 - len(n))
+    elif len(n) == 3:  # HH:MM:SS
+        h, m, sec = n
+    else:  # MM or MM:SS
+        h, m, sec = 0, n[0], n[1] if len(n) == 2 else 0
+    if sec >= 60 or (m >= 60 and (days or len(n) == 3)):
+        return None
+    total = int(days or 0) * 1440 + h * 60 + m + (sec > 0)
     return total if total > 0 else None
 
 
@@ -278,6 +291,36 @@ def parse_launcher(value: Any, where: str, problems: list[str]) -> dict[str, Any
             continue
         out[key] = option
     return out
+
+
+LAUNCHER_DEFAULTS: dict[str, Any] = {"name": "local", "jobs": 1, "requeue": True, "signal_delay_s": 120}
+
+
+def resolve_launcher(from_file: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """The launcher options a run uses: defaults, the file's ``launcher`` mapping, then the command-line flags
+    (``--jobs 2`` is ``jobs``; None means not given). Raises ValueError naming every bad flag or combination."""
+    problems: list[str] = []
+    given = {k: v for k, v in flags.items() if v is not None}
+    if isinstance(given.get("time"), str) and given["time"].strip().isdigit():
+        given["time"] = int(given["time"])
+    checked: dict[str, Any] = {}
+    for key, value in given.items():  # each message names the flag: --gpus-per-job: got -1; accepted: ...
+        mine: list[str] = []
+        checked.update(parse_launcher({key: value}, "launcher", mine))
+        flag = "--launcher" if key == "name" else "--" + key.replace("_", "-")
+        problems += [flag + p.removeprefix(f"launcher.{key}") for p in mine]
+    options = {**LAUNCHER_DEFAULTS, **from_file, **checked}
+    name = options["name"]
+    if name == "slurm" and "time" not in options:
+        problems.append("--launcher slurm needs a time limit per job: launcher.time in the file or --time, "
+                        "e.g. --time 12:00:00 (SLURM's default limit would be submitit's 5 minutes)")  # fmt: skip
+    if name != "local" and options["jobs"] != 1:
+        problems.append(f"--jobs {options['jobs']} applies to --launcher local; with {name} every run is its own "
+                        "job, and the scheduler decides how many run at once")  # fmt: skip
+    if problems:
+        raise ValueError("bad launcher options:\n" + "\n".join(f"  - {p}" for p in problems))
+    options["time_min"] = time_minutes(options["time"]) if "time" in options else None
+    return options
 
 
 def _seeds(value: Any, problems: list[str]) -> list[int]:
