@@ -10,9 +10,8 @@ from pathlib import Path
 from rlm.experiment.check import ParamCounts, check_experiment
 from rlm.experiment.report import write_report
 from rlm.experiment.runner import PREEMPTED, Preempted, plan, run_experiment
-from rlm.experiment.spec import Experiment, resolve_launcher
-from rlm.experiment.status import experiment_states, format_states
-from rlm.extras import MissingExtra, require
+from rlm.experiment.spec import Experiment
+from rlm.extras import MissingExtra
 
 LAUNCHER_FLAGS = (
     "launcher",
@@ -51,6 +50,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     exp, counts = check_experiment(a.file, a.set, a.seeds)
     out = exp.out_dir(a.out)
     _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
+    from rlm.experiment.spec import resolve_launcher
+    from rlm.extras import require
+
     flags = {"name" if k == "launcher" else k: getattr(a, k) for k in LAUNCHER_FLAGS}
     launcher = resolve_launcher(exp.launcher, flags)
     if a.no_wait and launcher["name"] != "slurm":
@@ -85,6 +87,8 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def cmd_status(a: argparse.Namespace) -> int:
     """Print each run's state (pending, queued, running, done, stopped, failed) from its directory's files."""
+    from rlm.experiment.status import experiment_states, format_states
+
     print(format_states(experiment_states(Path(a.dir))))
     return 0
 
