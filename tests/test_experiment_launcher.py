@@ -343,3 +343,23 @@ def test_time_limits_in_minutes():
              "1-12": 2160, "1-12:30": 2190, "0:00": None, 0: None, "1:60": None, "1:60:00": None, "abc": None,
              "-5": None, "1-": None, True: None}  # fmt: skip
     assert {k: time_minutes(k) for k in cases} == cases
+
+
+def test_base_flag_stacks_a_model_size_on_every_variant(tmp_path, monkeypatch):
+    """``--base configs/model/X.yaml`` runs the same comparison at another size (README: the seeds' files at 124M)."""
+    from cli_helpers import CONFIGS
+
+    from rlm.experiment.check import check_experiment
+
+    monkeypatch.chdir(CONFIGS.parent)
+    path = write_experiment(
+        tmp_path / "e.yaml",
+        variants={"baseline": {}, "deeper": {"set": {"model": {"model": {"n_layers": 3}}}}},
+    )
+    _, tiny = check_experiment(path)
+    exp, small = check_experiment(path, base=["configs/model/small.yaml"])
+    assert exp.base[-1] == CONFIGS / "model" / "small.yaml"
+    assert small["baseline"].total > 10 * tiny["baseline"].total  # d=256 against d=64
+    assert small["deeper"].total < small["baseline"].total  # the variant's set still wins: 3 layers, not 4
+    with pytest.raises(ExperimentError, match=r"--base: config file 'nothere.yaml' does not exist"):
+        check_experiment(path, base=["nothere.yaml"])

@@ -39,7 +39,7 @@ def _print_plan(exp: Experiment, out: Path, runs: int, counts: dict[str, ParamCo
 
 def cmd_check(a: argparse.Namespace) -> int:
     """Validate the file and print the plan with each variant's parameter counts; train nothing."""
-    exp, counts = check_experiment(a.file, a.set, a.seeds)
+    exp, counts = check_experiment(a.file, a.set, a.seeds, a.base)
     out = exp.out_dir(a.out)
     _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
     return 0
@@ -47,7 +47,7 @@ def cmd_check(a: argparse.Namespace) -> int:
 
 def cmd_run(a: argparse.Namespace) -> int:
     """Validate, train every unfinished run, then write the report."""
-    exp, counts = check_experiment(a.file, a.set, a.seeds)
+    exp, counts = check_experiment(a.file, a.set, a.seeds, a.base)
     out = exp.out_dir(a.out)
     _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
     from rlm.experiment.spec import resolve_launcher
@@ -160,6 +160,11 @@ def parser() -> argparse.ArgumentParser:
             metavar="K",
             help="these seeds instead of the file's",
         )
+        s.add_argument(
+            "--base", nargs="+", default=None, metavar="FILE",
+            help="config files stacked after the file's base (before the variants' configs), e.g. "
+            "configs/model/gpt2_small.yaml to run the same comparison at another model size; use --out too",
+        )  # fmt: skip
         s.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE",
             help="merged into the file's common mapping (VALUE is YAML), e.g. --set trainer.max_steps=100; "

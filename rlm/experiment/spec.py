@@ -519,8 +519,16 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def apply_overrides(exp: Experiment, sets: list[str], seeds: list[int] | None, problems: list[str]) -> None:
-    """Command-line ``--set a.b=VALUE`` (merged into ``common``, VALUE read as YAML) and ``--seeds``."""
+def apply_overrides(
+    exp: Experiment,
+    sets: list[str],
+    seeds: list[int] | None,
+    problems: list[str],
+    base: list[str] | None = None,
+) -> None:
+    """Command-line ``--set a.b=VALUE`` (merged into ``common``, VALUE read as YAML), ``--seeds``, and
+    ``--base FILE`` (config files appended to the file's ``base``, relative to the working directory)."""
+    exp.base = [*exp.base, *_paths(base, "--base", Path.cwd(), problems)]
     for item in sets:
         key, eq, value = item.partition("=")
         if not eq or not key or any(not part for part in key.split(".")):
