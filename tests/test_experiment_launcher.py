@@ -240,37 +240,49 @@ time.sleep(60)
 
 
 def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_path, monkeypatch):
-    """SLURM's warning (USR2) reaches every process of the job: the child ignores it, and submitit's checkpoint
-    stops it with SIGTERM (rlm fit then saves last.ckpt and exits 143) before the job is requeued."""
+    """SLURM's warning (USR2) reaches every process of the job: the child ignores it, and submitit's checkpoint,
+    a signal handler in the thread that waits for the child, stops it with SIGTERM (rlm fit then saves
+    last.ckpt and exits 143) and returns the same call to requeue, without waiting out its time."""
     from rlm.experiment import runner
     from rlm.experiment.runner import PREEMPTED, Run
     from rlm.experiment.submit import RunJob
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
-    saved = tmp_path / "saved"
-    log = tmp_path / "child.log"
-    codes: list[int] = []
-    with open(log, "w") as f:
-        thread = threading.Thread(
-            target=lambda: codes.append(
-                runner._run_forwarding_sigterm([sys.executable, "-c", CHILD, str(saved)], f, dict(os.environ))
-            )
-        )
-        thread.start()
+    saved, log = tmp_path / "saved", tmp_path / "child.log"
+    job = RunJob([Run("v", 0, tmp_path / "v" / "seed0", {})], tmp_path, True, requeue=True, stop_wait_s=30)
+    seen: dict = {}
+
+    def submitit_signal(signum, frame):  # as submitit's handler of USR2 calls the job's checkpoint
+        start = time.monotonic()
+        seen["delayed"] = job.checkpoint()
+        seen["took"] = time.monotonic() - start
+
+    def scheduler():
         deadline = time.monotonic() + 30
         while "ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
         (child,) = runner._LIVE
         child.send_signal(signal.SIGUSR2)  # ignored: without that, the default action would kill it unsaved
-        time.sleep(0.2)
-        assert child.poll() is None
-        job = RunJob(
-            [Run("v", 0, tmp_path / "v" / "seed0", {})], tmp_path, True, requeue=True, stop_wait_s=20
-        )
-        delayed = job.checkpoint()
-        thread.join(timeout=20)
-    assert codes == [PREEMPTED] and saved.read_text() == "saved" and not runner._LIVE
-    assert isinstance(delayed, submitit.helpers.DelayedSubmission) and delayed.function is job
+        time.sleep(0.3)
+        seen["alive after USR2"] = not runner.exited(child)
+        os.kill(os.getpid(), signal.SIGUSR1)  # stands for the job process's USR2
+
+    previous = signal.signal(signal.SIGUSR1, submitit_signal)
+    try:
+        with open(log, "w") as f:
+            thread = threading.Thread(target=scheduler)
+            thread.start()
+            code = runner._run_forwarding_sigterm(
+                [sys.executable, "-c", CHILD, str(saved)], f, dict(os.environ)
+            )
+            thread.join(timeout=30)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert (
+        seen["alive after USR2"] and code == PREEMPTED and saved.read_text() == "saved" and not runner._LIVE
+    )
+    assert seen["took"] < 10  # it returned once the child had exited, not after stop_wait_s
+    assert isinstance(seen["delayed"], submitit.helpers.DelayedSubmission) and seen["delayed"].function is job
     assert RunJob([], tmp_path, True, requeue=False, stop_wait_s=1).checkpoint() is None
 
 

@@ -262,11 +262,19 @@ def stop_children(signum: int = signal.SIGTERM, wait_s: float = 0) -> None:
     for proc in procs:
         proc.send_signal(signum)
     deadline = time.monotonic() + wait_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    while not all(exited(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def exited(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has ended, without reaping it: a signal handler may run in the thread that waits for it
+    (submitit's checkpoint does), holding Popen's wait lock, so Popen.wait and poll cannot tell."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
 
 
 def _ignore_usr2() -> None:  # pragma: no cover - runs in the child between fork and exec
