@@ -22,7 +22,7 @@ from typing import Any
 import submitit
 from tqdm import tqdm
 
-from rlm.experiment.runner import Run, execute, groups, plan, stop_children, write_job
+from rlm.experiment.runner import JOB_JSON, Run, execute, groups, plan, stop_children, write_job
 from rlm.experiment.spec import Experiment, write_atomic
 
 FOLDER = ".submitit"
@@ -81,6 +81,13 @@ def executor(options: dict[str, Any], folder: Path) -> submitit.AutoExecutor:
     return ex
 
 
+def _state(run: Run) -> str | None:
+    try:
+        return json.loads((run.dir / JOB_JSON).read_text()).get("state")
+    except (OSError, ValueError):
+        return None
+
+
 def submit(
     exp: Experiment,
     out: Path,
@@ -114,13 +121,12 @@ def submit(
     for job, group in tqdm(jobs, desc=f"experiment {exp.name}", unit="job"):
         try:
             failed.update(job.result())
-        except Exception as err:  # the job died outside execute (killed, out of memory, an import error)
+        except Exception as err:  # stopped by SIGTERM, or died outside execute (killed, an import error)
             for run in group:
-                if not run.finished():
+                if not run.complete():
                     failed.add(run.label)
-                    write_job(
-                        run.dir, state="failed", step="job", log=str(job.paths.stderr), ended=time.time()
-                    )
+                    if _state(run) != "stopped":  # a stopped run keeps its state: the next run resumes it
+                        write_job(run.dir, state="failed", step="job", log=str(job.paths.stderr), ended=time.time())  # fmt: skip
             last = str(err).strip().splitlines()[-1:] or [type(err).__name__]
             tqdm.write(f"job {job.job_id} failed: {last[0]}; see {job.paths.stderr}")
     return ids, [run.label for run in runs if run.label in failed]
