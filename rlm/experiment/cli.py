@@ -45,32 +45,41 @@ def cmd_check(a: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(exp: Experiment, out: Path, a: argparse.Namespace) -> list[str] | None:
+    """Execute the runs where the launcher options (the file's, then the flags) say; the labels of the runs
+    that failed, or None when the jobs were only submitted (--no-wait)."""
+    from rlm.experiment.spec import resolve_launcher
+    from rlm.extras import require
+
+    launcher = resolve_launcher(
+        exp.launcher, {"name" if k == "launcher" else k: getattr(a, k) for k in LAUNCHER_FLAGS}
+    )
+    if a.no_wait and launcher["name"] != "slurm":
+        raise ValueError(
+            f"--no-wait applies to --launcher slurm, not {launcher['name']} (its jobs end with this process)"
+        )
+    if launcher["name"] == "local":
+        return run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse, jobs=launcher["jobs"])
+    require("submitit", "slurm", f"--launcher {launcher['name']}")
+    from rlm.experiment.submit import submit
+
+    ids, failed = submit(exp, out, launcher, a.variants, not a.no_reuse, wait=not a.no_wait)
+    if a.no_wait:
+        print(f"submitted {len(ids)} job(s); follow them with `rlm experiment status {out}`, "
+              f"and write the report with `rlm experiment report {out}` once they are done")  # fmt: skip
+        return None
+    return failed
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     """Validate, train every unfinished run, then write the report."""
     exp, counts = check_experiment(a.file, a.set, a.seeds, a.base)
     out = exp.out_dir(a.out)
     _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
-    from rlm.experiment.spec import resolve_launcher
-    from rlm.extras import require
-
-    flags = {"name" if k == "launcher" else k: getattr(a, k) for k in LAUNCHER_FLAGS}
-    launcher = resolve_launcher(exp.launcher, flags)
-    if a.no_wait and launcher["name"] != "slurm":
-        raise ValueError(
-            f"--no-wait applies to --launcher slurm, not {launcher['name']} (its jobs end with this process)"
-        )
     try:
-        if launcher["name"] == "local":
-            failed = run_experiment(exp, out, a.variants, reuse_equal=not a.no_reuse, jobs=launcher["jobs"])
-        else:
-            require("submitit", "slurm", f"--launcher {launcher['name']}")
-            from rlm.experiment.submit import submit
-
-            ids, failed = submit(exp, out, launcher, a.variants, not a.no_reuse, wait=not a.no_wait)
-            if a.no_wait:
-                print(f"submitted {len(ids)} job(s); follow them with `rlm experiment status {out}`, "
-                      f"and write the report with `rlm experiment report {out}` once they are done")  # fmt: skip
-                return 0
+        failed = _launch(exp, out, a)
+        if failed is None:  # submitted, not waited for
+            return 0
     except Preempted as stop:
         print(f"experiment stopped: {stop}", file=sys.stderr)
         return PREEMPTED
@@ -121,7 +130,7 @@ def _launcher_flags(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cpus-per-job", type=int, default=None, metavar="N", help="CPU cores per run")
     g.add_argument("--mem-gb", type=float, default=None, metavar="GB", help="memory per run")
-    g.add_argument("--time", default=None, help="time limit per job: minutes or [D-]HH:MM[:SS]; a run that needs "
+    g.add_argument("--time", default=None, help="time limit per job: minutes, HH:MM:SS or D-HH:MM:SS (SLURM's formats); a run that needs "
                    "longer is stopped, requeued and resumed")  # fmt: skip
     g.add_argument("--account", default=None, help="SLURM account")
     g.add_argument("--qos", default=None, help="SLURM quality of service")
