@@ -93,11 +93,12 @@ def test_broken_experiment_lists_every_problem(tmp_path, capsys):
 def test_subcommand_table_is_pinned():
     from rlm.experiment.cli import SUBCOMMANDS, parser
 
-    assert list(SUBCOMMANDS) == ["run", "check", "report"]
+    assert list(SUBCOMMANDS) == ["run", "check", "report", "status"]
     assert (
         parser().parse_args(["check", "x.yaml", "--set", "a.b=1", "--seeds", "3"]).fn
         is SUBCOMMANDS["check"][0]
     )
+    assert parser().parse_args(["status", "runs/x"]).fn is SUBCOMMANDS["status"][0]
 
 
 def test_structure_errors_without_a_parser(tmp_path):

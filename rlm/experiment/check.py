@@ -165,14 +165,18 @@ def _instantiate_configs(ns: Any, plugins: dict[str, Any]) -> ParamCounts:
 
 
 def check_experiment(
-    path: str | Path, sets: list[str] | None = None, seeds: list[int] | None = None
+    path: str | Path,
+    sets: list[str] | None = None,
+    seeds: list[int] | None = None,
+    base: list[str] | None = None,
 ) -> tuple[Experiment, dict[str, ParamCounts]]:
     """Validate an experiment file (with command-line ``--set`` / ``--seeds`` applied); raise
-    :class:`ExperimentError` listing every problem; the experiment and each variant's parameter counts."""
+    :class:`ExperimentError` listing every problem; the experiment and each variant's parameter counts.
+    ``base`` files (``--base``) are stacked after the file's own base."""
     exp, problems = parse_experiment(path)
     if exp is None:
         raise ExperimentError(path, problems)
-    apply_overrides(exp, sets or [], seeds, problems)
+    apply_overrides(exp, sets or [], seeds, problems, base)
     parser: ConfigParser | None = None
     counts: dict[str, ParamCounts] = {}
     for name, variant in exp.variants.items():

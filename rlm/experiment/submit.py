@@ -1,0 +1,132 @@
+"""An experiment's runs as submitit jobs: one SLURM job per run (``--launcher slurm``), or the same jobs on this
+machine through submitit's LocalExecutor (``--launcher submitit-local``).
+
+Each job calls :func:`rlm.experiment.runner.execute`, the local runner's per-run work (train, test evaluation,
+kNN-LM stage, summary.json). Preemption and the time limit: SLURM sends USR2 ``signal_delay_s`` seconds before
+it stops the job (sbatch ``--signal``); submitit then calls :meth:`RunJob.checkpoint`, which sends SIGTERM to
+the running ``rlm fit`` (it saves ckpt/last.ckpt and exits 143) and hands submitit the same call to requeue;
+the requeued job resumes the run from that checkpoint. Runs with equal configs and seeds share a job, so the
+later ones reuse the first (:func:`rlm.experiment.runner.groups`).
+
+Needs the ``slurm`` extra (submitit); imported only when such a launcher is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit
+from tqdm import tqdm
+
+from rlm.experiment.runner import JOB_JSON, Run, execute, groups, plan, stop_children, write_job
+from rlm.experiment.spec import Experiment, write_atomic
+
+FOLDER = ".submitit"
+"""submitit's folder in the experiment directory: each job's pickles, batch script and logs."""
+
+
+class RunJob(submitit.helpers.Checkpointable):
+    """The work of one job: its runs one after another; returns the labels of those that failed."""
+
+    def __init__(
+        self, runs: list[Run], out: Path, reuse_equal: bool, requeue: bool, stop_wait_s: float
+    ) -> None:
+        self.runs, self.out, self.reuse_equal = runs, out, reuse_equal
+        self.requeue, self.stop_wait_s = requeue, stop_wait_s
+
+    def __call__(self) -> list[str]:
+        return [run.label for run in self.runs if execute(run, self.out, self.reuse_equal) is None]
+
+    def checkpoint(self) -> submitit.helpers.DelayedSubmission | None:
+        """Preempted or near the time limit: stop ``rlm fit`` so that it saves last.ckpt, then requeue this same
+        call (None, without ``requeue``: the job ends, and the next ``rlm experiment run`` resumes the run)."""
+        stop_children(wait_s=self.stop_wait_s)
+        return submitit.helpers.DelayedSubmission(self) if self.requeue else None
+
+
+def executor(options: dict[str, Any], folder: Path) -> submitit.AutoExecutor:
+    """A submitit executor for the resolved launcher options (rlm.experiment.spec.resolve_launcher)."""
+    slurm = options["name"] == "slurm"
+    if slurm and shutil.which("sbatch") is None:
+        raise ValueError(
+            "--launcher slurm: no `sbatch` on PATH; run on a SLURM login node, or use --launcher local"
+        )
+    ex = submitit.AutoExecutor(
+        folder=folder,
+        cluster="slurm" if slurm else "local",
+        slurm_max_num_timeout=100 if options["requeue"] else 0,
+    )
+    params: dict[str, Any] = {
+        "nodes": 1,
+        "tasks_per_node": 1,
+        "gpus_per_node": options.get("gpus_per_job", 1 if slurm else 0),
+    }
+    # submitit's LocalExecutor stops a job after 2 minutes unless told otherwise
+    params["timeout_min"] = options.get("time_min") or (7 * 24 * 60)
+    for key, name in (("cpus_per_job", "cpus_per_task"), ("mem_gb", "mem_gb")):
+        if key in options:
+            params[name] = options[key]
+    if slurm:
+        params["slurm_signal_delay_s"] = options["signal_delay_s"]
+        for key in ("partition", "account", "qos", "constraint", "setup"):
+            if key in options:
+                params[f"slurm_{key}"] = options[key]
+        if options["requeue"]:
+            params["slurm_additional_parameters"] = {"requeue": True}
+    ex.update_parameters(**params)
+    return ex
+
+
+def _state(run: Run) -> str | None:
+    try:
+        return json.loads((run.dir / JOB_JSON).read_text()).get("state")
+    except (OSError, ValueError):
+        return None
+
+
+def submit(
+    exp: Experiment,
+    out: Path,
+    options: dict[str, Any],
+    variants: list[str] | None = None,
+    reuse_equal: bool = True,
+    wait: bool = True,
+) -> tuple[list[str], list[str]]:
+    """Submit a job for every group of unfinished runs; with ``wait``, wait for them all. Returns (job ids,
+    labels of the runs that failed; empty without ``wait``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
+    runs = plan(exp, out, variants)
+    ex = executor(options, out / FOLDER)
+    # SLURM's warning comes signal_delay_s before the kill: leave rlm fit most of it to save last.ckpt
+    stop_wait_s = max(5.0, options["signal_delay_s"] - 15.0)
+    todo = [g for g in groups(runs) if not all(r.complete() for r in g)]
+    jobs = []
+    for group in todo:
+        ex.update_parameters(name=f"rlm-{exp.name}-{group[0].variant}-seed{group[0].seed}")
+        job = ex.submit(RunJob(group, out, reuse_equal, options["requeue"], stop_wait_s))
+        for run in (r for r in group if not r.complete()):
+            write_job(run.dir, state="queued", launcher=options["name"], job_id=str(job.job_id),
+                      submitted=time.time(), log=str(job.paths.stderr))  # fmt: skip
+        jobs.append((job, group))
+        tqdm.write(f"{', '.join(r.label for r in group)}: submitted as job {job.job_id}")
+    ids = [str(job.job_id) for job, _ in jobs]
+    if not wait:
+        return ids, []
+    failed: set[str] = set()
+    for job, group in tqdm(jobs, desc=f"experiment {exp.name}", unit="job"):
+        try:
+            failed.update(job.result())
+        except Exception as err:  # stopped by SIGTERM, or died outside execute (killed, an import error)
+            for run in group:
+                if not run.complete():
+                    failed.add(run.label)
+                    if _state(run) != "stopped":  # a stopped run keeps its state: the next run resumes it
+                        write_job(run.dir, state="failed", step="job", log=str(job.paths.stderr), ended=time.time())  # fmt: skip
+            last = str(err).strip().splitlines()[-1:] or [type(err).__name__]
+            tqdm.write(f"job {job.job_id} failed: {last[0]}; see {job.paths.stderr}")
+    return ids, [run.label for run in runs if run.label in failed]
