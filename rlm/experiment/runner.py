@@ -388,7 +388,7 @@ def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
     out.update(test_loss=knn["loss"], test_ppl=knn["ppl"], test_bpb=knn["bpb"])
     out["knnlm"] = {
         "options": run.knnlm, "lam": r["lam"], "temperature": r["temperature"], "k": r["k"], "cache": r["cache"],
-        "keys": meta.get("entries"), "factory": meta.get("factory"), "build_s": (meta.get("seconds") or {}).get("total"),
+        "keys": meta.get("entries"), "factory": meta.get("factory"), "build_s": sum((meta.get("seconds") or {}).values()) or None,
         "eval_s": r.get("seconds"), "target_in_neighbours": r.get("target_in_neighbours"),
     }  # fmt: skip
     return out
