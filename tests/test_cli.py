@@ -47,10 +47,20 @@ def test_fit_logs_checkpoints_and_generates(tmp_path, rlm_cache):
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert state["hyper_parameters"]["plugins"] == {"tokenid": {"layers": [0], "rank": 0}}
     out = run_rlm(
-        ["generate", "--ckpt", ckpt, "--prompt", "def ", "--max-new-tokens", "20"], tmp_path, rlm_cache
+        ["generate", "--ckpt", ckpt, "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"],
+        tmp_path,
+        rlm_cache,
     )
     assert out.stdout.startswith("def ") and len(out.stdout) > 5
-    val = run_rlm(fit_args(command="validate") + ["--ckpt_path", ckpt], tmp_path, rlm_cache)
+    # the other spellings (--ckpt_path, --max_new_tokens), and the full recompute: the same greedy text
+    again = run_rlm(
+        ["generate", "--ckpt_path", ckpt, "--prompt", "def ", "--max_new_tokens", "20", "--temperature", "0",
+         "--no-cache"],
+        tmp_path,
+        rlm_cache,
+    )  # fmt: skip
+    assert again.stdout == out.stdout
+    val = run_rlm(fit_args(command="validate") + ["--ckpt", ckpt], tmp_path, rlm_cache)
     assert "val/loss" in val.stdout
 
 

@@ -113,7 +113,7 @@ def test_damaged_or_foreign_checkpoints_are_named_by_eval_validate_test_and_fit(
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [("--top-k", "-3", "--top-k -3"), ("--max-new-tokens", "-5", "--max-new-tokens -5"),
-     ("--temperature", "-1", "--temperature -1.0")],
+     ("--temperature", "-1", "--temperature -1.0"), ("--device", "tpu9", "--device 'tpu9' is not usable here")],
 )  # fmt: skip
 def test_generate_refuses_bad_values_by_name(tmp_path, capsys, flag, value, says):
     with pytest.raises(SystemExit) as exit_:
@@ -146,3 +146,17 @@ def test_a_second_fit_in_the_same_root_is_refused_while_the_first_runs(tmp_path,
         holder.wait()
     hold_run_lock(root)  # free again: the lock went with the process
     release_run_locks()
+
+
+def test_one_flag_style_with_the_other_spellings_as_aliases():
+    from rlm.cli.support import canonical_flags
+
+    assert canonical_flags("eval", ["--ckpt_path", "c", "--batch_size=4", "--knn-k", "8", "--", "--x_y"]) == [
+        "--ckpt", "c", "--batch-size=4", "--knn-k", "8", "--", "--x_y"
+    ]  # fmt: skip
+    assert canonical_flags("experiment", ["run", "f.yaml", "--set", "trainer.max_steps=3", "--no_reuse"]) == [
+        "run", "f.yaml", "--set", "trainer.max_steps=3", "--no-reuse"
+    ]  # fmt: skip
+    assert canonical_flags("fit", ["--ckpt", "last", "--trainer.max_steps=3", "--ckpt_path=x"]) == [
+        "--ckpt_path", "last", "--trainer.max_steps=3", "--ckpt_path=x"
+    ]  # fmt: skip

@@ -73,12 +73,18 @@ def run_generate(command: str, args: list[str]) -> int:
     from rlm.train.module import LMModule
 
     p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
-    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
-    p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit (alias --ckpt_path)")
+    p.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to sample after the prompt (default: %(default)s)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0 is greedy (default: %(default)s)")  # fmt: skip
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the k most likely tokens; 0: all (default: %(default)s)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cuda (default: %(default)s)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole window for every token instead of the key/value cache")  # fmt: skip
     p.add_argument(
         "--datastore", default=None, help="sample from kNN-LM with this datastore (rlm knnlm build)"
     )
@@ -92,6 +98,13 @@ def run_generate(command: str, args: list[str]) -> int:
             )
     if a.temperature < 0:
         p.error(f"--temperature {a.temperature}; accepted: >= 0 (0: greedy)")
+    try:
+        device = torch.device(a.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        p.error(
+            f"--device {a.device!r} is not usable here ({err}); accepted: cpu, or cuda when torch sees a GPU"
+        )
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
     from rlm.train.checkpoint import load_checkpoint_file
@@ -104,9 +117,16 @@ def run_generate(command: str, args: list[str]) -> int:
     data = RLMDataModule(**{**{k: v for k, v in data_hp.items() if k in accepted}, "progress": False})
     data.prepare_data()
     data.setup("predict")
-    module = LMModule.load_from_checkpoint(a.ckpt, map_location="cpu")
+    try:
+        device = torch.device(a.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        p.error(
+            f"--device {a.device!r} is not usable here ({err}); accepted: cpu, or cuda when torch sees a GPU"
+        )
+    module = LMModule.load_from_checkpoint(a.ckpt, map_location=device)
     tok = data.tokenizer
-    gen = torch.Generator().manual_seed(a.seed)
+    gen = torch.Generator(device=device).manual_seed(a.seed)
     mixer = None
     if a.datastore:
         from rlm.eval.datastore import Datastore
@@ -121,7 +141,7 @@ def run_generate(command: str, args: list[str]) -> int:
         mixer = Mixer(ds, lam, tuned.get("temperature", 1.0), a.knn_k or ds.meta["k"])
     out = sample(
         module, [tok.bos_id, *tok.encode(a.prompt)], a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen,
-        mixer,
+        mixer, cache=not a.no_cache,
     )  # fmt: skip
     print(a.prompt + tok.decode(out))
     return 0
@@ -254,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"rlm: unknown command {command!r}; known commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    from rlm.cli.support import canonical_flags
+
     try:
-        return COMMANDS[command][0](command, rest)
+        return COMMANDS[command][0](command, canonical_flags(command, rest))
     except (
         ValueError,
         OSError,

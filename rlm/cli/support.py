@@ -154,3 +154,29 @@ def quiet_known_noise() -> None:
     log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
     if not any(isinstance(f, _DropLine) for f in log.filters):
         log.addFilter(_DropLine(LITLOGGER_TIP))
+
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
+
+
+def canonical_flags(command: str, args: list[str]) -> list[str]:
+    """One flag style across subcommands, the other spellings kept as aliases.
+
+    rlm's own subcommands (eval, generate, export, index, knnlm, experiment) spell options with dashes
+    (``--batch-size``) and name a checkpoint ``--ckpt``; they also accept ``--batch_size`` and ``--ckpt_path``.
+    fit/validate/test keep LightningCLI's spelling (``--trainer.max_steps``, ``--ckpt_path``) and also accept
+    ``--ckpt``. Only option names change, never values (``--set trainer.max_steps=3`` stays as it is)."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == "--":  # everything after it is positional
+            return out + args[i:]
+        if not arg.startswith("--"):
+            out.append(arg)
+            continue
+        name, eq, value = arg.partition("=")
+        if command in LIGHTNING_COMMANDS:
+            name = "--ckpt_path" if name == "--ckpt" else name
+        elif "." not in name:
+            name = "--ckpt" if name == "--ckpt_path" else name.replace("_", "-")
+        out.append(name + eq + value)
+    return out
