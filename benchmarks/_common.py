@@ -5,8 +5,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+import yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def time_fn(fn: Callable[[], object], repeat: int = 10, warmup: int = 2) -> float:
@@ -44,3 +48,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def plugin_specs(names: Sequence[str]) -> dict:
+    """model.plugins of configs/plugins/NAME.yaml for each name, merged in order."""
+    specs: dict = {}
+    for name in names:
+        path = CONFIGS / "plugins" / f"{name}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in (CONFIGS / "plugins").glob("*.yaml"))
+            raise SystemExit(f"--plugin {name!r}: no {path}; known: {known}")
+        specs.update(yaml.safe_load(path.read_text())["model"]["plugins"])
+    return specs

@@ -33,15 +33,12 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import table  # noqa: E402
+from _common import plugin_specs, table  # noqa: E402
 
 from rlm.model import ModelConfig  # noqa: E402
 from rlm.train.module import LMModule, OptimConfig  # noqa: E402
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def make_batches(vocab: int, n: int, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
@@ -58,18 +55,6 @@ def make_batches(vocab: int, n: int, batch: int, seq: int) -> list[dict[str, tor
             }
         )
     return out
-
-
-def plugin_specs(names: list[str]) -> dict:
-    """model.plugins of configs/plugins/NAME.yaml for each name, merged in order."""
-    specs: dict = {}
-    for name in names:
-        path = CONFIGS / "plugins" / f"{name}.yaml"
-        if not path.is_file():
-            known = sorted(p.stem for p in (CONFIGS / "plugins").glob("*.yaml"))
-            raise SystemExit(f"--plugin {name!r}: no {path}; known: {known}")
-        specs.update(yaml.safe_load(path.read_text())["model"]["plugins"])
-    return specs
 
 
 def run(module: LMModule, batches, warmup: int, clock) -> tuple[float, float, list[float]]:

@@ -26,12 +26,11 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import table  # noqa: E402
+from _common import CONFIGS, plugin_specs, table  # noqa: E402
 
 from rlm.eval.generate import sample  # noqa: E402
 from rlm.train.module import LMModule  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMOKE_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32}
 
 
@@ -66,18 +65,6 @@ def model_config(a: argparse.Namespace) -> dict:
         return {**SMOKE_MODEL, "vocab_size": a.vocab}
     shape = yaml.safe_load((CONFIGS / "model" / "small.yaml").read_text())["model"]["model"]
     return {**shape, "vocab_size": a.vocab}
-
-
-def plugin_specs(names: list[str]) -> dict:
-    """model.plugins of configs/plugins/NAME.yaml for each name, merged in order."""
-    specs: dict = {}
-    for name in names:
-        path = CONFIGS / "plugins" / f"{name}.yaml"
-        if not path.is_file():
-            known = sorted(p.stem for p in (CONFIGS / "plugins").glob("*.yaml"))
-            raise SystemExit(f"--plugin {name!r}: no {path}; known: {known}")
-        specs.update(yaml.safe_load(path.read_text())["model"]["plugins"])
-    return specs
 
 
 def timed(fn, device: str, clock) -> tuple[float, list[int]]:

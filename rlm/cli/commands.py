@@ -117,13 +117,6 @@ def run_generate(command: str, args: list[str]) -> int:
     data = RLMDataModule(**{**{k: v for k, v in data_hp.items() if k in accepted}, "progress": False})
     data.prepare_data()
     data.setup("predict")
-    try:
-        device = torch.device(a.device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as err:
-        p.error(
-            f"--device {a.device!r} is not usable here ({err}); accepted: cpu, or cuda when torch sees a GPU"
-        )
     module = LMModule.load_from_checkpoint(a.ckpt, map_location=device)
     tok = data.tokenizer
     gen = torch.Generator(device=device).manual_seed(a.seed)
