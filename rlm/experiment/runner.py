@@ -4,22 +4,16 @@ in a SLURM job (rlm.experiment.submit)."""
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import os
 import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
 from typing import Any
@@ -29,98 +23,35 @@ import yaml
 from tqdm import tqdm
 
 from rlm.experiment.check import count_parameters
-from rlm.experiment.spec import Experiment, config_hash, run_config, variant_config, write_atomic
+from rlm.experiment.children import (  # noqa: F401  (re-exported: these were runner's names)
+    _LIVE,
+    _THREAD,
+    Preempted,
+    _child_env,
+    _forwarding_sigterm,
+    _run_forwarding_sigterm,
+    exited,
+    stop_children,
+)
+from rlm.experiment.knnlm_stage import DATASTORE, KNNLM_JSON, knnlm_stage, with_knnlm, without_knnlm  # noqa: F401
+from rlm.experiment.runs import (  # noqa: F401  (re-exported)
+    CORE_METRICS,
+    JOB_JSON,
+    LAST_CKPT,
+    METRICS_CSV,
+    SUMMARY,
+    TEST_JSON,
+    Run,
+    _keep_metrics,
+    _last,
+    plan,
+    read_metrics,
+    run_metrics,
+    series,
+)
+from rlm.experiment.spec import Experiment, run_config, write_atomic
 from rlm.train.checkpoint import PREEMPTED
 from rlm.train.resume import newest_loadable
-
-SUMMARY = "summary.json"
-"""The finished marker of a run, written last."""
-METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
-LAST_CKPT = Path("ckpt") / "last.ckpt"
-TEST_JSON = "test.json"
-"""``rlm eval`` of the last checkpoint on the test split, written when training has finished."""
-KNNLM_JSON = "test_knnlm.json"
-"""``rlm eval --datastore`` of the last checkpoint on the test split (a variant with a ``knnlm`` stage)."""
-DATASTORE = "datastore"
-"""The kNN-LM stage's datastore directory; removed after evaluation unless the variant keeps it (its meta.json
-stays as datastore_meta.json)."""
-JOB_JSON = "job.json"
-"""Where a run is executed and how it went: ``state`` (queued, running, done, failed, stopped), pid, host, job
-id, times, and the log to read on failure; ``rlm experiment status`` reads it."""
-CORE_METRICS = {
-    "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
-    "val/loss", "val/ppl", "time/train_s",
-}  # fmt: skip
-"""metrics.csv columns that are not plugin metrics."""
-
-
-@dataclass
-class Run:
-    """One (variant, seed) of an experiment."""
-
-    variant: str
-    seed: int
-    dir: Path
-    config: dict[str, Any]
-    """The merged config before the runner's own keys."""
-    knnlm: dict[str, Any] | None = None
-    """The variant's kNN-LM stage options (rlm.experiment.spec.KNNLM_OPTIONS), or None; not in the fingerprint."""
-
-    @property
-    def label(self) -> str:
-        return f"{self.variant}/seed{self.seed}"
-
-    @property
-    def fingerprint(self) -> str:
-        return config_hash({"config": self.config, "seed": self.seed})
-
-    def finished(self) -> bool:
-        return (self.dir / SUMMARY).is_file()
-
-    def complete(self) -> bool:
-        """Finished, with the kNN-LM stage too when the variant has one: nothing left to do."""
-        if not self.finished():
-            return False
-        return self.knnlm is None or bool(json.loads((self.dir / SUMMARY).read_text()).get("knnlm"))
-
-
-def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[Run]:
-    """Every run of the experiment (restricted to ``variants`` when given), in file order, seeds inner."""
-    names = list(exp.variants)
-    if variants:
-        unknown = sorted(set(variants) - set(names))
-        if unknown:
-            raise ValueError(f"unknown variant(s) {unknown}; the experiment has {names}")
-        names = [n for n in names if n in variants]
-    return [
-        Run(
-            name,
-            seed,
-            out / name / f"seed{seed}",
-            variant_config(exp, exp.variants[name]),
-            exp.variants[name].knnlm,
-        )
-        for name in names
-        for seed in exp.seeds
-    ]
-
-
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    """metrics.csv rows with their non-empty cells as floats."""
-    if not path.is_file():
-        return []
-    with open(path) as f:
-        return [{k: float(v) for k, v in row.items() if v not in (None, "")} for row in csv.DictReader(f)]
-
-
-def series(rows: list[dict[str, float]], name: str) -> list[tuple[float, float]]:
-    """(step, value) of one metric, in logging order."""
-    return [(r.get("step", float("nan")), r[name]) for r in rows if name in r]
-
-
-def _last(rows: list[dict[str, float]], name: str) -> float | None:
-    values = series(rows, name)
-    return values[-1][1] if values else None
 
 
 def summarize(run: Run, wall_s: float) -> dict[str, Any]:
@@ -157,30 +88,6 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
         "wall_s": wall_s,
         "metrics": {k: _last(rows, k) for k in plugin_metrics if not k.startswith("lr-")},
     }
-
-
-def run_metrics(run_dir: Path) -> list[dict[str, float]]:
-    """The run's metrics.csv rows with the history of earlier attempts stitched in front.
-
-    Each resume keeps the previous attempt's log as ``metrics.part-K.csv`` (the CSV logger would delete it);
-    rows of an earlier part at or after the first step of the next one were trained again and are dropped."""
-    current = run_dir / METRICS_CSV
-    parts = sorted(current.parent.glob("metrics.part-*.csv"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-    chunks = [read_metrics(p) for p in [*parts, current]]
-    rows: list[dict[str, float]] = []
-    for i, chunk in enumerate(chunks):
-        later = [r["step"] for c in chunks[i + 1 :] for r in c if "step" in r]
-        cut = min(later, default=math.inf)
-        rows += [r for r in chunk if r.get("step", -1) < cut]
-    return rows
-
-
-def _keep_metrics(run: Run) -> None:
-    """Move the last attempt's metrics.csv aside before a resume, for :func:`run_metrics` to stitch."""
-    current = run.dir / METRICS_CSV
-    if current.is_file():
-        k = len(list(current.parent.glob("metrics.part-*.csv")))
-        os.replace(current, current.with_name(f"metrics.part-{k}.csv"))
 
 
 def _prepare_dir(run: Run) -> list[str]:
@@ -223,77 +130,6 @@ def train(run: Run) -> tuple[bool, float]:
         raise Preempted(f"{run.label}: stopped by SIGTERM after {wall:.0f}s; its last.ckpt is kept, and the next "
                         "`rlm experiment run` resumes it")  # fmt: skip
     return code == 0, wall
-
-
-class Preempted(Exception):
-    """The running rlm fit was stopped by SIGTERM: the experiment stops, its run stays unfinished."""
-
-
-_LIVE: set[subprocess.Popen] = set()
-"""The rlm subprocesses running now (several under ``jobs`` > 1): a SIGTERM to the runner goes to each."""
-_THREAD = threading.local()
-"""``env``: the environment a job thread adds to its subprocesses (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
-
-
-def _child_env() -> dict[str, str]:
-    return {**os.environ, **getattr(_THREAD, "env", {}), "PYTHONUNBUFFERED": "1"}
-
-
-@contextmanager
-def _forwarding_sigterm() -> Iterator[None]:
-    """While inside, a SIGTERM to this process is passed on to every live rlm subprocess (a scheduler that
-    signals only the runner still gets its training saved). Outside the main thread it does nothing: there the
-    main thread forwards."""
-    try:
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop_children(signum, wait_s=0))
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def stop_children(signum: int = signal.SIGTERM, wait_s: float = 0) -> None:
-    """Send ``signum`` to every live rlm subprocess and wait up to ``wait_s`` seconds for them to exit (rlm fit
-    saves last.ckpt and exits 143 on SIGTERM)."""
-    procs = list(_LIVE)
-    for proc in procs:
-        proc.send_signal(signum)
-    deadline = time.monotonic() + wait_s
-    while not all(exited(p) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def exited(proc: subprocess.Popen) -> bool:
-    """Whether ``proc`` has ended, without reaping it: a signal handler may run in the thread that waits for it
-    (submitit's checkpoint does), holding Popen's wait lock, so Popen.wait and poll cannot tell."""
-    if proc.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped already
-        return True
-
-
-def _ignore_usr2() -> None:  # pragma: no cover - runs in the child between fork and exec
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-
-
-def _run_forwarding_sigterm(cmd: list[str], log: Any, env: dict[str, str]) -> int:
-    """Run ``cmd`` and return its exit code, passing a SIGTERM to this process on to it.
-
-    In a submitit job SLURM's warning signal (USR2) reaches every process of the job; the child ignores it,
-    so that it stops only by the job's checkpoint (rlm.experiment.submit), which sends it SIGTERM."""
-    preexec = _ignore_usr2 if os.environ.get("SUBMITIT_EXECUTOR") else None
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
-    _LIVE.add(proc)
-    try:
-        with _forwarding_sigterm():
-            return proc.wait()
-    finally:
-        _LIVE.discard(proc)
 
 
 def evaluate_test(run: Run) -> bool:
@@ -349,58 +185,6 @@ def reuse(run: Run, source: Path) -> dict[str, Any]:
     run.dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, run.dir)  # the run appears finished in one step
     return summary
-
-
-def knnlm_stage(run: Run) -> bool:
-    """``rlm knnlm build`` over the run's training split, then ``rlm eval --datastore`` on the test split
-    (test_knnlm.json); whether both succeeded. The datastore is removed afterwards unless the variant keeps it."""
-    options, ckpt, ds = run.knnlm or {}, str(run.dir / LAST_CKPT), run.dir / DATASTORE
-    build = [sys.executable, "-m", "rlm", "knnlm", "build", "--ckpt", ckpt, "--out", str(ds)]
-    for key in ("layer", "factory", "k", "flat_below", "target_recall", "tune_tokens", "max_documents"):
-        if key in options:
-            build += [f"--{key.replace('_', '-')}", str(options[key])]
-    evaluate = [sys.executable, "-m", "rlm", "eval", "--ckpt", ckpt, "--split", "test", "--datastore", str(ds),
-                "--json", str(run.dir / KNNLM_JSON), *(["--knn-cache"] if options.get("cache") else [])]  # fmt: skip
-    with open(run.dir / "knnlm.log", "a") as log:
-        for cmd in (build, evaluate):
-            code = _run_forwarding_sigterm(cmd, log, _child_env())
-            if code in (PREEMPTED, -signal.SIGTERM):
-                raise Preempted(
-                    f"{run.label}: the kNN-LM stage was stopped by SIGTERM; the next run repeats it"
-                )
-            if code != 0:
-                return False
-    if not options.get("keep"):
-        shutil.copy2(ds / "meta.json", run.dir / "datastore_meta.json")
-        shutil.rmtree(ds)
-    return True
-
-
-def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
-    """The summary of a run with a kNN-LM stage: test_* are the kNN-LM's, lm_test the model's alone, and knnlm
-    says how (lam, temperature, k, the datastore's size and build time)."""
-    r = json.loads((run.dir / KNNLM_JSON).read_text())
-    meta_path = run.dir / DATASTORE / "meta.json"
-    meta = json.loads((meta_path if meta_path.is_file() else run.dir / "datastore_meta.json").read_text())
-    knn, lm = r["knnlm"], r["lm"]
-    out = dict(summary)
-    out["lm_test"] = {"loss": lm["loss"], "ppl": lm["ppl"], "bpb": lm["bpb"]}
-    out.update(test_loss=knn["loss"], test_ppl=knn["ppl"], test_bpb=knn["bpb"])
-    out["knnlm"] = {
-        "options": run.knnlm, "lam": r["lam"], "temperature": r["temperature"], "k": r["k"], "cache": r["cache"],
-        "keys": meta.get("entries"), "factory": meta.get("factory"), "build_s": sum((meta.get("seconds") or {}).values()) or None,
-        "eval_s": r.get("seconds"), "target_in_neighbours": r.get("target_in_neighbours"),
-    }  # fmt: skip
-    return out
-
-
-def without_knnlm(summary: dict[str, Any]) -> dict[str, Any]:
-    """A summary as the model alone scored it (for a run that reuses this one's training)."""
-    out = dict(summary)
-    if out.pop("knnlm", None) is not None:
-        lm = out.pop("lm_test")
-        out.update(test_loss=lm["loss"], test_ppl=lm["ppl"], test_bpb=lm["bpb"])
-    return out
 
 
 def log_tail(path: Path, lines: int = 15) -> str:

@@ -1,0 +1,132 @@
+"""An experiment's runs and their files: the Run record, the plan of (variant, seed) runs, and the run directory's
+metrics.csv read back (with the history of earlier attempts stitched in front)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlm.experiment.spec import Experiment, config_hash, variant_config
+
+SUMMARY = "summary.json"
+"""The finished marker of a run, written last."""
+
+
+METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
+
+
+LAST_CKPT = Path("ckpt") / "last.ckpt"
+
+
+TEST_JSON = "test.json"
+"""``rlm eval`` of the last checkpoint on the test split, written when training has finished."""
+
+
+JOB_JSON = "job.json"
+"""Where a run is executed and how it went: ``state`` (queued, running, done, failed, stopped), pid, host, job
+id, times, and the log to read on failure; ``rlm experiment status`` reads it."""
+
+
+CORE_METRICS = {
+    "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
+    "val/loss", "val/ppl", "time/train_s",
+}  # fmt: skip
+"""metrics.csv columns that are not plugin metrics."""
+
+
+@dataclass
+class Run:
+    """One (variant, seed) of an experiment."""
+
+    variant: str
+    seed: int
+    dir: Path
+    config: dict[str, Any]
+    """The merged config before the runner's own keys."""
+    knnlm: dict[str, Any] | None = None
+    """The variant's kNN-LM stage options (rlm.experiment.spec.KNNLM_OPTIONS), or None; not in the fingerprint."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+    @property
+    def fingerprint(self) -> str:
+        return config_hash({"config": self.config, "seed": self.seed})
+
+    def finished(self) -> bool:
+        return (self.dir / SUMMARY).is_file()
+
+    def complete(self) -> bool:
+        """Finished, with the kNN-LM stage too when the variant has one: nothing left to do."""
+        if not self.finished():
+            return False
+        return self.knnlm is None or bool(json.loads((self.dir / SUMMARY).read_text()).get("knnlm"))
+
+
+def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[Run]:
+    """Every run of the experiment (restricted to ``variants`` when given), in file order, seeds inner."""
+    names = list(exp.variants)
+    if variants:
+        unknown = sorted(set(variants) - set(names))
+        if unknown:
+            raise ValueError(f"unknown variant(s) {unknown}; the experiment has {names}")
+        names = [n for n in names if n in variants]
+    return [
+        Run(
+            name,
+            seed,
+            out / name / f"seed{seed}",
+            variant_config(exp, exp.variants[name]),
+            exp.variants[name].knnlm,
+        )
+        for name in names
+        for seed in exp.seeds
+    ]
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """metrics.csv rows with their non-empty cells as floats."""
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v not in (None, "")} for row in csv.DictReader(f)]
+
+
+def series(rows: list[dict[str, float]], name: str) -> list[tuple[float, float]]:
+    """(step, value) of one metric, in logging order."""
+    return [(r.get("step", float("nan")), r[name]) for r in rows if name in r]
+
+
+def _last(rows: list[dict[str, float]], name: str) -> float | None:
+    values = series(rows, name)
+    return values[-1][1] if values else None
+
+
+def run_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The run's metrics.csv rows with the history of earlier attempts stitched in front.
+
+    Each resume keeps the previous attempt's log as ``metrics.part-K.csv`` (the CSV logger would delete it);
+    rows of an earlier part at or after the first step of the next one were trained again and are dropped."""
+    current = run_dir / METRICS_CSV
+    parts = sorted(current.parent.glob("metrics.part-*.csv"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    chunks = [read_metrics(p) for p in [*parts, current]]
+    rows: list[dict[str, float]] = []
+    for i, chunk in enumerate(chunks):
+        later = [r["step"] for c in chunks[i + 1 :] for r in c if "step" in r]
+        cut = min(later, default=math.inf)
+        rows += [r for r in chunk if r.get("step", -1) < cut]
+    return rows
+
+
+def _keep_metrics(run: Run) -> None:
+    """Move the last attempt's metrics.csv aside before a resume, for :func:`run_metrics` to stitch."""
+    current = run.dir / METRICS_CSV
+    if current.is_file():
+        k = len(list(current.parent.glob("metrics.part-*.csv")))
+        os.replace(current, current.with_name(f"metrics.part-{k}.csv"))
