@@ -139,7 +139,7 @@ def test_submitit_local_executor_runs_and_collects_a_two_variant_grid(
         assert job["state"] == "done" and job["launcher"] == "submitit-local" and job["pid"] != os.getpid()
     base, narrow = (json.loads((out / v / "seed0/summary.json").read_text()) for v in ("baseline", "narrow"))
     assert narrow["params_total"] < base["params_total"]  # each job trained its own variant
-    assert "**baseline** (baseline)" in (out / "results.md").read_text()
+    assert "| **baseline** |" in (out / "results.md").read_text()
     assert rlm_main(["experiment", "status", str(out)]) == 0
     status = capsys.readouterr().out
     assert [ln.split()[:2] for ln in status.splitlines()[1:3]] == [
