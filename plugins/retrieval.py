@@ -20,7 +20,7 @@ A batch's segment ids are ids of its own segment table (Context.segments), which
 training corpus; evaluated text (validation, test, rlm eval --corpus, generation) retrieves from the index and
 from its own document's past, kept causal by _retrieval_filter.py even where it copies a training document.
 
-This file holds the options (RetrievalConfig) and the plugin, whose methods read as one step: prepare() finds
+This file holds the plugin (its options, RetrievalConfig, are in _retrieval_config.py), whose methods read as one step: prepare() finds
 the batch's neighbours (_retrieval_neighbours.py), encoded() embeds them once per forward for the
 cross-attention layers (_retrieval_attention.py), and the step logs its metrics and loss groups. The embedders
 are in _retrieval_encoder.py; the index, its neighbour tables and the rebuild callback in rlm.index.
@@ -30,18 +30,24 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from rlm.index.build import IndexConfig
-from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule, load_memory_for_search
+from rlm.index.rebuild import RebuildCallback, RetrievalMemory, load_memory_for_search
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._retrieval_attention import Encoded, RetrievalCrossAttention, encode_neighbours
+from rlm.plugins._retrieval_config import (  # noqa: F401  (the options were defined here)
+    EMBEDDERS,
+    LOOKUPS,
+    MODES,
+    NEIGHBOUR_GRADS,
+    WARM_STARTS,
+    RetrievalConfig,
+)
 from rlm.plugins._retrieval_encoder import (
-    REBUILD_DTYPES,
     FrozenEmbedder,
     SeparateEncoder,
     SharedEncoder,
@@ -78,153 +84,6 @@ __all__ = [  # the parts live in _retrieval_*.py; their public names stay import
     "random_neighbours",
     "warm_candidates_of",
 ]
-
-EMBEDDERS = ("shared", "separate", "tokens")
-MODES = ("blocking", "background")
-WARM_STARTS = ("recent", "similar", "none")
-LOOKUPS = ("table", "search")
-NEIGHBOUR_GRADS = ("full", "embedding", "none")
-
-
-@dataclass
-class RetrievalConfig:
-    """Options of the retriever."""
-
-    layers: list[int] = field(default_factory=lambda: [-1])
-    """Layers that get a cross-attention to the neighbours (with embedder 'shared', above its blocks)."""
-    k: int = 2
-    """Neighbours per segment. k >= 2 keeps MARGE's joint training of the retriever: with k=1 every key of a chunk
-    gets the same relevance bias, the softmax cancels it, and beta and the embedder learn nothing through it (a
-    warning says so)."""
-    continuation: bool = False
-    """Each neighbour brings its document's next segment too (keys/values of 2L tokens per neighbour, as RETRO's
-    chunk and continuation, Borgeaud et al. 2022). Off by default: Komatsuzaki's causal MARGE conditions S_{t+1}
-    on the neighbours of S_t alone. On: a neighbour similar to S_t brings the segment after it, which is what a
-    near-copy of the document needs (the synthetic partner task of tests/test_retrieval_training.py)."""
-    embedder: str = "tokens"
-    """What embeds segments for the index and the cross-attention's keys. 'tokens': the LM's token embeddings
-    alone, each token's state beside its predecessor's, e(.) their mean (no block runs over the neighbours);
-    'shared': the LM's embedding and first embed_layers blocks (MARGE shares its encoder); 'separate': a small
-    encoder of its own."""
-    embed_layers: int = 1
-    """Blocks of the embedder: the LM's first n blocks ('shared') or the separate encoder's depth ('tokens': none)."""
-    encoder_dim: int = 64
-    """Width of the separate encoder (embedder 'separate' only)."""
-    neighbour_grad: str = "none"
-    """How the LM loss reaches the embedder through the neighbours. 'full' (MARGE's joint training): the neighbours
-    run through the embedder with gradients (keys/values and e(z)). 'embedding': the neighbours run through the
-    embedder's blocks without gradients, their token embeddings still get the keys' and values' gradient through
-    the residual path, and e(S_t) is computed with gradients. 'none': as 'embedding' without the residual path
-    (the embedder learns only through the query's e(S_t)). The forward values are the same in all three; with
-    embedder 'tokens' (no blocks) 'embedding' is 'full'."""
-    beta_init: float = 1.0
-    """Initial relevance-bias scale beta of each cross-attention layer."""
-    zero_init: bool = True
-    """Start each cross-attention's output projection at zero, so the model starts as the same model without
-    retrieval and the neighbours' contribution grows only as far as it lowers the loss (the role of Flamingo's
-    zero-initialised gates, Alayrac et al. 2022)."""
-    schedule: str = "0-2000:500,2000-1000000000:2000"
-    """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
-    mode: str = "background"
-    """'background' (a snapshot embeds in a thread; atomic swap when done; until the first table lands the
-    model trains on the warm start) or 'blocking' (training waits, also for the first table)."""
-    warm_start: str = "recent"
-    """Neighbours until the first table lands (Komatsuzaki 2020, sec. 5.4: poorly initialised neighbours make
-    learning slow, so start from segments of the same document), in training and validation alike: earlier
-    segments of the query's own document, never the target segment or anything after it. Segments before the
-    attention window come first, the most recent first. 'recent': in that order; 'similar': among up to
-    warm_candidates of them, the most similar to S_t by the current embedder; 'none': no retrieval until the
-    first table. With a warm start the first table is built at the schedule's first due step, not at fit start,
-    where it would rank segments with a random embedder."""
-    warm_candidates: int = 16
-    """Most recent earlier same-document segments scored by warm_start 'similar' (and by same_doc_k); at evaluation,
-    the own-past candidates of a document the index does not hold, merged with the index's results by score."""
-    same_doc_k: int = 0
-    """After the first table: this many of the k neighbours are warm-start picks from the query's own past (as
-    warm_start chooses them; 'recent' when warm_start is 'none'), the other k - same_doc_k come from the table
-    (or the online search). 0: all k from the table."""
-    exclude_copies: bool = True
-    """At evaluation (validation, test, rlm eval, generation), keep exact copies out of reach: a query whose text
-    copies an indexed document (L / 2 tokens in a row or more) retrieves nothing of that document from its own
-    position on, and indexed copies of the evaluated document's future segments are not retrieved (counted as
-    val/<label>/duplicates_excluded); see _retrieval_filter.py. False only for synthetic tasks whose evaluated
-    continuation is in the index by design (the partner task of tests/test_retrieval_training.py)."""
-    eval_ablation: bool = False
-    """Validation also computes the loss with every neighbour swapped for a random segment of another document
-    (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
-    model uses what it retrieves. Doubles the validation cost, so off by default."""
-    lookup: str = "search"
-    """How a training step finds its chunks' neighbours once an index exists. 'table' (MARGE): every rebuild also
-    searches the whole index for every training segment's k neighbours, and a step reads them. 'search': a
-    rebuild only embeds and indexes the corpus, and each step searches the index for its own queries, embedded by
-    the current embedder (as validation and generation always do). Until the embedder moves, both find the same
-    neighbours (tests/test_retrieval.py)."""
-    index_factory: str = "auto"
-    """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
-    flat_below: int = 131072
-    """index_factory 'auto' keeps exact flat search below this many segments, where it is cheaper than building
-    and tuning an approximate index (`rlm index build` keeps 32,768, for online search)."""
-    target_recall: float | None = 0.95
-    """Every index the retriever builds is tuned (nprobe/efSearch) until its recall@10 against exact search
-    reaches this, as `rlm index build` does; the recall reached is in the index's meta.json and logged as
-    train/<label>/index_recall. None: faiss defaults."""
-    index_dir: str | None = None
-    """Where rebuilt indices are written; None: <trainer.default_root_dir>/retrieval_index."""
-    sharded: bool = False
-    """Under DDP, each rank embeds, indexes and writes only its share of the segments (its own directory: no shared
-    filesystem), and searches merge every rank's top-k (rlm.index.sharded); false: every rank loads the whole index
-    rank 0 wrote. Exact indices give the same table either way (equal scores aside)."""
-    embed_batch_size: int = 256
-    """Segments per embedder call during a rebuild."""
-    rebuild_dtype: str = "float32"
-    """dtype of the rebuild's (and online queries') embedding pass: 'float32', 'bfloat16' (autocast), or 'auto'
-    (bfloat16 where the device computes it natively). Part of the embedder identity, so a resumed run reuses an
-    index only when it was embedded the same way."""
-    progress: bool = True
-    """Show a progress bar while embedding the corpus."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"retrieval.k must be a positive integer, got {self.k!r}")
-        if self.k == 1:
-            warnings.warn(
-                "retrieval.k=1: every key of a chunk belongs to its one neighbour and gets the same relevance "
-                "bias beta * cos(e(S_t), e(z)), which the softmax cancels, so beta and the embedder learn nothing "
-                "through it (the index is still searched with the current embedder); k >= 2 trains them (MARGE)",
-                stacklevel=3,  # the caller of RetrievalConfig(...), past the dataclass's __init__
-            )
-        if self.embedder not in EMBEDDERS:
-            raise ValueError(f"retrieval.embedder={self.embedder!r}; accepted: {list(EMBEDDERS)}")
-        if not isinstance(self.embed_layers, int) or self.embed_layers < 1:
-            raise ValueError(f"retrieval.embed_layers must be a positive integer, got {self.embed_layers!r}")
-        if self.encoder_dim < 2 or self.encoder_dim % 2:
-            raise ValueError(f"retrieval.encoder_dim must be an even integer >= 2, got {self.encoder_dim!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"retrieval.mode={self.mode!r}; accepted: {list(MODES)}")
-        if self.warm_start not in WARM_STARTS:
-            raise ValueError(f"retrieval.warm_start={self.warm_start!r}; accepted: {list(WARM_STARTS)}")
-        if not isinstance(self.same_doc_k, int) or not 0 <= self.same_doc_k <= self.k:
-            raise ValueError(
-                f"retrieval.same_doc_k must be an integer in [0, k={self.k}], got {self.same_doc_k!r}"
-            )
-        if not isinstance(self.warm_candidates, int) or self.warm_candidates < self.k:
-            raise ValueError(
-                f"retrieval.warm_candidates must be an integer >= k={self.k}, got {self.warm_candidates!r}"
-            )
-        if self.lookup not in LOOKUPS:
-            raise ValueError(f"retrieval.lookup={self.lookup!r}; accepted: {list(LOOKUPS)}")
-        if self.embed_batch_size < 1:
-            raise ValueError(f"retrieval.embed_batch_size must be positive, got {self.embed_batch_size}")
-        if self.neighbour_grad not in NEIGHBOUR_GRADS:
-            raise ValueError(
-                f"retrieval.neighbour_grad={self.neighbour_grad!r}; accepted: {list(NEIGHBOUR_GRADS)}"
-            )
-        if self.rebuild_dtype not in REBUILD_DTYPES:
-            raise ValueError(
-                f"retrieval.rebuild_dtype={self.rebuild_dtype!r}; accepted: {list(REBUILD_DTYPES)}"
-            )
-        Schedule.parse(self.schedule)  # raises ValueError naming the accepted grammar
-        IndexConfig(factory=self.index_factory, target_recall=self.target_recall, flat_below=self.flat_below)
 
 
 class RetrievalPlugin(Plugin):
