@@ -132,6 +132,8 @@ def test_optimizer_options_are_refused_with_a_clear_error(tmp_path):
     assert out.returncode == 2 and "rlm fit: error:" in out.stderr
     help_text = run_rlm(["fit", "--help"], tmp_path, tmp_path).stdout
     assert "--optimizer" not in help_text and "--lr_scheduler" not in help_text
+    # Lightning's docstrings carry Sphinx roles; the help prints their names plainly
+    assert ":paramref:" not in help_text and "--trainer.enable_checkpointing" in help_text
 
 
 def test_print_config_shows_the_vocabulary_that_runs(tmp_path):
@@ -164,3 +166,10 @@ def test_restored_settings_reuse_the_training_cache_when_it_holds_the_checkpoint
             "tokenizer_model"
         ]
     )
+
+
+def test_sphinx_roles_are_printed_as_plain_names():
+    from rlm.cli.support import plain_help
+
+    text = "If :paramref:`~pytorch_lightning.trainer.trainer.Trainer.max_steps` is set, see :class:`~rlm.model.X`."
+    assert plain_help(text) == "If `max_steps` is set, see `X`."

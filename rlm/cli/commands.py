@@ -23,7 +23,7 @@ def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
     from rlm.cli.lightning_cli import RLMCLI
     from rlm.cli.override import apply_plugin_flags, split_plugin_args
-    from rlm.cli.support import flag_value, quiet_known_noise, refuse_optimizer_options
+    from rlm.cli.support import flag_value, help_formatter, quiet_known_noise, refuse_optimizer_options
     from rlm.data import RLMDataModule
     from rlm.train.module import LMModule
 
@@ -52,7 +52,7 @@ def run_lightning(command: str, args: list[str]) -> int:
             LMModule,
             RLMDataModule,
             args=[command, *(["--config", config_text(merged)] if merged else []), *rest],
-            parser_kwargs={"parser_mode": "omegaconf"},
+            parser_kwargs={"parser_mode": "omegaconf", "formatter_class": help_formatter()},
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
         )

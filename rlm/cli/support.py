@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,22 @@ def canonical_flags(command: str, args: list[str]) -> list[str]:
             name = "--ckpt" if name == "--ckpt_path" else name.replace("_", "-")
         out.append(name + eq + value)
     return out
+
+
+_SPHINX_ROLE = re.compile(r":(?:paramref|class|func|meth|attr|obj|mod):`~?([\w.]+)`")
+
+
+def plain_help(text: str) -> str:
+    """Help text without Sphinx roles: ``:paramref:`~a.b.Trainer.max_steps``` reads ``max_steps``."""
+    return _SPHINX_ROLE.sub(lambda m: "`" + m.group(1).rsplit(".", 1)[-1] + "`", text)
+
+
+def help_formatter() -> type:
+    """jsonargparse's help formatter with Lightning's Sphinx markup removed (``rlm fit --help``)."""
+    from jsonargparse import DefaultHelpFormatter
+
+    class PlainHelpFormatter(DefaultHelpFormatter):
+        def _expand_help(self, action: Any) -> str:
+            return plain_help(super()._expand_help(action))
+
+    return PlainHelpFormatter
