@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 
+from rlm.data import RLMDataModule
 from rlm.data.corpus import Document
 from rlm.data.dedup import near_duplicate_groups, removed_documents
 from rlm.data.store import CacheKey, TokenStore, build_store
@@ -134,3 +137,47 @@ def test_an_entry_without_removed_docs_loads(tmp_path):
     store = TokenStore(tmp_path / "entry")
     assert len(store.removed_docs) == 0
     assert len(store.train_docs) + len(store.val_docs) + len(store.test_docs) == len(docs)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.01, float("nan")])
+def test_bad_dedup_threshold_names_the_value_and_what_is_accepted(tmp_path, bad):
+    with pytest.raises(
+        ValueError, match=rf"dedup_threshold={bad}; accepted: None \(no removal\) or 0 < t <= 1"
+    ):
+        RLMDataModule(corpus=str(tmp_path), cache_dir=str(tmp_path), vocab_size=300, dedup_threshold=bad)
+
+
+def test_the_default_asks_for_a_new_entry_and_none_keeps_the_old_name():
+    """A cache built before deduplication (no dedup_threshold in its key) is not reused at the default 0.8,
+    and dedup_threshold=None names exactly that old entry."""
+    old = _key(None)
+    payload = {
+        k: v for k, v in asdict(old).items() if k not in ("dedup_threshold", "tokenizer")
+    }  # at defaults
+    digest = hashlib.sha256(json.dumps({"format": 1, **payload}, sort_keys=True).encode()).hexdigest()[:20]
+    assert old.digest() == digest
+    assert _key(0.8).digest() != digest and _key(0.8).digest() != _key(0.9).digest()
+
+
+def test_the_data_module_removes_near_duplicates_by_default(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in _code_docs():
+        (corpus / d.name).write_text(d.text)
+    args = dict(corpus=str(corpus), cache_dir=str(tmp_path / "cache"), vocab_size=300, seq_len=32,
+                segment_len=8, val_fraction=0.2, test_fraction=0.2, progress=False)  # fmt: skip
+    plain, dedup = RLMDataModule(**args, dedup_threshold=None), RLMDataModule(**args)
+    assert dedup.dedup_threshold == 0.8 and plain.cache_path() != dedup.cache_path()
+    plain.setup(), dedup.setup()
+    assert len(plain.store.removed_docs) == 0 and len(dedup.store.removed_docs) >= 20
+    splits = [dedup.store.train_docs, dedup.store.val_docs, dedup.store.test_docs]
+    assert not set(np.concatenate(splits).tolist()) & set(dedup.store.removed_docs.tolist())
+
+
+def test_a_checkpoint_from_before_deduplication_names_its_undeduplicated_entry():
+    from rlm.eval.evaluate import data_settings
+
+    old = {"datamodule_hyper_parameters": {"corpus": "stdlib", "val_fraction": 0.05, "seed": 0}}
+    assert data_settings(old, "old.ckpt")["dedup_threshold"] is None
+    new = {"datamodule_hyper_parameters": {"corpus": "stdlib", "dedup_threshold": 0.8}}
+    assert data_settings(new, "new.ckpt")["dedup_threshold"] == 0.8
