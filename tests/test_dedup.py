@@ -181,3 +181,9 @@ def test_a_checkpoint_from_before_deduplication_names_its_undeduplicated_entry()
     assert data_settings(old, "old.ckpt")["dedup_threshold"] is None
     new = {"datamodule_hyper_parameters": {"corpus": "stdlib", "dedup_threshold": 0.8}}
     assert data_settings(new, "new.ckpt")["dedup_threshold"] == 0.8
+
+
+def test_a_stream_is_not_deduplicated_and_keeps_its_key(tmp_path):
+    args = dict(corpus="hf:some/dataset", cache_dir=str(tmp_path), vocab_size=300, streaming=True)
+    assert RLMDataModule(**args).cache_key() == RLMDataModule(**args, dedup_threshold=None).cache_key()
+    assert RLMDataModule(**args).cache_key().dedup_threshold is None
