@@ -58,6 +58,10 @@ class RLMDataModule(pl.LightningDataModule):
             ``rlm eval``) sets it; None is "train".
         streaming: Read hf: sources as a datasets IterableDataset and encode them on the fly into shards on
             disk, never holding the corpus in memory (see rlm/data/stream.py; hf: sources only).
+        dedup_threshold: Near-duplicate documents are removed before the split: pairs whose word 5-gram sets
+            have Jaccard similarity >= this (and identical texts), grouped transitively, keep only their first
+            document (rlm/data/dedup.py); the others go into no split. None removes none. 0 < t <= 1. Not
+            applied with streaming (a stream is split before all of it is seen; its entries are as before).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class RLMDataModule(pl.LightningDataModule):
         progress: bool = True,
         tokenizer: str | None = TRAIN,
         streaming: bool = False,
+        dedup_threshold: float | None = 0.8,
     ) -> None:
         super().__init__()
         tokenizer = TRAIN if tokenizer is None else tokenizer
@@ -112,6 +117,8 @@ class RLMDataModule(pl.LightningDataModule):
                 f"test_fraction={test_fraction} (val_fraction={val_fraction}); accepted: 0 <= test_fraction < 1 "
                 "and val_fraction + test_fraction < 1"
             )
+        if dedup_threshold is not None and not 0.0 < dedup_threshold <= 1.0:
+            raise ValueError(f"dedup_threshold={dedup_threshold}; accepted: None (no removal) or 0 < t <= 1")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers}; accepted: >= 0")
         if tokenizer_model_type not in MODEL_TYPES:
@@ -133,6 +140,8 @@ class RLMDataModule(pl.LightningDataModule):
         self.tokenizer_model_type, self.max_tokenizer_chars = tokenizer_model_type, max_tokenizer_chars
         self.progress = progress
         self.tokenizer_spec, self.streaming = tokenizer, streaming
+        # as a float, so that 1 and 1.0 name one cache entry
+        self.dedup_threshold = None if dedup_threshold is None else float(dedup_threshold)
         self._docs: list[Document] | None = None
         self._key: CacheKey | None = None
         self._store: TokenStore | None = None
@@ -166,6 +175,8 @@ class RLMDataModule(pl.LightningDataModule):
                 max_tokenizer_chars=self.max_tokenizer_chars,
                 test_fraction=self.test_fraction,
                 tokenizer=TRAIN if self.tokenizer_spec == TRAIN else tokenizer_digest(self.tokenizer_spec),
+                # a stream is not deduplicated, so its key (and entry) stays as before
+                dedup_threshold=None if self.streaming else self.dedup_threshold,
             )
         return self._key
 

@@ -7,7 +7,10 @@ Layout of one cache entry, `<cache_dir>/<key digest>/`:
   doc_offsets.npy   int64 (n_docs + 1,): document d is tokens[doc_offsets[d]:doc_offsets[d + 1]]
   train_docs.npy, val_docs.npy, test_docs.npy   int64 document ids, sorted, disjoint (no test_docs.npy in
                   entries written before the test split, or streamed: an empty test split)
-  meta.json         the key and the documents' names (a streamed corpus: a name prefix and the count)
+  removed_docs.npy  int64 document ids, sorted: near-duplicates of a kept document (rlm/data/dedup.py), in no
+                  split (still encoded, so ids stay those of the corpus); absent when dedup_threshold is None
+  meta.json         the key and the documents' names (a streamed corpus: a name prefix and the count); with
+                  deduplication also near_duplicates_removed and dedup_threshold
 The entry is built in a temporary directory and renamed into place, so a reader never sees half of it.
 """
 
@@ -26,6 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rlm.data.corpus import Document
+from rlm.data.dedup import removed_documents
 from rlm.data.pretrained import TRAIN, HFTokenizer, copy_tokenizer, open_cached
 from rlm.data.tokenizer import Tokenizer
 
@@ -53,6 +57,9 @@ class CacheKey:
     """Fraction of documents held out for the test split (the tokenizer never sees them)."""
     tokenizer: str = TRAIN
     """'train', or the digest of the files of the existing tokenizer that data.tokenizer names."""
+    dedup_threshold: float | None = None
+    """Shingle Jaccard at which documents are near-duplicates and all but the first are removed before the
+    split (rlm/data/dedup.py); None: none removed, as in entries written before deduplication existed."""
 
     def digest(self) -> str:
         """A short, stable name for this key (fields at their empty default are left out, so entries written
@@ -62,7 +69,9 @@ class CacheKey:
         return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-_OPTIONAL = {"test_fraction": 0.0, "tokenizer": TRAIN}
+# None here, not the data module's default (0.8): an entry built without deduplication keeps its name, and a
+# module at the default asks for another entry instead of silently reusing it.
+_OPTIONAL = {"test_fraction": 0.0, "tokenizer": TRAIN, "dedup_threshold": None}
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -87,6 +96,16 @@ def split_train_val_test(
     perm = np.random.default_rng(seed).permutation(n_docs)
     parts = perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
     return tuple(np.sort(p).astype(np.int64) for p in parts)  # type: ignore[return-value]
+
+
+def split_kept(
+    n_docs: int, removed: np.ndarray | None, key: CacheKey
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """split_train_val_test over the documents not in ``removed`` (the seeded permutation of the kept ones,
+    mapped back to corpus ids); with none removed, exactly split_train_val_test."""
+    kept = np.setdiff1d(np.arange(n_docs, dtype=np.int64), removed if removed is not None else [])
+    parts = split_train_val_test(len(kept), key.val_fraction, key.test_fraction, key.seed)
+    return tuple(kept[p] for p in parts)  # type: ignore[return-value]
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
@@ -143,13 +162,20 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 def build_store(
     root: Path, docs: Sequence[Document], key: CacheKey, progress: bool = True, tokenizer: str = TRAIN
 ) -> None:
-    """Split, train the tokenizer on the training documents (or copy ``tokenizer``), encode everything;
-    publish atomically at `root`."""
+    """Remove near-duplicates (``key.dedup_threshold``), split the rest, train the tokenizer on the training
+    documents (or copy ``tokenizer``), encode everything; publish atomically at `root`."""
     tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        train, val, test = split_train_val_test(len(docs), key.val_fraction, key.test_fraction, key.seed)
+        removed = None
+        if key.dedup_threshold is not None:
+            texts = [d.text for d in docs]
+            removed = removed_documents(texts, key.dedup_threshold, progress=progress)  # fixed MinHash seed
+            if progress:
+                tqdm.write(f"removed {len(removed)} of {len(docs)} documents as near-duplicates "
+                           f"(shingle Jaccard >= {key.dedup_threshold})")  # fmt: skip
+        train, val, test = split_kept(len(docs), removed, key)
         tok = make_tokenizer(tmp, key, (docs[i].text for i in train), len(train), tokenizer, progress)
         tokens, offsets = _encode_all(tok, docs, progress)
         for name, array in [
@@ -158,9 +184,12 @@ def build_store(
             ("train_docs", train),
             ("val_docs", val),
             ("test_docs", test),
+            *([] if removed is None else [("removed_docs", removed)]),
         ]:
             np.save(tmp / f"{name}.npy", array)
         meta = {"format": FORMAT_VERSION, "key": asdict(key), "names": [d.name for d in docs]}
+        if removed is not None:
+            meta.update(near_duplicates_removed=len(removed), dedup_threshold=key.dedup_threshold)
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
             os.replace(tmp, root)
@@ -213,6 +242,9 @@ class TokenStore:
         test = self.root / "test_docs.npy"
         self.test_docs: np.ndarray = np.load(test) if test.is_file() else np.zeros(0, dtype=np.int64)
         """Sorted test document ids (empty in entries written before the test split)."""
+        removed = self.root / "removed_docs.npy"
+        self.removed_docs: np.ndarray = np.load(removed) if removed.is_file() else np.zeros(0, dtype=np.int64)
+        """Sorted ids of near-duplicate documents in no split (empty in entries built without deduplication)."""
         self.tokenizer = open_cached(self.root)
         meta = json.loads((self.root / "meta.json").read_text())
         self.names: Sequence[str] = (
@@ -229,8 +261,8 @@ class TokenStore:
             len(self.doc_offsets) != n + 1 and f"{len(self.doc_offsets)} offsets for {n} documents",
             self.doc_offsets[-1] != len(self.tokens)
             and f"offsets end at {self.doc_offsets[-1]}, not {len(self.tokens)}",
-            len(self.train_docs) + len(self.val_docs) + len(self.test_docs) != n
-            and "the split does not cover every document",
+            len(self.train_docs) + len(self.val_docs) + len(self.test_docs) + len(self.removed_docs) != n
+            and "the split and the removed near-duplicates do not cover every document",
         ]
         problems = [p for p in problems if p]
         if problems:

@@ -11,7 +11,9 @@ layout as an in-memory build (rlm/data/store.py), one memory-mapped tokens.npy, 
 Differences from the in-memory build: the corpus has no content fingerprint before it is read, so the cache
 is keyed by the source's description (names, split, config, text field, max_documents), not by its content;
 and the train/val split is a seeded hash of each document's index (held out with probability
-val_fraction), since the number of documents is not known in advance.
+val_fraction), since the number of documents is not known in advance. Nor are near-duplicate documents
+removed (rlm/data/dedup.py needs every document before the split, which a stream is not held for):
+data.dedup_threshold does not apply, and a streamed entry's key carries none.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ def data_settings(ckpt: dict[str, Any], path: str | os.PathLike[str]) -> dict[st
     accepted = inspect.signature(RLMDataModule).parameters
     hp = {k: v for k, v in saved.items() if k in accepted}
     hp.setdefault("test_fraction", 0.0)  # written before the test split existed: its split had none
+    hp.setdefault("dedup_threshold", None)  # written before deduplication existed: it removed none
     return hp
 
 
@@ -91,7 +92,8 @@ def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[
 
 # Data arguments the token cache depends on: given on the command line, they change the entry after this check.
 CACHE_ARGS = ("corpus", "hf_split", "hf_config", "text_field", "extensions", "max_documents", "vocab_size",
-              "val_fraction", "test_fraction", "seed", "cache_dir", "tokenizer_model_type", "max_tokenizer_chars")  # fmt: skip
+              "val_fraction", "test_fraction", "seed", "cache_dir", "tokenizer_model_type", "max_tokenizer_chars",
+              "dedup_threshold")  # fmt: skip
 
 
 def with_tokenizer(
