@@ -128,7 +128,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
         """Logits (B, T, vocab)."""
         ctx = ctx if ctx is not None else Context(tokens=tokens, stage="train" if self.training else "val")
-        return self.head(self.hidden(tokens, ctx))
+        hidden = self.hidden(tokens, ctx)
+        ctx.hidden = hidden
+        return self.head(hidden)
 
     def num_parameters(self) -> int:
         """Total number of distinct parameters."""

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from torch import nn
+from torch import Tensor, nn
 
 from rlm.plugin.context import Context
 from rlm.plugin.options import check_option, field_types
@@ -136,6 +136,13 @@ class Plugin(nn.Module):
 
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
         """Fill ``ctx.extras[self.name]`` from the batch before forward (for example the batch's neighbours)."""
+
+    def objective(self, ctx: Context, hidden: Tensor, logits: Tensor, targets: Tensor) -> Tensor | None:
+        """The training loss in place of the LM's cross-entropy, from the final normed states (B, T, d), the logits
+        (B, T, V) and the targets (B, T; -100 ignored); None: cross-entropy. At most one plugin of a model may
+        return one. Called at every stage; what it returns outside training is ignored (``val/loss`` stays the
+        plain cross-entropy, so models stay comparable), and it may log its own metrics through ``ctx``."""
+        return None
 
     def param_groups(self) -> list[ParamGroup]:
         """Optimizer groups for this plugin's parameters; parameters not listed use the default groups."""

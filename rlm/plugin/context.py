@@ -47,6 +47,9 @@ class Context:
     loss_groups: dict[str, Tensor] = field(default_factory=dict)
     """Per-token groups of the evaluation loss, name -> bool mask (B, T): validation logs the token-weighted loss
     of each as ``val/loss_by/<name>``. Declare the same names on every batch (DDP reduces them by name)."""
+    hidden: Tensor | None = None
+    """The final normed states (B, T, d) of the last forward (set by Transformer.forward; Plugin.objective reads
+    them)."""
     variant: str | None = None
     """The evaluation variant this forward computes (see Plugin.eval_variants); None for the model as it is."""
 

@@ -155,8 +155,15 @@ class LMModule(pl.LightningModule):
             ).view_as(targets)  # (B, T), 0 at ignored targets
             ctx.extras["lm/token_loss"] = token_loss.detach()
         lm = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        loss = lm
+        for (
+            plugin
+        ) in self.model.plugins.values():  # a plugin's objective replaces the cross-entropy in training
+            objective = plugin.objective(ctx, ctx.hidden, logits, targets)
+            if objective is not None and stage == "train":
+                loss = objective
         aux = ctx.total_aux_loss()
-        return lm, (lm if aux is None else lm + aux), ctx, n_tokens
+        return lm, (loss if aux is None else loss + aux), ctx, n_tokens
 
     def _log_context(self, ctx: Context, stage: str, on_step: bool) -> None:
         for name, (value, _) in ctx.aux_losses.items():
@@ -174,7 +181,7 @@ class LMModule(pl.LightningModule):
         lm, loss, ctx, n_tokens = self._loss(batch, "train")
         self.log("train/loss", lm, prog_bar=True)
         self.log("train/ppl", torch.exp(lm.detach().clamp(max=20)))
-        if ctx.aux_losses:
+        if ctx.aux_losses or loss is not lm:
             self.log("train/total_loss", loss)
         self._log_context(ctx, "train", on_step=True)
         return loss
