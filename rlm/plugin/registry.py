@@ -21,6 +21,7 @@ BUILTIN: dict[str, str] = {
     "pkm": "rlm.plugins.pkm:PKMPlugin",
     "altup": "rlm.plugins.altup:AltUpPlugin",
     "retrieval": "rlm.plugins.retrieval:RetrievalPlugin",
+    "token_memory": "rlm.plugins.token_memory:TokenMemoryPlugin",
 }
 
 # One line each for `rlm plugins`, kept here so that listing them imports no plugin (a test keeps them equal
@@ -32,6 +33,7 @@ DESCRIPTIONS: dict[str, str] = {
     "pkm": "Product key memory layers in the FFN slot of chosen layers.",
     "altup": "Alternating Updates: a K*d representation computed by width-d blocks (wraps the stack slot).",
     "retrieval": "The retriever: an embedder, cross-attention at chosen layers, and the index rebuild callback.",
+    "token_memory": "A token-grain memory of the LM's own states and their next tokens, mixed into the output (TRIME).",
 }
 
 ENTRY_POINT_GROUP = "rlm.plugins"

@@ -1,0 +1,178 @@
+"""A token-grain memory trained with the LM (TRIME: Zhong et al., EMNLP 2022, "Training Language Models with
+Memory Augmentation"): the LM's own final states are the retrieval keys, and what came next after a key is its value.
+
+An entry j of the memory is (h_j, y_j): the final normed hidden state at position j and the token that followed it.
+For the state h_t of the token being predicted, the output distribution mixes the LM head with the memory in one
+softmax (TRIME's eq. 1, with squared L2 similarity as the kNN-LM datastore measures it):
+
+    s_j      = -||h_t - h_j||^2 / tau + b
+    p(w | t) = ( exp(z_w) + sum_{j: y_j = w} exp(s_j) ) / ( sum_v exp(z_v) + sum_j exp(s_j) )
+
+where z = W h_t are the LM's logits and tau, b are learned scalars. Training with this loss pulls h_t towards the
+states of contexts that were followed by the same token: the geometry a kNN search over the LM's states needs,
+which the plain cross-entropy never asks for.
+
+Memory in training (no forward pass of its own: every key is a state the step computes anyway):
+- the window's own past: j < t (y_j = x_{j+1} is at or before t), TRIME's local memory;
+- the other windows of the batch, from other documents (with gradients through their keys), TRIME's in-batch
+  memory;
+- the last ``memory_batches`` training batches' states (detached; a queue, as MoCo's, He et al. 2020), from other
+  documents than the query's.
+At validation during fit the memory is the window's own past and the queue (never the batch's other windows: a
+sequence's loss does not depend on the rest of its batch); validation logs the mixed loss as
+``val/token_memory/loss`` beside the plain ``val/loss``, and with every value shuffled among the memory's entries as
+``val/token_memory_random/loss`` (the same keys and distances, unrelated next tokens).
+
+Memory at evaluation: a datastore of this model's states over its training split (``rlm knnlm build``), searched for
+the k nearest keys; ``rlm eval --datastore`` scores the mixture above with those k (``joint``) beside kNN-LM's
+interpolation. Why a plugin with an objective and not a slot: the mixture replaces the training loss and needs
+nothing inside the blocks; the core only hands the final states and logits to the plugin (Plugin.objective).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlm.plugin import Claim, Context, Plugin
+
+
+@dataclass
+class TokenMemoryConfig:
+    """Options of the token memory."""
+
+    temperature: float | None = None
+    """Initial tau of s_j = -||h_t - h_j||^2 / tau + b (None: d_model / 8, so two states at the squared distance of
+    random unit-RMS vectors, 2 d, score -16)."""
+    bias: float = 0.0
+    """Initial b."""
+    learn: bool = True
+    """Train tau and b (false: keep them at their initial values)."""
+    in_batch: bool = True
+    """Training memory includes the batch's other windows (of other documents), with gradients through their keys."""
+    memory_batches: int = 0
+    """Earlier training batches whose (detached) states stay in the memory; 0: none."""
+    state_grad: float = 0.1
+    """Scale of the memory's gradient into the LM's states (queries and in-batch keys): 1 is TRIME's; smaller keeps
+    the squared-distance scores, whose gradients are large beside the LM head's, from swamping the LM's own
+    learning of the states."""
+    ce_weight: float = 1.0
+    """The training loss is the mixture's NLL plus this times the LM's own cross-entropy (0: TRIME's loss alone)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"token_memory.temperature must be > 0 or null, got {self.temperature!r}")
+        if not isinstance(self.memory_batches, int) or self.memory_batches < 0:
+            raise ValueError(
+                f"token_memory.memory_batches must be a non-negative integer, got {self.memory_batches!r}"
+            )
+        if not 0 <= self.state_grad <= 1:
+            raise ValueError(f"token_memory.state_grad must be in [0, 1], got {self.state_grad!r}")
+        if not self.ce_weight >= 0:
+            raise ValueError(f"token_memory.ce_weight must be >= 0, got {self.ce_weight!r}")
+        if not math.isfinite(self.bias):
+            raise ValueError(f"token_memory.bias must be finite, got {self.bias!r}")
+
+
+def joint_nll(logits: Tensor, targets: Tensor, scores: Tensor, values: Tensor) -> Tensor:
+    """-log p(target) of the mixture, per query (N,): ``logits`` (N, V), ``targets`` (N,), ``scores`` (N, M) the
+    memory's s_j (-inf where an entry is not in a query's memory), ``values`` (N, M) or (M,) their next tokens."""
+    ce = F.cross_entropy(logits, targets, reduction="none")  # log Z - z_y, fused
+    z_y = logits.gather(1, targets[:, None]).squeeze(1)
+    return _mix(ce + z_y, z_y, scores, values, targets)
+
+
+def _mix(lse_lm: Tensor, z_y: Tensor, scores: Tensor, values: Tensor, targets: Tensor) -> Tensor:
+    values = values.expand_as(scores) if values.dim() == 1 else values
+    lse_mem = torch.logsumexp(scores, -1)  # (N,); -inf for an empty memory
+    hit = torch.logsumexp(scores.masked_fill(values != targets[:, None], float("-inf")), -1)
+    return torch.logaddexp(lse_lm, lse_mem) - torch.logaddexp(z_y, hit)
+
+
+class TokenMemoryPlugin(Plugin):
+    """A token-grain memory of the LM's own states and their next tokens, mixed into the output (TRIME)."""
+
+    name = "token_memory"
+    Config = TokenMemoryConfig
+    order = 90
+
+    def __init__(self, config: TokenMemoryConfig, model_config) -> None:
+        super().__init__(config, model_config)
+        tau = config.temperature if config.temperature is not None else model_config.d_model / 8
+        self.log_tau = nn.Parameter(torch.tensor(math.log(tau)), requires_grad=config.learn)
+        self.bias = nn.Parameter(torch.tensor(float(config.bias)), requires_grad=config.learn)
+        # The queue of earlier training batches: (keys (M, d) detached, values (M,), docs (M,)). Not a buffer: a
+        # checkpoint does not carry it, a resumed run refills it within memory_batches steps.
+        self._queue: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def claims(self) -> list[Claim]:
+        return []  # no slot: the memory acts on the output (objective)
+
+    def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
+        raise AssertionError("token_memory claims no slot")
+
+    @property
+    def temperature(self) -> float:
+        """The current tau."""
+        return float(self.log_tau.detach().exp())
+
+    def scores(self, queries: Tensor, keys: Tensor) -> Tensor:
+        """s (N, M) = -||q - k||^2 / tau + b, in float32."""
+        q, k = queries.float(), keys.float()
+        d2 = (q.square().sum(-1, keepdim=True) + k.square().sum(-1)[None, :] - 2 * q @ k.T).clamp_min(0)
+        return -d2 / self.log_tau.exp() + self.bias
+
+    def memory(self, ctx: Context, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """(s (N, M), values (M,)) of the N = B * T queries against the memory the stage allows (see the module
+        docstring); s is -inf where an entry is not in a query's memory."""
+        B, T, _ = hidden.shape
+        g = self.config.state_grad
+        h = hidden.flatten(0, 1)
+        h = h.detach() + g * (h - h.detach()) if g < 1 else h  # the same values, the gradient scaled by g
+        y = targets.flatten()  # (N, d), (N,)
+        docs = ctx.doc_ids if ctx.doc_ids is not None else torch.arange(B)
+        row = torch.arange(B, device=h.device).repeat_interleave(T)  # (N,)
+        pos = torch.arange(T, device=h.device).repeat(B)
+        doc = docs.to(h.device)[row]
+        own = (row[:, None] == row[None, :]) & (pos[None, :] < pos[:, None])  # the window's past, j < t
+        allowed = own | ((doc[:, None] != doc[None, :]) & (ctx.training and self.config.in_batch))
+        keys, values, mask = [h], [y.clamp_min(0)], [allowed & (y != -100)[None, :]]
+        for qk, qv, qd in self._queue if self.config.memory_batches else []:
+            keys.append(qk)
+            values.append(qv)
+            mask.append(doc[:, None] != qd[None, :])
+        s = self.scores(h, torch.cat(keys)).masked_fill(~torch.cat(mask, 1), float("-inf"))
+        return s, torch.cat(values)
+
+    def objective(self, ctx: Context, hidden: Tensor, logits: Tensor, targets: Tensor) -> Tensor | None:
+        """The mixture's mean NLL over the batch's targets in training (the step's loss); at validation, logs the
+        mixture's loss with the queue and own-past memory (and with shuffled values) and returns None."""
+        s, vals = self.memory(ctx, hidden, targets)
+        y = targets.flatten()
+        valid = y != -100
+        z, s, y = logits.flatten(0, 1).float()[valid], s[valid], y[valid]
+        if ctx.training:
+            if self.config.memory_batches:
+                doc = ctx.doc_ids if ctx.doc_ids is not None else torch.arange(len(targets))
+                doc = doc.to(hidden.device).repeat_interleave(targets.shape[1])[valid]
+                self._queue.append((hidden.flatten(0, 1).detach()[valid], y, doc))
+                del self._queue[: -self.config.memory_batches]
+            loss = joint_nll(z, y, s, vals).mean()
+            if self.config.ce_weight:
+                ctx.log("token_memory/loss", loss)
+                loss = loss + self.config.ce_weight * F.cross_entropy(z, y)
+            return loss
+        shuffled = vals[torch.randperm(len(vals), generator=torch.Generator().manual_seed(0)).to(vals.device)]
+        ctx.log("token_memory/loss", joint_nll(z, y, s, vals).mean())
+        ctx.log("token_memory_random/loss", joint_nll(z, y, s, shuffled).mean())
+        ctx.log("token_memory/temperature", self.log_tau.detach().exp())
+        ctx.log("token_memory/bias", self.bias.detach())
+        share = torch.sigmoid(
+            torch.logsumexp(s, -1) - torch.logsumexp(z, -1)
+        )  # the memory's share of the mass
+        ctx.log("token_memory/memory_share", share.mean())
+        return None
