@@ -54,6 +54,11 @@ class Scored:
     match: np.ndarray  # (N, k) bool
     seconds: dict[str, float] | None = None
     """Wall-clock seconds of the forward passes ('forward') and of the datastore searches ('search')."""
+    lm_logz: np.ndarray | None = None
+    """(N,) log of the LM's softmax normaliser, logsumexp of the logits (the joint rule needs the logits' scale)."""
+    match_random: np.ndarray | None = None
+    """(N, k) bool: whether a random value of the datastore, drawn for each neighbour, is the target (the
+    random-neighbour ablation: the same distances, unrelated next tokens)."""
 
     def log_probs(self, lam: float, temperature: float) -> np.ndarray:
         """log p(target) of the interpolation (eq. 2); tokens with no neighbour keep the LM's."""
@@ -84,12 +89,60 @@ def _mix(lm_logp: np.ndarray, knn: np.ndarray, found: np.ndarray, lam: float) ->
     return np.where(found, mixed, lm_logp)
 
 
+def joint_log_prob(
+    lm_logp: np.ndarray,
+    lm_logz: np.ndarray,
+    dists: np.ndarray,
+    match: np.ndarray,
+    temperature: float,
+    bias: float,
+) -> np.ndarray:
+    """log p(target) (N,) of the token memory's mixture (plugins/token_memory.py, TRIME's eq. 1) over the k found
+    neighbours: (exp(z_y) + sum_{i: v_i = y} exp(s_i)) / (sum_v exp(z_v) + sum_i exp(s_i)), s_i = -d_i / T + b;
+    a token with no neighbour keeps the LM's."""
+    s = torch.from_numpy(-np.asarray(dists, dtype=np.float64) / temperature + bias)  # (N, k); -inf if missing
+    logz, logp = torch.from_numpy(np.asarray(lm_logz, np.float64)), torch.from_numpy(np.asarray(lm_logp))
+    hit = torch.logsumexp(s.masked_fill(~torch.from_numpy(match), float("-inf")), 1)
+    num = torch.logaddexp(logp + logz, hit)
+    return (num - torch.logaddexp(logz, torch.logsumexp(s, 1))).numpy()
+
+
+def _temperatures(scored: Scored) -> list[float]:
+    """A log grid of temperatures around the median nearest-neighbour distance (its scale depends on the model)."""
+    d1 = scored.dists[:, 0][np.isfinite(scored.dists[:, 0])]
+    scale = float(np.median(d1)) if len(d1) else 1.0
+    return [scale * f for f in (0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 4.0)]
+
+
+BIASES = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0)
+"""The memory biases b tried when tuning the joint rule."""
+
+
+def tune_joint(scored: Scored, trained: tuple[float, float] | None = None) -> dict[str, float]:
+    """The (temperature, bias) of the joint rule with the lowest mean NLL on ``scored``, over a grid and the
+    model's own trained pair (``trained``, a token-memory model's tau and b)."""
+    grid = [(t, b) for t in _temperatures(scored) for b in BIASES] + ([trained] if trained else [])
+    best = {"loss": math.inf, "temperature": 1.0, "bias": 0.0}
+    for t, b in grid:
+        loss = -float(joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match, t, b).mean())
+        if loss < best["loss"]:
+            best = {"loss": loss, "temperature": t, "bias": b}
+    if trained:
+        loss = -joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match, *trained).mean()
+        best["trained"] = {"temperature": trained[0], "bias": trained[1], "loss": float(loss)}
+    return best
+
+
+def trained_memory(module: Any) -> tuple[float, float] | None:
+    """(tau, b) of a model trained with the token memory plugin, else None."""
+    plugin = module.model.plugins["token_memory"] if "token_memory" in module.model.plugins else None
+    return (plugin.temperature, float(plugin.bias.detach())) if plugin is not None else None
+
+
 def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, float]:
     """The (lam, temperature) of lowest mean NLL on ``scored``; temperatures on a log grid around the median
     nearest-neighbour distance (the scale of the distances depends on the model)."""
-    d1 = scored.dists[:, 0][np.isfinite(scored.dists[:, 0])]
-    scale = float(np.median(d1)) if len(d1) else 1.0
-    temps = [scale * f for f in (0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 4.0)]
+    temps = _temperatures(scored)
     best = {"loss": -float(scored.lm_logp.mean()), "lam": 0.0, "temperature": temps[0]}
     base = best["loss"]
     found = np.isfinite(scored.dists).any(axis=1)
@@ -117,7 +170,8 @@ def score(
     datastore (minus the evaluated document's own entries) and, with ``cache``, in the document's own past."""
     module.eval()
     layer = datastore.meta["layer"] if datastore is not None else "final"
-    lm, dists, match = [], [], []
+    lm, logzs, dists, match, rmatch = [], [], [], [], []
+    rng = np.random.default_rng(0)
     seconds = {"forward": 0.0, "search": 0.0, "cache": 0.0}
     past: dict[
         int, tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -133,7 +187,8 @@ def score(
             logits = module.model(batch["tokens"], ctx).float()  # (B, T, V)
             keys = hooked["keys"].float().cpu()  # (B, T, d)
             targets = batch["targets"].cpu()  # (B, T)
-            logp = torch.log_softmax(logits, -1).cpu()
+            logz = torch.logsumexp(logits, -1).cpu()  # (B, T)
+            logp = (logits - logz.to(logits.device)[..., None]).cpu()
             lengths = (targets != IGNORE_INDEX).sum(1).tolist()  # targets are a prefix of each window
             t1 = time.perf_counter()
             found = _search_batch(datastore, keys, lengths, batch["doc_ids"].tolist(), store, root, k)
@@ -142,6 +197,7 @@ def score(
             for b, n in enumerate(lengths):
                 tgt = targets[b, :n]
                 lm.append(logp[b, torch.arange(n), tgt].double().numpy())
+                logzs.append(logz[b, :n].double().numpy())
                 d, v = found[b]
                 if cache:
                     t2 = time.perf_counter()
@@ -152,10 +208,19 @@ def score(
                     seconds["cache"] += time.perf_counter() - t2
                 dists.append(d)
                 match.append(v == tgt.numpy()[:, None])
+                if datastore is not None and len(
+                    datastore.values
+                ):  # values of random entries, same distances
+                    drawn = np.asarray(datastore.values)[rng.integers(0, len(datastore.values), d.shape)]
+                    rmatch.append(np.isfinite(d) & (drawn == tgt.numpy()[:, None]))
+                else:
+                    rmatch.append(np.zeros(d.shape, bool))
     kk = max((x.shape[1] for x in dists), default=k)
     pad = [np.pad(x, ((0, 0), (0, kk - x.shape[1])), constant_values=np.inf) for x in dists]
     padm = [np.pad(x, ((0, 0), (0, kk - x.shape[1]))) for x in match]
-    return Scored(np.concatenate(lm), np.concatenate(pad), np.concatenate(padm), seconds)
+    padr = [np.pad(x, ((0, 0), (0, kk - x.shape[1]))) for x in rmatch]
+    return Scored(np.concatenate(lm), np.concatenate(pad), np.concatenate(padm), seconds, np.concatenate(logzs),
+                  np.concatenate(padr))  # fmt: skip
 
 
 def _search_batch(
@@ -220,7 +285,8 @@ def tune_on(module: Any, data: RLMDataModule, store: TokenStore, ds: Datastore, 
     """lam and the temperature of lowest loss on the first ``tokens`` targets of ``docs`` (the validation split)."""
     chosen = first_docs(store, docs, tokens)
     scored = score(module, windows_of(data, store, chosen), store, ds, k, batch_size, progress=progress)
-    return {**tune(scored), "tokens": len(scored.lm_logp), "documents": len(chosen)}
+    return {**tune(scored), "tokens": len(scored.lm_logp), "documents": len(chosen),
+            "joint": tune_joint(scored, trained_memory(module))}  # fmt: skip
 
 
 def mixing(ds: Datastore, lam: float | None, temperature: float | None) -> tuple[float, float]:
@@ -267,11 +333,24 @@ def evaluate_knn(
                    cache=cache, progress=progress)  # fmt: skip
     lm_nll, knn_nll = -float(scored.lm_logp.sum()), -float(scored.log_probs(lam, temperature).sum())
     n = len(scored.lm_logp)
+    rand_knn = -float(interpolate(scored.lm_logp, scored.dists, scored.match_random, lam, temperature).sum())
+    random = {"knnlm": metrics(rand_knn, n, n_bytes)}
+    joint: dict[str, Any] | None = None
+    tuned_joint = (ds.meta.get("tuning") or {}).get("joint")
+    if tuned_joint:  # the token memory's rule, with the (temperature, bias) tuned at build
+        t, b = tuned_joint["temperature"], tuned_joint["bias"]
+        nll = -float(joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match, t, b).sum())
+        rnll = -float(
+            joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match_random, t, b).sum()
+        )
+        joint = {**metrics(nll, n, n_bytes), "temperature": t, "bias": b, "trained": trained_memory(module)}
+        random["joint"] = metrics(rnll, n, n_bytes)
     return {
         "checkpoint": str(ckpt_path), "datastore": str(ds.path), "corpus": corpus or data.corpus,
         "split": "all" if corpus else split, "documents": int(len(docs)), "tokens": n, "bytes": n_bytes,
         "lam": lam, "temperature": temperature, "k": k or ds.meta["k"], "cache": cache,
-        "lm": metrics(lm_nll, n, n_bytes), "knnlm": metrics(knn_nll, n, n_bytes),
+        "lm": metrics(lm_nll, n, n_bytes), "knnlm": metrics(knn_nll, n, n_bytes), "joint": joint,
+        "random_neighbours": random,
         "target_in_neighbours": float(scored.match.any(axis=1).mean()) if n else 0.0,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip

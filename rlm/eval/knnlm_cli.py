@@ -100,5 +100,11 @@ def eval_main(args: list[str]) -> int:
         f"(lam {r['lam']}, temperature {r['temperature']:.4g}, k {r['k']}{', with the cache' if r['cache'] else ''}; "
         f"target among the neighbours {r['target_in_neighbours']:.1%})"
     )
+    j, rnd = r.get("joint"), r["random_neighbours"]
+    if j:
+        print(f"joint   loss {j['loss']:.4f}  ppl {j['ppl']:.2f}  bits/byte {j['bpb']:.4f}  (the token memory's "
+              f"mixture, temperature {j['temperature']:.4g}, bias {j['bias']:g})")  # fmt: skip
+    print("random neighbours (the same distances, random values): "
+          + ", ".join(f"{name} loss {m['loss']:.4f}" for name, m in rnd.items()))  # fmt: skip
     write_json(a.json, r)
     return 0
