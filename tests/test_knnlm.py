@@ -255,7 +255,7 @@ def test_knnlm_commands_build_evaluate_and_generate(tiny, tmp_path, rlm_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin", ["moe", "pkm", "altup", "tokenid", "retrieval"])
+@pytest.mark.parametrize("plugin", ["moe", "pkm", "altup", "tokenid", "retrieval", "token_memory"])
 def test_knnlm_composes_with_every_plugin(plugin, tmp_path, rlm_cache):
     """A datastore from a checkpoint with a memory plugin (the trained retriever included): keys are read from
     the model's final norm whatever fills the slots, and kNN-LM scores the validation split."""
@@ -278,3 +278,35 @@ def test_knnlm_composes_with_every_plugin(plugin, tmp_path, rlm_cache):
     assert (
         r["tokens"] > 0 and math.isfinite(r["knnlm"]["loss"]) and r["knnlm"]["loss"] < r["lm"]["loss"] + 0.05
     )
+    assert math.isfinite(r["joint"]["loss"]) and r["random_neighbours"]["knnlm"]["loss"] > 0
+    if (
+        plugin == "token_memory"
+    ):  # the joint rule was tuned with the model's own tau and b among the candidates
+        assert r["joint"]["trained"] is not None and r["joint"]["trained"][0] > 0
+
+
+@pytest.mark.slow
+def test_rlm_test_and_validate_take_a_datastore_and_match_rlm_eval(tiny, tmp_path, rlm_cache):
+    """`rlm test --datastore DS` logs test/knnlm/loss (and the joint rule's) from Lightning's loop: the same
+    numbers as `rlm eval --datastore` on the test split; `rlm validate` logs val/knnlm/loss; the model's own
+    test/loss is untouched."""
+    import re
+
+    work, ckpt, _ = tiny
+    out = run_rlm(["test", "--ckpt", ckpt, "--datastore", work / "ds", "--trainer.enable_progress_bar=false"],
+                  tmp_path, rlm_cache)  # fmt: skip
+
+    def read(name: str, text: str) -> float:
+        return float(re.search(rf"{re.escape(name)}\s*[│|]?\s*([0-9][0-9.e+-]*)", text).group(1))
+
+    res = tmp_path / "r.json"
+    run_rlm(["eval", "--ckpt", ckpt, "--datastore", work / "ds", "--json", res], tmp_path, rlm_cache)
+    r = json.loads(res.read_text())
+    assert math.isclose(read("test/loss", out.stdout), r["lm"]["loss"], rel_tol=1e-4)
+    assert math.isclose(read("test/knnlm/loss", out.stdout), r["knnlm"]["loss"], rel_tol=1e-4)
+    assert math.isclose(read("test/joint/loss", out.stdout), r["joint"]["loss"], rel_tol=1e-4)
+    val = run_rlm(["validate", "--ckpt", ckpt, "--datastore", work / "ds", "--trainer.enable_progress_bar=false"],
+                  tmp_path, rlm_cache)  # fmt: skip
+    assert "val/knnlm/loss" in val.stdout
+    bad = run_rlm(["test", "--ckpt", ckpt, "--datastore"], tmp_path, rlm_cache, check=False)
+    assert bad.returncode == 2 and "--datastore needs a directory" in bad.stderr

@@ -166,7 +166,11 @@ def canonical_flags(command: str, args: list[str]) -> list[str]:
     rlm's own subcommands (eval, generate, export, index, knnlm, experiment) spell options with dashes
     (``--batch-size``) and name a checkpoint ``--ckpt``; they also accept ``--batch_size`` and ``--ckpt_path``.
     fit/validate/test keep LightningCLI's spelling (``--trainer.max_steps``, ``--ckpt_path``) and also accept
-    ``--ckpt``. Only option names change, never values (``--set trainer.max_steps=3`` stays as it is)."""
+    ``--ckpt``. Only option names change, never values (``--set trainer.max_steps=3`` stays as it is).
+    validate/test take ``--datastore DIR``: the kNN-LM callback (rlm.eval.knnlm_eval.DatastoreEval) on that
+    datastore, ``--trainer.callbacks+=...`` in LightningCLI's spelling."""
+    if command in ("validate", "test"):
+        args = _datastore_flag(args)
     out = []
     for i, arg in enumerate(args):
         if arg == "--":  # everything after it is positional
@@ -180,6 +184,28 @@ def canonical_flags(command: str, args: list[str]) -> list[str]:
         elif "." not in name:
             name = "--ckpt" if name == "--ckpt_path" else name.replace("_", "-")
         out.append(name + eq + value)
+    return out
+
+
+def _datastore_flag(args: list[str]) -> list[str]:
+    """``--datastore DIR`` (or ``--datastore=DIR``) as the DatastoreEval callback's two LightningCLI flags."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return out + args[i:]
+        if arg == "--datastore" or arg.startswith("--datastore="):
+            value = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            if not value or value.startswith("--"):
+                raise ValueError("--datastore needs a directory: a datastore built by `rlm knnlm build`")
+            out += [
+                "--trainer.callbacks+=rlm.eval.knnlm_eval.DatastoreEval",
+                f"--trainer.callbacks.datastore={value}",
+            ]
+            i += 1 if "=" in arg else 2
+            continue
+        out.append(arg)
+        i += 1
     return out
 
 
