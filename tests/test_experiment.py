@@ -433,7 +433,11 @@ def test_a_knnlm_variant_reuses_the_trained_model_and_reports_its_datastore(
     path = write_experiment(
         tmp_path / "exp.yaml",
         common={"trainer": {"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1}},
-        variants={"baseline": {}, "baseline_knnlm": {"knnlm": knn}},
+        variants={
+            "baseline": {},
+            "baseline_knnlm": {"knnlm": knn},
+            "baseline_joint": {"knnlm": {**knn, "rule": "joint"}},
+        },  # fmt: skip
     )
     out = tmp_path / "out"
     assert rlm_main(["experiment", "run", str(path), "--out", str(out)]) == 0
@@ -454,9 +458,15 @@ def test_a_knnlm_variant_reuses_the_trained_model_and_reports_its_datastore(
     assert summary["knnlm"]["build_s"] > 0
     assert not (knn_run / "datastore").exists()
     report = (out / "results.md").read_text()
-    assert "| baseline_knnlm | " in report and "kNN-LM test loss" in report
+    assert "| baseline_knnlm | " in report and "with datastore" in report
+    random_cost = scored["random_neighbours"]["knnlm"]["loss"] - scored["knnlm"]["loss"]
+    assert f"| {random_cost:+.3f} |" in report  # the random-neighbour ablation, by seed
+    joint = json.loads((out / "baseline_joint/seed0/summary.json").read_text())
+    scored_joint = json.loads((out / "baseline_joint/seed0/test_knnlm.json").read_text())
+    assert joint["test_loss"] == scored_joint["joint"]["loss"] and joint["knnlm"]["rule"] == "joint"
+    assert joint["knnlm"]["interpolate_loss"] == scored_joint["knnlm"]["loss"]
     assert rlm_main(["experiment", "run", str(path), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.count("finished earlier, skipped") == 2
+    assert capsys.readouterr().out.count("finished earlier, skipped") == 3
 
 
 def test_a_run_reusing_a_knnlm_run_gets_the_models_own_test_loss():
@@ -477,6 +487,7 @@ def test_a_run_reusing_a_knnlm_run_gets_the_models_own_test_loss():
         ({"layer": "middle"}, "accepted: 'final' or 'ffn_input'"),
         ({"target_recall": 1.5}, r"accepted: a number in \(0, 1\]"),
         ({"cache": "yes"}, "accepted: true or false"),
+        ({"rule": "blend"}, "knnlm.rule: got 'blend'; accepted: 'interpolate'"),
         ("everything", "expected true or a mapping of"),
     ],
 )

@@ -53,15 +53,24 @@ def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
     r = json.loads((run.dir / KNNLM_JSON).read_text())
     meta_path = run.dir / DATASTORE / "meta.json"
     meta = json.loads((meta_path if meta_path.is_file() else run.dir / "datastore_meta.json").read_text())
-    knn, lm = r["knnlm"], r["lm"]
+    rule = (run.knnlm or {}).get("rule", "interpolate")
+    if rule == "joint" and not r.get("joint"):
+        raise ValueError(
+            f"{run.label}: rule 'joint' but the datastore was not tuned for it (no validation split)"
+        )
+    knn, lm = (r["joint"] if rule == "joint" else r["knnlm"]), r["lm"]
+    random = (r.get("random_neighbours") or {}).get("joint" if rule == "joint" else "knnlm")
     out = dict(summary)
     out["lm_test"] = {"loss": lm["loss"], "ppl": lm["ppl"], "bpb": lm["bpb"]}
     out.update(test_loss=knn["loss"], test_ppl=knn["ppl"], test_bpb=knn["bpb"])
     out["knnlm"] = {
         "options": run.knnlm, "lam": r["lam"], "temperature": r["temperature"], "k": r["k"], "cache": r["cache"],
         "keys": meta.get("entries"), "factory": meta.get("factory"), "build_s": sum((meta.get("seconds") or {}).values()) or None,
-        "eval_s": r.get("seconds"), "target_in_neighbours": r.get("target_in_neighbours"),
+        "eval_s": r.get("seconds"), "target_in_neighbours": r.get("target_in_neighbours"), "rule": rule,
+        "random_loss": random["loss"] if random else None, "bias": knn.get("bias"),
     }  # fmt: skip
+    if rule == "joint":
+        out["knnlm"].update(temperature=knn["temperature"], lam=None, interpolate_loss=r["knnlm"]["loss"])
     return out
 
 

@@ -158,18 +158,31 @@ def _knnlm_table(variants: list[VariantResult]) -> list[str]:
         k = runs[0]["knnlm"]
         rows.append([
             v.name, _fmt(statistics.fmean(lm)), _fmt(v.mean("test_loss")), f"{statistics.fmean(gains):+.3f}{sd}",
-            ", ".join(f"{g:+.3f}" for g in gains), "/".join(f"{r['knnlm']['lam']:g}" for r in runs),
+            ", ".join(f"{g:+.3f}" for g in gains), k.get("rule", "interpolate"),
+            "/".join("-" if r["knnlm"].get("lam") is None else f"{r['knnlm']['lam']:g}" for r in runs),
             "/".join(f"{r['knnlm']['temperature']:.3g}" for r in runs), _count(k.get("keys")),
             f"{k.get('factory')}" + (", cache" if k.get("cache") else ""),
             _seconds(statistics.fmean(r["knnlm"]["build_s"] or 0.0 for r in runs)),
+            _random_cost(runs),
         ])  # fmt: skip
     if not rows:
         return []
-    header = ["variant", "LM test loss", "kNN-LM test loss", "gain (mean ± sd)", "gain by seed", "lam",
-              "temperature", "keys", "index", "build time"]  # fmt: skip
-    intro = ("kNN-LM (Khandelwal et al. 2020) over each run's own training split, lam and the temperature tuned "
-             "on its validation split; the table above shows these variants' kNN-LM test loss.")  # fmt: skip
+    header = ["variant", "LM test loss", "with datastore", "gain (mean ± sd)", "gain by seed", "rule", "lam",
+              "temperature", "keys", "index", "build time", "random neighbours (Δ by seed)"]  # fmt: skip
+    intro = ("A datastore of each run's own states over its training split: 'interpolate' is kNN-LM (Khandelwal "
+             "et al. 2020, lam and the temperature tuned on the validation split), 'joint' the token memory's "
+             "mixture (its temperature and bias tuned there); the table above shows these variants' test loss with "
+             "the datastore. Random neighbours: the same distances with random values of the datastore, the loss "
+             "change against the real neighbours.")  # fmt: skip
     return ["", intro, "", *_table(header, rows)]
+
+
+def _random_cost(runs: list[dict[str, Any]]) -> str:
+    """The loss change from real to random neighbours, by seed."""
+    costs = [
+        r["knnlm"]["random_loss"] - r["test_loss"] for r in runs if r["knnlm"].get("random_loss") is not None
+    ]
+    return ", ".join(f"{c:+.3f}" for c in costs) or "—"
 
 
 def _metrics_table(info: dict[str, Any], variants: list[VariantResult]) -> list[str]:

@@ -45,9 +45,11 @@ KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
     "max_documents": (int, "a positive integer"),
     "cache": (bool, "true or false"),
     "keep": (bool, "true or false"),
+    "rule": (str, "'interpolate' (kNN-LM's eq. 2) or 'joint' (the token memory's mixture)"),
 }
 """A variant's ``knnlm`` stage: the options of ``rlm knnlm build`` (``--layer`` ...), ``cache`` (``rlm eval
---knn-cache``) and ``keep`` (keep the datastore directory; by default only its meta.json stays)."""
+--knn-cache``), ``keep`` (keep the datastore directory; by default only its meta.json stays) and ``rule``: how
+the reported test loss mixes the neighbours in ('interpolate', kNN-LM; 'joint', plugins/token_memory.py's rule)."""
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 """Variant and experiment names become directory names: letters, digits and ``_ . + -``."""
 DEFAULT_METRICS = ["val/*"]
@@ -212,6 +214,8 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
             ok = option >= (1 if key in ("k", "max_documents") else 0)
         elif key == "layer":
             ok = option in ("final", "ffn_input")
+        elif key == "rule":
+            ok = option in ("interpolate", "joint")
         if not ok:
             problems.append(f"{where}.{key}: got {option!r}; accepted: {accepted}")
             continue
