@@ -34,3 +34,38 @@ def test_fit_on_gpu_in_bf16(tmp_path, rlm_cache):
     )
     losses = column(read_metrics(tmp_path / "runs/test/version_0"), "train/loss")
     assert len(losses) == 6 and all(v == v for v in losses)
+
+
+def test_the_guard_and_the_token_count_do_not_sync_between_reads():
+    # SCALE.md item 11: between the guard's reads (every_n_steps), recording a loss and the gradients' finiteness
+    # and counting a batch's target tokens never wait for the GPU (set_sync_debug_mode raises at a sync).
+    from types import SimpleNamespace
+
+    import pytorch_lightning as pl
+
+    from rlm.train.guard import NonFiniteError, NonFiniteGuard
+
+    module = pl.LightningModule()
+    module.lin = torch.nn.Linear(4, 1)
+    module = module.cuda()
+    trainer = SimpleNamespace(world_size=1, global_step=0, precision_plugin=SimpleNamespace(), optimizers=[])
+    trainer.checkpoint_callbacks, trainer.log_every_n_steps = [], 50
+    guard = NonFiniteGuard(every_n_steps=4)
+    targets = torch.randint(0, 8, (2, 16), device="cuda")
+    targets[:, :5] = -100
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step, scale in enumerate([1.0, float("nan"), 1.0]):  # steps 0-2: no read ((step + 1) % 4 != 0)
+            trainer.global_step = step
+            loss = module.lin(torch.ones(3, 4, device="cuda")).pow(2).mean() * scale
+            guard.on_before_backward(trainer, module, loss)
+            loss.backward()
+            guard.on_before_optimizer_step(trainer, module, None)
+            module.lin.zero_grad()
+            n_tokens = (targets != -100).sum()  # as LMModule._loss keeps it
+            _ = loss.detach().double() * n_tokens
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    trainer.global_step = 3
+    with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\) at step 1"):
+        guard.on_before_optimizer_step(trainer, module, None)  # the 4th step reads the record

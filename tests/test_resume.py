@@ -49,6 +49,7 @@ def _toy_fit(
     save_top_k: int = -1,
     ckpt_path: Path | None = None,
     every_n: int = 1,
+    guard: NonFiniteGuard | None = None,
 ) -> pl.Trainer:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4)
     trainer = pl.Trainer(
@@ -58,7 +59,7 @@ def _toy_fit(
         enable_model_summary=False,
         default_root_dir=tmp_path,
         callbacks=[
-            NonFiniteGuard(),
+            guard or NonFiniteGuard(),
             CheckpointHygiene(),
             ModelCheckpoint(
                 dirpath=tmp_path / "ckpt", every_n_train_steps=every_n, save_last=True, save_top_k=save_top_k
@@ -82,6 +83,42 @@ def test_non_finite_stops_at_its_step_and_names_the_last_finite_checkpoint(tmp_p
     assert ckpt["global_step"] == 3
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
     assert not list((tmp_path / "ckpt").glob("*step=4*"))
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+@pytest.mark.parametrize(
+    ("nan_at", "every_n", "seen_at"),
+    [
+        (5, 2, 6),  # read before the checkpoint of step 6: the last one kept is step 4's
+        (5, 100, 7),  # no checkpoint in between: read at step 7, the 4th-step read ((7 + 1) % 4 == 0)
+        (8, 100, 10),  # the last steps, between two reads: read when training ends
+    ],
+)
+def test_a_guard_reading_every_4_steps_names_the_first_bad_step_and_no_checkpoint_takes_it(
+    tmp_path, where, nan_at, every_n, seen_at
+):
+    # SCALE.md item 11: the guard records on the device and reads (a host sync) every 4 optimizer steps, before
+    # each checkpoint and at the end; the run stops within 4 steps, naming the first bad one, and every
+    # checkpoint written is finite and from before it.
+    guard = NonFiniteGuard(every_n_steps=4)
+    with pytest.raises(
+        NonFiniteError, match=rf"at step {nan_at}; training stopped \(seen at step {seen_at}"
+    ) as e:
+        _toy_fit(tmp_path, _Toy(nan_at=nan_at, where=where), every_n=every_n, guard=guard)
+    assert ("non-finite loss (nan)" if where == "loss" else "non-finite gradients") in str(e.value)
+    assert seen_at - nan_at < 4 or seen_at == 10
+    for path in (tmp_path / "ckpt").glob("*.ckpt"):
+        ckpt = torch.load(path, weights_only=False)
+        assert ckpt["global_step"] <= nan_at
+        assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+
+
+def test_the_guard_reads_every_step_on_a_cpu_and_refuses_a_zero_period():
+    trainer = pl.Trainer(logger=False, log_every_n_steps=50, enable_progress_bar=False)
+    assert NonFiniteGuard().period(trainer, _Toy(nan_at=-1)) == 1  # a host read on a CPU waits for nothing
+    assert NonFiniteGuard(every_n_steps=7).period(trainer, _Toy(nan_at=-1)) == 7
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        NonFiniteGuard(every_n_steps=0)
 
 
 def test_atomic_save_keeps_the_old_file_on_a_full_disk(tmp_path, monkeypatch):

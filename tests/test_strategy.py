@@ -90,3 +90,21 @@ def test_lightning_commands_release_the_process_group(tmp_path, monkeypatch):
         else:
             assert run_lightning("fit", []) == 0
         assert not dist.is_initialized()
+
+
+def test_lightning_model_parallel_becomes_rlms_with_its_init_args():
+    from jsonargparse import Namespace
+
+    from rlm.train.strategy import RLM_MODEL_PARALLEL, ModelParallelStrategy, use_rlm_model_parallel
+
+    for strategy in (
+        {"class_path": "pytorch_lightning.strategies.ModelParallelStrategy", "init_args": {"x": 1}},
+        Namespace(class_path="lightning.pytorch.strategies.ModelParallelStrategy", init_args={"x": 1}),
+    ):
+        swapped = use_rlm_model_parallel(strategy)
+        assert swapped["class_path"] == RLM_MODEL_PARALLEL and swapped["init_args"] == {"x": 1}
+    assert use_rlm_model_parallel("ddp") == "ddp"
+    assert use_rlm_model_parallel({"class_path": "my.Strategy"}) == {"class_path": "my.Strategy"}
+    # devices: auto still resolves by the name
+    assert strategy_name({"class_path": RLM_MODEL_PARALLEL}) == "modelparallel"
+    assert RLM_MODEL_PARALLEL == f"{ModelParallelStrategy.__module__}.ModelParallelStrategy"

@@ -1,10 +1,18 @@
-"""Stopping a run at its first non-finite loss or gradient, before the weights or a checkpoint take it in.
+"""Stopping a run at its first non-finite loss or gradient, before a checkpoint takes it in.
 
-A diverged run used to go on to ``max_steps`` and exit 0 with NaN in every checkpoint. The guard checks the
-loss before ``backward`` (one process), the gradients before each optimizer step (after DDP's all-reduce, so
-every process stops at the same step) and the weights before each checkpoint is written. It raises
-:class:`NonFiniteError` naming the step, the suspects (the learning rates, the plugins' aux losses) and the
-last checkpoint written, which is finite because nothing non-finite ever reached the weights.
+A diverged run used to go on to ``max_steps`` and exit 0 with NaN in every checkpoint. The guard records, on the
+device, whether the loss (one process) and the gradients before each optimizer step (after DDP's all-reduce, so
+every process sees the same) are finite, and reads that record (one host sync) every ``every_n_steps`` optimizer
+steps, before every checkpoint is written and when training ends; it also checks the weights of every checkpoint.
+It raises :class:`NonFiniteError` naming the first step that went non-finite, the suspects (the learning rates,
+the plugins' aux losses) and the last checkpoint written, which is finite: a checkpoint is written only after the
+record says every step so far was finite.
+
+``every_n_steps=1`` (the default on a CPU, where a host read waits for nothing) stops before the optimizer step of
+the first bad step, so nothing non-finite ever reaches the weights. On a GPU the default is the trainer's
+``log_every_n_steps``: a read every step drained the CUDA queue (rlm/train/SCALE.md, item 11), and logging reads
+the loss at those steps anyway. Then the weights may take up to ``every_n_steps - 1`` non-finite updates before
+the run stops, in memory only: no checkpoint is written in between without the record being read first.
 """
 
 from __future__ import annotations
@@ -22,10 +30,15 @@ class NonFiniteError(ValueError):
     """Training met a non-finite loss, gradient or weight."""
 
 
-def _finite(t: Tensor) -> bool:
+def _all_finite(t: Tensor) -> Tensor:
+    """Whether every value of ``t`` is finite, as a 0-d bool tensor on its device (no host sync)."""
     if t.is_sparse:
         t = t.coalesce().values()
-    return bool(torch.isfinite(t).all())
+    return torch.isfinite(t).all()
+
+
+def _finite(t: Tensor) -> bool:
+    return bool(_all_finite(t))
 
 
 def _aux_losses(trainer: pl.Trainer) -> dict[str, float]:
@@ -60,8 +73,58 @@ def last_checkpoint(trainer: pl.Trainer) -> str | None:
 class NonFiniteGuard(pl.Callback):
     """Raise :class:`NonFiniteError` at the first non-finite loss or gradient (see the module docstring)."""
 
-    def _fail(self, trainer: pl.Trainer, pl_module: pl.LightningModule, what: str) -> None:
-        step = trainer.global_step
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        """``every_n_steps``: optimizer steps between reads of the device-side record; None: 1 on a CPU, the
+        trainer's ``log_every_n_steps`` on an accelerator."""
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps}; accepted: None or >= 1")
+        self.every_n_steps = every_n_steps
+        self._first: Tensor | None = None
+        """(2,) int64 on the device: the first step with a non-finite loss, with non-finite gradients; -1: none."""
+        self._loss: Tensor | None = None
+        """The first non-finite loss value (for the message)."""
+
+    def period(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        if self.every_n_steps is not None:
+            return self.every_n_steps
+        return 1 if pl_module.device.type == "cpu" else max(1, int(trainer.log_every_n_steps))
+
+    def _record(self, pl_module: pl.LightningModule) -> tuple[Tensor, Tensor]:
+        if self._first is None or self._first.device != pl_module.device:
+            self._first = torch.full((2,), -1, dtype=torch.int64, device=pl_module.device)
+            self._loss = torch.zeros((), device=pl_module.device)
+        assert self._loss is not None
+        return self._first, self._loss
+
+    def _mark(self, pl_module: pl.LightningModule, which: int, finite: Tensor, step: int) -> Tensor:
+        """Record ``step`` as the first bad one of kind ``which`` when ``finite`` is false (on the device)."""
+        first, _ = self._record(pl_module)
+        new = (first[which] < 0) & ~finite
+        first[which] = torch.where(new, step, first[which])
+        return new
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read the record (one host sync) and fail if a step went non-finite."""
+        if self._first is None:
+            return
+        loss_step, grad_step = self._first.tolist()
+        if loss_step >= 0 and (grad_step < 0 or loss_step <= grad_step):
+            assert self._loss is not None
+            self._fail(trainer, pl_module, f"non-finite loss ({float(self._loss):g})", loss_step)
+        if grad_step >= 0:
+            bad = [n for n, p in pl_module.named_parameters() if p.grad is not None and not _finite(p.grad)]
+            shown = (
+                " in " + ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                if bad
+                else ""
+            )
+            self._fail(trainer, pl_module, f"non-finite gradients{shown}", grad_step)
+
+    def _fail(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, what: str, step: int | None = None
+    ) -> None:
+        step = trainer.global_step if step is None else step
+        late = trainer.global_step - step
         optim = getattr(pl_module, "optim", None)
         lrs = []
         for opt in trainer.optimizers:
@@ -84,36 +147,54 @@ class NonFiniteGuard(pl.Callback):
             if ckpt
             else "No checkpoint was written before it (lower the lr, or checkpoint more often)"
         )
-        raise NonFiniteError(
-            f"{what} at step {step}; training stopped. Suspects: {'; '.join(suspects)}. {kept}"
+        seen = (
+            f" (seen at step {trainer.global_step}: the guard reads its record every few steps)"
+            if late
+            else ""
         )
+        raise NonFiniteError(
+            f"{what} at step {step}; training stopped{seen}. Suspects: {'; '.join(suspects)}. {kept}"
+        )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first = self._loss = None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # Only on one process: the loss is per process, and one process raising alone would hang the others
         # in the all-reduce; under DDP the gradients (identical everywhere) carry the NaN to the next check.
-        if trainer.world_size == 1 and not _finite(loss.detach()):
-            self._fail(trainer, pl_module, f"non-finite loss ({float(loss.detach()):g})")
+        if trainer.world_size == 1:
+            loss = loss.detach()
+            new = self._mark(pl_module, 0, _all_finite(loss), trainer.global_step)
+            _, value = self._record(pl_module)
+            value.copy_(torch.where(new, loss.float().reshape(()), value))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
-            return  # fp16 loss scaling: inf gradients are expected now and then, and the scaler skips those steps
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        dense = [g for g in grads if not g.is_sparse]
-        # One fused pass for the common case; an overflowing norm of finite values falls through to the exact
-        # per-tensor check, which names the parameters.
-        if dense and bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(dense)])).all()):
-            if all(_finite(g) for g in grads if g.is_sparse):
-                return
-        bad = [n for n, p in pl_module.named_parameters() if p.grad is not None and not _finite(p.grad)]
-        if bad:
-            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            self._fail(trainer, pl_module, f"non-finite gradients in {shown}")
+        # fp16 loss scaling: inf gradients are expected now and then, and the scaler skips those steps
+        if getattr(trainer.precision_plugin, "scaler", None) is None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            dense = [g for g in grads if not g.is_sparse]
+            # One fused pass over the dense gradients (a norm is finite iff every value is, barring an overflow
+            # of finite values, which the exact per-tensor check at the read sorts out).
+            finite = torch.ones((), dtype=torch.bool, device=pl_module.device)
+            if dense:
+                norms = torch.stack([n.float() for n in torch._foreach_norm(dense)])
+                finite = finite & torch.isfinite(norms).all().to(finite.device)
+            for g in grads:
+                if g.is_sparse:
+                    finite = finite & _all_finite(g).to(finite.device)
+            self._mark(pl_module, 1, finite, trainer.global_step)
+        if (trainer.global_step + 1) % self.period(trainer, pl_module) == 0:
+            self._check(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check(trainer, pl_module)  # what the last few steps recorded
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        self._check(trainer, pl_module)  # a checkpoint only after every step so far was finite
         bad = [
             k for k, v in checkpoint.get("state_dict", {}).items() if torch.is_tensor(v) and not _finite(v)
         ]

@@ -144,11 +144,13 @@ class LMModule(pl.LightningModule):
 
     def _loss(
         self, batch: dict[str, Any], stage: str, variant: str | None = None
-    ) -> tuple[Tensor, Tensor, Context, int]:
+    ) -> tuple[Tensor, Tensor, Context, Tensor]:
         ctx = self.make_context(batch, stage, variant)
         logits = self.model(batch["tokens"], ctx)  # (B, T, V)
         targets = batch["targets"]
-        n_tokens = int((targets != -100).sum())
+        # A tensor on the batch's device, not a Python int: it only weights the eval sums, and int() here was a
+        # host sync (a drained CUDA queue) in every training step, which never used it (SCALE.md, item 11).
+        n_tokens = (targets != -100).sum()
         if ctx.loss_groups and stage != "train":  # per-token losses for val/loss_by/<group>
             token_loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"

@@ -5,6 +5,8 @@
 - Strategies rlm cannot run are refused with one clear line (``rlm fit: error: ...``) instead of a traceback
   from deep inside Lightning: DeepSpeed when its package is missing, and Lightning's FSDP1 strategy (rlm's FSDP is
   FSDP2 through ModelParallelStrategy, configs/trainer/fsdp.yaml).
+- Lightning's ModelParallelStrategy becomes rlm's subclass of it (:class:`ModelParallelStrategy` here), which
+  shards evaluation data over every rank (rlm/train/SCALE.md, item 13).
 """
 
 from __future__ import annotations
@@ -13,11 +15,47 @@ import importlib.util
 from typing import Any
 
 import torch
+from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallel
 
 CPU_PROCESSES = 2
 """Processes that ``devices: auto`` starts on a CPU under a multi-process strategy."""
 MULTI_PROCESS = ("ddp", "modelparallel", "fsdp", "deepspeed")
 """Strategy names (lowercased, underscores dropped, by prefix) that start one process per device."""
+
+
+class ModelParallelStrategy(_LightningModelParallel):
+    """Lightning's ModelParallelStrategy with evaluation data sharded over every rank (global rank, world size).
+
+    Lightning's strategy hands its DistributedSampler the mesh's ``data_parallel`` dimension, which is the node
+    count in its default (nodes, devices per node) mesh: it assumes the ``tensor_parallel`` dimension splits
+    each layer, so the GPUs of a node must see the same batch. rlm has no tensor parallelism; both dimensions
+    shard FSDP2 (:func:`rlm.train.parallel.fsdp_mesh`) and every rank is a data-parallel replica. So under
+    Lightning's rule every GPU of a node evaluated the same 1/nodes of the validation set (on one node, the whole
+    of it on every GPU: W times the evaluation work, and on 8 nodes of 8, 8 times). Training was unaffected:
+    ``TrainLoader`` shards by global rank itself.
+
+    Why here and not in the data module: the strategy is what states how data split over ranks, and Lightning
+    reads ``distributed_sampler_kwargs`` for every evaluation loader it is given (val, test, predict, a user's
+    own data module), so one override fixes them all, with the DistributedSampler and its padding that DDP
+    already uses (an uneven last share is padded with repeated windows, as under DDP). Sharding in the data
+    module would fix only rlm's loaders and fight Lightning, which replaces a plain loader's sampler. The
+    epoch metrics need no change: ``LMModule._eval_epoch_end`` sums token-weighted totals with
+    ``strategy.reduce``, over the default group of all ranks.
+    """
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+LIGHTNING_MODEL_PARALLEL = (
+    "pytorch_lightning.strategies.ModelParallelStrategy",
+    "pytorch_lightning.strategies.model_parallel.ModelParallelStrategy",
+    "lightning.pytorch.strategies.ModelParallelStrategy",
+    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy",
+)
+"""Class paths of Lightning's own ModelParallelStrategy, which :func:`prepare_trainer` swaps for rlm's."""
+RLM_MODEL_PARALLEL = f"{__name__}.ModelParallelStrategy"
 
 
 def strategy_name(strategy: Any) -> str:
@@ -65,7 +103,17 @@ def resolve_devices(strategy: Any, accelerator: Any, devices: Any) -> Any:
 def prepare_trainer(trainer: Any) -> None:
     """Check the strategy and resolve ``devices`` in a parsed ``trainer`` config (a jsonargparse Namespace)."""
     check_strategy(trainer.strategy)
+    trainer.strategy = use_rlm_model_parallel(trainer.strategy)
     trainer.devices = resolve_devices(trainer.strategy, trainer.accelerator, trainer.devices)
+
+
+def use_rlm_model_parallel(strategy: Any) -> Any:
+    """``strategy`` with Lightning's ModelParallelStrategy class path replaced by rlm's (same init_args), so a
+    config written for Lightning's class evaluates each window on one rank only; anything else unchanged."""
+    path = strategy.get("class_path") if hasattr(strategy, "get") and not isinstance(strategy, str) else None
+    if path in LIGHTNING_MODEL_PARALLEL:
+        strategy["class_path"] = RLM_MODEL_PARALLEL
+    return strategy
 
 
 def release_process_group() -> None:
