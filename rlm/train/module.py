@@ -158,9 +158,8 @@ class LMModule(pl.LightningModule):
             ctx.extras["lm/token_loss"] = token_loss.detach()
         lm = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         loss = lm
-        for (
-            plugin
-        ) in self.model.plugins.values():  # a plugin's objective replaces the cross-entropy in training
+        # A plugin's objective replaces the cross-entropy in training (Plugin.objective).
+        for plugin in self.model.plugins.values():
             objective = plugin.objective(ctx, ctx.hidden, logits, targets)
             if objective is not None and stage == "train":
                 loss = objective
