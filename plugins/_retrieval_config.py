@@ -54,7 +54,7 @@ class RetrievalConfig:
     """Start each cross-attention's output projection at zero, so the model starts as the same model without
     retrieval and the neighbours' contribution grows only as far as it lowers the loss (the role of Flamingo's
     zero-initialised gates, Alayrac et al. 2022)."""
-    schedule: str = "0-2000:500,2000-1000000000:2000"
+    schedule: str = "0-2000:150,2000-1000000000:2000"
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
     mode: str = "background"
     """'background' (a snapshot embeds in a thread; atomic swap when done; until the first table lands the
