@@ -426,3 +426,25 @@ def test_a_single_index_datastore_still_loads(tiny, sharded):
     assert d.shape == (2, 4) and (v >= 0).all()
     with pytest.raises(AttributeError, match="index shards"):
         _ = Datastore(sharded[0]).index
+
+
+@pytest.mark.slow
+def test_knnlm_build_shards_an_ivf_pq_index_trained_once(tiny, tmp_path, rlm_cache):
+    """`rlm knnlm build --shard-keys` with IVF-PQ: one training on a sample, so every shard has the same
+    centroids; nprobe tuned (on the first shard); an excluded range is never found in any shard."""
+    from rlm.eval.datastore import Datastore
+    from rlm.index._faiss import faiss
+
+    work, ckpt, meta = tiny
+    out = tmp_path / "ivf"
+    run_rlm(["knnlm", "build", "--ckpt", ckpt, "--out", out, "--factory", "IVF4,PQ4", "--k", "8",
+             "--max-documents", "6", "--tune-tokens", "0", "--target-recall", "0.5",
+             "--shard-keys", str(meta["entries"] // 5)], tmp_path, rlm_cache)  # fmt: skip
+    ds = Datastore(out)
+    assert len(ds.indexes) >= 3 and ds.meta["search_params"]["nprobe"] >= 1
+    cents = [faiss.extract_index_ivf(ix).quantizer.reconstruct_n(0, 4) for ix in ds.indexes]
+    assert all((c == cents[0]).all() for c in cents[1:])
+    lo, hi = ds.offsets[1] - 5, ds.offsets[2] + 5  # across shard boundaries
+    q = np.random.default_rng(0).normal(size=(16, meta["dim"])).astype(np.float32)
+    _, ids = ds._search_shards(q, 8, (lo, hi), ds.meta["search_params"])
+    assert (ids >= 0).all() and not ((ids >= lo) & (ids < hi)).any()
