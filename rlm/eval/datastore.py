@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rlm.data import RLMDataModule, TokenStore
+from rlm.data import RLMDataModule, TokenStore, Windows
 from rlm.data.windows import IGNORE_INDEX, eval_loader
 
 LAYERS = ("final", "ffn_input")
@@ -428,12 +428,15 @@ def _build_shards(
     values = np.lib.format.open_memmap(tmp / "values.npy", mode="w+", dtype=np.int32, shape=(n,))
     ranges = np.zeros((len(docs), 2), dtype=np.int64)
     shards: list[dict[str, Any]] = []
-    pos = 0
+    pos, segments = 0, None
     for s, part in enumerate(tqdm(parts, desc="datastore shards", disable=not progress, unit="shard")):
         start, offset = time.perf_counter(), pos
         keys = np.empty((int(lengths[part].sum()), dim), dtype=np.float16)
         row = {int(d): part.start + i for i, d in enumerate(docs[part])}
-        windows = windows_of(data, store, docs[part])
+        # one segment table (over the whole store) for every shard's windows
+        windows = windows_of(data, store, docs[part]) if segments is None else Windows(
+            segments, store.doc_offsets, docs[part], data.seq_len)  # fmt: skip
+        segments = windows.segments
         for kv, vv, doc, _ in entries(module, windows, batch_size, layer, progress, f"keys of shard {s}"):
             i = row[doc]
             if ranges[i, 1] == 0:
