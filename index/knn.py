@@ -118,39 +118,75 @@ def build_l2_index(
     n, dim = keys.shape
     if factory == "auto":
         factory = choose_l2_factory(n, dim, flat_below)
-    try:
-        index = faiss.index_factory(dim, factory, faiss.METRIC_L2)
-    except RuntimeError as err:
-        raise ValueError(f"faiss cannot build factory string {factory!r} for dim {dim}: {err}") from None
+    index = empty_l2_index(dim, factory)
     rng = np.random.default_rng(seed)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     if not index.is_trained:
-        ivf = _ivf(index)
-        size = max(train_size, 40 * ivf.nlist if ivf is not None else 0)  # faiss asks for >= 39 per centroid
-        sample = np.sort(rng.choice(n, size=min(n, size), replace=False))
-        train = np.asarray(keys[sample], dtype=np.float32)
-        need = max(ivf.nlist if ivf is not None else 1, 256 if ",PQ" in factory else 1)
-        if len(train) < need:
-            raise ValueError(
-                f"too few keys to train {factory!r}: got {len(train)}, it needs at least {need}; "
-                f"use factory '{EXACT}' (exact) or 'auto'"
-            )
-        index.train(train)
+        sample = np.sort(rng.choice(n, size=min(n, l2_train_size(index, train_size)), replace=False))
+        train_l2_index(index, factory, np.asarray(keys[sample], dtype=np.float32))
     seconds["train"] = time.perf_counter() - start
     start = time.perf_counter()
-    with tqdm(total=n, desc=f"add to {factory}", disable=not progress, unit="key") as bar:
-        for lo in range(0, n, ADD_CHUNK):
+    add_l2(index, keys, f"add to {factory}", progress)
+    seconds["add"] = time.perf_counter() - start
+    built = L2Index(index, factory, seconds=seconds)
+    start = time.perf_counter()
+    tune_l2(built, keys, target_recall, tune_k, tune_queries, rng)
+    seconds["tune"] = time.perf_counter() - start
+    return built
+
+
+def empty_l2_index(dim: int, factory: str) -> Any:
+    """A new, untrained faiss L2 index of ``factory``; ValueError for a string faiss cannot build."""
+    try:
+        return faiss.index_factory(dim, factory, faiss.METRIC_L2)
+    except RuntimeError as err:
+        raise ValueError(f"faiss cannot build factory string {factory!r} for dim {dim}: {err}") from None
+
+
+def l2_train_size(index: Any, train_size: int = 131072) -> int:
+    """Keys to train ``index`` on: ``train_size``, or more where an IVF needs >= 39 per centroid."""
+    ivf = _ivf(index)
+    return max(train_size, 40 * ivf.nlist if ivf is not None else 0)
+
+
+def train_l2_index(index: Any, factory: str, sample: np.ndarray) -> None:
+    """Train ``index`` (its coarse quantiser and product quantiser) on float32 ``sample`` (S, d)."""
+    ivf = _ivf(index)
+    need = max(ivf.nlist if ivf is not None else 1, 256 if ",PQ" in factory else 1)
+    if len(sample) < need:
+        raise ValueError(
+            f"too few keys to train {factory!r}: got {len(sample)}, it needs at least {need}; "
+            f"use factory '{EXACT}' (exact) or 'auto'"
+        )
+    index.train(np.ascontiguousarray(sample, dtype=np.float32))
+
+
+def add_l2(index: Any, keys: np.ndarray, desc: str, progress: bool) -> None:
+    """Add ``keys`` (N, d), any float dtype, ``ADD_CHUNK`` rows at a time; ids continue from ``index.ntotal``."""
+    with tqdm(total=len(keys), desc=desc, disable=not progress, unit="key") as bar:
+        for lo in range(0, len(keys), ADD_CHUNK):
             chunk = np.asarray(keys[lo : lo + ADD_CHUNK], dtype=np.float32)
             index.add(chunk)
             bar.update(len(chunk))
-    seconds["add"] = time.perf_counter() - start
-    built = L2Index(index, factory, seconds=seconds)
+
+
+def tune_l2(
+    built: L2Index,
+    keys: np.ndarray,
+    target_recall: float | None,
+    tune_k: int = 32,
+    tune_queries: int = 256,
+    rng: np.random.Generator | None = None,
+) -> None:
+    """Set a refinement's k_factor and tune nprobe (or the index's own knob) of ``built.index``, which holds
+    exactly ``keys``, to ``target_recall`` @ ``tune_k`` against exact search; recorded in ``built``."""
+    index, n = built.index, len(keys)
+    rng = rng if rng is not None else np.random.default_rng(0)
     if _refine(index) is not None:
         _refine(index).k_factor = REFINE_FACTOR
         built.search_params["k_factor"] = REFINE_FACTOR
     knob = ("nprobe", _ivf(index).nlist) if _ivf(index) is not None else tunable_param(index)
-    start = time.perf_counter()
     if target_recall is not None and knob is not None:
         qids = np.sort(rng.choice(n, size=min(n, tune_queries), replace=False))
         queries = np.asarray(keys[qids], dtype=np.float32)
@@ -160,8 +196,6 @@ def build_l2_index(
             index, queries, qids, exact, tune_k, target_recall, knob, plateau=PLATEAU, apply=apply_params
         )
         built.search_params.update(tuned)
-    seconds["tune"] = time.perf_counter() - start
-    return built
 
 
 def _ivf(index: Any) -> Any:

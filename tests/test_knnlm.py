@@ -310,3 +310,141 @@ def test_rlm_test_and_validate_take_a_datastore_and_match_rlm_eval(tiny, tmp_pat
     assert "val/knnlm/loss" in val.stdout
     bad = run_rlm(["test", "--ckpt", ckpt, "--datastore"], tmp_path, rlm_cache, check=False)
     assert bad.returncode == 2 and "--datastore needs a directory" in bad.stderr
+
+
+def test_shards_are_whole_documents_and_the_estimate_holds_one_shard():
+    from rlm.eval.datastore import estimate, shard_docs
+
+    parts = shard_docs(np.array([5, 1, 1, 9, 2, 2, 0, 3]), 4)
+    assert parts == [slice(0, 1), slice(1, 4), slice(4, 6), slice(6, 8)]  # the last one may be short
+    assert shard_docs(np.array([3, 3]), 1) == [slice(0, 1), slice(1, 2)]
+    whole, sharded = estimate(10**6, 256, "SQfp16"), estimate(10**6, 256, "SQfp16", 10**5)
+    assert sharded["memory"] < whole["memory"] / 5 and sharded["index"] == whole["index"]
+    assert sharded["disk"] < whole["disk"] and sharded["keys"] == 0
+    with pytest.raises(ValueError, match="shard_keys=0"):
+        shard_docs(np.array([3]), 0)
+
+
+def test_bad_shard_keys_is_a_one_line_error(tmp_path, rlm_cache):
+    from rlm.eval.datastore import build_datastore
+
+    with pytest.raises(ValueError, match="shard_keys=-2"):
+        build_datastore("nowhere.ckpt", tmp_path / "ds", shard_keys=-2)
+    out = run_rlm(["knnlm", "build", "--ckpt", tmp_path / "x.ckpt", "--out", tmp_path / "ds", "--shard-keys", "0"],
+                  tmp_path, rlm_cache, check=False)  # fmt: skip
+    assert out.returncode == 2 and "--shard-keys=0" in out.stderr and "Traceback" not in out.stderr, (
+        out.stderr
+    )
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny):
+    """The tiny fixture's datastore built again in shards of about a fifth of its keys (>= 3 shards)."""
+    from rlm.eval.knnlm import build
+
+    work, ckpt, meta = tiny
+    out = work / "sharded"
+    build(str(ckpt), out, factory="SQfp16", k=8, tune_tokens=512, max_documents=6, progress=False,
+          shard_keys=max(1, meta["entries"] // 5))  # fmt: skip
+    return out, json.loads((out / "meta.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_sharded_datastore_finds_the_same_neighbours(tiny, sharded):
+    """Shards of whole documents, index-000.faiss, ..., their offsets in meta.json; the merged top-k equals the
+    single index's, with and without each document's exclusion range (given in global entry ids)."""
+    from rlm.eval.datastore import Datastore
+
+    work, _, meta = tiny
+    path, smeta = sharded
+    shards = smeta["shards"]
+    assert len(shards) >= 3 and not (path / "index.faiss").exists()
+    assert [sh["file"] for sh in shards] == [f"index-{i:03d}.faiss" for i in range(len(shards))]
+    assert [sh["offset"] for sh in shards] == list(np.cumsum([0] + [sh["entries"] for sh in shards])[:-1])
+    assert smeta["entries"] == meta["entries"] == sum(sh["entries"] for sh in shards)
+    ranges = np.load(path / "docs.npy")
+    assert (ranges == np.load(work / "ds" / "docs.npy")).all()
+    assert (np.load(path / "values.npy") == np.load(work / "ds" / "values.npy")).all()
+    starts = {sh["offset"] for sh in shards}
+    ends = {sh["offset"] + sh["entries"] for sh in shards}
+    assert all(any(lo >= s for s in starts) and any(hi <= e for e in ends) for lo, hi in ranges)
+    assert smeta["doc_ids"] == meta["doc_ids"]
+    one, many = Datastore(work / "ds"), Datastore(path)
+    assert len(many.indexes) == len(shards) and many.offsets == [sh["offset"] for sh in shards]
+    keys = one.index.reconstruct_n(0, one.index.ntotal)  # the datastore's own keys (exact fp16) as queries
+    rng = np.random.default_rng(0)
+    for doc, (lo, hi) in one.doc_ids.items():
+        q = keys[lo:hi][:: max(1, (hi - lo) // 40)] + rng.normal(0, 0.01, (1, keys.shape[1])).astype(
+            np.float32
+        )
+        assert many.doc_ids[doc] == (lo, hi)
+        for excl in (None, (lo, hi)):
+            d1, v1 = one.search(q, 8, excl)
+            d2, v2 = many.search(q, 8, excl)
+            np.testing.assert_allclose(d2, d1, rtol=1e-6)
+            np.testing.assert_array_equal(v2, v1)
+            if excl is not None:  # nothing of the document: the datastore's keys outside it
+                _, ids = many._search_shards(q, 8, excl, {})
+                assert not ((ids >= lo) & (ids < hi)).any()
+
+
+@pytest.mark.slow
+def test_rlm_eval_gives_the_same_knnlm_loss_with_a_sharded_datastore(tiny, sharded, tmp_path, rlm_cache):
+    """`rlm eval --datastore` over copies of two datastore documents in different shards (each excluded by its
+    tokens): the same kNN-LM loss from the sharded and the single-index datastore."""
+    from rlm.data import TokenStore
+
+    work, ckpt, meta = tiny
+    path, smeta = sharded
+    assert smeta["tuning"]["lam"] == meta["tuning"]["lam"]
+    store = TokenStore(meta["store"])
+    (tmp_path / "c").mkdir()
+    for i in (0, len(meta["doc_ids"]) - 1):
+        tokens = store.doc_tokens(int(meta["doc_ids"][i]))[1:-1]
+        (tmp_path / "c" / f"copy{i}.py").write_text(store.tokenizer.decode(tokens.tolist()))
+    losses = []
+    for ds in (work / "ds", path):
+        res = tmp_path / f"{ds.name}.json"
+        run_rlm(["eval", "--ckpt", ckpt, "--datastore", ds, "--corpus", tmp_path / "c", "--lam", "0.4",
+                 "--temperature", "5", "--json", res], tmp_path, rlm_cache)  # fmt: skip
+        losses.append(json.loads(res.read_text())["knnlm"]["loss"])
+    assert math.isclose(losses[0], losses[1], rel_tol=1e-5), losses
+
+
+@pytest.mark.slow
+def test_a_single_index_datastore_still_loads(tiny, sharded):
+    """The layout of datastores built before shards (index.faiss, no "shards" in meta.json) loads and searches
+    as one shard at offset 0; `.index` is that index, and names the shards of a sharded one."""
+    from rlm.eval.datastore import Datastore
+
+    work, _, meta = tiny
+    assert (work / "ds" / "index.faiss").is_file() and "shards" not in meta
+    assert not list((work / "ds").glob("index-*.faiss"))
+    ds = Datastore(work / "ds")
+    assert ds.offsets == [0] and ds.index is ds.indexes[0] and ds.index.ntotal == meta["entries"]
+    d, v = ds.search(np.zeros((2, meta["dim"]), np.float32), 4, None)
+    assert d.shape == (2, 4) and (v >= 0).all()
+    with pytest.raises(AttributeError, match="index shards"):
+        _ = Datastore(sharded[0]).index
+
+
+@pytest.mark.slow
+def test_knnlm_build_shards_an_ivf_pq_index_trained_once(tiny, tmp_path, rlm_cache):
+    """`rlm knnlm build --shard-keys` with IVF-PQ: one training on a sample, so every shard has the same
+    centroids; nprobe tuned (on the first shard); an excluded range is never found in any shard."""
+    from rlm.eval.datastore import Datastore
+    from rlm.index._faiss import faiss
+
+    work, ckpt, meta = tiny
+    out = tmp_path / "ivf"
+    run_rlm(["knnlm", "build", "--ckpt", ckpt, "--out", out, "--factory", "IVF4,PQ4", "--k", "8",
+             "--max-documents", "6", "--tune-tokens", "0", "--target-recall", "0.5",
+             "--shard-keys", str(meta["entries"] // 5)], tmp_path, rlm_cache)  # fmt: skip
+    ds = Datastore(out)
+    assert len(ds.indexes) >= 3 and ds.meta["search_params"]["nprobe"] >= 1
+    cents = [faiss.extract_index_ivf(ix).quantizer.reconstruct_n(0, 4) for ix in ds.indexes]
+    assert all((c == cents[0]).all() for c in cents[1:])
+    lo, hi = ds.offsets[1] - 5, ds.offsets[2] + 5  # across shard boundaries
+    q = np.random.default_rng(0).normal(size=(16, meta["dim"])).astype(np.float32)
+    _, ids = ds._search_shards(q, 8, (lo, hi), ds.meta["search_params"])
+    assert (ids >= 0).all() and not ((ids >= lo) & (ids < hi)).any()

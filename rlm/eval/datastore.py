@@ -6,6 +6,9 @@ last block's FFN, the paper's best (its table 5); read by a forward hook, so eve
 directory holds index.faiss (rlm.index.knn: exact over float16 keys, or IVF-PQ re-ranked over them),
 values.npy, docs.npy (each document's entry range) and meta.json (the checkpoint's fingerprint, the index's
 tuned search parameters, and lam / temperature once tuned). It is written to a temporary name and renamed.
+Built with ``shard_keys``, it holds index-000.faiss, index-001.faiss, ... instead of index.faiss: consecutive runs
+of whole documents of about that many keys each, added to copies of one index trained once on a sample (shared
+centroids and codebooks), their entry offsets in meta.json's "shards"; a search merges their top-k by distance.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rlm.data import RLMDataModule, TokenStore
+from rlm.data import RLMDataModule, TokenStore, Windows
 from rlm.data.windows import IGNORE_INDEX, eval_loader
 
 LAYERS = ("final", "ffn_input")
@@ -70,7 +73,11 @@ def doc_hash(tokens: np.ndarray) -> str:
 
 
 class Datastore:
-    """A built datastore directory: the faiss index, the values, the document table and meta.json."""
+    """A built datastore directory: the faiss index, the values, the document table and meta.json.
+
+    Either layout loads: one index.faiss, or shards index-000.faiss, ... (``build_datastore(shard_keys=N)``),
+    each holding a consecutive entry range from its offset in meta.json's "shards"; ``search`` merges their
+    top-k by distance, the exclusion range applied in each shard in global entry ids."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from rlm.index._faiss import faiss
@@ -85,17 +92,27 @@ class Datastore:
             raise ValueError(
                 f"datastore {self.path} has format {self.meta.get('format')}; this rlm reads {FORMAT}"
             )
-        self.index = faiss.read_index(str(self.path / "index.faiss"))
+        shards = self.meta.get("shards") or [{"file": "index.faiss", "offset": 0}]
+        self.indexes = [faiss.read_index(str(self.path / sh["file"])) for sh in shards]
+        self.offsets = [int(sh["offset"]) for sh in shards]
+        """The first global entry id of each shard (the single index: [0])."""
         self.values = np.load(self.path / "values.npy", mmap_mode="r")  # (N,) int32 next tokens
         docs = np.load(self.path / "docs.npy")  # (D, 2) int64 [lo, hi) entry range of each document
         self.ranges = {h: (int(lo), int(hi)) for h, (lo, hi) in zip(self.meta["doc_hashes"], docs)}
         self.doc_ids = {int(d): self.ranges[h] for d, h in zip(self.meta["doc_ids"], self.meta["doc_hashes"])}
         self._hashes: dict[tuple[str, int], str] = {}
         """(cache entry, document) -> the evaluated document's token hash."""
-        if self.index.ntotal != len(self.values):
-            raise ValueError(
-                f"datastore {self.path}: index has {self.index.ntotal} keys, values {len(self.values)}"
-            )
+        ends = [o + int(ix.ntotal) for o, ix in zip(self.offsets, self.indexes)]
+        if self.offsets != [0, *ends[:-1]] or ends[-1] != len(self.values):
+            raise ValueError(f"datastore {self.path}: its index shards hold entries {list(zip(self.offsets, ends))}, "
+                             f"not the {len(self.values)} values in order")  # fmt: skip
+
+    @property
+    def index(self) -> Any:
+        """The faiss index of a single-index datastore (one shard)."""
+        if len(self.indexes) != 1:
+            raise AttributeError(f"datastore {self.path} has {len(self.indexes)} index shards; use .indexes")
+        return self.indexes[0]
 
     def check_model(self, module: Any) -> None:
         """Refuse a model other than the one whose states the keys are."""
@@ -123,16 +140,42 @@ class Datastore:
         """(squared distances (Q, k), values (Q, k), -1 where none) of float32 queries."""
         from rlm.index.knn import search_l2
 
-        d, ids = search_l2(self.index, queries, k, exclude, self.meta.get("search_params") or {})
+        params = self.meta.get("search_params") or {}
+        if len(self.indexes) == 1:
+            d, ids = search_l2(self.indexes[0], queries, k, exclude, params)
+        else:
+            d, ids = self._search_shards(queries, k, exclude, params)
         vals = np.where(ids >= 0, np.asarray(self.values)[np.maximum(ids, 0)], -1)
         return np.where(ids >= 0, d, np.inf).astype(np.float32), vals
 
+    def _search_shards(
+        self, queries: np.ndarray, k: int, exclude: tuple[int, int] | None, params: dict[str, Any]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(distances, global ids) of the k nearest over every shard: each shard's top-k, merged by distance (ties
+        by entry id); the exclusion range, in global ids, clipped to each shard's own."""
+        from rlm.index.knn import search_l2
 
-def entries(module: Any, windows: Any, batch_size: int, layer: str, progress: bool) -> Iterator[tuple]:
+        ds, ids = [], []
+        for off, index in zip(self.offsets, self.indexes):
+            local = None
+            if exclude is not None:
+                lo, hi = max(exclude[0] - off, 0), min(exclude[1] - off, int(index.ntotal))
+                local = (lo, hi) if lo < hi else None
+            d, i = search_l2(index, queries, k, local, params)
+            ds.append(np.where(i >= 0, d, np.inf))
+            ids.append(np.where(i >= 0, i + off, -1))
+        d, i = np.concatenate(ds, 1), np.concatenate(ids, 1)  # (Q, shards * k)
+        order = np.lexsort((np.where(i >= 0, i, np.iinfo(np.int64).max), d), axis=1)[:, :k]
+        return np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
+
+
+def entries(
+    module: Any, windows: Any, batch_size: int, layer: str, progress: bool, desc: str = "datastore keys"
+) -> Iterator[tuple]:
     """(keys (n, d) float16, values (n,), doc, first position) of every window, in order."""
     with reading_keys(module, layer) as hooked, torch.no_grad():
         module.eval()
-        for batch in tqdm(eval_loader(windows, batch_size), desc="datastore keys", disable=not progress,
+        for batch in tqdm(eval_loader(windows, batch_size), desc=desc, disable=not progress,
                           unit="batch"):  # fmt: skip
             batch = {key: v.to(module.device) for key, v in batch.items()}
             ctx = module.make_context(batch, "test", segments=windows.segments)
@@ -144,14 +187,37 @@ def entries(module: Any, windows: Any, batch_size: int, layer: str, progress: bo
                 yield keys[b, :n], targets[b, :n], int(batch["doc_ids"][b]), int(batch["starts"][b])
 
 
-def estimate(n_tokens: int, dim: int, factory: str) -> dict[str, int]:
+def estimate(n_tokens: int, dim: int, factory: str, shard_tokens: int | None = None) -> dict[str, int]:
     """Bytes a build needs: on disk (the float16 keys while building, then the index, values and table) and in
-    memory (the index while it is filled, and the k-means training sample)."""
-    from rlm.index.knn import bytes_per_key
+    memory (the index while it is filled, and the k-means training sample). Sharded (``shard_tokens``, the
+    largest shard's keys): no keys on disk, and in memory one shard's float16 keys and index, not the corpus's."""
+    from rlm.index.knn import EXACT, bytes_per_key
 
     index = n_tokens * bytes_per_key(factory, dim)
-    return {"disk": n_tokens * (2 * dim + 4) + index, "memory": index + min(n_tokens, 131072) * dim * 4,
+    sample = min(n_tokens, 131072) * dim * 4
+    if shard_tokens is not None:
+        shard = shard_tokens * (bytes_per_key(factory, dim) + 2 * dim)
+        sample = 0 if factory in (EXACT, "Flat", "IndexFlatL2") else sample  # an exact index is not trained
+        return {"disk": n_tokens * 4 + index, "memory": shard + sample, "index": index, "keys": 0,
+                "shard": shard}  # fmt: skip
+    return {"disk": n_tokens * (2 * dim + 4) + index, "memory": index + sample,
             "index": index, "keys": n_tokens * 2 * dim}  # fmt: skip
+
+
+def shard_docs(lengths: np.ndarray, shard_keys: int) -> list[slice]:
+    """Consecutive runs of whole documents (as slices of their order) of about ``shard_keys`` keys each: a
+    shard ends at the first document that brings it to ``shard_keys`` or more; ``lengths`` = keys per document."""
+    if shard_keys < 1:
+        raise ValueError(f"shard_keys={shard_keys}; accepted: a positive integer (keys per index shard)")
+    out, lo, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        total += int(n)
+        if total >= shard_keys:
+            out.append(slice(lo, i + 1))
+            lo, total = i + 1, 0
+    if lo < len(lengths):
+        out.append(slice(lo, len(lengths)))
+    return out
 
 
 def available_memory() -> int:
@@ -201,16 +267,22 @@ def build_datastore(
     max_documents: int | None = None,
     documents: list[int] | None = None,
     tuner: Callable[[Datastore, Any, RLMDataModule, TokenStore], dict[str, Any]] | None = None,
+    shard_keys: int | None = None,
 ) -> dict[str, Any]:
     """Build a datastore from a checkpoint over its own training split, or over every document of ``corpus``
     (read with the checkpoint's tokenizer); ``tuner`` (rlm.eval.knnlm.build's) then chooses lam and the
-    temperature, kept in meta.json. Returns meta.json's contents. The directory appears whole or not at all."""
+    temperature, kept in meta.json. Returns meta.json's contents. The directory appears whole or not at all.
+
+    ``shard_keys``: index shards of whole documents, about this many keys each, each written as soon as its
+    keys are computed (memory holds one shard's keys, not the corpus's); see ``Datastore``."""
     from rlm.index._faiss import faiss
     from rlm.index.knn import build_l2_index, choose_l2_factory
     from rlm.index.store import atomic_dir
 
     if k < 1:
         raise ValueError(f"k={k}; accepted: a positive integer")
+    if shard_keys is not None and shard_keys < 1:
+        raise ValueError(f"shard_keys={shard_keys}; accepted: a positive integer (keys per index shard)")
     module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
     docs = store.train_docs if not corpus else np.arange(store.n_docs)
     if documents is not None:  # an explicit subset (tests, ablations)
@@ -222,14 +294,18 @@ def build_datastore(
     n = int((store.doc_lengths[docs] - 1).sum())  # every target of every document
     dim = module.model_config.d_model
     resolved = factory if factory != "auto" else choose_l2_factory(n, dim, flat_below)
-    need = estimate(n, dim, resolved)
+    parts = shard_docs(store.doc_lengths[docs] - 1, shard_keys) if shard_keys is not None else None
+    biggest = max(int((store.doc_lengths[docs[p]] - 1).sum()) for p in parts) if parts else None
+    need = estimate(n, dim, resolved, biggest)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     mem = available_memory()
     print(f"rlm knnlm: {n:,} keys of dim {dim} ({len(docs)} documents), index {resolved}: about "
           f"{need['disk'] / 2**20:,.0f} MiB of disk while building ({free / 2**20:,.0f} MiB free), "
-          f"{need['memory'] / 2**20:,.0f} MiB of memory ({mem / 2**20:,.0f} MiB available)", file=sys.stderr)  # fmt: skip
+          f"{need['memory'] / 2**20:,.0f} MiB of memory ({mem / 2**20:,.0f} MiB available)"
+          + (f"; {len(parts)} shards of up to {biggest:,} keys, searching loads all "
+             f"{need['index'] / 2**20:,.0f} MiB of index" if parts else ""), file=sys.stderr)  # fmt: skip
     if need["disk"] > free:
         raise ValueError(f"the datastore needs about {need['disk'] / 2**20:,.0f} MiB of disk under {out.parent} "
                          f"and {free / 2**20:,.0f} MiB are free; choose another --out or a smaller index "
@@ -240,28 +316,36 @@ def build_datastore(
                          "(--factory IVF4096,PQ16) or fewer --max-documents")  # fmt: skip
     start = time.perf_counter()
     with atomic_dir(out) as tmp:
-        keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, dim))
-        values = np.zeros(n, dtype=np.int32)
-        ranges = np.zeros((len(docs), 2), dtype=np.int64)
-        pos, row = 0, {int(d): i for i, d in enumerate(docs)}
-        windows = windows_of(data, store, docs)
-        for kv, vv, doc, _ in entries(module, windows, batch_size or data.val_batch_size, layer, progress):
-            i = row[doc]
-            if ranges[i, 1] == 0:
-                ranges[i, 0] = pos
-            keys[pos : pos + len(kv)] = kv
-            values[pos : pos + len(vv)] = vv
-            pos += len(kv)
-            ranges[i, 1] = pos
-        assert pos == n, (pos, n)
-        keys.flush()
-        embed_s = time.perf_counter() - start
-        built = build_l2_index(keys, resolved, target_recall, tune_k=k, progress=progress)
-        faiss.write_index(built.index, str(tmp / "index.faiss"))
-        del keys
-        (tmp / "keys.npy").unlink()
-        np.save(tmp / "values.npy", values)
-        np.save(tmp / "docs.npy", ranges)
+        if parts is not None:
+            built, shards = _build_shards(tmp, module, data, store, docs, parts, resolved, layer,
+                                          batch_size or data.val_batch_size, target_recall, k, progress)  # fmt: skip
+            embed_s = built.seconds.pop("keys")
+        else:
+            keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, dim))
+            values = np.zeros(n, dtype=np.int32)
+            ranges = np.zeros((len(docs), 2), dtype=np.int64)
+            pos, row = 0, {int(d): i for i, d in enumerate(docs)}
+            windows = windows_of(data, store, docs)
+            for kv, vv, doc, _ in entries(
+                module, windows, batch_size or data.val_batch_size, layer, progress
+            ):
+                i = row[doc]
+                if ranges[i, 1] == 0:
+                    ranges[i, 0] = pos
+                keys[pos : pos + len(kv)] = kv
+                values[pos : pos + len(vv)] = vv
+                pos += len(kv)
+                ranges[i, 1] = pos
+            assert pos == n, (pos, n)
+            keys.flush()
+            embed_s = time.perf_counter() - start
+            built = build_l2_index(keys, resolved, target_recall, tune_k=k, progress=progress)
+            faiss.write_index(built.index, str(tmp / "index.faiss"))
+            del keys
+            (tmp / "keys.npy").unlink()
+            np.save(tmp / "values.npy", values)
+            np.save(tmp / "docs.npy", ranges)
+            shards = None
         meta = {
             "format": FORMAT,
             "checkpoint": str(Path(ckpt_path).resolve()),
@@ -283,10 +367,12 @@ def build_datastore(
             "doc_hashes": [doc_hash(store.doc_tokens(int(d))) for d in docs],
             "seconds": {"keys": embed_s, **built.seconds},
             "bytes": {
-                "index": (tmp / "index.faiss").stat().st_size,
+                "index": sum((tmp / sh["file"]).stat().st_size for sh in shards or [{"file": "index.faiss"}]),
                 "values": (tmp / "values.npy").stat().st_size,
             },
         }
+        if shards is not None:
+            meta.update(shard_keys=shard_keys, shards=shards)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         if tuner is not None and not corpus and len(store.val_docs):
             ds = Datastore(tmp)
@@ -294,6 +380,94 @@ def build_datastore(
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     meta["seconds"]["total"] = time.perf_counter() - start
     return meta
+
+
+def _build_shards(
+    tmp: Path,
+    module: Any,
+    data: RLMDataModule,
+    store: TokenStore,
+    docs: np.ndarray,
+    parts: list[slice],
+    factory: str,
+    layer: str,
+    batch_size: int,
+    target_recall: float | None,
+    k: int,
+    progress: bool,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Write values.npy, docs.npy and one index file per shard of ``docs`` into ``tmp``: the index is trained
+    once on a sample of keys (documents drawn at random until it is full), then each shard's keys are computed,
+    added to a copy of it and written before the next shard's are. nprobe is tuned on the first shard. Returns
+    (an L2Index with the factory, search parameters, tuned recall and seconds; the shards' meta.json entries)."""
+    from rlm.index._faiss import faiss
+    from rlm.index.knn import L2Index, add_l2, empty_l2_index, l2_train_size, train_l2_index, tune_l2
+
+    lengths = store.doc_lengths[docs] - 1
+    n, dim = int(lengths.sum()), module.model_config.d_model
+    rng = np.random.default_rng(0)
+    seconds = {"keys": 0.0, "train": 0.0, "add": 0.0, "tune": 0.0}
+    start = time.perf_counter()
+    index = empty_l2_index(dim, factory)
+    if not index.is_trained:
+        size, picked, total = min(n, l2_train_size(index)), [], 0
+        for i in rng.permutation(len(docs)):
+            if total >= size:
+                break
+            picked.append(i)
+            total += int(lengths[i])
+        windows = windows_of(data, store, docs[np.sort(picked)])
+        sample = np.concatenate([kv for kv, *_ in entries(module, windows, batch_size, layer, progress,
+                                                          "training sample keys")])  # fmt: skip
+        rows = np.sort(rng.choice(len(sample), size=min(len(sample), size), replace=False))
+        train_l2_index(index, factory, np.asarray(sample[rows], dtype=np.float32))
+        del sample
+    seconds["train"] = time.perf_counter() - start
+    trained = faiss.serialize_index(index)  # every shard starts from a copy: shared centroids and codebooks
+    built = L2Index(index, factory, seconds=seconds)
+    values = np.lib.format.open_memmap(tmp / "values.npy", mode="w+", dtype=np.int32, shape=(n,))
+    ranges = np.zeros((len(docs), 2), dtype=np.int64)
+    shards: list[dict[str, Any]] = []
+    pos, segments = 0, None
+    for s, part in enumerate(tqdm(parts, desc="datastore shards", disable=not progress, unit="shard")):
+        start, offset = time.perf_counter(), pos
+        keys = np.empty((int(lengths[part].sum()), dim), dtype=np.float16)
+        row = {int(d): part.start + i for i, d in enumerate(docs[part])}
+        # one segment table (over the whole store) for every shard's windows
+        windows = windows_of(data, store, docs[part]) if segments is None else Windows(
+            segments, store.doc_offsets, docs[part], data.seq_len)  # fmt: skip
+        segments = windows.segments
+        for kv, vv, doc, _ in entries(module, windows, batch_size, layer, progress, f"keys of shard {s}"):
+            i = row[doc]
+            if ranges[i, 1] == 0:
+                ranges[i, 0] = pos
+            keys[pos - offset : pos - offset + len(kv)] = kv
+            values[pos : pos + len(vv)] = vv
+            pos += len(kv)
+            ranges[i, 1] = pos
+        assert pos - offset == len(keys), (pos - offset, len(keys))
+        seconds["keys"] += time.perf_counter() - start
+        start = time.perf_counter()
+        shard = faiss.deserialize_index(trained)
+        add_l2(shard, keys, f"add to shard {s}", progress)
+        seconds["add"] += time.perf_counter() - start
+        if s == 0:
+            start = time.perf_counter()
+            built.index = shard
+            tune_l2(built, keys, target_recall, tune_k=k, rng=rng)
+            seconds["tune"] = time.perf_counter() - start
+        name = f"index-{s:03d}.faiss"
+        faiss.write_index(shard, str(tmp / name))
+        shards.append(
+            {"file": name, "offset": offset, "entries": len(keys), "documents": part.stop - part.start}
+        )
+        del keys, shard
+    assert pos == n, (pos, n)
+    values.flush()
+    del values
+    np.save(tmp / "docs.npy", ranges)
+    built.index = None
+    return built, shards
 
 
 def first_docs(store: TokenStore, docs: np.ndarray, tokens: int) -> np.ndarray:

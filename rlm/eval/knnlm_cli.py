@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tune-tokens", type=int, default=16384,
                    help="validation tokens lam and the temperature are tuned on (0: none)")  # fmt: skip
     b.add_argument("--max-documents", type=int, default=None, help="only the first N documents")
+    b.add_argument("--shard-keys", type=int, default=None,
+                   help="for big corpora: index shards index-000.faiss, ... of whole documents, about N keys each, "
+                        "filling copies of one index trained on a sample, each written once its keys are "
+                        "computed (memory holds one shard's keys); search merges their top-k")  # fmt: skip
     b.add_argument("--batch-size", type=int, default=None, help="windows per forward pass")
     b.add_argument("--device", default="cpu", help="torch device of the forward passes")
     i = sub.add_parser("info", help="print a datastore's metadata")
@@ -58,10 +62,12 @@ def main(args: list[str]) -> int:
     for name in ("k", "tune_tokens", "flat_below"):
         if getattr(a, name) < (1 if name == "k" else 0):
             raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}; accepted: a positive integer")
+    if a.shard_keys is not None and a.shard_keys < 1:
+        raise ValueError(f"--shard-keys={a.shard_keys}; accepted: a positive integer (keys per index shard)")
     meta = build(a.ckpt, a.out, corpus=a.corpus, layer=a.layer, factory=a.factory, k=a.k,
                  target_recall=a.target_recall, flat_below=a.flat_below, tune_tokens=a.tune_tokens,
                  batch_size=a.batch_size, device=a.device, progress=sys.stderr.isatty(),
-                 max_documents=a.max_documents)  # fmt: skip
+                 max_documents=a.max_documents, shard_keys=a.shard_keys)  # fmt: skip
     tuned = meta.get("tuning") or {}
     print(f"datastore {a.out}: {meta['entries']:,} keys, {meta['factory']} {meta['search_params']} "
           f"(recall@{meta['k']} {meta['tuned_recall']}), {sum(meta['bytes'].values()) / meta['entries']:.1f} "
