@@ -183,22 +183,15 @@ def score(
         ):
             t0 = time.perf_counter()
             batch = {key: v.to(module.device) for key, v in batch.items()}
-            ctx = module.make_context(batch, "test", segments=windows.segments)
-            logits = module.model(batch["tokens"], ctx).float()  # (B, T, V)
-            keys = hooked["keys"].float().cpu()  # (B, T, d)
-            targets = batch["targets"].cpu()  # (B, T)
-            logz = torch.logsumexp(logits, -1).cpu()  # (B, T)
-            logp = (logits - logz.to(logits.device)[..., None]).cpu()
-            lengths = (targets != IGNORE_INDEX).sum(1).tolist()  # targets are a prefix of each window
-            t1 = time.perf_counter()
-            found = _search_batch(datastore, keys, lengths, batch["doc_ids"].tolist(), store, root, k)
+            rows, keys, t1 = scored_batch(
+                module, batch, hooked, datastore, store, root, k, "test", windows.segments
+            )
             seconds["forward"] += t1 - t0
             seconds["search"] += time.perf_counter() - t1
-            for b, n in enumerate(lengths):
-                tgt = targets[b, :n]
-                lm.append(logp[b, torch.arange(n), tgt].double().numpy())
-                logzs.append(logz[b, :n].double().numpy())
-                d, v = found[b]
+            for b, (tgt, lm_b, logz_b, d, v) in enumerate(rows):
+                n = len(tgt)
+                lm.append(lm_b)
+                logzs.append(logz_b)
                 if cache:
                     t2 = time.perf_counter()
                     doc = int(batch["doc_ids"][b])
@@ -208,9 +201,7 @@ def score(
                     seconds["cache"] += time.perf_counter() - t2
                 dists.append(d)
                 match.append(v == tgt.numpy()[:, None])
-                if datastore is not None and len(
-                    datastore.values
-                ):  # values of random entries, same distances
+                if datastore is not None and len(datastore.values):  # random entries' values, same distances
                     drawn = np.asarray(datastore.values)[rng.integers(0, len(datastore.values), d.shape)]
                     rmatch.append(np.isfinite(d) & (drawn == tgt.numpy()[:, None]))
                 else:
@@ -221,6 +212,37 @@ def score(
     padr = [np.pad(x, ((0, 0), (0, kk - x.shape[1]))) for x in rmatch]
     return Scored(np.concatenate(lm), np.concatenate(pad), np.concatenate(padm), seconds, np.concatenate(logzs),
                   np.concatenate(padr))  # fmt: skip
+
+
+def scored_batch(
+    module: Any,
+    batch: dict[str, Any],
+    hooked: dict[str, torch.Tensor],
+    datastore: Datastore | None,
+    store: TokenStore,
+    root: str,
+    k: int,
+    stage: str,
+    segments: Any = None,
+) -> tuple[list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray]], torch.Tensor, float]:
+    """The forward pass of one evaluation batch (inside ``reading_keys``) and its datastore search: for each window
+    (targets (n,), log p_LM(target) (n,), log Z (n,), distances (n, k), values (n, k)), the keys (B, T, d) on the
+    CPU, and the clock after the forward pass (the rest is the search)."""
+    ctx = module.make_context(batch, stage, segments=segments)
+    logits = module.model(batch["tokens"], ctx).float()  # (B, T, V)
+    keys = hooked["keys"].float().cpu()  # (B, T, d)
+    targets = batch["targets"].cpu()  # (B, T)
+    logz = torch.logsumexp(logits, -1)  # (B, T)
+    logp = (logits - logz[..., None]).cpu().double()
+    logz = logz.cpu().double()
+    lengths = (targets != IGNORE_INDEX).sum(1).tolist()  # targets are a prefix of each window
+    t1 = time.perf_counter()
+    found = _search_batch(datastore, keys, lengths, batch["doc_ids"].tolist(), store, root, k)
+    rows = []
+    for b, n in enumerate(lengths):
+        tgt = targets[b, :n]
+        rows.append((tgt, logp[b, torch.arange(n), tgt].numpy(), logz[b, :n].numpy(), *found[b]))
+    return rows, keys, t1
 
 
 def _search_batch(

@@ -17,8 +17,6 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from rlm.data.windows import IGNORE_INDEX
-
 
 class DatastoreEval(pl.Callback):
     """Scores validation and test batches with a kNN-LM datastore (``rlm knnlm build``); ``lam``/``temperature``
@@ -54,29 +52,19 @@ class DatastoreEval(pl.Callback):
     @torch.no_grad()
     def _batch(self, trainer: pl.Trainer, pl_module: Any, batch: dict[str, Any], stage: str) -> None:
         from rlm.eval.datastore import reading_keys
-        from rlm.eval.knnlm import _search_batch, interpolate, joint_log_prob
+        from rlm.eval.knnlm import interpolate, joint_log_prob, scored_batch
 
-        dm = trainer.datamodule
+        store = trainer.datamodule.store
+        root = str(Path(store.root).resolve())
         with reading_keys(pl_module, self.ds.meta["layer"]) as hooked:
-            ctx = pl_module.make_context(batch, stage)
-            logits = pl_module.model(batch["tokens"], ctx).float()
-            keys = hooked["keys"].float().cpu()
-        targets = batch["targets"].cpu()
-        logz = torch.logsumexp(logits, -1).cpu().double()
-        logp = logits.cpu().double() - logz[..., None]
-        lengths = (targets != IGNORE_INDEX).sum(1).tolist()  # targets are a prefix of each window
-        root = str(Path(dm.store.root).resolve())
-        found = _search_batch(self.ds, keys, lengths, batch["doc_ids"].tolist(), dm.store, root, self.k)
+            rows, _, _ = scored_batch(pl_module, batch, hooked, self.ds, store, root, self.k, stage)
         joint = (self.ds.meta.get("tuning") or {}).get("joint")
-        for b, n in enumerate(lengths):
-            tgt = targets[b, :n]
-            lm = logp[b, torch.arange(n), tgt].numpy()
-            d, v = found[b]
-            match = v == tgt.numpy()[:, None]
+        for tgt, lm, logz, d, v in rows:
+            n, match = len(tgt), v == tgt.numpy()[:, None]
             self._add("lm", -lm.sum(), n)
             self._add("knnlm", -interpolate(lm, d, match, self.lam, self.temperature).sum(), n)
             if joint:
-                nll = -joint_log_prob(lm, logz[b, :n].numpy(), d, match, joint["temperature"], joint["bias"])
+                nll = -joint_log_prob(lm, logz, d, match, joint["temperature"], joint["bias"])
                 self._add("joint", nll.sum(), n)
 
     def _add(self, name: str, nll: float, n: int) -> None:
