@@ -64,7 +64,8 @@ def test_test_without_training_configs_uses_the_test_split_and_matches_rlm_eval(
     report = tmp_path / "test.json"
     run_rlm(["eval", "--ckpt", ckpt_of(root), "--json", report], tmp_path, rlm_cache)
     result = json.loads(report.read_text())
-    assert result["split"] == "test" and result["documents"] == 15  # 5% of the tiny corpus's 300 documents
+    # 5% of the tiny corpus's 300 documents less its 21 near-duplicates (in no split): round(0.05 * 279) = 14
+    assert result["split"] == "test" and result["documents"] == 14
     assert math.isclose(result["loss"], lightning_loss, rel_tol=1e-5)
 
 
@@ -114,8 +115,9 @@ def test_validate_on_another_corpus_keeps_the_checkpoint_tokenizer(trained, tmp_
     _, root, _ = trained
     corpus = tmp_path / "new"
     corpus.mkdir()
-    for i in range(4):
-        shutil.copy(CONFIGS.parent / "rlm" / "evaluate.py", corpus / f"copy{i}.py")
+    # four different files: copies of one file would be near-duplicates, three of them removed at the split
+    for i, name in enumerate(["eval/evaluate.py", "eval/knnlm.py", "data/module.py", "train/module.py"]):
+        shutil.copy(CONFIGS.parent / "rlm" / name, corpus / f"file{i}.py")
     out = run_rlm(["validate", "--ckpt_path", ckpt_of(root), f"--data.corpus={corpus}", "--data.seq_len=64",
                    "--trainer.enable_progress_bar=false"], tmp_path, rlm_cache)  # fmt: skip
     assert "val/loss" in out.stdout and "training a" not in out.stdout + out.stderr
