@@ -24,6 +24,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 class NonFiniteError(ValueError):
@@ -180,7 +181,10 @@ class NonFiniteGuard(pl.Callback):
             finite = torch.ones((), dtype=torch.bool, device=pl_module.device)
             if dense:
                 norms = torch.stack([n.float() for n in torch._foreach_norm(dense)])
-                finite = finite & torch.isfinite(norms).all().to(finite.device)
+                verdict = torch.isfinite(norms).all()
+                if isinstance(verdict, DTensor):  # FSDP2's sharded gradients: every rank's shards, one verdict
+                    verdict = verdict.full_tensor()
+                finite = finite & verdict.to(finite.device)
             for g in grads:
                 if g.is_sparse:
                     finite = finite & _all_finite(g).to(finite.device)
