@@ -167,3 +167,25 @@ def test_fit_trains_with_the_mixture_and_logs_the_ablation(tmp_path, rlm_cache):
     assert mem and rand and all(math.isfinite(x) for x in mem + rand)
     state = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
     assert any(k.endswith("token_memory.log_tau") for k in state["state_dict"])
+
+
+def test_the_objective_replaces_cross_entropy_in_training_only_and_one_plugin_at_most():
+    """LMModule: in training the loss is the plugin's objective (train/loss stays the cross-entropy); at validation
+    the loss is the cross-entropy; a second plugin with an objective is an error naming both."""
+    from rlm.train.module import LMModule
+
+    torch.manual_seed(0)
+    module = LMModule(model={"vocab_size": V, "d_model": D, "n_layers": 2, "n_heads": 2, "max_seq_len": 8},
+                      plugins={"token_memory": {"ce_weight": 0.0}})  # fmt: skip
+    tokens = torch.randint(0, V, (2, 8))
+    batch = {"tokens": tokens, "targets": torch.roll(tokens, -1, 1), "doc_ids": torch.tensor([0, 1])}
+    lm, loss, ctx, _ = module._loss(batch, "train")
+    s, vals = module.model.plugins["token_memory"].memory(ctx, ctx.hidden, batch["targets"])
+    logits = module.model.head(ctx.hidden)
+    assert_close(loss, joint_nll(logits.flatten(0, 1).float(), batch["targets"].flatten(), s, vals).mean())
+    assert_close(lm, F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten()))
+    lm_val, loss_val, _, _ = module._loss(batch, "val")
+    assert loss_val is lm_val
+    module.model.plugins["second"] = TokenMemoryPlugin(TokenMemoryConfig(), module.model_config)
+    with pytest.raises(ValueError, match="'token_memory' and 'second' both replace the training loss"):
+        module._loss(batch, "train")

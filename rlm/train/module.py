@@ -157,12 +157,16 @@ class LMModule(pl.LightningModule):
             ).view_as(targets)  # (B, T), 0 at ignored targets
             ctx.extras["lm/token_loss"] = token_loss.detach()
         lm = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        loss = lm
-        # A plugin's objective replaces the cross-entropy in training (Plugin.objective).
-        for plugin in self.model.plugins.values():
+        loss, owner = lm, None
+        # A plugin's objective replaces the cross-entropy in training (Plugin.objective); one plugin at most.
+        for name, plugin in self.model.plugins.items():
             objective = plugin.objective(ctx, ctx.hidden, logits, targets)
             if objective is not None and stage == "train":
-                loss = objective
+                if owner is not None:
+                    raise ValueError(
+                        f"plugins {owner!r} and {name!r} both replace the training loss; use one"
+                    )
+                loss, owner = objective, name
         aux = ctx.total_aux_loss()
         return lm, (loss if aux is None else loss + aux), ctx, n_tokens
 
