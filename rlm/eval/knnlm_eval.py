@@ -44,7 +44,7 @@ class DatastoreEval(pl.Callback):
             self.k = self.k or self.ds.meta["k"]
 
     def _start(self, *_: Any) -> None:
-        self._sums = {"lm": [0.0, 0], "knnlm": [0.0, 0], "joint": [0.0, 0]}
+        self._sums = {"knnlm": [0.0, 0], "joint": [0.0, 0]}
 
     on_validation_epoch_start = on_test_epoch_start = _start
     on_validation_start = on_test_start = _load
@@ -61,7 +61,6 @@ class DatastoreEval(pl.Callback):
         joint = (self.ds.meta.get("tuning") or {}).get("joint")
         for tgt, lm, logz, d, v in rows:
             n, match = len(tgt), v == tgt.numpy()[:, None]
-            self._add("lm", -lm.sum(), n)
             self._add("knnlm", -interpolate(lm, d, match, self.lam, self.temperature).sum(), n)
             if joint:
                 nll = -joint_log_prob(lm, logz, d, match, joint["temperature"], joint["bias"])
