@@ -93,6 +93,12 @@ def _mix(lse_lm: Tensor, z_y: Tensor, scores: Tensor, values: Tensor, targets: T
     return torch.logaddexp(lse_lm, lse_mem) - torch.logaddexp(z_y, hit)
 
 
+def _position_docs(ctx: Context, B: int, T: int, device: torch.device) -> Tensor:
+    """The document id of each of the B * T positions (each row its own document when the batch names none)."""
+    docs = ctx.doc_ids if ctx.doc_ids is not None else torch.arange(B)
+    return docs.to(device).repeat_interleave(T)
+
+
 class TokenMemoryPlugin(Plugin):
     """A token-grain memory of the LM's own states and their next tokens, mixed into the output (TRIME)."""
 
@@ -134,10 +140,9 @@ class TokenMemoryPlugin(Plugin):
         h = hidden.flatten(0, 1)
         h = h.detach() + g * (h - h.detach()) if g < 1 else h  # the same values, the gradient scaled by g
         y = targets.flatten()  # (N, d), (N,)
-        docs = ctx.doc_ids if ctx.doc_ids is not None else torch.arange(B)
         row = torch.arange(B, device=h.device).repeat_interleave(T)  # (N,)
         pos = torch.arange(T, device=h.device).repeat(B)
-        doc = docs.to(h.device)[row]
+        doc = _position_docs(ctx, B, T, h.device)
         own = (row[:, None] == row[None, :]) & (pos[None, :] < pos[:, None])  # the window's past, j < t
         allowed = own | ((doc[:, None] != doc[None, :]) & (ctx.training and self.config.in_batch))
         keys, values, mask = [h], [y.clamp_min(0)], [allowed & (y != -100)[None, :]]
@@ -157,14 +162,17 @@ class TokenMemoryPlugin(Plugin):
         z, s, y = logits.flatten(0, 1).float()[valid], s[valid], y[valid]
         if ctx.training:
             if self.config.memory_batches:
-                doc = ctx.doc_ids if ctx.doc_ids is not None else torch.arange(len(targets))
-                doc = doc.to(hidden.device).repeat_interleave(targets.shape[1])[valid]
+                doc = _position_docs(ctx, *targets.shape, hidden.device)[valid]
                 self._queue.append((hidden.flatten(0, 1).detach()[valid], y, doc))
                 del self._queue[: -self.config.memory_batches]
-            loss = joint_nll(z, y, s, vals).mean()
+            ce = F.cross_entropy(
+                z, y, reduction="none"
+            )  # once: the mixture's log Z and the added cross-entropy
+            z_y = z.gather(1, y[:, None]).squeeze(1)
+            loss = _mix(ce + z_y, z_y, s, vals, y).mean()
             if self.config.ce_weight:
                 ctx.log("token_memory/loss", loss)
-                loss = loss + self.config.ce_weight * F.cross_entropy(z, y)
+                loss = loss + self.config.ce_weight * ce.mean()
             return loss
         shuffled = vals[torch.randperm(len(vals), generator=torch.Generator().manual_seed(0)).to(vals.device)]
         ctx.log("token_memory/loss", joint_nll(z, y, s, vals).mean())
