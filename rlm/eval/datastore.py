@@ -31,7 +31,9 @@ from tqdm.auto import tqdm
 from rlm.data import RLMDataModule, TokenStore, Windows
 from rlm.data.windows import IGNORE_INDEX, eval_loader
 
-LAYERS = ("final", "ffn_input")
+LAYERS = ("final", "ffn_input", "attn_input")
+"""Where keys are read: the LM head's input, the last block's normed FFN input (kNN-LM's best), or the last block's
+normed attention input (the query of the knn_attention plugin, which searches a datastore of these)."""
 FORMAT = 1
 
 
@@ -55,7 +57,7 @@ def reading_keys(module: Any, layer: str) -> Iterator[dict[str, torch.Tensor]]:
     if layer not in LAYERS:
         raise ValueError(f"key layer {layer!r}; accepted: {list(LAYERS)}")
     model = module.model
-    target = model.norm if layer == "final" else model.blocks[-1].ffn_norm
+    target = {"final": model.norm, "ffn_input": model.blocks[-1].ffn_norm, "attn_input": model.blocks[-1].attn_norm}[layer]
     out: dict[str, torch.Tensor] = {}
 
     def hook(_mod: Any, _inp: Any, output: torch.Tensor) -> None:

@@ -156,6 +156,16 @@ def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, floa
 
 
 @torch.no_grad()
+def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore, root: str) -> None:
+    """Hand a datastore of ``attn_input`` keys to the model's knn_attention plugins, which search it inside the
+    forward pass (the model's own prediction then retrieves from it); other datastores are only interpolated."""
+    if datastore is None or datastore.meta.get("layer") != "attn_input":
+        return
+    for plugin in getattr(module.model, "plugins", {}).values():
+        if hasattr(plugin, "use_datastore"):
+            plugin.use_datastore(datastore, store, root)
+
+
 def score(
     module: Any,
     windows: Any,
@@ -177,6 +187,7 @@ def score(
         int, tuple[list[torch.Tensor], list[torch.Tensor]]
     ] = {}  # doc -> (keys, values) of earlier windows
     root = str(Path(store.root).resolve())
+    attach_datastore(module, datastore, store, root)
     with reading_keys(module, layer) as hooked:
         for batch in tqdm(
             eval_loader(windows, batch_size), desc="kNN-LM", disable=not progress, unit="batch"

@@ -19,8 +19,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--corpus", nargs="+", default=None,
                    help="every document of this text, read with the checkpoint's tokenizer (default: the "
                         "checkpoint's own training split)")  # fmt: skip
-    b.add_argument("--layer", default="final", choices=["final", "ffn_input"],
-                   help="keys: the final normed hidden state, or the normed input of the last FFN (the paper's best)")  # fmt: skip
+    b.add_argument("--layer", default="final", choices=["final", "ffn_input", "attn_input"],
+                   help="keys: the final normed hidden state, the normed input of the last FFN (the paper's best), or the "
+                        "normed input of the last block's attention (what the knn_attention plugin searches)")  # fmt: skip
     b.add_argument("--factory", default="auto",
                    help="auto (exact SQfp16 below --flat-below keys, else IVF-PQ) or a faiss factory string")  # fmt: skip
     b.add_argument(

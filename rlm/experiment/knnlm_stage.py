@@ -58,8 +58,12 @@ def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
         raise ValueError(
             f"{run.label}: rule 'joint' but the datastore was not tuned for it (no validation split)"
         )
-    knn, lm = (r["joint"] if rule == "joint" else r["knnlm"]), r["lm"]
-    random = (r.get("random_neighbours") or {}).get("joint" if rule == "joint" else "knnlm")
+    if rule == "model" and (meta.get("layer") != "attn_input"):
+        raise ValueError(f"{run.label}: rule 'model' scores a knn_attention model searching its own datastore; "
+                         f"give knnlm: {{layer: attn_input}} (this datastore's keys: {meta.get('layer')!r})")  # fmt: skip
+    knn = {"joint": r["joint"], "model": r["lm"]}.get(rule, r["knnlm"])
+    lm = r["lm"]
+    random = (r.get("random_neighbours") or {}).get({"joint": "joint", "model": "model"}.get(rule, "knnlm"))
     out = dict(summary)
     out["lm_test"] = {"loss": lm["loss"], "ppl": lm["ppl"], "bpb": lm["bpb"]}
     out.update(test_loss=knn["loss"], test_ppl=knn["ppl"], test_bpb=knn["bpb"])

@@ -36,7 +36,7 @@ TOP_KEYS = (
 )
 VARIANT_KEYS = ("description", "configs", "set", "knnlm")
 KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
-    "layer": (str, "'final' or 'ffn_input'"),
+    "layer": (str, "'final', 'ffn_input' or 'attn_input'"),
     "factory": (str, "'auto' or a faiss factory string"),
     "k": (int, "a positive integer"),
     "flat_below": (int, "an integer >= 0"),
@@ -45,7 +45,8 @@ KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
     "max_documents": (int, "a positive integer"),
     "cache": (bool, "true or false"),
     "keep": (bool, "true or false"),
-    "rule": (str, "'interpolate' (kNN-LM's eq. 2) or 'joint' (the token memory's mixture)"),
+    "rule": (str, "'interpolate' (kNN-LM's eq. 2), 'joint' (the token memory's mixture) or 'model' (a "
+                  "knn_attention model searching the datastore inside its forward pass; layer attn_input)"),
 }
 """A variant's ``knnlm`` stage: the options of ``rlm knnlm build`` (``--layer`` ...), ``cache`` (``rlm eval
 --knn-cache``), ``keep`` (keep the datastore directory; by default only its meta.json stays) and ``rule``: how
@@ -213,9 +214,9 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
         elif kind is int and ok:
             ok = option >= (1 if key in ("k", "max_documents") else 0)
         elif key == "layer":
-            ok = option in ("final", "ffn_input")
+            ok = option in ("final", "ffn_input", "attn_input")
         elif key == "rule":
-            ok = option in ("interpolate", "joint")
+            ok = option in ("interpolate", "joint", "model")
         if not ok:
             problems.append(f"{where}.{key}: got {option!r}; accepted: {accepted}")
             continue

@@ -22,6 +22,7 @@ BUILTIN: dict[str, str] = {
     "altup": "rlm.plugins.altup:AltUpPlugin",
     "retrieval": "rlm.plugins.retrieval:RetrievalPlugin",
     "token_memory": "rlm.plugins.token_memory:TokenMemoryPlugin",
+    "knn_attention": "rlm.plugins.knn_attention:KnnAttentionPlugin",
 }
 
 # One line each for `rlm plugins`, kept here so that listing them imports no plugin (a test keeps them equal
@@ -34,6 +35,7 @@ DESCRIPTIONS: dict[str, str] = {
     "altup": "Alternating Updates: a K*d representation computed by width-d blocks (wraps the stack slot).",
     "retrieval": "The retriever: an embedder, cross-attention at chosen layers, and the index rebuild callback.",
     "token_memory": "A token-grain memory of the LM's own states and their next tokens, mixed into the output (TRIME).",
+    "knn_attention": "Each position attends to the next tokens of its nearest contexts, keys the LM's own states (kNN attention).",
 }
 
 ENTRY_POINT_GROUP = "rlm.plugins"
