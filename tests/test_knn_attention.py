@@ -89,7 +89,7 @@ def test_output_matches_the_equations_by_hand():
         assert_close(out[0, t], ref)
 
 
-def test_gradients_reach_the_states_the_embedding_and_the_scalars():
+def test_gradients_reach_the_states_and_the_scalars():
     m, p = model()
     fill_queue(p)
     tokens = torch.randint(0, V, (2, 8))
@@ -97,7 +97,6 @@ def test_gradients_reach_the_states_the_embedding_and_the_scalars():
     m.train()
     m(tokens, ctx).square().mean().backward()
     assert p.log_tau.grad.abs() > 0 and (p.bias.grad.abs() > 0).all()
-    assert m.token_embedding.weight.grad.abs().sum() > 0
     assert m.blocks[0].attn.parameters().__next__().grad.abs().sum() > 0  # through the distances and the residual
 
 

@@ -156,14 +156,18 @@ def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, floa
 
 
 @torch.no_grad()
-def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore, root: str) -> None:
+def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore, root: str) -> list[str]:
     """Hand a datastore of ``attn_input`` keys to the model's knn_attention plugins, which search it inside the
-    forward pass (the model's own prediction then retrieves from it); other datastores are only interpolated."""
+    forward pass (the model's own prediction then retrieves from it); other datastores are only interpolated.
+    The labels of the plugins that took it."""
     if datastore is None or datastore.meta.get("layer") != "attn_input":
-        return
+        return []
+    taken = []
     for plugin in getattr(module.model, "plugins", {}).values():
         if hasattr(plugin, "use_datastore"):
             plugin.use_datastore(datastore, store, root)
+            taken.append(plugin.label)
+    return taken
 
 
 def score(
@@ -175,6 +179,7 @@ def score(
     batch_size: int,
     cache: bool = False,
     progress: bool = False,
+    variant: str | None = None,
 ) -> Scored:
     """One pass over ``windows``: the LM's log-probability of every target and its k neighbours, found in the
     datastore (minus the evaluated document's own entries) and, with ``cache``, in the document's own past."""
@@ -195,7 +200,7 @@ def score(
             t0 = time.perf_counter()
             batch = {key: v.to(module.device) for key, v in batch.items()}
             rows, keys, t1 = scored_batch(
-                module, batch, hooked, datastore, store, root, k, "test", windows.segments
+                module, batch, hooked, datastore, store, root, k, "test", windows.segments, variant
             )
             seconds["forward"] += t1 - t0
             seconds["search"] += time.perf_counter() - t1
@@ -235,11 +240,12 @@ def scored_batch(
     k: int,
     stage: str,
     segments: Any = None,
+    variant: str | None = None,
 ) -> tuple[list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray]], torch.Tensor, float]:
     """The forward pass of one evaluation batch (inside ``reading_keys``) and its datastore search: for each window
     (targets (n,), log p_LM(target) (n,), log Z (n,), distances (n, k), values (n, k)), the keys (B, T, d) on the
     CPU, and the clock after the forward pass (the rest is the search)."""
-    ctx = module.make_context(batch, stage, segments=segments)
+    ctx = module.make_context(batch, stage, variant, segments=segments)
     logits = module.model(batch["tokens"], ctx).float()  # (B, T, V)
     keys = hooked["keys"].float().cpu()  # (B, T, d)
     targets = batch["targets"].cpu()  # (B, T)
@@ -378,6 +384,11 @@ def evaluate_knn(
         )
         joint = {**metrics(nll, n, n_bytes), "temperature": t, "bias": b, "trained": trained_memory(module)}
         random["joint"] = metrics(rnll, n, n_bytes)
+    retrieving = attach_datastore(module, ds, store, str(Path(store.root).resolve()))
+    if retrieving:  # the model searched the datastore itself: its loss again with random neighbours' tokens
+        rs = score(module, windows_of(data, store, docs), store, ds, k or ds.meta["k"],
+                   batch_size or data.val_batch_size, progress=progress, variant=f"{retrieving[0]}_random")  # fmt: skip
+        random["model"] = metrics(-float(rs.lm_logp.sum()), n, n_bytes)
     return {
         "checkpoint": str(ckpt_path), "datastore": str(ds.path), "corpus": corpus or data.corpus,
         "split": "all" if corpus else split, "documents": int(len(docs)), "tokens": n, "bytes": n_bytes,

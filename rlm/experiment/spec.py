@@ -50,7 +50,8 @@ KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
 }
 """A variant's ``knnlm`` stage: the options of ``rlm knnlm build`` (``--layer`` ...), ``cache`` (``rlm eval
 --knn-cache``), ``keep`` (keep the datastore directory; by default only its meta.json stays) and ``rule``: how
-the reported test loss mixes the neighbours in ('interpolate', kNN-LM; 'joint', plugins/token_memory.py's rule)."""
+the reported test loss mixes the neighbours in ('interpolate', kNN-LM; 'joint', plugins/token_memory.py's rule;
+'model', the model's own loss with its knn_attention plugin searching the datastore, which needs layer attn_input)."""
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 """Variant and experiment names become directory names: letters, digits and ``_ . + -``."""
 DEFAULT_METRICS = ["val/*"]
