@@ -226,7 +226,9 @@ def test_the_datastore_is_searched_inside_the_forward_pass_like_exact_search(tra
             exact = ((keys - y[b, t]) ** 2).sum(-1)
             order = torch.argsort(exact)[:k]
             assert_close(dist[b, t, :k], exact[order], rtol=1e-2, atol=1e-2)  # fp16 keys in the index
-            assert (vals[b, t, :k] == values[order]).float().mean() >= 0.9
+            for j in range(k):  # each value is that of an entry at its distance (ties among equal states aside)
+                near = (exact - dist[b, t, j]).abs() <= 1e-2 * (1 + dist[b, t, j])
+                assert int(vals[b, t, j]) in set(values[near].tolist())
 
 
 @pytest.mark.slow

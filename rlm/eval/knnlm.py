@@ -155,7 +155,6 @@ def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, floa
     return {**best, "lm_loss": base}
 
 
-@torch.no_grad()
 def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore, root: str) -> list[str]:
     """Hand a datastore of ``attn_input`` keys to the model's knn_attention plugins, which search it inside the
     forward pass (the model's own prediction then retrieves from it); other datastores are only interpolated.
@@ -170,6 +169,7 @@ def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore
     return taken
 
 
+@torch.no_grad()
 def score(
     module: Any,
     windows: Any,
