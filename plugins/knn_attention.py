@@ -76,7 +76,9 @@ class KnnAttentionConfig:
 
 def sq_dist(y: Tensor, keys: Tensor) -> Tensor:
     """||y_t - key_tj||^2 (B, T, n) of states (B, T, d) and keys (B, T, n, d), without the (B, T, n, d) difference."""
-    return (y.square().sum(-1, keepdim=True) + keys.square().sum(-1) - 2 * torch.einsum("btnd,btd->btn", keys, y)).clamp_min(0)
+    return (
+        y.square().sum(-1, keepdim=True) + keys.square().sum(-1) - 2 * torch.einsum("btnd,btd->btn", keys, y)
+    ).clamp_min(0)
 
 
 class KnnAttention(nn.Module):
@@ -194,7 +196,9 @@ class KnnAttentionPlugin(Plugin):
         return torch.cat(parts_d, -1), torch.cat(parts_v, -1)
 
     def _docs(self, ctx: Context, B: int, device: torch.device) -> Tensor:
-        docs = ctx.doc_ids if ctx.doc_ids is not None else -1 - torch.arange(B)  # unnamed rows: their own docs
+        docs = (
+            ctx.doc_ids if ctx.doc_ids is not None else -1 - torch.arange(B)
+        )  # unnamed rows: their own docs
         return docs.to(device)
 
     def _search_queue(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
@@ -230,7 +234,11 @@ class KnnAttentionPlugin(Plugin):
         vals = np.full((B, T, k), -1, np.int64)
         groups: dict[Any, list[int]] = {}
         for b, doc in enumerate(docs):
-            excl = None if doc is None else self.datastore.exclusion(self._root, doc, self._store.doc_tokens(doc))
+            excl = (
+                None
+                if doc is None
+                else self.datastore.exclusion(self._root, doc, self._store.doc_tokens(doc))
+            )
             groups.setdefault(excl, []).append(b)
         for excl, rows in groups.items():
             dd, vv = self.datastore.search(q[rows].flatten(0, 1).numpy(), k, excl)
@@ -242,19 +250,29 @@ class KnnAttentionPlugin(Plugin):
 
     def _own_past(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
         """The own_k nearest earlier positions j < t of each window (value x_{j+1}): distances with gradient into
-        y_t (the key y_j detached), values (B, T, own_k)."""
+        y_t (the key y_j detached), values (B, T, own_k). Under a KV cache (generation) the earlier positions'
+        keys and tokens travel in ``ctx.cache.state``, so a cached step sees the same past as the whole window."""
         B, T, d = y.shape
         k = self.config.own_k
-        keys = y.detach().float()
-        tokens = ctx.tokens
+        keys, tokens, real = y.detach().float(), ctx.tokens, ctx.valid_mask()
+        P = 0
+        if ctx.cache is not None:
+            past = ctx.cache.state.get(self.label)
+            if past is not None and past[0].shape[1] == ctx.offset:
+                P = ctx.offset
+                keys, tokens = torch.cat([past[0], keys], 1), torch.cat([past[1], tokens], 1)
+                real = torch.cat([real.new_ones(B, P), real], 1)
+            ctx.cache.state[self.label] = (keys, tokens)
         nxt = torch.cat([tokens[:, 1:], tokens.new_full((B, 1), -1)], 1)  # x_{j+1}; the last has none here
         with torch.no_grad():
-            d2 = torch.cdist(keys, keys).square()  # (B, T, T)
-            allowed = torch.ones(T, T, dtype=torch.bool, device=y.device).tril(-1)[None] & (nxt >= 0)[:, None, :]
-            if ctx.mask is not None:
-                allowed = allowed & ctx.mask[:, None, :]
+            d2 = torch.cdist(y.detach().float(), keys).square()  # (B, T, P + T)
+            earlier = (
+                torch.arange(P + T, device=y.device)[None, :]
+                < (P + torch.arange(T, device=y.device))[:, None]
+            )
+            allowed = earlier[None] & ((nxt >= 0) & real)[:, None, :]
             d2 = d2.masked_fill(~allowed, float("inf"))
-            kk = min(k, T)
+            kk = min(k, P + T)
             top, idx = torch.topk(d2, kk, dim=-1, largest=False)  # (B, T, kk)
         vals = torch.where(torch.isfinite(top), nxt.gather(1, idx.flatten(1)).view(B, T, kk), -1)
         picked = keys.gather(1, idx.flatten(1)[..., None].expand(-1, -1, d)).view(B, T, kk, d)

@@ -35,6 +35,7 @@ PLUGINS = {
     "altup_sum": {"altup": {"k": 2, "update": "sum"}},
     "tokenid": {"tokenid": {"layers": [0, 1], "rank": 2}},
     "tokenid_moe_altup": {"tokenid": {"layers": [0]}, "moe": {"layers": [1], "num_experts": 4}, "altup": {"k": 2}},
+    "knn_attention": {"knn_attention": {"k": 4, "own_k": 3}},
 }  # fmt: skip
 RETRIEVAL = {
     "retrieval_tokens": {"embedder": "tokens"},

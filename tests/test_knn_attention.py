@@ -59,7 +59,9 @@ def test_neighbours_match_brute_force_loops():
             got = sorted(zip(dist[b, t, :3].tolist(), vals[b, t, :3].tolist()))
             assert_close(torch.tensor([c[0] for c in cand[:3]]), torch.tensor([g[0] for g in got]))
             assert [c[1] for c in cand[:3]] == [g[1] for g in got]
-            own = sorted((float(((y[b, t] - y[b, j]) ** 2).sum()), int(tokens[b, j + 1])) for j in range(t))[:2]
+            own = sorted((float(((y[b, t] - y[b, j]) ** 2).sum()), int(tokens[b, j + 1])) for j in range(t))[
+                :2
+            ]
             got_own = [(d, v) for d, v in zip(dist[b, t, 3:].tolist(), vals[b, t, 3:].tolist()) if v >= 0]
             assert len(got_own) == len(own)
             if own:
@@ -97,7 +99,9 @@ def test_gradients_reach_the_states_and_the_scalars():
     m.train()
     m(tokens, ctx).square().mean().backward()
     assert p.log_tau.grad.abs() > 0 and (p.bias.grad.abs() > 0).all()
-    assert m.blocks[0].attn.parameters().__next__().grad.abs().sum() > 0  # through the distances and the residual
+    assert (
+        m.blocks[0].attn.parameters().__next__().grad.abs().sum() > 0
+    )  # through the distances and the residual
 
 
 def test_changing_later_tokens_never_moves_an_earlier_logit():
@@ -144,7 +148,9 @@ def test_training_queue_keeps_the_latest_states_and_never_offers_the_querys_own_
     other = Context(tokens=torch.zeros(1, 7, dtype=torch.long), doc_ids=torch.tensor([5]), stage="val")
     d_own, _ = p.neighbours(keys3, own)
     d_other, _ = p.neighbours(keys3, other)
-    assert_close(d_other[0, :, 0], torch.zeros(7), atol=1e-4, rtol=0)  # another document finds these very states
+    assert_close(
+        d_other[0, :, 0], torch.zeros(7), atol=1e-4, rtol=0
+    )  # another document finds these very states
     assert (d_own[0, :, :3] > 1e-3).all()  # document 3 itself never does
 
 
@@ -189,9 +195,9 @@ def test_the_datastore_is_searched_inside_the_forward_pass_like_exact_search(tra
     """With a datastore attached, each position's memory neighbours are the exact k nearest attn_input states of
     other documents (the datastore's keys are the same model's states, computed here again)."""
     from rlm.data import TokenStore
+    from rlm.data.windows import eval_loader
     from rlm.eval.datastore import Datastore, load_for_knn, reading_keys, windows_of
     from rlm.eval.knnlm import attach_datastore
-    from rlm.data.windows import eval_loader
 
     work, ckpt, meta = trained
     module, data, store = load_for_knn(str(ckpt), None, "cpu", False)
@@ -226,7 +232,9 @@ def test_the_datastore_is_searched_inside_the_forward_pass_like_exact_search(tra
             exact = ((keys - y[b, t]) ** 2).sum(-1)
             order = torch.argsort(exact)[:k]
             assert_close(dist[b, t, :k], exact[order], rtol=1e-2, atol=1e-2)  # fp16 keys in the index
-            for j in range(k):  # each value is that of an entry at its distance (ties among equal states aside)
+            for j in range(
+                k
+            ):  # each value is that of an entry at its distance (ties among equal states aside)
                 near = (exact - dist[b, t, j]).abs() <= 1e-2 * (1 + dist[b, t, j])
                 assert int(vals[b, t, j]) in set(values[near].tolist())
 

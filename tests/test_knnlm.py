@@ -255,7 +255,9 @@ def test_knnlm_commands_build_evaluate_and_generate(tiny, tmp_path, rlm_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin", ["moe", "pkm", "altup", "tokenid", "retrieval", "token_memory"])
+@pytest.mark.parametrize(
+    "plugin", ["moe", "pkm", "altup", "tokenid", "retrieval", "token_memory", "knn_attention"]
+)
 def test_knnlm_composes_with_every_plugin(plugin, tmp_path, rlm_cache):
     """A datastore from a checkpoint with a memory plugin (the trained retriever included): keys are read from
     the model's final norm whatever fills the slots, and kNN-LM scores the validation split."""
