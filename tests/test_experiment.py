@@ -484,7 +484,7 @@ def test_a_run_reusing_a_knnlm_run_gets_the_models_own_test_loss():
     [
         ({"layers": "final"}, "unknown option 'layers'"),
         ({"k": 0}, r"knnlm.k: got 0; accepted: a positive integer"),
-        ({"layer": "middle"}, "accepted: 'final' or 'ffn_input'"),
+        ({"layer": "middle"}, "accepted: 'final', 'ffn_input' or 'attn_input'"),
         ({"target_recall": 1.5}, r"accepted: a number in \(0, 1\]"),
         ({"cache": "yes"}, "accepted: true or false"),
         ({"rule": "blend"}, "knnlm.rule: got 'blend'; accepted: 'interpolate'"),
