@@ -61,9 +61,10 @@ def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
     if rule == "model" and (meta.get("layer") != "attn_input"):
         raise ValueError(f"{run.label}: rule 'model' scores a knn_attention model searching its own datastore; "
                          f"give knnlm: {{layer: attn_input}} (this datastore's keys: {meta.get('layer')!r})")  # fmt: skip
-    knn = {"joint": r["joint"], "model": r["lm"]}.get(rule, r["knnlm"])
-    lm = r["lm"]
-    random = (r.get("random_neighbours") or {}).get({"joint": "joint", "model": "model"}.get(rule, "knnlm"))
+    scored = rule if rule in ("joint", "model") else "knnlm"  # evaluate_knn's name for the rule's scores
+    lm = r["lm"]  # under rule 'model' the model with its datastore: test_loss and lm_test are the same number
+    knn = lm if rule == "model" else r[scored]
+    random = (r.get("random_neighbours") or {}).get(scored)
     out = dict(summary)
     out["lm_test"] = {"loss": lm["loss"], "ppl": lm["ppl"], "bpb": lm["bpb"]}
     out.update(test_loss=knn["loss"], test_ppl=knn["ppl"], test_bpb=knn["bpb"])
