@@ -74,11 +74,37 @@ class KnnAttentionConfig:
             raise ValueError(f"knn_attention.temperature must be > 0 or null, got {self.temperature!r}")
 
 
-def sq_dist(y: Tensor, keys: Tensor) -> Tensor:
-    """||y_t - key_tj||^2 (B, T, n) of states (B, T, d) and keys (B, T, n, d), without the (B, T, n, d) difference."""
-    return (
-        y.square().sum(-1, keepdim=True) + keys.square().sum(-1) - 2 * torch.einsum("btnd,btd->btn", keys, y)
-    ).clamp_min(0)
+class NeighbourDistance(torch.autograd.Function):
+    """d2 (N, n) = ||y_i - table[idx_ij]||^2, already computed by the search, given the gradient into y it has:
+    d d2_ij / d y_i = 2 (y_i - table[idx_ij]), so grad_y_i = 2 (y_i sum_j g_ij - sum_j g_ij table[idx_ij]), the second
+    term a weighted embedding bag over the (detached) keys. Never materialises the (N, n, d) neighbour keys that
+    gathering them and recomputing the distances under autograd would (a third of the plugin's step on CPU)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(y, table, idx)
+        return d2.clone()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        y, table, idx = ctx.saved_tensors
+        g = g.to(table.dtype)
+        pulled = F.embedding_bag(idx, table, per_sample_weights=g, mode="sum")  # (N, d)
+        return (2 * (y * g.sum(-1, keepdim=True) - pulled)).to(y.dtype), None, None, None
+
+
+def neighbour_distance(y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Tensor:
+    """Squared distances (N, n) of rows y (N, d) to their neighbours table[idx] (idx (N, n)), the values d2 given
+    (searched without gradient), with the gradient into y of ||y - table[idx]||^2 (NeighbourDistance)."""
+    if not (torch.is_grad_enabled() and y.requires_grad):
+        return d2
+    return NeighbourDistance.apply(y, table, idx, d2)
+
+
+def sq_dist_mm(q: Tensor, keys: Tensor) -> Tensor:
+    """||q_i - key_j||^2 - ||q_i||^2 (N, M) of rows q (N, d), keys (M, d) in one addmm: the same ordering per row
+    as the squared distance (the row's own norm added back only to the few kept)."""
+    return torch.addmm(keys.square().sum(-1)[None], q, keys.T, beta=1, alpha=-2)
 
 
 class KnnAttention(nn.Module):
@@ -136,9 +162,15 @@ class KnnAttentionPlugin(Plugin):
         tau = config.temperature if config.temperature is not None else model_config.d_model / 8
         self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
         self.bias = nn.Parameter(torch.zeros(len(SOURCES)))
-        # The training queue: keys (M, d) detached, values (M,), documents (M,). Not a buffer: a checkpoint does not
-        # carry it (a resumed run refills it within memory_tokens / tokens-per-step steps).
-        self._queue: list[tuple[Tensor, Tensor, Tensor]] = []
+        # The training queue, a ring of the latest memory_tokens entries: keys (M, d) detached, values (M,),
+        # documents (M,), written in place (no per-step concatenation). Not a buffer: a checkpoint does not carry it
+        # (a resumed run refills it within memory_tokens / tokens-per-step steps).
+        self._ring: tuple[Tensor, Tensor, Tensor] | None = None
+        self._filled = 0
+        self._next = 0
+        # A step's entries wait here until the next search: written at once they would change the ring under the
+        # step's own backward, which reads the neighbours' keys from it (NeighbourDistance)
+        self._pending: list[tuple[Tensor, Tensor, Tensor]] = []
         object.__setattr__(self, "_embedding", None)
         self.datastore: Any = None
         """A kNN-LM datastore of this model's attn_input states (use_datastore); searched outside training."""
@@ -175,19 +207,49 @@ class KnnAttentionPlugin(Plugin):
                              f"layer {self.layer} of {self.model_config.n_layers}")  # fmt: skip
         self.datastore, self._store, self._root = datastore, store, root
 
+    # ----- the training queue -----
+
+    def queue(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The queue's filled entries (keys (n, d), next tokens (n,), documents (n,)), the pending ones written first;
+        None if empty."""
+        while self._pending:
+            self.push(*self._pending.pop(0))
+        if self._ring is None or not self._filled:
+            return None
+        return tuple(x[: self._filled] for x in self._ring)  # type: ignore[return-value]
+
+    def push(self, keys: Tensor, values: Tensor, docs: Tensor) -> None:
+        """Write entries into the ring over its oldest; only the latest memory_tokens of a larger push are kept."""
+        M = self.config.memory_tokens
+        if not M:
+            return
+        keys, values, docs = keys[-M:], values[-M:], docs[-M:]
+        n = len(values)
+        if self._ring is None or self._ring[0].device != keys.device or self._ring[0].shape[1] != keys.shape[1]:
+            self._ring = (keys.new_zeros(M, keys.shape[1], dtype=torch.float32), values.new_zeros(M),
+                          docs.new_zeros(M))  # fmt: skip
+            self._filled = self._next = 0
+        pos = (self._next + torch.arange(n, device=keys.device)) % M
+        for dst, src in zip(self._ring, (keys.float(), values, docs)):
+            dst[pos] = src.to(dst.dtype)
+        self._next = (self._next + n) % M
+        self._filled = min(M, self._filled + n)
+
+    def clear_queue(self) -> None:
+        self._ring, self._filled, self._next, self._pending = None, 0, 0, []
+
     # ----- the neighbours -----
 
     def neighbours(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
         """(squared distances (B, T, k + own_k) with gradient into y, values (B, T, k + own_k), -1 where none)."""
-        B, T, d = y.shape
         c = self.config
         parts_d, parts_v = [], []
         if c.k:
             if self.datastore is not None and not ctx.training:
-                keys, vals = self._search_datastore(y, ctx)
+                dist, vals = self._search_datastore(y, ctx)
             else:
-                keys, vals = self._search_queue(y, ctx)
-            parts_d.append(sq_dist(y.float(), keys))
+                dist, vals = self._search_queue(y, ctx)
+            parts_d.append(dist)
             parts_v.append(vals)
         if c.own_k:
             od, ov = self._own_past(y, ctx)
@@ -202,30 +264,33 @@ class KnnAttentionPlugin(Plugin):
         return docs.to(device)
 
     def _search_queue(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
-        """The k nearest queue entries of other documents: keys (B, T, k, d), values (B, T, k)."""
+        """The k nearest queue entries of other documents, exact: distances (B, T, k) with gradient into y, values
+        (B, T, k) (-1 where the queue holds fewer than k of other documents)."""
         B, T, d = y.shape
         k = self.config.k
-        if not self._queue:
-            return y.new_zeros(B, T, k, d, dtype=torch.float32), torch.full((B, T, k), -1, device=y.device)
-        qk, qv, qd = (torch.cat(x) for x in zip(*self._queue))
+        queue = self.queue()
+        if queue is None:
+            return y.new_zeros(B, T, k, dtype=torch.float32), torch.full((B, T, k), -1, device=y.device)
+        qk, qv, qd = queue
+        yf = y.float().flatten(0, 1)  # (N, d)
         with torch.no_grad():
-            q = y.detach().float().flatten(0, 1)  # (N, d)
-            d2 = q.square().sum(-1, keepdim=True) + qk.square().sum(-1)[None] - 2 * q @ qk.T  # (N, M)
-            docs = self._docs(ctx, B, y.device).repeat_interleave(T)
-            d2 = d2.masked_fill(docs[:, None] == qd[None, :], float("inf"))
+            q = yf.detach()
+            d2 = sq_dist_mm(q, qk).view(B, T, -1)  # (B, T, M) up to each row's ||q||^2
+            d2.masked_fill_((self._docs(ctx, B, y.device)[:, None] == qd[None, :])[:, None, :], float("inf"))
             kk = min(k, qk.shape[0])
-            top, idx = torch.topk(d2, kk, dim=1, largest=False)
-        vals = torch.where(torch.isfinite(top), qv[idx], torch.full_like(idx, -1))
-        keys = qk[idx]
+            top, idx = torch.topk(d2.view(B * T, -1), kk, dim=1, largest=False, sorted=False)
+            found = torch.isfinite(top)
+            top = torch.where(found, (top + q.square().sum(-1, keepdim=True)).clamp_min(0), 0.0)
+        vals = torch.where(found, qv[idx], -1)
+        dist = neighbour_distance(yf, qk, idx, top)
         if kk < k:  # a queue still shorter than k
-            keys = torch.cat([keys, keys.new_zeros(B * T, k - kk, d)], 1)
+            dist = torch.cat([dist, dist.new_zeros(B * T, k - kk)], 1)
             vals = torch.cat([vals, vals.new_full((B * T, k - kk), -1)], 1)
-        return keys.view(B, T, k, d), vals.view(B, T, k)
+        return dist.view(B, T, k), vals.view(B, T, k)
 
     def _search_datastore(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
-        """The datastore's k nearest of other documents. The datastore gives distances, not keys: the keys returned
-        are placed so that the caller's ||y - key||^2 equals the searched distance (y - sqrt(d2) e_0; no gradient
-        is needed outside training)."""
+        """The datastore's k nearest of other documents: distances (B, T, k), values (B, T, k), no gradient (only
+        outside training)."""
         B, T, d = y.shape
         k = self.config.k
         q = y.detach().float().cpu()
@@ -243,10 +308,8 @@ class KnnAttentionPlugin(Plugin):
         for excl, rows in groups.items():
             dd, vv = self.datastore.search(q[rows].flatten(0, 1).numpy(), k, excl)
             dist[rows], vals[rows] = dd.reshape(len(rows), T, -1), vv.reshape(len(rows), T, -1)
-        dist_t = torch.from_numpy(np.where(np.isfinite(dist), dist, 0.0)).to(y.device)
-        keys = y.detach().float()[:, :, None, :].expand(B, T, k, d).clone()
-        keys[..., 0] -= dist_t.clamp_min(0).sqrt()
-        return keys, torch.from_numpy(vals).to(y.device)
+        dist_t = torch.from_numpy(np.where(np.isfinite(dist), dist, 0.0).clip(0, None)).to(y.device)
+        return dist_t, torch.from_numpy(vals).to(y.device)
 
     def _own_past(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
         """The own_k nearest earlier positions j < t of each window (value x_{j+1}): distances with gradient into
@@ -254,7 +317,8 @@ class KnnAttentionPlugin(Plugin):
         keys and tokens travel in ``ctx.cache.state``, so a cached step sees the same past as the whole window."""
         B, T, d = y.shape
         k = self.config.own_k
-        keys, tokens, real = y.detach().float(), ctx.tokens, ctx.valid_mask()
+        yf = y.float()
+        keys, tokens, real = yf.detach(), ctx.tokens, ctx.valid_mask()
         P = 0
         if ctx.cache is not None:
             past = ctx.cache.state.get(self.label)
@@ -264,19 +328,21 @@ class KnnAttentionPlugin(Plugin):
                 real = torch.cat([real.new_ones(B, P), real], 1)
             ctx.cache.state[self.label] = (keys, tokens)
         nxt = torch.cat([tokens[:, 1:], tokens.new_full((B, 1), -1)], 1)  # x_{j+1}; the last has none here
+        S = P + T
         with torch.no_grad():
-            d2 = torch.cdist(y.detach().float(), keys).square()  # (B, T, P + T)
-            earlier = (
-                torch.arange(P + T, device=y.device)[None, :]
-                < (P + torch.arange(T, device=y.device))[:, None]
-            )
+            q = yf.detach()
+            d2 = torch.baddbmm(keys.square().sum(-1)[:, None, :], q, keys.transpose(1, 2), alpha=-2)  # (B, T, S)
+            earlier = torch.arange(S, device=y.device)[None, :] < (P + torch.arange(T, device=y.device))[:, None]
             allowed = earlier[None] & ((nxt >= 0) & real)[:, None, :]
-            d2 = d2.masked_fill(~allowed, float("inf"))
-            kk = min(k, P + T)
-            top, idx = torch.topk(d2, kk, dim=-1, largest=False)  # (B, T, kk)
-        vals = torch.where(torch.isfinite(top), nxt.gather(1, idx.flatten(1)).view(B, T, kk), -1)
-        picked = keys.gather(1, idx.flatten(1)[..., None].expand(-1, -1, d)).view(B, T, kk, d)
-        dist = sq_dist(y.float(), picked)
+            d2.masked_fill_(~allowed, float("inf"))
+            kk = min(k, S)
+            top, idx = torch.topk(d2, kk, dim=-1, largest=False, sorted=False)  # (B, T, kk)
+            found = torch.isfinite(top)
+            top = torch.where(found, (top + q.square().sum(-1, keepdim=True)).clamp_min(0), 0.0)
+        vals = torch.where(found, nxt.gather(1, idx.flatten(1)).view(B, T, kk), -1)
+        flat = (idx + S * torch.arange(B, device=y.device)[:, None, None]).view(B * T, kk)
+        dist = neighbour_distance(yf.flatten(0, 1), keys.reshape(B * S, d), flat, top.view(B * T, kk))
+        dist = dist.view(B, T, kk)
         if kk < k:
             dist = torch.cat([dist, dist.new_zeros(B, T, k - kk)], -1)
             vals = torch.cat([vals, vals.new_full((B, T, k - kk), -1)], -1)
@@ -292,7 +358,4 @@ class KnnAttentionPlugin(Plugin):
         if ctx.mask is not None:
             keep = keep & ctx.mask & torch.cat([ctx.mask[:, 1:], ctx.mask.new_zeros(B, 1)], 1)
         docs = self._docs(ctx, B, y.device)[:, None].expand(B, T)
-        self._queue.append((y.detach().float()[keep], nxt[keep], docs[keep]))
-        total = sum(len(v) for _, v, _ in self._queue)
-        while self._queue and total - len(self._queue[0][1]) >= self.config.memory_tokens:
-            total -= len(self._queue.pop(0)[1])
+        self._pending.append((y.detach()[keep], nxt[keep], docs[keep]))
