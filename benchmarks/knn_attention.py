@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, ts in times.items():
         med = statistics.median(ts)
         ratios = [t / b for t, b in zip(ts, times["base (no plugin)"])]
-        rows.append([name, med * 1e3, a.batch * a.seq / med, med / base, f"{min(ratios):.2f}-{max(ratios):.2f}"])
+        rows.append(
+            [name, med * 1e3, a.batch * a.seq / med, med / base, f"{min(ratios):.2f}-{max(ratios):.2f}"]
+        )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {a.batch} x {a.seq}, "
           f"d={a.d_model}, {a.layers} layers, vocab {a.vocab}; {a.rounds} rounds x {a.steps} steps")  # fmt: skip
     print(table(["variant", "ms / step", "tokens / s", "ratio to base", "ratio range (rounds)"], rows))

@@ -225,7 +225,11 @@ class KnnAttentionPlugin(Plugin):
             return
         keys, values, docs = keys[-M:], values[-M:], docs[-M:]
         n = len(values)
-        if self._ring is None or self._ring[0].device != keys.device or self._ring[0].shape[1] != keys.shape[1]:
+        if (
+            self._ring is None
+            or self._ring[0].device != keys.device
+            or self._ring[0].shape[1] != keys.shape[1]
+        ):
             self._ring = (keys.new_zeros(M, keys.shape[1], dtype=torch.float32), values.new_zeros(M),
                           docs.new_zeros(M))  # fmt: skip
             self._filled = self._next = 0
@@ -331,8 +335,12 @@ class KnnAttentionPlugin(Plugin):
         S = P + T
         with torch.no_grad():
             q = yf.detach()
-            d2 = torch.baddbmm(keys.square().sum(-1)[:, None, :], q, keys.transpose(1, 2), alpha=-2)  # (B, T, S)
-            earlier = torch.arange(S, device=y.device)[None, :] < (P + torch.arange(T, device=y.device))[:, None]
+            d2 = torch.baddbmm(
+                keys.square().sum(-1)[:, None, :], q, keys.transpose(1, 2), alpha=-2
+            )  # (B, T, S)
+            earlier = (
+                torch.arange(S, device=y.device)[None, :] < (P + torch.arange(T, device=y.device))[:, None]
+            )
             allowed = earlier[None] & ((nxt >= 0) & real)[:, None, :]
             d2.masked_fill_(~allowed, float("inf"))
             kk = min(k, S)

@@ -132,7 +132,9 @@ def test_training_steps_with_backward_keep_the_queue_consistent():
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     for doc in range(4):
         x = torch.randint(0, V, (2, 8))
-        m(x, Context(tokens=x, doc_ids=torch.tensor([2 * doc, 2 * doc + 1]), stage="train")).square().mean().backward()
+        m(
+            x, Context(tokens=x, doc_ids=torch.tensor([2 * doc, 2 * doc + 1]), stage="train")
+        ).square().mean().backward()
         opt.step()
         opt.zero_grad()
     qk, qv, qd = p.queue()
