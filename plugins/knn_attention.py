@@ -163,8 +163,8 @@ class KnnAttentionPlugin(Plugin):
         self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
         self.bias = nn.Parameter(torch.zeros(len(SOURCES)))
         # The training queue, a ring of the latest memory_tokens entries: keys (M, d) detached, values (M,),
-        # documents (M,), written in place (no per-step concatenation). Not a buffer: a checkpoint does not carry it
-        # (a resumed run refills it within memory_tokens / tokens-per-step steps).
+        # documents (M,), written in place (no per-step concatenation). Checkpointed as extra state (not buffers, so
+        # its size may change and an empty queue needs no placeholder).
         self._ring: tuple[Tensor, Tensor, Tensor] | None = None
         self._filled = 0
         self._next = 0
@@ -238,6 +238,18 @@ class KnnAttentionPlugin(Plugin):
             dst[pos] = src.to(dst.dtype)
         self._next = (self._next + n) % M
         self._filled = min(M, self._filled + n)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Checkpointed with the weights: the queue (memory_tokens x d floats, 4 MB as shipped), so that evaluating a
+        checkpoint (rlm test, rlm eval) searches the memory that validation during fit searched."""
+        queue = self.queue()
+        return {"queue": None if queue is None else tuple(x.cpu() for x in queue)}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.clear_queue()
+        queue = state.get("queue") if isinstance(state, dict) else None
+        if queue is not None:
+            self.push(*queue)
 
     def clear_queue(self) -> None:
         self._ring, self._filled, self._next, self._pending = None, 0, 0, []

@@ -141,6 +141,23 @@ def test_training_steps_with_backward_keep_the_queue_consistent():
     assert len(qd) == 20 and set(qd.tolist()) <= {4, 5, 6, 7}  # the latest 20 of 7 + 7 + 7 + 7 entries
 
 
+def test_the_queue_travels_in_the_checkpoint():
+    """A loaded model searches the memory the saved one searched: same queue, same validation logits."""
+    m, p = model()
+    fill_queue(p)
+    x = torch.randint(0, V, (1, 9))
+    ctx = Context(tokens=x, doc_ids=torch.tensor([1]), stage="val")
+    with torch.no_grad():
+        want = m(x, ctx)
+    m2, p2 = model()
+    assert p2.queue() is None
+    m2.load_state_dict(m.state_dict())
+    for a, b in zip(p.queue(), p2.queue()):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert_close(m2(x, ctx), want)
+
+
 def test_changing_later_tokens_never_moves_an_earlier_logit():
     """In training (the queue) and at validation: perturb tokens after t, logits at or before t stay."""
     for stage in ("train", "val"):
