@@ -242,8 +242,17 @@ class KnnAttentionPlugin(Plugin):
     def get_extra_state(self) -> dict[str, Any]:
         """Checkpointed with the weights: the queue (memory_tokens x d floats, 4 MB as shipped), so that evaluating a
         checkpoint (rlm test, rlm eval) searches the memory that validation during fit searched."""
-        queue = self.queue()
-        return {"queue": None if queue is None else tuple(x.cpu() for x in queue)}
+        # read without writing the pending entries into the ring: a state_dict taken between a step's forward and
+        # its backward must not change the keys that backward reads
+        parts = list(self._pending)
+        if self._ring is not None and self._filled:
+            oldest_first = (torch.roll(x, -self._next, 0) if self._filled == len(x) else x[: self._filled]
+                            for x in self._ring)  # fmt: skip
+            parts.insert(0, tuple(oldest_first))
+        if not parts:
+            return {"queue": None}
+        M = self.config.memory_tokens
+        return {"queue": tuple(torch.cat(x)[-M:].cpu() for x in zip(*parts))}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.clear_queue()
