@@ -2,8 +2,8 @@
 
 Kept apart from ``plugins/pkm.py`` so the plugin file reads as the model: here are the exact product-key
 search (with a backward that touches only the selected sub-keys), the batch norm that ignores padding
-(synced under torch.distributed), the value read (EmbeddingBag) whose backward is dense or hands the reads
-to the row-wise lazy Adam that updates only touched rows, and the usage/KL statistics. Nothing here builds
+(synced over a process group handed in), the value read (EmbeddingBag) whose backward is dense or hands the
+reads to the row-wise lazy Adam that updates only touched rows, and the usage/KL statistics. Nothing here builds
 a tensor of size n^2 (slots) except the dense value gradient of ``pkm.sparse: false``.
 """
 
@@ -173,21 +173,30 @@ def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: in
     return scores, i * keys1.shape[1] + j
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def group_size(group: Any = None) -> int:
+    """Processes in ``group`` (None: the default group) when torch.distributed is initialised, else 1.
+
+    The memory's collectives (batch-norm statistics, validation slot statistics, the row exchange) run over a
+    group handed in from outside (``PKMPlugin.set_group``, called by its callback at setup; DESIGN: parallelism
+    is applied from outside); a group of one process runs the single-process code.
+    """
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 class MaskedBatchNorm(nn.Module):
-    """BatchNorm1d over (N, C) rows where only rows with mask True count, synced across ranks when distributed.
+    """BatchNorm1d over (N, C) rows where only rows with mask True count, synced across ``group`` when distributed.
 
-    Statistics are per-feature sums over valid rows; under torch.distributed they are summed over ranks
-    with the differentiable all_reduce, which gives torch.nn.SyncBatchNorm's semantics (global batch
-    statistics, gradients through them) with padding left out. Eval uses running statistics.
+    Statistics are per-feature sums over valid rows; under torch.distributed they are summed over the ranks of
+    ``group`` (None: the default group) with the differentiable all_reduce, which gives torch.nn.SyncBatchNorm's
+    semantics (the group's batch statistics, gradients through them) with padding left out. Eval uses running
+    statistics.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, group: Any = None) -> None:
         super().__init__()
         self.eps, self.momentum = eps, momentum
+        self.group = group
+        """The process group the training statistics are summed over (None: the default group)."""
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
         self.register_buffer("running_mean", torch.zeros(dim))
@@ -200,10 +209,10 @@ class MaskedBatchNorm(nn.Module):
             C = x.shape[1]
             m = mask.reshape(-1, 1).to(x32.dtype)  # (N, 1)
             stats = torch.cat([(x32 * m).sum(0), (x32 * x32 * m).sum(0), m.sum(0)])  # (2C + 1,)
-            if _world() > 1:
+            if group_size(self.group) > 1:
                 from torch.distributed.nn.functional import all_reduce
 
-                stats = all_reduce(stats)
+                stats = all_reduce(stats, group=self.group if self.group is not None else dist.group.WORLD)
             count = stats[-1].clamp(min=1.0)
             mean = stats[:C] / count  # (C,)
             var = (stats[C : 2 * C] / count - mean * mean).clamp(min=0.0)  # biased, as BatchNorm normalises

@@ -17,7 +17,9 @@ and writes only the touched rows (``sparse``). Under DDP and FSDP2 the value tab
 row gradients (bytes scale with the rows read, not the table), or all-reduce the dense table gradient when the
 rows are so many that it moves fewer bytes (plugins/_pkm_rows.py exchange_rows), and run the same update, so
 the replicas stay equal; under other distributed strategies the values get ordinary dense gradients for the
-strategy to reduce. Validation logs usage and KL to uniform per layer.
+strategy to reduce. Validation logs usage and KL to uniform per layer. The memory's own collectives (the row
+exchange, batch-norm statistics, validation slot statistics) run over the group handed in by ``set_group``
+(``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
 from rlm.plugins._pkm_native import huge_page_empty
-from rlm.plugins._pkm_ops import MaskedBatchNorm, product_key_topk, slot_stats, value_lookup
+from rlm.plugins._pkm_ops import MaskedBatchNorm, group_size, product_key_topk, slot_stats, value_lookup
 from rlm.plugins._pkm_rows import RowAdam
 from rlm.train.parallel import CAN_REPLICATE
 
@@ -189,12 +191,13 @@ class PKMLayer(nn.Module):
         self.slot_weight = torch.zeros(slots, dtype=torch.float64, device=self.keys.device)
         self.collecting = True
 
-    def stop_stats(self) -> Tensor:
-        """Stop accumulating; the summed weights (slots,), summed over ranks when distributed."""
+    def stop_stats(self, group: Any = None) -> Tensor:
+        """Stop accumulating; the summed weights (slots,), summed over the ranks of ``group`` (None: the default
+        group) when distributed."""
         self.collecting = False
         w = self.slot_weight
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(w)
+        if group_size(group) > 1:
+            dist.all_reduce(w, group=group)
         return w
 
 
@@ -220,6 +223,10 @@ class PKMPlugin(Plugin):
             self.row_optimizer.add_table(k, table)
         self.memories: dict[int, PKMLayer] = {}  # plain dict: the layers are registered in their blocks
         self._sparse: bool | None = None  # resolved at setup (needs to know whether torch.distributed runs)
+        self._exchange = False  # whether the row optimizer exchanges rows (sparse and distributed)
+        self.group: Any = None
+        """The process group of the memory's collectives: batch-norm statistics, validation slot statistics and
+        the row exchange (None: torch.distributed's default group when initialised). Handed in by ``set_group``."""
 
     @staticmethod
     def _init_values(slots: int, d: int) -> Tensor:
@@ -235,8 +242,27 @@ class PKMPlugin(Plugin):
     def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
         table = "shared" if self.config.shared_values else f"layer{layer}"
         memory = PKMLayer(self.config, self.model_config.d_model, self, table, layer)
+        if isinstance(memory.norm, MaskedBatchNorm):
+            memory.norm.group = self.group
         self.memories[layer] = memory
         return memory
+
+    def set_group(self, group: Any) -> None:
+        """Run the memory's collectives over ``group`` (the data-parallel ranks; None: the default group).
+
+        Called from outside (``PKMCallback.setup``, a test, a benchmark): a plugin's own collectives take their
+        group from whoever applies the parallelism (DESIGN, Scale), as the MoE's expert group does.
+        """
+        self.group = group
+        for memory in self.memories.values():
+            if isinstance(memory.norm, MaskedBatchNorm):
+                memory.norm.group = group
+        self._place_exchange()
+
+    def _place_exchange(self) -> None:
+        """Give the row optimizer its group when it exchanges rows (the handed-in group, else the default one)."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        self.row_optimizer.group = group if self._exchange else None
 
     # ----- values: sparse or dense -----
 
@@ -262,7 +288,8 @@ class PKMPlugin(Plugin):
                 "gradients that the strategy reduces)"
             )
         self._sparse = choice == "true" or (choice == "auto" and (row_exchange or not distributed))
-        self.row_optimizer.group = dist.group.WORLD if (self._sparse and distributed) else None
+        self._exchange = self._sparse and distributed
+        self._place_exchange()
         for table in self.values.values():
             # Sparse: the values are not handed to the main optimizer (the LMModule skips requires_grad=False)
             # and, with no gradient, DDP does not all-reduce them.
@@ -306,7 +333,10 @@ class PKMPlugin(Plugin):
 
     def stop_stats(self) -> dict[int, tuple[Tensor, Tensor]]:
         """Stop accumulating; (usage, KL to uniform) per memory layer."""
-        return {layer: slot_stats(memory.stop_stats()) for layer, memory in sorted(self.memories.items())}
+        return {
+            layer: slot_stats(memory.stop_stats(self.group))
+            for layer, memory in sorted(self.memories.items())
+        }
 
 
 class PKMCallback(pl.Callback):
@@ -326,6 +356,10 @@ class PKMCallback(pl.Callback):
         row_exchange = isinstance(strategy, DDPStrategy) or (
             isinstance(strategy, ModelParallelStrategy) and CAN_REPLICATE
         )
+        if distributed and self.plugin.group is None:
+            # The data-parallel ranks: all of them under DDP and under rlm's FSDP2 (its mesh spans every rank, and
+            # the sparse values are whole on each). A group handed in before fit (set_group) is kept.
+            self.plugin.set_group(dist.group.WORLD)
         sparse = self.plugin.resolve_sparse(distributed, row_exchange)
         if sparse and str(trainer.precision).startswith("16"):
             # The recorded output gradients would carry the GradScaler's scale, which only the main optimizer undoes.

@@ -481,6 +481,26 @@ def test_the_callback_exchanges_rows_under_ddp_and_fsdp2(strategy, sparse):
     assert plugin.replicated_parameters() == ([plugin.values["shared"]] if sparse else [])
 
 
+def test_the_group_handed_in_reaches_every_collective_and_the_callback_keeps_it():
+    from types import SimpleNamespace
+
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from rlm.plugins.pkm import PKMCallback
+
+    group = object()  # stands for a process group: nothing here runs a collective
+    plugin, layer = small_layer(sparse="auto", query_norm="batchnorm")
+    assert plugin.group is None and layer.norm.group is None  # nothing handed in: the default group
+    plugin.set_group(group)
+    assert layer.norm.group is group and plugin.row_optimizer.group is None  # no row exchange resolved yet
+    later = plugin.build(plugin.claims()[0], 1, None)  # a memory built after the group was handed in
+    assert later.norm.group is group
+    trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy.__new__(DDPStrategy), precision="32-true")
+    PKMCallback(plugin).setup(trainer, None, "fit")
+    assert plugin.group is group and plugin.row_optimizer.group is group  # kept, and the exchange uses it
+    assert plugin.resolve_sparse(distributed=False) and plugin.row_optimizer.group is None  # one process
+
+
 def test_config_fragment_builds_the_default_model():
     with open(CONFIGS / "plugins" / "pkm.yaml") as f:
         spec = yaml.safe_load(f)["model"]["plugins"]["pkm"]

@@ -15,10 +15,11 @@ from rlm.train.parallel import spawn_local
 D, B, T, STEPS = 32, 2, 6, 3  # B rows per rank
 
 
-def _memory():
+def _memory(query_norm: str = "layernorm"):
     torch.manual_seed(0)
     mc = ModelConfig(vocab_size=50, d_model=D, n_layers=2, n_heads=2)
-    plugin = PKMPlugin(PKMConfig(layers=[0], n_keys=8, heads=2, topk=4, k_dim=12, sparse="auto"), mc)
+    config = PKMConfig(layers=[0], n_keys=8, heads=2, topk=4, k_dim=12, sparse="auto", query_norm=query_norm)
+    plugin = PKMPlugin(config, mc)
     return plugin, plugin.build(plugin.claims()[0], 0, None)
 
 
@@ -57,6 +58,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         out[f"bytes{rank}"] = plugin.row_optimizer.sent_bytes
         _exchange_part(rank, out)
         _fsdp_part(rank, out)
+        _group_part(rank, out)
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
@@ -260,3 +262,86 @@ def test_fsdp2_two_processes_match_one_process_and_rows_replace_the_dense_value_
         # The old dense path, still there with sparse: false: the values sharded with a dense gradient.
         assert all(sharded.values()) and not any(no_grad0) and not any(one_no_grad)
         assert sent0 == 0
+
+
+# ----- the memory's collectives run over the group handed in (set_group), not the default group -----
+
+
+def _eval_stats(plugin, layer, batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(usage, KL to uniform) of an evaluation pass over ``rows`` of ``batch``, through the plugin's statistics."""
+    x, mask, _ = batch
+    layer.eval()
+    plugin.start_stats()
+    with torch.no_grad():
+        layer(x[rows], Context(tokens=torch.zeros(mask[rows].shape, dtype=torch.long), mask=mask[rows]))
+    ((usage, kl),) = plugin.stop_stats().values()
+    layer.train()
+    return usage, kl
+
+
+def _group_part(rank: int, out: dict) -> None:
+    """A batch-norm memory trained and evaluated with its collectives over a singleton group, then the world."""
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(2)]  # every rank creates every group, in the same order
+    for kind, group in (("own", singles[rank]), ("world", dist.group.WORLD)):
+        plugin, layer = _memory("batchnorm")
+        plugin.set_group(group)
+        assert plugin.resolve_sparse(distributed=True, row_exchange=True)
+        assert plugin.row_optimizer.group is group and layer.norm.group is group
+        batches = _batches()
+        _train(plugin, layer, batches, slice(rank * B, (rank + 1) * B))
+        stats = _eval_stats(plugin, layer, batches[0], slice(rank * B, (rank + 1) * B))
+        norm = layer.norm
+        out[("group", kind, rank)] = (
+            plugin.values["shared"].detach().clone(),
+            norm.running_mean.clone(),
+            norm.running_var.clone(),
+            *stats,
+        )
+
+
+def _by_hand_running_stats(layer, batches, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch norm's running mean and unbiased variance over ``rows``' valid queries, step by step (momentum 0.1).
+
+    _train steps only the values, so the query network is the one every step saw.
+    """
+    mean, var = torch.zeros(layer.norm.running_mean.shape, dtype=torch.float64), None
+    var = torch.ones_like(mean)
+    with torch.no_grad():
+        for x, mask, _ in batches:
+            q = layer.query(x[rows].reshape(-1, D)).double()[
+                mask[rows].reshape(-1)
+            ]  # (valid tokens, H*k_dim)
+            mean = 0.9 * mean + 0.1 * q.mean(0)
+            var = 0.9 * var + 0.1 * q.var(0, unbiased=True)
+    return mean.float(), var.float()
+
+
+@pytest.mark.ddp
+def test_a_handed_in_group_bounds_the_batchnorm_slot_statistics_and_row_exchange(two_ranks):
+    """Each rank in a group of its own gets one process's numbers on its own rows; the world group, the global ones."""
+    batches = _batches()
+    for kind, ranks in (
+        ("own", ((0, slice(0, B)), (1, slice(B, 2 * B)))),
+        ("world", ((None, slice(0, 2 * B)),)),
+    ):
+        for rank, rows in ranks:
+            plugin, layer = _memory("batchnorm")
+            want_mean, want_var = _by_hand_running_stats(layer, batches, rows)
+            assert plugin.resolve_sparse(distributed=False)
+            _train(plugin, layer, batches, rows)
+            assert_close(layer.norm.running_mean, want_mean, rtol=1e-5, atol=1e-6)  # the reference itself
+            usage, kl = _eval_stats(plugin, layer, batches[0], rows)
+            for r in (rank,) if rank is not None else (0, 1):
+                values, mean, var, got_usage, got_kl = two_ranks[("group", kind, r)]
+                msg = f"{kind} group, rank {r}"
+                assert_close(mean, want_mean, rtol=1e-5, atol=1e-6, msg=msg)
+                assert_close(var, want_var, rtol=1e-5, atol=1e-6, msg=msg)
+                assert_close(values, plugin.values["shared"].detach(), rtol=1e-5, atol=1e-6, msg=msg)
+                assert_close(got_usage, usage, msg=msg)
+                assert_close(got_kl, kl, rtol=1e-5, atol=1e-7, msg=msg)
+    # The two groups do differ: a singleton group does not reduce over the other rank.
+    own, world = two_ranks[("group", "own", 0)], two_ranks[("group", "world", 0)]
+    assert not torch.allclose(own[1], world[1]) and not torch.allclose(own[0], world[0])
+    assert not torch.allclose(own[4], world[4])
