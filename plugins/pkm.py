@@ -19,7 +19,8 @@ rows are so many that it moves fewer bytes (plugins/_pkm_rows.py exchange_rows),
 the replicas stay equal; under other distributed strategies the values get ordinary dense gradients for the
 strategy to reduce. Validation logs usage and KL to uniform per layer. The memory's own collectives (the row
 exchange, batch-norm statistics, validation slot statistics) run over the group handed in by ``set_group``
-(``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group).
+(``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group; rlm/train/SCALE.md
+item 16).
 """
 
 from __future__ import annotations
