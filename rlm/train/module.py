@@ -17,6 +17,7 @@ from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup
 from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
+from rlm.train.compile import CompileConfig, compile_blocks, compile_config
 from rlm.train.diff import config_diff
 from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
 from rlm.train.throughput import Throughput
@@ -75,7 +76,7 @@ class LMModule(pl.LightningModule):
         model: ModelConfig | dict | None = None,
         plugins: dict[str, Any] | None = None,
         optim: OptimConfig | dict | None = None,
-        compile: bool = False,
+        compile: bool | CompileConfig = False,
         peak_flops: float | None = None,
     ) -> None:
         """Build the model.
@@ -85,8 +86,10 @@ class LMModule(pl.LightningModule):
             plugins: plugin name -> options (a mapping of the plugin's Config fields, or
                 ``{class_path, init_args}``); ``null`` disables a plugin set by an earlier config file.
             optim: optimizer and schedule.
-            compile: compile the model with torch.compile (Inductor); plugins that cannot be traced run
-                eagerly behind graph breaks (PKM's search and value read; MoE's expert dispatch).
+            compile: compile each transformer block with torch.compile when the trainer sets the model up
+                (``configure_model``, after FSDP2 has sharded the blocks; see rlm/train/compile.py): true for
+                Inductor's defaults, or ``{backend, mode}``; plugins that cannot be traced run eagerly behind
+                graph breaks (PKM's search and value read; MoE's expert dispatch).
             peak_flops: peak FLOP/s of one device, the denominator of the logged train/mfu; None: a known
                 GPU's dense peak in the training precision (H100 SXM bf16: 989e12), or on CPU the fp32 matmul
                 rate measured when training starts (see rlm/train/throughput.py).
@@ -99,9 +102,8 @@ class LMModule(pl.LightningModule):
         self.save_hyperparameters({"model": asdict(model), "plugins": plugins, "optim": asdict(optim)})
         self.model_config, self.optim = model, optim
         self.model = Transformer(model, plugins)
-        if compile:
-            # In place (nn.Module.compile): parameter names and checkpoints stay those of the eager model.
-            self.model.compile()
+        # Applied in configure_model, after the strategy's sharding (SCALE.md, item 15); not a hyperparameter.
+        self.compile_config = compile_config(compile)
         self.peak_flops = peak_flops
         self._val_sum = torch.zeros(())
         self._val_count = torch.zeros(())
@@ -248,10 +250,13 @@ class LMModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Shard the model with FSDP2 when the strategy gives a device mesh (ModelParallelStrategy); with DDP or
-        one device there is none and nothing changes. Under bf16-mixed, FSDP2 gathers parameters in bf16."""
+        one device there is none and nothing changes. Under bf16-mixed, FSDP2 gathers parameters in bf16. Then,
+        with ``compile``, compile each block in place, on every strategy and on one process alike."""
         if self.device_mesh is not None:
             policy = mixed_precision_policy(self.trainer.precision)
             parallelize(self.model, self.device_mesh, mp_policy=policy)
+        if self.compile_config is not None:
+            compile_blocks(self.model, self.compile_config)
 
     # ----- optimisation -----
 
