@@ -22,6 +22,8 @@ steps after 2 of warmup, each row against the eager baseline of its own run; CPU
 
 The same day on a shared 2-core AMD EPYC (load average 2.4-3, torch 2.13, 6 steps after 2, as shipped):
 none 1140 -> 1050 ms (1.08x), moe 1140 -> 1050 ms (1.09x), moe + pkm + altup 1280 -> 1270 ms (1.01x).
+Both tables were measured with the whole model compiled; LMModule now compiles each block after sharding
+(rlm/train/SCALE.md, item 15), which leaves the embedding, head and loss eager: not re-measured since.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(0)
         torch._dynamo.reset()
         module = LMModule(cfg, specs, OptimConfig(warmup_steps=2), compile=compile)
+        module.configure_model()  # as the trainer does: compiles each block (rlm/train/compile.py)
         results[name] = run(module, batches, a.warmup, clock)
     eager = results["eager"][1]
     rows = [

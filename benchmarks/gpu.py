@@ -8,7 +8,8 @@ it, peak memory against rlm/train/memory.py's estimate, and the CUDA-only tests.
 Without a CUDA device (and without --smoke) it says so and exits 0, measuring nothing.
 
 1. gpt2_small (configs/model/gpt2_small.yaml, GPT-2's 50,257 ids, random tokens) in bf16 autocast with fp32
-   AdamW, batch 16 x 1024 (configs/data/fineweb_edu.yaml), eager and compiled (torch.compile, Inductor):
+   AdamW, batch 16 x 1024 (configs/data/fineweb_edu.yaml), eager and compiled (torch.compile, Inductor, each
+   block as LMModule compiles it):
    tokens/s and MFU = 6 N + 12 L T d FLOPs per token (PaLM App. B, rlm/train/throughput.py: N the matmul
    parameters, attention's T x T credited in full) x tokens/s / the GPU's dense bf16 peak (H100 SXM: 989e12).
    Goal: MFU >= 0.45 compiled (nanoGPT and llm.c reach 0.4-0.6 at this size).
@@ -50,6 +51,7 @@ from rlm.data.segments import SegmentTable  # noqa: E402
 from rlm.data.windows import Windows  # noqa: E402
 from rlm.index.build import IndexConfig  # noqa: E402
 from rlm.index.memory import build_memory, embed_rows, indexed_rows  # noqa: E402
+from rlm.train.compile import CompileConfig, compile_blocks  # noqa: E402
 from rlm.train.memory import estimate  # noqa: E402
 from rlm.train.module import LMModule  # noqa: E402
 from rlm.train.throughput import cpu_matmul_flops, gpu_peak_flops, train_flops_per_token  # noqa: E402
@@ -250,7 +252,8 @@ def measure(a: argparse.Namespace, s: Shape, device: torch.device) -> dict[str, 
         torch._dynamo.reset()
         run = Run(s, {}, device, windows)
         if mode == "compiled":
-            run.module.model.compile(backend=a.compile_backend)  # as LMModule(compile=True), backend chosen
+            # as LMModule(compile=True) sets the model up, backend chosen
+            compile_blocks(run.module.model, CompileConfig(backend=a.compile_backend))
         t0 = time.perf_counter()
         for _ in range(a.warmup):
             run.step()
