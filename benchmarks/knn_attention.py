@@ -2,10 +2,10 @@
 
 Times forward + backward + AdamW of the default model (d=256, 4 layers, batch 8 x 256, vocab 4096) in a plain loop,
 the base model measured in the same run, interleaved round by round, and prints each variant's median step time and
-its ratio to the base. The queue is full (memory_tokens states of other documents) before timing starts. The ratio
+its ratio to the base. Queues (k > 0) are full (memory_tokens states of other documents) before timing starts. The ratio
 is what "equal training time" rests on: N plugin steps cost about ratio * N base steps.
 
-    python benchmarks/knn_attention.py                       # the shipped options and a few cheaper ones
+    python benchmarks/knn_attention.py                       # the shipped options and the queue variants
     python benchmarks/knn_attention.py --steps 2 --rounds 1  # smoke test
 """
 
@@ -27,9 +27,9 @@ from rlm.plugin import Context  # noqa: E402
 
 VARIANTS: dict[str, dict | None] = {
     "base (no plugin)": None,
-    "knn_attention as shipped": {},
-    "memory_tokens 2048": {"memory_tokens": 2048},
-    "own_k 0": {"own_k": 0},
+    "knn_attention as shipped (own past, k 0)": {},
+    "k 16, queue of 4,096": {"k": 16},
+    "k 16, queue of 1,024": {"k": 16, "memory_tokens": 1024},
 }
 
 

@@ -234,7 +234,8 @@ def trained(tmp_path_factory, rlm_cache):
     from rlm.eval.knnlm import build
 
     work = tmp_path_factory.mktemp("knn_attention")
-    run_rlm(["fit", *TINY, "--config", CONFIGS / "plugins" / "knn_attention.yaml", "--trainer.max_steps=6",
+    run_rlm(["fit", *TINY, "--config", CONFIGS / "plugins" / "knn_attention.yaml", "--model.plugins.knn_attention.k=16",
+             "--trainer.max_steps=6",
              "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false",
              f"--trainer.default_root_dir={work / 'run'}"], work, rlm_cache)  # fmt: skip
     ckpt = work / "run" / "version_0" / "checkpoints" / "last.ckpt"
@@ -321,3 +322,70 @@ def test_rlm_eval_with_an_attn_input_datastore_scores_the_model_retrieving(train
     ds.meta["layer"] = "final"
     with pytest.raises(ValueError, match="attn_input"):
         plugin.use_datastore(ds, store, "x")
+
+
+def test_own_past_alone_keeps_no_queue_and_matches_the_equations_by_hand():
+    """k 0 (the window's own past alone, the trained continuous cache): training keeps no queue; the output is the
+    softmax over the own_k nearest j < t of -||y_t - y_j||^2 / tau, the tokens x_{j+1} read from the embedding, by
+    hand; later tokens never move an earlier logit; a window does not depend on the rest of its batch."""
+    m, p = model(k=0)
+    m.train()
+    x = torch.randint(0, V, (2, 8))
+    m(x, Context(tokens=x, doc_ids=torch.tensor([1, 2]), stage="train")).square().mean().backward()
+    assert p.queue() is None
+    m.eval()
+    mod = m.blocks[-1].attn_add[0]
+    torch.manual_seed(7)
+    T = 7
+    y = torch.randn(1, T, D)
+    tokens = torch.randint(0, V, (1, T))
+    with torch.no_grad():
+        out = mod(y, Context(tokens=tokens, doc_ids=torch.tensor([1]), stage="val"))
+        E, tau = m.token_embedding.weight, p.log_tau.exp()
+        for t in range(T):
+            own = sorted((float(((y[0, t] - y[0, j]) ** 2).sum()), int(tokens[0, j + 1])) for j in range(t))[
+                :2
+            ]
+            if not own:
+                assert_close(out[0, t], torch.zeros(D))
+                continue
+            a = torch.softmax(torch.tensor([-d / tau for d, _ in own]), 0)
+            r = sum(w * E[v] for w, (_, v) in zip(a, own))
+            assert_close(out[0, t], torch.sigmoid(mod.gate(y[0, t])) * mod.out(r))
+    a = torch.randint(0, V, (3, 12))
+    b = a.clone()
+    b[0, 7:] = (b[0, 7:] + 5) % V
+    with torch.no_grad():
+        outs = [m(x, Context(tokens=x, doc_ids=torch.tensor([1, 2, 3]), stage="val")) for x in (a, b)]
+        alone = m(a[1:2], Context(tokens=a[1:2], doc_ids=torch.tensor([2]), stage="val"))
+    assert_close(outs[0][0, :7], outs[1][0, :7])
+    assert not torch.allclose(outs[0][0, 7:], outs[1][0, 7:])
+    assert_close(outs[0][1:2], alone)
+
+
+def test_benchmark_script_smoke():
+    """benchmarks/knn_attention.py runs at a tiny size and prints a row per variant, the base's ratio exactly 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        from knn_attention import VARIANTS
+    finally:
+        sys.path.pop(0)
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "knn_attention.py"), "--steps", "1", "--rounds", "1", "--batch",
+         "2", "--seq", "16", "--d-model", "32", "--layers", "2", "--vocab", "50"],
+        capture_output=True, text=True, check=True, cwd=root,
+    ).stdout  # fmt: skip
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in out.splitlines()
+        if line.startswith("| ")
+    }
+    assert set(VARIANTS) <= set(rows), (set(VARIANTS) - set(rows), out)
+    assert float(rows["base (no plugin)"][2]) == 1.0
+    for name in VARIANTS:
+        assert float(rows[name][0]) > 0 and float(rows[name][2]) > 0, (name, rows[name])

@@ -157,14 +157,13 @@ def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, floa
 
 def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore, root: str) -> list[str]:
     """Hand a datastore of ``attn_input`` keys to the model's knn_attention plugins, which search it inside the
-    forward pass (the model's own prediction then retrieves from it); other datastores are only interpolated.
-    The labels of the plugins that took it."""
+    forward pass (the model's own prediction then retrieves from it); other datastores, and plugins that search no
+    memory (k 0), are only interpolated. The labels of the plugins that took it."""
     if datastore is None or datastore.meta.get("layer") != "attn_input":
         return []
     taken = []
     for plugin in getattr(module.model, "plugins", {}).values():
-        if hasattr(plugin, "use_datastore"):
-            plugin.use_datastore(datastore, store, root)
+        if hasattr(plugin, "use_datastore") and plugin.use_datastore(datastore, store, root):
             taken.append(plugin.label)
     return taken
 
