@@ -27,7 +27,7 @@ Where the neighbours come from, the same way at every stage (the training set pl
   searched with the causal exclusion of kNN-LM (never the evaluated document's own entries, nor a copy's).
 What measured best (300 steps, 3 seeds, both corpora; RESULTS.md, "kNN attention"): the own past alone (k 0, the
 default), a trained continuous cache (Grave et al. 2017's cache, here with the LM's states as keys and the weights
-learned): below the base model at equal time on both corpora, at 1.03x a base step. A queue of other documents'
+learned): below the base model at equal time on both corpora, at 1.03-1.09x a base step. A queue of other documents'
 states (k 16 over 4,096 or 1,024) cost a tenth of a step more and lost to the own past alone on both: at this
 scale its neighbours are noise the softmax must learn to ignore. The memory path stays for larger runs and for a
 datastore at evaluation.
@@ -62,7 +62,7 @@ class KnnAttentionConfig:
     """Neighbours from the memory (the training queue, or a datastore at evaluation); 0 (the default): none, the
     window's own past alone. Measured (300 steps, 3 seeds, test loss; RESULTS.md, "kNN attention"): k 16 with a
     queue of 4,096 training states lost to the own past alone on both corpora (default corpus 4.174 against 4.091,
-    prose 4.608 against 4.553) at 1.12-1.19x a base step against 1.03x; a queue of 1,024, 4.627 on prose."""
+    prose 4.608 against 4.553) at 1.13-1.19x a base step against 1.03-1.09x; a queue of 1,024, 4.627 on prose."""
     own_k: int = 8
     """Neighbours from the window's own past (the continuous cache); 0: none."""
     memory_tokens: int = 4096
