@@ -47,8 +47,12 @@ def corpus():
     return segments, rows, vectors
 
 
-def queries(rank: int, segments, rows):
-    """Rank 0: 11 queries mixing indexed segments, not-indexed ones and outside ones (-1); rank 1: none."""
+def queries(rank: int, segments, rows, both: bool = False):
+    """Rank 0: 11 queries mixing indexed segments, not-indexed ones and outside ones (-1); rank 1: none, or with
+    `both` 3 of its own (two indexed segments, one outside)."""
+    if rank == 1 and both:
+        ids = np.array([rows[3], rows[30], -1], dtype=np.int64)
+        return np.random.default_rng(4).standard_normal((3, DIM)).astype(np.float32), ids
     if rank == 1:
         return np.zeros((0, DIM), dtype=np.float32), np.zeros(0, dtype=np.int64)
     rng = np.random.default_rng(3)
@@ -85,6 +89,9 @@ def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
             q, q_ids = queries(rank, segments, rows)
             found = memory.search(q, q_ids, K)
             out[(factory, rank, "excluding")] = memory.search_scored(q, q_ids, K, exclusions(rank, rows)).ids
+            q2, q2_ids = queries(rank, segments, rows, both=True)  # unequal, non-zero counts on both ranks
+            routed = memory.search_scored(q2, q2_ids, K, exclusions(rank, rows))
+            out[(factory, rank, "routed")] = (routed.ids, routed.scores, routed.excluded)
             dist.barrier()
             reloaded = load_sharded_memory(memory.parts, segments, rows, IDENTITY, K)
             again = reloaded.search(q, q_ids, K)
@@ -135,6 +142,16 @@ def test_two_ranks_equal_one_process_for_exact_indices(tmp_path):
                 np.testing.assert_array_equal(got[(factory, 0, "excluding")], excluding)
             else:
                 assert found.shape == again.shape == (0, K)
+            # each rank's own queries, routed back to it alone, equal the 1-process search of them
+            q2, q2_ids = queries(rank, segments, rows, both=True)
+            alone = whole.search_scored(q2, q2_ids, K, exclusions(rank, rows))
+            ids, scores, excluded = got[(factory, rank, "routed")]
+            assert ids.shape == (len(q2), K) and (ids[q2_ids >= 0] >= 0).all()
+            np.testing.assert_array_equal(ids, alone.ids)
+            np.testing.assert_allclose(scores, alone.scores, rtol=1e-5)
+            assert (excluded >= alone.excluded).all()  # summed over parts: an upper bound
+            if rank == 0:
+                assert alone.excluded.sum() > 0
             # each rank wrote only its own part: half of the rows
             part_rows = np.load(f"{parts[rank]}/rows.npy")
             assert abs(len(part_rows) - len(rows) / 2) <= 0.5
