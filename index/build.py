@@ -113,10 +113,38 @@ def gpu_available() -> bool:
     return hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
 
 
+_GPU_RESOURCES: dict[int, Any] = {}
+"""One faiss StandardGpuResources per GPU this process uses (its temporary memory and streams, reused)."""
+
+
+def process_gpu() -> int | None:
+    """The one GPU this process's faiss indices go to: with several processes under torch.distributed, the GPU
+    torch uses (Lightning sets each rank's to its local rank); None for a single process, whose indices are
+    replicated over every visible GPU. Before, every rank of an 8-GPU node copied its index to all 8 GPUs: 8
+    copies of each rank's index on every GPU (rlm/train/SCALE.md item 10)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and torch.cuda.is_available():
+        return int(torch.cuda.current_device())
+    return None
+
+
+def cpu_to_gpu(index: Any) -> Any:
+    """A CPU faiss index copied to process_gpu(), or to every visible GPU when that is None."""
+    device = process_gpu()
+    if device is None:
+        return faiss.index_cpu_to_all_gpus(index)
+    if device not in _GPU_RESOURCES:
+        _GPU_RESOURCES[device] = faiss.StandardGpuResources()
+    return faiss.index_cpu_to_gpu(_GPU_RESOURCES[device], device, index)
+
+
 def to_gpu(index: Any) -> tuple[Any, bool]:
-    """(index moved to all visible GPUs, True), or (index, False) for types faiss cannot move (e.g. HNSW)."""
+    """(index moved to this process's GPU(s), see cpu_to_gpu, True), or (index, False) for types faiss cannot
+    move (e.g. HNSW)."""
     try:
-        return faiss.index_cpu_to_all_gpus(index), True
+        return cpu_to_gpu(index), True
     except (RuntimeError, AttributeError) as err:
         warnings.warn(
             f"keeping {type(index).__name__} on the CPU: faiss cannot move it to a GPU ({err})", stacklevel=2
@@ -208,7 +236,7 @@ def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool |
     ivf = _ivf_or_none(index)
     if ivf is not None and (gpu if gpu is not None else gpu_available()):
         # k-means on GPU is the expensive part of training (faiss's documented recipe).
-        ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatIP(ivf.d))
+        ivf.clustering_index = cpu_to_gpu(faiss.IndexFlatIP(ivf.d))
     index.train(train)
     if ivf is not None:
         ivf.clustering_index = None

@@ -197,3 +197,36 @@ def test_gpu_build_matches_cpu(data, factory):
     _, cpu_ids = cpu.search(queries, K)
     assert recall_at_k(gpu_ids, cpu_ids, K) >= 0.97  # k-means on GPU differs slightly from the CPU one
     assert gpu.cpu_index().ntotal == N  # moved back to the CPU to be written
+
+
+def test_each_rank_puts_its_index_on_its_own_gpu_and_one_process_on_every_gpu(monkeypatch):
+    """Under torch.distributed with several processes, an index goes to the GPU torch uses in this process (one
+    copy per rank, with one StandardGpuResources per GPU, reused), never to every GPU of the node; one process
+    replicates it over every visible GPU, as before. faiss's GPU calls are recorded by stand-ins, so this runs
+    without a GPU (the real moves: test_gpu_build_matches_cpu, skipped without one)."""
+    import types
+
+    import rlm.index.build as build
+
+    calls = []
+    fake = types.SimpleNamespace(
+        StandardGpuResources=lambda: object(),
+        index_cpu_to_gpu=lambda res, device, index: calls.append(("one", res, device, index)) or "on-gpu",
+        index_cpu_to_all_gpus=lambda index: calls.append(("all", index)) or "on-all",
+    )
+    monkeypatch.setattr(build, "faiss", fake)
+    monkeypatch.setattr(build, "_GPU_RESOURCES", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    assert build.to_gpu("index-a") == ("on-all", True)  # one process: every GPU
+    assert calls == [("all", "index-a")]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 8)
+    assert build.to_gpu("index-b") == ("on-gpu", True)
+    assert build.cpu_to_gpu("index-c") == "on-gpu"
+    (_, res_b, dev_b, idx_b), (_, res_c, dev_c, idx_c) = calls[1:]
+    assert (dev_b, idx_b, dev_c, idx_c) == (3, "index-b", 3, "index-c")
+    assert res_b is res_c  # the GPU's resources are made once
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert build.cpu_to_gpu("index-d") == "on-all"  # a 1-process group: as one process
