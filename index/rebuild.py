@@ -10,8 +10,9 @@ the first steps train without retrieval until it lands. With ``defer_first`` no 
 the shares are all-gathered, rank 0 builds and writes the index directory and every rank loads that
 same directory, so all ranks train on the same table. The state (last rebuild step, embedder identity,
 index path) is checkpointed; on resume the index is reused only if it is the one the checkpoint names.
-With sharded=True (and more than one rank) no rank gathers the vectors: each keeps and writes its own part of
-the index, searches are collectives and the parts' top-k merge on every rank (index/sharded.py).
+With sharded=True (and more than one rank; 'auto': from shard_above indexed segments) no rank gathers the
+vectors: each keeps and writes its own part of the index, searches are collectives and the parts' top-k merge
+(index/sharded.py); in the background mode without a table each rank's whole build runs in its thread.
 
 This module knows no plugin: it talks to a ``MemoryOwner`` (snapshot an embedder, take a new memory).
 """
@@ -49,6 +50,14 @@ from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names w
 )
 from rlm.index.sharded import check_same_table, gather_shards, load_parts_for_search
 from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir
+
+def shards(sharded: bool | str, world: int, rows: int, shard_above: int) -> bool:
+    """Whether a rebuild over `rows` indexed segments on `world` processes keeps one part per rank (index/sharded.py):
+    never with one process; sharded True or False decides; 'auto' from shard_above rows."""
+    if world <= 1:
+        return False
+    return rows >= shard_above if sharded == "auto" else bool(sharded)
+
 
 # ----- the schedule -----
 
@@ -132,8 +141,9 @@ class RebuildCallback(pl.Callback):
         label: str = "retrieval",
         keep: int = 2,
         defer_first: bool = False,
-        sharded: bool = False,
+        sharded: bool | str = False,
         table: bool = True,
+        shard_above: int = 1_048_576,
     ) -> None:
         if mode not in ("blocking", "background"):
             raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
@@ -144,8 +154,11 @@ class RebuildCallback(pl.Callback):
         self.defer_first = defer_first
         """No table at fit start (unless a checkpoint's is reused): the first comes when the schedule is due; the
         owner retrieves otherwise meanwhile (the retriever's warm start from the document's own past)."""
-        self.sharded = sharded
-        """Under DDP, each rank keeps its own part of the index (index/sharded.py) instead of the whole."""
+        if sharded not in (True, False, "auto"):
+            raise ValueError(f"rebuild sharded={sharded!r}; accepted: True, False, 'auto'")
+        self.sharded, self.shard_above = sharded, shard_above
+        """Under DDP, each rank keeps its own part of the index (index/sharded.py) instead of the whole; 'auto':
+        from shard_above indexed segments."""
         self.table = table
         """Each rebuild also finds every indexed segment's k neighbours (the table a training step reads); False:
         index only, and the owner searches each step's queries online."""
@@ -163,6 +176,10 @@ class RebuildCallback(pl.Callback):
         """Recall against exact search of the index in use (logged as train/<label>/index_recall)."""
         self.last_seconds = 0.0
         """Duration of the last rebuild (in the background: the thread's time)."""
+        self.blocked_seconds = 0.0
+        """Seconds the last rebuild held up training: the whole of a blocking one; in the background, the part
+        that ran on the training thread (under DDP unsharded, the gather and rank 0's build; sharded without a
+        table, or one process: none)."""
         self._job: threading.Thread | None = None
         self._job_result: dict[str, Any] = {}
         self._step_start: float | None = None
@@ -235,7 +252,7 @@ class RebuildCallback(pl.Callback):
         return True
 
     def _sharded(self, trainer: pl.Trainer) -> bool:
-        return self.sharded and trainer.world_size > 1
+        return shards(self.sharded, trainer.world_size, len(self.rows), self.shard_above)
 
     def _reuse_parts(self, trainer: pl.Trainer) -> bool:
         """Each rank reloads its own part of the checkpoint's sharded index; all ranks reuse, or all rebuild."""
@@ -279,6 +296,7 @@ class RebuildCallback(pl.Callback):
         pl_module.log(f"train/{p}/retrieval_fraction", float(self.owner.prepare_seconds) / max(step_s, 1e-9))
         pl_module.log(f"train/{p}/steps_since_rebuild", float(trainer.global_step - self.last_step))
         pl_module.log(f"train/{p}/rebuild_s", float(self.last_seconds))
+        pl_module.log(f"train/{p}/rebuild_blocked_s", float(self.blocked_seconds))
         if self.recall is not None:  # recall@k of the table in use against exact search
             pl_module.log(f"train/{p}/index_recall", float(self.recall))
 
@@ -304,7 +322,7 @@ class RebuildCallback(pl.Callback):
         rank, world = trainer.global_rank, trainer.world_size
         shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, self.progress)
         memory = self._finish(trainer, shard, embedder.embedder_identity(), step)
-        self.last_seconds = time.perf_counter() - start
+        self.last_seconds = self.blocked_seconds = time.perf_counter() - start
         self._take(memory, "built")
 
     def _finish(
@@ -337,12 +355,28 @@ class RebuildCallback(pl.Callback):
         embedder = self.owner.snapshot(step)  # copied now, on the main thread, at a step boundary
         rank, world = trainer.global_rank, trainer.world_size
         result: dict[str, Any] = {"step": step, "start": time.perf_counter()}
+        # a sharded build without a table needs no collective: each rank indexes and writes its own part here
+        alone = self._sharded(trainer) and not self.table
 
         def work() -> None:
             try:
                 shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, False)
                 result["identity"] = embedder.embedder_identity()
-                if world == 1:  # no collective is needed: the whole rebuild runs here
+                if alone:
+                    from rlm.index.sharded import build_sharded_memory
+
+                    result["memory"] = build_sharded_memory(
+                        shard,
+                        self.segments,
+                        self.rows,
+                        self.k,
+                        result["identity"],
+                        step,
+                        self.index_config,
+                        self._path_for(step),
+                        table=False,
+                    )
+                elif world == 1:  # no collective is needed: the whole rebuild runs here
                     result["memory"] = build_memory(
                         shard,
                         self.segments,
@@ -381,9 +415,12 @@ class RebuildCallback(pl.Callback):
             raise RuntimeError(f"background index rebuild of step {result['step']} failed") from result[
                 "error"
             ]
-        memory = result.get("memory")
-        if memory is None:
+        memory, start = result.get("memory"), time.perf_counter()
+        if memory is None:  # the collective part, on the training thread
             memory = self._finish(trainer, result["shard"], result["identity"], result["step"])
+        elif memory.collective:
+            check_same_table(trainer, memory.neighbours)  # the ranks agree: no table on any
+        self.blocked_seconds = time.perf_counter() - start if "shard" in result else 0.0
         self.last_seconds = result["end"] - result["start"]
         self._take(memory, "built")
 

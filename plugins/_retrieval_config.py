@@ -101,10 +101,18 @@ class RetrievalConfig:
     train/<label>/index_recall. None: faiss defaults."""
     index_dir: str | None = None
     """Where rebuilt indices are written; None: <trainer.default_root_dir>/retrieval_index."""
-    sharded: bool = False
-    """Under DDP, each rank embeds, indexes and writes only its share of the segments (its own directory: no shared
-    filesystem), and searches merge every rank's top-k (rlm.index.sharded); false: every rank loads the whole index
-    rank 0 wrote. Exact indices give the same table either way (equal scores aside)."""
+    sharded: bool | str = "auto"
+    """With more than one process: true, each rank embeds, indexes and writes only its share of the segments (its
+    own directory: no shared filesystem), searches send every rank's queries to every part and each rank gets
+    back its own queries' top-k (rlm.index.sharded), and in mode 'background' with lookup 'search' the whole
+    build runs off the training thread; false: the ranks' vectors are all-gathered to every rank, rank 0 builds
+    and writes the whole index alone (in any mode on the training thread) and every rank loads it (a shared
+    filesystem); 'auto': true from shard_above indexed segments. Exact indices give the same table either way
+    (equal scores aside). One process: no effect."""
+    shard_above: int = 1_048_576
+    """sharded 'auto' shards from this many indexed segments: 2^20 segments gathered whole are 3 GiB of fp32
+    vectors received and held by every rank at d 768 (8 GiB at d 2048), and rank 0's build grows past what the
+    other ranks can wait for in a collective (rlm/train/SCALE.md item 10); below it one index costs little."""
     embed_batch_size: int = 256
     """Segments per embedder call during a rebuild."""
     rebuild_dtype: str = "float32"
@@ -142,6 +150,10 @@ class RetrievalConfig:
             raise ValueError(
                 f"retrieval.warm_candidates must be an integer >= k={self.k}, got {self.warm_candidates!r}"
             )
+        if self.sharded not in (True, False, "auto"):
+            raise ValueError(f"retrieval.sharded={self.sharded!r}; accepted: true, false, 'auto'")
+        if not isinstance(self.shard_above, int) or self.shard_above < 1:
+            raise ValueError(f"retrieval.shard_above must be a positive integer, got {self.shard_above!r}")
         if self.lookup not in LOOKUPS:
             raise ValueError(f"retrieval.lookup={self.lookup!r}; accepted: {list(LOOKUPS)}")
         if self.embed_batch_size < 1:

@@ -154,6 +154,7 @@ class RetrievalPlugin(Plugin):
                 progress=c.progress,
                 label=self.label,
                 sharded=c.sharded,
+                shard_above=c.shard_above,
                 table=c.lookup == "table",
             )
         ]

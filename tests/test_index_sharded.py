@@ -233,3 +233,61 @@ def test_ddp_fit_with_a_sharded_index_and_resume(tmp_path, rlm_cache, lookup):
     assert [(p / "meta.json").stat().st_ino for p in parts] == written  # reloaded, not rewritten
     if lookup == "table":
         np.testing.assert_array_equal(np.load(parts[1] / "neighbours.npy"), tables[1])
+
+
+def test_sharded_auto_shards_from_shard_above_with_more_than_one_process():
+    """'auto' shards from shard_above indexed segments, and only with more than one process; true and false decide
+    alone; anything else is refused by name."""
+    from rlm.index.rebuild import RebuildCallback, shards
+    from rlm.plugins._retrieval_config import RetrievalConfig
+
+    assert not shards("auto", 1, 10**9, 2**20) and not shards(True, 1, 10**9, 2**20)  # one process: never
+    assert shards("auto", 2, 2**20, 2**20) and not shards("auto", 2, 2**20 - 1, 2**20)
+    assert shards(True, 2, 5, 2**20) and not shards(False, 64, 10**9, 2**20)
+    assert RetrievalConfig().sharded == "auto" and RetrievalConfig().shard_above == 2**20
+    with pytest.raises(ValueError, match=r"retrieval.sharded='yes'; accepted: true, false, 'auto'"):
+        RetrievalConfig(sharded="yes")
+    with pytest.raises(ValueError, match="retrieval.shard_above must be a positive integer, got 0"):
+        RetrievalConfig(shard_above=0)
+    with pytest.raises(ValueError, match="rebuild sharded='on'"):
+        RebuildCallback(owner=None, k=2, sharded="on")
+
+
+BACKGROUND = """
+model:
+  plugins:
+    retrieval:
+      schedule: every 4
+      index_factory: Flat
+      mode: background
+      lookup: search
+      progress: false
+      sharded: auto
+      shard_above: 2  # the tiny corpus's segments are past it: sharded
+      warm_start: none
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_background_sharded_build_runs_off_the_training_thread(tmp_path, rlm_cache):
+    """`rlm fit` on 2 gloo processes, mode background, lookup search, sharded 'auto' past shard_above: each rank
+    builds and writes its own part in its thread (no neighbour table), the rebuilds that land during training
+    held the training thread up for 0 s (train/retrieval/rebuild_blocked_s; the unsharded path gathers and builds
+    there), and the steps after them search the parts."""
+    from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
+
+    fragment = tmp_path / "background.yaml"
+    fragment.write_text(BACKGROUND)
+    args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", fragment) + DDP_2CPU + ["--trainer.max_steps=12"]
+    run_rlm(args, tmp_path, rlm_cache)
+    newest = sorted((tmp_path / "runs/test/retrieval_index").glob("step-*"))[-1]  # older ones are pruned
+    parts = [newest / f"rank-0000{r}-of-00002" for r in (0, 1)]
+    rows = [np.load(p / "rows.npy") for p in parts]
+    assert len(np.intersect1d(*rows)) == 0 and abs(len(rows[0]) - len(rows[1])) <= 1
+    assert not any((p / "neighbours.npy").exists() for p in parts)
+    metrics = read_metrics(tmp_path / "runs/test/version_0")
+    landed = [r for r in metrics if r.get("train/retrieval/rebuild_s") not in (None, "", "0.0")]
+    assert landed, "no background rebuild landed during the 12 steps"
+    assert all(float(r["train/retrieval/rebuild_blocked_s"]) == 0.0 for r in landed)
+    assert max(column(metrics, "train/retrieval/coverage")) > 0
