@@ -362,32 +362,12 @@ class RebuildCallback(pl.Callback):
             try:
                 shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, False)
                 result["identity"] = embedder.embedder_identity()
-                if alone:
+                if alone or world == 1:  # no collective is needed: the whole rebuild (or part) runs here
                     from rlm.index.sharded import build_sharded_memory
 
-                    result["memory"] = build_sharded_memory(
-                        shard,
-                        self.segments,
-                        self.rows,
-                        self.k,
-                        result["identity"],
-                        step,
-                        self.index_config,
-                        self._path_for(step),
-                        table=False,
-                    )
-                elif world == 1:  # no collective is needed: the whole rebuild runs here
-                    result["memory"] = build_memory(
-                        shard,
-                        self.segments,
-                        self.rows,
-                        self.k,
-                        result["identity"],
-                        step,
-                        self.index_config,
-                        self._path_for(step),
-                        self.table,
-                    )
+                    build = build_sharded_memory if alone else build_memory
+                    args = (self.segments, self.rows, self.k, result["identity"], step, self.index_config)
+                    result["memory"] = build(shard, *args, self._path_for(step), self.table)
                 else:
                     result["shard"] = shard
             except BaseException as err:  # reported on the main thread
