@@ -55,7 +55,9 @@ def top10(vectors: torch.Tensor, queries: torch.Tensor, k: int = 10) -> torch.Te
 
 def recall(found: torch.Tensor, truth: torch.Tensor) -> float:
     """Mean share of each row of truth found in the same row of found."""
-    return float(np.mean([len(set(a.tolist()) & set(b.tolist())) / truth.shape[1] for a, b in zip(found, truth)]))
+    return float(
+        np.mean([len(set(a.tolist()) & set(b.tolist())) / truth.shape[1] for a, b in zip(found, truth)])
+    )
 
 
 def measure(embeddings: torch.Tensor, widths: list[int], queries: int, seed: int = 0) -> list[list[object]]:
@@ -78,16 +80,24 @@ def measure(embeddings: torch.Tensor, widths: list[int], queries: int, seed: int
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="a trained rlm checkpoint (its own training split is embedded)")
-    p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128], help="narrow widths m (d added)")
+    p.add_argument(
+        "--ckpt", required=True, help="a trained rlm checkpoint (its own training split is embedded)"
+    )
+    p.add_argument(
+        "--widths", type=int, nargs="+", default=[16, 32, 64, 128], help="narrow widths m (d added)"
+    )
     p.add_argument("--queries", type=int, default=2000, help="sample query segments")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     embeddings = segment_embeddings(args.ckpt)
     n, d = embeddings.shape
-    print(f"{n} training segments, e(.) {d} wide, {min(args.queries, n)} queries; recall@10 against full width")
+    print(
+        f"{n} training segments, e(.) {d} wide, {min(args.queries, n)} queries; recall@10 against full width"
+    )
     widths = sorted({*args.widths, d})
-    print(table(["width m", "random orthonormal projection", "PCA"], measure(embeddings, widths, args.queries)))
+    print(
+        table(["width m", "random orthonormal projection", "PCA"], measure(embeddings, widths, args.queries))
+    )
 
 
 if __name__ == "__main__":

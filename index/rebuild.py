@@ -51,6 +51,7 @@ from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names w
 from rlm.index.sharded import check_same_table, gather_shards, load_parts_for_search
 from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir
 
+
 def shards(sharded: bool | str, world: int, rows: int, shard_above: int) -> bool:
     """Whether a rebuild over `rows` indexed segments on `world` processes keeps one part per rank (index/sharded.py):
     never with one process; sharded True or False decides; 'auto' from shard_above rows."""

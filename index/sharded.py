@@ -159,6 +159,22 @@ class ShardedMemory(RetrievalMemory):
         found.ids = np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
         return found
 
+    def _gather_queries(
+        self, queries: np.ndarray, query_ids: np.ndarray, exclusions: Exclusions | None
+    ) -> tuple[np.ndarray, list[np.ndarray], Exclusions | None]:
+        """Collective: every rank's queries (sum Q_r, d), their ids by rank, and every rank's exclusions with their
+        query positions shifted to the gathered queries' (None when no rank passes any)."""
+        queries = np.asarray(queries, dtype=np.float32).reshape(len(queries), self.dim)
+        all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
+        ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
+        if exclusions is not None:
+            ex = np.stack([exclusions.query, exclusions.lo, exclusions.hi, exclusions.counted], 1)
+            parts = all_gather_rows(ex.astype(np.int64))
+            starts = np.cumsum([0] + [len(x) for x in ids_by_rank])
+            ex = np.concatenate([p + [start, 0, 0, 0] for p, start in zip(parts, starts)])
+            exclusions = Exclusions(ex[:, 0], ex[:, 1], ex[:, 2], ex[:, 3].astype(bool))
+        return all_q, ids_by_rank, exclusions
+
     def search_all(
         self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
     ) -> tuple[list[np.ndarray], Neighbours]:
@@ -166,15 +182,7 @@ class ShardedMemory(RetrievalMemory):
 
         With exclusions (every rank must pass some, or none), Neighbours.excluded sums the parts' counts: with
         several parts, an upper bound of what the exclusions took from the merged top k."""
-        queries = np.asarray(queries, dtype=np.float32).reshape(len(queries), self.dim)
-        all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
-        ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
-        if exclusions is not None:  # every rank's, their query positions shifted to the gathered queries'
-            ex = np.stack([exclusions.query, exclusions.lo, exclusions.hi, exclusions.counted], 1)
-            parts = all_gather_rows(ex.astype(np.int64))
-            starts = np.cumsum([0] + [len(x) for x in ids_by_rank])
-            ex = np.concatenate([p + [start, 0, 0, 0] for p, start in zip(parts, starts)])
-            exclusions = Exclusions(ex[:, 0], ex[:, 1], ex[:, 2], ex[:, 3].astype(bool))
+        all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions)
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k) each
         if len(all_q) == 0:
             return ids_by_rank, part
@@ -194,20 +202,11 @@ class ShardedMemory(RetrievalMemory):
         (one all_to_all), and each rank merges its own. A rank receives W x Q_r x k results instead of every
         rank's W x (sum Q) x k: 1/W of search_all's traffic (at 64 ranks x 256 queries x k 2: 0.4 MB against
         25 MB per step and rank), and merges 1/W of the queries."""
-        queries = np.asarray(queries, dtype=np.float32).reshape(len(queries), self.dim)
-        all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
-        ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
-        counts = [len(x) for x in ids_by_rank]
-        if exclusions is not None:  # as in search_all
-            ex = np.stack([exclusions.query, exclusions.lo, exclusions.hi, exclusions.counted], 1)
-            parts = all_gather_rows(ex.astype(np.int64))
-            starts = np.cumsum([0] + counts)
-            ex = np.concatenate([p + [start, 0, 0, 0] for p, start in zip(parts, starts)])
-            exclusions = Exclusions(ex[:, 0], ex[:, 1], ex[:, 2], ex[:, 3].astype(bool))
+        all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions)
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k)
         if len(all_q) == 0:
             return part
-        mine = route_to_askers(part, counts, k)  # (world, Q_me, k): every part's results for this rank's queries
+        mine = route_to_askers(part, [len(x) for x in ids_by_rank], k)  # (world, Q_me, k): every part's results for this rank's queries
         scores, found = merge_topk(mine.scores, mine.ids, k)
         excluded = None if mine.excluded is None else mine.excluded.sum(0)
         return Neighbours(found, scores, excluded)
