@@ -200,7 +200,7 @@ class ShardedMemory(RetrievalMemory):
         Routed per rank, as Atlas routes its distributed index's results: the queries are all-gathered (every
         part must score every query), but each part sends each rank only the top-k of that rank's own queries
         (one all_to_all), and each rank merges its own. A rank receives W x Q_r x k results instead of every
-        rank's W x (sum Q) x k: 1/W of search_all's traffic (at 64 ranks x 256 queries x k 2: 0.4 MB against
+        rank's W x (sum Q) x k: 1/W of search_all's traffic (at 64 ranks x 256 queries x k 2: 0.66 MB against
         25 MB per step and rank), and merges 1/W of the queries."""
         all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions)
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k)
