@@ -117,18 +117,16 @@ class RowAdam:
         for key, table in self.tables.items():
             got = self._lookups(key)
             if self.group is not None:
-                # Every rank takes part (a rank without reads sends no rows) and gets the same global rows.
+                # Every rank takes part (a rank without reads sends no rows) and gets the same global lookups.
                 if got is not None:
                     rows, offsets, tok, w, grad = got
                     g = row_gradients(offsets, tok, w, grad)  # (U_r, d) for the rows (U_r,)
                 else:
                     rows, g = table.new_empty(0, dtype=torch.int64), table.new_empty(0, table.shape[1])
-                rows, g, sent = exchange_rows(
+                *got, sent = exchange_lookups(
                     rows, g.to(table.dtype), table.shape[1], self.group, slots=table.shape[0]
                 )
                 self.sent_bytes += sent
-                ids = torch.arange(rows.numel() + 1, device=rows.device)  # one lookup of weight 1 per row
-                got = (rows, ids, ids[:-1], g.new_ones(rows.numel()), g)
             if got is None or got[0].numel() == 0:
                 continue
             rows, offsets, tok, w, grad = got
@@ -194,7 +192,24 @@ def exchange_rows(
     rows (ascending), each row's gradient summed over ranks and divided by the world size W. That is what
     DDP's mean all-reduce of the dense (slots, d) gradient gives, and the gradient of the mean loss over the
     global batch. Every rank gets the same tensors in the same order, so the same row-wise Adam keeps the
-    replicas equal.
+    replicas equal. RowAdam takes the same exchange as lookups (exchange_lookups), which skips building the
+    (U, d) sums: its update reduces each row's lookups itself.
+    """
+    rows, offsets, tok, w, grad, sent = exchange_lookups(rows, grads, d, group, slots)
+    return rows, row_gradients(offsets, tok, w, grad), sent
+
+
+def exchange_lookups(
+    rows: Tensor, grads: Tensor, d: int, group: Any, slots: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """exchange_rows's result as lookups (see sort_lookups) into the received gradients, and the bytes sent.
+
+    Returns (rows (U,), offsets (U+1,), tok (E,), w (E,), grad (R, d), bytes): the gradient of rows[u] is
+    sum over e in offsets[u]:offsets[u+1] of w[e] * grad[tok[e]], with w = 1/W (the mean over ranks). The row
+    update (RowAdam: the fused kernel, or an EmbeddingBag) does that sum while it reads each row, so the
+    received (sum U_r, d) gradients are not copied, summed into a (U, d) tensor and divided again: at 1M slots
+    those three passes over ~32k rows of the union were a share of the step that grows with the rows touched.
+    For W a power of two the sums are bitwise those of summing first and dividing after (x / 2^j is exact).
 
     Two ways, chosen by the bytes each moves (both need the W row counts first, one small all-gather):
     - rows: an all-gather of max_r U_r row ids (int64) and gradients from every rank, W * max_r U_r * (8 + 4d)
@@ -218,19 +233,28 @@ def exchange_rows(
         dense[rows, d] = 1.0  # touched here: a row touched by any rank is in the union, even at zero gradient
         dist.all_reduce(dense, group=group)
         union = (dense[:, d] > 0).nonzero().squeeze(1)  # (U,) ascending, as torch.unique gives
-        return union, dense[union, :d] / world, count.element_size() + dense.numel() * size
-    # Padded to the largest count (all_gather wants equal sizes); pads are cut off below.
-    pad_rows = rows.new_zeros(most)
+        ids = torch.arange(union.numel() + 1, device=union.device)  # one lookup per row
+        w = grads.new_full((union.numel(),), 1.0 / world)
+        return union, ids, ids[:-1], w, dense[union, :d], count.element_size() + dense.numel() * size
+    # Padded to the largest count (all_gather wants equal sizes); the pads are never looked up, so they are
+    # left unwritten. Received into one (W * most) buffer each: rank r's rows at r * most.
+    pad_rows = rows.new_empty(most)
     pad_rows[: rows.numel()] = rows
-    pad_grads = grads.new_zeros(most, d)
+    pad_grads = grads.new_empty(most, d)
     pad_grads[: rows.numel()] = grads
-    all_rows = [torch.empty_like(pad_rows) for _ in range(world)]
-    all_grads = [torch.empty_like(pad_grads) for _ in range(world)]
-    dist.all_gather(all_rows, pad_rows, group=group)
-    dist.all_gather(all_grads, pad_grads, group=group)
-    flat_rows = torch.cat([r[:c] for r, c in zip(all_rows, counts)])  # (sum U_r,)
-    flat_grads = torch.cat([g[:c] for g, c in zip(all_grads, counts)])  # (sum U_r, d)
-    union, inverse = torch.unique(flat_rows, sorted=True, return_inverse=True)  # (U,)
-    summed = flat_grads.new_zeros(union.numel(), d).index_add_(0, inverse, flat_grads)  # duplicates summed
+    all_rows = pad_rows.new_empty(world * most)
+    all_grads = pad_grads.new_empty(world * most, d)
+    dist.all_gather_into_tensor(all_rows, pad_rows, group=group)
+    dist.all_gather_into_tensor(all_grads, pad_grads, group=group)
+    valid = torch.cat(
+        [torch.arange(c, device=rows.device) + r * most for r, c in enumerate(counts)]
+    )  # (sum U_r,) positions that hold a row, in rank order
+    flat = all_rows[valid]
+    order = torch.argsort(
+        flat, stable=True
+    )  # stable: each row's ranks in rank order, a fixed summation order
+    union, per_row = torch.unique_consecutive(flat[order], return_counts=True)  # (U,) ascending
+    offsets = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
+    w = grads.new_full((valid.numel(),), 1.0 / world)
     sent = count.element_size() + most * (pad_rows.element_size() + d * pad_grads.element_size())
-    return union, summed / world, sent
+    return union, offsets, valid[order], w, all_grads, sent
