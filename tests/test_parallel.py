@@ -16,10 +16,10 @@ from rlm.plugins._retrieval_encoder import weights_hash
 VOCAB = 64
 
 
-def _model() -> Transformer:
+def _model(embedder: str = "tokens") -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
-    return Transformer(cfg, {"retrieval": {"layers": [1], "k": 2, "progress": False}})
+    return Transformer(cfg, {"retrieval": {"layers": [1], "k": 2, "embedder": embedder, "progress": False}})
 
 
 def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -> None:
@@ -154,3 +154,70 @@ def test_bf16_mixed_gathers_bf16_and_keeps_fp32_master_weights_and_gradients(two
         assert got[rank][3] == {torch.float32}, "sharded weights and their gradients are fp32"
         for name, p in model.named_parameters():
             assert_close(got[rank][1][name], p.grad, msg=name, **tol)
+
+
+# ----- one in-process rank: FSDP2's units and DTensors without spawning (parallelize leaves a 1-rank mesh alone)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo group of this process alone and its 1-D mesh, torn down after the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(mesh) -> Transformer:
+    """_model with retrieval's shared encoder (the LM's embedding and block 0), sharded as parallelize does."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("shared")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _encode_then_forward(model: Transformer) -> torch.Tensor:
+    """What a training step does under retrieval: the encoder runs block 0 before the model's forward."""
+    tokens = TOKENS[:2]
+    model.plugins["retrieval"].encoder(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    logits = model(tokens, Context(tokens=tokens, stage="train"))
+    logits.sum().backward()
+    return logits.detach()
+
+
+def test_unshard_root_makes_the_model_the_root_before_a_plugin_runs_a_block(one_rank):
+    from rlm.train.parallel import unshard_root
+
+    model = _sharded(one_rank)
+    unshard_root(model)
+    _encode_then_forward(model)
+    # FSDP's public unshard alone leaves the root undecided, and block 0's forward claims it. The day this
+    # passes, torch's unshard fixes the root itself and unshard_root can drop its private call.
+    model = _sharded(one_rank)
+    model.unshard()
+    with pytest.raises(RuntimeError, match="requires running forward through the root module first"):
+        _encode_then_forward(model)
+
+
+@pytest.mark.parametrize("gone", ["_lazy_init", "_get_fsdp_state"])
+def test_unshard_root_names_the_torch_version_when_fsdps_private_call_is_gone(gone, one_rank, monkeypatch):
+    import re
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from rlm.train.parallel import unshard_root
+
+    model = _sharded(one_rank)
+    owner = type(model._get_fsdp_state()) if gone == "_lazy_init" else FSDPModule
+    monkeypatch.delattr(owner, gone)
+    with pytest.raises(
+        RuntimeError, match=rf"torch {re.escape(torch.__version__)}: .*_lazy_init\(\) is gone"
+    ):
+        unshard_root(model)

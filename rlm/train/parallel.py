@@ -132,10 +132,28 @@ def unshard_root(module: nn.Module) -> None:
     all-gather a moment later, and finds it done, so it costs nothing extra; FSDP frees them after the backward.
     FSDP2 marks as root the first unit whose forward runs: its lazy init is done here, so that a block run by a
     plugin before the model's forward (the shared encoder's) does not claim to be a root (FSDP then refuses the
-    real root's forward). There is no public call for it; the private one is idempotent."""
+    real root's forward). The public ``unshard`` does not do it (it lazy-inits the parameter groups only), so
+    :func:`_lazy_init_root` makes the private call, which is idempotent."""
     if isinstance(module, FSDPModule):
-        module._get_fsdp_state()._lazy_init()
+        _lazy_init_root(module)
         module.unshard()
+
+
+def _lazy_init_root(module: FSDPModule) -> None:
+    """FSDP2's lazy init with ``module`` as the root: ``module._get_fsdp_state()._lazy_init()``, private in torch
+    2.6 to 2.13 (read in their sources; the one public way to it is ``module``'s own forward). A torch without
+    it is named in a RuntimeError here rather than failing later as FSDP's 'requires running forward through the
+    root module first' from inside a plugin."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    lazy_init = getattr(get_state(), "_lazy_init", None) if callable(get_state) else None
+    if not callable(lazy_init):
+        raise RuntimeError(
+            f"torch {torch.__version__}: FSDPModule._get_fsdp_state()._lazy_init() is gone. rlm calls this private "
+            "method (present in torch 2.6 to 2.13) so that the model, not a block a plugin runs before the "
+            "model's forward (retrieval's shared encoder), becomes FSDP2's root unit. Use a torch from 2.6 to "
+            "2.13, or port rlm.train.parallel.unshard_root to this torch's way of fixing the root"
+        )
+    lazy_init()
 
 
 def full_tensor(t: Tensor) -> Tensor:
