@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -
             e = copy.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
         out[rank] = (logits.detach(), grads, plain and full, e, weights_hash(encoder.weights()))
         _mp_part(rank, tokens, out)
+        _shared_part(rank, tokens, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -113,6 +114,29 @@ def test_mixed_precision_policy_follows_the_trainer_precision():
     assert not policy.cast_forward_inputs  # the residual stream stays fp32, as under autocast alone
     for precision in ("32-true", "32", "16-mixed", "bf16-true", "64-true"):
         assert mixed_precision_policy(precision) is None, precision
+
+
+def _shared_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
+    """plain_copy of retrieval's shared encoder (the root's embedding and block 0, a unit of its own), sharded over
+    both ranks (in _worker's process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlm.train.parallel import parallelize, plain_copy
+
+    model = _model("shared")
+    parallelize(model, init_device_mesh("cpu", (2,)))
+    copy = plain_copy(model.plugins["retrieval"].encoder)
+    with torch.no_grad():
+        out[rank, "shared"] = copy.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
+
+
+@pytest.mark.ddp
+def test_plain_copy_of_the_shared_encoder_sharded_over_two_ranks_embeds_as_one_process(two_ranks):
+    encoder = _model("shared").plugins["retrieval"].encoder.eval()
+    with torch.no_grad():
+        e = encoder(TOKENS, torch.ones_like(TOKENS, dtype=torch.bool))[1]
+    for rank in (0, 1):
+        assert_close(two_ranks[rank, "shared"], e)
 
 
 def _mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
@@ -221,3 +245,42 @@ def test_unshard_root_names_the_torch_version_when_fsdps_private_call_is_gone(go
         RuntimeError, match=rf"torch {re.escape(torch.__version__)}: .*_lazy_init\(\) is gone"
     ):
         unshard_root(model)
+
+
+class _ClassSpy:
+    """Deep-copied inside plain_copy's copy: records the ``__deepcopy__`` that FSDP's classes and DTensor have then."""
+
+    def __init__(self, classes: list[type]) -> None:
+        self.classes, self.seen = classes, []
+
+    def __deepcopy__(self, memo: dict) -> _ClassSpy:
+        self.seen.append({c: c.__dict__.get("__deepcopy__") for c in self.classes})
+        return self
+
+
+def test_plain_copy_patches_no_class_and_copies_units_and_dtensors(one_rank):
+    """A background rebuild may deep-copy while plain_copy runs: FSDP's classes and DTensor must keep their own
+    ``__deepcopy__`` throughout (the old class-wide patch swapped them for the duration of the copy)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from rlm.train.parallel import plain_copy
+
+    model = _sharded(one_rank)
+    encoder = model.plugins["retrieval"].encoder
+    classes = [type(model), type(model.blocks[0]), DTensor]
+    before = {c: c.__dict__.get("__deepcopy__") for c in classes}
+    spy = _ClassSpy(classes)
+    object.__setattr__(encoder, "spy", spy)  # in the copied graph, as the encoder's own attributes are
+    copy = plain_copy(encoder)
+    assert spy.seen == [before], "plain_copy changed a class's __deepcopy__ while copying"
+    embed, blocks = copy._parts
+    assert blocks and type(blocks[0]) is type(_model("shared").blocks[0])  # the unit's own class, not FSDP's
+    modules = [m for part in (embed, *blocks) for m in part.modules()]
+    assert not any(isinstance(m, FSDPModule) for m in modules)
+    assert not any(isinstance(t, DTensor) for m in modules for t in m.state_dict().values())
+    assert not any(getattr(m, h) for m in modules for h in ("_forward_pre_hooks", "_forward_hooks"))
+    tokens, mask = TOKENS, torch.ones_like(TOKENS, dtype=torch.bool)
+    ref = _model("shared").plugins["retrieval"].encoder.eval()
+    with torch.no_grad():
+        assert_close(copy.eval()(tokens, mask)[1], ref(tokens, mask)[1])
