@@ -267,6 +267,7 @@ def test_plain_copy_patches_no_class_and_copies_units_and_dtensors(one_rank):
     from rlm.train.parallel import plain_copy
 
     model = _sharded(one_rank)
+    model.blocks[0].compile(backend="eager")  # as rlm.train.compile does after sharding
     encoder = model.plugins["retrieval"].encoder
     classes = [type(model), type(model.blocks[0]), DTensor]
     before = {c: c.__dict__.get("__deepcopy__") for c in classes}
@@ -276,6 +277,7 @@ def test_plain_copy_patches_no_class_and_copies_units_and_dtensors(one_rank):
     assert spy.seen == [before], "plain_copy changed a class's __deepcopy__ while copying"
     embed, blocks = copy._parts
     assert blocks and type(blocks[0]) is type(_model("shared").blocks[0])  # the unit's own class, not FSDP's
+    assert blocks[0]._compiled_call_impl is None  # the compiled call would run the sharded original
     modules = [m for part in (embed, *blocks) for m in part.modules()]
     assert not any(isinstance(m, FSDPModule) for m in modules)
     assert not any(isinstance(t, DTensor) for m in modules for t in m.state_dict().values())

@@ -186,6 +186,12 @@ def _plain_module(module: nn.Module) -> nn.Module:
     return cls.__new__(cls)
 
 
+def _unit_state(unit: nn.Module) -> dict[str, Any]:
+    """What deepcopy would copy of a unit (``Module.__getstate__``: its ``__dict__`` less a ``compile()``-d call,
+    which runs the original module) less FSDP's state."""
+    return {k: v for k, v in unit.__getstate__().items() if not k.startswith(_FSDP_STATE)}
+
+
 def _full_copy(t: DTensor) -> Tensor:
     """A DTensor's plain full tensor, detached (an all-gather; a Parameter stays a Parameter)."""
     full = t.full_tensor().detach().clone()
@@ -224,7 +230,7 @@ def _sharded_parts(obj: Any) -> tuple[list[nn.Module], list[DTensor]]:
             continue
         if isinstance(x, FSDPModule):
             units.append(x)
-            items = [v for k, v in vars(x).items() if k not in _HOOKS and not k.startswith(_FSDP_STATE)]
+            items = [v for k, v in _unit_state(x).items() if k not in _HOOKS]
         elif isinstance(x, dict):
             items = [*x.keys(), *x.values()]
         elif isinstance(x, (list, tuple, set, frozenset)):
@@ -256,9 +262,7 @@ def plain_copy(obj: Any) -> Any:
         # module tree holds the blocks); their hook tables start empty, FSDP's state is left out
         for unit in units:
             new = plain[id(unit)]
-            for key, value in vars(unit).items():
-                if key.startswith(_FSDP_STATE):
-                    continue
+            for key, value in _unit_state(unit).items():
                 new.__dict__[key] = type(value)() if key in _HOOKS else copy.deepcopy(value, memo)
         out = copy.deepcopy(obj, memo)
     if any(
