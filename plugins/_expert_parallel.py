@@ -18,18 +18,19 @@ rlm/train/SCALE.md has the costs at cluster scale.
 
 Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over the P ranks, so
 each rank's local expert gradient, a sum over its group's losses, is scaled by 1/P by a hook and summed over
-the groups; the expert parameters are registered for DDP to ignore (no all-reduce, no broadcast from rank 0);
-gradient-norm clipping uses the global norm (the local norms differ between ranks, and different clip factors
-would split the replicas). Checkpoints hold the full (N, ...) expert tensors and their optimizer moments,
-gathered from rank 0's group to rank 0's host memory on save (one tensor at a time); loading slices this
-rank's experts, so a checkpoint resumes under any W that divides N, or on one process.
+the groups; the expert parameters are registered for DDP to ignore (no all-reduce, no broadcast from rank 0;
+checked once DDP has wrapped the module, :func:`check_ddp_ignores`); gradient-norm clipping uses the global
+norm (the local norms differ between ranks, and different clip factors would split the replicas).
+Checkpoints hold the full (N, ...) expert tensors and their optimizer moments, gathered from rank 0's group
+to rank 0's host memory on save (one tensor at a time); loading slices this rank's experts, so a checkpoint
+resumes under any W that divides N, or on one process.
 
 On one process (torch.distributed not initialised or world 1) nothing here runs: the layer is unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,6 +293,41 @@ def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
     return made[rank // size], copies[rank % size]
 
 
+def ignore_in_ddp(module: nn.Module, names: Iterable[str]) -> None:
+    """Have DDP wrapping ``module`` (and Lightning's state sync outside fit) leave these parameters alone: no
+    gradient all-reduce, no broadcast from rank 0.
+
+    torch has no public API for it (pytorch/pytorch#43690). ``DistributedDataParallel``'s static
+    ``_set_params_and_buffers_to_ignore_for_model`` is the one its own docstring prescribes: it sets the module
+    attribute DDP's constructor and Lightning's ``_sync_module_states`` read, and marks the parameters
+    ``_ddp_ignored`` for DDP's other readers (torch.compile's DDP bucketing among them). Names already listed
+    there are kept. :func:`check_ddp_ignores` verifies the outcome once DDP has wrapped the module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    listed = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(listed | set(names)))
+
+
+def check_ddp_ignores(wrapped: nn.Module, names: Iterable[str]) -> None:
+    """Raise a RuntimeError unless ``wrapped`` (the strategy's model once fit has set it up), if a DDP wrapper,
+    leaves out every one of ``names``: its ``parameters_to_ignore``, which torch 2.6 to 2.13 skip in both the
+    reducer's parameters and the broadcast from rank 0."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(wrapped, DistributedDataParallel):
+        return
+    missing = sorted(set(names) - set(getattr(wrapped, "parameters_to_ignore", ())))
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__}: DistributedDataParallel did not leave out {len(missing)} expert "
+            f"shard(s) ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it would all-reduce them "
+            "(and has broadcast rank 0's), as if every rank held the same experts. moe.expert_parallel asks DDP "
+            "to ignore them with DistributedDataParallel._set_params_and_buffers_to_ignore_for_model, which "
+            "torch 2.6 to 2.13 honour (the wrapper's parameters_to_ignore). Accepted: such a torch, or "
+            "moe.expert_parallel: false (every rank holds every expert)"
+        )
+
+
 def _node_size(trainer: pl.Trainer, world: int) -> int:
     """The default expert group: the processes of one node (Lightning's devices per node), else all."""
     per_node = int(getattr(trainer, "num_devices", world) or world)
@@ -342,12 +378,15 @@ class ExpertParallelCallback(pl.Callback):
         self.params = {name: p for name, p in pl_module.named_parameters() if id(p) in ids}
         if self.world == 1:
             return
-        # DDP neither all-reduces nor broadcasts these (torch reads this attribute when wrapping the module).
-        ignore = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", []))
-        pl_module._ddp_params_and_buffers_to_ignore = sorted(ignore | set(self.params))
+        ignore_in_ddp(pl_module, self.params)  # before the strategy wraps the module (after setup hooks)
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
             # Clipped here with the global norm instead of by Lightning with each rank's own.
             self.clip, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the first hook after DDPStrategy.setup has wrapped the module; before any step
+        if self.world > 1:
+            check_ddp_ignores(trainer.strategy.model, self.params)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any

@@ -14,7 +14,9 @@ from rlm.plugin import Context
 from rlm.plugins._expert_parallel import (
     ExpertParallelCallback,
     _node_size,
+    check_ddp_ignores,
     expert_groups,
+    ignore_in_ddp,
     parallel_dispatch,
     route_group,
     shard_experts,
@@ -457,6 +459,62 @@ def test_expert_group_size_is_checked_and_defaults_to_a_node():
     assert _node_size(SimpleNamespace(num_devices=8), 64) == 8  # 8 nodes of 8: a node's 8 processes
     assert _node_size(SimpleNamespace(num_devices=2), 2) == 2  # one machine: all of them
     assert _node_size(SimpleNamespace(num_devices=3), 4) == 4  # not a divisor: all
+
+
+@pytest.fixture
+def ddp_one_rank(tmp_path):
+    """Wraps a module in torch's DistributedDataParallel over a gloo group of this process alone (no spawn)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield DistributedDataParallel
+    finally:
+        dist.destroy_process_group()
+
+
+def _experts_module() -> torch.nn.Module:
+    """A shared weight beside a layer's expert tensors (named as in a LightningModule: 'experts.up', ...)."""
+    module = torch.nn.Module()
+    module.shared = torch.nn.Linear(D, D)
+    module.experts = _layer(0.0, "grouped").experts
+    return module
+
+
+def test_ddp_leaves_the_expert_shards_out_and_the_fit_start_check_sees_it(ddp_one_rank):
+    module = _experts_module()
+    module._ddp_params_and_buffers_to_ignore = ["shared.bias"]  # someone else's entry is kept
+    names = ["experts.down", "experts.up"]
+    ignore_in_ddp(module, names)
+    ddp = ddp_one_rank(module)
+    assert ddp.parameters_to_ignore == {"shared.bias", *names}
+    experts = {id(module.experts.up), id(module.experts.down)}
+    assert not experts & {id(p) for p in ddp._module_parameters}  # not in the reducer's parameters
+    cb = ExpertParallelCallback(lambda: [])
+    cb.world, cb.params = 2, {n: p for n, p in module.named_parameters() if n in names}
+    cb.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=ddp)), module)  # no error
+
+
+def test_fit_start_names_the_torch_version_when_ddp_syncs_the_expert_shards(ddp_one_rank, monkeypatch):
+    """A torch whose DDP no longer reads what ignore_in_ddp sets: the run stops at fit start, before a step."""
+    import re
+
+    monkeypatch.setattr(
+        ddp_one_rank, "_set_params_and_buffers_to_ignore_for_model", staticmethod(lambda module, names: None)
+    )
+    module = _experts_module()
+    ignore_in_ddp(module, ["experts.up", "experts.down"])
+    ddp = ddp_one_rank(module)
+    cb = ExpertParallelCallback(lambda: [])
+    cb.world = 2
+    cb.params = {"experts.up": module.experts.up, "experts.down": module.experts.down}
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp))
+    with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)}: .* 2 expert shard\(s\)"):
+        cb.on_fit_start(trainer, module)
+    cb.world = 1  # experts not sharded: nothing to check
+    cb.on_fit_start(trainer, module)
+    check_ddp_ignores(module, cb.params)  # not a DDP wrapper: nothing to check
 
 
 MOE_DROPLESS = {"layers": [1], "num_experts": 4, "top_k": 2, "capacity_factor": 0.0}

@@ -16,10 +16,10 @@ from rlm.plugins._retrieval_encoder import weights_hash
 VOCAB = 64
 
 
-def _model() -> Transformer:
+def _model(embedder: str = "tokens") -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
-    return Transformer(cfg, {"retrieval": {"layers": [1], "k": 2, "progress": False}})
+    return Transformer(cfg, {"retrieval": {"layers": [1], "k": 2, "embedder": embedder, "progress": False}})
 
 
 def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -> None:
@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -
             e = copy.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
         out[rank] = (logits.detach(), grads, plain and full, e, weights_hash(encoder.weights()))
         _mp_part(rank, tokens, out)
+        _shared_part(rank, tokens, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -115,6 +116,29 @@ def test_mixed_precision_policy_follows_the_trainer_precision():
         assert mixed_precision_policy(precision) is None, precision
 
 
+def _shared_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
+    """plain_copy of retrieval's shared encoder (the root's embedding and block 0, a unit of its own), sharded over
+    both ranks (in _worker's process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlm.train.parallel import parallelize, plain_copy
+
+    model = _model("shared")
+    parallelize(model, init_device_mesh("cpu", (2,)))
+    copy = plain_copy(model.plugins["retrieval"].encoder)
+    with torch.no_grad():
+        out[rank, "shared"] = copy.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
+
+
+@pytest.mark.ddp
+def test_plain_copy_of_the_shared_encoder_sharded_over_two_ranks_embeds_as_one_process(two_ranks):
+    encoder = _model("shared").plugins["retrieval"].encoder.eval()
+    with torch.no_grad():
+        e = encoder(TOKENS, torch.ones_like(TOKENS, dtype=torch.bool))[1]
+    for rank in (0, 1):
+        assert_close(two_ranks[rank, "shared"], e)
+
+
 def _mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
     """FSDP2 with bf16-mixed's policy under CPU autocast (in _worker's process group)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -154,3 +178,111 @@ def test_bf16_mixed_gathers_bf16_and_keeps_fp32_master_weights_and_gradients(two
         assert got[rank][3] == {torch.float32}, "sharded weights and their gradients are fp32"
         for name, p in model.named_parameters():
             assert_close(got[rank][1][name], p.grad, msg=name, **tol)
+
+
+# ----- one in-process rank: FSDP2's units and DTensors without spawning (parallelize leaves a 1-rank mesh alone)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo group of this process alone and its 1-D mesh, torn down after the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(mesh) -> Transformer:
+    """_model with retrieval's shared encoder (the LM's embedding and block 0), sharded as parallelize does."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("shared")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _encode_then_forward(model: Transformer) -> torch.Tensor:
+    """What a training step does under retrieval: the encoder runs block 0 before the model's forward."""
+    tokens = TOKENS[:2]
+    model.plugins["retrieval"].encoder(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    logits = model(tokens, Context(tokens=tokens, stage="train"))
+    logits.sum().backward()
+    return logits.detach()
+
+
+def test_unshard_root_makes_the_model_the_root_before_a_plugin_runs_a_block(one_rank):
+    from rlm.train.parallel import unshard_root
+
+    model = _sharded(one_rank)
+    unshard_root(model)
+    _encode_then_forward(model)
+    # FSDP's public unshard alone leaves the root undecided, and block 0's forward claims it. The day this
+    # passes, torch's unshard fixes the root itself and unshard_root can drop its private call.
+    model = _sharded(one_rank)
+    model.unshard()
+    with pytest.raises(RuntimeError, match="requires running forward through the root module first"):
+        _encode_then_forward(model)
+
+
+@pytest.mark.parametrize("gone", ["_lazy_init", "_get_fsdp_state"])
+def test_unshard_root_names_the_torch_version_when_fsdps_private_call_is_gone(gone, one_rank, monkeypatch):
+    import re
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from rlm.train.parallel import unshard_root
+
+    model = _sharded(one_rank)
+    owner = type(model._get_fsdp_state()) if gone == "_lazy_init" else FSDPModule
+    monkeypatch.delattr(owner, gone)
+    with pytest.raises(
+        RuntimeError, match=rf"torch {re.escape(torch.__version__)}: .*_lazy_init\(\) is gone"
+    ):
+        unshard_root(model)
+
+
+class _ClassSpy:
+    """Deep-copied inside plain_copy's copy: records the ``__deepcopy__`` that FSDP's classes and DTensor have then."""
+
+    def __init__(self, classes: list[type]) -> None:
+        self.classes, self.seen = classes, []
+
+    def __deepcopy__(self, memo: dict) -> _ClassSpy:
+        self.seen.append({c: c.__dict__.get("__deepcopy__") for c in self.classes})
+        return self
+
+
+def test_plain_copy_patches_no_class_and_copies_units_and_dtensors(one_rank):
+    """A background rebuild may deep-copy while plain_copy runs: FSDP's classes and DTensor must keep their own
+    ``__deepcopy__`` throughout (the old class-wide patch swapped them for the duration of the copy)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from rlm.train.parallel import plain_copy
+
+    model = _sharded(one_rank)
+    model.blocks[0].compile(backend="eager")  # as rlm.train.compile does after sharding
+    encoder = model.plugins["retrieval"].encoder
+    classes = [type(model), type(model.blocks[0]), DTensor]
+    before = {c: c.__dict__.get("__deepcopy__") for c in classes}
+    spy = _ClassSpy(classes)
+    object.__setattr__(encoder, "spy", spy)  # in the copied graph, as the encoder's own attributes are
+    copy = plain_copy(encoder)
+    assert spy.seen == [before], "plain_copy changed a class's __deepcopy__ while copying"
+    embed, blocks = copy._parts
+    assert blocks and type(blocks[0]) is type(_model("shared").blocks[0])  # the unit's own class, not FSDP's
+    assert blocks[0]._compiled_call_impl is None  # the compiled call would run the sharded original
+    modules = [m for part in (embed, *blocks) for m in part.modules()]
+    assert not any(isinstance(m, FSDPModule) for m in modules)
+    assert not any(isinstance(t, DTensor) for m in modules for t in m.state_dict().values())
+    assert not any(getattr(m, h) for m in modules for h in ("_forward_pre_hooks", "_forward_hooks"))
+    tokens, mask = TOKENS, torch.ones_like(TOKENS, dtype=torch.bool)
+    ref = _model("shared").plugins["retrieval"].encoder.eval()
+    with torch.no_grad():
+        assert_close(copy.eval()(tokens, mask)[1], ref(tokens, mask)[1])

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
+import types
 from typing import Any
 
 import torch
@@ -132,10 +131,28 @@ def unshard_root(module: nn.Module) -> None:
     all-gather a moment later, and finds it done, so it costs nothing extra; FSDP frees them after the backward.
     FSDP2 marks as root the first unit whose forward runs: its lazy init is done here, so that a block run by a
     plugin before the model's forward (the shared encoder's) does not claim to be a root (FSDP then refuses the
-    real root's forward). There is no public call for it; the private one is idempotent."""
+    real root's forward). The public ``unshard`` does not do it (it lazy-inits the parameter groups only), so
+    :func:`_lazy_init_root` makes the private call, which is idempotent."""
     if isinstance(module, FSDPModule):
-        module._get_fsdp_state()._lazy_init()
+        _lazy_init_root(module)
         module.unshard()
+
+
+def _lazy_init_root(module: FSDPModule) -> None:
+    """FSDP2's lazy init with ``module`` as the root: ``module._get_fsdp_state()._lazy_init()``, private in torch
+    2.6 to 2.13 (read in their sources; the one public way to it is ``module``'s own forward). A torch without
+    it is named in a RuntimeError here rather than failing later as FSDP's 'requires running forward through the
+    root module first' from inside a plugin."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    lazy_init = getattr(get_state(), "_lazy_init", None) if callable(get_state) else None
+    if not callable(lazy_init):
+        raise RuntimeError(
+            f"torch {torch.__version__}: FSDPModule._get_fsdp_state()._lazy_init() is gone. rlm calls this private "
+            "method (present in torch 2.6 to 2.13) so that the model, not a block a plugin runs before the "
+            "model's forward (retrieval's shared encoder), becomes FSDP2's root unit. Use a torch from 2.6 to "
+            "2.13, or port rlm.train.parallel.unshard_root to this torch's way of fixing the root"
+        )
+    lazy_init()
 
 
 def full_tensor(t: Tensor) -> Tensor:
@@ -163,61 +180,96 @@ _HOOKS = (
 _FSDP_STATE = ("__composable_api_state_key", "_fsdp", "_is_fsdp_managed_module")
 
 
-def _copy_unsharded_module(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """deepcopy of one FSDP unit as an instance of its own class, without FSDP's hooks and state."""
+def _plain_module(module: nn.Module) -> nn.Module:
+    """An empty instance of an FSDP unit's own class (its ``__dict__`` is filled by :func:`plain_copy`)."""
     cls = next(c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
-    new = cls.__new__(cls)
-    memo[id(module)] = new
-    for key, value in module.__dict__.items():
-        if key.startswith(_FSDP_STATE):
-            continue
-        new.__dict__[key] = type(value)() if key in _HOOKS else copy.deepcopy(value, memo)
-    return new
+    return cls.__new__(cls)
 
 
-def _copy_full(t: DTensor, memo: dict[int, Any]) -> Tensor:
-    """deepcopy of a DTensor as the plain full tensor (a Parameter stays a Parameter)."""
+def _unit_state(unit: nn.Module) -> dict[str, Any]:
+    """What deepcopy would copy of a unit (``Module.__getstate__``: its ``__dict__`` less a ``compile()``-d call,
+    which runs the original module) less FSDP's state."""
+    return {k: v for k, v in unit.__getstate__().items() if not k.startswith(_FSDP_STATE)}
+
+
+def _full_copy(t: DTensor) -> Tensor:
+    """A DTensor's plain full tensor, detached (an all-gather; a Parameter stays a Parameter)."""
     full = t.full_tensor().detach().clone()
-    out = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
-    memo[id(t)] = out
-    return out
+    return nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
 
 
-@contextmanager
-def _plain_deepcopy() -> Iterator[None]:
-    """While open, deepcopy turns FSDP units into plain modules and DTensors into full tensors."""
-    classes = [c for c in _subclasses(FSDPModule) if "__deepcopy__" in c.__dict__]
-    saved = {c: c.__dict__["__deepcopy__"] for c in classes}
-    saved_dtensor = DTensor.__dict__.get("__deepcopy__")
-    try:
-        for c in classes:
-            c.__deepcopy__ = _copy_unsharded_module
-        DTensor.__deepcopy__ = _copy_full
-        yield
-    finally:
-        for c, fn in saved.items():
-            c.__deepcopy__ = fn
-        if saved_dtensor is None:
-            del DTensor.__deepcopy__
+# What deepcopy copies as is (and a walk must not enter: a class's or a Python module's __dict__).
+_ATOMIC = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+)
+
+
+def _sharded_parts(obj: Any) -> tuple[list[nn.Module], list[DTensor]]:
+    """The FSDP units and DTensors that ``copy.deepcopy(obj)`` would meet, in a fixed order (the same on every
+    rank): a walk through containers, bound methods and instances' ``__dict__`` as deepcopy goes, which does
+    not enter a unit's FSDP hooks and state (a plain copy leaves them out) nor a DTensor."""
+    units: list[nn.Module] = []
+    dtensors: list[DTensor] = []
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if x is None or isinstance(x, _ATOMIC) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, DTensor):
+            dtensors.append(x)
+            continue
+        if isinstance(x, FSDPModule):
+            units.append(x)
+            items = [v for k, v in _unit_state(x).items() if k not in _HOOKS]
+        elif isinstance(x, dict):
+            items = [*x.keys(), *x.values()]
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            items = list(x)
+        elif isinstance(x, types.MethodType):
+            items = [x.__self__]
         else:
-            DTensor.__deepcopy__ = saved_dtensor
-
-
-def _subclasses(cls: type) -> list[type]:
-    out = []
-    for sub in cls.__subclasses__():
-        out += [sub, *_subclasses(sub)]
-    return out
+            items = list(getattr(x, "__dict__", {}).values())
+        todo += reversed(items)
+    return units, dtensors
 
 
 def plain_copy(obj: Any) -> Any:
     """``copy.deepcopy`` that a single process can run alone: FSDP units come back as their own classes without
     FSDP, and sharded parameters as full plain tensors. Under FSDP this all-gathers, so every rank calls it at the
-    same point (retrieval's rebuild snapshot does, at a step boundary); without FSDP it is ``copy.deepcopy``."""
-    if not _subclasses(FSDPModule):
+    same point (retrieval's rebuild snapshot does, at a step boundary); without FSDP it is ``copy.deepcopy``.
+
+    No class is patched (a background rebuild may deep-copy at the same time): deepcopy's ``memo`` is filled
+    beforehand with each DTensor's full tensor and each unit's plain instance, so deepcopy takes those instead
+    of reaching FSDP's own ``__deepcopy__`` (which raises) or DTensor's (which copies the local shard)."""
+    units, dtensors = _sharded_parts(obj)
+    if not units and not dtensors:
         return copy.deepcopy(obj)
-    with torch.no_grad(), _plain_deepcopy():
-        return copy.deepcopy(obj)
+    with torch.no_grad():
+        memo: dict[int, Any] = {id(t): _full_copy(t) for t in dtensors}
+        plain = {id(u): _plain_module(u) for u in units}
+        memo.update(plain)
+        # the units' attributes copied after every unit has its entry (units reference each other: the root's
+        # module tree holds the blocks); their hook tables start empty, FSDP's state is left out
+        for unit in units:
+            new = plain[id(unit)]
+            for key, value in _unit_state(unit).items():
+                new.__dict__[key] = type(value)() if key in _HOOKS else copy.deepcopy(value, memo)
+        out = copy.deepcopy(obj, memo)
+    if any(
+        _sharded_parts(out)
+    ):  # reached by a path the walk does not follow (__slots__, a custom __reduce__)
+        raise RuntimeError(f"plain_copy left FSDP units or DTensors in its copy of a {type(obj).__name__}")
+    return out
 
 
 def spawn_local(worker: Any, *args: Any, nprocs: int = 2) -> dict:
