@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlm.data.windows import host_array
 from rlm.index.rebuild import RetrievalMemory
 from rlm.plugins._retrieval_filter import (
     as_exclusions,
@@ -80,13 +81,16 @@ def gather_inputs(
     filter does not know. evaluation (validation, test, rlm eval, generation): the filters and own-past candidates
     of _retrieval_filter (its copy filters only with exclude_copies); a batch without a table (generation) is its
     own document there."""
-    seg_ids = batch.get("segment_ids")
-    if seg_ids is not None and segments is None:
+    if batch.get("segment_ids") is not None and segments is None:
         raise ValueError(
             "the batch has segment_ids but names no segment table (Context.segments): they cannot be read as ids "
             "of the retrieval memory's table; pass the table the ids index (LMModule.make_context(segments=...))"
         )
-    own, docs, starts = segments, batch.get("doc_ids"), batch.get("starts")
+    own = segments
+    # the loader's host copies (host_array): the lookup runs in numpy, and copying the device's back would be a sync
+    # every step on a GPU (SCALE.md, item 11)
+    seg_np, docs, starts = (host_array(batch, name) for name in ("segment_ids", "doc_ids", "starts"))
+    real = host_array(batch, "mask")  # (B, T) or None
     ref = memory.segments if memory is not None else own
     L = ref.segment_len
     if own is not None and own.segment_len != L:
@@ -100,8 +104,7 @@ def gather_inputs(
     known_future = own is not None  # generation's text has no future to read
     if own is None and evaluation and memory is not None:  # generation: the window is the document
         own, window = window_table(tokens, mask, L, ref.pad_id)
-        seg_ids, docs, starts = torch.from_numpy(window), np.arange(B), np.zeros(B, dtype=np.int64)
-    seg_np = seg_ids.cpu().numpy() if seg_ids is not None else None
+        seg_np, docs, starts = window, np.arange(B), np.zeros(B, dtype=np.int64)
     if seg_np is None or own is None:
         warm_k = 0  # no document to take a past from
     inside = memory is None or (own is not None and same_table(own, memory.segments))
@@ -112,19 +115,24 @@ def gather_inputs(
     # chunk j's query is segment j-1 of the window; chunk 0's is the document's previous segment, if any
     prev = np.full(B, -1, dtype=np.int64)
     if seg_np is not None and starts is not None:
-        prev = np.where((_numpy(starts) > 0) & (seg_np[:, 0] > 0), seg_np[:, 0] - 1, -1)
+        prev = np.where((starts > 0) & (seg_np[:, 0] > 0), seg_np[:, 0] - 1, -1)
     prev_tokens = torch.from_numpy(src.tokens(np.maximum(prev, 0))).to(device)  # (B, L)
     prev_mask = torch.from_numpy(np.arange(L) < src.length[np.maximum(prev, 0)][:, None]).to(device)
     prev_mask &= torch.from_numpy(prev >= 0).to(device)[:, None]
     q_tokens = torch.cat([prev_tokens[:, None], chunks[:, :-1]], 1)  # (B, n, L)
     q_mask = torch.cat([prev_mask[:, None], chunk_mask[:, :-1]], 1)
-    q_valid = q_mask.any(-1).cpu().numpy()  # (B, n)
+    # q_mask.any(-1), from the host's mask: whether chunk j's query has a real token
+    real = np.ones((B, T), dtype=bool) if real is None else real.astype(bool)
+    chunk_real = np.pad(real, ((0, 0), (0, n * L - T))).reshape(B, n, L).any(-1)  # (B, n)
+    prev_real = (prev >= 0) & (src.length[np.maximum(prev, 0)] > 0)  # (B,)
+    q_valid = np.concatenate([prev_real[:, None], chunk_real[:, :-1]], 1)  # (B, n)
     own_q = np.full((B, n), -1, dtype=np.int64)  # query ids in the batch's own table
     if seg_np is not None:
         own_q = np.where(q_valid, np.concatenate([prev[:, None], seg_np[:, : n - 1]], 1), -1)
     q_ids = own_q if inside else np.full_like(own_q, -1)  # in the memory's table: outside queries are -1
     if seg_np is not None and own is not None:
-        docs = _numpy(docs) if docs is not None else own.doc[np.maximum(seg_np[:, 0], 0)]
+        if docs is None:
+            docs = own.doc[np.maximum(seg_np[:, 0], 0)]
         doc_first = own.first[docs]  # (B,)
     warm_part = None
     if warm_k:
@@ -194,10 +202,6 @@ def gather_inputs(
         ids=torch.from_numpy(nb).to(device),
         excluded=excluded,
     )
-
-
-def _numpy(x: Any) -> np.ndarray:
-    return x.cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
 def two_table_tokens(ref, own, off: int, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -139,10 +139,11 @@ def test_a_fit_prints_no_litlogger_tip_and_no_pytree_deprecation(tiny_fit):
     out = proc.stdout + proc.stderr
     assert "Epoch 0" in out  # the progress bar ran, where the warning used to appear
     assert "litlogger" not in out.lower() and "LeafSpec" not in out
+    assert "transfer_batch_to_device" not in out  # LMModule's hook (SCALE.md item 11), overridden on purpose
 
 
 def test_the_noise_filters_are_precise():
-    """Only those two messages go: the same logger's other lines and other FutureWarnings still show."""
+    """Only those three messages go: the same logger's other lines and other warnings still show."""
     import logging
     import warnings
 
@@ -163,7 +164,14 @@ def test_the_noise_filters_are_precise():
                                "mine.py", 1, module="mypackage.mine")  # fmt: skip
         warnings.warn_explicit("something else is deprecated", FutureWarning, "_pytree.py", 22,
                                module="pytorch_lightning.utilities._pytree")  # fmt: skip
-    assert [str(w.message)[:20] for w in seen] == ["`isinstance(treespec", "something else is de"]
+        hook = "You have overridden `{}` in `LightningModule` but have passed in a `LightningDataModule`. It will ..."
+        warnings.warn(hook.format("transfer_batch_to_device"), UserWarning, stacklevel=1)
+        warnings.warn(hook.format("on_after_batch_transfer"), UserWarning, stacklevel=1)
+    assert [str(w.message)[:20] for w in seen] == [
+        "`isinstance(treespec",
+        "something else is de",
+        "You have overridden ",
+    ]
 
 
 def test_eval_and_experiment_blocks_name_the_checkpoint_and_the_best_run(tmp_path, monkeypatch):

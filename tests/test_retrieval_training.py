@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_retrieval import make_segments
+from test_retrieval import attach_memory, make_segments
 
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule
 from rlm.model import ModelConfig
+from rlm.plugins.retrieval import RetrievalInputs
 from rlm.train.module import LMModule, OptimConfig
 
 SEG, SEQ = 8, 32
@@ -413,3 +414,76 @@ def test_validation_logs_loss_by_neighbour_source_and_the_random_ablation(tmp_pa
     assert {"val/loss", "val/retrieval_random/loss", "val/loss_by/retrieval/own_doc"} <= set(out)
     assert "val/loss_by/retrieval/none" in out and "val/loss_by/retrieval/other_doc" not in out  # no tokens
     assert out["val/retrieval_random/loss"] != out["val/loss"]
+
+
+# ----- no batch field read back from the device (SCALE.md, item 11) -----
+
+HOST_READS = {"cpu", "numpy", "__array__", "tolist", "item", "__int__", "__float__", "__bool__", "__index__"}
+
+
+@pytest.fixture
+def fake_device(monkeypatch) -> list[str]:
+    """Lightning's move to the device replaced by one that turns every batch tensor into an OnDevice tensor (a
+    subclass: what is computed from it is one too); returns the list of reads of such tensors back to the host, each
+    a sync on a GPU. On the CPU .cpu() is a no-op, so only a spy like this sees them."""
+    reads: list[str] = []
+
+    class OnDevice(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", None) in HOST_READS:
+                reads.append(func.__name__)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def move(self, batch, device, dataloader_idx):
+        return {
+            name: x.as_subclass(OnDevice) if isinstance(x, torch.Tensor) else x for name, x in batch.items()
+        }
+
+    monkeypatch.setattr(pl.LightningModule, "transfer_batch_to_device", move)
+    return reads
+
+
+@pytest.mark.parametrize(
+    ("options", "memory", "reads"),
+    [
+        ({"k": 3, "same_doc_k": 1}, True, []),  # the table, and one own-past neighbour
+        ({"k": 2, "warm_start": "recent"}, False, []),  # the warm start, before the first table
+        # online search in training: the query embeddings go to the CPU faiss index, the one read left
+        ({"k": 2, "lookup": "search"}, True, ["cpu", "numpy"]),
+    ],
+    ids=["table", "warm-start", "search"],
+)
+def test_a_training_step_finds_its_neighbours_without_reading_the_batch_back_from_the_device(
+    fake_device, options, memory, reads
+):
+    """The loader made segment_ids, doc_ids, starts and mask on the host: LMModule.transfer_batch_to_device keeps
+    them (batch["host"]), so the neighbour lookup reads none back from the device (before: segment_ids.cpu(),
+    starts, doc_ids and the query mask, 4 syncs a step); the neighbours are those of the batch left on the host."""
+    data = small_data()
+    module = make_module(options)
+    if memory:
+        attach_memory(module.model, data.segments, data.store.train_docs)
+    batch = next(iter(data.train_dataloader()))
+    expected = module.make_context(batch, "train", segments=data.segments).extras["retrieval"]
+    moved = module.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    assert type(moved["segment_ids"]).__name__ == "OnDevice" and not fake_device
+    got: RetrievalInputs = module.make_context(moved, "train", segments=data.segments).extras["retrieval"]
+    assert fake_device == reads
+    for name in ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc", "ids"):
+        assert torch.equal(getattr(got, name).as_subclass(torch.Tensor), getattr(expected, name)), name
+    assert (got.ids >= 0).any()  # neighbours were found
+
+
+def test_fit_moves_each_batch_with_its_host_copy(tmp_path):
+    """Through the Trainer, training_step receives the batch with batch["host"]: the loader's own tensors."""
+    seen: list[dict] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch)
+
+    module = make_module({"k": 2, "warm_start": "recent", "schedule": "every 100"})
+    trainer(tmp_path, 1, callbacks=[Watch()]).fit(module, datamodule=small_data())
+    assert set(seen[0]["host"]) == {"mask", "segment_ids", "doc_ids", "starts"}
+    assert seen[0]["host"]["segment_ids"] is seen[0]["segment_ids"]  # on the CPU the move is the identity

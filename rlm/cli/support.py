@@ -133,6 +133,12 @@ LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
 """The start of the line Lightning 2.6 logs (INFO, rank zero) on every run without its LitLogger."""
 PYTREE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 """torch 2.13's FutureWarning that Lightning 2.6's pytorch_lightning/utilities/_pytree.py triggers."""
+HOOK_NOTE = (
+    r"You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a "
+    r"`LightningDataModule`"
+)
+"""Lightning 2.6's note on every fit with a data module: LMModule overrides the hook on purpose (it keeps the
+batch's host copy, rlm/train/SCALE.md item 11) and Lightning does use it."""
 
 
 class _DropLine(logging.Filter):
@@ -145,13 +151,15 @@ class _DropLine(logging.Filter):
 
 
 def quiet_known_noise() -> None:
-    """Filter the LitLogger tip and the LeafSpec deprecation warning, and nothing else (idempotent)."""
+    """Filter the LitLogger tip, the LeafSpec deprecation warning and the note on LMModule's batch transfer hook, and
+    nothing else (idempotent)."""
     warnings.filterwarnings(
         "ignore",
         message=PYTREE_WARNING,
         category=FutureWarning,
         module=r"pytorch_lightning\.utilities\._pytree",
     )
+    warnings.filterwarnings("ignore", message=HOOK_NOTE, category=UserWarning)
     log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
     if not any(isinstance(f, _DropLine) for f in log.filters):
         log.addFilter(_DropLine(LITLOGGER_TIP))

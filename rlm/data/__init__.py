@@ -12,6 +12,9 @@ of each document -> batches, a dict of tensors:
   doc_ids      (B,) long     document of each row
   starts       (B,) long     offset of the window inside its document (a multiple of seq_len)
 
+and, once LMModule has moved a batch to its device, host: the loader's host tensors of mask, segment_ids, doc_ids
+and starts (rlm.data.windows.host_copy), which plugins read instead of copying the device's back (host_array).
+
 Core layer: imports nothing of rlm but rlm.extras.
 """
 

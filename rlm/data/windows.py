@@ -13,6 +13,11 @@ from torch.utils.data import DataLoader, Dataset
 from rlm.data.segments import SegmentTable
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+HOST = "host"
+"""The batch key of its host copy (host_copy), once the batch is on a device."""
+HOST_FIELDS = ("mask", "segment_ids", "doc_ids", "starts")
+"""Fields collate makes on the host that plugins read on the host (the retriever looks its neighbours up in numpy
+tables with them)."""
 
 
 class Windows:
@@ -62,6 +67,26 @@ class Windows:
             "doc_ids": torch.from_numpy(docs),
             "starts": torch.from_numpy(starts),
         }
+
+
+def host_copy(batch: dict[str, Any]) -> dict[str, Tensor]:
+    """The batch's HOST_FIELDS that are on the host, to keep as batch[HOST] when the batch moves to a device (the
+    batch's own host copy if it has one): reading them there (host_array) copies nothing back from the device, on a
+    GPU a sync that drains the launch queue (rlm/train/SCALE.md, item 11)."""
+    if HOST in batch:
+        return batch[HOST]
+    fields = {name: batch.get(name) for name in HOST_FIELDS}
+    return {name: x for name, x in fields.items() if isinstance(x, Tensor) and x.device.type == "cpu"}
+
+
+def host_array(batch: dict[str, Any], name: str) -> np.ndarray | None:
+    """batch[name] as a numpy array (None if absent): from the host copy batch[HOST] when the batch has one, else
+    read from the tensor (a device-to-host copy when that is on a device). A field replaced after the move must have
+    its host copy replaced or dropped too."""
+    x = batch.get(HOST, {}).get(name, batch.get(name))
+    if x is None:
+        return None
+    return x.cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
 class _Batches(Dataset):

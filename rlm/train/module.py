@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlm.data.segments import SegmentSource
+from rlm.data.windows import HOST, host_copy
 from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup
@@ -110,6 +111,17 @@ class LMModule(pl.LightningModule):
         self._eval_sums: dict[str, Tensor] = {}
 
     # ----- forward -----
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's move to the device, keeping the loader's host tensors of the fields plugins read on the host
+        as batch["host"] (rlm.data.windows.host_copy): the retriever's neighbour lookup then reads nothing back from
+        the device, which on a GPU was a sync every training step (SCALE.md, item 11)."""
+        if not isinstance(batch, dict):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        host = host_copy(batch)
+        rest = {name: x for name, x in batch.items() if name != HOST}
+        moved = super().transfer_batch_to_device(rest, device, dataloader_idx)
+        return {**moved, HOST: host} if host else moved
 
     def make_context(
         self,
