@@ -98,8 +98,10 @@ def test_index_width_and_the_config_field():
     for bad in ("half", 0, -3, 1.5, True):
         with pytest.raises(ValueError, match=rf"retrieval.index_dim={bad!r}; accepted: null"):
             RetrievalConfig(index_dim=bad)
-    with pytest.raises(ValueError, match="index_dim=64 must be below the width of the 'tokens' embedder's"):
-        tiny_model(embedder="tokens", index_dim=64)  # d_model 32: the token embedder's vectors are 64 wide
+    with pytest.raises(
+        ValueError, match="index_dim=32 must be below the width of the 'tokens' embedder's vect"
+    ):
+        tiny_model(embedder="tokens", index_dim=32)  # d_model 32: e(.) is 32 wide (its states 64)
 
 
 def segments_for(n_rows: int, seed: int = 1):
@@ -170,9 +172,13 @@ def test_retriever_search_equals_a_by_hand_projected_exact_search(tmp_path):
     want = np.where(q_ids.reshape(-1, 1) >= 0, np.where(want >= 0, rows[np.maximum(want, 0)], -1), -1)
     assert (got >= 0).sum() > 20  # most chunks found neighbours, so the comparison means something
     np.testing.assert_array_equal(got.reshape(-1, 2), want)
-    # the relevance bias: cos(e(S_t), e(z)) over the full-width vectors of the live encoder
-    encoded = plugin.encoded(ctx)
-    assert encoded is not None and plugin.encoder.dim == 64
+    # the relevance bias: cos(e(S_t), e(z)) of the live encoder's full-width vectors, not of the narrowed ones
+    relevance = plugin.encoded(ctx).relevance.detach().numpy()  # (B*4, 2)
+    nb, ok = got.reshape(-1, 2), got.reshape(-1, 2) >= 0
+    cos = (e[:, None, :] * full[memory.row_of[np.maximum(nb, 0)]]).sum(-1)  # (B*4, 2)
+    narrow = (hand_q[:, None, :] * hand_rows[memory.row_of[np.maximum(nb, 0)]]).sum(-1)
+    np.testing.assert_allclose(relevance[ok], cos[ok], atol=1e-5)
+    assert np.abs(narrow[ok] - cos[ok]).max() > 1e-2
 
 
 # ----- storage and the identity check -----
