@@ -6,6 +6,7 @@ use of index_dim, and with 2 gloo processes the same projection on every rank an
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -292,6 +293,24 @@ def test_rebuild_narrows_as_index_dim_asks_and_resumes_only_on_the_same_width(tm
 # ----- 2 processes -----
 
 
+class GlooStrategy:
+    """The few calls of a Lightning strategy the rebuild callback makes, on the default gloo process group."""
+
+    root_device = torch.device("cpu")
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t.contiguous())
+        return torch.stack(out)
+
+    def barrier(self, name: str | None = None) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
     import torch.distributed as dist
 
@@ -313,6 +332,14 @@ def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
         q = low_rank(40, 32, 8, seed=7)[rank * 20 : (rank + 1) * 20]
         q_ids = rows[np.arange(rank, 40, 2)]
         out[rank] = (p.mean, p.components, memory.neighbours, memory.search(q, q_ids, 3), memory.parts)
+        # the rebuild callback: the vectors narrowed before the gather (unsharded) or the parts' build (sharded)
+        trainer = SimpleNamespace(global_rank=rank, world_size=world, strategy=GlooStrategy())
+        for sharded in (False, True):
+            cb, owner, _ = callback_for(Path(root) / f"callback-{sharded}", 200, index_dim=8, sharded=sharded)
+            cb.table, cb._writer = True, rank == 0
+            cb._rebuild_blocking(trainer, 3)
+            got = owner.memory
+            out[(sharded, rank)] = (got.projection.mean, got.projection.components, got.neighbours, got.parts)
     finally:
         dist.destroy_process_group()
 
@@ -321,7 +348,8 @@ def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
 @pytest.mark.ddp
 def test_two_ranks_fit_one_projection_and_search_as_one_process(tmp_path):
     """2 gloo ranks: both hold the same projection, fitted on the gathered per-rank samples (equal to the 1-process
-    fit on those rows), and the sharded narrowed index gives the 1-process narrowed index's table and search."""
+    fit on those rows), and the sharded narrowed index gives the 1-process narrowed index's table and search; the
+    rebuild callback, unsharded and sharded, narrows alike on both ranks and gives the 1-process table."""
     import torch.multiprocessing as mp
 
     from rlm.index.projection import sample_rows
@@ -352,8 +380,19 @@ def test_two_ranks_fit_one_projection_and_search_as_one_process(tmp_path):
         q = low_rank(40, 32, 8, seed=7)[rank * 20 : (rank + 1) * 20]
         np.testing.assert_array_equal(got[rank][3], whole.search(q, rows[np.arange(rank, 40, 2)], 3))
     assert (whole.neighbours[rows] >= 0).all()
-    one = load_memory_for_search(
-        got[0][4][1]
-    )  # outside training: every part, searched as one, narrowed alike
+    # outside training: every part, searched as one, narrowed alike
+    one = load_memory_for_search(got[0][4][1])
     q = low_rank(40, 32, 8, seed=7)
     np.testing.assert_array_equal(one.search(q, np.full(40, -1), 3), whole.search(q, np.full(40, -1), 3))
+    # the callback on 2 ranks, unsharded (gathered narrowed, rank 0 builds) and sharded: one projection, fitted on
+    # every rank's vectors (as the 1-process fit), and the 1-process table of the vectors narrowed by it
+    cb, _, vectors = callback_for(tmp_path, 200, index_dim=8)
+    for sharded in (False, True):
+        mean, components, table, parts = got[(sharded, 0)]
+        np.testing.assert_array_equal(components, got[(sharded, 1)][1])
+        np.testing.assert_array_equal(table, got[(sharded, 1)][2])
+        np.testing.assert_allclose(components, fit_projection(vectors, 8).components, atol=1e-5)
+        p = Projection(mean, components)
+        whole = build_memory(p.apply(vectors), cb.segments, cb.rows, 2, IDENTITY, 3, FLAT, None, True, p)
+        np.testing.assert_array_equal(table, whole.neighbours)
+        assert (parts is not None) == sharded
