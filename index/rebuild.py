@@ -51,7 +51,7 @@ from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names w
     load_table,
     save_corpus_ref,
 )
-from rlm.index.projection import Projection, fit_projection, index_width, with_projection
+from rlm.index.projection import Projection, check_index_dim, fit_projection, index_width, with_projection
 from rlm.index.sharded import (
     check_same_table,
     fit_projection_across_ranks,
@@ -170,9 +170,7 @@ class RebuildCallback(pl.Callback):
         self.sharded, self.shard_above = sharded, shard_above
         """Under DDP, each rank keeps its own part of the index (index/sharded.py) instead of the whole; 'auto':
         from shard_above indexed segments."""
-        index_width(
-            index_dim, None, 0, shard_above
-        )  # a ValueError names a bad setting now, not at the rebuild
+        check_index_dim(index_dim)  # a bad setting is a ValueError now, not at the first rebuild
         self.index_dim = index_dim
         """Narrow the indexed vectors by a PCA to this width (index/projection.py.index_width: None full width;
         'auto' from shard_above indexed segments)."""
@@ -352,9 +350,8 @@ class RebuildCallback(pl.Callback):
             pl_module.log(f"train/{p}/index_recall", float(self.recall))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        while (
-            self._job is not None
-        ):  # finish (and keep) a rebuild still running (both stages), so nothing dangles
+        # finish (and keep) a rebuild still running, both its stages, so nothing dangles
+        while self._job is not None:
             self._collect(trainer, wait=True)
 
     def on_exception(
@@ -385,28 +382,18 @@ class RebuildCallback(pl.Callback):
         wrote."""
         path = self._path_for(step)
         shard, identity, projection = self._narrow(shard, identity, trainer.world_size > 1)
-        args = (
-            self.segments,
-            self.rows,
-            self.k,
-            identity,
-            step,
-            self.index_config,
-            path,
-            self.table,
-            projection,
-        )
+        args = (self.segments, self.rows, self.k, identity, step, self.index_config, path, self.table)
         if self._sharded(trainer):  # each rank keeps its part; the table is merged from every part
             from rlm.index.sharded import build_sharded_memory
 
-            memory = build_sharded_memory(shard, *args)
+            memory = build_sharded_memory(shard, *args, projection)
             check_same_table(trainer, memory.neighbours)
             return memory
         if trainer.world_size == 1:
-            return build_memory(shard, *args)
+            return build_memory(shard, *args, projection)
         vectors = gather_shards(trainer, shard, len(self.rows))  # narrowed first: m wide, not D
         if trainer.global_rank == 0:
-            build_memory(vectors, *args)
+            build_memory(vectors, *args, projection)
         trainer.strategy.barrier("retrieval-rebuild")
         memory = load_memory(path, self.segments, identity, self.k)
         check_same_table(trainer, memory.neighbours)
@@ -425,9 +412,8 @@ class RebuildCallback(pl.Callback):
         def work() -> None:
             shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, False)
             result["identity"] = embedder.embedder_identity()
-            if (
-                alone or world == 1
-            ) and not fit_first:  # no collective is needed: the whole rebuild (or part)
+            # no collective is needed: the whole rebuild (one process) or this rank's part runs here
+            if (alone or world == 1) and not fit_first:
                 shard, identity, projection = self._narrow(shard, result["identity"], collective=False)
                 self._build_alone(result, shard, identity, projection, alone)
             else:

@@ -118,11 +118,11 @@ class RetrievalConfig:
     """Width of the vectors the index holds: the embedder's e(.) narrowed by a PCA fitted at each rebuild on a
     sample (up to 65,536) of the vectors about to be indexed (rlm.index.projection; under DDP the same projection
     on every rank), applied before they are gathered, indexed or written and to every query; the relevance bias
-    stays on the full-width e(.). null: full width; an integer m (below the width of e(.): d_model, or
-    encoder_dim with embedder 'separate'); 'auto': min(256, half the width) from shard_above (2^20) indexed segments, full width below
-    (so small runs are unchanged). At 1B segments x 2048 dims the full width is 8.2 TB of fp32; at half width PCA
-    keeps recall@10 0.89-0.90 of the full-width search (a random projection 0.62-0.68; rlm/train/SCALE.md item
-    10). The projection is stored with the index and part of its embedder identity."""
+    stays on the full-width e(.). null: full width; an integer m: that width, below e(.)'s (d_model; encoder_dim
+    with embedder 'separate'); 'auto': min(256, half the width) from shard_above (2^20) indexed segments, full width
+    below, so small runs are unchanged. At 1B segments x 2048 dims the full width is 8.2 TB of fp32; at half width
+    PCA keeps recall@10 0.89-0.90 of the full-width search (a random projection 0.62-0.68; rlm/train/SCALE.md item
+    10). The projection is stored with the index and is part of its embedder identity."""
     embed_batch_size: int = 256
     """Segments per embedder call during a rebuild."""
     rebuild_dtype: str = "float32"
