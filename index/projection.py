@@ -26,6 +26,8 @@ PROJECTION = "projection.npz"
 SAMPLE = 65_536
 """Vectors the PCA is fitted on (all of them below this): a D x D covariance from 64k rows is stable for the
 top few hundred directions and costs seconds even at D 2048."""
+APPLY_CHUNK = 65_536
+"""Rows narrowed at a time (bounds the centred full-width copy to 0.5 GB at D 2048)."""
 AUTO_DIM = 256
 """index_dim 'auto' narrows to this width (half the embedding width where that is smaller)."""
 
@@ -59,10 +61,11 @@ class Projection:
                 f"vectors of shape {x.shape} given to an index projection from {self.in_dim} to {self.dim} dims: "
                 "the queries must come from the embedder that built the index (full width, before projection)"
             )
-        y = (x - self.mean) @ self.components.T  # (n, m)
-        return np.ascontiguousarray(
-            y / np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-12), np.float32
-        )
+        y = np.empty((len(x), self.dim), dtype=np.float32)
+        for lo in range(0, len(x), APPLY_CHUNK):  # in chunks: no full-width centred copy of a rank's share
+            part = (x[lo : lo + APPLY_CHUNK] - self.mean) @ self.components.T  # (chunk, m)
+            y[lo : lo + APPLY_CHUNK] = part / np.maximum(np.linalg.norm(part, axis=1, keepdims=True), 1e-12)
+        return y
 
     def identity(self) -> dict[str, Any]:
         """{"in_dim", "dim", "sha"}: recorded in the index's embedder identity (the sha of mean and components)."""

@@ -67,7 +67,7 @@ def recall_at_10(found: np.ndarray, truth: np.ndarray) -> float:
 # ----- numerics -----
 
 
-def test_pca_matches_a_numpy_svd_of_the_centred_sample():
+def test_pca_matches_a_numpy_svd_of_the_centred_sample(monkeypatch):
     """fit_pca's mean and directions are numpy's (each direction up to its sign), its rows orthonormal, and the
     projected vectors equal the by-hand normalise((x - mean) @ V_m) up to the sign of each component."""
     x = low_rank(3000, 48, 10)
@@ -80,6 +80,9 @@ def test_pca_matches_a_numpy_svd_of_the_centred_sample():
     np.testing.assert_allclose(p.components @ p.components.T, np.eye(m), atol=1e-5)
     np.testing.assert_allclose(p.apply(x[:50]), sign.T * by_hand(x, x[:50], m), atol=1e-4)
     np.testing.assert_allclose(np.linalg.norm(p.apply(x), axis=1), 1.0, atol=1e-5)
+    whole = p.apply(x)
+    monkeypatch.setattr("rlm.index.projection.APPLY_CHUNK", 7)  # narrowed in chunks: the same rows
+    np.testing.assert_allclose(p.apply(x), whole, atol=1e-6)
     assert p.apply(np.zeros((0, 0))).shape == (0, m)  # a rank with no query
     with pytest.raises(ValueError, match="from 48 to 8 dims"):
         p.apply(x[:, :8])  # queries of the index's own (narrowed) width are not queries of its embedder
