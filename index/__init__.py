@@ -1,4 +1,5 @@
-"""Retrieval indices (installed as rlm.index): build, search with causal filters, store, shard and merge.
+"""Retrieval indices (installed as rlm.index): build, search with causal filters, narrow (PCA), store, shard and
+merge.
 
 index/ knows nothing of plugins; it reaches embedders through the Embedder protocol. It imports only the core
 (rlm.data, rlm.plugin's Context, rlm.extras); its command line, rlm.index.cli, also loads checkpoints
@@ -14,6 +15,7 @@ from rlm.index.build import (
     exact_search,
     recall_at_k,
 )
+from rlm.index.projection import Projection, fit_pca, fit_projection, load_projection
 from rlm.index.protocol import Embedder, MeanPoolEmbedder, embed_all, shard_range
 from rlm.index.search import Neighbours, SegmentTable, neighbour_table, search_neighbours
 from rlm.index.shards import add_shard, merge_shards, prepare_shards
@@ -37,6 +39,7 @@ __all__ = [
     "IndexNotFoundError",
     "MeanPoolEmbedder",
     "Neighbours",
+    "Projection",
     "SegmentTable",
     "TorchExactIndex",
     "add_shard",
@@ -46,7 +49,10 @@ __all__ = [
     "corpus_fingerprint",
     "embed_all",
     "exact_search",
+    "fit_pca",
+    "fit_projection",
     "load_index_dir",
+    "load_projection",
     "merge_shards",
     "neighbour_table",
     "prepare_shards",

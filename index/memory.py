@@ -19,6 +19,7 @@ import torch
 from rlm.data.segments import SegmentTable
 from rlm.index.build import TORCH, IndexConfig, build_index
 from rlm.index.copies import SegmentHashes, TextRuns
+from rlm.index.projection import Projection, with_projection
 from rlm.index.protocol import Embedder, embed_all
 from rlm.index.search import Exclusions, Neighbours, neighbour_table, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
@@ -56,7 +57,7 @@ class RetrievalMemory:
     """(S, k) global neighbour ids of every global segment id (-1: none, or not a training segment); None when the
     rebuild made no table (the retriever's lookup 'search': each training step searches its own queries)."""
     identity: dict[str, Any]
-    """The embedder identity that produced the vectors."""
+    """The embedder identity that produced the vectors (with "projection": the projection's identity, or None)."""
     step: int
     """Training step of the rebuild."""
     path: Path | None = None
@@ -66,6 +67,9 @@ class RetrievalMemory:
     unmeasured)."""
     parts: list[str] | None = None
     """A sharded index (index/sharded.py): every rank's part directory, in rank order; None otherwise."""
+    projection: Projection | None = None
+    """The PCA that narrowed the indexed vectors (index/projection.py); every query is narrowed by it. None: the
+    index holds the embedder's full-width vectors."""
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
     _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
@@ -97,6 +101,10 @@ class RetrievalMemory:
             self._copies["text"] = TextRuns(self.segments, docs, half, half)
         return self._copies["text"]
 
+    def project(self, queries: np.ndarray) -> np.ndarray:
+        """(Q, D) full-width query vectors in the index's width: narrowed by its projection, if it has one."""
+        return queries if self.projection is None else self.projection.apply(queries)
+
     def search(self, queries: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
         """(Q, k) global neighbour ids of query vectors; query_ids are global ids (-1: outside), filtered causally."""
         return self.search_scored(queries, query_ids, k).ids
@@ -105,10 +113,16 @@ class RetrievalMemory:
         self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
     ) -> Neighbours:
         """As search, with the scores, and excluding the given ranges of global ids (Exclusions over global ids
-        lo <= id < hi instead of rows; Neighbours.excluded counts what the counted ones took)."""
+        lo <= id < hi instead of rows; Neighbours.excluded counts what the counted ones took). The queries are
+        full width: the index's projection narrows them."""
         rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
         found = search_neighbours(
-            self.index, queries, k, rows, self.index_segments, exclusions=self._as_rows(exclusions)
+            self.index,
+            self.project(queries),
+            k,
+            rows,
+            self.index_segments,
+            exclusions=self._as_rows(exclusions),
         )
         found.ids = np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
         return found
@@ -175,9 +189,14 @@ def build_memory(
     index_config: IndexConfig,
     path: Path | None,
     table: bool = True,
+    projection: Projection | None = None,
 ) -> RetrievalMemory:
     """Index the rows' vectors, find every row's k causal neighbours (table=False: no table, the owner searches
-    online), and write it all to `path` (atomically)."""
+    online), and write it all to `path` (atomically).
+
+    projection: the PCA the vectors were already narrowed by (index/projection.py); it is written beside the
+    index and recorded in its embedder identity, and narrows every query."""
+    identity = with_projection(identity, projection)
     built = build_index(vectors, index_config)
     recall = built.tuned_recall
     if recall is None and built.factory in ("Flat", TORCH):
@@ -194,6 +213,8 @@ def build_memory(
                 _save_npy(tmp / NEIGHBOURS, neighbours)
             _save_npy(tmp / ROWS, rows)
             save_corpus_ref(tmp, segments)
+            if projection is not None:
+                projection.save(tmp)
             extra = {"k": k, "recall": recall, "target_recall": index_config.target_recall}
             write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, extra)
     return RetrievalMemory(
@@ -206,6 +227,7 @@ def build_memory(
         step,
         None if path is None else path.resolve(),
         recall,
+        projection=projection,
     )
 
 
@@ -287,7 +309,7 @@ def load_part_memory(path: str | Path) -> RetrievalMemory:
 
 
 def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> RetrievalMemory:
-    """Load a written memory, refusing one from another corpus, embedder or k (IndexMismatchError)."""
+    """Load a written memory, refusing one from another corpus, embedder, projection or k (IndexMismatchError)."""
     loaded = load_index_dir(path, expect_fingerprint=segments.fingerprint, expect_embedder=identity)
     if loaded.meta.get("k") != k:
         raise IndexMismatchError(f"index at {path} has k={loaded.meta.get('k')}, this run wants k={k}")
@@ -306,4 +328,5 @@ def _memory_from(loaded: Any, path: Path, segments: Any, identity: dict[str, Any
         int(identity["step"]),
         path.resolve(),
         loaded.meta.get("recall", loaded.meta.get("tuned_recall")),
+        projection=loaded.projection,
     )

@@ -13,6 +13,9 @@ index path) is checkpointed; on resume the index is reused only if it is the one
 With sharded=True (and more than one rank; 'auto': from shard_above indexed segments) no rank gathers the
 vectors: each keeps and writes its own part of the index, searches are collectives and the parts' top-k merge
 (index/sharded.py); in the background mode without a table each rank's whole build runs in its thread.
+With ``index_dim`` the vectors are narrowed by a PCA fitted at each rebuild on the vectors about to be indexed
+(index/projection.py; under DDP on a sample gathered from every rank, the same projection on every rank) before
+they are gathered, indexed or written; the projection is stored with the index and narrows every query.
 
 This module knows no plugin: it talks to a ``MemoryOwner`` (snapshot an embedder, take a new memory).
 """
@@ -48,7 +51,13 @@ from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names w
     load_table,
     save_corpus_ref,
 )
-from rlm.index.sharded import check_same_table, gather_shards, load_parts_for_search
+from rlm.index.projection import Projection, check_index_dim, fit_projection, index_width, with_projection
+from rlm.index.sharded import (
+    check_same_table,
+    fit_projection_across_ranks,
+    gather_shards,
+    load_parts_for_search,
+)
 from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir
 
 
@@ -145,6 +154,7 @@ class RebuildCallback(pl.Callback):
         sharded: bool | str = False,
         table: bool = True,
         shard_above: int = 1_048_576,
+        index_dim: int | str | None = None,
     ) -> None:
         if mode not in ("blocking", "background"):
             raise ValueError(f"rebuild mode={mode!r}; accepted: 'blocking', 'background'")
@@ -160,6 +170,10 @@ class RebuildCallback(pl.Callback):
         self.sharded, self.shard_above = sharded, shard_above
         """Under DDP, each rank keeps its own part of the index (index/sharded.py) instead of the whole; 'auto':
         from shard_above indexed segments."""
+        check_index_dim(index_dim)  # a bad setting is a ValueError now, not at the first rebuild
+        self.index_dim = index_dim
+        """Narrow the indexed vectors by a PCA to this width (index/projection.py.index_width: None full width;
+        'auto' from shard_above indexed segments)."""
         self.table = table
         """Each rebuild also finds every indexed segment's k neighbours (the table a training step reads); False:
         index only, and the owner searches each step's queries online."""
@@ -238,6 +252,8 @@ class RebuildCallback(pl.Callback):
         """Load the index directory the checkpoint names, when it exists and matches; else False."""
         if self.path is None or self.identity is None or getattr(self, "_restored_k", None) != self.k:
             return False
+        if not self._same_width():
+            return False
         if self.parts is not None:  # a sharded index, now resumed on one process: rebuild
             return False
         try:
@@ -252,6 +268,38 @@ class RebuildCallback(pl.Callback):
         self._take(memory, "reused")
         return True
 
+    def _width(self, width: int | None = None) -> int | None:
+        """The width the index narrows to at this corpus size (None: full width); `width` of the vectors if known."""
+        return index_width(self.index_dim, width, len(self.rows), self.shard_above)
+
+    def _same_width(self) -> bool:
+        """Whether the checkpoint's index was narrowed as index_dim asks now (else it is rebuilt, with a log line):
+        its projection identity against the width this configuration wants."""
+        have = self.identity.get("projection")
+        want = self._width(have["in_dim"] if have else None)
+        if (have["dim"] if have else None) == want:
+            return True
+        print(
+            f"rlm: not reusing the checkpoint's index (its vectors are {have['dim'] if have else 'full'} wide, "
+            f"index_dim={self.index_dim!r} wants {want or 'full'}); building a new one",
+            file=sys.stderr,
+        )
+        return False
+
+    def _narrow(
+        self, shard: np.ndarray, identity: dict[str, Any], collective: bool
+    ) -> tuple[np.ndarray, dict[str, Any], Projection | None]:
+        """(this rank's vectors in the index's width, the identity that records the projection, the projection):
+        the PCA is fitted on the vectors about to be indexed (collective: on a sample of every rank's, the same on
+        every rank); none when the index stays full width."""
+        if self._width() is None:
+            return shard, with_projection(identity, None), None
+        if collective:
+            projection = fit_projection_across_ranks(shard, self._width)
+        else:
+            projection = fit_projection(shard, self._width(shard.shape[1]))
+        return projection.apply(shard), with_projection(identity, projection), projection
+
     def _sharded(self, trainer: pl.Trainer) -> bool:
         return shards(self.sharded, trainer.world_size, len(self.rows), self.shard_above)
 
@@ -260,7 +308,7 @@ class RebuildCallback(pl.Callback):
         from rlm.index.sharded import load_sharded_memory
 
         memory = None
-        restored = self.parts is not None and self.identity is not None
+        restored = self.parts is not None and self.identity is not None and self._same_width()
         if restored and getattr(self, "_restored_k", None) == self.k:
             try:
                 memory = load_sharded_memory(self.parts, self.segments, self.rows, self.identity, self.k)
@@ -302,7 +350,8 @@ class RebuildCallback(pl.Callback):
             pl_module.log(f"train/{p}/index_recall", float(self.recall))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._job is not None:  # finish (and keep) a rebuild still running, so nothing dangles
+        # finish (and keep) a rebuild still running, both its stages, so nothing dangles
+        while self._job is not None:
             self._collect(trainer, wait=True)
 
     def on_exception(
@@ -329,24 +378,22 @@ class RebuildCallback(pl.Callback):
     def _finish(
         self, trainer: pl.Trainer, shard: np.ndarray, identity: dict[str, Any], step: int
     ) -> RetrievalMemory:
-        """Gather the shards, build on rank 0, and give every rank the memory rank 0 wrote."""
+        """Narrow the vectors (index_dim), gather the shards, build on rank 0, and give every rank the memory rank 0
+        wrote."""
         path = self._path_for(step)
+        shard, identity, projection = self._narrow(shard, identity, trainer.world_size > 1)
+        args = (self.segments, self.rows, self.k, identity, step, self.index_config, path, self.table)
         if self._sharded(trainer):  # each rank keeps its part; the table is merged from every part
             from rlm.index.sharded import build_sharded_memory
 
-            memory = build_sharded_memory(
-                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path, self.table
-            )
+            memory = build_sharded_memory(shard, *args, projection)
             check_same_table(trainer, memory.neighbours)
             return memory
         if trainer.world_size == 1:
-            return build_memory(
-                shard, self.segments, self.rows, self.k, identity, step, self.index_config, path, self.table
-            )
-        vectors = gather_shards(trainer, shard, len(self.rows))
+            return build_memory(shard, *args, projection)
+        vectors = gather_shards(trainer, shard, len(self.rows))  # narrowed first: m wide, not D
         if trainer.global_rank == 0:
-            cfg = self.index_config
-            build_memory(vectors, self.segments, self.rows, self.k, identity, step, cfg, path, self.table)
+            build_memory(vectors, *args, projection)
         trainer.strategy.barrier("retrieval-rebuild")
         memory = load_memory(path, self.segments, identity, self.k)
         check_same_table(trainer, memory.neighbours)
@@ -356,27 +403,53 @@ class RebuildCallback(pl.Callback):
         embedder = self.owner.snapshot(step)  # copied now, on the main thread, at a step boundary
         rank, world = trainer.global_rank, trainer.world_size
         result: dict[str, Any] = {"step": step, "start": time.perf_counter()}
-        # a sharded build without a table needs no collective: each rank indexes and writes its own part here
+        # a sharded build without a table needs no collective: each rank indexes and writes its own part here; with
+        # a projection to fit (a collective under DDP) the thread embeds, the training thread fits (_collect), and a
+        # second thread indexes and writes
         alone = self._sharded(trainer) and not self.table
+        fit_first = alone and self._width() is not None
 
         def work() -> None:
-            try:
-                shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, False)
-                result["identity"] = embedder.embedder_identity()
-                if alone or world == 1:  # no collective is needed: the whole rebuild (or part) runs here
-                    from rlm.index.sharded import build_sharded_memory
+            shard = embed_rows(embedder, self.segments, self.rows, self.batch_size, rank, world, False)
+            result["identity"] = embedder.embedder_identity()
+            # no collective is needed: the whole rebuild (one process) or this rank's part runs here
+            if (alone or world == 1) and not fit_first:
+                shard, identity, projection = self._narrow(shard, result["identity"], collective=False)
+                self._build_alone(result, shard, identity, projection, alone)
+            else:
+                result["shard"] = shard
+                result["then_alone"] = fit_first
 
-                    build = build_sharded_memory if alone else build_memory
-                    args = (self.segments, self.rows, self.k, result["identity"], step, self.index_config)
-                    result["memory"] = build(shard, *args, self._path_for(step), self.table)
-                else:
-                    result["shard"] = shard
+        self._run_job(result, work)
+
+    def _build_alone(
+        self,
+        result: dict[str, Any],
+        shard: np.ndarray,
+        identity: dict[str, Any],
+        projection: Projection | None,
+        part: bool,
+    ) -> None:
+        """The non-collective build of the thread: the whole index (one process) or this rank's part (sharded,
+        without a table), into result["memory"]."""
+        from rlm.index.sharded import build_sharded_memory
+
+        build = build_sharded_memory if part else build_memory
+        args = (self.segments, self.rows, self.k, identity, result["step"], self.index_config)
+        result["memory"] = build(shard, *args, self._path_for(result["step"]), self.table, projection)
+
+    def _run_job(self, result: dict[str, Any], work: Any) -> None:
+        """Run work() in the rebuild thread; its error is reported on the training thread (_collect)."""
+
+        def guarded() -> None:
+            try:
+                work()
             except BaseException as err:  # reported on the main thread
                 result["error"] = err
             result["end"] = time.perf_counter()
 
         self._job_result = result
-        self._job = threading.Thread(target=work, name=f"{self.label}-rebuild", daemon=True)
+        self._job = threading.Thread(target=guarded, name=f"{self.label}-rebuild", daemon=True)
         self._job.start()
 
     def _collect(self, trainer: pl.Trainer, wait: bool) -> None:
@@ -397,11 +470,19 @@ class RebuildCallback(pl.Callback):
                 "error"
             ]
         memory, start = result.get("memory"), time.perf_counter()
+        if memory is None and result.pop("then_alone", False):  # fit the projection here (a collective), then
+            shard, identity, projection = self._narrow(
+                result.pop("shard"), result["identity"], collective=True
+            )
+            result["blocked"] = time.perf_counter() - start
+            self._run_job(result, lambda: self._build_alone(result, shard, identity, projection, part=True))
+            return  # the part is indexed and written in the thread; collected like any other
         if memory is None:  # the collective part, on the training thread
             memory = self._finish(trainer, result["shard"], result["identity"], result["step"])
         elif memory.collective:
             check_same_table(trainer, memory.neighbours)  # the ranks agree: no table on any
-        self.blocked_seconds = time.perf_counter() - start if "shard" in result else 0.0
+        blocked = time.perf_counter() - start if "shard" in result else 0.0
+        self.blocked_seconds = blocked + result.get("blocked", 0.0)
         self.last_seconds = result["end"] - result["start"]
         self._take(memory, "built")
 

@@ -27,6 +27,7 @@ where the part directories are reachable.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from rlm.index.build import BuiltIndex, IndexConfig, build_index
 from rlm.index.memory import NEIGHBOURS, ROWS, RetrievalMemory, load_part_memory, load_table, save_corpus_ref
+from rlm.index.projection import SAMPLE, Projection, fit_pca, sample_rows, with_projection
 from rlm.index.protocol import shard_range
 from rlm.index.search import Exclusions, Neighbours, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
@@ -160,11 +162,20 @@ class ShardedMemory(RetrievalMemory):
         return found
 
     def _gather_queries(
-        self, queries: np.ndarray, query_ids: np.ndarray, exclusions: Exclusions | None
+        self,
+        queries: np.ndarray,
+        query_ids: np.ndarray,
+        exclusions: Exclusions | None,
+        projected: bool = False,
     ) -> tuple[np.ndarray, list[np.ndarray], Exclusions | None]:
-        """Collective: every rank's queries (sum Q_r, d), their ids by rank, and every rank's exclusions with their
-        query positions shifted to the gathered queries' (None when no rank passes any)."""
-        queries = np.asarray(queries, dtype=np.float32).reshape(len(queries), self.dim)
+        """Collective: every rank's queries (sum Q_r, d) in the index's width (full-width ones narrowed by the
+        projection first, unless `projected`), their ids by rank, and every rank's exclusions with their query
+        positions shifted to the gathered queries' (None when no rank passes any)."""
+        queries = np.asarray(queries, dtype=np.float32)
+        if len(queries) == 0:  # a rank with no query still joins in (its (0, ?) array may have any width)
+            queries = np.zeros((0, self.dim), dtype=np.float32)
+        elif not projected:
+            queries = self.project(queries)  # narrowed before the gather: what travels is m wide
         all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
         ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
         if exclusions is not None:
@@ -176,13 +187,19 @@ class ShardedMemory(RetrievalMemory):
         return all_q, ids_by_rank, exclusions
 
     def search_all(
-        self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
+        self,
+        queries: np.ndarray,
+        query_ids: np.ndarray,
+        k: int,
+        exclusions: Exclusions | None = None,
+        projected: bool = False,
     ) -> tuple[list[np.ndarray], Neighbours]:
         """Collective: (every rank's query ids, in rank order; the merged (sum Q_r, k) neighbours of all of them).
 
         With exclusions (every rank must pass some, or none), Neighbours.excluded sums the parts' counts: with
-        several parts, an upper bound of what the exclusions took from the merged top k."""
-        all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions)
+        several parts, an upper bound of what the exclusions took from the merged top k. projected: the queries
+        are already in the index's width (a rebuild's table: the indexed vectors themselves)."""
+        all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions, projected)
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k) each
         if len(all_q) == 0:
             return ids_by_rank, part
@@ -206,7 +223,8 @@ class ShardedMemory(RetrievalMemory):
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k)
         if len(all_q) == 0:
             return part
-        mine = route_to_askers(part, [len(x) for x in ids_by_rank], k)  # (world, Q_me, k): every part's results for this rank's queries
+        # (world, Q_me, k): every part's results for this rank's queries
+        mine = route_to_askers(part, [len(x) for x in ids_by_rank], k)
         scores, found = merge_topk(mine.scores, mine.ids, k)
         excluded = None if mine.excluded is None else mine.excluded.sum(0)
         return Neighbours(found, scores, excluded)
@@ -222,11 +240,14 @@ def build_sharded_memory(
     index_config: IndexConfig,
     step_dir: Path | None,
     table: bool = True,
+    projection: Projection | None = None,
 ) -> ShardedMemory:
     """Collective: index this rank's share of the rows' vectors (shard_range order), build the whole neighbour table
     with every part (table=False: none, the owner searches online), and write this rank's part (with the table)
-    to part_dir(step_dir, rank, world), atomically."""
+    to part_dir(step_dir, rank, world), atomically. projection: the PCA every rank's share was already narrowed
+    by (fit_projection_across_ranks: the same on every rank), stored with each part."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    identity = with_projection(identity, projection)
     if len(rows) < world:
         raise ValueError(
             f"a sharded index needs at least one indexed segment per rank: {len(rows)} rows, {world} ranks"
@@ -250,10 +271,12 @@ def build_sharded_memory(
         rank=rank,
         world=world,
         indexed=indexed,
+        projection=projection,
     )
     most = max(len(shard_range(len(rows), r, world)) for r in range(world)) if table else 0
     for lo in range(0, most, TABLE_CHUNK):  # the same number of rounds on every rank
-        ids_by_rank, found = memory.search_all(shard[lo : lo + TABLE_CHUNK], mine[lo : lo + TABLE_CHUNK], k)
+        chunk = shard[lo : lo + TABLE_CHUNK]
+        ids_by_rank, found = memory.search_all(chunk, mine[lo : lo + TABLE_CHUNK], k, projected=True)
         memory.neighbours[np.concatenate(ids_by_rank)] = found.ids
     if step_dir is not None:
         path = part_dir(step_dir, rank, world)
@@ -262,6 +285,8 @@ def build_sharded_memory(
                 _save_npy(tmp / NEIGHBOURS, memory.neighbours)
             _save_npy(tmp / ROWS, mine)
             save_corpus_ref(tmp, segments)
+            if projection is not None:
+                projection.save(tmp)
             shard_meta = {"rank": rank, "world": world, "rows_total": len(rows)}
             write_dir_contents(
                 tmp,
@@ -312,6 +337,7 @@ def load_sharded_memory(
         world=world,
         indexed=indexed,
         parts=list(parts),
+        projection=loaded.projection,
     )
 
 
@@ -350,6 +376,12 @@ def load_parts_for_search(path: str | Path) -> RetrievalMemory:
             )
         parts.append(load_part_memory(where))
     first = parts[0]
+    kinds = {str(p.identity.get("projection")) for p in parts}
+    if len(kinds) > 1:
+        raise IndexMismatchError(
+            f"the parts of the sharded index at {path.parent} were narrowed by different projections ({kinds}): "
+            "they cannot be searched as one; rebuild it"
+        )
     memory = RetrievalMemory(
         first.segments,
         np.concatenate([p.rows for p in parts]),
@@ -362,8 +394,35 @@ def load_parts_for_search(path: str | Path) -> RetrievalMemory:
         first.identity,
         first.step,
         path.resolve(),
+        projection=first.projection,
     )
     return memory
+
+
+# ----- the projection every rank narrows by -----
+
+
+def fit_projection_across_ranks(
+    shard: np.ndarray, m: int | Callable[[int], int], sample: int = SAMPLE
+) -> Projection:
+    """Collective: the PCA (index/projection.py) of a sample of every rank's vectors, the same on every rank.
+
+    Each rank contributes sample / world of its (n_r, D) shard's rows (evenly spaced; an empty shard none), the
+    samples are all-gathered, rank 0 fits and broadcasts, so every part projects bit for bit alike. m: the width,
+    or a function of the vectors' width D (known to every rank after the gather, even one with an empty shard)."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
+    width = max(int(w[0]) for w in all_gather_rows(np.array([shard.shape[1] if len(shard) else 0])))
+    m = m(width) if callable(m) else m
+    mine = shard[sample_rows(len(shard), -(-sample // world))] if len(shard) else np.zeros((0, width))
+    pooled = np.concatenate(all_gather_rows(np.ascontiguousarray(mine, dtype=np.float32)))  # (<= sample, D)
+    packed = torch.zeros(m + 1, width, dtype=torch.float32)  # row 0: the mean; rows 1..m: the components
+    if rank == 0:
+        fitted = fit_pca(pooled, m)
+        packed[0], packed[1:] = torch.from_numpy(fitted.mean), torch.from_numpy(fitted.components)
+    packed = packed.to(dev)
+    dist.broadcast(packed, src=0)
+    packed = packed.cpu().numpy()
+    return Projection(packed[0].copy(), packed[1:].copy())
 
 
 # ----- the whole-index rebuild under DDP: one table on every rank, every rank's vectors gathered -----

@@ -9,6 +9,7 @@ Layout of DIR:
     segment_doc.npy     (S,) document id of each segment id
     segment_offset.npy  (S,) token offset of each segment in its document
     rows.npy            (S,) the corpus's global segment id of each index row, when only some are indexed
+    projection.npz      the PCA that narrowed the vectors (index/projection.py), when the index is narrowed
 
 A directory is written under a temporary sibling name and renamed into place, so a crash mid-write never
 leaves a directory at DIR that loads (faiss contrib/ checkpoints follow the same write-then-rename rule).
@@ -43,12 +44,15 @@ from rlm.index.build import (
     set_search_params,
     to_gpu,
 )
+from rlm.index.projection import Projection, load_projection
 from rlm.index.search import Neighbours, SegmentTable, search_neighbours
 
 FORMAT_VERSION = 1
 META, INDEX, IVFDATA, VECTORS = "meta.json", "index.faiss", "index.ivfdata", "vectors.npy"
 SEG_DOC, SEG_OFFSET, ROWS = "segment_doc.npy", "segment_offset.npy", "rows.npy"
 EMBEDDER_KEYS = ("name", "config_hash", "weights_hash", "step")
+PROJECTION_KEY = "projection"
+"""The embedder identity's optional record of the index's projection (index/projection.py; None: full width)."""
 MMAP_ABOVE = 2**30
 """Indices larger than this (bytes) are memory-mapped on load unless told otherwise."""
 
@@ -74,7 +78,9 @@ class IndexDir:
     segments: SegmentTable
     """The segment-id -> (document, offset) map."""
     vectors: np.ndarray | None
-    """The indexed vectors (memory-mapped), when the directory stores them."""
+    """The indexed vectors (memory-mapped), when the directory stores them (narrowed, with a projection)."""
+    projection: Projection | None = None
+    """The projection that narrowed the vectors (None: full width); search() applies it to the queries."""
 
     @property
     def rows(self) -> np.ndarray:
@@ -84,8 +90,11 @@ class IndexDir:
         return np.arange(self.meta["count"], dtype=np.int64)
 
     def search(self, queries: np.ndarray, k: int, **filters: Any) -> Neighbours:
-        """Filtered top-k search of outside queries (query_ids=-1) or of segments (pass query_ids)."""
+        """Filtered top-k search of outside queries (query_ids=-1) or of segments (pass query_ids); full-width
+        queries, narrowed here by the index's projection."""
         filters.setdefault("query_ids", np.full(len(queries), -1, dtype=np.int64))
+        if self.projection is not None:
+            queries = self.projection.apply(queries)
         return search_neighbours(self.index, queries, k, segments=self.segments, **filters)
 
 
@@ -238,7 +247,7 @@ def write_dir_contents(
         "search_params": built.search_params if built is not None else {},
         "tuned_recall": built.tuned_recall if built is not None else None,
         "fingerprint": fingerprint,
-        "embedder": {key: embedder[key] for key in EMBEDDER_KEYS},
+        "embedder": {key: embedder[key] for key in EMBEDDER_KEYS + (PROJECTION_KEY,) if key in embedder},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "faiss_version": faiss.__version__,
         **(extra or {}),
@@ -354,6 +363,14 @@ def check_identity(
             f"index at {path} was built from corpus {meta['fingerprint']!r}, but the current corpus is "
             f"{expect_fingerprint!r}: rebuild it for this data (rlm index build)"
         )
+    if expect_embedder and PROJECTION_KEY in expect_embedder:
+        have, want = meta["embedder"].get(PROJECTION_KEY), expect_embedder[PROJECTION_KEY]
+        if have != want:
+            raise IndexMismatchError(
+                f"index at {path} holds vectors {_width(have)}, but the search expects vectors {_width(want)} "
+                f"(index projection {have!r}, expected {want!r}): searched with another projection its results "
+                "mean nothing; rebuild it"
+            )
     if expect_embedder:
         diff = {
             key: (meta["embedder"].get(key), value)
@@ -367,6 +384,12 @@ def check_identity(
             raise IndexMismatchError(
                 f"index at {path} was built by another embedder ({detail}): its vectors are stale; rebuild it"
             )
+
+
+def _width(projection: dict[str, Any] | None) -> str:
+    if projection is None:
+        return "at the embedder's full width"
+    return f"projected from {projection['in_dim']} to {projection['dim']} dims"
 
 
 def load_index_dir(
@@ -386,6 +409,11 @@ def load_index_dir(
     path = Path(path)
     meta = read_meta(path, verify)
     check_identity(meta, path, expect_fingerprint, expect_embedder)
+    projection = load_projection(path)
+    if (projection.identity() if projection else None) != meta["embedder"].get(PROJECTION_KEY):
+        raise IndexNotFoundError(
+            f"damaged index at {path}: its projection file does not match the projection meta.json records"
+        )
     vectors = np.load(path / VECTORS, mmap_mode="r") if (path / VECTORS).exists() else None
     segments = SegmentTable(np.load(path / SEG_DOC, mmap_mode="r"), np.load(path / SEG_OFFSET, mmap_mode="r"))
     if meta["factory"] == TORCH:
@@ -400,4 +428,4 @@ def load_index_dir(
         if (gpu if gpu is not None else gpu_available() and not (mmap or on_disk)) and gpu_available():
             index, _ = to_gpu(index)
         set_search_params(index, meta["search_params"])
-    return IndexDir(path, meta, index, segments, vectors)
+    return IndexDir(path, meta, index, segments, vectors, projection)

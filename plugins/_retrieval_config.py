@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from rlm.index.build import IndexConfig
+from rlm.index.projection import check_index_dim
 from rlm.index.rebuild import Schedule
 from rlm.plugins._retrieval_encoder import REBUILD_DTYPES
 
@@ -113,6 +114,15 @@ class RetrievalConfig:
     """sharded 'auto' shards from this many indexed segments: 2^20 segments gathered whole are 3 GiB of fp32
     vectors received and held by every rank at d 768 (8 GiB at d 2048), and rank 0's build grows past what the
     other ranks can wait for in a collective (rlm/train/SCALE.md item 10); below it one index costs little."""
+    index_dim: int | str | None = "auto"
+    """Width of the vectors the index holds: the embedder's e(.) narrowed by a PCA fitted at each rebuild on a
+    sample (up to 65,536) of the vectors about to be indexed (rlm.index.projection; under DDP the same projection
+    on every rank), applied before they are gathered, indexed or written and to every query; the relevance bias
+    stays on the full-width e(.). null: full width; an integer m: that width, below e(.)'s (d_model; encoder_dim
+    with embedder 'separate'); 'auto': min(256, half the width) from shard_above (2^20) indexed segments, full width
+    below, so small runs are unchanged. At 1B segments x 2048 dims the full width is 8.2 TB of fp32; at half width
+    PCA keeps recall@10 0.89-0.90 of the full-width search (a random projection 0.62-0.68; rlm/train/SCALE.md item
+    10). The projection is stored with the index and is part of its embedder identity."""
     embed_batch_size: int = 256
     """Segments per embedder call during a rebuild."""
     rebuild_dtype: str = "float32"
@@ -154,6 +164,10 @@ class RetrievalConfig:
             raise ValueError(f"retrieval.sharded={self.sharded!r}; accepted: true, false, 'auto'")
         if not isinstance(self.shard_above, int) or self.shard_above < 1:
             raise ValueError(f"retrieval.shard_above must be a positive integer, got {self.shard_above!r}")
+        try:
+            check_index_dim(self.index_dim)
+        except ValueError as err:
+            raise ValueError(f"retrieval.{err}") from None
         if self.lookup not in LOOKUPS:
             raise ValueError(f"retrieval.lookup={self.lookup!r}; accepted: {list(LOOKUPS)}")
         if self.embed_batch_size < 1:

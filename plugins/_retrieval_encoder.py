@@ -35,6 +35,11 @@ class SegmentEncoder(nn.Module):
 
     dim: int
 
+    @property
+    def embed_dim(self) -> int:
+        """Width of e(.), the vectors an index is built from."""
+        return self.dim
+
     def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """Per-token states (N, M, D)."""
         raise NotImplementedError
@@ -110,6 +115,11 @@ class TokenEncoder(SharedEncoder):
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config, 0)
         self.dim = 2 * model_config.d_model
+
+    @property
+    def embed_dim(self) -> int:
+        """e(.) pools the token embeddings alone: d_model, half the states' width."""
+        return self.dim // 2
 
     def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
         x = self.embed_tokens(tokens, mask)  # (N, M, d)

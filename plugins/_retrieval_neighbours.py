@@ -158,10 +158,12 @@ def gather_inputs(
         e_q = None
         if len(rows):
             e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
+            # full width: the memory narrows the queries by its index's projection, if it has one
             got = memory.search_scored(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table, exclusions)
             nb[rows], scores[rows] = got.ids, got.scores
             excluded = int(got.excluded.sum()) if got.excluded is not None else 0
-            e_q = torch.zeros(B * n, e.shape[-1], device=e.device, dtype=e.dtype)  # (B*n, D)
+            e = index_width(memory, e)  # (R, m): own-past scores below compare with the index's
+            e_q = torch.zeros(B * n, e.shape[-1], device=e.device, dtype=e.dtype)  # (B*n, m)
             e_q[torch.from_numpy(rows).to(e.device)] = e
         elif memory.collective:  # a sharded index searches with every rank: join in with no query
             memory.search_scored(np.zeros((0, 0), dtype=np.float32), rows, k_table, exclusions)
@@ -174,7 +176,7 @@ def gather_inputs(
             )
             if warm_part is not None:  # not twice: the warm picks have their own slots
                 cands = np.where((cands[..., :, None] == warm_part[..., None, :]).any(-1), -1, cands)
-            past = score_candidates(own, cands, e_q, embed)
+            past = score_candidates(own, cands, e_q, lambda t, m: index_width(memory, embed(t, m)))
             nb = merge_by_score(nb, scores, np.where(cands >= 0, cands + off, -1), past, k_table)
         parts.append(nb)
     elif k_table:
@@ -202,6 +204,14 @@ def gather_inputs(
         ids=torch.from_numpy(nb).to(device),
         excluded=excluded,
     )
+
+
+def index_width(memory: RetrievalMemory, e: Tensor) -> Tensor:
+    """(R, D) unit e(.) as the memory's index holds them: narrowed by its projection (rlm.index.projection), if any,
+    so a cosine to them is on the scale of the index's scores."""
+    if memory.projection is None:
+        return e
+    return torch.from_numpy(memory.project(e.float().cpu().numpy())).to(e.device)
 
 
 def two_table_tokens(ref, own, off: int, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -120,6 +120,11 @@ class RetrievalPlugin(Plugin):
             self.encoder = TokenEncoder(model_config)
         else:
             self.encoder = SeparateEncoder(model_config, config.embed_layers, config.encoder_dim)
+        if isinstance(config.index_dim, int) and config.index_dim >= self.encoder.embed_dim:
+            raise ValueError(
+                f"retrieval.index_dim={config.index_dim} must be below the width of the {config.embedder!r} "
+                f"embedder's vectors, {self.encoder.embed_dim} (null: full width; 'auto')"
+            )
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
         self._saved_index_dir: str | None = None  # from a checkpoint: loaded on first use outside training
         self.prepare_seconds = 0.0
@@ -156,6 +161,7 @@ class RetrievalPlugin(Plugin):
                 sharded=c.sharded,
                 shard_above=c.shard_above,
                 table=c.lookup == "table",
+                index_dim=c.index_dim,
             )
         ]
 

@@ -270,15 +270,20 @@ model:
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_background_sharded_build_runs_off_the_training_thread(tmp_path, rlm_cache):
+@pytest.mark.parametrize("index_dim", ["null", "auto"])
+def test_ddp_background_sharded_build_runs_off_the_training_thread(tmp_path, rlm_cache, index_dim):
     """`rlm fit` on 2 gloo processes, mode background, lookup search, sharded 'auto' past shard_above: each rank
     builds and writes its own part in its thread (no neighbour table), the rebuilds that land during training
     held the training thread up for 0 s (train/retrieval/rebuild_blocked_s; the unsharded path gathers and builds
-    there), and the steps after them search the parts."""
+    there), and the steps after them search the parts. index_dim 'auto' (past shard_above: narrowed to half the
+    width): the training thread fits the projection (a collective: the only time it is held up), both parts hold
+    the same one, and the thread indexes and writes the narrowed vectors."""
     from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 
+    from rlm.index.store import read_meta
+
     fragment = tmp_path / "background.yaml"
-    fragment.write_text(BACKGROUND)
+    fragment.write_text(BACKGROUND + f"      index_dim: {index_dim}\n")
     args = fit_args(CONFIGS / "plugins" / "retrieval.yaml", fragment) + DDP_2CPU + ["--trainer.max_steps=12"]
     run_rlm(args, tmp_path, rlm_cache)
     newest = sorted((tmp_path / "runs/test/retrieval_index").glob("step-*"))[-1]  # older ones are pruned
@@ -286,8 +291,15 @@ def test_ddp_background_sharded_build_runs_off_the_training_thread(tmp_path, rlm
     rows = [np.load(p / "rows.npy") for p in parts]
     assert len(np.intersect1d(*rows)) == 0 and abs(len(rows[0]) - len(rows[1])) <= 1
     assert not any((p / "neighbours.npy").exists() for p in parts)
+    metas = [read_meta(p) for p in parts]
+    projection = metas[0]["embedder"].get("projection")
+    assert metas[1]["embedder"].get("projection") == projection  # every part narrowed alike
+    assert (projection is None) == (index_dim == "null")
+    if projection is not None:
+        assert metas[0]["dim"] == projection["dim"] == projection["in_dim"] // 2
     metrics = read_metrics(tmp_path / "runs/test/version_0")
     landed = [r for r in metrics if r.get("train/retrieval/rebuild_s") not in (None, "", "0.0")]
     assert landed, "no background rebuild landed during the 12 steps"
-    assert all(float(r["train/retrieval/rebuild_blocked_s"]) == 0.0 for r in landed)
+    if projection is None:  # narrowed: the projection's fit (a collective) held the training thread up
+        assert all(float(r["train/retrieval/rebuild_blocked_s"]) == 0.0 for r in landed)
     assert max(column(metrics, "train/retrieval/coverage")) > 0

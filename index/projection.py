@@ -1,0 +1,150 @@
+"""The narrow embedding: a PCA projection of the index's vectors, fitted at each rebuild (rlm/train/SCALE.md item 10).
+
+At 1B segments the embedder's d_model-wide vectors are terabytes; only the search needs them, so the index holds
+them narrowed to m dims: y = normalise(V_m^T (x - mu)), mu the mean and V_m the top-m principal directions of a
+sample of the vectors about to be indexed. Measured on trained e(.) (benchmarks/narrow_embedding.py), PCA keeps
+recall@10 0.89-0.90 of the full-width exact search at half width, a random projection 0.62-0.68. The results
+are renormalised so the index keeps unit vectors and inner-product scores (merged across parts as before).
+
+The projection is stored in the index directory (PROJECTION) and recorded in the embedder identity of its
+metadata (``identity["projection"]``), so an index is searched only with its own projection: a query of another
+width is refused here, and an index of another projection (or none) by the identity check on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PROJECTION = "projection.npz"
+"""The file beside an index that holds its projection (absent: the index is full width)."""
+SAMPLE = 65_536
+"""Vectors the PCA is fitted on (all of them below this): a D x D covariance from 64k rows is stable for the
+top few hundred directions and costs seconds even at D 2048."""
+APPLY_CHUNK = 65_536
+"""Rows narrowed at a time (bounds the centred full-width copy to 0.5 GB at D 2048)."""
+AUTO_DIM = 256
+"""index_dim 'auto' narrows to this width (half the embedding width where that is smaller)."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A PCA projection (n, D) -> (n, m) unit vectors: normalise((x - mean) @ components.T)."""
+
+    mean: np.ndarray
+    """(D,) float32 mean of the fitted sample."""
+    components: np.ndarray
+    """(m, D) float32 orthonormal rows: the top-m principal directions, largest variance first."""
+
+    @property
+    def in_dim(self) -> int:
+        """Width D of the vectors it takes."""
+        return int(self.components.shape[1])
+
+    @property
+    def dim(self) -> int:
+        """Width m of the vectors it gives."""
+        return int(self.components.shape[0])
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """(n, D) vectors -> (n, m) float32 unit vectors (n may be 0)."""
+        x = np.asarray(x, dtype=np.float32)
+        if len(x) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.in_dim:
+            raise ValueError(
+                f"vectors of shape {x.shape} given to an index projection from {self.in_dim} to {self.dim} dims: "
+                "the queries must come from the embedder that built the index (full width, before projection)"
+            )
+        y = np.empty((len(x), self.dim), dtype=np.float32)
+        for lo in range(0, len(x), APPLY_CHUNK):  # in chunks: no full-width centred copy of a rank's share
+            part = (x[lo : lo + APPLY_CHUNK] - self.mean) @ self.components.T  # (chunk, m)
+            y[lo : lo + APPLY_CHUNK] = part / np.maximum(np.linalg.norm(part, axis=1, keepdims=True), 1e-12)
+        return y
+
+    def identity(self) -> dict[str, Any]:
+        """{"in_dim", "dim", "sha"}: recorded in the index's embedder identity (the sha of mean and components)."""
+        h = hashlib.sha256(np.ascontiguousarray(self.mean, np.float32).tobytes())
+        h.update(np.ascontiguousarray(self.components, np.float32).tobytes())
+        return {"in_dim": self.in_dim, "dim": self.dim, "sha": h.hexdigest()[:16]}
+
+    def save(self, directory: Path) -> None:
+        """Write PROJECTION into `directory` (an index directory being written: the caller renames it into place)."""
+        with open(Path(directory) / PROJECTION, "wb") as f:  # a file object: numpy adds no suffix
+            np.savez(f, mean=self.mean, components=self.components)
+
+
+def load_projection(directory: str | Path) -> Projection | None:
+    """The projection stored in an index directory, None for a full-width index."""
+    path = Path(directory) / PROJECTION
+    if not path.exists():
+        return None
+    with np.load(path) as f:
+        return Projection(f["mean"].astype(np.float32), f["components"].astype(np.float32))
+
+
+def projection_identity(projection: Projection | None) -> dict[str, Any] | None:
+    """What the embedder identity records of a projection: its identity(), None for full width."""
+    return None if projection is None else projection.identity()
+
+
+def with_projection(identity: dict[str, Any], projection: Projection | None) -> dict[str, Any]:
+    """The embedder identity of the vectors an index holds: the embedder's, and the projection applied to them."""
+    return {**identity, "projection": projection_identity(projection)}
+
+
+def check_index_dim(setting: int | str | None) -> None:
+    """Raise ValueError unless setting is None, 'auto' or a positive integer."""
+    if setting is None or setting == "auto":
+        return
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"index_dim={setting!r}; accepted: null (full width), 'auto', or a positive integer")
+
+
+def index_width(setting: int | str | None, width: int | None, rows: int, above: int) -> int | None:
+    """The width m the index narrows to (None: full width) for index_dim `setting`, vectors `width` wide (None:
+    not known yet), `rows` indexed segments and the sharding threshold `above`: an integer is that width; 'auto'
+    is min(AUTO_DIM, width // 2) from `above` rows, full width below."""
+    check_index_dim(setting)
+    if setting is None or (setting == "auto" and rows < above):
+        return None
+    m = setting if setting != "auto" else (AUTO_DIM if width is None else min(AUTO_DIM, width // 2))
+    if width is not None and m >= width:
+        raise ValueError(f"index_dim={m} must be below the embedding width {width}")
+    return m
+
+
+def sample_rows(n: int, size: int) -> np.ndarray:
+    """Up to `size` of n row positions, evenly spaced (deterministic: the same rows on every run)."""
+    if n <= size:
+        return np.arange(n)
+    return np.linspace(0, n - 1, size).astype(np.int64)
+
+
+def fit_pca(sample: np.ndarray, m: int) -> Projection:
+    """The mean and top-m principal directions of a (n, D) sample (eigenvectors of its covariance in float64;
+    each direction's sign fixed so its largest-magnitude entry is positive)."""
+    x = torch.from_numpy(np.ascontiguousarray(sample, dtype=np.float32))
+    n, D = x.shape
+    if not 1 <= m < D:
+        raise ValueError(f"a PCA to m={m} dims needs 1 <= m < {D}, the vectors' width")
+    if n < 2:
+        raise ValueError(f"a PCA needs at least 2 vectors, got {n}")
+    mean = x.mean(0)
+    xc = x - mean  # (n, D)
+    cov = (xc.T @ xc).double()  # (D, D): a float32 product, the eigensolver in float64
+    _, vectors = torch.linalg.eigh(cov)  # ascending eigenvalues
+    top = vectors[:, -m:].flip(1).T  # (m, D) largest first
+    sign = torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))  # (m, 1)
+    return Projection(mean.numpy().astype(np.float32), (top * sign).float().numpy())
+
+
+def fit_projection(vectors: np.ndarray, m: int, sample: int = SAMPLE) -> Projection:
+    """fit_pca on up to `sample` evenly spaced rows of (n, D) vectors (one process; see
+    rlm.index.sharded.fit_projection_across_ranks for several)."""
+    return fit_pca(vectors[sample_rows(len(vectors), sample)], m)
