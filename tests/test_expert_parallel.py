@@ -760,4 +760,7 @@ def test_benchmark_script_smoke():
     run = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]  # the benchmark's own error, not only its exit status
     out = run.stdout
-    assert "| 4 experts, replicated |" in out and "| 4 experts, expert parallel |" in out
+    assert "| 4 experts, replicated |" in out
+    assert (
+        "| 4 experts, expert parallel, 1 chunk |" in out and "| 4 experts, expert parallel, 2 chunks |" in out
+    )
