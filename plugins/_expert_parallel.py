@@ -4,8 +4,11 @@ The P processes form P/W expert groups of W consecutive ranks (``moe.expert_grou
 processes of one node, so the exchange stays on the node's links). In a group each rank keeps N/W of a layer's
 N experts (group rank r: experts r*N/W .. (r+1)*N/W - 1) and tokens travel to their experts' rank and back
 with two ``all_to_all_single`` calls (dispatch, combine) whose backward is the same exchange in reverse, so an
-expert's gradient collects every group rank's tokens; the groups' copies of an expert are kept equal by an
-all-reduce of their gradients over the replica group before each optimizer step (:func:`sync_replicas`).
+expert's gradient collects every group rank's tokens. The exchanges are asynchronous and a rank's experts run
+in chunks (``moe.overlap_chunks``): each chunk's tokens travel while the chunk before it computes, and its
+results while the next one computes, in forward and, mirrored, in backward (:func:`parallel_dispatch`). The
+groups' copies of an expert are kept equal by an all-reduce of their gradients over the replica group before
+each optimizer step (:func:`sync_replicas`).
 
 Capacity is decided for the group's batch, exactly as one process would decide it: the routing (k expert ids
 per token, padding as id N; one byte each below 256 experts) is all-gathered first and every rank runs the same
@@ -13,7 +16,7 @@ per token, padding as id N; one byte each below 256 experts) is all-gathered fir
 loop over positions or ranks). So with capacity or dropless, outputs and gradients equal the one-process layer
 on the group's batch (with one group: the global batch); only the activations of kept assignments are
 exchanged, in the experts' compute dtype (autocast's bf16 under bf16-mixed). Every rank knows the whole plan,
-so the all_to_all split sizes come from one host read of a W x W matrix, with no exchange of counts.
+so the all_to_all split sizes come from one host read of a W x W x chunks tensor, with no exchange of counts.
 rlm/train/SCALE.md has the costs at cluster scale.
 
 Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over the P ranks, so
@@ -50,26 +53,73 @@ def default_group() -> tuple[Any, int, int] | None:
     return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with split sizes; backward sends the gradients back along the reversed splits."""
+class Exchange:
+    """One all_to_all_single in flight between :class:`_Launch` and :class:`_Wait` (forward, then backward)."""
+
+    def __init__(self, send: list[int], recv: list[int], group: Any) -> None:
+        self.send, self.recv, self.group = send, recv, group
+        self.work: Any = None  # the async work handle while in flight, else None
+        # kept alive until the wait: the collective reads and writes them
+        self.tensors: tuple[Tensor, ...] = ()
+
+    def start(self, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
+        """Start sending x's rows by ``send`` sizes; returns the sum(recv) rows' buffer, valid after finish()."""
+        x = x.contiguous()
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        self.work = dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
+        self.tensors = (x, out)
+        return out
+
+    def finish(self) -> None:
+        """Wait for the exchange in flight (on a GPU: the current stream waits, not the host)."""
+        self.work.wait()
+        self.work, self.tensors = None, ()
+
+
+class _Launch(torch.autograd.Function):
+    """Starts the exchange (forward) / finishes the reverse exchange of the gradient (backward)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty(sum(recv), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
+    def forward(ctx: Any, x: Tensor, ex: Exchange) -> Tensor:
+        ctx.ex = ex
+        return ex.start(x, ex.send, ex.recv)  # not valid before _Wait
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None
+        ex = ctx.ex
+        back = ex.tensors[1]
+        ex.finish()  # the reverse exchange _Wait.backward started
+        return back, None
 
 
-def all_to_all(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
-    """Rows x[sum(send[:j]) : sum(send[:j+1])] go to rank j; returns the sum(recv) rows received, by source rank."""
-    return _AllToAll.apply(x, send, recv, group)
+class _Wait(torch.autograd.Function):
+    """Finishes the exchange (forward) / starts the reverse exchange of the gradient (backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, ex: Exchange) -> Tensor:
+        ctx.ex = ex
+        ex.finish()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        ctx.ex.start(grad, ctx.ex.recv, ctx.ex.send)  # along the reversed splits; _Launch.backward waits
+        return grad, None  # unused by _Launch.backward, which returns the exchanged buffer
+
+
+def launch(x: Tensor, send: list[int], recv: list[int], group: Any) -> tuple[Tensor, Exchange]:
+    """Start sending x[sum(send[:j]) : sum(send[:j+1])] to rank j; the received rows are valid after :func:`wait`.
+
+    Differentiable: the backward of the pair is the same exchange in reverse, started by :func:`wait`'s
+    backward and finished by this one's, so it overlaps the backward compute between them as the forward does.
+    """
+    ex = Exchange(send, recv, group)
+    return _Launch.apply(x, ex), ex
+
+
+def wait(out: Tensor, ex: Exchange) -> Tensor:
+    """The sum(recv) rows :func:`launch` receives, by source rank, once they have arrived."""
+    return _Wait.apply(out, ex)
 
 
 def gather_sizes(n: int, group: Any, device: torch.device) -> list[int]:
@@ -93,6 +143,24 @@ def all_gather_rows(t: Tensor, group: Any) -> list[Tensor]:
 
 
 @dataclass
+class Chunk:
+    """One chunk of this rank's experts: its exchanges' split sizes and rows, and its experts' plan."""
+
+    experts: slice
+    """Its experts among this rank's."""
+    plan: Plan
+    """The assignments to its experts, in plan order, expert ids from 0 at its first expert."""
+    sent: slice
+    """Its rows of ``GroupRoute.token`` / ``choice`` (the assignments it sends, grouped by destination rank)."""
+    arrived: slice
+    """Its rows of ``GroupRoute.perm`` and of ``GroupRoute.local`` (its arrivals and its plan rows)."""
+    send: list[int]
+    """Assignments to its experts this rank sends to each rank."""
+    recv: list[int]
+    """Assignments to its experts this rank receives from each rank."""
+
+
+@dataclass
 class GroupRoute:
     """One rank's share of the plan made for the whole expert group's batch (:func:`route_group`)."""
 
@@ -101,19 +169,39 @@ class GroupRoute:
     local: Plan
     """The assignments to this rank's experts, in plan order, with expert ids local to the rank."""
     token: Tensor
-    """(A_r,) this rank's row of each of its kept assignments, in send order (grouped by destination rank)."""
+    """(A_r,) this rank's row of each of its kept assignments, in send order (by chunk, then destination rank)."""
     choice: Tensor
     """(A_r,) which of its token's k choices each sent assignment is."""
     perm: Tensor
-    """(A_e,) arrival i (grouped by source rank, each group in plan order) is ``local``'s row perm[i]."""
+    """(A_e,) arrival i (by chunk, then source rank, then plan order) is ``local``'s row perm[i]."""
     send: list[int]
     """Assignments this rank sends to each rank."""
     recv: list[int]
     """Assignments this rank receives from each rank."""
+    chunks: list[Chunk]
+    """This rank's experts in runs of equal size, exchanged and computed one after another (one: all of them)."""
+
+
+def _sub_plan(p: Plan, rows: slice, experts: slice) -> Plan:
+    """The plan's rows ``rows`` (all the assignments to ``experts``, a run of them), expert ids from experts.start."""
+    return Plan(
+        assignment=p.assignment[rows],
+        token=p.token[rows],
+        expert=p.expert[rows] - experts.start,
+        position=p.position[rows],
+        counts=p.counts[experts],
+        dropped=p.dropped,
+    )
 
 
 def route_group(
-    routed: Tensor, sizes: list[int], seq_len: int, rank: int, n_local: int, capacity: int | None
+    routed: Tensor,
+    sizes: list[int],
+    seq_len: int,
+    rank: int,
+    n_local: int,
+    capacity: int | None,
+    chunks: int = 1,
 ) -> GroupRoute:
     """Plan the group's batch and this rank's part in it, with no loop over positions or ranks.
 
@@ -121,9 +209,13 @@ def route_group(
     padded past ``sizes[r]``. Rank r's S_r = seq_len * B_r rows are position-major, and the group's batch is
     the ranks' sequences side by side, position-major too: global row t * sum(B) + (B_0 + ... + B_{r-1}) + b
     is rank r's row t * B_r + b. So queue places, and drops, are those of one process on that batch.
+
+    Each rank's experts form ``chunks`` runs of n_local / chunks (it must divide n_local), exchanged apart so
+    that one chunk's tokens travel while another's experts compute; the plan is the same whatever the chunks.
     """
     W, S_max, k = routed.shape
     n, device = n_local * W, routed.device
+    per_chunk = n_local // chunks
     B = torch.tensor(sizes, device=device) // seq_len  # (W,) sequences per rank
     total, per_position = sum(sizes), sum(sizes) // seq_len
     i = torch.arange(total, device=device)
@@ -134,34 +226,54 @@ def route_group(
     ids = routed.reshape(W * S_max, k)[owner * S_max + row].long()  # (total, k)
     p = plan(ids, ids[:, 0] < n, n, capacity)
     src = owner[p.token]  # (A,) rank owning each kept assignment's token
-    dst = torch.div(p.expert, n_local, rounding_mode="floor")  # (A,) rank owning its expert
-    # Split sizes need host ints: the W x W matrix of assignments from rank to rank, read once. Every rank
-    # plans the whole group's batch, so it knows what it sends and receives without another exchange.
-    counts = torch.bincount(src * W + dst, minlength=W * W).tolist()  # the one host read
-    send = counts[rank * W : (rank + 1) * W]
-    recv = counts[rank::W]
-    # The plan is sorted by expert, hence by destination: this rank's experts own one contiguous range of it.
-    first = sum(counts[r * W + d] for r in range(W) for d in range(rank))
+    part = torch.div(p.expert, per_chunk, rounding_mode="floor")  # (A,) dst * chunks + chunk, non-decreasing
+    chunk = part % chunks  # (A,) its expert's chunk on the destination rank
+    # Split sizes need host ints: the W x W x chunks tensor of assignments from rank to rank's chunk, read once.
+    # Every rank plans the whole group's batch, so it knows what it sends and receives without another exchange.
+    flat = torch.bincount(src * (W * chunks) + part, minlength=W * W * chunks).tolist()  # the one host read
+    counts = [[flat[(s * W + d) * chunks : (s * W + d + 1) * chunks] for d in range(W)] for s in range(W)]
+    send = [sum(counts[rank][d]) for d in range(W)]
+    recv = [sum(counts[s][rank]) for s in range(W)]
+    # The plan is sorted by expert, hence by destination and chunk: this rank's experts own one contiguous
+    # range of it, and each chunk a contiguous range of that.
+    first = sum(sum(counts[s][d]) for s in range(W) for d in range(rank))
     here = slice(first, first + sum(recv))
-    # This rank's own assignments, kept in plan order (so grouped by destination) by a stable sort on a 0/1 key
-    # (no boolean indexing: that would read the count back to the host once more).
-    mine = torch.argsort((src != rank).to(torch.uint8), stable=True)[: sum(send)]  # (A_r,)
-    local = Plan(
-        assignment=p.assignment[here],
-        token=p.token[here],
-        expert=p.expert[here] - rank * n_local,
-        position=p.position[here],
-        counts=p.counts[rank * n_local : (rank + 1) * n_local],
-        dropped=p.dropped,
-    )
-    perm = torch.argsort(src[here], stable=True)  # arrival i is plan row here[perm[i]]
+    # This rank's own assignments by chunk, each chunk in plan order (so grouped by destination), by a stable
+    # sort (no boolean indexing: that would read the count back to the host once more).
+    key = torch.where(src == rank, chunk, chunks)
+    mine = torch.argsort(key, stable=True)[: sum(send)]  # (A_r,)
+    local = _sub_plan(p, here, slice(rank * n_local, (rank + 1) * n_local))
+    # arrival i (by chunk, then source rank, plan order within) is plan row here[perm[i]]
+    perm = torch.argsort(chunk[here] * W + src[here], stable=True)
+    parts, sent, arrived = [], 0, 0
+    for c in range(chunks):  # host ints and views only
+        c_send = [counts[rank][d][c] for d in range(W)]
+        c_recv = [counts[s][rank][c] for s in range(W)]
+        experts = slice(c * per_chunk, (c + 1) * per_chunk)
+        rows = slice(arrived, arrived + sum(c_recv))
+        parts.append(
+            Chunk(
+                experts=experts,
+                plan=_sub_plan(local, rows, experts),
+                sent=slice(sent, sent + sum(c_send)),
+                arrived=rows,
+                send=c_send,
+                recv=c_recv,
+            )
+        )
+        sent, arrived = sent + sum(c_send), arrived + sum(c_recv)
     # plan flattens token-major: assignment = token * k + choice
-    return GroupRoute(p, local, row[p.token[mine]], p.assignment[mine] % k, perm, send, recv)
+    return GroupRoute(p, local, row[p.token[mine]], p.assignment[mine] % k, perm, send, recv, parts)
 
 
 def _id_dtype(n: int) -> torch.dtype:
     """The narrowest dtype both NCCL and gloo gather that holds expert ids 0..n (n: padding)."""
     return torch.uint8 if n < 256 else torch.int32
+
+
+def overlap_chunks(n_local: int, wanted: int) -> int:
+    """The chunks a rank's n_local experts are exchanged in: the largest divisor of n_local not above ``wanted``."""
+    return max(c for c in range(1, min(wanted, n_local) + 1) if n_local % c == 0)
 
 
 # An eager island under torch.compile, as dispatch is (plugins/_experts.py): the plan's shapes depend on data,
@@ -177,6 +289,7 @@ def parallel_dispatch(
     mode: str,
     group: Any,
     seq_len: int = 1,
+    chunks: int = 1,
 ) -> tuple[Tensor, Plan]:
     """:func:`~rlm.plugins._experts.dispatch` with this rank's N/W experts: x (S, d), index/weight (S, k).
 
@@ -186,13 +299,19 @@ def parallel_dispatch(
     per-expert capacity for the group's token count. Returns y (S, d) and the group's plan (its ``dropped`` is
     the group's fraction).
 
+    The rank's experts are exchanged and computed in ``chunks`` runs (:func:`overlap_chunks`: the largest
+    divisor of N/W not above it): every chunk's tokens are sent at once, and chunk c's experts compute while
+    later chunks' tokens, and earlier chunks' results, are in flight. The backward mirrors it (the autograd
+    engine runs later chunks first). 1: each exchange blocks.
+
     Host syncs per call: two reads (every rank's row count, for the gather's padding and the capacity; the
-    split matrix) and the plan's compaction of kept assignments, as in :func:`dispatch`; none in backward.
+    split tensor) and the plan's compaction of kept assignments, as in :func:`dispatch`; none in backward.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     S, k = index.shape
     n_local = experts.up.shape[0]
     n = n_local * world
+    chunks = overlap_chunks(n_local, chunks)
     if S % seq_len:
         raise ValueError(
             f"parallel_dispatch: {S} rows are not a whole number of positions of seq_len={seq_len}"
@@ -205,17 +324,31 @@ def parallel_dispatch(
     parts = [torch.empty_like(pad) for _ in range(world)]
     dist.all_gather(parts, pad, group=group)
     cap = capacity(sum(sizes))
-    r = route_group(torch.stack(parts), sizes, seq_len, rank, n_local, cap)  # host read 2
-    # 2. Dispatch in the dtype the experts compute in (autocast's), not the residual stream's float32.
-    sent = x.index_select(0, r.token)  # (A_r, d)
-    if torch.is_autocast_enabled(x.device.type):
-        sent = sent.to(torch.get_autocast_dtype(x.device.type))
-    arrived = all_to_all(sent, r.send, r.recv, group)  # (A_e, d) grouped by source rank
+    r = route_group(torch.stack(parts), sizes, seq_len, rank, n_local, cap, chunks)  # host read 2
+    # 2. Dispatch in the dtype the experts compute in (autocast's), not the residual stream's float32. Every
+    # chunk's tokens leave at once; split (not sliced) so that their gradients are joined in one tensor.
+    sent = experts.to_compute_dtype(x.index_select(0, r.token))  # (A_r, d) by chunk, then destination
+    pieces = sent.split([c.sent.stop - c.sent.start for c in r.chunks])
+    flights = [launch(piece, c.send, c.recv, group) for piece, c in zip(pieces, r.chunks)]
     inverse = torch.empty_like(r.perm)
-    inverse[r.perm] = torch.arange(r.perm.numel(), device=r.perm.device)
-    out = experts(arrived.index_select(0, inverse), r.local, cap, mode)  # (A_e, d) plan order
-    # 3. Combine: results go back along the reversed splits, then the gate-weighted sum per token.
-    back = all_to_all(out.index_select(0, r.perm), r.recv, r.send, group).to(x.dtype)  # (A_r, d)
+    inverse[r.perm] = torch.arange(r.perm.numel(), device=r.perm.device)  # plan row -> arrival
+    if cap is None and len(r.chunks) > 1 and experts.resolve(sent, mode) == "bmm":
+        # bmm's buffers, dropless: the largest queue over all the rank's experts, read once (not once per chunk)
+        cap = int(r.local.counts.max())
+    per_chunk = n_local // len(r.chunks)
+    ups, downs = experts.up.split(per_chunk), experts.down.split(per_chunk)
+    # 3. Per chunk: its tokens arrive, its experts run (in plan order), its results leave along the reversed
+    # splits while the next chunk computes.
+    results = []
+    for c, (arrived, ex), up, down in zip(r.chunks, flights, ups, downs):
+        arrived = wait(arrived, ex)  # (A_c, d) by source rank
+        rows = inverse[c.arrived] - c.arrived.start  # the chunk's plan rows' arrivals
+        out = experts(arrived.index_select(0, rows), c.plan, cap, mode, (up, down))  # (A_c, d) plan order
+        results.append(
+            launch(out.index_select(0, r.perm[c.arrived] - c.arrived.start), c.recv, c.send, group)
+        )
+    # 4. Combine: the gate-weighted sum per token, once every chunk's results are back.
+    back = torch.cat([wait(out, ex) for out, ex in results]).to(x.dtype)  # (A_r, d) send order
     gate = weight[r.token, r.choice].to(x.dtype)  # (A_r,)
     y = x.new_zeros(x.shape).index_add(0, r.token, back * gate.unsqueeze(-1))  # (S, d)
     return y, r.plan

@@ -123,13 +123,13 @@ class Experts(nn.Module):
             return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
         return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
-    def _grouped(self, x: Tensor, p: Plan) -> Tensor | None:
+    def _grouped(self, x: Tensor, p: Plan, up: Tensor, down: Tensor) -> Tensor | None:
         """Expert outputs through the grouped GEMM, (A, d); None (with a warning, once) where it raised."""
         op = grouped_mm_op()
         if op is None:
             return None
         offs = torch.cumsum(p.counts, 0).to(torch.int32)  # (N,) end of each expert's rows
-        args = (op, x, self.up.to(x.dtype), self.down.to(x.dtype), offs, self.activation)
+        args = (op, x, up.to(x.dtype), down.to(x.dtype), offs, self.activation)
         try:
             return _grouped_ffn(*args)
         except Exception as err:  # any failure of the kernel (device, dtype, layout, build): bmm from now on
@@ -141,28 +141,48 @@ class Experts(nn.Module):
             )
             return None
 
-    def forward(self, x: Tensor, p: Plan, capacity: int | None, mode: str) -> Tensor:
-        """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d)."""
+    def to_compute_dtype(self, x: Tensor) -> Tensor:
+        """x in the dtype autocast runs the matmuls in, made explicit: the grouped GEMM's choice and kernel see it."""
         if torch.is_autocast_enabled(x.device.type):
-            # The dtype autocast runs the matmuls in, made explicit: the grouped GEMM's choice and kernel see it.
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+            return x.to(torch.get_autocast_dtype(x.device.type))
+        return x
+
+    def resolve(self, x: Tensor, mode: str) -> str:
+        """The kernel ``mode`` takes for x in its compute dtype: 'grouped' or 'bmm'."""
         if mode == "auto":
             mode = "grouped" if self.grouped_ok(x) else "bmm"
+        return "bmm" if (x.device.type, x.dtype) in _GROUPED_FAILED else mode
+
+    def forward(
+        self,
+        x: Tensor,
+        p: Plan,
+        capacity: int | None,
+        mode: str,
+        weights: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d).
+
+        ``weights`` (up, down) hold the experts p numbers, a run of this module's (one chunk's of the expert
+        parallel exchange, split once so that their gradients are concatenated, not each a full-size tensor);
+        default all of them. ``capacity`` sizes bmm's buffers (None: the largest queue, read from p).
+        """
+        up, down = weights if weights is not None else (self.up, self.down)
+        x = self.to_compute_dtype(x)
+        mode = self.resolve(x, mode)
         if x.shape[0] == 0:
-            return x.new_zeros(x.shape) + 0 * (
-                self.up.sum() + self.down.sum()
-            )  # keep the weights in the graph
-        if mode == "grouped" and (x.device.type, x.dtype) not in _GROUPED_FAILED:
-            out = self._grouped(x, p)
+            return x.new_zeros(x.shape) + 0 * (up.sum() + down.sum())  # keep the weights in the graph
+        if mode == "grouped":
+            out = self._grouped(x, p, up, down)
             if out is not None:
                 return out
         # Capacity buffers: slot e*C + position holds the assignment; empty slots compute zeros.
-        n, d = self.up.shape[0], x.shape[-1]
+        n, d = up.shape[0], x.shape[-1]
         C = capacity if capacity is not None else int(p.counts.max())  # dropless: the largest queue
         slot = p.expert * C + p.position  # (A,)
         buf = x.new_zeros(n * C, d).index_copy(0, slot, x).view(n, C, d)  # (N, C, d)
-        h = _activation(self.activation, torch.bmm(buf, self.up.to(x.dtype)))  # (N, C, h)
-        out = torch.bmm(h, self.down.to(x.dtype)).view(n * C, d)  # (N*C, d)
+        h = _activation(self.activation, torch.bmm(buf, up.to(x.dtype)))  # (N, C, h)
+        out = torch.bmm(h, down.to(x.dtype)).view(n * C, d)  # (N*C, d)
         return out.index_select(0, slot)  # (A, d)
 
 

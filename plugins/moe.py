@@ -64,6 +64,11 @@ class MoEConfig(LookupOptions):
     travel only within the group, and capacity is decided for the group's batch. null: the processes of one
     node (all of them on one machine), so the exchange stays on the node's links. It must divide the number
     of processes; the groups' copies are kept equal by an all-reduce of their gradients. 1: no sharding."""
+    overlap_chunks: int = 2
+    """Under expert_parallel, each rank's experts are exchanged and computed in this many runs: one run's tokens
+    travel while another's experts compute (forward and backward). 1: every all_to_all blocks. Where it does not
+    divide the rank's num_experts / expert_group_size experts, the largest divisor below it is used (1 expert
+    per rank: 1, no overlap). The outputs are the same whatever the value."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +92,10 @@ class MoEConfig(LookupOptions):
         ):
             raise ValueError(
                 f"moe.expert_group_size must be a positive integer or null (a node), got {self.expert_group_size!r}"
+            )
+        if not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
+            raise ValueError(
+                f"moe.overlap_chunks must be a positive integer (1: a blocking exchange), got {self.overlap_chunks!r}"
             )
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"moe.dispatch={self.dispatch!r} is unknown; expected one of {DISPATCH_MODES}")
@@ -146,7 +155,7 @@ class MoELayer(nn.Module):
         if self.expert_group is not None:  # expert_parallel under torch.distributed: this rank's N/W experts
             y, p = parallel_dispatch(
                 flat, route.index, route.weight, valid, self.experts, capacity, self.config.dispatch,
-                self.expert_group, seq_len=T,
+                self.expert_group, seq_len=T, chunks=self.config.overlap_chunks,
             )  # fmt: skip
         else:
             y, p = dispatch(

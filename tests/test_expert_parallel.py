@@ -1,5 +1,6 @@
 """Expert parallelism (plugins/_expert_parallel.py): 2 gloo processes against one process on the global batch."""
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from rlm.plugins._expert_parallel import (
     check_ddp_ignores,
     expert_groups,
     ignore_in_ddp,
+    overlap_chunks,
     parallel_dispatch,
     route_group,
     shard_experts,
@@ -30,12 +32,12 @@ D, V, B, T = 32, 64, 2, 12  # B rows per rank
 TOL = dict(rtol=1e-4, atol=1e-5)  # float32; sums over tokens run in another order
 
 
-def _layer(capacity_factor: float, dispatch: str) -> MoELayer:
+def _layer(capacity_factor: float, dispatch: str, experts: int = 4, chunks: int = 1) -> MoELayer:
     torch.manual_seed(0)
     mc = ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=2, ffn="gated")
     c = MoEConfig(
-        layers=[0], num_experts=4, top_k=2, capacity_factor=capacity_factor, router_jitter=0.0,
-        balance_coef=0.0, z_coef=0.0, dispatch=dispatch, expert_parallel=True,
+        layers=[0], num_experts=experts, top_k=2, capacity_factor=capacity_factor, router_jitter=0.0,
+        balance_coef=0.0, z_coef=0.0, dispatch=dispatch, expert_parallel=True, overlap_chunks=chunks,
     )  # fmt: skip
     return MoELayer(c, mc, 0)  # float32: torch._grouped_mm takes no float64
 
@@ -96,8 +98,8 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
 
     dist.all_to_all_single = recording  # this process only (spawned)
     try:
-        for name, cf, mode in cases:
-            layer = _layer(cf, mode)
+        for name, cf, mode, chunks, experts in cases:
+            layer = _layer(cf, mode, experts, chunks)
             shard_experts(layer.experts, rank, 2)
             layer.expert_group = dist.group.WORLD
             x, tokens, mask, r = (t[rank * B : (rank + 1) * B] for t in _batch())
@@ -106,7 +108,7 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("bf16")):
                 y, loss = _loss(layer, x, tokens, mask, r)
             loss.backward()
-            out[(name, rank, "sent")] = list(sent_dtypes)  # forward's two exchanges, then backward's two
+            out[(name, rank, "sent")] = list(sent_dtypes)  # forward's 2 exchanges per chunk, then backward's
             grads = {}
             for n, p in layer.named_parameters():
                 if n.startswith("experts."):
@@ -117,18 +119,20 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
                     grads[n] = g / 2
             out[(name, rank)] = (y.detach(), x.grad / 2, grads)
         # Host reads of one dispatch: forward and backward (the MoE layer around it is not counted).
-        layer = _layer(0.75, "grouped")
-        shard_experts(layer.experts, rank, 2)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(T * B, D, generator=g, requires_grad=True)
-        index = torch.randint(0, 4, (T * B, 2), generator=g)
-        weight, valid = torch.rand(T * B, 2, generator=g), torch.ones(T * B, dtype=torch.bool)
-        with _host_reads() as forward:
-            y, _ = parallel_dispatch(x, index, weight, valid, layer.experts, layer.capacity, "grouped",
-                                     dist.group.WORLD, seq_len=T)  # fmt: skip
-        with _host_reads() as backward:
-            y.sum().backward()
-        out[("host reads", rank)] = (list(forward), list(backward))
+        for cf, mode, chunks in [(0.75, "grouped", 1), (0.75, "grouped", 2), (0, "bmm", 1), (0, "bmm", 2)]:
+            layer = _layer(cf, mode)
+            shard_experts(layer.experts, rank, 2)
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(T * B, D, generator=g, requires_grad=True)
+            index = torch.randint(0, 4, (T * B, 2), generator=g)
+            weight, valid = torch.rand(T * B, 2, generator=g), torch.ones(T * B, dtype=torch.bool)
+            with _host_reads() as forward:
+                y, _ = parallel_dispatch(x, index, weight, valid, layer.experts, layer.capacity, mode,
+                                         dist.group.WORLD, seq_len=T, chunks=chunks)  # fmt: skip
+            with _host_reads() as backward:
+                y.sum().backward()
+            out[("host reads", rank, mode, chunks)] = (list(forward), list(backward))
+        _order_part(rank, out)
         _save_part(rank, out)
         _clip_part(rank, out)
         # both ranks done with every collective before either tears gloo down (a rank that exits while
@@ -138,11 +142,18 @@ def _worker(rank: int, port: int, cases: list, out: dict) -> None:
         dist.destroy_process_group()
 
 
-CASES = [
-    ("capacity", 0.75, "grouped"),
-    ("dropless", 0.0, "grouped"),
-    ("capacity_bmm", 0.75, "bmm"),
-    ("capacity_bf16", 0.75, "grouped"),  # under CPU autocast: tokens travel in bfloat16
+CASES = [  # name, capacity factor, dispatch, overlap_chunks, experts (half on each rank)
+    ("capacity", 0.75, "grouped", 1, 4),
+    ("dropless", 0.0, "grouped", 1, 4),
+    ("capacity_bmm", 0.75, "bmm", 1, 4),
+    ("capacity_bf16", 0.75, "grouped", 1, 4),  # under CPU autocast: tokens travel in bfloat16
+    ("capacity_chunks2", 0.75, "grouped", 2, 4),  # one expert per chunk
+    ("dropless_chunks2", 0.0, "grouped", 2, 4),
+    ("dropless_bmm_chunks2", 0.0, "bmm", 2, 4),
+    ("capacity_chunks2_bf16", 0.75, "grouped", 2, 4),
+    ("capacity_chunks4", 0.75, "grouped", 4, 8),
+    ("dropless_chunks4", 0.0, "grouped", 4, 8),
+    ("capacity_bmm_chunks3of4", 0.75, "bmm", 3, 8),  # 3 does not divide 4 experts per rank: 2 chunks
 ]
 
 
@@ -155,10 +166,10 @@ def two_ranks() -> dict:
 @pytest.mark.ddp
 def test_two_processes_equal_one_process_on_the_global_batch(two_ranks):
     got = two_ranks
-    for name, cf, mode in CASES:
+    for name, cf, mode, chunks, experts in CASES:
         bf16 = name.endswith("bf16")
         tol = dict(rtol=2e-2, atol=2e-2) if bf16 else TOL
-        layer = _layer(cf, mode)
+        layer = _layer(cf, mode, experts)  # one process: every expert, no exchange
         x, tokens, mask, r = _batch()
         x.requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -180,12 +191,147 @@ def test_two_processes_equal_one_process_on_the_global_batch(two_ranks):
                 assert_close(g1[n], want, msg=f"{name}: {n}", **tol)
         # Expert tokens travel in the experts' compute dtype: bfloat16 under autocast, both ways.
         want_dtype = torch.bfloat16 if bf16 else torch.float32
+        exchanges = 4 * overlap_chunks(experts // 2, chunks)  # dispatch and combine per chunk, both ways
         for rank in (0, 1):
-            assert got[(name, rank, "sent")] == [want_dtype] * 4, name
-    # Per dispatch: two host reads (every rank's row count; the W x W split matrix), none in backward. The
-    # loop it replaces read ~2 * seq_len * W + 6 ints.
+            assert got[(name, rank, "sent")] == [want_dtype] * exchanges, name
+    # Per dispatch: two host reads (every rank's row count; the W x W x chunks split tensor), none in backward,
+    # whatever the chunks. The loop it replaces read ~2 * seq_len * W + 6 ints. Dropless bmm reads its largest
+    # queue once more, once for all the chunks.
     for rank in (0, 1):
-        assert got[("host reads", rank)] == (["tolist", "tolist"], []), rank
+        for chunks in (1, 2):
+            assert got[("host reads", rank, "grouped", chunks)] == (["tolist", "tolist"], []), (rank, chunks)
+            assert got[("host reads", rank, "bmm", chunks)] == (["tolist", "tolist", "__int__"], []), chunks
+
+
+class _Work:
+    """An all_to_all's work handle that records its wait."""
+
+    def __init__(self, work, i: int, events: list) -> None:
+        self.work, self.i, self.events = work, i, events
+
+    def wait(self) -> bool:
+        self.events.append(("wait", self.i))
+        return self.work.wait() if self.work is not None else True
+
+
+def _record_events(layer: MoELayer, blocking: bool) -> tuple[list, Callable[[], None]]:
+    """Record, in order, the layer's exchanges started ("launch", i) and waited for ("wait", i), and each chunk's
+    experts' start and end, in forward (module hooks) and backward (gradient hooks on their output and input).
+
+    ``blocking``: every all_to_all completes in its call (a blocking exchange under the same code). Returns the
+    event list and a function that ends the recording.
+    """
+    import torch.distributed as dist
+
+    events: list = []
+    real = dist.all_to_all_single
+    chunks = overlap_chunks(layer.experts.up.shape[0], layer.config.overlap_chunks)
+    calls = [0]
+
+    def recording(output, input, *args, async_op=False, **kwargs):
+        i = sum(e[0] == "launch" for e in events)
+        events.append(("launch", i))
+        if blocking or not async_op:
+            real(output, input, *args, **kwargs)
+            events.append(("wait", i))  # done in the call; the caller's own wait is not recorded
+            return _Work(None, i, []) if async_op else None
+        return _Work(real(output, input, *args, async_op=True, **kwargs), i, events)
+
+    def start(module, args):
+        c = calls[0] % chunks  # the forward runs the chunks in order
+        events.append(("start", c))
+        args[0].register_hook(lambda g: events.append(("end", c)))  # backward: the experts' last gradient
+
+    def end(module, args, out):
+        c = calls[0] % chunks
+        calls[0] += 1
+        events.append(("end", c))
+        out.register_hook(lambda g: events.append(("start", c)))  # backward: the experts' first gradient
+
+    dist.all_to_all_single = recording
+    handles = [layer.experts.register_forward_pre_hook(start), layer.experts.register_forward_hook(end)]
+
+    def undo() -> None:
+        dist.all_to_all_single = real
+        for h in handles:
+            h.remove()
+
+    return events, undo
+
+
+ORDER_CASES = [
+    ("overlap", 2, False),
+    ("one chunk", 1, False),
+    ("blocking", 2, True),
+]  # name, chunks, blocking
+
+
+def _order_part(rank: int, out: dict) -> None:
+    """The events of one forward and one backward of a 2-chunk layer (4 experts), and of the two that do not
+    overlap: 1 chunk, and 2 chunks over a blocking all_to_all (in _worker's process group)."""
+    import torch.distributed as dist
+
+    for name, chunks, blocking in ORDER_CASES:
+        layer = _layer(0.0, "grouped", 4, chunks)  # dropless: every chunk has rows on both ranks here
+        shard_experts(layer.experts, rank, 2)
+        layer.expert_group = dist.group.WORLD
+        x, tokens, mask, r = (t[rank * B : (rank + 1) * B] for t in _batch())
+        x = x.clone().requires_grad_(True)
+        events, undo = _record_events(layer, blocking)
+        try:
+            _, loss = _loss(layer, x, tokens, mask, r)
+            forward = list(events)
+            events.clear()
+            loss.backward()
+        finally:
+            undo()
+        out[(name, rank)] = (forward, list(events))
+
+
+def _overlap_faults(events: list) -> list[str]:
+    """What in ``events`` (:func:`_record_events`) shows an exchange not overlapping the experts; [] if none.
+
+    Chunks are taken in the order their experts start (the backward runs them in reverse). Every chunk's
+    incoming exchange must start before the first experts; chunk c+1's must be waited for only after chunk c's
+    experts end; chunk c's outgoing exchange must start before chunk c+1's experts and be waited for only
+    after they end.
+    """
+    at: dict = {}
+    for i, e in enumerate(events):
+        at.setdefault(e, i)  # the first wait counts: an exchange waited for twice was done at the first
+    order = [e[1] for e in events if e[0] == "start"]
+    if len(order) < 2:
+        return [f"the experts ran as {len(order)} chunk(s)"]
+    launches = [i for i, e in enumerate(events) if e[0] == "launch"]
+    inbound = [events[i][1] for i in launches if i < at["start", order[0]]]
+    faults = []
+    if len(inbound) != len(order):
+        faults.append(f"{len(inbound)} exchange(s) in flight before the first experts, not {len(order)}")
+    for k, (c, nxt) in enumerate(zip(order, order[1:])):
+        if k + 1 < len(inbound) and at["wait", inbound[k + 1]] < at["end", c]:
+            faults.append(f"chunk {nxt}'s tokens were waited for before chunk {c}'s experts ended")
+        sent = [events[i][1] for i in launches if at["end", c] < i < at["start", nxt]]
+        if not sent:
+            faults.append(f"chunk {c}'s results left after chunk {nxt}'s experts started")
+        elif at["wait", sent[0]] < at["end", nxt]:
+            faults.append(f"chunk {c}'s results were waited for before chunk {nxt}'s experts ended")
+    return faults
+
+
+@pytest.mark.ddp
+def test_exchanges_overlap_the_experts_in_forward_and_backward(two_ranks):
+    for rank in (0, 1):
+        forward, backward = two_ranks["overlap", rank]
+        # forward: both chunks' tokens leave, then chunk 0 computes while chunk 1's travel, and chunk 0's
+        # results travel while chunk 1 computes; backward: the same with the chunks in reverse
+        assert [e[1] for e in forward if e[0] == "start"] == [0, 1]
+        assert [e[1] for e in backward if e[0] == "start"] == [1, 0]
+        assert _overlap_faults(forward) == [], forward
+        assert _overlap_faults(backward) == [], backward
+        # The check can fail: one chunk, or two over a blocking all_to_all, overlap nothing.
+        for name in ("one chunk", "blocking"):
+            for events in two_ranks[name, rank]:
+                assert _overlap_faults(events), (name, events)
 
 
 def _route_reference(routed, sizes, T, rank, n_local, cap):
@@ -219,6 +365,8 @@ def _route_reference(routed, sizes, T, rank, n_local, cap):
         perm=torch.argsort(src[here], stable=True),
         local=(p.assignment[here], p.token[here], p.expert[here] - rank * n_local, p.position[here]),
         counts=p.counts[rank * n_local : (rank + 1) * n_local],
+        sent_expert=p.expert[mine] % n_local,  # the expert of each sent assignment, among its rank's
+        source=src[here],  # the source rank of each local plan row
     )
 
 
@@ -259,6 +407,55 @@ def test_route_group_equals_the_loop_reference(world, seqs, T, k, n_local, cap):
                 assert_close(a, b)
             assert_close(got.local.counts, want["counts"])
         assert (want["plan"].dropped > 0) == (cap is not None), trial  # the capacity overflowed where set
+
+
+@pytest.mark.parametrize("world,seqs,T,k,n_local,cap", [
+    (2, [2, 2], 5, 2, 4, 6),  # capacity overflows
+    (3, [1, 3, 2], 4, 2, 2, 2),  # unequal batches, tight capacity
+    (2, [3, 1], 6, 1, 4, None),  # dropless, Switch's k = 1
+])  # fmt: skip
+def test_route_group_chunks_split_the_one_chunk_route(world, seqs, T, k, n_local, cap):
+    g = torch.Generator().manual_seed(world * 100 + T)
+    routed, sizes = _random_routing(g, world, seqs, T, k, n_local * world)
+    for chunks in [c for c in range(2, n_local + 1) if n_local % c == 0]:
+        per_chunk = n_local // chunks
+        for rank in range(world):
+            got = route_group(routed, sizes, T, rank, n_local, cap, chunks)
+            want = _route_reference(routed, sizes, T, rank, n_local, cap)
+            assert_close(got.plan.assignment, want["plan"].assignment)  # the plan is the chunks' own
+            assert got.send == want["send"] and got.recv == want["recv"]
+            assert len(got.chunks) == chunks
+            local = dict(zip(("assignment", "token", "expert", "position"), want["local"]))
+            for c, part in enumerate(got.chunks):
+                assert part.experts == slice(c * per_chunk, (c + 1) * per_chunk)
+                # what this rank sends for the chunk: the one-chunk route's rows to its experts, in order
+                to_chunk = want["sent_expert"] // per_chunk == c
+                assert_close(got.token[part.sent], want["token"][to_chunk])
+                assert_close(got.choice[part.sent], want["choice"][to_chunk])
+                dst = torch.arange(world).repeat_interleave(torch.tensor(want["send"]))
+                assert part.send == torch.bincount(dst[to_chunk], minlength=world).tolist()
+                # what it receives: the local plan's rows of the chunk's experts, ids from the chunk's first
+                rows = local["expert"] // per_chunk == c
+                assert part.recv == torch.bincount(want["source"][rows], minlength=world).tolist()
+                for field in ("assignment", "token", "position"):
+                    assert_close(getattr(part.plan, field), local[field][rows], msg=field)
+                assert_close(part.plan.expert, local["expert"][rows] - c * per_chunk)
+                assert_close(part.plan.counts, want["counts"][part.experts])
+                # arrivals by source rank, plan order within: row perm[i] of the chunk's plan
+                assert_close(
+                    got.perm[part.arrived] - part.arrived.start,
+                    torch.argsort(want["source"][rows], stable=True),
+                )
+
+
+def test_overlap_chunks_is_checked_and_falls_back_to_a_divisor():
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"moe.overlap_chunks must be a positive integer .*got {bad!r}"):
+            MoEConfig(overlap_chunks=bad)
+    assert MoEConfig().overlap_chunks == 2
+    # the largest divisor of a rank's experts not above the setting: 1 expert per rank cannot overlap
+    assert [overlap_chunks(n, 2) for n in (1, 2, 3, 4)] == [1, 2, 1, 2]
+    assert [overlap_chunks(n, 4) for n in (4, 6, 8)] == [4, 3, 4]
 
 
 def _count_ops(fn, *args) -> int:
@@ -565,4 +762,7 @@ def test_benchmark_script_smoke():
     run = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]  # the benchmark's own error, not only its exit status
     out = run.stdout
-    assert "| 4 experts, replicated |" in out and "| 4 experts, expert parallel |" in out
+    assert "| 4 experts, replicated |" in out
+    assert (
+        "| 4 experts, expert parallel, 1 chunk |" in out and "| 4 experts, expert parallel, 2 chunks |" in out
+    )
