@@ -1,10 +1,14 @@
 """The narrow embedding: a PCA projection of the index's vectors, fitted at each rebuild (rlm/train/SCALE.md item 10).
 
 At 1B segments the embedder's d_model-wide vectors are terabytes; only the search needs them, so the index holds
-them narrowed to m dims: y = normalise(V_m^T (x - mu)), mu the mean and V_m the top-m principal directions of a
-sample of the vectors about to be indexed. Measured on trained e(.) (benchmarks/narrow_embedding.py), PCA keeps
-recall@10 0.89-0.90 of the full-width exact search at half width, a random projection 0.62-0.68. The results
-are renormalised so the index keeps unit vectors and inner-product scores (merged across parts as before).
+them narrowed to m dims: y = normalise(V_m^T x), V_m the top-m eigenvectors of the second-moment matrix X^T X of a
+sample of the vectors about to be indexed (PCA without centring). Not centred, because the search ranks by inner
+products of unit vectors, and x . y keeps the shared mean direction's part mu . y, which centring drops: on the
+trained e(.) of the default corpus (300 steps, d 256, benchmarks/narrow_embedding.py) the uncentred projection
+keeps recall@10 0.894 of the full-width exact search at half width, the centred one 0.813, a random projection
+0.684. The results are renormalised so the index keeps unit vectors and inner-product scores (merged across parts
+as before). ``Projection.mean`` stays in the format (zeros from this fit), so a stored centred projection still
+applies as it was fitted.
 
 The projection is stored in the index directory (PROJECTION) and recorded in the embedder identity of its
 metadata (``identity["projection"]``), so an index is searched only with its own projection: a query of another
@@ -127,17 +131,16 @@ def sample_rows(n: int, size: int) -> np.ndarray:
 
 
 def fit_pca(sample: np.ndarray, m: int) -> Projection:
-    """The mean and top-m principal directions of a (n, D) sample (eigenvectors of its covariance in float64;
-    each direction's sign fixed so its largest-magnitude entry is positive)."""
+    """The top-m principal directions of a (n, D) sample without centring (eigenvectors of its second-moment matrix
+    in float64; each direction's sign fixed so its largest-magnitude entry is positive), with a zero mean."""
     x = torch.from_numpy(np.ascontiguousarray(sample, dtype=np.float32))
     n, D = x.shape
     if not 1 <= m < D:
         raise ValueError(f"a PCA to m={m} dims needs 1 <= m < {D}, the vectors' width")
     if n < 2:
         raise ValueError(f"a PCA needs at least 2 vectors, got {n}")
-    mean = x.mean(0)
-    xc = x - mean  # (n, D)
-    cov = (xc.T @ xc).double()  # (D, D): a float32 product, the eigensolver in float64
+    mean = torch.zeros(D)  # not centred: see the module docstring
+    cov = (x.T @ x).double()  # (D, D) second moments: a float32 product, the eigensolver in float64
     _, vectors = torch.linalg.eigh(cov)  # ascending eigenvalues
     top = vectors[:, -m:].flip(1).T  # (m, D) largest first
     sign = torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))  # (m, 1)
