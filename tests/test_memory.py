@@ -219,3 +219,38 @@ def test_a_layer_outside_the_model_is_named():
     cfg = merged("gpt2_small", ["gpt2/pkm"], {"pkm": {"layers": [12]}})
     with pytest.raises(ValueError, match=r"layers \[12\] are outside the model's 12; accepted: -12..11"):
         estimate(cfg)
+
+
+def test_a_host_too_small_for_every_local_process_is_refused_before_the_model_is_built(monkeypatch):
+    """SCALE.md item 14's bound: 4 B x parameters x local processes against MemAvailable, checked in
+    LMModule.__init__ before anything is allocated; the error names the need, the processes and the memory."""
+    import rlm.train.memory as memory
+    import rlm.train.module as module
+    from rlm.model import ModelConfig
+    from rlm.train.memory import check_host_build, local_processes
+
+    mc = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4)
+    params = sum(p.numel() for p in Transformer(mc).parameters())
+    check_host_build(mc, {}, processes=2, available=8 * params)  # exactly fits
+    with pytest.raises(MemoryError, match=rf"{params:,} fp32 parameters in each of 2 process\(es\)"):
+        check_host_build(mc, {}, processes=2, available=8 * params - 1)
+    check_host_build(mc, {"moe": None}, processes=1, available=4 * params)  # a disabled plugin counts nothing
+
+    for env, want in [({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4), ({"SLURM_NTASKS_PER_NODE": "8(x2)"}, 8)]:
+        for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert local_processes() == want
+
+    built = []
+    monkeypatch.setattr(module, "Transformer", lambda *a: built.append(a))
+    monkeypatch.setattr(
+        memory, "available_host_bytes", lambda: 4 * params * 8 - 1
+    )  # 8 processes' need, less 1
+    with pytest.raises(MemoryError, match="GiB is available"):
+        module.LMModule(model=mc)
+    assert built == []  # refused before the build
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    module.LMModule(model=mc)
+    assert len(built) == 1

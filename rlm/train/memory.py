@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlm.model.config import ModelConfig
@@ -279,3 +279,61 @@ def format_estimate(est: dict[str, Any]) -> str:
         f"total {est['total_bytes'] / gib:.2f} GiB (not counted: CUDA context, allocator slack, compile workspace)",
     ]
     return "\n".join(lines + est["notes"])
+
+
+def local_processes() -> int:
+    """Processes of this job on this machine, as the launcher says (torchrun's LOCAL_WORLD_SIZE, srun's
+    SLURM_NTASKS_PER_NODE such as '8' or '8(x2)'); 1 when none says (one process, or Lightning's own launcher,
+    whose later processes start after this one has built its model and so see its memory taken)."""
+    import os
+
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "").split("(")[0].split(",")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_build(
+    model: ModelConfig, plugins: dict[str, Any], processes: int | None = None, available: int | None = None
+) -> None:
+    """Refuse, before anything is allocated, a model whose full fp32 copy in each local process does not fit the
+    host's available memory (rlm/train/SCALE.md item 14: every rank builds and initialises the whole model on the
+    host before FSDP2 shards it; an OLMoE-sized 6.9B model is 27.6 GB a process, 221 GB for 8 on a node). The
+    alternative is the kernel's OOM killer partway through eight processes' random init, which names nothing.
+    Plugins without a memory formula are counted as the base model (the check then errs towards building)."""
+    processes = local_processes() if processes is None else processes
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    plugins = {k: v for k, v in plugins.items() if v is not None}
+    try:
+        params = estimate({"model": {"model": asdict(model), "plugins": plugins}})["params"]
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+    ):  # a plugin with no formula, or options Transformer will refuse by name
+        params = _base(model).params
+    need = 4 * params * processes
+    if need > available:
+        gib = 2**30
+        raise MemoryError(
+            f"building this model needs {need / gib:.1f} GiB of host memory ({params:,} fp32 parameters in each of "
+            f"{processes} process(es) on this machine), and {available / gib:.1f} GiB is available: every process "
+            "builds and initialises the whole model on the host before FSDP2 shards it (a meta-device build is "
+            "not done yet, rlm/train/SCALE.md item 14). Use fewer processes per machine, a host with more memory, "
+            "or a smaller model."
+        )

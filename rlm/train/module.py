@@ -20,6 +20,7 @@ from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
 from rlm.train.diff import config_diff
+from rlm.train.memory import check_host_build
 from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
 from rlm.train.throughput import Throughput
 
@@ -102,6 +103,7 @@ class LMModule(pl.LightningModule):
         plugins = {k: v for k, v in (plugins or {}).items()}
         self.save_hyperparameters({"model": asdict(model), "plugins": plugins, "optim": asdict(optim)})
         self.model_config, self.optim = model, optim
+        check_host_build(model, plugins)  # a clear error, not the OOM killer mid-init (SCALE.md item 14)
         self.model = Transformer(model, plugins)
         # Applied in configure_model, after the strategy's sharding (SCALE.md, item 15); not a hyperparameter.
         self.compile_config = compile_config(compile)
