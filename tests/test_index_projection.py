@@ -5,7 +5,6 @@ use of index_dim, and with 2 gloo processes the same projection on every rank an
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -315,12 +314,13 @@ class GlooStrategy:
         dist.barrier()
 
 
-def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
+def _worker(rank: int, port: int, root: str, out: dict) -> None:
     import torch.distributed as dist
 
     from rlm.index.protocol import shard_range
     from rlm.index.sharded import build_sharded_memory, fit_projection_across_ranks
 
+    world = 2  # spawn_local's processes
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -354,18 +354,11 @@ def test_two_ranks_fit_one_projection_and_search_as_one_process(tmp_path):
     """2 gloo ranks: both hold the same projection, fitted on the gathered per-rank samples (equal to the 1-process
     fit on those rows), and the sharded narrowed index gives the 1-process narrowed index's table and search; the
     rebuild callback, unsharded and sharded, narrows alike on both ranks and gives the 1-process table."""
-    import torch.multiprocessing as mp
-
     from rlm.index.projection import sample_rows
     from rlm.index.protocol import shard_range
+    from rlm.train.parallel import spawn_local
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(2, port, str(tmp_path), out), nprocs=2)
-        got = dict(out)
+    got = spawn_local(_worker, str(tmp_path))
     np.testing.assert_array_equal(got[0][0], got[1][0])
     np.testing.assert_array_equal(got[0][1], got[1][1])
     segments, rows = segments_for(600)
