@@ -235,6 +235,11 @@ def test_a_host_too_small_for_every_local_process_is_refused_before_the_model_is
     with pytest.raises(MemoryError, match=rf"{params:,} fp32 parameters in each of 2 process\(es\)"):
         check_host_build(mc, {}, processes=2, available=8 * params - 1)
     check_host_build(mc, {"moe": None}, processes=1, available=4 * params)  # a disabled plugin counts nothing
+    # no formula (the estimate raises NotImplementedError for a shared encoder): the base model is counted
+    shared = {"retrieval": {"layers": [1], "embedder": "shared"}}
+    check_host_build(mc, shared, processes=1, available=4 * params)
+    with pytest.raises(MemoryError):
+        check_host_build(mc, shared, processes=1, available=4 * params - 1)
 
     for env, want in [({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4), ({"SLURM_NTASKS_PER_NODE": "8(x2)"}, 8)]:
         for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
