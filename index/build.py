@@ -125,7 +125,12 @@ def process_gpu() -> int | None:
     import torch
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and torch.cuda.is_available():
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and torch.cuda.is_available()
+    ):
         return int(torch.cuda.current_device())
     return None
 

@@ -57,7 +57,11 @@ def reading_keys(module: Any, layer: str) -> Iterator[dict[str, torch.Tensor]]:
     if layer not in LAYERS:
         raise ValueError(f"key layer {layer!r}; accepted: {list(LAYERS)}")
     model = module.model
-    target = {"final": model.norm, "ffn_input": model.blocks[-1].ffn_norm, "attn_input": model.blocks[-1].attn_norm}[layer]
+    target = {
+        "final": model.norm,
+        "ffn_input": model.blocks[-1].ffn_norm,
+        "attn_input": model.blocks[-1].attn_norm,
+    }[layer]
     out: dict[str, torch.Tensor] = {}
 
     def hook(_mod: Any, _inp: Any, output: torch.Tensor) -> None:

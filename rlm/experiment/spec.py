@@ -45,8 +45,11 @@ KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
     "max_documents": (int, "a positive integer"),
     "cache": (bool, "true or false"),
     "keep": (bool, "true or false"),
-    "rule": (str, "'interpolate' (kNN-LM's eq. 2), 'joint' (the token memory's mixture) or 'model' (a "
-                  "knn_attention model searching the datastore inside its forward pass; layer attn_input)"),
+    "rule": (
+        str,
+        "'interpolate' (kNN-LM's eq. 2), 'joint' (the token memory's mixture) or 'model' (a "
+        "knn_attention model searching the datastore inside its forward pass; layer attn_input)",
+    ),
 }
 """A variant's ``knnlm`` stage: the options of ``rlm knnlm build`` (``--layer`` ...), ``cache`` (``rlm eval
 --knn-cache``), ``keep`` (keep the datastore directory; by default only its meta.json stays) and ``rule``: how

@@ -182,7 +182,8 @@ class NonFiniteGuard(pl.Callback):
             if dense:
                 norms = torch.stack([n.float() for n in torch._foreach_norm(dense)])
                 verdict = torch.isfinite(norms).all()
-                if isinstance(verdict, DTensor):  # FSDP2's sharded gradients: every rank's shards, one verdict
+                # FSDP2's sharded gradients: every rank's shards, one verdict
+                if isinstance(verdict, DTensor):
                     verdict = verdict.full_tensor()
                 finite = finite & verdict.to(finite.device)
             for g in grads:
