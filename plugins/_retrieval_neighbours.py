@@ -159,10 +159,11 @@ def gather_inputs(
         if len(rows):
             e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
             # full width: the memory narrows the queries by its index's projection, if it has one
-            got = memory.search_scored(e.float().cpu().numpy(), q_ids.reshape(-1)[rows], k_table, exclusions)
+            e_np = e.float().cpu().numpy()  # (R, D): the one read of the queries for the CPU index
+            got = memory.search_scored(e_np, q_ids.reshape(-1)[rows], k_table, exclusions)
             nb[rows], scores[rows] = got.ids, got.scores
             excluded = int(got.excluded.sum()) if got.excluded is not None else 0
-            e = index_width(memory, e)  # (R, m): own-past scores below compare with the index's
+            e = index_width(memory, e, e_np)  # (R, m): own-past scores below compare with the index's
             e_q = torch.zeros(B * n, e.shape[-1], device=e.device, dtype=e.dtype)  # (B*n, m)
             e_q[torch.from_numpy(rows).to(e.device)] = e
         elif memory.collective:  # a sharded index searches with every rank: join in with no query
@@ -206,12 +207,13 @@ def gather_inputs(
     )
 
 
-def index_width(memory: RetrievalMemory, e: Tensor) -> Tensor:
+def index_width(memory: RetrievalMemory, e: Tensor, host: np.ndarray | None = None) -> Tensor:
     """(R, D) unit e(.) as the memory's index holds them: narrowed by its projection (rlm.index.projection), if any,
-    so a cosine to them is on the scale of the index's scores."""
+    so a cosine to them is on the scale of the index's scores. host: e already read to the host (not read again)."""
     if memory.projection is None:
         return e
-    return torch.from_numpy(memory.project(e.float().cpu().numpy())).to(e.device)
+    host = e.float().cpu().numpy() if host is None else host
+    return torch.from_numpy(memory.project(host)).to(e.device)
 
 
 def two_table_tokens(ref, own, off: int, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:
