@@ -1,4 +1,4 @@
-"""PKM values under DDP and FSDP2: the step and the bytes each rank sends with the touched-row exchange against the
+"""PKM values under DDP and FSDP2: the step and the bytes each rank sends with the exchange of reads against the
 dense path, at 16k and 1M slots.
 
     python benchmarks/pkm_parallel.py                          # DDP: 16k and 1M slots, d=64, 2 x 64 tokens per rank
@@ -12,13 +12,15 @@ torch's DistributedDataParallel (``--strategy ddp``) and train it for a few step
 - dense (pkm.sparse: false, the old path): the values get a dense (slots, d) gradient that DDP all-reduces
   with the other parameters;
 - rows (pkm.sparse: auto under DDP): DDP reduces the other parameters only; the plugin's row-wise Adam
-  all-gathers each rank's touched rows and row gradients (plugins/_pkm_rows.py exchange_rows).
+  all-gathers each rank's reads of the table (plugins/_pkm_rows.py exchange_lookups: per lookup its row, token
+  and weight, per token its output gradient) and updates the rows they touched.
 
 DDP bytes are the sizes of the gradient buckets DDP hands its communication hook (counted by a hook that then
 runs the default all-reduce; a ring all-reduce sends 2 (W-1)/W of them per rank, = 1x for W=2); row bytes are
-what the rank passes to the all-gathers. The row exchange scales with the rows a step touches (at most
-heads x topk x tokens, fewer on a small table where they repeat), the dense path with the table. Times are
-the median wall-clock step of rank 0 on a shared 2-core CPU with gloo: indicative only.
+what the rank passes to the all-gathers. The exchange scales with the tokens a step reads for (heads x topk
+lookups of 8 bytes and d gradient values each), the dense path with the table; "rows touched" is the number of
+distinct rows the rank's reads touch. Times are the median wall-clock step of rank 0 on a shared 2-core CPU
+with gloo: indicative only.
 
 ``--strategy fsdp2`` shards the same module with FSDP2 (``fully_shard`` on the layer, as on a block, then on the
 root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, backward, the row-wise Adam

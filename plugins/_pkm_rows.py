@@ -1,6 +1,6 @@
 """PKM value rows under training: the lazy row-wise Adam that reads and writes only touched rows (RowAdam), and
-the exchange of touched rows and their gradients between data-parallel ranks (exchange_rows), which falls back to
-a dense all-reduce when that moves fewer bytes.
+the exchange of the table's reads between data-parallel ranks (exchange_lookups: every rank's lookups and output
+gradients), which falls back to a dense all-reduce of the gradient when that moves fewer bytes.
 
 The lookups and their gradients come from the value read of _pkm_ops.py (value_lookup with a sink).
 """
@@ -34,7 +34,7 @@ class RowAdam:
     ) -> None:
         self.lr, self.betas, self.eps = lr, betas, eps
         self.group: Any = None
-        """A torch.distributed process group: ``step`` then exchanges the touched rows (see exchange_rows)."""
+        """A torch.distributed process group: ``step`` then exchanges the reads (see exchange_lookups)."""
         self.sent_bytes = 0
         """Bytes this rank sent in the last step's row exchanges, all tables (0 on one process)."""
         self.tables: dict[str, Tensor] = {}
@@ -60,29 +60,26 @@ class RowAdam:
         """Drop pending gradients."""
         self.reads.clear()
 
-    def _lookups(self, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
-        """Every pending read of a table grouped by row: rows, offsets, tok, w (see sort_lookups) and grad."""
+    def _reads(self, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """Every pending read of a table, flat: (slots (E,), weights (E,), grad row of each (E,), grad (R, d))."""
         reads = self.reads.get(key)
         if not reads:
             return None
-        if len(reads) == 1:
-            slots, weights, grad = reads[0]
-            return (*sort_lookups(slots, weights), grad.contiguous())
         # Several reads (layers sharing the table, accumulated micro-batches): one list of lookups into the
         # concatenated output gradients.
-        starts = [0]
-        for _, _, g in reads:
-            starts.append(starts[-1] + g.shape[0])
-        tok = torch.cat(
-            [
-                (torch.arange(g.shape[0]) + s0).repeat_interleave(sl.shape[1])
-                for (sl, _, g), s0 in zip(reads, starts)
-            ]
-        )
+        tok, start = [], 0
+        for sl, _, g in reads:
+            tok.append((torch.arange(g.shape[0], device=sl.device) + start).repeat_interleave(sl.shape[1]))
+            start += g.shape[0]
         slots = torch.cat([sl.reshape(-1) for sl, _, _ in reads])
         weights = torch.cat([w.reshape(-1) for _, w, _ in reads])
-        grad = torch.cat([g for _, _, g in reads])
-        return (*sort_lookups(slots, weights, tok.to(slots.device)), grad.contiguous())
+        grad = reads[0][2].contiguous() if len(reads) == 1 else torch.cat([g for _, _, g in reads])
+        return slots, weights, torch.cat(tok), grad
+
+    def _lookups(self, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+        """Every pending read of a table grouped by row: rows, offsets, tok, w (see sort_lookups) and grad."""
+        got = self._reads(key)
+        return None if got is None else (*sort_lookups(*got[:3]), got[3])
 
     def pending(self, key: str) -> tuple[Tensor, Tensor] | None:
         """The accumulated gradient of a table as (distinct rows (U,), row gradients (U, d)), or None."""
@@ -115,18 +112,19 @@ class RowAdam:
         """Apply one Adam step to the touched rows of every table, then clear the gradients."""
         self.sent_bytes = 0
         for key, table in self.tables.items():
-            got = self._lookups(key)
             if self.group is not None:
-                # Every rank takes part (a rank without reads sends no rows) and gets the same global lookups.
-                if got is not None:
-                    rows, offsets, tok, w, grad = got
-                    g = row_gradients(offsets, tok, w, grad)  # (U_r, d) for the rows (U_r,)
-                else:
-                    rows, g = table.new_empty(0, dtype=torch.int64), table.new_empty(0, table.shape[1])
+                # Every rank takes part (a rank without reads sends none) and gets the same global lookups.
+                got = self._reads(key)
+                if got is None:
+                    empty = table.new_empty(0, dtype=torch.int64)
+                    got = (empty, table.new_empty(0), empty, table.new_empty(0, table.shape[1]))
+                slots, weights, tok, grad = got
                 *got, sent = exchange_lookups(
-                    rows, g.to(table.dtype), table.shape[1], self.group, slots=table.shape[0]
+                    slots, weights.to(table.dtype), tok, grad.to(table.dtype), self.group, rows=table.shape[0]
                 )
                 self.sent_bytes += sent
+            else:
+                got = self._lookups(key)
             if got is None or got[0].numel() == 0:
                 continue
             rows, offsets, tok, w, grad = got
@@ -183,78 +181,96 @@ class RowAdam:
         }
 
 
-def exchange_rows(
-    rows: Tensor, grads: Tensor, d: int, group: Any, slots: int | None = None
-) -> tuple[Tensor, Tensor, int]:
-    """The data-parallel gradient of a table from each rank's (distinct rows (U_r,), row gradients (U_r, d)).
+# The lookup exchange's reduction reads one gradient row per lookup on every rank; a byte read from memory is
+# counted as 1/REDUCE_READS_PER_BYTE of a byte received when choosing it over the dense all-reduce. 8: a CPU's
+# memory against loopback TCP, or HBM against NVLink, are 5-10x apart; HBM against InfiniBand ~60x (then the
+# count overstates the reduction, and the dense way is taken a little early).
+REDUCE_READS_PER_BYTE = 8
 
-    Returns (rows (U,), gradients (U, d), bytes this rank put into the collective): the union of every rank's
-    rows (ascending), each row's gradient summed over ranks and divided by the world size W. That is what
-    DDP's mean all-reduce of the dense (slots, d) gradient gives, and the gradient of the mean loss over the
-    global batch. Every rank gets the same tensors in the same order, so the same row-wise Adam keeps the
-    replicas equal. RowAdam takes the same exchange as lookups (exchange_lookups), which skips building the
-    (U, d) sums: its update reduces each row's lookups itself.
-    """
-    rows, offsets, tok, w, grad, sent = exchange_lookups(rows, grads, d, group, slots)
-    return rows, row_gradients(offsets, tok, w, grad), sent
+
+def _all_gather(out: Tensor, inp: Tensor, group: Any) -> None:
+    """All-gather ``inp`` of every rank into ``out`` (rank-major); torch 2.13 renamed all_gather_into_tensor."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
 
 
 def exchange_lookups(
-    rows: Tensor, grads: Tensor, d: int, group: Any, slots: int | None = None
+    slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, group: Any, rows: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """exchange_rows's result as lookups (see sort_lookups) into the received gradients, and the bytes sent.
+    """The data-parallel gradient of a (rows, d) table, from each rank's reads of it, as lookups by row.
 
-    Returns (rows (U,), offsets (U+1,), tok (E,), w (E,), grad (R, d), bytes): the gradient of rows[u] is
-    sum over e in offsets[u]:offsets[u+1] of w[e] * grad[tok[e]], with w = 1/W (the mean over ranks). The row
-    update (RowAdam: the fused kernel, or an EmbeddingBag) does that sum while it reads each row, so the
-    received (sum U_r, d) gradients are not copied, summed into a (U, d) tensor and divided again: at 1M slots
-    those three passes over ~32k rows of the union were a share of the step that grows with the rows touched.
-    For W a power of two the sums are bitwise those of summing first and dividing after (x / 2^j is exact).
+    Each rank passes its reads flat: lookup e reads row slots[e] (E,) with weight weights[e] for output
+    gradient grad[tok[e]] (grad (R, d)). Returns (rows (U,), offsets (U+1,), tok (E',), w (E',), grad (R', d),
+    bytes this rank sent): the gradient of row rows[u] is the sum over e in offsets[u]:offsets[u+1] of
+    w[e] * grad[tok[e]]. rows is the union of every rank's rows (ascending), and each row's gradient is the
+    sum over ranks divided by the world size W: what DDP's mean all-reduce of the dense (rows, d) gradient
+    gives, the gradient of the mean loss over the global batch. Every rank gets the same tensors, so the same
+    row-wise Adam (which does these sums as it reads each row) keeps the replicas equal.
 
-    Two ways, chosen by the bytes each moves (both need the W row counts first, one small all-gather):
-    - rows: an all-gather of max_r U_r row ids (int64) and gradients from every rank, W * max_r U_r * (8 + 4d)
-      bytes received; scales with the rows touched, never with the table;
-    - dense (when ``slots``, the table's row count, is given and it is cheaper): one all-reduce of the
-      (slots, d + 1) gradient with a touched-row column, ~2 * slots * (d + 1) * 4 bytes on a ring.
-    With many tokens per rank the rows are most of the table and the all-gather moves ~W/2 times the dense
-    bytes (rlm/train/SCALE.md: 476 GB against 17 GB per rank at 1M slots, 16k tokens, 64 ranks).
+    Two ways, chosen by a byte estimate (both after one small all-gather of every rank's (E, R)):
+    - lookups: every rank's reads themselves, all-gathered: per lookup its row and token (int32 each) and
+      weight, per token its output gradient (d values). Received: W x (max E x (8 + s) + max R x d x s) bytes
+      for element size s. This is independent of the table's size and, with 4 heads x top-32 = 128 reads per
+      token, ~1/10 of the touched rows' gradients (rows touched x (8 + d s)) at d = 64; its price is that every
+      rank sums every rank's lookups (sum E x d x s bytes read), counted at 1/REDUCE_READS_PER_BYTE a byte;
+    - dense: one all-reduce of the (rows, d + 1) gradient with a touched-row column, ~2 x rows x (d + 1) x s
+      bytes on a ring; cheaper when the global batch reads most of the table (rlm/train/SCALE.md item 7).
+    For W a power of two the lookups' sums are bitwise those of one process on the global batch when its loss
+    is the mean over it: the same lookups in the same order (ranks in rank order), with x / W exact.
     """
     world = dist.get_world_size(group)
-    grads = grads.reshape(-1, d)
-    count = torch.tensor([rows.numel()], dtype=torch.int64, device=rows.device)  # NCCL: on the device
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    counts = [int(c) for c in counts]
-    most = max(counts)
-    size = grads.element_size()
-    if slots is not None and 2 * slots * (d + 1) * size < world * most * (8 + d * size):
-        dense = grads.new_zeros(slots, d + 1)
-        dense[rows, :d] = grads
-        dense[rows, d] = 1.0  # touched here: a row touched by any rank is in the union, even at zero gradient
-        dist.all_reduce(dense, group=group)
-        union = (dense[:, d] > 0).nonzero().squeeze(1)  # (U,) ascending, as torch.unique gives
-        ids = torch.arange(union.numel() + 1, device=union.device)  # one lookup per row
-        w = grads.new_full((union.numel(),), 1.0 / world)
-        return union, ids, ids[:-1], w, dense[union, :d], count.element_size() + dense.numel() * size
-    # Padded to the largest count (all_gather wants equal sizes); the pads are never looked up, so they are
-    # left unwritten. Received into one (W * most) buffer each: rank r's rows at r * most.
-    pad_rows = rows.new_empty(most)
-    pad_rows[: rows.numel()] = rows
-    pad_grads = grads.new_empty(most, d)
-    pad_grads[: rows.numel()] = grads
-    all_rows = pad_rows.new_empty(world * most)
-    all_grads = pad_grads.new_empty(world * most, d)
-    dist.all_gather_into_tensor(all_rows, pad_rows, group=group)
-    dist.all_gather_into_tensor(all_grads, pad_grads, group=group)
-    valid = torch.cat(
-        [torch.arange(c, device=rows.device) + r * most for r, c in enumerate(counts)]
-    )  # (sum U_r,) positions that hold a row, in rank order
-    flat = all_rows[valid]
-    order = torch.argsort(
-        flat, stable=True
-    )  # stable: each row's ranks in rank order, a fixed summation order
-    union, per_row = torch.unique_consecutive(flat[order], return_counts=True)  # (U,) ascending
-    offsets = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
-    w = grads.new_full((valid.numel(),), 1.0 / world)
-    sent = count.element_size() + most * (pad_rows.element_size() + d * pad_grads.element_size())
-    return union, offsets, valid[order], w, all_grads, sent
+    d, size = grad.shape[1], grad.element_size()
+    count = torch.tensor(
+        [slots.numel(), grad.shape[0]], dtype=torch.int64, device=grad.device
+    )  # NCCL: device
+    counts = torch.empty(world, 2, dtype=torch.int64, device=grad.device)
+    _all_gather(counts.view(-1), count, group)
+    counts = counts.tolist()
+    most_e, most_r = max(c[0] for c in counts), max(c[1] for c in counts)
+    total_e = sum(c[0] for c in counts)
+    index = torch.int32 if rows < 2**31 else torch.int64
+    w_rows = -(-most_e // d)  # the weights ride in the gradient buffer, d to a row
+    per_rank = most_r + w_rows
+    idx_size = torch.empty(0, dtype=index).element_size()
+    as_lookups = world * (most_e * 2 * idx_size + per_rank * d * size)
+    as_dense = 2 * rows * (d + 1) * size
+    if as_dense < as_lookups + total_e * d * size / REDUCE_READS_PER_BYTE:
+        return _exchange_dense(slots, weights, tok, grad, group, rows, world)
+    # Padded to the largest rank (all-gather wants equal sizes); the pads are never looked up, so never written.
+    ints = torch.empty(most_e, 2, dtype=index, device=grad.device)
+    ints[: slots.numel(), 0] = slots
+    ints[: slots.numel(), 1] = tok
+    floats = grad.new_empty(per_rank, d)
+    floats[: grad.shape[0]] = grad
+    floats[most_r:].view(-1)[: slots.numel()] = weights
+    all_ints = ints.new_empty(world, most_e, 2)
+    all_floats = floats.new_empty(world * per_rank, d)  # rank r's token t at row r * per_rank + t
+    _all_gather(all_ints.view(-1), ints.view(-1), group)
+    _all_gather(all_floats, floats, group)
+    sent = count.numel() * count.element_size() + ints.numel() * idx_size + floats.numel() * size
+    ranks = torch.arange(world, device=grad.device)
+    each = torch.tensor([c[0] for c in counts], dtype=torch.int64, device=grad.device)
+    valid = torch.arange(most_e, device=grad.device) < each[:, None]  # (W, most_e): the lookups, not the pads
+    g_slots = all_ints[..., 0][valid].long()
+    g_tok = (all_ints[..., 1].long() + (ranks * per_rank)[:, None])[valid]
+    g_w = all_floats.view(world, per_rank * d)[:, most_r * d : most_r * d + most_e][valid] * (1.0 / world)
+    # sort_lookups' stable sort keeps each row's lookups in rank order, then token order: a fixed summation
+    # order, the same on every rank.
+    return (*sort_lookups(g_slots, g_w, g_tok), all_floats, sent)
+
+
+def _exchange_dense(
+    slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, group: Any, rows: int, world: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """exchange_lookups's dense way: the local row gradients all-reduced as a (rows, d + 1) table, the last column
+    marking touched rows (a row touched by any rank is in the union, even at zero gradient)."""
+    d = grad.shape[1]
+    mine, offsets, t, w = sort_lookups(slots, weights, tok)
+    dense = grad.new_zeros(rows, d + 1)
+    dense[mine, :d] = row_gradients(offsets, t, w, grad)
+    dense[mine, d] = 1.0
+    dist.all_reduce(dense, group=group)
+    union = (dense[:, d] > 0).nonzero().squeeze(1)  # (U,) ascending, as torch.unique gives
+    ids = torch.arange(union.numel() + 1, device=union.device)  # one lookup per row
+    w = grad.new_full((union.numel(),), 1.0 / world)
+    return union, ids, ids[:-1], w, dense[union, :d], 2 * 8 + dense.numel() * grad.element_size()

@@ -13,14 +13,14 @@ The layer replaces the dense FFN or runs beside it (mode 'add'). Value tables li
 shared by every memory layer by default) so they are registered once. Values train with their own Adam
 group (lr 1e-3, constant, no decay); the plugin updates them itself with a row-wise lazy Adam that reads
 and writes only the touched rows (``sparse``). Under DDP and FSDP2 the value tables are replicated on every rank
-(FSDP2 leaves them out of its sharding: ``replicated_parameters``), the ranks all-gather their touched rows and
-row gradients (bytes scale with the rows read, not the table), or all-reduce the dense table gradient when the
-rows are so many that it moves fewer bytes (plugins/_pkm_rows.py exchange_rows), and run the same update, so
-the replicas stay equal; under other distributed strategies the values get ordinary dense gradients for the
-strategy to reduce. Validation logs usage and KL to uniform per layer. The memory's own collectives (the row
-exchange, batch-norm statistics, validation slot statistics) run over the group handed in by ``set_group``
-(``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group; rlm/train/SCALE.md
-item 16).
+(FSDP2 leaves them out of its sharding: ``replicated_parameters``), the ranks all-gather their reads (each
+lookup's row, token and weight, each token's output gradient: bytes scale with the tokens, not the table), or
+all-reduce the dense table gradient when that moves fewer bytes (plugins/_pkm_rows.py exchange_lookups), and run
+the same update, so the replicas stay equal; under other distributed strategies the values get ordinary dense
+gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer. The memory's own
+collectives (the row exchange, batch-norm statistics, validation slot statistics) run over the group handed in
+by ``set_group`` (``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group;
+rlm/train/SCALE.md item 16).
 """
 
 from __future__ import annotations

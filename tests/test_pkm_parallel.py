@@ -1,4 +1,4 @@
-"""PKM values under data parallelism: the touched-row exchange (plugins/_pkm_rows.py exchange_rows), under DDP and
+"""PKM values under data parallelism: the exchange of reads (plugins/_pkm_rows.py exchange_lookups), under DDP and
 under FSDP2 (the value tables left out of fully_shard, replicated, and updated by the same row-wise Adam)."""
 
 import pytest
@@ -84,70 +84,73 @@ def test_two_processes_hold_the_values_of_one_process_on_the_global_batch(two_ra
     # The replicas are bitwise equal: every rank runs the same update on the same exchanged rows.
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     assert got[0][2] == got[1][2] == STEPS
-    # And equal to one process (row gradients summed in another order: float32 round-off).
-    assert_close(got[0][0], values, rtol=1e-5, atol=1e-6)
-    assert_close(got[0][1], st["exp_avg_sq"], rtol=1e-4, atol=1e-12)
+    # And bitwise equal to one process: each rank's loss is the mean over its half, the exchange divides by W = 2
+    # (exact), and every row sums the same lookups in the same order (rank 0's tokens, then rank 1's).
+    assert torch.equal(got[0][0], values)
+    assert torch.equal(got[0][1], st["exp_avg_sq"])
     assert not torch.equal(values, before)  # the steps did move rows
-    # Sent: one count, then the largest rank's rows as (int64 id + D float32) each, at most H*k*B*T rows.
-    assert 8 < got["bytes0"] <= 8 + 2 * 4 * B * T * (8 + 4 * D)
+    # Sent: the (lookups, tokens) counts, then each of the B*T tokens' H*k = 8 lookups (int32 row and token) and its
+    # output gradient, with the lookups' weights as 96 / D = 3 more rows of D floats: ~1/3 of 2 x 64 slots x D.
+    assert got["bytes0"] == 16 + B * T * 8 * 8 + (B * T + 3) * D * 4
 
 
-def _rank_rows(rank: int, slots: int, d: int):
-    """Distinct touched rows (some shared with the other rank, one only here) and their gradients."""
+def _rank_reads(rank: int, slots: int, d: int):
+    """One rank's reads of a table: flat (slots, weights, token of each) and the output gradients (R, d)."""
     g = torch.Generator().manual_seed(10 + rank)
-    rows = torch.randperm(slots, generator=g)[: 5 if rank == 0 else 12]
-    return rows, torch.randn(rows.numel(), d, generator=g)
+    tokens, m = (2, 5)[rank], 4
+    rows = torch.randint(0, slots, (tokens * m,), generator=g)
+    weights = torch.rand(tokens * m, generator=g)
+    grad = torch.randn(tokens, d, generator=g)
+    if rank == 1:
+        grad[0] = 0.0  # rows read only with a zero gradient still belong to the union
+    return rows, weights, torch.arange(tokens).repeat_interleave(m), grad
 
 
 def _exchange_part(rank: int, out: dict) -> None:
-    """exchange_rows on EXCHANGE_CASES (in _worker's process group)."""
+    """exchange_lookups on EXCHANGE_CASES (in _worker's process group)."""
     import torch.distributed as dist
 
-    from rlm.plugins._pkm_rows import exchange_rows
+    from rlm.plugins._pkm_rows import exchange_lookups
 
-    for slots, d, hint in EXCHANGE_CASES:
-        rows, grads = _rank_rows(rank, slots, d)
-        if rank == 1:
-            grads[0] = 0.0  # a touched row with a zero gradient still belongs to the union
-        out[(slots, hint, rank)] = exchange_rows(rows, grads, d, dist.group.WORLD, slots=hint)
+    for slots, d, _ in EXCHANGE_CASES:
+        out[(slots, rank)] = exchange_lookups(*_rank_reads(rank, slots, d), dist.group.WORLD, rows=slots)
 
 
-# Rank 1 touches 12 rows. A 12-slot table: all of it, so a dense all-reduce of 12 x (4 + 1) floats on a ring
-# (2 * 12 * 5 * 4 = 480 bytes) beats gathering 2 x 12 rows of 8 + 16 bytes (576). A 4096-slot table: rows win.
-# Without the table size (None) the rows are always gathered.
-EXCHANGE_CASES = [(12, 4, None), (12, 4, 12), (4096, 4, None), (4096, 4, 4096)]
+# Rank 0 reads 2 tokens x 4 rows, rank 1 5 x 4, at d = 4. The lookups way receives 2 x (20 lookups x (4 + 4) +
+# (5 tokens + 20 / 4 rows of weights) x 4 x 4) = 640 bytes and sums 28 x 4 x 4 bytes (counted as 56); a dense ring
+# all-reduce of a 12 x (4 + 1) float table moves 480: dense. At 4096 slots dense is 163,840: lookups.
+EXCHANGE_CASES = [(12, 4, "dense"), (4096, 4, "lookups")]
 
 
 @pytest.mark.ddp
-def test_row_exchange_switches_to_a_dense_all_reduce_when_that_moves_fewer_bytes(two_ranks):
+def test_the_exchange_gives_ddps_mean_gradient_and_takes_the_cheaper_way(two_ranks):
+    from rlm.plugins._pkm_ops import row_gradients
+
     got = two_ranks
-    dense_seen = rows_seen = False
-    for slots, d, hint in EXCHANGE_CASES:
-        # The reference: DDP's mean of the two ranks' dense (slots, d) gradients, at the rows either touched.
+    for slots, d, way in EXCHANGE_CASES:
+        # The reference: DDP's mean of the two ranks' dense (slots, d) gradients, at the rows either read.
         dense, touched = torch.zeros(slots, d), torch.zeros(slots, dtype=torch.bool)
         for rank in (0, 1):
-            rows, grads = _rank_rows(rank, slots, d)
-            if rank == 1:
-                grads[0] = 0.0
-            dense[rows] += grads
+            rows, weights, tok, grad = _rank_reads(rank, slots, d)
+            dense.index_add_(0, rows, weights[:, None] * grad[tok])
             touched[rows] = True
         want_rows = touched.nonzero().squeeze(1)
         for rank in (0, 1):
-            rows, grads, sent = got[(slots, hint, rank)]
-            assert torch.equal(rows, want_rows), (slots, hint)
-            assert_close(grads, dense[want_rows] / 2)
-        r0, g0, sent0 = got[(slots, hint, 0)]
-        assert torch.equal(g0, got[(slots, hint, 1)][1])  # replicas equal bit for bit
-        as_dense = 8 + slots * (d + 1) * 4
-        most = max(_rank_rows(r, slots, d)[0].numel() for r in (0, 1))
-        as_rows = 8 + most * (8 + d * 4)
-        if hint is not None and 2 * slots * (d + 1) * 4 < 2 * most * (8 + d * 4):
-            assert sent0 == as_dense, (slots, d)
-            dense_seen = True
+            rows, offsets, tok, w, grad, _ = got[(slots, rank)]
+            assert torch.equal(rows, want_rows), (slots, way)
+            assert_close(row_gradients(offsets, tok, w, grad), dense[want_rows] / 2)
+        # The replicas receive the same lookups bit for bit.
+        for a, b in zip(got[(slots, 0)][:5], got[(slots, 1)][:5]):
+            assert torch.equal(a, b), (slots, way)
+        sent0 = got[(slots, 0)][5]
+        if way == "dense":
+            assert sent0 == 16 + slots * (d + 1) * 4, slots
+            assert torch.equal(got[(slots, 0)][1], torch.arange(want_rows.numel() + 1))  # one summed row each
         else:
-            assert sent0 == as_rows, (slots, d, hint)
-            rows_seen |= hint is not None
-    assert dense_seen and rows_seen  # both ways taken when the table size is known
+            # (E, R) counts, then the largest rank's 20 lookups x (int32 row + int32 token), and its 5 gradient
+            # rows plus 20 weights as 5 more rows of d floats.
+            assert sent0 == 16 + 20 * 8 + (5 + 5) * d * 4, slots
+            assert got[(slots, 0)][4].shape == (2 * 10, d)
 
 
 @pytest.mark.slow
