@@ -93,56 +93,54 @@ def _count_hook(state: list, bucket):  # a DDP communication hook
     return allreduce_hook(None, bucket)
 
 
-def _ddp_step(a: argparse.Namespace, n: int, kind: str, x: torch.Tensor, ctx: Context) -> tuple:
-    """DDP: (DDP bucket bytes, row bytes, rows touched, median step seconds) of rank 0's forward + backward
-    (+ the row-wise Adam for rows)."""
-    net = _Net(a, n, sparse=kind == "rows")
-    ddp = DistributedDataParallel(net)
-    ddp_bytes = [0]
-    ddp.register_comm_hook(ddp_bytes, _count_hook)
-    times, rows = [], 0
-    for i in range(a.repeat + 1):  # the first step warms up
-        ddp_bytes[0] = 0
+class _Run:
+    """One (strategy, table size, kind) set up for stepping: ``step()`` runs and times one training step of rank 0
+    (after a barrier); ``first``, ``rows`` and the row optimizer's ``sent_bytes`` describe its traffic."""
+
+    def __init__(self, a: argparse.Namespace, strategy: str, n: int, kind: str) -> None:
+        self.kind, self.rows, self.first = kind, 0, 0
+        self.net = net = _Net(a, n, sparse=kind == "rows")
+        self.ddp_bytes: list[int] | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        if strategy == "ddp":  # forward + backward (+ the row-wise Adam for rows)
+            self.model: nn.Module = DistributedDataParallel(net)
+            self.ddp_bytes = [0]
+            self.model.register_comm_hook(self.ddp_bytes, _count_hook)
+        else:  # FSDP2: forward + backward + row-wise Adam (rows) + Adam over the parameters with a gradient
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            replicated = replicated_parameters(net)  # rows: the value table; dense: nothing
+            fully_shard(net.layer, mesh=mesh)
+            fully_shard(
+                net, mesh=mesh, **({"ignored_params": replicated} if replicated else {})
+            )  # torch >= 2.7
+            self.first = sum(
+                p.numel() * p.element_size() for p in net.parameters() if not any(p is r for r in replicated)
+            )
+            self.model = net
+            self.optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+
+    def step(self, x: torch.Tensor, ctx: Context, count_rows: bool = False) -> float:
+        """One step; its wall-clock seconds. ``count_rows``: also count the distinct rows read (not timed)."""
+        if self.ddp_bytes is not None:
+            self.ddp_bytes[0] = 0
         dist.barrier()
         t0 = time.perf_counter()
-        ddp(x, ctx).square().mean().backward()
-        if kind == "rows":
-            rows = int(net.plugin.row_optimizer.pending("shared")[0].numel())
-            net.plugin.row_optimizer.step()
-        if i:
-            times.append(time.perf_counter() - t0)
-        net.zero_grad(set_to_none=True)
-    return ddp_bytes[0], net.plugin.row_optimizer.sent_bytes, rows, statistics.median(times)
-
-
-def _fsdp_step(a: argparse.Namespace, n: int, kind: str, x: torch.Tensor, ctx: Context) -> tuple:
-    """FSDP2: (FSDP-managed bytes, row bytes, rows touched, median step seconds) of rank 0's forward + backward
-    + row-wise Adam (rows) + Adam over the parameters with a gradient."""
-    net = _Net(a, n, sparse=kind == "rows")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    replicated = replicated_parameters(net)  # rows: the value table; dense: nothing
-    fully_shard(net.layer, mesh=mesh)
-    fully_shard(net, mesh=mesh, **({"ignored_params": replicated} if replicated else {}))  # torch >= 2.7
-    managed = sum(
-        p.numel() * p.element_size() for p in net.parameters() if not any(p is r for r in replicated)
-    )
-    optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
-    times, rows = [], 0
-    for i in range(a.repeat + 1):  # the first step warms up (and allocates Adam's moments)
-        dist.barrier()
-        t0 = time.perf_counter()
-        net(x, ctx).square().mean().backward()
-        if kind == "rows":
-            rows = int(net.plugin.row_optimizer.pending("shared")[0].numel())
-            net.plugin.row_optimizer.step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return managed, net.plugin.row_optimizer.sent_bytes, rows, statistics.median(times)
-
-
-STEPS = {"ddp": _ddp_step, "fsdp2": _fsdp_step}
+        self.model(x, ctx).square().mean().backward()
+        if self.kind == "rows":
+            if count_rows:  # sorts the reads: left out of the time
+                pause = time.perf_counter()
+                self.rows = int(self.net.plugin.row_optimizer.pending("shared")[0].numel())
+                t0 += time.perf_counter() - pause
+            self.net.plugin.row_optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.net.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
+        if self.ddp_bytes is not None:
+            self.first = self.ddp_bytes[0]
+        return seconds
 
 
 def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
@@ -157,11 +155,21 @@ def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
         x = torch.randn(a.batch, a.seq, a.d, generator=g)
         ctx = Context(tokens=torch.zeros(a.batch, a.seq, dtype=torch.long))
         for strategy in _strategies(a):
-            for n in a.n:
-                for kind in KINDS:
-                    got = STEPS[strategy](a, n, kind, x, ctx)
-                    if rank == 0:
-                        out[(strategy, n, kind)] = got
+            for kind in KINDS:
+                # Every table size of a kind is built first and their steps interleave (the order reversed every
+                # other round), so a change in the shared machine's load falls on each size alike.
+                runs = {n: _Run(a, strategy, n, kind) for n in a.n}
+                times: dict[int, list[float]] = {n: [] for n in a.n}
+                for i in range(a.repeat + 1):  # the first round warms up (and allocates Adam's moments)
+                    for n in a.n if i % 2 else a.n[::-1]:
+                        seconds = runs[n].step(x, ctx, count_rows=i == 0)
+                        if i:
+                            times[n].append(seconds)
+                if rank == 0:
+                    for n, run in runs.items():
+                        sent = run.net.plugin.row_optimizer.sent_bytes
+                        out[(strategy, n, kind)] = (run.first, sent, run.rows, statistics.median(times[n]))
+                del runs
         # both ranks done with every collective before either tears gloo down (a rank that exits while
         # the other still has gloo work in flight aborted the benchmark once: "terminate called ...")
         dist.barrier()
