@@ -57,6 +57,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         out[rank] = (plugin.values["shared"].detach().clone(), st["exp_avg_sq"].clone(), int(st["step"]))
         out[f"bytes{rank}"] = plugin.row_optimizer.sent_bytes
         _exchange_part(rank, out)
+        _row_adam_part(rank, out)
         _fsdp_part(rank, out)
         _group_part(rank, out)
         # both ranks done with every collective before either tears gloo down (a rank that exits while
@@ -151,6 +152,68 @@ def test_the_exchange_gives_ddps_mean_gradient_and_takes_the_cheaper_way(two_ran
             # rows plus 20 weights as 5 more rows of d floats.
             assert sent0 == 16 + 20 * 8 + (5 + 5) * d * 4, slots
             assert got[(slots, 0)][4].shape == (2 * 10, d)
+
+
+def _two_reads(rank: int, rows: int):
+    """A rank's two reads of one table (two layers, or two micro-batches), of 6 and 3 lookups per token."""
+    g = torch.Generator().manual_seed(20 + rank)
+    return [
+        (
+            torch.randint(0, rows, (n, m), generator=g),
+            torch.rand(n, m, generator=g),
+            torch.rand(n, 8, generator=g),
+        )
+        for n, m in ((5 + rank, 6), (3, 3))
+    ]
+
+
+def _row_adam_part(rank: int, out: dict) -> None:
+    """Two RowAdam steps on a table read twice per step, exchanging over _worker's process group."""
+    import torch.distributed as dist
+
+    from rlm.plugins._pkm_rows import RowAdam
+
+    for rows in ROW_ADAM_ROWS:
+        table = torch.randn(rows, 8, generator=torch.Generator().manual_seed(3))
+        opt = RowAdam(lr=0.01)
+        opt.group = dist.group.WORLD
+        opt.add_table("t", table)
+        for _ in range(2):
+            for read in _two_reads(rank, rows):
+                opt.add_lookups("t", *read)
+            opt.step()
+        out[("row_adam", rows, rank)] = (table, opt.state["t"]["exp_avg_sq"])
+        if rank == 0:
+            out[("row_adam_sent", rows)] = opt.sent_bytes
+
+
+ROW_ADAM_ROWS = (4096, 12)  # the lookups way, then the dense way (a table smaller than the reads)
+
+
+@pytest.mark.ddp
+def test_row_adam_over_two_processes_equals_one_process_with_several_reads_a_step(two_ranks):
+    from rlm.plugins._pkm_rows import RowAdam
+
+    for rows in ROW_ADAM_ROWS:
+        table = torch.randn(rows, 8, generator=torch.Generator().manual_seed(3))
+        opt = RowAdam(lr=0.01)
+        opt.add_table("t", table)
+        for _ in range(2):
+            # One process on the global batch: both ranks' reads, rank 0's first; the loss is the mean over twice
+            # the tokens, so each output gradient is half a rank's.
+            for rank in (0, 1):
+                for slots, weights, grad in _two_reads(rank, rows):
+                    opt.add_lookups("t", slots, weights, grad / 2)
+            opt.step()
+        (t0, v0), (t1, v1) = (two_ranks[("row_adam", rows, r)] for r in (0, 1))
+        assert torch.equal(t0, t1) and torch.equal(v0, v1)  # the replicas
+        if rows == 4096:  # the same lookups summed in the same order: bit for bit
+            assert torch.equal(t0, table) and torch.equal(v0, opt.state["t"]["exp_avg_sq"])
+        else:  # the dense way sums each rank's rows first, then the ranks
+            assert_close(t0, table)
+            assert_close(v0, opt.state["t"]["exp_avg_sq"])
+        # Which way each took: the dense way sends the (counts and) whole (12, 8 + 1) table.
+        assert (two_ranks[("row_adam_sent", rows)] == 16 + 12 * 9 * 4) == (rows == 12), rows
 
 
 @pytest.mark.slow
