@@ -366,6 +366,45 @@ def sync_replicas(params: list[nn.Parameter], replicas: Any) -> None:
             dist.all_reduce(p.grad, group=replicas)
 
 
+class ReplicaSync:
+    """sync_replicas overlapped with the backward: each expert gradient's all-reduce over ``replicas`` starts as
+    soon as the backward has accumulated it (a post-accumulate-grad hook), while the backward goes on through
+    the layers below; ``finish`` waits for them all.
+
+    Only while ``armed`` (the last micro-batch before an optimizer step: a sum is not idempotent, so partial
+    accumulations must not be reduced). ``finish`` reduces, blocking, any gradient whose hook did not start one
+    (a parameter outside this backward), so that afterwards every gradient is summed exactly once.
+    """
+
+    def __init__(self, params: list[nn.Parameter], replicas: Any) -> None:
+        self.params, self.replicas = params, replicas
+        self.armed = False
+        self.works: dict[int, Any] = {}  # id(param) -> the all-reduce in flight
+        self.handles = [p.register_post_accumulate_grad_hook(self._launch) for p in params]
+
+    def _launch(self, p: Tensor) -> None:
+        if self.armed and p.grad is not None:
+            self.works[id(p)] = dist.all_reduce(p.grad, group=self.replicas, async_op=True)
+
+    def finish(self) -> bool:
+        """Wait for the started all-reduces and run the missing ones; False (nothing done) when not armed."""
+        if not self.armed:
+            return False
+        for p in self.params:
+            work = self.works.pop(id(p), None)
+            if work is not None:
+                work.wait()
+            elif p.grad is not None:
+                dist.all_reduce(p.grad, group=self.replicas)
+        self.armed = False
+        return True
+
+    def remove(self) -> None:
+        """Drop the hooks."""
+        for h in self.handles:
+            h.remove()
+
+
 class _ScaleGrad:
     """A gradient hook multiplying by a constant (picklable, unlike a lambda)."""
 
@@ -475,7 +514,9 @@ class ExpertParallelCallback(pl.Callback):
     processes and an expert group of G (``group_size``; default a node's processes), each of the P/G groups
     holds every expert once, N/G per rank; tokens travel only within their group (NVLink, not the network,
     for a node), capacity is decided per group's batch, and the P/G copies of an expert are kept equal by an
-    all-reduce of their gradients over the replica group before each optimizer step.
+    all-reduce of their gradients over the replica group before each optimizer step, started for each expert
+    tensor as soon as the backward has its gradient (:class:`ReplicaSync`), so it travels while the backward
+    goes on through the layers below.
     """
 
     def __init__(self, layers: Callable[[], list[nn.Module]], group_size: int | None = None) -> None:
@@ -489,6 +530,10 @@ class ExpertParallelCallback(pl.Callback):
         self.holds_file = True  # whether this rank's expert group gathers the checkpoint (rank 0's group)
         self.placed = False  # whether setup has sharded the experts (Lightning calls setup once per stage)
         self.clip: float | None = None
+        self.sync: ReplicaSync | None = (
+            None  # the replica all-reduces started in the backward (replicas only)
+        )
+        self.synced = False  # whether this step's expert gradients have been summed over the replicas
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         got = default_group()
@@ -512,6 +557,8 @@ class ExpertParallelCallback(pl.Callback):
         if self.world == 1:
             return
         ignore_in_ddp(pl_module, self.params)  # before the strategy wraps the module (after setup hooks)
+        if self.replicas is not None and self.sync is None:
+            self.sync = ReplicaSync(list(self.params.values()), self.replicas)
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
             # Clipped here with the global norm instead of by Lightning with each rank's own.
             self.clip, trainer.gradient_clip_val = float(trainer.gradient_clip_val), None
@@ -521,11 +568,25 @@ class ExpertParallelCallback(pl.Callback):
         if self.world > 1:
             check_ddp_ignores(trainer.strategy.model, self.params)
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.sync is not None:
+            # Started in the backward only on the micro-batch whose accumulation Lightning steps after (its
+            # rule: every accumulate_grad_batches-th batch; the epoch's last, partial window falls back below).
+            self.sync.armed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Before anything reads the gradients (clipping, the guard, the optimizer): the all-reduces write them.
+        if self.sync is not None and self.sync.finish():
+            self.synced = True
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        if self.replicas is not None and self.world > 1:
+        if self.replicas is not None and self.world > 1 and not self.synced:
             sync_replicas(list(self.params.values()), self.replicas)
+        self.synced = False
         if self.clip is None:
             return
         sharded = {id(p) for p in self.params.values()}

@@ -14,6 +14,7 @@ from rlm.model import ModelConfig
 from rlm.plugin import Context
 from rlm.plugins._expert_parallel import (
     ExpertParallelCallback,
+    ReplicaSync,
     _node_size,
     check_ddp_ignores,
     expert_groups,
@@ -611,6 +612,8 @@ def _group_worker(rank: int, port: int, out: dict) -> None:
                 dist.all_reduce(g)
                 grads[n] = g / 4
         out[rank] = (y.detach(), x.grad / 4, grads)
+        out[rank, "overlap"] = _overlapped_replica_sync(layer, (x, tokens, mask, r), replicas)
+        out[rank, "accumulated"] = _callback_accumulation(layer, (x, tokens, mask, r), group, replicas)
         # the checkpoint: rank 0's group gathers (rank 0 writes); the other group keeps its shards
         cb = ExpertParallelCallback(lambda: [])
         cb.world, cb.rank, cb.group, cb.holds_file = 2, rank % 2, group, rank < 2
@@ -621,6 +624,69 @@ def _group_worker(rank: int, port: int, out: dict) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+class _RecordedSync(ReplicaSync):
+    """ReplicaSync that records when it starts an all-reduce."""
+
+    def __init__(self, params, replicas, events: list) -> None:
+        self.events = events
+        super().__init__(params, replicas)
+
+    def _launch(self, p) -> None:
+        self.events.append("all-reduce started")
+        super()._launch(p)
+
+
+def _overlapped_replica_sync(layer, batch, replicas) -> tuple:
+    """The same backward again, the replica all-reduces started by ReplicaSync inside it: (what finish did when
+    not armed, expert gradients, the order of the events: each all-reduce's start, the input's gradient, the
+    backward's last step here, and the backward's return)."""
+    x, tokens, mask, r = batch
+    x = x.detach().clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    events = []
+    sync = _RecordedSync([layer.experts.up, layer.experts.down], replicas, events)
+    x.register_hook(lambda g: events.append("input gradient"))
+    unarmed = sync.finish()  # not armed: does nothing
+    sync.armed = True
+    _loss(layer, x, tokens, mask, r)[1].backward()
+    events.append("backward returned")
+    assert sync.finish() and not sync.works and not sync.armed
+    sync.remove()
+    return unarmed, {n: p.grad for n, p in layer.named_parameters() if n.startswith("experts.")}, events
+
+
+def _callback_accumulation(layer, batch, group, replicas) -> tuple:
+    """ExpertParallelCallback's hooks over 3 micro-batches with accumulate_grad_batches=2 (Lightning's order:
+    batch start, backward, after backward; the optimizer step after the 2nd): (the gradients at the step, the
+    reference: two backwards then sync_replicas, whether the 3rd batch, not armed, left its gradient unsummed)."""
+    x, tokens, mask, r = batch
+    params = [layer.experts.up, layer.experts.down]
+    cb = ExpertParallelCallback(lambda: [])
+    cb.world, cb.rank, cb.group, cb.replicas = 2, 0, group, replicas
+    cb.params = {"experts.up": params[0], "experts.down": params[1]}
+    cb.sync = ReplicaSync(params, replicas)
+    trainer = SimpleNamespace(accumulate_grad_batches=2)
+    layer.zero_grad(set_to_none=True)
+    for batch_idx in range(2):
+        cb.on_train_batch_start(trainer, None, None, batch_idx)
+        _loss(layer, x, tokens, mask, r)[1].backward()
+        cb.on_after_backward(trainer, None)
+        assert cb.synced == (batch_idx == 1)
+    cb.on_before_optimizer_step(trainer, None, None)  # summed already: no second sum
+    at_step = [p.grad.clone() for p in params]
+    layer.zero_grad(set_to_none=True)
+    cb.on_train_batch_start(trainer, None, None, 2)  # the start of the next window: nothing started
+    _loss(layer, x, tokens, mask, r)[1].backward()
+    cb.on_after_backward(trainer, None)
+    one_unsummed = not cb.synced and not cb.sync.works
+    cb.sync.remove()
+    layer.zero_grad(set_to_none=True)
+    for _ in range(2):
+        _loss(layer, x, tokens, mask, r)[1].backward()
+    sync_replicas(params, replicas)
+    return at_step, [p.grad for p in params], one_unsummed
 
 
 @pytest.mark.slow  # 4 processes
@@ -646,6 +712,19 @@ def test_expert_groups_of_two_among_four_processes_equal_one_process_per_group()
             want = p.grad[2 * (rank % 2) : 2 * (rank % 2) + 2] if n.startswith("experts.") else p.grad
             assert_close(got[rank][2][n], want, msg=f"rank {rank}: {n}", **TOL)
     assert [got[rank, "saved"] for rank in range(4)] == [4, 2, 2, 2]  # full on rank 0 only
+    for rank in range(4):
+        # ReplicaSync: the all-reduces start inside the backward, before the input's gradient (the layers below
+        # would compute while they travel), and give sync_replicas' gradients bit for bit.
+        unarmed, grads, events = got[rank, "overlap"]
+        assert unarmed is False
+        assert events == ["all-reduce started"] * 2 + ["input gradient", "backward returned"], events
+        for n, g in grads.items():
+            assert torch.equal(g, got[rank][2][n]), (rank, n)
+        # The callback with gradient accumulation: summed over the replicas once, after the window's last backward.
+        at_step, want, one_unsummed = got[rank, "accumulated"]
+        for g, w in zip(at_step, want):
+            assert torch.equal(g, w), rank
+        assert one_unsummed
 
 
 def test_expert_group_size_is_checked_and_defaults_to_a_node():
