@@ -115,6 +115,10 @@ def _exchange_part(rank: int, out: dict) -> None:
 
     for slots, d, _ in EXCHANGE_CASES:
         out[(slots, rank)] = exchange_lookups(*_rank_reads(rank, slots, d), dist.group.WORLD, rows=slots)
+    # A step in which no rank read the table: only the counts travel, and nothing is updated.
+    empty = torch.zeros(0, dtype=torch.int64)
+    got = exchange_lookups(empty, torch.zeros(0), empty, torch.zeros(0, 4), dist.group.WORLD, rows=64)
+    out[("no reads", rank)] = (got[0].numel(), got[1].tolist(), got[5])
 
 
 # Rank 0 reads 2 tokens x 4 rows, rank 1 5 x 4, at d = 4. The lookups way receives 2 x (20 lookups x (4 + 4) +
@@ -128,6 +132,7 @@ def test_the_exchange_gives_ddps_mean_gradient_and_takes_the_cheaper_way(two_ran
     from rlm.plugins._pkm_ops import row_gradients
 
     got = two_ranks
+    assert got[("no reads", 0)] == got[("no reads", 1)] == (0, [0], 16)
     for slots, d, way in EXCHANGE_CASES:
         # The reference: DDP's mean of the two ranks' dense (slots, d) gradients, at the rows either read.
         dense, touched = torch.zeros(slots, d), torch.zeros(slots, dtype=torch.bool)
