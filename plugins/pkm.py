@@ -121,6 +121,11 @@ class PKMConfig:
 class PKMLayer(nn.Module):
     """One memory layer: query network, product keys, and a read of the plugin's value table."""
 
+    keep_fp32_params = True
+    """Under FSDP2 with a bf16 policy, ``parallelize`` makes this layer a unit of its own whose parameters are
+    gathered in fp32: the product-key search is meant to run in fp32 (rlm/train/SCALE.md item 8), and sub-keys
+    gathered in bf16 would change the slots read before the search casts them back up."""
+
     def __init__(self, config: PKMConfig, d: int, owner: PKMPlugin, table: str, layer: int) -> None:
         super().__init__()
         c = config

@@ -51,6 +51,7 @@ def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -
             e = copy.eval()(tokens, torch.ones_like(tokens, dtype=torch.bool))[1]
         out[rank] = (logits.detach(), grads, plain and full, e, weights_hash(encoder.weights()))
         _mp_part(rank, tokens, out)
+        _pkm_mp_part(rank, tokens, out)
         _shared_part(rank, tokens, out)
         dist.barrier()
     finally:
@@ -147,8 +148,10 @@ def _mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
 
     model = _model()
     parallelize(model, init_device_mesh("cpu", (2,)), mp_policy=mixed_precision_policy("bf16-mixed"))
-    seen = []  # the dtype of a block's weights as its forward sees them (FSDP's all-gathered copy)
+    seen = []  # the dtype of a block's weights as its forward sees them (FSDP's all-gathered copy), of its input
     model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(("residual", a[0].dtype)))
+    model.register_forward_pre_hook(lambda m, a: seen.append(("embedding", m.embed.main.weight.dtype)))
     mine = tokens[rank * 2 : rank * 2 + 2]
     unshard_root(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -163,10 +166,11 @@ def _mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
 def test_bf16_mixed_gathers_bf16_and_keeps_fp32_master_weights_and_gradients(two_ranks):
     got = {rank: two_ranks[rank, "bf16"] for rank in (0, 1)}
     tokens = TOKENS
-    # The reference: one process under autocast with its weights rounded to bf16 (what the gather hands over).
+    # The reference: one process under autocast with its blocks' weights rounded to bf16 (what their gathers hand
+    # over); the root's (embedding, tied head, final norm) are gathered in fp32.
     model = _model()
     with torch.no_grad():
-        for p in model.parameters():
+        for p in (p for block in model.blocks for p in block.parameters()):
             p.copy_(p.bfloat16().float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(tokens, Context(tokens=tokens, stage="train"))
@@ -174,10 +178,49 @@ def test_bf16_mixed_gathers_bf16_and_keeps_fp32_master_weights_and_gradients(two
     tol = dict(rtol=2e-2, atol=2e-2)  # bf16 matmuls, and bf16 gradients before the fp32 reduce-scatter
     assert_close(torch.cat([got[0][0], got[1][0]]), logits.detach().float(), **tol)
     for rank in (0, 1):
-        assert got[rank][2] == [torch.bfloat16], "FSDP2 did not gather the block's weights in bf16"
+        # The blocks' weights gathered in bf16; the root's in fp32, so the residual stream is fp32 from the
+        # embedding on, as under autocast alone.
+        want = [("embedding", torch.float32), torch.bfloat16, ("residual", torch.float32)]
+        assert got[rank][2] == want, got[rank][2]
         assert got[rank][3] == {torch.float32}, "sharded weights and their gradients are fp32"
         for name, p in model.named_parameters():
             assert_close(got[rank][1][name], p.grad, msg=name, **tol)
+
+
+def _pkm_model() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
+    return Transformer(cfg, {"pkm": dict(layers=[0], n_keys=16, heads=2, topk=4, k_dim=16, sparse="false")})
+
+
+def _pkm_mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
+    """A model with a memory layer, FSDP2 with bf16-mixed's policy under CPU autocast (in _worker's group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
+
+    model = _pkm_model()
+    parallelize(model, init_device_mesh("cpu", (2,)), mp_policy=mixed_precision_policy("bf16-mixed"))
+    layer, block = model.blocks[0].ffn, model.blocks[0]
+    seen = []  # after FSDP2's own pre-forward hooks (registered first): the weights as the forwards see them
+    layer.register_forward_pre_hook(lambda m, a: seen.append(("keys", m.keys.dtype, m.query.weight.dtype)))
+    block.register_forward_pre_hook(lambda m, a: seen.append(("attention", m.attn.qkv.weight.dtype)))
+    mine = tokens[rank * 2 : rank * 2 + 2]
+    unshard_root(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(mine, Context(tokens=mine, stage="train"))
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mine.flatten()).backward()
+    grads = {n: p.grad.full_tensor().dtype for n, p in model.named_parameters() if p.grad is not None}
+    out[rank, "pkm bf16"] = (seen, grads)
+
+
+@pytest.mark.ddp
+def test_bf16_mixed_gathers_a_memory_layers_weights_in_fp32(two_ranks):
+    for rank in (0, 1):
+        seen, grads = two_ranks[rank, "pkm bf16"]
+        # The block's attention sees bf16 weights, its memory layer fp32 query and sub-keys (its own unit).
+        assert seen == [("attention", torch.bfloat16), ("keys", torch.float32, torch.float32)], seen
+        assert "stack.blocks.0.ffn.keys" in grads and set(grads.values()) == {torch.float32}
 
 
 # ----- one in-process rank: FSDP2's units and DTensors without spawning (parallelize leaves a 1-rank mesh alone)

@@ -96,11 +96,22 @@ def parallelize(
     if isinstance(model, FSDPModule) or mesh.size() == 1:
         return model
     mesh = fsdp_mesh(mesh)
-    mp = {} if mp_policy is None else {"mp_policy": mp_policy}
+    mp = root_mp = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32):
+        fp32 = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
+        # Modules that must see fp32 weights under a low-precision policy (PKM's layers: keep_fp32_params)
+        # become units of their own before their blocks, gathered in fp32 (their inputs not cast either).
+        for module in model.modules():
+            if getattr(module, "keep_fp32_params", False):
+                fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
+        # The root (embedding and tied head, final norm, plugins' top-level parameters) gathered in fp32: a bf16
+        # embedding would make the residual stream bf16 from the first block on, where autocast alone (DDP, one
+        # process) keeps it fp32; the head's matmul still runs in bf16 under autocast.
+        root_mp = {"mp_policy": fp32}
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
     # the root's parameters are all-gathered at its forward and stay so until its backward (FSDP2's root rule)
-    fully_shard(model, mesh=mesh, **mp, **_ignored(model))
+    fully_shard(model, mesh=mesh, **root_mp, **_ignored(model))
     return model
 
 
