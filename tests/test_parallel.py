@@ -140,24 +140,35 @@ def test_plain_copy_of_the_shared_encoder_sharded_over_two_ranks_embeds_as_one_p
         assert_close(two_ranks[rank, "shared"], e)
 
 
-def _mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
-    """FSDP2 with bf16-mixed's policy under CPU autocast (in _worker's process group)."""
+def _bf16_sharded(model: Transformer) -> Transformer:
+    """``model`` sharded over _worker's 2 processes with bf16-mixed's FSDP2 policy."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
+    from rlm.train.parallel import mixed_precision_policy, parallelize
 
-    model = _model()
-    parallelize(model, init_device_mesh("cpu", (2,)), mp_policy=mixed_precision_policy("bf16-mixed"))
-    seen = []  # the dtype of a block's weights as its forward sees them (FSDP's all-gathered copy), of its input
-    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
-    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(("residual", a[0].dtype)))
-    model.register_forward_pre_hook(lambda m, a: seen.append(("embedding", m.embed.main.weight.dtype)))
+    return parallelize(model, init_device_mesh("cpu", (2,)), mp_policy=mixed_precision_policy("bf16-mixed"))
+
+
+def _bf16_step(model: Transformer, rank: int, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Forward and backward of this rank's half of ``tokens`` under CPU autocast: (logits, full gradients)."""
+    from rlm.train.parallel import unshard_root
+
     mine = tokens[rank * 2 : rank * 2 + 2]
     unshard_root(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(mine, Context(tokens=mine, stage="train"))
     torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mine.flatten()).backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return logits, {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
+    """FSDP2 with bf16-mixed's policy under CPU autocast (in _worker's process group)."""
+    model = _bf16_sharded(_model())
+    seen = []  # the dtype of a block's weights as its forward sees them (FSDP's all-gathered copy), of its input
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(("residual", a[0].dtype)))
+    model.register_forward_pre_hook(lambda m, a: seen.append(("embedding", m.embed.main.weight.dtype)))
+    logits, grads = _bf16_step(model, rank, tokens)
     kept = {p.dtype for p in model.parameters()} | {g.dtype for g in grads.values()}
     out[rank, "bf16"] = (logits.detach().float(), grads, seen, kept)
 
@@ -195,23 +206,13 @@ def _pkm_model() -> Transformer:
 
 def _pkm_mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
     """A model with a memory layer, FSDP2 with bf16-mixed's policy under CPU autocast (in _worker's group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
-
-    model = _pkm_model()
-    parallelize(model, init_device_mesh("cpu", (2,)), mp_policy=mixed_precision_policy("bf16-mixed"))
+    model = _bf16_sharded(_pkm_model())
     layer, block = model.blocks[0].ffn, model.blocks[0]
     seen = []  # after FSDP2's own pre-forward hooks (registered first): the weights as the forwards see them
     layer.register_forward_pre_hook(lambda m, a: seen.append(("keys", m.keys.dtype, m.query.weight.dtype)))
     block.register_forward_pre_hook(lambda m, a: seen.append(("attention", m.attn.qkv.weight.dtype)))
-    mine = tokens[rank * 2 : rank * 2 + 2]
-    unshard_root(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(mine, Context(tokens=mine, stage="train"))
-    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mine.flatten()).backward()
-    grads = {n: p.grad.full_tensor().dtype for n, p in model.named_parameters() if p.grad is not None}
-    out[rank, "pkm bf16"] = (seen, grads)
+    grads = _bf16_step(model, rank, tokens)[1]
+    out[rank, "pkm bf16"] = (seen, {n: g.dtype for n, g in grads.items()})
 
 
 @pytest.mark.ddp
