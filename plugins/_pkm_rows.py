@@ -220,26 +220,18 @@ def exchange_lookups(
     """
     world = dist.get_world_size(group)
     d, size = grad.shape[1], grad.element_size()
-    count = torch.tensor(
-        [slots.numel(), grad.shape[0]], dtype=torch.int64, device=grad.device
-    )  # NCCL: device
+    # (E, R) of this rank, on the device for NCCL
+    count = torch.tensor([slots.numel(), grad.shape[0]], dtype=torch.int64, device=grad.device)
     counts = torch.empty(world, 2, dtype=torch.int64, device=grad.device)
     _all_gather(counts.view(-1), count, group)
     counts = counts.tolist()
     most_e, most_r = max(c[0] for c in counts), max(c[1] for c in counts)
     total_e = sum(c[0] for c in counts)
-    if (
-        total_e == 0
-    ):  # no rank read the table this step (every rank sees the same counts): nothing to exchange
+    if total_e == 0:
+        # No rank read the table this step (every rank sees the same counts): nothing to exchange.
         none = torch.zeros(1, dtype=torch.int64, device=grad.device)
-        return (
-            none[:0],
-            none,
-            none[:0],
-            grad.new_empty(0),
-            grad.new_empty(0, d),
-            count.numel() * count.element_size(),
-        )
+        empty = grad.new_empty(0, d)
+        return none[:0], none, none[:0], empty[:, 0], empty, count.numel() * count.element_size()
     index = torch.int32 if rows < 2**31 else torch.int64
     w_rows = -(-most_e // d)  # the weights ride in the gradient buffer, d to a row
     per_rank = most_r + w_rows
