@@ -390,12 +390,11 @@ class ReplicaSync:
         """Wait for the started all-reduces and run the missing ones; False (nothing done) when not armed."""
         if not self.armed:
             return False
-        for p in self.params:
-            work = self.works.pop(id(p), None)
-            if work is not None:
-                work.wait()
-            elif p.grad is not None:
-                dist.all_reduce(p.grad, group=self.replicas)
+        missing = [p for p in self.params if id(p) not in self.works]
+        for work in self.works.values():
+            work.wait()
+        self.works.clear()
+        sync_replicas(missing, self.replicas)
         self.armed = False
         return True
 
@@ -530,9 +529,8 @@ class ExpertParallelCallback(pl.Callback):
         self.holds_file = True  # whether this rank's expert group gathers the checkpoint (rank 0's group)
         self.placed = False  # whether setup has sharded the experts (Lightning calls setup once per stage)
         self.clip: float | None = None
-        self.sync: ReplicaSync | None = (
-            None  # the replica all-reduces started in the backward (replicas only)
-        )
+        # the replica all-reduces started in the backward (replicas only)
+        self.sync: ReplicaSync | None = None
         self.synced = False  # whether this step's expert gradients have been summed over the replicas
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

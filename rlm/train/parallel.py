@@ -60,9 +60,10 @@ def mixed_precision_policy(precision: Any) -> MixedPrecisionPolicy | None:
 
     Lightning's bf16-mixed is autocast alone, so without a policy FSDP2 all-gathers fp32 parameters (twice a
     bf16 gather's bytes, in the forward and again in the backward) for matmuls that autocast runs in bf16
-    anyway. Block inputs are not cast (``cast_forward_inputs=False``): the residual stream stays fp32 as under
+    anyway. Block inputs are not cast (``cast_forward_inputs=False``), and :func:`parallelize` gathers the root
+    (the embedding) and modules marked ``keep_fp32_params`` in fp32: the residual stream stays fp32 as under
     autocast alone, and autocast still picks each op's dtype (norms and softmax in fp32, matmuls in bf16); what
-    changes is that the weights reach the ops already rounded to bf16.
+    changes is that the blocks' weights reach the ops already rounded to bf16.
     """
     if str(precision) in ("bf16-mixed", "bf16"):
         return MixedPrecisionPolicy(
