@@ -66,24 +66,30 @@ def _search_torch(s1: Tensor, s2: Tensor, k: int) -> tuple[Tensor, Tensor, Tenso
 
 
 def _subkey_grads(
-    q: Tensor, keys: Tensor, idx: Tensor, grad: Tensor, need_q: bool, need_keys: bool
+    q: Tensor, keys: Tensor, i: Tensor, j: Tensor, grad: Tensor, need_q: bool, need_keys: bool
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of scores[t, h, e] = q[t, h] . keys[h, idx[t, h, e]] for q (N, H, dh) and keys (H, n, dh).
+    """Gradients of scores[t, h, e] = q[t, h, 0] . keys[h, 0, i[t, h, e]] + q[t, h, 1] . keys[h, 1, j[t, h, e]]
+    for q (N, H, 2, dh) and keys (H, 2, n, dh), both halves at once.
 
-    The dense (N, H, n) score gradient has k non-zeros per row, so instead of two dense matmuls:
-    dq = sum_e g_e C[i_e] (an EmbeddingBag over the sub-keys) and dC[i] = sum over selections of i of g q (the
-    same reduction as the value rows'); nothing of size (N, H, n) is built.
+    The dense (N, H, n) score gradient of each half has k non-zeros per row, so instead of two dense matmuls
+    per half: dq = sum_e g_e C[i_e] (an EmbeddingBag over the sub-keys) and dC[i] = sum over selections of i of
+    g q (the same reduction as the value rows'); nothing of size (N, H, n) is built. Each gradient is one
+    tensor in its input's layout: the keys' is zero-filled once (slicing the halves apart would make autograd
+    zero-fill a whole (H, 2, n, dh) tensor for each half and add them).
     """
-    (N, H, dh), n, k = q.shape, keys.shape[1], idx.shape[-1]
-    rows = (idx + torch.arange(H, device=idx.device).view(1, H, 1) * n).reshape(N * H, k)  # in (H*n, dh)
-    flat_keys = keys.reshape(H * n, dh)
-    w = grad.reshape(N * H, k).to(keys.dtype)
+    (N, H, _, dh), n, k = q.shape, keys.shape[2], i.shape[-1]
+    base = (
+        torch.arange(2 * H, device=i.device).view(1, H, 2, 1) * n
+    )  # row (h, c, s) of (H*2*n, dh) is (2h+c)n+s
+    rows = (torch.stack([i, j], dim=2) + base).reshape(N * H * 2, k)
+    flat_keys = keys.reshape(2 * H * n, dh)
+    w = grad.unsqueeze(2).expand(N, H, 2, k).reshape(N * H * 2, k).to(keys.dtype)  # one score, both halves
     grad_q = grad_keys = None
     if need_q:
-        grad_q = F.embedding_bag(rows, flat_keys, mode="sum", per_sample_weights=w).view(N, H, dh)
+        grad_q = F.embedding_bag(rows, flat_keys, mode="sum", per_sample_weights=w).view(N, H, 2, dh)
     if need_keys:
-        touched, g = coalesce_rows(rows, w, q.reshape(N * H, dh).to(keys.dtype))
-        grad_keys = torch.zeros_like(flat_keys).index_copy_(0, touched, g).view(H, n, dh)
+        touched, g = coalesce_rows(rows, w, q.reshape(N * H * 2, dh).to(keys.dtype))
+        grad_keys = torch.zeros_like(flat_keys).index_copy_(0, touched, g).view(H, 2, n, dh)
     return grad_q, grad_keys
 
 
@@ -125,28 +131,28 @@ class _ProductKeySearch(torch.autograd.Function):
 
     Forward: the (N, n) scores of each half and head, then the native selection (plugins/_pkm_native.py) or
     its torch equivalent. The selected score is s1[i] + s2[j], so its gradient reaches C_i and C'_j only.
+    Takes q (N, H, 2, dh) and keys (H, 2, n, dh) whole and returns their gradients whole (see _subkey_grads).
     """
 
     @staticmethod
-    def forward(ctx: Any, q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: int) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, ...]:
         # (H, N, dh) copies first: strided operands send the matmul down slower paths on CPU.
-        s1 = half_scores(q1.transpose(0, 1).contiguous(), keys1)  # H x (N, n)
-        s2 = half_scores(q2.transpose(0, 1).contiguous(), keys2)
+        s1 = half_scores(q[:, :, 0].transpose(0, 1).contiguous(), keys[:, 0])  # H x (N, n)
+        s2 = half_scores(q[:, :, 1].transpose(0, 1).contiguous(), keys[:, 1])
         found = _pkm_native.product_search(s1, s2, k)
         if found is None:
             found = _search_torch(torch.stack(s1), torch.stack(s2), k)
         scores, i, j = found  # (N, H, k) each
-        ctx.save_for_backward(q1, q2, keys1, keys2, i, j)
+        ctx.save_for_backward(q, keys, i, j)
         ctx.mark_non_differentiable(i, j)
         return scores, i, j
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        q1, q2, keys1, keys2, i, j = ctx.saved_tensors
+        q, keys, i, j = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grad_q1, grad_k1 = _subkey_grads(q1, keys1, i, grad, need[0], need[2])
-        grad_q2, grad_k2 = _subkey_grads(q2, keys2, j, grad, need[1], need[3])
-        return grad_q1, grad_q2, grad_k1, grad_k2, None
+        grad_q, grad_keys = _subkey_grads(q, keys, i, j, grad, need[0], need[1])
+        return grad_q, grad_keys, None
 
 
 # Under torch.compile the two memory ops run eagerly behind a graph break each (torch.compiler.disable): the
@@ -155,10 +161,11 @@ class _ProductKeySearch(torch.autograd.Function):
 # into them would break the graph at many points inside (15 breaks for one layer on torch 2.13); this way a
 # PKM layer has two break points, and the query network, batch norm, softmax and gating around them compile.
 @torch.compiler.disable
-def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def product_key_topk(q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys; returns scores and slot ids i*n+j, (N, H, k).
 
-    q1, q2: (N, H, dh) query halves; keys1, keys2: (H, n, dh) sub-key sets C and C'.
+    q: (N, H, 2, dh), the query's two halves; keys: (H, 2, n, dh), the sub-key sets C = keys[:, 0] and
+    C' = keys[:, 1].
     Lample et al. Sec. 3.2: the best pair (i, j) has i in the top-k of C and j in the top-k of C' (else
     k better pairs exist), so the k*k candidates hold the exact top-k; nothing of size n^2 is built.
 
@@ -167,10 +174,10 @@ def product_key_topk(q1: Tensor, q2: Tensor, keys1: Tensor, keys2: Tensor, k: in
     the inputs are cast up and autocast is off for the device around the search (its backward's ops take
     their dtypes from the saved fp32 tensors).
     """
-    up = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q1, q2, keys1, keys2)]
-    with torch.autocast(q1.device.type, enabled=False):
+    up = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, keys)]
+    with torch.autocast(q.device.type, enabled=False):
         scores, i, j = _ProductKeySearch.apply(*up, k)
-    return scores, i * keys1.shape[1] + j
+    return scores, i * keys.shape[2] + j
 
 
 def group_size(group: Any = None) -> int:

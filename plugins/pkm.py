@@ -167,7 +167,7 @@ class PKMLayer(nn.Module):
         dtype = torch.promote_types(q.dtype, torch.float32)  # search and softmax in at least float32
         q = q.to(dtype).view(-1, self.heads, 2, self.half)  # (N, H, 2, k_dim/2)
         keys = self.keys.to(dtype)
-        scores, slots = product_key_topk(q[:, :, 0], q[:, :, 1], keys[:, 0], keys[:, 1], self.topk)
+        scores, slots = product_key_topk(q, keys, self.topk)
         return slots, scores.softmax(dim=-1)  # (N, H, k) each
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:

@@ -47,14 +47,14 @@ def test_product_key_search_is_exact(seed, heads, n, k):
     dh, N = 8, 40
     q = torch.randn(N, heads, 2 * dh, generator=g, dtype=torch.float64)
     keys = torch.randn(heads, 2, n, dh, generator=g, dtype=torch.float64)
-    scores, slots = product_key_topk(q[..., :dh], q[..., dh:], keys[:, 0], keys[:, 1], k)
+    scores, slots = product_key_topk(q.unflatten(-1, (2, dh)), keys, k)
     ref_scores, ref_slots = brute_force_topk(q, keys[:, 0], keys[:, 1], k)
     assert torch.equal(slots, ref_slots)
     assert_close(scores, ref_scores)
     # Gradients through the selected scores (sparse sub-key backward) equal brute-force autograd.
     r = torch.randn(N, heads, k, generator=g, dtype=torch.float64)
     grads = []
-    for search in (lambda q, c: product_key_topk(q[..., :dh], q[..., dh:], c[:, 0], c[:, 1], k)[0],
+    for search in (lambda q, c: product_key_topk(q.unflatten(-1, (2, dh)), c, k)[0],
                    lambda q, c: brute_force_topk(q, c[:, 0], c[:, 1], k)[0]):  # fmt: skip
         q_, c_ = q.clone().requires_grad_(True), keys.clone().requires_grad_(True)
         (search(q_, c_) * r).sum().backward()
@@ -75,7 +75,7 @@ def test_search_stays_float32_under_bf16_autocast(onednn, monkeypatch):
     keys = torch.randn(H, 2, n, dh, generator=g)
     ref_scores, ref_slots = brute_force_topk(q.double(), keys[:, 0].double(), keys[:, 1].double(), k)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        scores, slots = product_key_topk(q[..., :dh], q[..., dh:], keys[:, 0], keys[:, 1], k)
+        scores, slots = product_key_topk(q.unflatten(-1, (2, dh)), keys, k)
         # what a bf16 search would pick: the same brute force on bf16-rounded scores
         bf16 = torch.einsum("nhd,hsd->nhs", q, torch.cat([keys[:, 0].repeat_interleave(n, 1),
                                                            keys[:, 1].repeat(1, n, 1)], -1))  # fmt: skip

@@ -90,7 +90,7 @@ def test_native_and_torch_paths_agree(n, monkeypatch):
     g = torch.Generator().manual_seed(n)
     q = torch.randn(50, 4, 2, 16, generator=g)
     keys = torch.randn(4, 2, n, 16, generator=g)
-    args = (q[:, :, 0], q[:, :, 1], keys[:, 0], keys[:, 1], 32)
+    args = (q, keys, 32)
     native = product_key_topk(*args)
     monkeypatch.setattr(_pkm_native, "product_search", lambda *a: None)
     torch_path = product_key_topk(*args)
