@@ -4,6 +4,7 @@ dense path, at 16k and 1M slots.
     python benchmarks/pkm_parallel.py                          # DDP: 16k and 1M slots, d=64, 2 x 64 tokens per rank
     python benchmarks/pkm_parallel.py --strategy fsdp2          # the FSDP2 table: the same sizes, and the ratio
     python benchmarks/pkm_parallel.py --strategy fsdp2 --repeat 10   # the same, more steps for a steadier median
+    python benchmarks/pkm_parallel.py --strategy all --repeat 20   # one process, DDP and FSDP2: the ratios side by side
     python benchmarks/pkm_parallel.py --strategy both --n 16 32 --repeat 1 --batch 1 --seq 16 --k-dim 32  # smoke
 
 Two processes (torch.multiprocessing, gloo, CPU) wrap one memory layer (with its plugin's value table) in
@@ -32,6 +33,11 @@ root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, b
 - rows (pkm.sparse: auto): the values stay out of fully_shard (``Plugin.replicated_parameters`` as
   ``ignored_params``), whole on each rank, and take the row exchange and row-wise Adam of DDP's rows; FSDP2
   shards and reduces the layer's own parameters (query, sub-keys, norm).
+
+``--strategy one`` is the reference for both: the same layer and step as FSDP2's (forward, backward, the row-wise
+Adam without an exchange, torch's Adam) in rank 0 alone on the same tokens, while rank 1 waits. Its 1M / 16k
+ratio is what the layer's own work grows by (the search over 8x the sub-keys, their gradient and Adam, the row
+update over a larger table); a parallel path's ratio adds its collectives' share, fixed and table-dependent.
 
 The optimizer step is in the FSDP2 step because the dense path's cost is mostly its Adam over the table (the
 DDP rows above leave the main optimizer out). "FSDP-managed" is the unsharded size of the parameters FSDP2
@@ -75,14 +81,18 @@ KINDS = ("dense", "rows")
 class _Net(nn.Module):
     """The memory layer and the plugin that owns its value table, as one module for DDP or FSDP2."""
 
-    def __init__(self, a: argparse.Namespace, n: int, sparse: bool) -> None:
+    def __init__(self, a: argparse.Namespace, n: int, sparse: bool, distributed: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         mc = ModelConfig(vocab_size=256, d_model=a.d, n_layers=2, n_heads=4)
         c = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.topk, k_dim=a.k_dim, sparse="auto")
         self.plugin = PKMPlugin(c, mc)
         self.layer = self.plugin.build(self.plugin.claims()[0], 0, None)
-        self.plugin.resolve_sparse(distributed=True, row_exchange=sparse)
+        if distributed:
+            self.plugin.resolve_sparse(distributed=True, row_exchange=sparse)
+        else:  # one process: rows are the row-wise Adam alone, dense is pkm.sparse: false
+            self.plugin.config.sparse = "auto" if sparse else "false"
+            self.plugin.resolve_sparse(distributed=False)
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         return self.layer(x, ctx)
@@ -99,13 +109,17 @@ class _Run:
 
     def __init__(self, a: argparse.Namespace, strategy: str, n: int, kind: str) -> None:
         self.kind, self.rows, self.first = kind, 0, 0
-        self.net = net = _Net(a, n, sparse=kind == "rows")
+        self.alone = strategy == "one"  # rank 0 steps by itself: no barrier
+        self.net = net = _Net(a, n, sparse=kind == "rows", distributed=not self.alone)
         self.ddp_bytes: list[int] | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         if strategy == "ddp":  # forward + backward (+ the row-wise Adam for rows)
             self.model: nn.Module = DistributedDataParallel(net)
             self.ddp_bytes = [0]
             self.model.register_comm_hook(self.ddp_bytes, _count_hook)
+        elif self.alone:  # FSDP2's step on one process
+            self.model = net
+            self.optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
         else:  # FSDP2: forward + backward + row-wise Adam (rows) + Adam over the parameters with a gradient
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             replicated = replicated_parameters(net)  # rows: the value table; dense: nothing
@@ -123,7 +137,8 @@ class _Run:
         """One step; its wall-clock seconds. ``count_rows``: also count the distinct rows read (not timed)."""
         if self.ddp_bytes is not None:
             self.ddp_bytes[0] = 0
-        dist.barrier()
+        if not self.alone:
+            dist.barrier()
         t0 = time.perf_counter()
         self.model(x, ctx).square().mean().backward()
         if self.kind == "rows":
@@ -155,6 +170,8 @@ def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
         x = torch.randn(a.batch, a.seq, a.d, generator=g)
         ctx = Context(tokens=torch.zeros(a.batch, a.seq, dtype=torch.long))
         for strategy in _strategies(a):
+            if strategy == "one" and rank:
+                continue  # rank 0 runs it alone; this rank waits at the barrier below
             for kind in KINDS:
                 # Every table size of a kind is built first and their steps interleave (the order reversed every
                 # other round), so a change in the shared machine's load falls on each size alike.
@@ -178,7 +195,7 @@ def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
 
 
 def _strategies(a: argparse.Namespace) -> list[str]:
-    return ["ddp", "fsdp2"] if a.strategy == "both" else [a.strategy]
+    return {"both": ["ddp", "fsdp2"], "all": ["one", "ddp", "fsdp2"]}.get(a.strategy, [a.strategy])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,13 +211,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument(
         "--strategy",
-        choices=("ddp", "fsdp2", "both"),
+        choices=("ddp", "fsdp2", "both", "one", "all"),
         default="ddp",
-        help="ddp: DistributedDataParallel (the default); fsdp2: fully_shard, with an optimizer step; both",
+        help="ddp: DistributedDataParallel (the default); fsdp2: fully_shard, with an optimizer step; both: the two; "
+        "one: FSDP2's step on one process (the reference); all: one, ddp and fsdp2",
     )
     a = p.parse_args(argv)
     got = spawn_local(_worker, a)
     for strategy in _strategies(a):
+        if strategy == "one":
+            print(
+                f"PKM layer on one process (rank 0 alone; FSDP2's step), d={a.d}, {a.heads} heads x top-{a.topk}, "
+                f"{a.batch}x{a.seq} tokens, {a.threads} thread(s)"
+            )
+            rows = [
+                [f"{n * n:,} slots, {kind}", got[("one", n, kind)][3] * 1e3] for n in a.n for kind in KINDS
+            ]
+            print(table(["values", "step ms (wall)"], rows))
+            print(f"ONE step at {_ratios(a, got, strategy)}\n")
+            continue
         print(
             f"PKM layer under {strategy.upper()}, 2 gloo processes on CPU (a shared machine), d={a.d}, {a.heads} "
             f"heads x top-{a.topk}, {a.batch}x{a.seq} tokens per rank, {a.threads} thread(s) per process; bytes "
@@ -218,12 +247,16 @@ def main(argv: list[str] | None = None) -> None:
         first = "DDP buckets" if strategy == "ddp" else "FSDP-managed"
         headers = ["values", first, "row exchange", "rows touched", "total bytes", "step ms (wall)"]
         print(table(headers, rows))
-        small, large = min(a.n), max(a.n)
-        ratios = ", ".join(
-            f"{kind} {got[(strategy, large, kind)][3] / got[(strategy, small, kind)][3]:.2f}x"
-            for kind in KINDS
-        )
-        print(f"{strategy.upper()} step at {large * large:,} slots over {small * small:,}: {ratios}\n")
+        print(f"{strategy.upper()} step at {_ratios(a, got, strategy)}\n")
+
+
+def _ratios(a: argparse.Namespace, got: dict, strategy: str) -> str:
+    """'<large> slots over <small>: dense <r>x, rows <r>x' for ``strategy``."""
+    small, large = min(a.n), max(a.n)
+    ratios = ", ".join(
+        f"{kind} {got[(strategy, large, kind)][3] / got[(strategy, small, kind)][3]:.2f}x" for kind in KINDS
+    )
+    return f"{large * large:,} slots over {small * small:,}: {ratios}"
 
 
 if __name__ == "__main__":

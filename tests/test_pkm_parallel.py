@@ -245,9 +245,12 @@ def test_benchmark_script_smoke():
     # A subprocess: torch.multiprocessing.spawn needs the script importable as __main__.
     bench = CONFIGS.parent / "benchmarks" / "pkm_parallel.py"
     args = ["--n", "16", "32", "--topk", "4", "--repeat", "1", "--batch", "1", "--seq", "16", "--k-dim", "32"]
-    run = subprocess.run([sys.executable, bench, *args, "--strategy", "both"], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, bench, *args, "--strategy", "all"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]  # the benchmark's own error, not only its exit status
-    ddp, fsdp = run.stdout.split("PKM layer under FSDP2")
+    one, rest = run.stdout.split("PKM layer under DDP")
+    assert "| 256 slots, dense |" in one and "| 1,024 slots, rows |" in one
+    assert "ONE step at 1,024 slots over 256: dense " in one
+    ddp, fsdp = rest.split("PKM layer under FSDP2")
     for out in (ddp, fsdp):
         assert "| 256 slots, dense |" in out and "| 1,024 slots, rows |" in out
     assert "DDP step at 1,024 slots over 256: dense " in ddp
