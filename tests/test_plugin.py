@@ -170,6 +170,36 @@ def test_lm_module_honours_plugin_groups_and_aux_loss():
     assert n == 16
 
 
+def test_adamw_is_fused_where_torch_can_and_takes_the_for_loops_step():
+    from rlm.train.module import fused_adamw
+
+    module = LMModule(CFG, {"every": {"class_path": EVERY}})
+    assert module.configure_optimizers()["optimizer"].defaults["fused"] is True  # fp32 on CPU: auto is fused
+    assert fused_adamw(None, [torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)])
+    assert not fused_adamw(
+        None, [torch.zeros(2), torch.zeros(2, dtype=torch.long)]
+    )  # torch has no int kernel
+    assert not fused_adamw(None, [torch.zeros(2, device="meta")]) and not fused_adamw(None, [])
+    assert fused_adamw(False, [torch.zeros(2)]) is False and fused_adamw(True, []) is True
+    off = LMModule(CFG, {"every": {"class_path": EVERY}}, {"fused": False})
+    assert off.configure_optimizers()["optimizer"].defaults["fused"] is False
+    # The same update as the for-loop to rounding: three steps on equal weights and gradients, both groups'
+    # decay and the plugin group's own lr included.
+    off.load_state_dict(module.state_dict())
+    before = [p.detach().clone() for p in module.parameters()]
+    opts = [m.configure_optimizers()["optimizer"] for m in (module, off)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in module.parameters()]
+        for m, opt in zip((module, off), opts):
+            for p, grad in zip(m.parameters(), grads):
+                p.grad = grad.clone()
+            opt.step()
+    for a, b in zip(module.parameters(), off.parameters()):
+        assert_close(a, b)
+    assert all(not torch.equal(a, b) for a, b in zip(module.parameters(), before))  # and the steps moved them
+
+
 def test_parameter_accounting():
     model = Transformer(CFG, {"tokenid": {"layers": [0, 1], "rank": 0}})
     assert model.added_parameters() == 2 * 64 * 32
