@@ -25,7 +25,7 @@ with gloo: indicative only.
 
 ``--strategy fsdp2`` shards the same module with FSDP2 (``fully_shard`` on the layer, as on a block, then on the
 root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, backward, the row-wise Adam
-(rows), and torch's Adam over what has a gradient:
+(rows), and torch's Adam over what has a gradient (fused, as rlm's AdamW is where torch has the kernel):
 
 - dense (pkm.sparse: false, the FSDP2 path before issue 25 part 4): the values are sharded with the rest, their
   dense (slots, d) gradient is reduce-scattered and each rank's Adam updates every row of its (slots / 2, d)
@@ -73,6 +73,7 @@ from _common import table  # noqa: E402
 from rlm.model import ModelConfig  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
+from rlm.train.module import fused_adamw  # noqa: E402
 from rlm.train.parallel import replicated_parameters, spawn_local  # noqa: E402
 
 KINDS = ("dense", "rows")
@@ -98,6 +99,12 @@ class _Net(nn.Module):
         return self.layer(x, ctx)
 
 
+def _adam(net: nn.Module) -> torch.optim.Optimizer:
+    """torch's Adam over what has a gradient, fused where rlm's trainer fuses its AdamW (OptimConfig.fused)."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return torch.optim.Adam(params, lr=1e-3, fused=fused_adamw(None, params))
+
+
 def _count_hook(state: list, bucket):  # a DDP communication hook
     state[0] += bucket.buffer().numel() * bucket.buffer().element_size()
     return allreduce_hook(None, bucket)
@@ -119,7 +126,7 @@ class _Run:
             self.model.register_comm_hook(self.ddp_bytes, _count_hook)
         elif self.alone:  # FSDP2's step on one process
             self.model = net
-            self.optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+            self.optimizer = _adam(net)
         else:  # FSDP2: forward + backward + row-wise Adam (rows) + Adam over the parameters with a gradient
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             replicated = replicated_parameters(net)  # rows: the value table; dense: nothing
@@ -131,7 +138,7 @@ class _Run:
                 p.numel() * p.element_size() for p in net.parameters() if not any(p is r for r in replicated)
             )
             self.model = net
-            self.optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+            self.optimizer = _adam(net)
 
     def step(self, x: torch.Tensor, ctx: Context, count_rows: bool = False) -> float:
         """One step; its wall-clock seconds. ``count_rows``: also count the distinct rows read (not timed)."""
