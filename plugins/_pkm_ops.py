@@ -78,9 +78,8 @@ def _subkey_grads(
     zero-fill a whole (H, 2, n, dh) tensor for each half and add them).
     """
     (N, H, _, dh), n, k = q.shape, keys.shape[2], i.shape[-1]
-    base = (
-        torch.arange(2 * H, device=i.device).view(1, H, 2, 1) * n
-    )  # row (h, c, s) of (H*2*n, dh) is (2h+c)n+s
+    # sub-key s of half c of head h is row (2h + c) n + s of the flat (H * 2 * n, dh) keys
+    base = torch.arange(2 * H, device=i.device).view(1, H, 2, 1) * n
     rows = (torch.stack([i, j], dim=2) + base).reshape(N * H * 2, k)
     flat_keys = keys.reshape(2 * H * n, dh)
     w = grad.unsqueeze(2).expand(N, H, 2, k).reshape(N * H * 2, k).to(keys.dtype)  # one score, both halves
