@@ -86,14 +86,13 @@ class _Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         mc = ModelConfig(vocab_size=256, d_model=a.d, n_layers=2, n_heads=4)
-        c = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.topk, k_dim=a.k_dim, sparse="auto")
+        # distributed: auto, and row_exchange picks the path; one process: rows are the row-wise Adam alone
+        # (auto), dense is pkm.sparse: false
+        mode = "auto" if distributed or sparse else "false"
+        c = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.topk, k_dim=a.k_dim, sparse=mode)
         self.plugin = PKMPlugin(c, mc)
         self.layer = self.plugin.build(self.plugin.claims()[0], 0, None)
-        if distributed:
-            self.plugin.resolve_sparse(distributed=True, row_exchange=sparse)
-        else:  # one process: rows are the row-wise Adam alone, dense is pkm.sparse: false
-            self.plugin.config.sparse = "auto" if sparse else "false"
-            self.plugin.resolve_sparse(distributed=False)
+        self.plugin.resolve_sparse(distributed=distributed, row_exchange=sparse)
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         return self.layer(x, ctx)
