@@ -31,8 +31,9 @@ root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, b
   dense (slots, d) gradient is reduce-scattered and each rank's Adam updates every row of its (slots / 2, d)
   shard;
 - rows (pkm.sparse: auto): the values stay out of fully_shard (``Plugin.replicated_parameters`` as
-  ``ignored_params``), whole on each rank, and take the row exchange and row-wise Adam of DDP's rows; FSDP2
-  shards and reduces the layer's own parameters (query, sub-keys, norm).
+  ``ignored_params``), whole on each rank, and take the row exchange and row-wise Adam of DDP's rows; so do the
+  sub-keys (``Plugin.synced_parameters``), whose gradients are averaged by an all-reduce started in the backward
+  (rlm/train/replicas.py, as rlm's trainer does); FSDP2 shards and reduces the rest (query, norm).
 
 ``--strategy one`` is the reference for both: the same layer and step as FSDP2's (forward, backward, the row-wise
 Adam without an exchange, torch's Adam) in rank 0 alone on the same tokens, while rank 1 waits. Its 1M / 16k
@@ -74,7 +75,8 @@ from rlm.model import ModelConfig  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
 from rlm.train.module import fused_adamw  # noqa: E402
-from rlm.train.parallel import replicated_parameters, spawn_local  # noqa: E402
+from rlm.train.parallel import replicated_parameters, spawn_local, synced_parameters  # noqa: E402
+from rlm.train.replicas import ReplicaSync  # noqa: E402
 
 KINDS = ("dense", "rows")
 
@@ -99,9 +101,12 @@ class _Net(nn.Module):
 
 
 def _adam(net: nn.Module) -> torch.optim.Optimizer:
-    """torch's Adam over what has a gradient, fused where rlm's trainer fuses its AdamW (OptimConfig.fused)."""
+    """torch's Adam over what has a gradient, fused where rlm's trainer fuses its AdamW (OptimConfig.fused); the
+    synced parameters (the sub-keys under rows) in a group of their own, as rlm's groups have them."""
     params = [p for p in net.parameters() if p.requires_grad]
-    return torch.optim.Adam(params, lr=1e-3, fused=fused_adamw(None, params))
+    synced = {id(p) for p in synced_parameters(net)}
+    groups = [[p for p in params if id(p) not in synced], [p for p in params if id(p) in synced]]
+    return torch.optim.Adam([{"params": g} for g in groups if g], lr=1e-3, fused=fused_adamw(None, params))
 
 
 def _count_hook(state: list, bucket):  # a DDP communication hook
@@ -119,6 +124,7 @@ class _Run:
         self.net = net = _Net(a, n, sparse=kind == "rows", distributed=not self.alone)
         self.ddp_bytes: list[int] | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.sync: ReplicaSync | None = None
         if strategy == "ddp":  # forward + backward (+ the row-wise Adam for rows)
             self.model: nn.Module = DistributedDataParallel(net)
             self.ddp_bytes = [0]
@@ -128,14 +134,17 @@ class _Run:
             self.optimizer = _adam(net)
         else:  # FSDP2: forward + backward + row-wise Adam (rows) + Adam over the parameters with a gradient
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-            replicated = replicated_parameters(net)  # rows: the value table; dense: nothing
-            fully_shard(net.layer, mesh=mesh)
-            fully_shard(
-                net, mesh=mesh, **({"ignored_params": replicated} if replicated else {})
-            )  # torch >= 2.7
-            self.first = sum(
-                p.numel() * p.element_size() for p in net.parameters() if not any(p is r for r in replicated)
-            )
+            # rows: the value table (row exchange) and the sub-keys (all-reduced); dense: nothing
+            synced = synced_parameters(net)
+            ignored = replicated_parameters(net) | set(synced)
+            keyword = {"ignored_params": ignored} if ignored else {}  # torch >= 2.7
+            fully_shard(net.layer, mesh=mesh, **keyword)
+            fully_shard(net, mesh=mesh, **keyword)
+            if (
+                synced
+            ):  # their gradients averaged over the ranks, started in the backward (rlm's SyncedGradients)
+                self.sync = ReplicaSync(synced, dist.group.WORLD, 1.0 / dist.get_world_size())
+            self.first = sum(p.numel() * p.element_size() for p in net.parameters() if p not in ignored)
             self.model = net
             self.optimizer = _adam(net)
 
@@ -146,7 +155,11 @@ class _Run:
         if not self.alone:
             dist.barrier()
         t0 = time.perf_counter()
+        if self.sync is not None:
+            self.sync.armed = True
         self.model(x, ctx).square().mean().backward()
+        if self.sync is not None:
+            self.sync.finish()
         if self.kind == "rows":
             if count_rows:  # sorts the reads: left out of the time
                 pause = time.perf_counter()

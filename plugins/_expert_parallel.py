@@ -44,6 +44,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from rlm.plugins._experts import Experts, Plan, plan
+from rlm.train.replicas import ReplicaSync, sync_replicas
 
 
 def default_group() -> tuple[Any, int, int] | None:
@@ -352,56 +353,6 @@ def parallel_dispatch(
     gate = weight[r.token, r.choice].to(x.dtype)  # (A_r,)
     y = x.new_zeros(x.shape).index_add(0, r.token, back * gate.unsqueeze(-1))  # (S, d)
     return y, r.plan
-
-
-def sync_replicas(params: list[nn.Parameter], replicas: Any) -> None:
-    """Sum the gradients of ``params`` over ``replicas`` (the ranks holding the same experts in other groups).
-
-    Each group's gradient is its own ranks' share (already scaled by 1/P, see :func:`shard_experts`); the sum
-    over the groups is the gradient of the mean loss over all P processes, as DDP gives the other parameters.
-    Run once per optimizer step, after gradient accumulation (a sum is not idempotent).
-    """
-    for p in params:  # one tensor at a time: a flat copy of every expert gradient would double their memory
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=replicas)
-
-
-class ReplicaSync:
-    """sync_replicas overlapped with the backward: each expert gradient's all-reduce over ``replicas`` starts as
-    soon as the backward has accumulated it (a post-accumulate-grad hook), while the backward goes on through
-    the layers below; ``finish`` waits for them all.
-
-    Only while ``armed`` (the last micro-batch before an optimizer step: a sum is not idempotent, so partial
-    accumulations must not be reduced). ``finish`` reduces, blocking, any gradient whose hook did not start one
-    (a parameter outside this backward), so that afterwards every gradient is summed exactly once.
-    """
-
-    def __init__(self, params: list[nn.Parameter], replicas: Any) -> None:
-        self.params, self.replicas = params, replicas
-        self.armed = False
-        self.works: dict[int, Any] = {}  # id(param) -> the all-reduce in flight
-        self.handles = [p.register_post_accumulate_grad_hook(self._launch) for p in params]
-
-    def _launch(self, p: Tensor) -> None:
-        if self.armed and p.grad is not None:
-            self.works[id(p)] = dist.all_reduce(p.grad, group=self.replicas, async_op=True)
-
-    def finish(self) -> bool:
-        """Wait for the started all-reduces and run the missing ones; False (nothing done) when not armed."""
-        if not self.armed:
-            return False
-        missing = [p for p in self.params if id(p) not in self.works]
-        for work in self.works.values():
-            work.wait()
-        self.works.clear()
-        sync_replicas(missing, self.replicas)
-        self.armed = False
-        return True
-
-    def remove(self) -> None:
-        """Drop the hooks."""
-        for h in self.handles:
-            h.remove()
 
 
 class _ScaleGrad:

@@ -306,6 +306,12 @@ class PKMPlugin(Plugin):
         # Sparse: whole on every rank, as under DDP; the row exchange keeps them equal (FSDP2 must not shard them).
         return list(self.values.values()) if self._sparse else []
 
+    def synced_parameters(self) -> list[nn.Parameter]:
+        # Sparse (so fully_shard can leave parameters out): the sub-keys too, 2 x sqrt(slots) rows a head, whose
+        # gathers grew the FSDP2 step at 1M slots by more than the layer's own growth (SCALE.md item 17).
+        # Dense, everything stays sharded as before.
+        return [layer.keys for _, layer in sorted(self.memories.items())] if self._sparse else []
+
     def param_groups(self) -> list[ParamGroup]:
         if self._sparse is None:
             self.resolve_sparse()

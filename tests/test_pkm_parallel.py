@@ -257,9 +257,11 @@ def test_benchmark_script_smoke():
     assert "| FSDP-managed |" in fsdp and "FSDP2 step at 1,024 slots over 256: dense " in fsdp
 
 
-# FSDP2: a 2-layer model with a memory at layer 0, 2 ranks of 2 sequences each against 1 process on all 4.
-FSDP_STEPS, FSDP_VOCAB = 3, 50
+# FSDP2: a 2-layer model with a memory at layer 0, 2 ranks of 2 sequences each against 1 process on all 4; each
+# step accumulates two micro-batches and clips the gradient's norm at FSDP_CLIP (below the norms these steps have).
+FSDP_STEPS, FSDP_VOCAB, FSDP_CLIP = 3, 50, 0.5
 FSDP_TOKENS = torch.randint(0, FSDP_VOCAB, (FSDP_STEPS, 4, 12), generator=torch.Generator().manual_seed(2))
+KEYS = "stack.blocks.0.ffn.keys"
 
 
 def _fsdp_model(sparse: str):
@@ -271,40 +273,64 @@ def _fsdp_model(sparse: str):
     return Transformer(mc, {"pkm": pkm})
 
 
-def _fsdp_train(model, rows: slice) -> list[bool]:
-    """FSDP_STEPS steps of AdamW (the rest) and the plugin's row-wise Adam (values, when sparse) on the mean
-    cross-entropy of the local rows; after each backward, whether the value table had no .grad."""
+def _fsdp_train(model, rank: int | None, sync=None) -> tuple[list[bool], list[float]]:
+    """FSDP_STEPS steps of fused AdamW (the rest) and the plugin's row-wise Adam (values, when sparse) on the mean
+    cross-entropy of the global batch, as rlm's trainer takes them: two accumulated micro-batches, ``sync`` (the
+    synced parameters' all-reduce) armed on the second, the norm clipped, then the optimizers. ``rank`` None: one
+    process on all 4 rows (micro-batch h: rows h and 2 + h); else this rank's row of each micro-batch (2 rank + h).
+    Returns, per step, whether the value table had no .grad, and the gradient norm before clipping."""
+    from rlm.train.parallel import synced_parameters
+    from rlm.train.replicas import clip_grad_norm_
+
     plugin = model.plugins["pkm"]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    no_grad = []
+    synced = {id(p) for p in synced_parameters(model)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    # synced parameters in a group of their own, as LMModule.parameter_groups makes them (fused refuses a mix)
+    groups = [[p for p in params if id(p) not in synced], [p for p in params if id(p) in synced]]
+    optimizer = torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-2, fused=True)
+    no_grad, norms = [], []
     for tokens in FSDP_TOKENS:
-        mine = tokens[rows]
-        logits = model(mine[:, :-1], Context(tokens=mine[:, :-1], stage="train"))
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten()).backward()
+        for h in (0, 1):
+            mine = tokens[h::2] if rank is None else tokens[2 * rank + h : 2 * rank + h + 1]
+            if sync is not None:
+                sync.armed = h == 1
+            logits = model(mine[:, :-1], Context(tokens=mine[:, :-1], stage="train"))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten())
+            (loss / 2).backward()
+        if sync is not None:
+            assert sync.finish()
         no_grad.append(all(v.grad is None for v in plugin.values.values()))
+        if rank is None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, FSDP_CLIP)))
+        else:
+            norms.append(float(clip_grad_norm_(params, FSDP_CLIP)))
         if plugin.sparse_active:
             plugin.row_optimizer.step()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return no_grad
+    return no_grad, norms
 
 
 def _fsdp_part(rank: int, out: dict) -> None:
     """Both value paths under FSDP2 (in _worker's process group): rows (sparse auto) and dense (sparse false)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from rlm.train.parallel import full_tensor, parallelize
+    from rlm.train.parallel import full_tensor, parallelize, synced_parameters
+    from rlm.train.replicas import ReplicaSync
 
     for sparse in ("auto", "false"):
         model = _fsdp_model(sparse)
         plugin = model.plugins["pkm"]
         plugin.resolve_sparse(distributed=True, row_exchange=True)
         parallelize(model, init_device_mesh("cpu", (2,)))
+        synced = synced_parameters(model)
+        sync = ReplicaSync(synced, dist.group.WORLD, 0.5) if synced else None
         sharded = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
-        no_grad = _fsdp_train(model, slice(2 * rank, 2 * rank + 2))
+        no_grad, norms = _fsdp_train(model, rank, sync)
         params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
-        out[("fsdp", sparse, rank)] = (params, sharded, no_grad, plugin.row_optimizer.sent_bytes)
+        out[("fsdp", sparse, rank)] = (params, sharded, no_grad, plugin.row_optimizer.sent_bytes, norms)
 
 
 @pytest.mark.ddp
@@ -313,24 +339,28 @@ def test_fsdp2_two_processes_match_one_process_and_rows_replace_the_dense_value_
     model = _fsdp_model(sparse)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert model.plugins["pkm"].resolve_sparse(distributed=False) == (sparse == "auto")
-    one_no_grad = _fsdp_train(model, slice(0, 4))
+    one_no_grad, one_norms = _fsdp_train(model, None)
     one = {n: p.detach() for n, p in model.named_parameters()}
     values = "plugins.pkm.values.shared"
-    (two0, sharded, no_grad0, sent0), (two1, _, no_grad1, _) = (
+    (two0, sharded, no_grad0, sent0, norms0), (two1, _, no_grad1, _, norms1) = (
         two_ranks[("fsdp", sparse, r)] for r in (0, 1)
     )
-    assert set(two0) == set(one) and values in one and "stack.blocks.0.ffn.keys" in one
+    assert set(two0) == set(one) and values in one and KEYS in one
+    # the clipping acted (every step's norm above the threshold), by the same global norm on both ranks
+    assert min(one_norms) > FSDP_CLIP and norms0 == norms1
+    assert_close(torch.tensor(norms0), torch.tensor(one_norms), rtol=1e-4, atol=0)
     for name in one:
         # Same global batch, same start: equal but for the order of float32 sums (the gradients' reduction,
         # each rank's loss over half the tokens), which Adam's first steps scale up on near-zero components.
         assert_close(two0[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
         assert not torch.equal(one[name], before[name]), name  # every parameter trained
     if sparse == "auto":
-        # The values stay whole on every rank, get no dense .grad, and the replicas are equal bit for bit; every
-        # other parameter is sharded. One process takes the same row-wise path (no .grad there either).
-        assert not sharded[values] and all(s for n, s in sharded.items() if n != values)
+        # The values and sub-keys stay whole on every rank, and the replicas are equal bit for bit; the values get
+        # no dense .grad (one process takes the same row-wise path); every other parameter is sharded.
+        assert not sharded[values] and not sharded[KEYS]
+        assert all(s for n, s in sharded.items() if n not in (values, KEYS))
         assert all(no_grad0) and all(no_grad1) and all(one_no_grad)
-        assert torch.equal(two0[values], two1[values])
+        assert torch.equal(two0[values], two1[values]) and torch.equal(two0[KEYS], two1[KEYS])
         assert sent0 > 0  # the touched rows were exchanged
     else:
         # The old dense path, still there with sparse: false: the values sharded with a dense gradient.

@@ -179,13 +179,18 @@ class NonFiniteGuard(pl.Callback):
             # One fused pass over the dense gradients (a norm is finite iff every value is, barring an overflow
             # of finite values, which the exact per-tensor check at the read sorts out).
             finite = torch.ones((), dtype=torch.bool, device=pl_module.device)
-            if dense:
-                norms = torch.stack([n.float() for n in torch._foreach_norm(dense)])
-                verdict = torch.isfinite(norms).all()
-                # FSDP2's sharded gradients: every rank's shards, one verdict
-                if isinstance(verdict, DTensor):
-                    verdict = verdict.full_tensor()
-                finite = finite & verdict.to(finite.device)
+            # FSDP2's sharded gradients apart from plain ones (synced parameters): foreach refuses the mix
+            for part in (
+                [g for g in dense if isinstance(g, DTensor)],
+                [g for g in dense if not isinstance(g, DTensor)],
+            ):
+                if part:
+                    norms = torch.stack([n.float() for n in torch._foreach_norm(part)])
+                    verdict = torch.isfinite(norms).all()
+                    # FSDP2's sharded gradients: every rank's shards, one verdict
+                    if isinstance(verdict, DTensor):
+                        verdict = verdict.full_tensor()
+                    finite = finite & verdict.to(finite.device)
             for g in grads:
                 if g.is_sparse:
                     finite = finite & _all_finite(g).to(finite.device)

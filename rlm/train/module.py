@@ -21,7 +21,8 @@ from rlm.plugin.context import Context
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
 from rlm.train.diff import config_diff
 from rlm.train.memory import check_host_build
-from rlm.train.parallel import mixed_precision_policy, parallelize, unshard_root
+from rlm.train.parallel import mixed_precision_policy, parallelize, synced_parameters, unshard_root
+from rlm.train.replicas import clip_grad_norm_, mixes_dtensors
 from rlm.train.throughput import Throughput
 
 
@@ -287,14 +288,23 @@ class LMModule(pl.LightningModule):
     # ----- optimisation -----
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: plugin groups first, then decayed matrices and non-decayed vectors/embeddings."""
+        """AdamW groups: plugin groups first, then decayed matrices and non-decayed vectors/embeddings, then the
+        plugins' synced parameters (``Plugin.synced_parameters``) in decayed and non-decayed groups of their own:
+        under FSDP2 they are plain tensors among DTensors, which foreach and fused kernels refuse in one group.
+        They are grouped so on every strategy, so one optimizer state fits one process, DDP and FSDP2 alike."""
         groups: list[dict[str, Any]] = []
         taken: set[int] = set()
+        synced = {id(p) for p in synced_parameters(self.model)}
         for label, plugin in self.model.plugins.items():
             for g in plugin.param_groups():
                 if not isinstance(g, ParamGroup):
                     raise TypeError(
                         f"plugin {label!r} returned {type(g).__name__} from param_groups(); expected ParamGroup"
+                    )
+                if len({id(p) in synced for p in g.params}) > 1:
+                    raise ValueError(
+                        f"plugin {label!r}'s parameter group {g.name!r} mixes synced_parameters() with others; "
+                        "expected a group of synced parameters only or of none (FSDP2 shards only the others)"
                     )
                 params = [p for p in g.params if p.requires_grad and id(p) not in taken]
                 taken |= {id(p) for p in params}
@@ -305,17 +315,33 @@ class LMModule(pl.LightningModule):
                 groups.append(group)
         no_decay = _no_decay_ids(self.model)
         seen: set[int] = set()
-        decay, plain = [], []
+        rest: dict[tuple[bool, bool], list[nn.Parameter]] = {
+            (s, d): [] for s in (False, True) for d in (True, False)
+        }
         for p in self.model.parameters():
             if not p.requires_grad or id(p) in taken or id(p) in seen:
                 continue
             seen.add(id(p))
-            (plain if id(p) in no_decay else decay).append(p)
-        groups.append(
-            {"name": "decay", "params": decay, "weight_decay": self.optim.weight_decay, "schedule": True}
-        )
-        groups.append({"name": "no_decay", "params": plain, "weight_decay": 0.0, "schedule": True})
+            rest[(id(p) in synced, id(p) not in no_decay)].append(p)
+        for (is_synced, decays), params in rest.items():
+            name = ("decay" if decays else "no_decay") + ("/synced" if is_synced else "")
+            decay = self.optim.weight_decay if decays else 0.0
+            groups.append({"name": name, "params": params, "weight_decay": decay, "schedule": True})
         return [g for g in groups if g["params"]]
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, but by one global norm where FSDP2's DTensor gradients sit beside plain ones
+        (synced parameters), which torch's ``clip_grad_norm_`` refuses in one call."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and mixes_dtensors(params):
+            clip_grad_norm_(params, float(gradient_clip_val))
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         o = self.optim
@@ -336,8 +362,10 @@ class LMModule(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         from rlm.train.checkpoint import CheckpointHygiene
         from rlm.train.guard import NonFiniteGuard
+        from rlm.train.replicas import SyncedGradients
 
-        core = [NonFiniteGuard(), CheckpointHygiene()]  # stop at NaN; crash-safe checkpoint files
+        # synced gradients averaged (FSDP2 only) before the guard reads them; stop at NaN; crash-safe checkpoints
+        core = [SyncedGradients(), NonFiniteGuard(), CheckpointHygiene()]
         plugin_callbacks = [cb for plugin in self.model.plugins.values() for cb in plugin.callbacks()]
         return [*core, Throughput(self.peak_flops), *plugin_callbacks]
 

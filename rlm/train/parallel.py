@@ -7,8 +7,10 @@ norm, and the parameters plugins own at the top: PKM value tables, a separate re
 Gradients are reduce-scattered, so every rank ends a step with its shard of the averaged gradient, as DDP would
 with the full one.
 
-Parameters a plugin updates itself stay out of the sharding (``Plugin.replicated_parameters``, handed to the root's
-``fully_shard`` as ``ignored_params``): whole on every rank, never all-gathered, their gradients never reduced.
+Parameters a plugin updates itself stay out of the sharding (``Plugin.replicated_parameters``, handed to every
+``fully_shard`` call as ``ignored_params``): whole on every rank, never all-gathered, their gradients never reduced.
+So do small parameters the main optimizer trains whose gather would cost more than an all-reduce
+(``Plugin.synced_parameters``: PKM's sub-keys); rlm averages their gradients itself (rlm/train/replicas.py).
 PKM's value tables are such under ``sparse: auto``: its row-wise lazy Adam exchanges the rows a step touched and
 updates them on every rank, as under DDP, instead of a dense (slots, d) gradient reduce-scattered and an Adam over
 every row of the shards (with ``sparse: false`` they are sharded like any other parameter).
@@ -83,6 +85,16 @@ def replicated_parameters(model: nn.Module) -> set[nn.Parameter]:
     return {p for m in model.modules() if isinstance(m, Plugin) for p in m.replicated_parameters()}
 
 
+def synced_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the plugins in ``model`` keep whole on every rank for the main optimizer to train, their
+    gradients averaged by rlm (``Plugin.synced_parameters``; rlm/train/replicas.py), in the same order on every
+    rank (the plugins' module order, then each plugin's)."""
+    from rlm.plugin import Plugin
+
+    found = [p for m in model.modules() if isinstance(m, Plugin) for p in m.synced_parameters()]
+    return list({id(p): p for p in found}.values())
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -97,6 +109,8 @@ def parallelize(
     if isinstance(model, FSDPModule) or mesh.size() == 1:
         return model
     mesh = fsdp_mesh(mesh)
+    # what a plugin keeps whole on every rank stays out of every unit (a block's, a memory layer's, the root's)
+    ignored = _ignored(model)
     mp = root_mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     if mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32):
         fp32 = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
@@ -104,26 +118,29 @@ def parallelize(
         # become units of their own before their blocks, gathered in fp32 (their inputs not cast either).
         for module in model.modules():
             if getattr(module, "keep_fp32_params", False):
-                fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
+                fully_shard(
+                    module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32, **ignored
+                )
         # The root (embedding and tied head, final norm, plugins' top-level parameters) gathered in fp32: a bf16
         # embedding would make the residual stream bf16 from the first block on, where autocast alone (DDP, one
         # process) keeps it fp32; the head's matmul still runs in bf16 under autocast.
         root_mp = {"mp_policy": fp32}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp, **ignored)
     # the root's parameters are all-gathered at its forward and stay so until its backward (FSDP2's root rule)
-    fully_shard(model, mesh=mesh, **root_mp, **_ignored(model))
+    fully_shard(model, mesh=mesh, **root_mp, **ignored)
     return model
 
 
 def _ignored(model: nn.Module) -> dict[str, Any]:
-    """``fully_shard``'s keyword for the plugins' replicated parameters: {} when there are none."""
-    ignored = replicated_parameters(model)
+    """``fully_shard``'s keyword for the plugins' replicated and synced parameters: {} when there are none."""
+    ignored = replicated_parameters(model) | set(synced_parameters(model))
     if not ignored:
         return {}
     if not CAN_REPLICATE:
         raise ValueError(
-            f"a plugin keeps {len(ignored)} parameter(s) whole on every rank (PKM's values with pkm.sparse), which "
+            f"a plugin keeps {len(ignored)} parameter(s) whole on every rank (PKM's values and sub-keys with "
+            "pkm.sparse), which "
             f"needs fully_shard(ignored_params=), torch >= 2.7; this is torch {torch.__version__}: upgrade torch, "
             "or set pkm.sparse: false (dense value gradients that FSDP reduces)"
         )
