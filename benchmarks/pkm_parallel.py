@@ -191,7 +191,7 @@ def _worker(rank: int, port: int, a: argparse.Namespace, out: dict) -> None:
         for strategy in _strategies(a):
             if strategy == "one" and rank:
                 continue  # rank 0 runs it alone; this rank waits at the barrier below
-            for kind in KINDS:
+            for kind in a.kinds:
                 # Every table size of a kind is built first and their steps interleave (the order reversed every
                 # other round), so a change in the shared machine's load falls on each size alike.
                 runs = {n: _Run(a, strategy, n, kind) for n in a.n}
@@ -229,6 +229,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=list(KINDS),
+        help="value paths to run (rows alone: quicker A/B)",
+    )
+    p.add_argument(
         "--strategy",
         choices=("ddp", "fsdp2", "both", "one", "all"),
         default="ddp",
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{a.batch}x{a.seq} tokens, {a.threads} thread(s)"
             )
             rows = [
-                [f"{n * n:,} slots, {kind}", got[("one", n, kind)][3] * 1e3] for n in a.n for kind in KINDS
+                [f"{n * n:,} slots, {kind}", got[("one", n, kind)][3] * 1e3] for n in a.n for kind in a.kinds
             ]
             print(table(["values", "step ms (wall)"], rows))
             print(f"ONE step at {_ratios(a, got, strategy)}\n")
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         rows = []
         for n in a.n:
-            for kind in KINDS:
+            for kind in a.kinds:
                 first, row_bytes, touched, seconds = got[(strategy, n, kind)]
                 rows.append(
                     [f"{n * n:,} slots, {kind}", f"{first:,}", f"{row_bytes:,}" if kind == "rows" else "-",
@@ -273,7 +280,7 @@ def _ratios(a: argparse.Namespace, got: dict, strategy: str) -> str:
     """'<large> slots over <small>: dense <r>x, rows <r>x' for ``strategy``."""
     small, large = min(a.n), max(a.n)
     ratios = ", ".join(
-        f"{kind} {got[(strategy, large, kind)][3] / got[(strategy, small, kind)][3]:.2f}x" for kind in KINDS
+        f"{kind} {got[(strategy, large, kind)][3] / got[(strategy, small, kind)][3]:.2f}x" for kind in a.kinds
     )
     return f"{large * large:,} slots over {small * small:,}: {ratios}"
 

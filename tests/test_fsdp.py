@@ -109,44 +109,54 @@ def test_fsdp_two_processes_match_one_process(group, tmp_path, rlm_cache, monkey
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_fsdp_pkm_sub_keys_accumulate_clip_and_train_as_one_process(tmp_path, rlm_cache, monkeypatch):
+def test_fsdp_pkm_sub_keys_accumulate_clip_resume_and_train_as_one_process(tmp_path, rlm_cache, monkeypatch):
     """PKM's sub-keys stay out of FSDP2 (synced_parameters) and rlm averages their gradients itself: with two
     accumulated micro-batches a step and a clipping threshold every step's norm exceeds, 2 ranks train the same
-    weights and Adam moments as 1 process (each of the 4 rows is one micro-batch's global loss)."""
+    weights as 1 process (each of the 4 loss rows is one micro-batch's global loss), and again after resuming."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     fragments = _fragment(tmp_path, ["pkm"])
-    steps = [
-        "--trainer.max_steps=2",
-        "--trainer.accumulate_grad_batches=2",
-        "--trainer.gradient_clip_val=0.001",
-    ]
-    one = _curve(tmp_path / "one", fragments, [f"--data.batch_size={GLOBAL_BATCH}", *steps], rlm_cache)
-    two = _curve(
-        tmp_path / "two",
-        [*fragments, CONFIGS / "trainer" / "fsdp.yaml"],
-        [
-            f"--data.batch_size={GLOBAL_BATCH // 2}",
-            "--trainer.accelerator=cpu",
-            "--trainer.devices=2",
-            *steps,
-        ],
-        rlm_cache,
+    steps = ["--trainer.accumulate_grad_batches=2", "--trainer.gradient_clip_val=0.001"]
+    runs = {  # extra config files, extra flags
+        "one": ([], [f"--data.batch_size={GLOBAL_BATCH}", *steps]),
+        "two": (
+            [CONFIGS / "trainer" / "fsdp.yaml"],
+            [
+                f"--data.batch_size={GLOBAL_BATCH // 2}",
+                "--trainer.accelerator=cpu",
+                "--trainer.devices=2",
+                *steps,
+            ],
+        ),
+    }
+    one, two = (
+        _curve(tmp_path / run, [*fragments, *files], [*flags, "--trainer.max_steps=2"], rlm_cache)
+        for run, (files, flags) in runs.items()
     )
     assert all(r["sharded"] for r in two) and [r["tokens"] for r in one] == [r["tokens"] for r in two]
     assert [r["step"] for r in two] == [0, 1, 1, 2]  # two micro-batches per optimizer step
-    assert_close(
-        torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]), rtol=3e-4, atol=ATOL
-    )
+    loss_one, loss_two = (torch.tensor([r["loss"] for r in rows]) for rows in (one, two))
+    assert_close(loss_two, loss_one, rtol=3e-4, atol=ATOL)
+    _same_weights(tmp_path, 2)
+    # each resumes from its checkpoint for one more step: FSDP2 loads the sub-keys' plain Adam moments beside the
+    # sharded ones (and the row-wise Adam's state), and the two still agree
+    for run, (files, flags) in runs.items():
+        ckpt = tmp_path / run / "runs/test/ckpt/last.ckpt"
+        args = fit_args(*fragments, *files) + [*flags, "--trainer.max_steps=3", "--ckpt_path", ckpt]
+        run_rlm(args, tmp_path / run, rlm_cache)
+    _same_weights(tmp_path, 3)
+
+
+def _same_weights(tmp_path, step: int) -> None:
+    """The one- and two-process runs' last checkpoints hold the same weights at ``step``, and the same optimizer
+    groups, the sub-keys' own among them (the groups fit one process and FSDP2 alike)."""
     ckpts = [
-        torch.load(d / "runs/test/ckpt/last.ckpt", weights_only=False)
-        for d in (tmp_path / "one", tmp_path / "two")
+        torch.load(tmp_path / run / "runs/test/ckpt/last.ckpt", weights_only=False) for run in ("one", "two")
     ]
-    keys = "model.stack.blocks.0.ffn.keys"
+    assert [c["global_step"] for c in ckpts] == [step, step]
     states = [c["state_dict"] for c in ckpts]
-    assert keys in states[0] and set(states[0]) == set(states[1])
+    assert "model.stack.blocks.0.ffn.keys" in states[0] and set(states[0]) == set(states[1])
     for name, value in states[0].items():
         if torch.is_tensor(value) and value.is_floating_point():
-            assert_close(states[1][name], value, rtol=1e-4, atol=1e-5, msg=name)
-    # the sub-keys have their own optimizer group on both (the groups fit one process and FSDP2 alike)
+            assert_close(states[1][name], value, rtol=1e-4, atol=1e-5, msg=f"{name} at step {step}")
     names = [[g.get("name") for g in c["optimizer_states"][0]["param_groups"]] for c in ckpts]
     assert names[0] == names[1] and "decay/synced" in names[0]
