@@ -8,7 +8,7 @@ expert's gradient collects every group rank's tokens. The exchanges are asynchro
 in chunks (``moe.overlap_chunks``): each chunk's tokens travel while the chunk before it computes, and its
 results while the next one computes, in forward and, mirrored, in backward (:func:`parallel_dispatch`). The
 groups' copies of an expert are kept equal by an all-reduce of their gradients over the replica group before
-each optimizer step (:func:`sync_replicas`).
+each optimizer step (``rlm.train.replicas.sync_replicas``).
 
 Capacity is decided for the group's batch, exactly as one process would decide it: the routing (k expert ids
 per token, padding as id N; one byte each below 256 experts) is all-gathered first and every rank runs the same
@@ -44,7 +44,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from rlm.plugins._experts import Experts, Plan, plan
-from rlm.train.replicas import ReplicaSync, sync_replicas
+from rlm.train.replicas import ArmedSync, ReplicaSync
 
 
 def default_group() -> tuple[Any, int, int] | None:
@@ -456,7 +456,7 @@ def _node_size(trainer: pl.Trainer, world: int) -> int:
     return per_node if 0 < per_node <= world and world % per_node == 0 else world
 
 
-class ExpertParallelCallback(pl.Callback):
+class ExpertParallelCallback(ArmedSync):
     """Shards the experts of ``layers()`` at setup when torch.distributed runs with several processes.
 
     ``layers`` returns the modules holding an ``experts`` (:class:`Experts`) and an ``expert_group`` attribute,
@@ -517,25 +517,10 @@ class ExpertParallelCallback(pl.Callback):
         if self.world > 1:
             check_ddp_ignores(trainer.strategy.model, self.params)
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.sync is not None:
-            # Started in the backward only on the micro-batch whose accumulation Lightning steps after (its
-            # rule: every accumulate_grad_batches-th batch; the epoch's last, partial window falls back below).
-            self.sync.armed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Before anything reads the gradients (clipping, the guard, the optimizer): the all-reduces write them.
-        if self.sync is not None and self.sync.finish():
-            self.synced = True
-
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        if self.replicas is not None and self.world > 1 and not self.synced:
-            sync_replicas(list(self.params.values()), self.replicas)
-        self.synced = False
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)  # the replicas' gradients summed
         if self.clip is None:
             return
         sharded = {id(p) for p in self.params.values()}

@@ -14,7 +14,6 @@ from rlm.model import ModelConfig
 from rlm.plugin import Context
 from rlm.plugins._expert_parallel import (
     ExpertParallelCallback,
-    ReplicaSync,
     _node_size,
     check_ddp_ignores,
     expert_groups,
@@ -23,11 +22,11 @@ from rlm.plugins._expert_parallel import (
     parallel_dispatch,
     route_group,
     shard_experts,
-    sync_replicas,
 )
 from rlm.plugins._experts import plan
 from rlm.plugins.moe import MoEConfig, MoELayer
 from rlm.train.parallel import spawn_local
+from rlm.train.replicas import ReplicaSync, sync_replicas
 
 D, V, B, T = 32, 64, 2, 12  # B rows per rank
 TOL = dict(rtol=1e-4, atol=1e-5)  # float32; sums over tokens run in another order

@@ -109,15 +109,37 @@ def clip_grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
     return total.to(grads[0].dtype)
 
 
-class SyncedGradients(pl.Callback):
-    """Under FSDP2, averages the gradients of the plugins' ``synced_parameters`` over the ranks before each
-    optimizer step (:class:`ReplicaSync` armed on the micro-batch that ends an accumulation, finished after its
-    backward; a blocking fallback for the epoch's last, partial window). Does nothing on one process, under DDP
-    (which reduces them as any parameter) or when no plugin names any."""
+class ArmedSync(pl.Callback):
+    """Runs a :class:`ReplicaSync` (``self.sync``, set by the subclass) with Lightning's gradient accumulation: armed
+    on the micro-batch that ends an accumulation (Lightning steps after every accumulate_grad_batches-th batch),
+    finished after its backward, before anything reads the gradients (the guard, clipping, the optimizer); an
+    epoch's last, partial window, never armed, is reduced blocking before its optimizer step."""
 
-    def __init__(self) -> None:
-        self.sync: ReplicaSync | None = None
-        self.synced = False  # whether this step's gradients have been averaged
+    sync: ReplicaSync | None = None
+    synced = False  # whether this step's gradients have been reduced
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.sync is not None:
+            self.sync.armed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sync is not None and self.sync.finish():
+            self.synced = True
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self.sync is not None and not self.synced:
+            sync_replicas(self.sync.params, self.sync.group, self.sync.scale)
+        self.synced = False
+
+
+class SyncedGradients(ArmedSync):
+    """Under FSDP2, averages the gradients of the plugins' ``synced_parameters`` over the ranks before each
+    optimizer step (see :class:`ArmedSync`). Does nothing on one process, under DDP (which reduces them as any
+    parameter) or when no plugin names any."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the first hook after the strategy's setup: configure_model has sharded the model by now
@@ -129,25 +151,6 @@ class SyncedGradients(pl.Callback):
             if params:
                 # rlm's FSDP2 mesh spans every rank (the values' row exchange uses the same group)
                 self.sync = ReplicaSync(params, dist.group.WORLD, 1.0 / trainer.world_size)
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.sync is not None:
-            # Lightning steps after every accumulate_grad_batches-th batch (the epoch's last window: below)
-            self.sync.armed = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # before anything reads the gradients (the guard, clipping, the optimizer)
-        if self.sync is not None and self.sync.finish():
-            self.synced = True
-
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        if self.sync is not None and not self.synced:
-            sync_replicas(self.sync.params, self.sync.group, self.sync.scale)
-        self.synced = False
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.sync is not None:
