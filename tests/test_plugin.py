@@ -204,3 +204,33 @@ def test_parameter_accounting():
     model = Transformer(CFG, {"tokenid": {"layers": [0, 1], "rank": 0}})
     assert model.added_parameters() == 2 * 64 * 32
     assert model.active_parameters() == model.num_parameters() - 2 * 63 * 32
+
+
+def test_synced_parameters_get_optimizer_groups_of_their_own_and_a_mixed_plugin_group_is_refused(monkeypatch):
+    """PKM's sub-keys (synced_parameters when sparse) sit in decay/synced on one process too, so the optimizer
+    state has the groups FSDP2 needs (foreach and fused kernels refuse plain tensors beside DTensors); a plugin
+    group mixing synced parameters with others is an error naming the group."""
+    from rlm.plugin.base import ParamGroup
+    from rlm.plugins.pkm import PKMPlugin
+
+    pkm = {"layers": [0], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 12}
+    module = LMModule(CFG, {"pkm": pkm})
+    keys = module.model.plugins["pkm"].memories[0].keys
+    groups = {g["name"]: g for g in module.configure_optimizers()["optimizer"].param_groups}
+    assert [p is keys for p in groups["decay/synced"]["params"]] == [True]
+    assert not any(p is keys for name, g in groups.items() if name != "decay/synced" for p in g["params"])
+    assert groups["decay/synced"]["weight_decay"] == groups["decay"]["weight_decay"] > 0
+    assert "decay/synced" not in {
+        g["name"] for g in LMModule(CFG, {"pkm": {**pkm, "sparse": "false"}}).parameter_groups()
+    }
+
+    def mixed(self):
+        self.resolve_sparse(
+            distributed=False
+        )  # as PKM's own param_groups does: sparse, so the sub-keys are synced
+        memory = self.memories[0]
+        return [ParamGroup(name="pkm_mixed", params=[memory.keys, memory.query.weight])]
+
+    monkeypatch.setattr(PKMPlugin, "param_groups", mixed)
+    with pytest.raises(ValueError, match="'pkm_mixed' mixes synced_parameters"):
+        LMModule(CFG, {"pkm": pkm}).parameter_groups()

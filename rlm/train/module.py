@@ -294,25 +294,26 @@ class LMModule(pl.LightningModule):
         They are grouped so on every strategy, so one optimizer state fits one process, DDP and FSDP2 alike."""
         groups: list[dict[str, Any]] = []
         taken: set[int] = set()
+        # asked first: a plugin may settle what it syncs here (PKM resolves its value path)
+        asked = [(label, g) for label, plugin in self.model.plugins.items() for g in plugin.param_groups()]
         synced = {id(p) for p in synced_parameters(self.model)}
-        for label, plugin in self.model.plugins.items():
-            for g in plugin.param_groups():
-                if not isinstance(g, ParamGroup):
-                    raise TypeError(
-                        f"plugin {label!r} returned {type(g).__name__} from param_groups(); expected ParamGroup"
-                    )
-                if len({id(p) in synced for p in g.params}) > 1:
-                    raise ValueError(
-                        f"plugin {label!r}'s parameter group {g.name!r} mixes synced_parameters() with others; "
-                        "expected a group of synced parameters only or of none (FSDP2 shards only the others)"
-                    )
-                params = [p for p in g.params if p.requires_grad and id(p) not in taken]
-                taken |= {id(p) for p in params}
-                group = {"name": g.name, "params": params, "schedule": g.schedule, **g.extra}
-                for key in ("lr", "weight_decay", "betas"):
-                    if getattr(g, key) is not None:
-                        group[key] = getattr(g, key)
-                groups.append(group)
+        for label, g in asked:
+            if not isinstance(g, ParamGroup):
+                raise TypeError(
+                    f"plugin {label!r} returned {type(g).__name__} from param_groups(); expected ParamGroup"
+                )
+            if len({id(p) in synced for p in g.params}) > 1:
+                raise ValueError(
+                    f"plugin {label!r}'s parameter group {g.name!r} mixes synced_parameters() with others; "
+                    "expected a group of synced parameters only or of none (FSDP2 shards only the others)"
+                )
+            params = [p for p in g.params if p.requires_grad and id(p) not in taken]
+            taken |= {id(p) for p in params}
+            group = {"name": g.name, "params": params, "schedule": g.schedule, **g.extra}
+            for key in ("lr", "weight_decay", "betas"):
+                if getattr(g, key) is not None:
+                    group[key] = getattr(g, key)
+            groups.append(group)
         no_decay = _no_decay_ids(self.model)
         seen: set[int] = set()
         rest: dict[tuple[bool, bool], list[nn.Parameter]] = {
