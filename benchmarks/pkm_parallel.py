@@ -140,9 +140,8 @@ class _Run:
             keyword = {"ignored_params": ignored} if ignored else {}  # torch >= 2.7
             fully_shard(net.layer, mesh=mesh, **keyword)
             fully_shard(net, mesh=mesh, **keyword)
-            if (
-                synced
-            ):  # their gradients averaged over the ranks, started in the backward (rlm's SyncedGradients)
+            # the sub-keys' gradients averaged over the ranks, started in the backward (rlm's SyncedGradients)
+            if synced:
                 self.sync = ReplicaSync(synced, dist.group.WORLD, 1.0 / dist.get_world_size())
             self.first = sum(p.numel() * p.element_size() for p in net.parameters() if p not in ignored)
             self.model = net

@@ -23,7 +23,7 @@ SHIM_HELPER = "rlm._moved"
 # and the ones below. "rlm" alone catches the top-level modules (rlm/__init__.py, extras, _moved).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("rlm", "rlm.model", "rlm.data", "rlm.plugin")),
-    ("index and parallelism", ("rlm.index", "rlm.train.parallel")),
+    ("index and parallelism", ("rlm.index", "rlm.train.parallel", "rlm.train.replicas")),
     ("plugins", ("rlm.plugins",)),
     ("train", ("rlm.train",)),
     ("eval", ("rlm.eval", "rlm.hf.export")),
