@@ -9,6 +9,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.plugins.precision import Precision
 from torch import Tensor, nn
 
 from rlm.data.segments import SegmentSource
@@ -336,13 +337,29 @@ class LMModule(pl.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Lightning's clipping, but by one global norm where FSDP2's DTensor gradients sit beside plain ones
-        (synced parameters), which torch's ``clip_grad_norm_`` refuses in one call."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and mixes_dtensors(params):
-            clip_grad_norm_(params, float(gradient_clip_val))
+        """Lightning's clipping, with two cases it refuses or gets wrong handled here.
+
+        - A fused AdamW unscales fp16 gradients inside its own step, so Lightning's mixed precision refuses to clip
+          for it (and under bf16, which has no scaler, refuses for nothing). The gradients are unscaled here first
+          where a scaler is on (GradScaler.step then passes the fused kernel no scale), and clipped as usual.
+        - FSDP2's DTensor gradients beside plain ones (synced parameters) take one global norm, which torch's
+          ``clip_grad_norm_`` refuses in one call."""
+        if not gradient_clip_val:
             return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if gradient_clip_algorithm in (None, "norm") and mixes_dtensors(params):
+            clip_grad_norm_(params, float(gradient_clip_val))
+        elif fused:
+            # the base class's clipping: MixedPrecision's only adds the refusal
+            Precision.clip_gradients(
+                self.trainer.precision_plugin, optimizer, gradient_clip_val, gradient_clip_algorithm or "norm"
+            )
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         o = self.optim
