@@ -87,3 +87,13 @@ def test_entry_point_plugins_are_listed_and_described(monkeypatch, capsys):
 def test_unknown_plugin_names_the_known_ones(capsys):
     assert main(["plugins", "nope"]) == 2
     assert "unknown plugin 'nope'; known plugins: [" in capsys.readouterr().err
+
+
+def test_rlm_cli_names_resolve_lazily():
+    import rlm.cli
+    from rlm.cli import commands, lightning_cli
+
+    assert rlm.cli.main is commands.main and rlm.cli.COMMANDS is commands.COMMANDS
+    assert rlm.cli.RLMCLI is lightning_cli.RLMCLI
+    with pytest.raises(AttributeError):
+        rlm.cli.no_such_name  # noqa: B018

@@ -4,8 +4,7 @@ inside a function or under TYPE_CHECKING, read with ast (plus ``importlib.import
 - rlm/ never imports a concrete plugin (rlm.plugins.*): the registry names them in strings only;
 - index/ never imports rlm.plugins;
 - no module imports a layer above its own (LAYERS, lowest first);
-- no import cycle among the modules, lazy imports included (KNOWN_CYCLES excepted);
-- nothing imports an old module path (the deprecation shims are for users only).
+- no import cycle among the modules, lazy imports included (KNOWN_CYCLES excepted).
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"rlm": ROOT / "rlm", "rlm.plugins": ROOT / "plugins", "rlm.index": ROOT / "index"}
-SHIM_HELPER = "rlm._moved"
 
 # Lowest first; a module belongs to the layer of its longest matching prefix, and may import its own layer
-# and the ones below. "rlm" alone catches the top-level modules (rlm/__init__.py, extras, _moved).
+# and the ones below. "rlm" alone catches the top-level modules (rlm/__init__.py, extras).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("rlm", "rlm.model", "rlm.data", "rlm.plugin")),
     ("index and parallelism", ("rlm.index", "rlm.train.parallel", "rlm.train.replicas")),
@@ -102,11 +100,6 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def shims(graph: dict[str, set[str]]) -> set[str]:
-    """The old module paths: modules whose only job is forwarding through rlm/_moved.py."""
-    return {name for name, targets in graph.items() if SHIM_HELPER in targets}
-
-
 def layer(name: str) -> int:
     """Index in LAYERS of the module's layer (its longest matching prefix)."""
     best, rank = -1, 0
@@ -169,11 +162,9 @@ def test_rlm_and_index_never_import_a_concrete_plugin(graph):
 
 
 def test_no_module_imports_a_layer_above_its_own(graph):
-    exempt = shims(graph)
     bad = [
         f"{src} ({LAYERS[layer(src)][0]}) imports {dst} ({LAYERS[layer(dst)][0]})"
         for src, targets in sorted(graph.items())
-        if src not in exempt
         for dst in sorted(targets)
         if layer(dst) > layer(src)
     ]
@@ -186,19 +177,6 @@ def test_no_import_cycles(graph):
     assert not found, "modules that import each other (lazy imports count):\n  " + "\n  ".join(
         " <-> ".join(c) for c in found
     )
-
-
-def test_nothing_imports_an_old_module_path(graph):
-    old = shims(graph)
-    assert {"rlm.lightning", "rlm.config_merge", "rlm.evaluate"} <= old  # the shims are recognised
-    bad = [f"{src} imports {dst}" for src, targets in sorted(graph.items()) for dst in sorted(targets & old)]
-    for folder in ("tests", "benchmarks"):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if path.name == "test_moved.py":  # checks the shims themselves
-                continue
-            names = imported_names(path.stem, path)
-            bad += [f"{path.relative_to(ROOT)} imports {n}" for n in sorted(names) if _owner(n, old)]
-    assert not bad, "old paths are deprecation shims for users; import the new ones:\n  " + "\n  ".join(bad)
 
 
 def test_every_module_is_parsed_and_the_checks_see_something(graph):
