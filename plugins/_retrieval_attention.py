@@ -87,7 +87,7 @@ def encode_neighbours(
             vocab, rows = encoder.distinct(tokens)  # (V', d), (U, M)
             e_nb = masked_mean_unit(vocab[rows[:, :L]], mask[:, :L])  # (U, D), as TokenEncoder.forward
         return _encoded(inp, ctx, label, e_query, e_nb, index, None, L, vocab.float(), rows)
-    # float32 as before (autocast off): the removed neighbour_dtype's only value (RetrievalPlugin.removed_options)
+    # float32 (autocast off), like the relevance bias: bfloat16 neighbour embeddings ranked worse (RESULTS.md)
     with torch.set_grad_enabled(mode == "full"), torch.autocast(tokens.device.type, enabled=False):
         states, e_nb = encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
     states = states.float()

@@ -71,8 +71,6 @@ class PKMConfig:
     the other sequences), so a token's training output depends on its future; evaluation uses running
     statistics and is exact.
     'none': the raw query."""
-    query_batchnorm: bool | None = None
-    """Deprecated (checkpoints written before query_norm): true means query_norm 'batchnorm', false 'none'."""
     shared_values: bool = True
     """One value table for every memory layer (else one table per layer)."""
     gated: bool = False
@@ -87,8 +85,6 @@ class PKMConfig:
     all-reduced by DDP or reduce-scattered by FSDP2 with the values sharded)."""
 
     def __post_init__(self) -> None:
-        if self.query_batchnorm is not None:
-            self.query_norm, self.query_batchnorm = ("batchnorm" if self.query_batchnorm else "none"), None
         if self.query_norm not in QUERY_NORMS:
             raise ValueError(f"pkm.query_norm={self.query_norm!r} is unknown; expected one of {QUERY_NORMS}")
         if self.mode not in ("replace", "add"):

@@ -92,19 +92,6 @@ class RetrievalPlugin(Plugin):
     name = "retrieval"
     Config = RetrievalConfig
     order = 200  # after the implicit memories, so a shared embedder sees the finished lower blocks
-    removed_options = {  # the measurements that fixed them: RESULTS.md, "The retriever's options"
-        "kv_heads": (
-            1,
-            "one key/value head shared by every query head (multi-query): a step 1.06x a base step against 1.17x "
-            "with a head per query head, at the same loss within the seeds' spread",
-        ),
-        "neighbour_dtype": (
-            "float32",
-            "a no-gradient neighbour pass runs in float32, like the relevance bias; bfloat16 embeddings ranked "
-            "worse (top-1 0.71 against 0.97 on the synthetic partner task), and the default token embedder runs "
-            "no such pass",
-        ),
-    }
 
     def __init__(self, config: RetrievalConfig, model_config) -> None:
         super().__init__(config, model_config)

@@ -296,9 +296,7 @@ def test_query_norm_causality_in_training(query_norm):
         assert_close(a, b)
 
 
-def test_old_query_batchnorm_option_maps_to_query_norm():
-    assert PKMConfig(query_batchnorm=True).query_norm == "batchnorm"
-    assert PKMConfig(query_batchnorm=False).query_norm == "none"
+def test_unknown_query_norm_lists_the_known_ones():
     with pytest.raises(ValueError, match="layernorm"):
         PKMConfig(query_norm="groupnorm")
 

@@ -58,7 +58,7 @@ def test_flags_are_typed_by_the_plugin_config():
             "--model.plugins.tokenid.rank=2",
             "--model.plugins.moe.capacity_factor=1.5",
             "--model.plugins.moe.expert_hidden=null",
-            "--model.plugins.pkm.query_batchnorm=no",
+            "--model.plugins.pkm.gated=no",
             "--model.plugins.pkm.sparse=true",
             "--model.plugins.pkm.layers=[0, 1]",
             "--trainer.max_steps=1",
@@ -66,14 +66,14 @@ def test_flags_are_typed_by_the_plugin_config():
     )
     assert plugins["tokenid"] == {"rank": 2} and type(plugins["tokenid"]["rank"]) is int
     assert plugins["moe"] == {"capacity_factor": 1.5, "expert_hidden": None}
-    assert plugins["pkm"] == {"query_batchnorm": False, "sparse": True, "layers": [0, 1]}
+    assert plugins["pkm"] == {"gated": False, "sparse": True, "layers": [0, 1]}
     assert _apply({}, ["--model.plugins.pkm.sparse=auto", "--trainer.max_steps=1"])["pkm"]["sparse"] == "auto"
 
 
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
-        ("--model.plugins.pkm.query_batchnorm=off", "query_batchnorm must be a bool (true/false/1/0/yes/no)"),
+        ("--model.plugins.pkm.gated=off", "gated must be a bool (true/false/1/0/yes/no)"),
         ("--model.plugins.tokenid.rank=two", "rank must be an integer, got 'two'"),
         ("--model.plugins.moe.capacity_factor=big", "capacity_factor must be a number, got 'big'"),
         ("--model.plugins.pkm.colour=red", "has no option 'colour'; accepted: "),
@@ -94,7 +94,7 @@ def test_bad_flags_name_the_option_and_what_is_accepted(flag, message):
             "plugin 'moe': option capacity_factor must be a number, got 'big'",
         ),
         ("retrieval", {"beta_init": "x"}, "plugin 'retrieval': option beta_init must be a number, got 'x'"),
-        ("pkm", {"query_batchnorm": "off"}, "option query_batchnorm must be a bool"),
+        ("pkm", {"gated": "off"}, "option gated must be a bool"),
         ("tokenid", {"rank": "2"}, "option rank must be an integer, got '2'"),
     ],
 )
@@ -126,12 +126,12 @@ def test_fit_trains_and_saves_what_the_flags_built(tmp_path, rlm_cache):
         "--model.plugins",
         '{"tokenid": {"rank": 2}}',
         "--model.plugins.pkm.topk=4",
-        "--model.plugins.pkm.query_batchnorm=no",
+        "--model.plugins.pkm.query_norm=none",
         "--trainer.max_steps=1",
     ]
     run_rlm(args, tmp_path, rlm_cache)
     want = {**merge_configs([PKM])["model"]["plugins"]["pkm"], "layers": [1], "n_keys": 16, "topk": 4}
-    want["query_batchnorm"] = False
+    want["query_norm"] = "none"
     hp = torch.load(tmp_path / "runs/test/ckpt/last.ckpt", map_location="cpu", weights_only=False)
     assert hp["hyper_parameters"]["plugins"] == {"pkm": want, "tokenid": {"rank": 2}}
     saved = yaml.safe_load((tmp_path / "runs/test/version_0/config.yaml").read_text())

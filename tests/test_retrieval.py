@@ -643,28 +643,11 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"target_recall": 1.5}, "target_recall"),
         ({"neighbour_grad": True}, "neighbour_grad must be a string, got True"),
         ({"lookup": "cache"}, r"retrieval.lookup='cache'; accepted: \['table', 'search'\]"),
-        ({"kv_heads": None}, r"option 'kv_heads' was removed; it is always 1 now .*got None"),
-        (
-            {"neighbour_dtype": "bfloat16"},
-            r"option 'neighbour_dtype' was removed; it is always 'float32' now",
-        ),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
     with pytest.raises(ValueError, match=message):
         make_config(RetrievalPlugin, opts)
-
-
-def test_removed_options_at_their_fixed_value_load_with_a_warning():
-    """Configs and checkpoints written while kv_heads and neighbour_dtype were options still load when they hold
-    the value the retriever now always uses."""
-    with pytest.warns(
-        FutureWarning, match=r"option 'kv_heads' was removed \(always 1 now: one key/value head"
-    ):
-        config = make_config(RetrievalPlugin, {"kv_heads": 1, "k": 3})
-    assert config.k == 3 and not hasattr(config, "kv_heads")
-    with pytest.warns(FutureWarning, match="option 'neighbour_dtype' was removed"):
-        make_config(RetrievalPlugin, {"neighbour_dtype": "float32"})
 
 
 def test_cross_attention_inside_the_shared_embedder_is_refused():

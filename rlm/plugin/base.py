@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -109,9 +108,6 @@ class Plugin(nn.Module):
     """Plugins are built in ascending (order, name), whatever order the config lists them in."""
     conflicts_with: ClassVar[tuple[str, ...]] = ()
     """Names of plugins that cannot be used together with this one."""
-    removed_options: ClassVar[dict[str, tuple[Any, str]]] = {}
-    """Options that no longer exist: name -> (the value the plugin now always uses, why). A config or checkpoint
-    that still sets one to that value loads with a warning; any other value is an error that says why."""
 
     def __init__(self, config: Any, model_config: ModelConfig) -> None:
         super().__init__()
@@ -188,21 +184,6 @@ def config_fields(config_cls: type) -> list[str]:
 def make_config(plugin_cls: type[Plugin], args: dict[str, Any] | None) -> Any:
     """Build ``plugin_cls.Config`` from a dict, rejecting unknown keys with the list of accepted ones."""
     args = dict(args or {})
-    for key, (fixed, why) in plugin_cls.removed_options.items():
-        if key not in args:
-            continue
-        value = args.pop(key)
-        if value != fixed:
-            raise ValueError(
-                f"plugin {plugin_cls.name!r}: option {key!r} was removed; it is always {fixed!r} now ({why}); "
-                f"got {value!r}: drop it from the config"
-            )
-        warnings.warn(
-            f"plugin {plugin_cls.name!r}: option {key!r} was removed (always {fixed!r} now: {why}); drop it from "
-            "the config",
-            FutureWarning,
-            stacklevel=2,
-        )
     known = config_fields(plugin_cls.Config)
     unknown = sorted(set(args) - set(known))
     if unknown:
