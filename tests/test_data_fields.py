@@ -8,7 +8,10 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
+import pytorch_lightning as pl
+import sentencepiece as spm
 import torch
 import yaml
 from cli_helpers import CONFIGS, fit_args, run_rlm
@@ -18,6 +21,7 @@ from rlm.cli.support import link_vocab
 from rlm.data import RLMDataModule, Tokenizer, read_corpus
 from rlm.data.corpus import fingerprint
 from rlm.data.pretrained import DEFAULT_VOCAB, resolve_vocab_size
+from rlm.train.module import LMModule
 
 # Rows as a user's dump has them: an id, the text under "body", some rows with empty or null text (skipped),
 # text with newlines, indentation and non-ASCII characters that must come back exactly.
@@ -231,6 +235,74 @@ def test_the_default_config_takes_the_vocabulary_of_a_given_tokenizer(tmp_path, 
     args = ["fit", "--config", CONFIGS / "default.yaml", f"--data.tokenizer={spm_model}", "--print_config"]
     cfg = yaml.safe_load(run_rlm(args, tmp_path, tmp_path).stdout)
     assert cfg["data"]["vocab_size"] == SPM_VOCAB and cfg["model"]["model"]["vocab_size"] == SPM_VOCAB
+
+
+def _word_texts(n_docs: int, seed: int = 0) -> list[str]:
+    """Documents of pseudo-random words, 3 to 40 of them: short, so that most validation batches hold padding."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    texts = []
+    for _ in range(n_docs):
+        words = [
+            "".join(rng.choice(letters, int(rng.integers(1, 8)))) for _ in range(int(rng.integers(3, 40)))
+        ]
+        texts.append(" ".join(words) + "\n")
+    return texts
+
+
+@pytest.mark.parametrize("byte_fallback", [False, True])
+def test_a_sentencepiece_model_trained_with_its_defaults_trains(tmp_path, byte_fallback):
+    """sentencepiece's defaults have no pad piece (pad_id=-1): padding used to index the embedding at -1 and the
+    first validation failed with 'IndexError: index out of range in self'."""
+    texts = _word_texts(80)
+    prefix = tmp_path / "own"
+    vocab = 300 if byte_fallback else 200  # 256 byte pieces + specials + a few learned
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_prefix=str(prefix), vocab_size=vocab, byte_fallback=byte_fallback,
+        minloglevel=2,
+    )  # fmt: skip
+    tok = Tokenizer(f"{prefix}.model")
+    assert tok._sp.pad_id() == -1  # the defaults: no pad piece
+    assert 0 <= tok.pad_id < tok.vocab_size and tok.pad_id not in (tok.bos_id, tok.eos_id)
+    corpus = _write(tmp_path / "c.jsonl", [{"text": t} for t in texts])
+    dm = RLMDataModule(
+        str(corpus), tokenizer=f"{prefix}.model", seq_len=32, segment_len=8, batch_size=4, val_fraction=0.25,
+        cache_dir=str(tmp_path / "cache"), progress=False,
+    )  # fmt: skip
+    module = LMModule(
+        model=dict(vocab_size=dm.vocab_size, d_model=32, n_layers=1, n_heads=2, max_seq_len=32),
+        peak_flops=1e12,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, limit_train_batches=2, limit_val_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=dm)  # the sanity check and the epoch's end validate on padded batches
+    val = [b for _, b in zip(range(2), dm.val_dataloader())]
+    assert any((~b["mask"]).any() for b in val), (
+        "no padding in the validation batches: the test shows nothing"
+    )
+    for b in val:
+        assert (b["tokens"][~b["mask"]] == tok.pad_id).all() and (b["targets"][~b["mask"]] == -100).all()
+    assert trainer.global_step == 2 and torch.isfinite(trainer.callback_metrics["val/loss"])
+
+
+def test_a_sentencepiece_model_without_bos_or_eos(tmp_path):
+    """Documents are framed [bos] + ids + [eos]: a model with one of them uses it for both; with neither, a clear
+    error instead of -1 ids in the token store."""
+    texts = _word_texts(40)
+    for name, ids in {"no_bos": dict(bos_id=-1), "neither": dict(bos_id=-1, eos_id=-1)}.items():
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_prefix=str(tmp_path / name),
+            vocab_size=200,
+            minloglevel=2,
+            **ids,
+        )
+    tok = Tokenizer(tmp_path / "no_bos.model")
+    assert tok.bos_id == tok.eos_id == tok._sp.eos_id() >= 0
+    with pytest.raises(ValueError, match="neither a bos nor an eos piece"):
+        Tokenizer(tmp_path / "neither.model")
 
 
 @pytest.mark.slow

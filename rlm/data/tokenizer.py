@@ -1,4 +1,8 @@
-"""A sentencepiece tokenizer trained on the corpus, with fixed special ids (pad=0, unk=1, bos=2, eos=3)."""
+"""A sentencepiece tokenizer trained on the corpus, with fixed special ids (pad=0, unk=1, bos=2, eos=3).
+
+A user's own sentencepiece model may lack some of them (sentencepiece's defaults have no pad piece: pad_id=-1):
+:class:`Tokenizer` then stands in a valid id, as the Hugging Face tokenizer does (rlm.data.pretrained).
+"""
 
 from __future__ import annotations
 
@@ -38,6 +42,17 @@ class Tokenizer:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
         self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        bos, eos = self._sp.bos_id(), self._sp.eos_id()  # -1: the model has no such piece
+        if bos < 0 and eos < 0:
+            raise ValueError(
+                f"tokenizer {self.path!r} has neither a bos nor an eos piece (bos_id=eos_id=-1); documents are "
+                "framed as [bos] + ids + [eos] and need one: train it with bos_id or eos_id >= 0"
+            )
+        self._bos = bos if bos >= 0 else eos
+        self._eos = eos if eos >= 0 else bos
+        # Padding is never trained on (targets there are -100, mask False), so any valid id does; unk, which every
+        # sentencepiece model has, is the one a byte-fallback model never emits.
+        self._pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self._sp.unk_id()
 
     # The processor is a C++ object: ship the path to worker processes and reopen there.
     def __getstate__(self) -> dict[str, str]:
@@ -53,8 +68,8 @@ class Tokenizer:
 
     @property
     def pad_id(self) -> int:
-        """Padding id (0)."""
-        return self._sp.pad_id()
+        """Padding id (0); the unk id for a model without a pad piece."""
+        return self._pad
 
     @property
     def unk_id(self) -> int:
@@ -63,13 +78,13 @@ class Tokenizer:
 
     @property
     def bos_id(self) -> int:
-        """Beginning-of-document id (2)."""
-        return self._sp.bos_id()
+        """Beginning-of-document id (2); the eos id for a model without a bos piece."""
+        return self._bos
 
     @property
     def eos_id(self) -> int:
-        """End-of-document id (3)."""
-        return self._sp.eos_id()
+        """End-of-document id (3); the bos id for a model without an eos piece."""
+        return self._eos
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without bos/eos."""
