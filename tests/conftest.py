@@ -2,10 +2,18 @@
 
 import os
 
-import pytest
-import torch
+# One thread per process, set before torch (and faiss, numpy) start their pools. The suite's models are tiny, and
+# on the 2-core CI machine any pool wider than one thread fights the other process of a 2-process test, or the
+# subprocess a test waits on; OpenMP's spinning workers then turn milliseconds into seconds. Subprocesses inherit
+# these.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conventions import pytest_runtest_call, pytest_runtest_setup  # noqa: E402, F401 (`rlm fit` is slow)
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +26,26 @@ def _seed():
 def rlm_cache(tmp_path_factory):
     """One RLM_CACHE for every CLI smoke test, so the tiny corpus is tokenized once per session."""
     return tmp_path_factory.mktemp("rlm_cache")
+
+
+@pytest.fixture
+def rlm_main(monkeypatch, capsys):
+    """``rlm ARGS`` in this process, as ``run_rlm`` runs it in a subprocess: in ``cwd`` with RLM_CACHE=``cache``,
+    returning a CompletedProcess with the exit code and what it printed. For the commands that stop before any
+    training (parse errors, ``--print_config``, refusals), where a subprocess would only add its start-up."""
+    import subprocess
+
+    from rlm.cli import main
+
+    def run(args: list, cwd, cache=None) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setenv("RLM_CACHE", str(cache or cwd))
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as stop:  # the parser's --help, --print_config and its errors
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run

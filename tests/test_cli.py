@@ -90,10 +90,10 @@ def test_ddp_two_cpu_processes(tmp_path, rlm_cache):
     assert "distributed_backend=gloo" in proc.stdout + proc.stderr
 
 
-def test_unknown_plugin_fails_before_training(tmp_path, rlm_cache):
+def test_unknown_plugin_fails_before_training(tmp_path, rlm_cache, rlm_main):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  plugins:\n    mystery: {}\n")
-    proc = run_rlm(fit_args(bad), tmp_path, rlm_cache, check=False)
+    proc = rlm_main(fit_args(bad), tmp_path, rlm_cache)
     assert proc.returncode == 2
     assert "unknown plugin 'mystery'; known plugins: [" in proc.stderr
     assert not (tmp_path / "runs/test/ckpt").exists()

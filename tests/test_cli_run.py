@@ -67,6 +67,8 @@ def tiny_fit(tmp_path_factory, rlm_cache):
     return work, run_rlm(args, work, rlm_cache)
 
 
+# slow: reads the real `rlm fit` subprocess of tiny_fit (its files, its output as a user sees it)
+@pytest.mark.slow
 def test_the_saved_config_keeps_limit_val_batches_1_as_an_integer(tiny_fit):
     work, _ = tiny_fit
     saved = yaml.safe_load((work / "runs/test/version_0/config.yaml").read_text())["trainer"]
@@ -75,13 +77,13 @@ def test_the_saved_config_keeps_limit_val_batches_1_as_an_integer(tiny_fit):
     )  # a rerun: one batch
 
 
-def test_a_fit_failing_before_its_first_step_leaves_no_version_folder(tmp_path, rlm_cache):
+def test_a_fit_failing_before_its_first_step_leaves_no_version_folder(tmp_path, rlm_cache, rlm_main):
     """The data module's check of the batch size runs inside trainer.fit, after the loggers made their folders
     (issue 24: an empty version_N was left behind, and the next run took version_N+1)."""
     old = tmp_path / "runs/test/version_7"
     old.mkdir(parents=True)  # an earlier run's folder: not this run's to remove
     (old / "hparams.yaml").write_text("{}\n")
-    proc = run_rlm([*fit_args(), "--data.batch_size=100000"], tmp_path, rlm_cache, check=False)
+    proc = rlm_main([*fit_args(), "--data.batch_size=100000"], tmp_path, rlm_cache)
     assert proc.returncode == 2 and "fewer than batch_size=100000" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "runs/test").iterdir()) == [".rlm-fit.lock", "version_7"]
     assert "created by this run before it failed" in proc.stderr
@@ -108,6 +110,8 @@ def _block(stdout: str) -> dict[str, str]:
     return {k: v.strip() for k, v in (ln.strip().split("  ", 1) for ln in lines[1:] if ln.startswith("  "))}
 
 
+# slow: reads the real `rlm fit` subprocess of tiny_fit (its files, its output as a user sees it)
+@pytest.mark.slow
 def test_the_end_of_a_fit_says_where_everything_went_and_what_to_run_next(tiny_fit, rlm_cache):
     work, proc = tiny_fit
     title = proc.stdout[proc.stdout.index("rlm fit: finished") :].splitlines()[0]
@@ -134,6 +138,8 @@ def test_the_end_of_a_fit_says_where_everything_went_and_what_to_run_next(tiny_f
     assert "resuming from" in again.stderr and "rlm fit: finished at step 4" in again.stdout
 
 
+# slow: reads the real `rlm fit` subprocess of tiny_fit (its files, its output as a user sees it)
+@pytest.mark.slow
 def test_a_fit_prints_no_litlogger_tip_and_no_pytree_deprecation(tiny_fit):
     _, proc = tiny_fit
     out = proc.stdout + proc.stderr

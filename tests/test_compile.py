@@ -7,7 +7,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
-from cli_helpers import fit_args, run_rlm
+from cli_helpers import fit_args
 from torch.testing import assert_close
 
 from rlm.train.compile import CompileConfig, compile_config, is_compiled
@@ -106,17 +106,15 @@ def test_compiled_training_with_moe_pkm_and_altup_matches_eager():
         assert_close(values[key], eager_values[key], atol=1e-4, rtol=1e-3)
 
 
-def test_cli_option_reaches_the_module(tmp_path, rlm_cache):
+def test_cli_option_reaches_the_module(tmp_path, rlm_cache, rlm_main):
     """``--model.compile true``, ``--model.compile.backend`` and ``--model.peak_flops`` parse as LMModule options
     (config printed, not run)."""
-    proc = run_rlm(
-        [*fit_args(), "--model.compile=true", "--model.peak_flops=1e12", "--print_config"],
-        tmp_path,
-        rlm_cache,
+    proc = rlm_main(
+        [*fit_args(), "--model.compile=true", "--model.peak_flops=1e12", "--print_config"], tmp_path
     )
     config = yaml.safe_load(proc.stdout)
     assert config["model"]["compile"] is True and config["model"]["peak_flops"] == 1e12
-    proc = run_rlm([*fit_args(), "--model.compile.backend=aot_eager", "--print_config"], tmp_path, rlm_cache)
+    proc = rlm_main([*fit_args(), "--model.compile.backend=aot_eager", "--print_config"], tmp_path)
     assert yaml.safe_load(proc.stdout)["model"]["compile"]["backend"] == "aot_eager"
 
 

@@ -123,25 +123,24 @@ def test_validate_on_another_corpus_keeps_the_checkpoint_tokenizer(trained, tmp_
     assert "val/loss" in out.stdout and "training a" not in out.stdout + out.stderr
 
 
-def test_optimizer_options_are_refused_with_a_clear_error(tmp_path):
+def test_optimizer_options_are_refused_with_a_clear_error(tmp_path, rlm_main):
     for flag in (["--optimizer", "SGD"], ["--optimizer=SGD"], ["--lr_scheduler.class_path=StepLR"]):
-        out = run_rlm(["fit", *TINY, *flag], tmp_path, tmp_path, check=False)
+        out = rlm_main(["fit", *TINY, *flag], tmp_path)
         assert out.returncode == 2
         assert out.stderr.startswith("rlm fit: error:") and "model.optim.lr" in out.stderr
     config = tmp_path / "sgd.yaml"
     config.write_text(yaml.safe_dump({"optimizer": {"class_path": "torch.optim.SGD"}}))
-    out = run_rlm(["fit", *TINY, "--config", config], tmp_path, tmp_path, check=False)
+    out = rlm_main(["fit", *TINY, "--config", config], tmp_path)
     assert out.returncode == 2 and "rlm fit: error:" in out.stderr
-    help_text = run_rlm(["fit", "--help"], tmp_path, tmp_path).stdout
+    help_text = rlm_main(["fit", "--help"], tmp_path).stdout
     assert "--optimizer" not in help_text and "--lr_scheduler" not in help_text
     # Lightning's docstrings carry Sphinx roles; the help prints their names plainly
     assert ":paramref:" not in help_text and "--trainer.enable_checkpointing" in help_text
 
 
-def test_print_config_shows_the_vocabulary_that_runs(tmp_path):
-    out = run_rlm(
-        ["fit", *BASE, "--print_config", "--trainer.default_root_dir=somewhere"], tmp_path, tmp_path
-    )
+def test_print_config_shows_the_vocabulary_that_runs(tmp_path, rlm_main):
+    out = rlm_main(["fit", *BASE, "--print_config", "--trainer.default_root_dir=somewhere"], tmp_path)
+    assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["data"]["vocab_size"] == 1024 and cfg["model"]["model"]["vocab_size"] == 1024
     assert cfg["trainer"]["logger"][0]["init_args"]["save_dir"] == "somewhere"

@@ -28,6 +28,8 @@ def test_model_on_gpu_matches_cpu(dtype):
     assert_close(out.float().cpu(), ref, **tol)
 
 
+# slow: a real `rlm fit` on the GPU trainer config
+@pytest.mark.slow
 def test_fit_on_gpu_in_bf16(tmp_path, rlm_cache):
     run_rlm(
         fit_args(CONFIGS / "trainer" / "gpu.yaml", CONFIGS / "plugins" / "tokenid.yaml"), tmp_path, rlm_cache

@@ -328,13 +328,13 @@ def test_shards_are_whole_documents_and_the_estimate_holds_one_shard():
         shard_docs(np.array([3]), 0)
 
 
-def test_bad_shard_keys_is_a_one_line_error(tmp_path, rlm_cache):
+def test_bad_shard_keys_is_a_one_line_error(tmp_path, rlm_cache, rlm_main):
     from rlm.eval.datastore import build_datastore
 
     with pytest.raises(ValueError, match="shard_keys=-2"):
         build_datastore("nowhere.ckpt", tmp_path / "ds", shard_keys=-2)
-    out = run_rlm(["knnlm", "build", "--ckpt", tmp_path / "x.ckpt", "--out", tmp_path / "ds", "--shard-keys", "0"],
-                  tmp_path, rlm_cache, check=False)  # fmt: skip
+    out = rlm_main(["knnlm", "build", "--ckpt", tmp_path / "x.ckpt", "--out", tmp_path / "ds", "--shard-keys", "0"],
+                   tmp_path, rlm_cache)  # fmt: skip
     assert out.returncode == 2 and "--shard-keys=0" in out.stderr and "Traceback" not in out.stderr, (
         out.stderr
     )

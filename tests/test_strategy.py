@@ -39,14 +39,14 @@ def test_unusable_strategies_are_refused_by_name():
         check_strategy("fsdp")
 
 
-def test_deepspeed_is_a_clear_error(tmp_path, rlm_cache):
+def test_deepspeed_is_a_clear_error(tmp_path, rlm_cache, rlm_main):
     try:
         import deepspeed  # noqa: F401
     except ImportError:
         pass
     else:
         pytest.skip("deepspeed is installed here")
-    proc = run_rlm(fit_args() + ["--trainer.strategy", "deepspeed"], tmp_path, rlm_cache, check=False)
+    proc = rlm_main(fit_args() + ["--trainer.strategy", "deepspeed"], tmp_path, rlm_cache)
     assert proc.returncode == 2
     assert "rlm fit: error: --trainer.strategy 'deepspeed' needs the deepspeed package" in proc.stderr
     assert "Traceback" not in proc.stderr
