@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from rlm.data.segments import SegmentTable
 from rlm.data.windows import Windows
 from rlm.index.build import IndexConfig, as_unit_float32, flat_vectors, search_index
-from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
+from rlm.index.memory import build_memory, embed_rows, indexed_rows
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
 

@@ -73,8 +73,8 @@ def _load_source(
 
 
 def _embedder(module: Any, layer: int | None, step: int) -> Any:
+    from rlm.index.memory import MemoryOwner
     from rlm.index.protocol import MeanPoolEmbedder
-    from rlm.index.rebuild import MemoryOwner
 
     if layer is None:
         owners = [p for p in module.model.plugins.values() if isinstance(p, MemoryOwner)]

@@ -34,22 +34,14 @@ import numpy as np
 import pytorch_lightning as pl
 
 from rlm.index.build import IndexConfig
-from rlm.index.memory import (  # noqa: F401  (re-exported: the memory's names were importable from here)
-    CORPUS,
-    CORPUS_TOKENS,
-    DOC_OFFSETS,
-    NEIGHBOURS,
-    ROWS,
+from rlm.index.memory import (
     MemoryOwner,
     RetrievalMemory,
     build_memory,
     embed_rows,
     indexed_rows,
-    load_corpus_ref,
     load_memory,
     load_part_memory,
-    load_table,
-    save_corpus_ref,
 )
 from rlm.index.projection import Projection, check_index_dim, fit_projection, index_width, with_projection
 from rlm.index.sharded import (

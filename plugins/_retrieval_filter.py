@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from rlm.data.segments import SegmentTable
-from rlm.index.rebuild import RetrievalMemory
+from rlm.index.memory import RetrievalMemory
 from rlm.index.search import Exclusions
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlm.data.windows import host_array
-from rlm.index.rebuild import RetrievalMemory
+from rlm.index.memory import RetrievalMemory
 from rlm.plugins._retrieval_filter import (
     as_exclusions,
     copy_exclusions,

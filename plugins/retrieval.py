@@ -36,15 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from rlm.index.build import IndexConfig
-from rlm.index.rebuild import RebuildCallback, RetrievalMemory, load_memory_for_search
+from rlm.index.memory import RetrievalMemory
+from rlm.index.rebuild import RebuildCallback, load_memory_for_search
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._retrieval_attention import Encoded, RetrievalCrossAttention, encode_neighbours
-from rlm.plugins._retrieval_config import (  # noqa: F401  (the options were defined here)
-    EMBEDDERS,
-    LOOKUPS,
-    MODES,
-    NEIGHBOUR_GRADS,
-    WARM_STARTS,
+from rlm.plugins._retrieval_config import (
     RetrievalConfig,
 )
 from rlm.plugins._retrieval_encoder import (
@@ -62,28 +58,11 @@ from rlm.plugins._retrieval_neighbours import (
     chunk_cat,
     chunk_slice,
     gather_inputs,
-    most_similar,
-    neighbour_tokens,
-    random_neighbours,
     source_groups,
-    warm_candidates_of,
 )
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-__all__ = [  # the parts live in _retrieval_*.py; their public names stay importable from here
-    "Encoded",
-    "RetrievalConfig",
-    "RetrievalCrossAttention",
-    "RetrievalInputs",
-    "RetrievalPlugin",
-    "gather_inputs",
-    "most_similar",
-    "neighbour_tokens",
-    "random_neighbours",
-    "warm_candidates_of",
-]
 
 
 class RetrievalPlugin(Plugin):
@@ -278,7 +257,7 @@ class RetrievalPlugin(Plugin):
         for name, mask in source_groups(inputs, ctx.tokens.shape, L, ctx.tokens.device).items():
             ctx.loss_groups[f"{self.label}/{name}"] = mask
 
-    # ----- what the rebuild callback calls (rlm.index.rebuild.MemoryOwner) -----
+    # ----- what the rebuild callback calls (rlm.index.memory.MemoryOwner) -----
 
     def use_memory(self, memory: RetrievalMemory | None) -> None:
         """Swap in a new index and neighbour table (one reference assignment: atomic for the training loop)."""

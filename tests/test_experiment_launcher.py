@@ -19,6 +19,7 @@ from test_experiment import write_experiment
 
 from rlm.cli import main as rlm_main
 from rlm.experiment import ExperimentError, load_experiment
+from rlm.experiment.children import _child_env
 
 submitit = pytest.importorskip("submitit")
 
@@ -36,9 +37,7 @@ def _fake_runs(monkeypatch, runner, seconds: float, record: list[dict]) -> None:
         run.dir.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         time.sleep(seconds)
-        record.append(
-            {"label": run.label, "start": start, "end": time.monotonic(), "env": runner._child_env()}
-        )
+        record.append({"label": run.label, "start": start, "end": time.monotonic(), "env": _child_env()})
         return True, seconds
 
     monkeypatch.setattr(runner, "train", fake_train)
@@ -92,7 +91,8 @@ def test_each_concurrent_run_gets_its_own_gpu(tmp_path, monkeypatch):
 
 
 def test_equal_runs_share_a_job_so_the_later_one_reuses_the_first(tmp_path):
-    from rlm.experiment.runner import groups, plan
+    from rlm.experiment.runner import groups
+    from rlm.experiment.runs import plan
 
     exp = load_experiment(
         write_experiment(
@@ -243,9 +243,10 @@ def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_pa
     """SLURM's warning (USR2) reaches every process of the job: the child ignores it, and submitit's checkpoint,
     a signal handler in the thread that waits for the child, stops it with SIGTERM (rlm fit then saves
     last.ckpt and exits 143) and returns the same call to requeue, without waiting out its time."""
-    from rlm.experiment import runner
-    from rlm.experiment.runner import PREEMPTED, Run
+    from rlm.experiment import children
+    from rlm.experiment.runs import Run
     from rlm.experiment.submit import RunJob
+    from rlm.train.checkpoint import PREEMPTED
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     saved, log = tmp_path / "saved", tmp_path / "child.log"
@@ -261,10 +262,10 @@ def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_pa
         deadline = time.monotonic() + 30
         while "ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
-        (child,) = runner._LIVE
+        (child,) = children._LIVE
         child.send_signal(signal.SIGUSR2)  # ignored: without that, the default action would kill it unsaved
         time.sleep(0.3)
-        seen["alive after USR2"] = not runner.exited(child)
+        seen["alive after USR2"] = not children.exited(child)
         os.kill(os.getpid(), signal.SIGUSR1)  # stands for the job process's USR2
 
     previous = signal.signal(signal.SIGUSR1, submitit_signal)
@@ -272,14 +273,14 @@ def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_pa
         with open(log, "w") as f:
             thread = threading.Thread(target=scheduler)
             thread.start()
-            code = runner._run_forwarding_sigterm(
+            code = children._run_forwarding_sigterm(
                 [sys.executable, "-c", CHILD, str(saved)], f, dict(os.environ)
             )
             thread.join(timeout=30)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert (
-        seen["alive after USR2"] and code == PREEMPTED and saved.read_text() == "saved" and not runner._LIVE
+        seen["alive after USR2"] and code == PREEMPTED and saved.read_text() == "saved" and not children._LIVE
     )
     assert seen["took"] < 10  # it returned once the child had exited, not after stop_wait_s
     assert isinstance(seen["delayed"], submitit.helpers.DelayedSubmission) and seen["delayed"].function is job
@@ -349,7 +350,7 @@ def test_bad_launcher_options_are_named(tmp_path, monkeypatch, capsys):
 
 
 def test_time_limits_in_minutes():
-    from rlm.experiment.spec import time_minutes
+    from rlm.experiment.launcher import time_minutes
 
     cases = {90: 90, "90": 90, "90:00": 90, "90:30": 91, "1:30:00": 90, "1:30:01": 91, "2-00:00:00": 2880,
              "1-12": 2160, "1-12:30": 2190, "0:00": None, 0: None, "1:60": None, "1:60:00": None, "abc": None,

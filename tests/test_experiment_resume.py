@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from rlm.experiment.runner import METRICS_CSV, Run, _prepare_dir, run_metrics, series
+from rlm.experiment.runner import _prepare_dir
+from rlm.experiment.runs import METRICS_CSV, Run, run_metrics, series
 from rlm.train.checkpoint import atomic_save
 
 

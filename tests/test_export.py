@@ -25,7 +25,7 @@ from rlm.data.segments import SegmentTable  # noqa: E402
 from rlm.data.tokenizer import Tokenizer  # noqa: E402
 from rlm.hf.export import export  # noqa: E402
 from rlm.index.build import IndexConfig  # noqa: E402
-from rlm.index.rebuild import build_memory, embed_rows, indexed_rows  # noqa: E402
+from rlm.index.memory import build_memory, embed_rows, indexed_rows  # noqa: E402
 from rlm.train.module import LMModule  # noqa: E402
 
 VOCAB = 400

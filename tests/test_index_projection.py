@@ -15,6 +15,7 @@ from test_retrieval import corpus_of, make_segments, random_docs, tiny_model
 
 from rlm.data.windows import Windows
 from rlm.index.build import IndexConfig, TorchExactIndex, exact_search
+from rlm.index.memory import build_memory, embed_rows, indexed_rows, load_memory
 from rlm.index.projection import (
     PROJECTION,
     Projection,
@@ -23,14 +24,7 @@ from rlm.index.projection import (
     index_width,
     load_projection,
 )
-from rlm.index.rebuild import (
-    RebuildCallback,
-    build_memory,
-    embed_rows,
-    indexed_rows,
-    load_memory,
-    load_memory_for_search,
-)
+from rlm.index.rebuild import RebuildCallback, load_memory_for_search
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.search import search_neighbours
 from rlm.index.store import IndexMismatchError, read_meta

@@ -13,7 +13,8 @@ import torch
 from test_retrieval import make_segments, random_docs
 
 from rlm.index.build import IndexConfig
-from rlm.index.rebuild import build_memory, indexed_rows, load_memory_for_search
+from rlm.index.memory import build_memory, indexed_rows
+from rlm.index.rebuild import load_memory_for_search
 from rlm.index.search import Exclusions
 from rlm.index.sharded import merge_topk
 from rlm.index.store import IndexNotFoundError

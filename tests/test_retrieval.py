@@ -13,12 +13,14 @@ import torch
 from rlm.data.segments import SegmentTable
 from rlm.data.windows import Windows
 from rlm.index.build import IndexConfig
-from rlm.index.rebuild import build_memory, embed_rows, indexed_rows
+from rlm.index.memory import build_memory, embed_rows, indexed_rows
 from rlm.model import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
+from rlm.plugins._retrieval_attention import Encoded
 from rlm.plugins._retrieval_encoder import cpu_bf16_native, resolve_rebuild_dtype
-from rlm.plugins.retrieval import Encoded, RetrievalInputs, RetrievalPlugin, warm_candidates_of
+from rlm.plugins._retrieval_neighbours import RetrievalInputs, warm_candidates_of
+from rlm.plugins.retrieval import RetrievalPlugin
 
 L = 8  # segment length of the unit tests
 VOCAB = 96

@@ -14,9 +14,10 @@ import torch
 from test_retrieval import attach_memory, make_segments
 
 from rlm.data.windows import TrainLoader, Windows, eval_loader
-from rlm.index.rebuild import RebuildCallback, RetrievalMemory, Schedule
+from rlm.index.memory import RetrievalMemory
+from rlm.index.rebuild import RebuildCallback, Schedule
 from rlm.model import ModelConfig
-from rlm.plugins.retrieval import RetrievalInputs
+from rlm.plugins._retrieval_neighbours import RetrievalInputs
 from rlm.train.module import LMModule, OptimConfig
 
 SEG, SEQ = 8, 32

@@ -25,7 +25,7 @@ The experiment file (YAML; every path in it is relative to the file itself)::
         description: ...       # optional, one line shown in results.md
         configs: [../plugins/tokenid.yaml]                 # config fragments stacked after base
         set: {model: {plugins: {tokenid: {rank: 0}}}}      # a config mapping merged last
-    launcher:                  # optional: where the runs execute (rlm.experiment.spec.LAUNCHER_OPTIONS)
+    launcher:                  # optional: where the runs execute (rlm.experiment.launcher.LAUNCHER_OPTIONS)
       name: slurm              # local (default), slurm, or submitit-local (the slurm jobs on this machine)
       jobs: 1                  # local: runs at once (one GPU each when there are GPUs)
       partition: gpu           # slurm: partition, gpus_per_job (1), cpus_per_job, mem_gb, time (required),

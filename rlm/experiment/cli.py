@@ -10,10 +10,13 @@ from pathlib import Path
 
 from rlm.cli.summary import experiment_summary
 from rlm.experiment.check import ParamCounts, check_experiment
+from rlm.experiment.children import Preempted
 from rlm.experiment.report import write_report
-from rlm.experiment.runner import LAST_CKPT, PREEMPTED, SUMMARY, Preempted, plan, run_experiment
+from rlm.experiment.runner import run_experiment
+from rlm.experiment.runs import LAST_CKPT, SUMMARY, plan
 from rlm.experiment.spec import Experiment
 from rlm.extras import MissingExtra
+from rlm.train.checkpoint import PREEMPTED
 
 LAUNCHER_FLAGS = (
     "launcher",
@@ -50,7 +53,7 @@ def cmd_check(a: argparse.Namespace) -> int:
 def _launch(exp: Experiment, out: Path, a: argparse.Namespace) -> list[str] | None:
     """Execute the runs where the launcher options (the file's, then the flags) say; the labels of the runs
     that failed, or None when the jobs were only submitted (--no-wait)."""
-    from rlm.experiment.spec import resolve_launcher
+    from rlm.experiment.launcher import resolve_launcher
     from rlm.extras import require
 
     launcher = resolve_launcher(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlm.experiment.results import VariantResult, collect, val_curves
-from rlm.experiment.runner import SUMMARY
+from rlm.experiment.runs import SUMMARY
 from rlm.experiment.spec import flatten, write_atomic
 
 RUN_COLUMNS = [

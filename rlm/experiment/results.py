@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.runner import SUMMARY, run_metrics, series
+from rlm.experiment.runs import SUMMARY, run_metrics, series
 
 
 @dataclass

@@ -23,29 +23,24 @@ import yaml
 from tqdm import tqdm
 
 from rlm.experiment.check import count_parameters
-from rlm.experiment.children import (  # noqa: F401  (re-exported: these were runner's names)
-    _LIVE,
+from rlm.experiment.children import (
     _THREAD,
     Preempted,
     _child_env,
     _forwarding_sigterm,
     _run_forwarding_sigterm,
-    exited,
-    stop_children,
 )
-from rlm.experiment.knnlm_stage import DATASTORE, KNNLM_JSON, knnlm_stage, with_knnlm, without_knnlm  # noqa: F401
-from rlm.experiment.runs import (  # noqa: F401  (re-exported)
+from rlm.experiment.knnlm_stage import DATASTORE, KNNLM_JSON, knnlm_stage, with_knnlm, without_knnlm
+from rlm.experiment.runs import (
     CORE_METRICS,
     JOB_JSON,
     LAST_CKPT,
-    METRICS_CSV,
     SUMMARY,
     TEST_JSON,
     Run,
     _keep_metrics,
     _last,
     plan,
-    read_metrics,
     run_metrics,
     series,
 )

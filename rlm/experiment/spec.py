@@ -14,12 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlm.cli.merge import load_config
-from rlm.experiment.launcher import (  # noqa: F401
-    LAUNCHER_OPTIONS,
-    LAUNCHERS,
+from rlm.experiment.launcher import (
     parse_launcher,
-    resolve_launcher,
-    time_minutes,
 )
 
 TOP_KEYS = (

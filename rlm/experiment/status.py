@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.runner import JOB_JSON, LAST_CKPT, SUMMARY, log_tail
+from rlm.experiment.runner import log_tail
+from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY
 
 STATES = ("done", "running", "queued", "stopped", "failed", "pending")
 

@@ -22,7 +22,9 @@ from typing import Any
 import submitit
 from tqdm import tqdm
 
-from rlm.experiment.runner import JOB_JSON, Run, execute, groups, plan, stop_children, write_job
+from rlm.experiment.children import stop_children
+from rlm.experiment.runner import execute, groups, write_job
+from rlm.experiment.runs import JOB_JSON, Run, plan
 from rlm.experiment.spec import Experiment, write_atomic
 
 FOLDER = ".submitit"
@@ -49,7 +51,7 @@ class RunJob(submitit.helpers.Checkpointable):
 
 
 def executor(options: dict[str, Any], folder: Path) -> submitit.AutoExecutor:
-    """A submitit executor for the resolved launcher options (rlm.experiment.spec.resolve_launcher)."""
+    """A submitit executor for the resolved launcher options (rlm.experiment.launcher.resolve_launcher)."""
     slurm = options["name"] == "slurm"
     if slurm and shutil.which("sbatch") is None:
         raise ValueError(
