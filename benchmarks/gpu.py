@@ -117,6 +117,7 @@ def goal_of(name: str, s: Shape) -> float | None:
 def model_fields(s: Shape) -> dict[str, Any]:
     return dict(
         vocab_size=s.vocab,
+        vocab_multiple=128,  # as configs/model/gpt2_*.yaml
         d_model=s.d_model,
         n_layers=s.n_layers,
         n_heads=s.n_heads,

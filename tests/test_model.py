@@ -122,3 +122,34 @@ def test_sequence_longer_than_rotary_cache_is_refused():
     model = Transformer(ModelConfig(vocab_size=20, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
     with pytest.raises(ValueError, match="max_seq_len=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_padded_vocabulary_is_the_same_model_and_its_padded_rows_get_no_gradient(tied):
+    """vocab_multiple pads the table and the head (100 -> 128 rows); with the unpadded model's weights in the first
+    100 rows the logits are the same, cut to the true vocabulary, and the padded rows get no gradient (so they
+    never learn and no sampled or scored id is ever >= vocab_size)."""
+    shape = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, tie_embeddings=tied)
+    plain = Transformer(ModelConfig(**shape))
+    padded = Transformer(ModelConfig(**shape, vocab_multiple=64))
+    assert padded.head.weight.shape == (128, 32) and padded.embed.main.table.weight.shape == (128, 32)
+    state = plain.state_dict()
+    with torch.no_grad():
+        for name, value in padded.state_dict().items():
+            if value.shape == state[name].shape:
+                value.copy_(state[name])
+            else:  # the table and the head: the real rows from the plain model, the padding left as initialised
+                value[:100].copy_(state[name])
+    tokens = torch.randint(0, 100, (2, 16))
+    logits = padded(tokens)
+    assert logits.shape == (2, 16, 100)
+    assert_close(logits, plain(tokens))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    for weight in {id(w): w for w in (padded.head.weight, padded.embed.main.table.weight)}.values():
+        assert weight.grad[100:].abs().sum() == 0 and weight.grad[:100].abs().sum() > 0
+
+
+def test_vocab_multiple_is_checked():
+    with pytest.raises(ValueError, match="vocab_multiple must be a positive integer, got 0"):
+        ModelConfig(vocab_size=100, vocab_multiple=0)
+    assert ModelConfig(vocab_size=50257, vocab_multiple=128).padded_vocab == 50304

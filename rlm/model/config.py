@@ -13,6 +13,11 @@ class ModelConfig:
 
     vocab_size: int = 4096
     """Size of the token vocabulary (linked from the data module's tokenizer)."""
+    vocab_multiple: int = 1
+    """Pad the embedding table and the output head to a multiple of this many rows (128 on a GPU: the head's
+    GEMMs at an odd vocabulary such as GPT-2's 50,257 fall back to slow kernels). The logits are cut back to
+    vocab_size, so no loss, sampling, evaluation or export ever sees a padded id, and the padded rows get no
+    gradient."""
     d_model: int = 256
     """Width of the residual stream."""
     n_layers: int = 4
@@ -57,12 +62,19 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}"
             )
+        if not isinstance(self.vocab_multiple, int) or self.vocab_multiple <= 0:
+            raise ValueError(f"model.vocab_multiple must be a positive integer, got {self.vocab_multiple!r}")
         if self.ffn not in FFN_KINDS:
             raise ValueError(f"model.ffn={self.ffn!r} is unknown; expected one of {FFN_KINDS}")
         if self.d_ff is not None and self.d_ff <= 0:
             raise ValueError(f"model.d_ff must be positive or null, got {self.d_ff}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding table and the output head: vocab_size rounded up to vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def head_dim(self) -> int:

@@ -127,11 +127,11 @@ class FeedForward(nn.Module):
 
 
 class TokenEmbedding(nn.Module):
-    """The token embedding slot's default: one table of (vocab, d)."""
+    """The token embedding slot's default: one table of (padded vocab, d)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.table = nn.Embedding(config.vocab_size, config.d_model)
+        self.table = nn.Embedding(config.padded_vocab, config.d_model)
 
     @property
     def weight(self) -> Tensor:

@@ -82,7 +82,7 @@ class Transformer(nn.Module):
         blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.stack: nn.Module = Stack(blocks)
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             # GPT-2's scaled init of residual output projections: std / sqrt(2 * n_layers).
@@ -126,11 +126,13 @@ class Transformer(nn.Module):
         return x
 
     def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
-        """Logits (B, T, vocab)."""
+        """Logits (B, T, vocab): the head's padded rows (config.vocab_multiple) cut off."""
         ctx = ctx if ctx is not None else Context(tokens=tokens, stage="train" if self.training else "val")
         hidden = self.hidden(tokens, ctx)
         ctx.hidden = hidden
-        return self.head(hidden)
+        logits = self.head(hidden)  # (B, T, padded vocab)
+        vocab = self.config.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 
     def num_parameters(self) -> int:
         """Total number of distinct parameters."""

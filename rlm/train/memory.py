@@ -88,7 +88,7 @@ def _ffn(mc: ModelConfig, hidden: int | None = None) -> tuple[int, int]:
 
 
 def _base(mc: ModelConfig) -> Parts:
-    d, V, L = mc.d_model, mc.vocab_size, mc.n_layers
+    d, V, L = mc.d_model, mc.padded_vocab, mc.n_layers
     attn_p, attn_a = _attention(mc)
     ffn_p, ffn_a = _ffn(mc)
     per_layer_p = attn_p + d + ffn_p  # + the FFN's norm
