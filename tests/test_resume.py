@@ -4,6 +4,7 @@ finds the run's newest loadable checkpoint across logger versions and skips dama
 from __future__ import annotations
 
 import errno
+import logging
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 from rlm.train.checkpoint import AtomicCheckpointIO, CheckpointHygiene, atomic_save, load_checkpoint_file
 from rlm.train.diff import dict_diff
 from rlm.train.guard import NonFiniteError, NonFiniteGuard
+from rlm.train.module import LMModule, WarmupCosine, warmup_cosine
 from rlm.train.resume import checkpoint_roots, newest_loadable
 
 
@@ -255,3 +257,129 @@ def test_a_changed_optim_on_resume_is_named_in_a_warning(tmp_path, rlm_cache):
     assert "resuming keeps the checkpoint's optimizer settings; ignored" in proc.stderr
     assert "model.optim.lr: checkpoint has 0.003, this run has 0.01" in proc.stderr
     assert "model.optim.weight_decay" not in proc.stderr  # only the keys that differ
+
+
+# ---- the learning-rate schedule keeps its horizon on resume ----------------------------------------------
+def test_the_schedule_stays_at_its_floor_past_its_horizon():
+    f = WarmupCosine(warmup=2, total=8, min_ratio=0.1)
+    rates = [f(s) for s in range(20)]
+    assert rates[:2] == [0.5, 1.0] and rates[2] == 1.0  # warmup, then the cosine's top
+    assert all(a > b for a, b in zip(rates[2:8], rates[3:9]))  # down to the floor at the horizon
+    assert rates[8:] == [pytest.approx(0.1)] * 12  # and there it stays
+    assert rates == [warmup_cosine(s, 2, 8, 0.1) for s in range(20)]
+
+
+_TINY = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
+_LR, _WARMUP, _FLOOR = 1e-2, 1, 0.1
+
+
+class _Rates(pl.Callback):
+    """The learning rate of each scheduled group at every step, as the optimizer uses it."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[float]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        groups = zip(trainer.optimizers[0].param_groups, sched.lr_lambdas)
+        self.at[trainer.global_step] = [g["lr"] for g, f in groups if isinstance(f, WarmupCosine)]
+
+
+def _lm_fit(tmp_path: Path, max_steps: int, ckpt_path: Path | None = None, **optim) -> _Rates:
+    """An in-process fit of a tiny LMModule on random tokens, checkpointing its last step under tmp_path."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(8):
+        t = torch.randint(0, _TINY["vocab_size"], (2, 17), generator=g)
+        batches.append(
+            {"tokens": t[:, :-1], "targets": t[:, 1:], "mask": torch.ones(2, 16, dtype=torch.bool)}
+        )
+    module = LMModule(
+        model=_TINY, optim=dict(lr=_LR, warmup_steps=_WARMUP, min_lr_ratio=_FLOOR, **optim), peak_flops=1e12
+    )
+    rates = _Rates()
+    trainer = pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[rates, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
+    return rates
+
+
+def test_a_resumed_run_keeps_the_saved_horizon_and_stays_at_the_floor_past_it(tmp_path, caplog):
+    first = _lm_fit(tmp_path, max_steps=4)
+    ckpt = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
+    saved = [f for f in ckpt["lr_schedulers"][0]["lr_lambdas"] if f is not None]
+    assert saved and all(f["total"] == 4 for f in saved)  # the horizon travels with the run
+    with caplog.at_level(logging.INFO):
+        resumed = _lm_fit(tmp_path, max_steps=8, ckpt_path=tmp_path / "last.ckpt")
+    assert sorted(resumed.at) == [4, 5, 6, 7]
+    last = first.at[3]
+    for step in (4, 5, 6, 7):  # no jump up: the cosine ended at step 4, the floor holds from there
+        assert resumed.at[step] == pytest.approx([_FLOOR * _LR] * len(last)) and resumed.at[step] <= last
+    notice = [r.getMessage() for r in caplog.records if "learning-rate schedule ends" in r.getMessage()]
+    assert len(notice) == 1 and "ends at step 4 and this run goes on to step 8" in notice[0]
+    assert "--model.optim.total_steps" in notice[0]
+
+
+def test_optim_total_steps_lays_the_schedule_out_anew_on_resume(tmp_path, caplog):
+    _lm_fit(tmp_path, max_steps=4)
+    with caplog.at_level(logging.INFO):
+        resumed = _lm_fit(tmp_path, max_steps=8, ckpt_path=tmp_path / "last.ckpt", total_steps=8)
+    for step in (4, 5, 6, 7):  # asked for: the cosine over 8 steps, from the resumed step on
+        assert resumed.at[step][0] == pytest.approx(_LR * warmup_cosine(step, _WARMUP, 8, _FLOOR))
+    assert not any("learning-rate schedule ends" in r.getMessage() for r in caplog.records)
+    ckpt = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
+    assert all(f["total"] == 8 for f in ckpt["lr_schedulers"][0]["lr_lambdas"] if f is not None)
+    with pytest.raises(ValueError, match="optim.total_steps must be >= 1"):
+        LMModule(model=_TINY, optim=dict(total_steps=0))
+
+
+def _lr_at(run_dir: Path) -> dict[int, list[float]]:
+    """The logged learning rates (every lr-AdamW... column of metrics.csv), by step."""
+    out: dict[int, list[float]] = {}
+    for row in read_metrics(run_dir):
+        rates = [float(v) for k, v in sorted(row.items()) if k.startswith("lr-AdamW") and v not in (None, "")]
+        if rates:
+            out[int(row["step"])] = rates
+    return out
+
+
+# slow: the printed resume command and --model.optim.total_steps go through the real CLI (its config merge)
+@pytest.mark.slow
+def test_the_printed_resume_command_continues_the_learning_rate_schedule(tmp_path, rlm_cache):
+    args = fit_args() + ["--model.optim.warmup_steps=1", "--model.optim.min_lr_ratio=0.1"]
+    first = run_rlm(args + ["--trainer.max_steps=4"], tmp_path, rlm_cache)
+    label = "resume (on to step 8, lr at its floor from step 4)"
+    line = next(ln for ln in first.stdout.splitlines() if ln.strip().startswith(label))
+    command = line.strip()[len(label) :].strip()
+    assert command.endswith("--ckpt_path last --trainer.max_steps 8")
+    before = _lr_at(tmp_path / "runs/test/version_0")
+    again = run_rlm([*command.split()[1:], "--trainer.enable_progress_bar=false"], tmp_path, rlm_cache)
+    assert (
+        "the learning-rate schedule ends at step 4 and this run goes on to step 8"
+        in again.stdout + again.stderr
+    )
+    after = _lr_at(tmp_path / "runs/test/version_0")  # the test config's logger writes version 0 each time
+    lr = yaml.safe_load((tmp_path / "runs/test/version_0/config.yaml").read_text())["model"]["optim"]["lr"]
+    assert min(after) == 4 and after[4][0] <= before[3][0]  # no jump up at the first resumed step
+    assert after[4][0] == pytest.approx(0.1 * lr) and after[7][0] == pytest.approx(0.1 * lr)
+    # a new horizon, asked for at resume, is taken (not replaced by the checkpoint's optim settings)
+    config = tmp_path / "runs/test/version_0/config.yaml"
+    third = run_rlm(
+        [
+            "fit",
+            "--config",
+            config,
+            "--ckpt_path",
+            "last",
+            "--trainer.max_steps=12",
+            "--model.optim.total_steps=12",
+        ],
+        tmp_path,
+        rlm_cache,
+    )
+    assert "total_steps" not in third.stderr  # not among the ignored optim settings
+    rates = _lr_at(tmp_path / "runs/test/version_0")
+    for step in (8, 11):
+        assert rates[step][0] == pytest.approx(lr * warmup_cosine(step, 1, 12, 0.1))

@@ -105,9 +105,12 @@ class RLMCLI(LightningCLI):
         # Where the run went and what to run next, once, from the first process.
         if self.trainer.is_global_zero:
             from rlm.cli.summary import fit_summary
+            from rlm.train.module import LMModule
 
             saved = [cb.path for cb in self.trainer.callbacks if isinstance(cb, SaveConfig)]
-            print(fit_summary(self.trainer, saved[0] if saved else None), flush=True)
+            module = self.trainer.lightning_module
+            horizon = module.lr_horizon if isinstance(module, LMModule) else None
+            print(fit_summary(self.trainer, saved[0] if saved else None, horizon), flush=True)
 
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
@@ -124,8 +127,13 @@ class RLMCLI(LightningCLI):
         # the model config with the checkpoint's).
         from rlm.train.resume import prepare_ckpt_path
 
-        prepare_ckpt_path(self.config)
+        honoured = prepare_ckpt_path(self.config)
         super()._parse_ckpt_path()
+        # the optim settings a resumed run may change (a new schedule horizon), over the checkpoint's
+        if honoured:
+            optim = self.config[self.config["subcommand"]].model.optim
+            for key, value in honoured.items():
+                optim[key] = value
         if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
             from rlm.cli.support import link_vocab
 

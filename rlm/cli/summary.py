@@ -56,9 +56,10 @@ def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None
 
 
 def next_commands(
-    ckpt: Path | None, config: Path | None = None, step: int | None = None
+    ckpt: Path | None, config: Path | None = None, step: int | None = None, horizon: int | None = None
 ) -> list[tuple[str, str]]:
-    """(what, command) pairs for the commands that continue from a checkpoint."""
+    """(what, command) pairs for the commands that continue from a checkpoint (``horizon``: the step the run's
+    learning-rate schedule ends at, which resuming keeps; past it the rate stays at its floor)."""
     if ckpt is None:
         return []
     c = show(ckpt)
@@ -66,6 +67,8 @@ def next_commands(
     if config is not None:
         more = f" --trainer.max_steps {2 * step}" if step else ""
         what = f"resume (on to step {2 * step})" if step else "resume"
+        if step and horizon is not None and horizon < 2 * step:
+            what = f"resume (on to step {2 * step}, lr at its floor from step {horizon})"
         out.append((what, f"rlm fit --config {show(config)} --ckpt_path last{more}"))
     export_dir = show(
         ckpt.parent.parent / "export" if ckpt.parent.name in ("checkpoints", "ckpt") else "export"
@@ -80,10 +83,14 @@ def next_commands(
 
 def block(title: str, facts: list[tuple[str, Any]], commands: list[tuple[str, str]]) -> str:
     """The printed block: a title line, aligned ``name  value`` lines, then the next commands."""
-    width = max((len(k) for k, _ in [*facts, *commands]), default=0)
-    lines = [title, *(f"  {k:<{width}}  {v}" for k, v in facts)]
+
+    def aligned(pairs: list[tuple[str, Any]]) -> list[str]:
+        width = max((len(k) for k, _ in pairs), default=0)
+        return [f"  {k:<{width}}  {v}" for k, v in pairs]
+
+    lines = [title, *aligned(facts)]
     if commands:
-        lines += ["next:", *(f"  {k:<{width}}  {v}" for k, v in commands)]
+        lines += ["next:", *aligned(commands)]
     return "\n".join(lines)
 
 
@@ -94,15 +101,16 @@ def _loss(metrics: dict[str, Any], key: str) -> str | None:
     return f"{float(value):.4f}"
 
 
-def fit_summary(trainer: Any, config: Path | None = None) -> str:
-    """The block ``rlm fit`` prints when training ended normally (``config``: the merged config.yaml written)."""
+def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = None) -> str:
+    """The block ``rlm fit`` prints when training ended normally (``config``: the merged config.yaml written;
+    ``horizon``: the step the learning-rate schedule ends at)."""
     metrics = dict(getattr(trainer, "callback_metrics", {}) or {})
     paths = fit_paths(trainer, config)
     step = int(trainer.global_step)
     losses = [f"{k} {v}" for k in ("val/loss", "train/loss") if (v := _loss(metrics, k)) is not None]
     title = f"rlm fit: finished at step {step}" + (f", {', '.join(losses)}" if losses else "")
     facts = [(name, show(path)) for name, path in paths.items() if path is not None]
-    return block(title, facts, next_commands(paths["checkpoint"], paths["config"], step))
+    return block(title, facts, next_commands(paths["checkpoint"], paths["config"], step, horizon))
 
 
 def eval_summary(ckpt: str | Path, json_path: str | None) -> str:

@@ -101,27 +101,29 @@ def newest_loadable(
     )
 
 
-def prepare_ckpt_path(config: Any) -> None:
+def prepare_ckpt_path(config: Any) -> dict[str, Any]:
     """Resolve ``--ckpt_path last``, check the file loads, and refuse resuming ``fit`` under another model.
 
     ``config`` is LightningCLI's parsed config (with a ``subcommand``); ``ckpt_path`` is replaced in place.
+    Returns the ``model.optim`` settings this run asks for that resuming honours (``total_steps``, a new horizon
+    for the schedule), to put back after LightningCLI has replaced the model config by the checkpoint's.
     """
     from rlm.model.config import ModelConfig
     from rlm.train.module import OptimConfig
 
     command = config.get("subcommand")
     if not command:
-        return
+        return {}
     cfg = config[command]
     path = cfg.get("ckpt_path")
     if not path:
-        return
+        return {}
     if path == "last":
         found, ckpt = newest_loadable(checkpoint_roots(cfg.get("trainer")))
         print(f"rlm {command}: resuming from {found} (step {ckpt.get('global_step', '?')})", file=sys.stderr)
         cfg.ckpt_path = path = str(found)
     elif path in ("best", "hpc", "registry") or str(path).startswith("registry:"):
-        return  # Lightning's own names
+        return {}  # Lightning's own names
     else:
         ckpt = load_checkpoint_file(path)
     if not isinstance(ckpt, dict) or "pytorch-lightning_version" not in ckpt or "state_dict" not in ckpt:
@@ -131,7 +133,7 @@ def prepare_ckpt_path(config: Any) -> None:
             f"{sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__})"
         )
     if command != "fit":
-        return
+        return {}
     saved = ckpt.get("hyper_parameters", {})
     current = cfg.model.as_dict()
     if current.get("model") is not None:
@@ -143,13 +145,20 @@ def prepare_ckpt_path(config: Any) -> None:
     if diffs:
         raise ValueError(f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs))
     # LightningCLI then replaces the model config by the checkpoint's, and the optimizer and schedule state
-    # come from the checkpoint too: a changed optim setting would be dropped without a word.
+    # come from the checkpoint too: a changed optim setting would be dropped without a word. A new horizon for
+    # the schedule (total_steps) is the exception: returned, for the caller to put back.
     optim = current.get("optim")
     optim = asdict(OptimConfig(**optim)) if isinstance(optim, dict) else asdict(OptimConfig())
-    changed = dict_diff(saved.get("optim") or {}, optim, "model.optim.")
+    saved_optim = saved.get("optim") or {}
+    honoured = {
+        k: optim[k] for k in ("total_steps",) if optim[k] is not None and optim[k] != saved_optim.get(k)
+    }
+    kept = {k: v for k, v in saved_optim.items() if k not in honoured}
+    changed = dict_diff(kept, {k: v for k, v in optim.items() if k not in honoured}, "model.optim.")
     if changed:
         print(
             "rlm fit: warning: resuming keeps the checkpoint's optimizer settings; ignored:\n  "
             + "\n  ".join(changed),
             file=sys.stderr,
         )
+    return honoured
