@@ -20,6 +20,7 @@ import numpy as np
 
 from rlm.index.build import IndexConfig, TorchExactIndex, recall_at_k
 from rlm.index.store import load_index_dir, read_meta
+from rlm.outdir import FORCE_HELP
 
 
 def _load_source(
@@ -91,14 +92,16 @@ def cmd_build(a: argparse.Namespace) -> int:
     from rlm.cli.check import check_writable
     from rlm.index.protocol import embed_all
     from rlm.index.search import SegmentTable
-    from rlm.index.store import build_index_dir
+    from rlm.index.store import META, build_index_dir
+    from rlm.outdir import claim_out_dir
 
     config = IndexConfig(
         factory=a.factory, memory_budget_gb=a.memory_budget_gb, target_recall=a.target_recall, gpu=a.gpu
     )
-    check_writable(
-        Path(a.out).absolute().parent, "--out folder", "give --out in a folder you can write to"
-    )  # before any embedding
+    # before any embedding
+    reads = [a.ckpt, *([a.config] if a.config else [])]
+    dest = claim_out_dir(a.out, reads=reads, force=a.force, own=(META, "format_version"))
+    check_writable(dest.parent, "--out folder", "give --out in a folder you can write to")
     module, data, step, data_hp = _load_source(a.ckpt, a.config)
     segs = data.segments
     docs = {"all": None, "train": data.store.train_docs, "val": data.store.val_docs}[a.split]
@@ -113,7 +116,7 @@ def cmd_build(a: argparse.Namespace) -> int:
     vectors = embed_all(embedder, tokens_of, len(rows), a.batch_size, progress=not a.quiet)
     source = {"ckpt": str(Path(a.ckpt).resolve()), "data": data_hp, "layer": a.layer, "split": a.split}
     out = build_index_dir(
-        a.out,
+        dest,
         vectors,
         SegmentTable(segs.doc[rows], segs.offset[rows]),
         segs.fingerprint,
@@ -233,7 +236,9 @@ def add_index_subcommands(subparsers: Any) -> None:
     p.add_argument(
         "--config", help="data YAML (configs/data/*.yaml); default: the checkpoint's data settings"
     )
-    p.add_argument("--out", required=True, help="index directory to write (replaced atomically)")
+    p.add_argument("--out", required=True, help="index directory to write: new, empty or an earlier index "
+                   "(replaced atomically)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument(
         "--layer",
         type=int,

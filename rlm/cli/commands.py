@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from rlm.cli.merge import config_text, merge_configs, split_config_args
 from rlm.extras import MissingExtra
+from rlm.outdir import FORCE_HELP
 
 # torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
@@ -171,7 +172,7 @@ def run_export(command: str, args: list[str]) -> int:
     )
     p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
     p.add_argument("--out", required=True, help="the folder to write (new or empty)")
-    p.add_argument("--force", action="store_true", help="replace --out when it exists and is not empty")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     a = p.parse_args(args)
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")

@@ -274,21 +274,26 @@ def build_datastore(
     documents: list[int] | None = None,
     tuner: Callable[[Datastore, Any, RLMDataModule, TokenStore], dict[str, Any]] | None = None,
     shard_keys: int | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Build a datastore from a checkpoint over its own training split, or over every document of ``corpus``
     (read with the checkpoint's tokenizer); ``tuner`` (rlm.eval.knnlm.build's) then chooses lam and the
     temperature, kept in meta.json. Returns meta.json's contents. The directory appears whole or not at all.
 
     ``shard_keys``: index shards of whole documents, about this many keys each, each written as soon as its
-    keys are computed (memory holds one shard's keys, not the corpus's); see ``Datastore``."""
+    keys are computed (memory holds one shard's keys, not the corpus's); see ``Datastore``.
+
+    ``out`` may be new, empty or an earlier datastore; anything else only with ``force`` (rlm.outdir)."""
     from rlm.index._faiss import faiss
     from rlm.index.knn import build_l2_index, choose_l2_factory
     from rlm.index.store import atomic_dir
+    from rlm.outdir import claim_out_dir
 
     if k < 1:
         raise ValueError(f"k={k}; accepted: a positive integer")
     if shard_keys is not None and shard_keys < 1:
         raise ValueError(f"shard_keys={shard_keys}; accepted: a positive integer (keys per index shard)")
+    out = claim_out_dir(out, reads=[ckpt_path, *(corpus or [])], force=force, own=("meta.json", "format"))
     module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
     docs = store.train_docs if not corpus else np.arange(store.n_docs)
     if documents is not None:  # an explicit subset (tests, ablations)
@@ -303,7 +308,6 @@ def build_datastore(
     parts = shard_docs(store.doc_lengths[docs] - 1, shard_keys) if shard_keys is not None else None
     biggest = max(int((store.doc_lengths[docs[p]] - 1).sum()) for p in parts) if parts else None
     need = estimate(n, dim, resolved, biggest)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     mem = available_memory()

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from rlm.outdir import FORCE_HELP
+
 
 def parser() -> argparse.ArgumentParser:
     """The ``rlm knnlm`` argument parser."""
@@ -15,7 +17,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="build a datastore from a checkpoint's states over a corpus")
     b.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
-    b.add_argument("--out", required=True, help="datastore directory to write (replaced atomically)")
+    b.add_argument(
+        "--out",
+        required=True,
+        help="datastore directory to write: new, empty or an earlier datastore (replaced atomically)",
+    )
+    b.add_argument("--force", action="store_true", help=FORCE_HELP)
     b.add_argument("--corpus", nargs="+", default=None,
                    help="every document of this text, read with the checkpoint's tokenizer (default: the "
                         "checkpoint's own training split)")  # fmt: skip
@@ -68,7 +75,7 @@ def main(args: list[str]) -> int:
     meta = build(a.ckpt, a.out, corpus=a.corpus, layer=a.layer, factory=a.factory, k=a.k,
                  target_recall=a.target_recall, flat_below=a.flat_below, tune_tokens=a.tune_tokens,
                  batch_size=a.batch_size, device=a.device, progress=sys.stderr.isatty(),
-                 max_documents=a.max_documents, shard_keys=a.shard_keys)  # fmt: skip
+                 max_documents=a.max_documents, shard_keys=a.shard_keys, force=a.force)  # fmt: skip
     tuned = meta.get("tuning") or {}
     print(f"datastore {a.out}: {meta['entries']:,} keys, {meta['factory']} {meta['search_params']} "
           f"(recall@{meta['k']} {meta['tuned_recall']}), {sum(meta['bytes'].values()) / meta['entries']:.1f} "

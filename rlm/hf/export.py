@@ -5,7 +5,7 @@ ModelConfig and every plugin's options, see rlm.hf.model.RLMConfig), ``generatio
 the checkpoint carries (``tokenizer.model``, sentencepiece; or the Hugging Face tokenizer files it trained
 with), a retriever's index in ``index/`` when it has one, and ``README.md``, a card with the training settings,
 data, steps and final losses. The folder is written under a temporary name and renamed; an existing non-empty
-DIR is refused unless ``force``.
+DIR is refused unless ``force``, and the checkpoint's own folder always (rlm.outdir).
 
 What stays rlm's: a retriever's index search (rlm.index, faiss) runs inside the plugin, so loading a model with
 retrieval needs rlm installed as any rlm model does; kNN-LM datastores (rlm knnlm build) are not exported.
@@ -30,6 +30,7 @@ from rlm.extras import require
 from rlm.index.memory import copy_memory
 from rlm.index.store import atomic_dir
 from rlm.model.transformer import Transformer
+from rlm.outdir import claim_out_dir
 
 SP_FILE = "tokenizer.model"
 HF_JSON = "tokenizer.json"
@@ -38,14 +39,6 @@ KNNLM_NOTE = (
     "kNN-LM datastores (`rlm knnlm build`) are not part of the export: build one from the original checkpoint "
     "with rlm."
 )
-
-
-def _refuse_existing(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; accepted: a new or empty directory (or --force)")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {str(out)!r} exists and is not empty; accepted: a new or empty directory, "
-                         "or --force to replace it")  # fmt: skip
 
 
 def write_tokenizer(ckpt: dict[str, Any], ckpt_path: Path, dest: Path) -> tuple[str, Any]:
@@ -237,14 +230,14 @@ def export(
     from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs
     from rlm.train.module import LMModule
 
-    ckpt_path, out = Path(ckpt_path), Path(out)
-    _refuse_existing(out, force)
+    ckpt_path = Path(ckpt_path)
+    dest = claim_out_dir(out, reads=[ckpt_path], force=force)  # before the checkpoint is read
     ckpt = load_checkpoint(ckpt_path)  # a missing or damaged file is a one-line error naming it
     if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{str(ckpt_path)!r} is not a checkpoint of rlm fit (it holds no model settings)")
     module = LMModule.load_from_checkpoint(ckpt_path, map_location="cpu")
     model = module.model.eval()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(dest) as tmp:
         tokenizer, tok = write_tokenizer(ckpt, ckpt_path, tmp)
         if tok.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -279,4 +272,4 @@ def export(
         (tmp / "README.md").write_text(card(ckpt, ckpt_path, config, tokenizer, indices))
     say(f"wrote {out}: model.safetensors, config.json, {tokenizer}, README.md")
     say(KNNLM_NOTE)
-    return out
+    return dest

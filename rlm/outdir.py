@@ -1,0 +1,76 @@
+"""The one rule for commands that write an output folder (``rlm index build``, ``rlm knnlm build``, ``rlm export``).
+
+Such a command writes the whole folder under a temporary sibling name and renames it into place
+(rlm.index.store.atomic_dir), so whatever stood at ``--out`` before is gone. :func:`claim_out_dir` decides,
+before any work, whether that is allowed:
+
+- a new folder, an empty one, or this command's own earlier output (when it names a marker) is taken;
+- a folder holding anything else only with ``--force``;
+- never, even with ``--force``: a file, the folder of something the command reads (``--out runs/X`` for
+  ``--ckpt runs/X/ckpt/last.ckpt`` replaced the run, checkpoint included), the current folder or one above it,
+  the home folder or the filesystem root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+FORCE_HELP = (
+    "replace --out even when it holds other files (never a folder holding --ckpt, nor the current one)"
+)
+"""The ``--force`` flag's help, the same for every command that takes it."""
+
+
+def _holds(folder: Path, path: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _is_own(folder: Path, marker: tuple[str, str] | None) -> bool:
+    if marker is None:
+        return False
+    try:
+        return marker[1] in json.loads((folder / marker[0]).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def claim_out_dir(
+    out: str | os.PathLike,
+    *,
+    reads: Iterable[str | os.PathLike],
+    force: bool,
+    own: tuple[str, str] | None = None,
+    flag: str = "--out",
+) -> Path:
+    """The resolved ``out`` when the command may replace it; else ValueError naming the path, why, and what to pass.
+
+    reads: the files and folders the command reads (a folder holding one is never replaced);
+    own: (file, key): a folder whose ``file`` is a JSON object with ``key`` is this command's earlier output,
+    replaced without ``force``; None: replacing anything that is not empty needs ``force``."""
+    path = Path(out).expanduser().resolve()
+    said = f"{flag} {str(out)!r}" + (f" ({path})" if str(path) != str(out) else "")
+    new = f"choose a new {flag} folder"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{said} is a file; {new}")
+    home, cwd = Path.home().resolve(), Path.cwd().resolve()
+    for place, what in ((Path(path.anchor), "the filesystem root"), (home, "your home folder")):
+        if path == place:
+            raise ValueError(f"{said} is {what}, which is never replaced, even with --force; {new}")
+    if _holds(path, cwd):
+        where = "is" if path == cwd else "holds"
+        raise ValueError(f"{said} {where} the current folder, never replaced, even with --force; {new}")
+    for source in reads:
+        source = Path(source).expanduser().resolve()
+        if _holds(path, source):
+            raise ValueError(f"{said} holds {source}, which this command reads: it is never replaced, even "
+                             f"with --force; {new} (a new folder inside it is fine)")  # fmt: skip
+    entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if entries and not force and not _is_own(path, own):
+        shown = ", ".join(map(repr, entries[:3])) + (", ..." if len(entries) > 3 else "")
+        mine = " and is not an earlier output of this command" if own else ""
+        raise ValueError(f"{said} exists and is not empty ({shown}){mine}; {new}, or pass --force to replace "
+                         "it and everything in it")  # fmt: skip
+    return path
