@@ -3,6 +3,7 @@ it leaves on disk and prints."""
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
@@ -115,7 +116,10 @@ def _block(stdout: str) -> dict[str, str]:
 def test_the_end_of_a_fit_says_where_everything_went_and_what_to_run_next(tiny_fit, rlm_cache):
     work, proc = tiny_fit
     title = proc.stdout[proc.stdout.index("rlm fit: finished") :].splitlines()[0]
-    val = float(title.split("val/loss ")[1].split(",")[0])
+    val = float(title.split("val/loss ")[1].split(" ")[0])
+    assert re.search(
+        r"val/loss [0-9.]+ on 1 of \d+ batches,", title
+    )  # limit_val_batches 1: a subset, said so
     rows = [r for r in read_metrics(work / "runs/test/version_0") if r.get("val/loss")]
     assert title.startswith("rlm fit: finished at step 2, val/loss") and val == round(
         float(rows[-1]["val/loss"]), 4
@@ -181,6 +185,28 @@ def test_the_noise_filters_are_precise():
     ]
 
 
+def test_a_validation_loss_on_a_subset_of_the_split_says_so(tmp_path, monkeypatch):
+    """limit_val_batches makes val/loss a subset's loss (5.479 where `rlm eval --split val` gave 5.008)."""
+    from types import SimpleNamespace
+
+    from rlm.cli.summary import fit_summary, val_subset
+
+    assert [val_subset(x) for x in (None, 1.0, float("inf"), 25, 25.0, 1, 0.1)] == [
+        "", "", "", "25 batches", "25 batches", "1 batch", "10% of the batches",
+    ]  # fmt: skip
+    assert val_subset(25, 300) == "25 of 300 batches" and val_subset(0.5, 300) == "150 of 300 batches"
+    assert val_subset(25, 10) == "" and val_subset(10, 10) == ""  # the limit covers the whole split
+    monkeypatch.chdir(tmp_path)
+    trainer = SimpleNamespace(
+        callback_metrics={"val/loss": 5.479, "train/loss": 5.2}, global_step=50, checkpoint_callbacks=[],
+        loggers=[], num_val_batches=[25], val_dataloaders=range(300),  # a loader of 300 batches
+    )  # fmt: skip
+    title = fit_summary(trainer).splitlines()[0]
+    assert title == "rlm fit: finished at step 50, val/loss 5.4790 on 25 of 300 batches, train/loss 5.2000"
+    trainer.num_val_batches = [300]
+    assert "val/loss 5.4790, train/loss" in fit_summary(trainer)  # the whole split: nothing to add
+
+
 def test_eval_and_experiment_blocks_name_the_checkpoint_and_the_best_run(tmp_path, monkeypatch):
     from rlm.cli.summary import eval_summary, experiment_summary
 
@@ -195,5 +221,7 @@ def test_eval_and_experiment_blocks_name_the_checkpoint_and_the_best_run(tmp_pat
             ("b/seed0", out / "b/seed0", out / "b/seed0/ckpt/last.ckpt", {"val_loss": 3.25, "test_loss": None})]  # fmt: skip
     text = experiment_summary(out, runs, [out / "results.md"])
     assert "exp/a/seed0  (val loss 3.5000, test loss 3.6000)" in text and "(val loss 3.2500)" in text
+    runs[0][3]["val_batches"] = 25  # trainer.limit_val_batches: a subset of the split, said so
+    assert "(val loss 3.5000 on 25 batches, test loss 3.6000)" in experiment_summary(out, runs, [])
     assert "rlm experiment report exp" in text and "exp/results.md" in text
     assert "rlm eval --ckpt exp/b/seed0/ckpt/last.ckpt" in text  # the lowest validation loss

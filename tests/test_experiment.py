@@ -258,7 +258,7 @@ def fake_run(
     summary = {
         "variant": variant, "seed": seed, "fingerprint": "x", "val_loss": loss, "val_ppl": 2.718281828**loss,
         "best_val_loss": loss, "steps": 30, "params_total": 1000 + added, "params_added": added,
-        "params_active": 1000, "tokens_per_s": speed, "train_s": 15.0, "wall_s": 20.0,
+        "params_active": 1000, "tokens_per_s": speed, "train_s": 15.0, "wall_s": 20.0, "val_batches": 25,
         "metrics": {"val/moe_load_max/l1": 0.5, "train/moe_load/l1_e0": 0.25},
     }  # fmt: skip
     (run / "summary.json").write_text(json.dumps(summary))
@@ -302,6 +302,9 @@ def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
     # Equal time: 'big' ran 30 steps in 7.5 s; the others are read at 7.5 s on their (5 s, 10 s) segment,
     # a quarter of the way from loss + 1 to loss + 0.5.
     assert "| val loss at 8s train |" in table[0]
+    # trainer.limit_val_batches: the validation loss is a subset's, and the header and the note say so
+    assert table[0].startswith("| variant | val loss (25 batches) | Δ loss |")
+    assert "over the first 25 batches of the validation split (trainer.limit_val_batches" in md
     assert main_rows[0][3] == f"{mean['moe'] + 0.75:.3f}" and main_rows[1][3] == f"{mean['base'] + 0.75:.3f}"
     assert main_rows[2][3] == f"{mean['big']:.3f}"
     assert "`moe`: 8 experts" in md
@@ -339,6 +342,7 @@ def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monke
     assert tok["params_total"] == base["params_total"] + vocab * d
     assert tok["params_active"] == base["params_active"] + d  # a token reads one row of the table
     for s in (base, tok):
+        assert s["val_batches"] == 1  # common: limit_val_batches 1, for the loss's label
         assert (
             s["steps"] == 4 and s["val_loss"] > 0 and s["tokens_per_s"] > 0 and 0 < s["train_s"] < s["wall_s"]
         )
@@ -356,6 +360,7 @@ def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monke
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
     assert "| **baseline** |" in (out / "results.md").read_text()  # not "baseline (baseline)"
+    assert "| val loss (1 batch) |" in (out / "results.md").read_text()
     assert "test bits/byte" in (out / "results.md").read_text()
     for name in PLOTS:
         assert (out / name).read_bytes().startswith(PNG)

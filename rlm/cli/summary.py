@@ -94,6 +94,31 @@ def block(title: str, facts: list[tuple[str, Any]], commands: list[tuple[str, st
     return "\n".join(lines)
 
 
+def val_subset(limit: float | None, total: int | None = None) -> str:
+    """What a validation loss was computed over, when not the whole validation split: ``limit`` is
+    trainer.limit_val_batches (or the batches a validation read), ``total`` the split's batches when known; '' for
+    the whole split, else '25 batches', '25 of 300 batches' or '10% of the batches'."""
+    whole = limit is None or limit == float("inf") or (isinstance(limit, float) and limit == 1.0)
+    if whole or (total is not None and limit >= total):
+        return ""
+    if isinstance(limit, float) and limit < 1:  # Lightning: a float up to 1.0 is a fraction, above it a count
+        return f"{round(limit * total)} of {total} batches" if total else f"{limit:.0%} of the batches"
+    n = int(limit)
+    return f"{n} of {total} batches" if total else f"{n} batch{'es' * (n != 1)}"
+
+
+def _fit_val_subset(trainer: Any) -> str:
+    """val_subset of the fit's last validation: the batches it read against the validation loaders' length."""
+    used = sum(getattr(trainer, "num_val_batches", None) or []) or None
+    loaders = getattr(trainer, "val_dataloaders", None)
+    loaders = loaders if isinstance(loaders, list | tuple) else [] if loaders is None else [loaders]
+    try:
+        total = sum(len(dl) for dl in loaders) or None
+    except TypeError:  # an iterable dataset: no length
+        total = None
+    return val_subset(used, total)
+
+
 def _loss(metrics: dict[str, Any], key: str) -> str | None:
     value = metrics.get(key)
     if value is None:
@@ -108,6 +133,9 @@ def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = 
     paths = fit_paths(trainer, config)
     step = int(trainer.global_step)
     losses = [f"{k} {v}" for k in ("val/loss", "train/loss") if (v := _loss(metrics, k)) is not None]
+    # limit_val_batches: the loss of a subset, not of the whole split that `rlm eval --split val` reads
+    if losses and losses[0].startswith("val/loss") and (subset := _fit_val_subset(trainer)):
+        losses[0] += f" on {subset}"
     title = f"rlm fit: finished at step {step}" + (f", {', '.join(losses)}" if losses else "")
     facts = [(name, show(path)) for name, path in paths.items() if path is not None]
     return block(title, facts, next_commands(paths["checkpoint"], paths["config"], step, horizon))
@@ -128,6 +156,8 @@ def experiment_summary(
     facts: list[tuple[str, Any]] = []
     for label, run_dir, _, s in runs:
         losses = [f"{k} loss {s[f'{k}_loss']:.4f}" for k in ("val", "test") if s.get(f"{k}_loss") is not None]
+        if losses and losses[0].startswith("val") and (subset := val_subset(s.get("val_batches"))):
+            losses[0] += f" on {subset}"
         facts.append((label, f"{show(run_dir)}  ({', '.join(losses) or 'no loss'})"))
     facts.append(("report", ", ".join(show(p) for p in report) or "-"))
     scored = [(s["val_loss"], label, ckpt) for label, _, ckpt, s in runs if s.get("val_loss") is not None]

@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rlm.cli.summary import val_subset
 from rlm.experiment.results import VariantResult, collect, val_curves
 from rlm.experiment.runs import SUMMARY
 from rlm.experiment.spec import flatten, write_atomic
@@ -84,12 +85,21 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     ordered = sorted(variants, key=lambda v: (v.mean("val_loss") is None, v.mean("val_loss") or 0.0))
     b_loss, b_ppl, b_speed = (base.mean(k) if base else None for k in ("val_loss", "val_ppl", "tokens_per_s"))
     seeds = sorted({r["seed"] for v in variants for r in v.runs})
+    # Validation reads trainer.limit_val_batches batches, not the whole split (`rlm eval --split val` does).
+    subsets = sorted({val_subset(r.get("val_batches")) for v in variants for r in v.runs} - {""})
+    val_name = f"val loss ({' / '.join(subsets)})" if subsets else "val loss"
+    over = (
+        f", over the first {' / '.join(subsets)} of the validation split (trainer.limit_val_batches; "
+        "`rlm eval --split val` reads the whole split), as are val ppl and the loss at equal time"
+        if subsets
+        else ""
+    )
     steps = sorted({r["steps"] for v in variants for r in v.runs})
     lines = [f"# Experiment `{info['name']}`", ""]
     lines += [
         f"{len(variants)} variant{'s' * (len(variants) != 1)} x seeds {seeds}, {'/'.join(map(str, steps))} training steps per run; "
         f"base config: {', '.join(_short(p) for p in info['base'])}. Validation loss is the last "
-        "validation of each run (mean ± sample sd over seeds); test loss and bits per byte are `rlm eval` of "
+        f"validation of each run (mean ± sample sd over seeds){over}; test loss and bits per byte are `rlm eval` of "
         "each run's last checkpoint on the whole test split; Δ against the baseline "
         f"`{info['baseline']}`{'' if base else ' (not finished: no deltas)'}; tokens/s is the median "
         "training throughput of the second half of each run; train time excludes validation; the loss at equal "
@@ -102,7 +112,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
         lines += ["Set in every run: " + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in common) + ".", ""]
     t_equal, at_t = equal_time_losses(variants)
     at_header = f"val loss at {_seconds(t_equal)} train" if t_equal is not None else "val loss at equal time"
-    header = ["variant", "val loss", "Δ loss", at_header, "val ppl", "Δ ppl", "test loss", "test bits/byte",
+    header = ["variant", val_name, "Δ loss", at_header, "val ppl", "Δ ppl", "test loss", "test bits/byte",
               "params", "added", "active/token",
               "tokens/s", "train time", "runs", "tokens/s vs baseline"]  # fmt: skip
     rows = []

@@ -22,6 +22,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from rlm.cli.summary import val_subset
 from rlm.experiment.check import count_parameters
 from rlm.experiment.children import (
     _THREAD,
@@ -68,6 +69,8 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
         "seed": run.seed,
         "fingerprint": run.fingerprint,
         "val_loss": val[-1] if val else None,
+        # batches each validation read (trainer.limit_val_batches; None: the whole split), for the loss's label
+        "val_batches": (run.config.get("trainer") or {}).get("limit_val_batches"),
         "val_ppl": _last(rows, "val/ppl"),
         "best_val_loss": min(val) if val else None,
         "val_step": int(val_series[-1][0]) + 1 if val_series else None,
@@ -261,8 +264,9 @@ def _execute(run: Run, out: Path, reuse_equal: bool) -> dict[str, Any] | None:
         write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     write_job(run.dir, state="done", ended=time.time())
     loss, test = summary.get("val_loss"), summary.get("test_loss")
+    subset = val_subset(summary.get("val_batches"))
     tqdm.write(
-        f"{run.label}: val loss {loss if loss is None else round(loss, 4)}, "
+        f"{run.label}: val loss {loss if loss is None else round(loss, 4)}{f' on {subset}' if subset else ''}, "
         f"test loss {test if test is None else round(test, 4)}"
         + (" (kNN-LM)" if run.knnlm is not None else "")
         + (f" in {summary['wall_s']:.0f}s" if summary.get("wall_s") is not None else "")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlm.cli.summary import val_subset
 from rlm.experiment.runner import log_tail
 from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY
 
@@ -48,8 +49,9 @@ def run_state(run_dir: Path, label: str, knnlm: bool) -> RunState:
         summary = json.loads(summary_path.read_text())
         if not knnlm or summary.get("knnlm"):
             loss, test = summary.get("val_loss"), summary.get("test_loss")
+            subset = val_subset(summary.get("val_batches"))
             parts = [
-                f"val loss {loss:.4f}" if loss is not None else "",
+                f"val loss {loss:.4f}" + (f" on {subset}" if subset else "") if loss is not None else "",
                 f"test loss {test:.4f}" if test is not None else "",
             ]
             if summary.get("reused_from"):
