@@ -229,11 +229,11 @@ def test_the_cli_link_gives_the_model_the_tokenizers_size(spm_model):
         link_vocab(cfg)
 
 
-def test_the_default_config_takes_the_vocabulary_of_a_given_tokenizer(tmp_path, spm_model):
+def test_the_default_config_takes_the_vocabulary_of_a_given_tokenizer(tmp_path, spm_model, rlm_main):
     """configs/default.yaml leaves data.vocab_size unset (4096 for a trained tokenizer), so a tokenizer file
     sizes the model with no other flag; --print_config shows what runs."""
     args = ["fit", "--config", CONFIGS / "default.yaml", f"--data.tokenizer={spm_model}", "--print_config"]
-    cfg = yaml.safe_load(run_rlm(args, tmp_path, tmp_path).stdout)
+    cfg = yaml.safe_load(rlm_main(args, tmp_path).stdout)
     assert cfg["data"]["vocab_size"] == SPM_VOCAB and cfg["model"]["model"]["vocab_size"] == SPM_VOCAB
 
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from rlm.model.assemble import apply_plugins
 from rlm.model.config import ModelConfig
 from rlm.model.layers import FeedForward, RMSNorm, SelfAttention, TokenEmbedding
+from rlm.model.loss import head_cross_entropy
 from rlm.plugin.context import Context
 
 
@@ -125,11 +126,14 @@ class Transformer(nn.Module):
             ctx.cache.advance(ctx.offset, tokens)
         return x
 
-    def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
-        """Logits (B, T, vocab): the head's padded rows (config.vocab_multiple) cut off."""
+    def forward(self, tokens: Tensor, ctx: Context | None = None, targets: Tensor | None = None) -> Tensor:
+        """Logits (B, T, vocab): the head's padded rows (config.vocab_multiple) cut off. With ``targets`` (B, T;
+        -100 ignored), their mean cross-entropy instead, without the logits (rlm.model.loss)."""
         ctx = ctx if ctx is not None else Context(tokens=tokens, stage="train" if self.training else "val")
         hidden = self.hidden(tokens, ctx)
         ctx.hidden = hidden
+        if targets is not None:
+            return head_cross_entropy(hidden, self.head.weight, targets, self.config.vocab_size)
         logits = self.head(hidden)  # (B, T, padded vocab)
         vocab = self.config.vocab_size
         return logits if logits.shape[-1] == vocab else logits[..., :vocab]

@@ -17,7 +17,7 @@ from rlm.data.segments import SegmentSource
 from rlm.data.windows import HOST, host_copy
 from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
-from rlm.plugin.base import ParamGroup
+from rlm.plugin.base import ParamGroup, Plugin
 from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
@@ -197,11 +197,16 @@ class LMModule(pl.LightningModule):
         self, batch: dict[str, Any], stage: str, variant: str | None = None
     ) -> tuple[Tensor, Tensor, Context, Tensor]:
         ctx = self.make_context(batch, stage, variant)
-        logits = self.model(batch["tokens"], ctx)  # (B, T, V)
         targets = batch["targets"]
-        # A tensor on the batch's device, not a Python int: it only weights the eval sums, and int() here was a
-        # host sync (a drained CUDA queue) in every training step, which never used it (SCALE.md, item 11).
+        # A tensor on the batch's device, not a Python int: int() would be a host sync in every training step.
         n_tokens = (targets != -100).sum()
+        plugins = self.model.plugins.values()
+        if stage == "train" and not any(type(p).objective is not Plugin.objective for p in plugins):
+            # the head and its loss in row chunks: no (B, T, V) float32 logits (rlm.model.loss)
+            lm = self.model(batch["tokens"], ctx, targets=targets)
+            aux = ctx.total_aux_loss()
+            return lm, (lm if aux is None else lm + aux), ctx, n_tokens
+        logits = self.model(batch["tokens"], ctx)  # (B, T, V)
         if ctx.loss_groups and stage != "train":  # per-token losses for val/loss_by/<group>
             token_loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
