@@ -32,7 +32,7 @@ class RetrievalConfig:
     """Each neighbour brings its document's next segment too (keys/values of 2L tokens per neighbour, as RETRO's
     chunk and continuation, Borgeaud et al. 2022). Off by default: Komatsuzaki's causal MARGE conditions S_{t+1}
     on the neighbours of S_t alone. On: a neighbour similar to S_t brings the segment after it, which is what a
-    near-copy of the document needs (the synthetic partner task of tests/test_retrieval_training.py)."""
+    near-copy of the document needs (the synthetic partner task of tests/plugins/test_retrieval_training.py)."""
     embedder: str = "tokens"
     """What embeds segments for the index and the cross-attention's keys. 'tokens': the LM's token embeddings
     alone, each token's state beside its predecessor's, e(.) their mean (no block runs over the neighbours);
@@ -80,7 +80,7 @@ class RetrievalConfig:
     copies an indexed document (L / 2 tokens in a row or more) retrieves nothing of that document from its own
     position on, and indexed copies of the evaluated document's future segments are not retrieved (counted as
     val/<label>/duplicates_excluded); see _retrieval_filter.py. False only for synthetic tasks whose evaluated
-    continuation is in the index by design (the partner task of tests/test_retrieval_training.py)."""
+    continuation is in the index by design (the partner task of tests/plugins/test_retrieval_training.py)."""
     eval_ablation: bool = False
     """Validation also computes the loss with every neighbour swapped for a random segment of another document
     (training segments once a table exists), in the same pass, logged as val/<label>_random/loss: how much the
@@ -90,7 +90,7 @@ class RetrievalConfig:
     searches the whole index for every training segment's k neighbours, and a step reads them. 'search': a
     rebuild only embeds and indexes the corpus, and each step searches the index for its own queries, embedded by
     the current embedder (as validation and generation always do). Until the embedder moves, both find the same
-    neighbours (tests/test_retrieval.py)."""
+    neighbours (tests/plugins/test_retrieval.py)."""
     index_factory: str = "auto"
     """faiss factory string, 'auto' or 'torch' (exact); see rlm.index.build.IndexConfig."""
     flat_below: int = 131072

@@ -1,7 +1,7 @@
 """rlm: retrieval-augmented language models with memory plugins.
 
 The packages, lowest first; each imports only its own layer and the ones below, lazy imports included, and no
-two modules import each other (tests/test_layering.py, which names the one pair left in index/; the map is in
+two modules import each other (tests/model/test_layering.py, which names the one pair left in index/; the map is in
 the README, "Layout"):
 
 1. core: rlm.model, rlm.data, rlm.plugin (the contract and a registry that names plugins as strings), rlm.extras

@@ -135,7 +135,7 @@ class TrainLoader:
     the data after a run stopped by max_steps (Lightning then counts the unfinished epoch as done) and
     under limit_train_batches (then successive Lightning epochs walk on through one permutation).
     `state_dict()` counts the batches handed out, which is what Lightning 2.6 has trained on: its fetcher
-    does not prefetch from a loader that has a length (checked by the resume test in tests/test_data.py).
+    does not prefetch from a loader that has a length (checked by the resume test in tests/data/test_data.py).
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """Memory of a training run estimated from its config alone: parameters, gradients, optimizer state, activations.
 
-Checkable without a GPU: ``tests/test_memory.py`` builds each model on the meta device and compares the
+Checkable without a GPU: ``tests/model/test_memory.py`` builds each model on the meta device and compares the
 parameter and optimizer-state counts exactly, and the dense activations with the bytes autograd saves on CPU;
 ``benchmarks/gpu.py`` sets the measured peak (``torch.cuda.max_memory_allocated``) against ``total_bytes``.
 
@@ -23,7 +23,7 @@ Bytes, for bf16-mixed training as Lightning runs it (fp32 master weights, bf16 m
 
   plus, once per token: the ids (8), the final norm (8d + 4) and the head's input 2d, and the loss: bf16 logits,
   their fp32 copy and fp32 log-probabilities, 10 V bytes (the end of the forward pass, when all of them and
-  every layer's activations are held: the estimate's peak). tests/test_memory.py measures the per-layer and
+  every layer's activations are held: the estimate's peak). tests/model/test_memory.py measures the per-layer and
   per-token terms with autograd's saved-tensor hooks on CPU under bf16 autocast. Besides, autocast keeps a bf16
   copy of every matmul weight for the step, 2 B per parameter. Plugins replace or add terms (``_pkm``, ...).
 
@@ -177,7 +177,7 @@ def _tokenid(c: Any, mc: ModelConfig, parts: Parts) -> None:
     parts.params += len(layers) * per
     if c.rank:  # rank 0 saves nothing: the ids are the batch's, the read a residual add
         # The token's (d, r) and (r, d) entries and its input in bf16, relu's output (r); at r = 1 einsum keeps
-        # one more bf16 copy of the input (measured, tests/test_memory.py).
+        # one more bf16 copy of the input (measured, tests/model/test_memory.py).
         d, r = mc.d_model, c.rank
         parts.act_per_token += len(layers) * (4 * d * r + 2 * d + 2 * r + (2 * d if r == 1 else 0))
 

@@ -17,7 +17,7 @@ GLOBAL_BATCH = 8  # data/tiny.yaml's batch_size: one process takes all 8 windows
 # data-parallel strategy, DDP included): MoE's balance loss and capacity are computed on a rank's own tokens
 # (dropless and no balance loss here), and router jitter draws per-rank noise. PKM's query batchnorm is synced
 # across ranks, so it stays on; PKM's values take the row-wise Adam in both runs (pkm.sparse: auto; under FSDP2 the
-# tables stay out of fully_shard and the ranks exchange touched rows, tests/test_pkm_parallel.py).
+# tables stay out of fully_shard and the ranks exchange touched rows, tests/plugins/test_pkm_parallel.py).
 PARITY = {
     "moe": "      layers: [1]\n      num_experts: 4\n      capacity_factor: 0\n      router_jitter: 0\n"
     "      balance_coef: 0\n",

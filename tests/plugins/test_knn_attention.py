@@ -369,7 +369,7 @@ def test_benchmark_script_smoke():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "benchmarks"))
     try:
         from knn_attention import VARIANTS

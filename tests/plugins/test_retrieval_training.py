@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_retrieval import attach_memory, make_segments
+from retrieval_helpers import attach_memory, make_segments
 
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 from rlm.index.memory import RetrievalMemory

@@ -136,7 +136,7 @@ def test_the_end_of_a_fit_says_where_everything_went_and_what_to_run_next(tiny_f
     assert facts["export"] == "rlm export --ckpt runs/test/ckpt/last.ckpt --out runs/test/export"
     assert facts["generate"].startswith("rlm generate --ckpt runs/test/ckpt/last.ckpt --prompt")
     # the printed resume command, run as printed, continues the run from its last checkpoint; its schedule ended
-    # at step 2 and resuming keeps it (tests/test_resume.py), which the label says
+    # at step 2 and resuming keeps it (tests/train/test_resume.py), which the label says
     resume = facts["resume (on to step 4, lr at its floor from step 2)"]
     assert resume == "rlm fit --config runs/test/version_0/config.yaml --ckpt_path last --trainer.max_steps 4"
     again = run_rlm([*shlex.split(resume)[1:], "--trainer.enable_progress_bar=false"], work, rlm_cache)

@@ -7,7 +7,7 @@ import pytest
 
 from rlm.cli.merge import merge_configs, split_config_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -69,7 +69,7 @@ def test_the_wandb_fragment_keeps_checkpoints_under_the_csv_logger():
     the first logger, so they stay in DIR/version_N/checkpoints; W&B uploads no checkpoint."""
     from rlm.cli.merge import merge_configs
 
-    root = Path(__file__).resolve().parents[1] / "configs"
+    root = Path(__file__).resolve().parents[2] / "configs"
     plain = merge_configs([root / "default.yaml"])["trainer"]["logger"]
     cfg = merge_configs([root / "default.yaml", root / "logger" / "wandb.yaml"])["trainer"]["logger"]
     assert cfg[:2] == plain and len(cfg) == 3

@@ -315,7 +315,7 @@ def test_composes_with_plugins_inside_the_blocks_in_any_order():
 def test_benchmark_script_smoke(capsys):
     """benchmarks/altup.py at toy sizes: every variant runs and the ratio to the base model is the last column."""
     spec = importlib.util.spec_from_file_location(
-        "benchmark_altup", Path(__file__).resolve().parents[1] / "benchmarks" / "altup.py"
+        "benchmark_altup", Path(__file__).resolve().parents[2] / "benchmarks" / "altup.py"
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

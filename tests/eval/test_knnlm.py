@@ -459,7 +459,7 @@ def test_narrow_embedding_benchmark_keeps_every_neighbour_at_full_width(tiny, ca
     rlm.index builds) keeps the exact top 10 (recall 1 up to float rounding among equal scores), narrower widths print a recall in [0, 1] for each."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "narrow_embedding.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "narrow_embedding.py"
     spec = importlib.util.spec_from_file_location("narrow_embedding", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

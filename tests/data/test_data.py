@@ -432,7 +432,7 @@ def test_stdlib_corpus(tmp_path):
 
 
 def test_configs_construct_a_datamodule(tmp_path):
-    root = Path(__file__).resolve().parents[1] / "configs" / "data"
+    root = Path(__file__).resolve().parents[2] / "configs" / "data"
     for name in ("stdlib.yaml", "tiny.yaml"):
         args = yaml.safe_load((root / name).read_text())["data"]
         RLMDataModule(**{**args, "cache_dir": str(tmp_path)})  # every key is a constructor argument
@@ -479,7 +479,7 @@ def test_seq_len_longer_than_every_document(corpus, dm, tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_script_smoke(corpus, tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data.py"
     spec = importlib.util.spec_from_file_location("benchmark_data", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_retrieval import corpus_of, make_segments, random_docs, tiny_model
+from retrieval_helpers import corpus_of, make_segments, random_docs, tiny_model
 
 from rlm.data.windows import Windows
 from rlm.index.build import IndexConfig, TorchExactIndex, exact_search

@@ -292,7 +292,7 @@ def test_moe_under_bfloat16_autocast(dispatch):
 
 def test_benchmark_script_smoke(capsys):
     """benchmarks/experts.py at toy sizes: every row runs and the ratio column is last."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "experts.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "experts.py"
     spec = importlib.util.spec_from_file_location("benchmark_experts", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -338,7 +338,7 @@ def test_config_fragments_build_the_default_model(fragments):
     from rlm.cli.merge import merge_configs
     from rlm.plugin.registry import validate_specs
 
-    root = Path(__file__).resolve().parents[1] / "configs"
+    root = Path(__file__).resolve().parents[2] / "configs"
     specs = merge_configs([root / "plugins" / f for f in fragments])["model"]["plugins"]
     assert validate_specs(specs) == []
     with torch.device("meta"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from test_retrieval import make_segments
+from retrieval_helpers import make_segments
 
 from rlm.index import copies
 from rlm.index.copies import SegmentHashes, TextRuns

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_retrieval import (
+from retrieval_helpers import (
     CORPUS_SEGMENTS,
     VOCAB,
     L,

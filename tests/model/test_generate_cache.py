@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_retrieval import CORPUS_SEGMENTS, attach_memory
+from retrieval_helpers import CORPUS_SEGMENTS, attach_memory
 from torch.testing import assert_close
 
 from rlm.eval.generate import CachedDecoder, refill_start, sample
@@ -215,7 +215,7 @@ def test_knnlm_mixer_sees_the_same_keys_with_and_without_the_cache():
 
 def test_benchmark_script_smoke(capsys):
     """benchmarks/generate.py --smoke: both lengths run, inside the window both paths give the same tokens."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "generate.py"
     spec = importlib.util.spec_from_file_location("benchmark_generate", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -13,7 +13,7 @@ from rlm.plugin import Context
 from rlm.train.memory import LOSS_BYTES_PER_LOGIT, estimate, model_config
 from rlm.train.module import LMModule
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GPT2_VOCAB = 50257
 H100_BYTES = 80 * 10**9
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "index.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "index.py"
 
 
 def test_index_benchmark_runs_small(capsys):

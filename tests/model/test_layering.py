@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"rlm": ROOT / "rlm", "rlm.plugins": ROOT / "plugins", "rlm.index": ROOT / "index"}
 
 # Lowest first; a module belongs to the layer of its longest matching prefix, and may import its own layer

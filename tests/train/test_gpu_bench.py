@@ -12,7 +12,7 @@ import torch
 from rlm.cli.merge import merge_configs
 from rlm.train.memory import estimate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from rlm.data.corpus import read_corpus
 from rlm.experiment import report
 from rlm.extras import MissingExtra, require
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIRST_PARTY = {"rlm", "index", "plugins"}
 
 

@@ -10,7 +10,7 @@ import socket
 import numpy as np
 import pytest
 import torch
-from test_retrieval import make_segments, random_docs
+from retrieval_helpers import make_segments, random_docs
 
 from rlm.index.build import IndexConfig
 from rlm.index.memory import build_memory, indexed_rows

@@ -10,7 +10,7 @@ import torch
 
 from rlm.model import ModelConfig, Transformer
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _python_block(section: str) -> str:
