@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +49,23 @@ def check_sections(model_cfg: Any) -> None:
                     check_option(f"model.{name}", key, value, types_[key])
 
 
-def output_dirs(trainer_cfg: Any) -> list[Path]:
-    """The folders a fit writes to: the root, each logger's save_dir and each checkpoint dirpath."""
-    dirs = [Path(_get(trainer_cfg, "default_root_dir") or ".")]
+def output_dirs(trainer_cfg: Any) -> dict[Path, str]:
+    """The folders a fit writes to, each with the setting that names it: the root, each logger's folder
+    (save_dir/name, where it numbers its version_N folders) and each checkpoint dirpath."""
+    dirs = {Path(_get(trainer_cfg, "default_root_dir") or "."): "--trainer.default_root_dir"}
     loggers = _get(trainer_cfg, "logger")
     for lg in _as_list(loggers) if loggers not in (True, False) else []:
-        save_dir = _get(_init_args(lg), "save_dir")
+        args = _init_args(lg)
+        save_dir = _get(args, "save_dir")
         if save_dir:
-            dirs.append(Path(save_dir))
+            dirs.setdefault(
+                Path(save_dir) / str(_get(args, "name", "lightning_logs")), "logger save_dir or name"
+            )
     for cb in _as_list(_get(trainer_cfg, "callbacks")):
         dirpath = _get(_init_args(cb), "dirpath")
         if dirpath:
-            dirs.append(Path(dirpath))
-    return list(dict.fromkeys(dirs))
+            dirs.setdefault(Path(dirpath), "ModelCheckpoint dirpath")
+    return dirs
 
 
 def check_writable(
@@ -97,22 +103,40 @@ def check_fit(cfg: Any) -> None:
 
 
 RUN_LOCK = ".rlm-fit.lock"
-"""A file in default_root_dir that a running ``rlm fit`` holds locked (and names itself in)."""
+"""A file in each folder a running ``rlm fit`` writes (:func:`output_dirs`) that it holds locked and names itself in."""
 _held: list[Any] = []  # the open lock files: held until the fit ends (release_run_locks) or the process does
+_quieted: list[Any] = []  # warning filters that last as long as the locks
 
 
 def lock_fit(cfg: Any) -> None:
-    """Hold the run lock of a parsed ``fit`` config's default_root_dir (the first process of the first node:
+    """Hold the run lock of every folder a parsed ``fit`` config writes (the first process of the first node:
     the other ranks are this run's own)."""
     ranks = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
-    if all(int(os.environ.get(v, "0") or 0) == 0 for v in ranks):
-        hold_run_lock(Path(_get(_get(cfg, "trainer"), "default_root_dir") or "."))
+    if not all(int(os.environ.get(v, "0") or 0) == 0 for v in ranks):
+        return
+    trainer = _get(cfg, "trainer")
+    dirpaths = [_get(_init_args(cb), "dirpath") for cb in _as_list(_get(trainer, "callbacks"))]
+    checkpoints = [Path(d).resolve() for d in dirpaths if d]
+    for folder, setting in output_dirs(trainer).items():
+        folder = folder.resolve()
+        if any(folder == held for _, _, held in _held):  # one folder under two settings: locked once
+            continue
+        fresh = not folder.is_dir() or not any(folder.iterdir())
+        hold_run_lock(folder, setting)
+        if fresh and folder in checkpoints:
+            # Lightning warns at the start of a fit that a checkpoint folder "exists and is not empty": the lock
+            # file alone would make every new run say so
+            warnings.filterwarnings(
+                "ignore", re.escape(f"Checkpoint directory {folder} exists and is not empty")
+            )
+            _quieted.append(warnings.filters[0])
 
 
-def hold_run_lock(root: Path) -> None:
-    """Lock ``root`` for this process, or raise ValueError naming the run that holds it: two ``rlm fit`` runs
-    in one default_root_dir would take the same logger version (one metrics.csv with both runs' rows, each
-    overwriting the other's checkpoints). The lock is released when the process ends, however it ends."""
+def hold_run_lock(root: Path, setting: str = "--trainer.default_root_dir") -> None:
+    """Lock the folder ``root`` for this process, or raise ValueError naming the run that holds it and the
+    ``setting`` to change: two ``rlm fit`` runs writing one folder would take the same logger version (one
+    metrics.csv with both runs' rows) or overwrite each other's checkpoints (and a later ``--ckpt_path last``
+    resume the other run's). The lock is released when the process ends, however it ends."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): no lock
@@ -127,21 +151,24 @@ def hold_run_lock(root: Path) -> None:
         other = f.read().strip() or "?"
         f.close()
         raise ValueError(
-            f"another rlm fit (pid {other}) is running in {root}: two runs in one default_root_dir would share "
-            "its logger version and overwrite each other's checkpoints; wait for it to end, or give this run "
-            "its own --trainer.default_root_dir"
+            f"another rlm fit (pid {other}) is running in {root}: two runs writing one folder would mix their "
+            f"logs and overwrite each other's checkpoints; wait for it to end, or give this run its own {setting}"
         ) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
-    _held.append((f, root if created else None))
+    _held.append((f, root if created else None, root.resolve()))
 
 
 def release_run_locks() -> None:
     """Release the locks this process holds (the end of an in-process ``rlm fit``)."""
+    while _quieted:
+        entry = _quieted.pop()
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)
     while _held:
-        f, created = _held.pop()
+        f, created, _ = _held.pop()
         f.close()
         # a run that failed before writing anything leaves no folder behind (only the lock file was in it)
         if created is not None and [p.name for p in created.iterdir()] == [RUN_LOCK]:

@@ -122,29 +122,38 @@ def test_generate_refuses_bad_values_by_name(tmp_path, capsys, flag, value, says
     assert says in capsys.readouterr().err
 
 
-def test_a_second_fit_in_the_same_root_is_refused_while_the_first_runs(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("held", "setting"),
+    [("shared", "--trainer.default_root_dir"), ("runs/test", "logger save_dir or name"),
+     ("runs/test/ckpt", "ModelCheckpoint dirpath")],
+)  # fmt: skip
+def test_a_second_fit_in_the_same_root_is_refused_while_the_first_runs(tmp_path, capsys, held, setting):
     """Two rlm fit runs in one default_root_dir shared version_0 (one metrics.csv with both runs' rows, each
-    overwriting the other's checkpoints): the second is now refused, naming the first's pid (issue 24, defect
-    3); once the first has ended, the folder is free again."""
+    overwriting the other's checkpoints): the second is now refused, naming the first's pid; once the first has
+    ended, the folder is free again. The same for the folders tests/configs/fast.yaml gives its logger
+    (runs/test) and its checkpoints (runs/test/ckpt), which two runs with their own default_root_dir share: the
+    second run's CSV logger failed ('dict contains fields not in fieldnames') and the first's --ckpt_path last
+    resumed the second's checkpoint."""
     import subprocess
     import sys
 
     from rlm.cli.check import hold_run_lock, release_run_locks
 
-    root = tmp_path / "shared"
+    folder = tmp_path / held
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; from rlm.cli.check import "
-         f"hold_run_lock; hold_run_lock(Path({str(root)!r})); print('held', flush=True); time.sleep(60)"],
+         f"hold_run_lock; hold_run_lock(Path({str(folder)!r})); print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        err = _fit_error([f"--trainer.default_root_dir={root}"], capsys)
-        assert f"another rlm fit (pid {holder.pid}) is running in {root}" in err
+        err = _fit_error([f"--trainer.default_root_dir={tmp_path / 'shared'}"], capsys)
+        assert f"another rlm fit (pid {holder.pid}) is running in {folder}" in err
+        assert f"give this run its own {setting}" in err
     finally:
         holder.kill()
         holder.wait()
-    hold_run_lock(root)  # free again: the lock went with the process
+    hold_run_lock(folder)  # free again: the lock went with the process
     release_run_locks()
 
 
