@@ -17,7 +17,7 @@ import os
 import sysconfig
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,8 +247,47 @@ def hf_dataset(name: str, split: str, config: str | None, streaming: bool = Fals
             raise ValueError(
                 f"hf:{name} is a file datasets cannot read by its ending; accepted: {list(_HF_BUILDERS)}"
             )
-        return datasets.load_dataset(builder, data_files={split: name}, split=split, streaming=streaming)
+        if _is_blank(name):  # datasets fails on it with StopIteration or "corresponds to no data"
+            raise ValueError(f"hf:{name} is empty; accepted: a {builder} data file with at least one row")
+        try:
+            return datasets.load_dataset(builder, data_files={split: name}, split=split, streaming=streaming)
+        except datasets.exceptions.DatasetGenerationError as err:
+            raise _data_file_error(name, builder, err) from err
     return datasets.load_dataset(name, config, split=split, streaming=streaming)
+
+
+def _is_blank(path: str) -> bool:
+    """Whether a file holds nothing but whitespace (read in chunks: a data file may be large)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _data_file_error(name: str, builder: str, err: Exception) -> ValueError:
+    """datasets' failure to read the local data file ``name`` as an error naming the file: for JSON, the first
+    bad line (datasets' own message counts rows within a block, not lines of the file); else datasets' reason."""
+    if builder == "json":
+        try:
+            for _ in _json_rows(Path(name)):
+                pass
+        except ValueError as located:
+            return located
+    reason = str(err.__cause__ or err).strip()
+    return ValueError(f"hf:{name} cannot be read as {builder} data: {reason}")
+
+
+def named_read_errors(name: str, rows: Iterable[Any]) -> Iterator[Any]:
+    """The rows of a streamed hf: source; a local data file that datasets fails to parse midway (it raises
+    pyarrow's or pandas' ValueErrors then) is named in the error."""
+    builder = _HF_BUILDERS.get(Path(name).suffix.lower()) if os.path.isfile(name) else None
+    try:
+        yield from rows
+    except ValueError as err:
+        if builder is None:
+            raise
+        raise _data_file_error(name, builder, err) from err
 
 
 def _load_hf(

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from rlm.data.corpus import Document, hf_dataset
+from rlm.data.corpus import Document, hf_dataset, named_read_errors
 from rlm.data.pretrained import TRAIN, open_cached
 from rlm.data.store import _ENCODE_BATCH, FORMAT_VERSION, CacheKey, make_tokenizer, token_dtype
 
@@ -63,7 +63,7 @@ def stream_documents(
 
 def _stream_one(name: str, split: str, config: str | None, text_field: str) -> Iterator[Document]:
     ds = hf_dataset(name, split, config, streaming=True)
-    for i, row in enumerate(ds):
+    for i, row in enumerate(named_read_errors(name, ds)):
         if text_field not in row:
             raise ValueError(f"text_field={text_field!r} is not a column of {name!r}; columns: {list(row)}")
         text = row[text_field]

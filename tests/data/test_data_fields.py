@@ -170,6 +170,33 @@ def test_hf_path_of_a_local_data_file_reads_through_datasets(tmp_path, monkeypat
         read_corpus(f"hf:{odd}", progress=False)
 
 
+def test_malformed_hf_data_files_are_errors_naming_the_file(tmp_path, monkeypatch, rlm_main):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    from rlm.data.stream import stream_documents
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "bad.csv").write_text("text,n\na,1\nb,2,3,4\n")
+    cases = {
+        "bad.jsonl": r"bad.jsonl' line 3 is not JSON",
+        "empty.jsonl": r"hf:.*empty.jsonl is empty; accepted: a json data file with at least one row",
+        "blank.jsonl": r"hf:.*blank.jsonl is empty",
+        "bad.csv": r"hf:.*bad.csv cannot be read as csv data: .*Expected 2 fields in line 3",
+    }
+    for name, message in cases.items():  # read whole, and streamed (datasets fails midway then)
+        with pytest.raises(ValueError, match=message):
+            read_corpus(f"hf:{tmp_path / name}", progress=False)
+        with pytest.raises(ValueError, match=message):
+            list(stream_documents([f"hf:{tmp_path / name}"], "train", None, "text", None))
+    # and through the command line, as the user meets it
+    args = [*fit_args(), f"--data.corpus=hf:{bad}", "--data.streaming=true", f"--data.cache_dir={tmp_path}"]
+    proc = rlm_main(args, tmp_path)
+    assert proc.returncode == 2 and "bad.jsonl' line 3 is not JSON" in proc.stderr, proc.stderr
+
+
 # ---- data.vocab_size from the tokenizer -----------------------------------------------------------------
 def _stdlib_texts(n: int) -> list[str]:
     """The first n stdlib sources (sorted), as a user's text field would hold them."""
