@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from rlm.checksums import META_SHA, file_sha256, meta_digest
 from rlm.data.segments import SegmentTable
 from rlm.index.build import TORCH, IndexConfig, build_index
 from rlm.index.copies import SegmentHashes, TextRuns
@@ -25,14 +26,11 @@ from rlm.index.search import Exclusions, Neighbours, neighbour_table, search_nei
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.store import (
     META,
-    META_SHA,
     IndexMismatchError,
     IndexNotFoundError,
     _save_npy,
     atomic_dir,
-    file_sha256,
     load_index_dir,
-    meta_digest,
     read_meta,
     write_dir_contents,
 )

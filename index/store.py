@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from rlm.checksums import check_sealed, read_manifest, seal
 from rlm.index._faiss import faiss
 from rlm.index.build import (
     TORCH,
@@ -162,20 +163,6 @@ def remove_stale_tmp(parent: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def file_sha256(path: Path, chunk: int = 2**24) -> str:
-    """sha256 (hex) of a file, read chunk by chunk."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify_default() -> bool:
-    """Whether loads verify checksums: yes unless ``RLM_INDEX_VERIFY=0`` (for huge indices)."""
-    return os.environ.get("RLM_INDEX_VERIFY", "1").lower() not in ("0", "false", "no")
-
-
 @contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary sibling directory; on success it replaces `path`, on error it is removed."""
@@ -188,7 +175,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         try:
             yield tmp
-        except (OSError, RuntimeError) as err:  # a full disk: the path and the cause, not faiss's byte counts
+        # a full disk: the path and the cause, not faiss's byte counts or safetensors' traceback
+        except Exception as err:
             from rlm.data.store import write_failure
 
             failure = write_failure(path, err)
@@ -252,23 +240,7 @@ def write_dir_contents(
         "faiss_version": faiss.__version__,
         **(extra or {}),
     }
-    meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-    # Sizes catch truncation; checksums catch bytes changed in place (zeros written inside index.faiss).
-    meta["sha256"] = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
-    meta = json.loads(json.dumps(meta, default=str))  # as it will read back
-    meta[META_SHA] = meta_digest(meta)
-    (tmp / META).write_text(json.dumps(meta, indent=2))
-
-
-META_SHA = "meta_sha256"
-"""meta.json's own checksum: of its other keys, so an edit in place (nprobe 16 -> 1) is caught like a changed
-index file."""
-
-
-def meta_digest(meta: dict[str, Any]) -> str:
-    """sha256 of meta.json's content without its own checksum (keys sorted, compact)."""
-    body = {k: v for k, v in meta.items() if k != META_SHA}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (tmp / META).write_text(json.dumps(seal(tmp, meta), indent=2))
 
 
 def save_index_dir(
@@ -318,39 +290,16 @@ def build_index_dir(
 
 def read_meta(path: str | os.PathLike, verify: bool | None = None) -> dict[str, Any]:
     """The metadata of a complete index directory, after checking every listed file is there, full size, and
-    (``verify``; default :func:`verify_default`) has the checksum meta.json records."""
+    (``verify``; default :func:`rlm.checksums.verify_default`) has the checksum meta.json records."""
     path = Path(path)
     recover_swap(path)
-    try:
-        meta = json.loads((path / META).read_text())
-    except FileNotFoundError:
-        raise IndexNotFoundError(
-            f"no index at {path}: {META} is missing (not an index directory, or its write was interrupted)"
-        ) from None
-    except json.JSONDecodeError as err:
-        raise IndexNotFoundError(f"damaged index at {path}: {META} is not valid JSON ({err})") from None
-    if META_SHA in meta and meta_digest(meta) != meta[META_SHA]:  # indices written before it have none
-        raise IndexNotFoundError(
-            f"damaged index at {path}: {META} was changed after it was written (its checksum does not match): "
-            "its search parameters or file list cannot be trusted; rebuild the index"
-        )
+    meta = read_manifest(path, META, "index", IndexNotFoundError)
+    # indices written before meta.json had its own checksum still load
+    check_sealed(path, meta, META, "index", "rebuild it", IndexNotFoundError, verify, unsealed_ok=True)
     if meta.get("format_version") != FORMAT_VERSION:
         raise IndexNotFoundError(
             f"index at {path} has format {meta.get('format_version')}, expected {FORMAT_VERSION}"
         )
-    for name, size in meta["files"].items():
-        actual = (path / name).stat().st_size if (path / name).exists() else None
-        if actual != size:
-            raise IndexNotFoundError(
-                f"damaged index at {path}: {name} is {actual} bytes, meta.json says {size}"
-            )
-    if verify if verify is not None else verify_default():
-        for name, digest in (meta.get("sha256") or {}).items():
-            if file_sha256(path / name) != digest:
-                raise IndexNotFoundError(
-                    f"damaged index at {path}: {name} does not match its checksum in meta.json "
-                    "(rebuild it; RLM_INDEX_VERIFY=0 skips this check)"
-                )
     return meta
 
 

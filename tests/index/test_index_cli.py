@@ -10,10 +10,11 @@ import pytest
 import torch
 from cli_helpers import fit_args, run_rlm
 
+from rlm.checksums import meta_digest
 from rlm.index.build import IndexConfig
 from rlm.index.cli import main
 from rlm.index.search import SegmentTable
-from rlm.index.store import build_index_dir, meta_digest
+from rlm.index.store import build_index_dir
 from rlm.index.synthetic import clustered_unit_vectors
 
 EMBEDDER = {"name": "random", "config_hash": "c", "weights_hash": "w", "step": 0}

@@ -279,7 +279,7 @@ def test_resume_refuses_an_index_of_another_embedder(tmp_path):
     """An index directory whose metadata names other embedder weights is rebuilt, not reused."""
     import json
 
-    from rlm.index.store import meta_digest
+    from rlm.checksums import meta_digest
 
     data, module, ckpt = fitted_with_index(tmp_path)
     path = module.model.plugins["retrieval"].memory.path
