@@ -5,7 +5,8 @@ Keys: ``final``, the final normed hidden state (the LM head's input), or ``ffn_i
 last block's FFN, the paper's best (its table 5); read by a forward hook, so every plugin composes. A datastore
 directory holds index.faiss (rlm.index.knn: exact over float16 keys, or IVF-PQ re-ranked over them),
 values.npy, docs.npy (each document's entry range) and meta.json (the checkpoint's fingerprint, the index's
-tuned search parameters, and lam / temperature once tuned). It is written to a temporary name and renamed.
+tuned search parameters, lam / temperature once tuned, and the size and sha256 of every other file, checked on
+load as a retrieval index's are: rlm.checksums). It is written to a temporary name and renamed.
 Built with ``shard_keys``, it holds index-000.faiss, index-001.faiss, ... instead of index.faiss: consecutive runs
 of whole documents of about that many keys each, added to copies of one index trained once on a sample (shared
 centroids and codebooks), their entry offsets in meta.json's "shards"; a search merges their top-k by distance.
@@ -28,13 +29,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rlm.checksums import META_SHA, check_sealed, meta_digest, read_manifest, seal
 from rlm.data import RLMDataModule, TokenStore, Windows
 from rlm.data.windows import IGNORE_INDEX, eval_loader
 
 LAYERS = ("final", "ffn_input", "attn_input")
 """Where keys are read: the LM head's input, the last block's normed FFN input (kNN-LM's best), or the last block's
 normed attention input (the query of the knn_attention plugin, which searches a datastore of these)."""
-FORMAT = 1
+FORMAT = 2
+"""meta.json's format; 2: it holds its files' checksums and its own."""
+META = "meta.json"
+WHAT = "kNN-LM datastore"
+REBUILD = "rebuild it with `rlm knnlm build --ckpt CKPT --out DIR`"
 
 
 def model_fingerprint(module: Any) -> str:
@@ -74,6 +80,25 @@ def reading_keys(module: Any, layer: str) -> Iterator[dict[str, torch.Tensor]]:
         handle.remove()
 
 
+def read_datastore_meta(path: str | os.PathLike[str], verify: bool | None = None) -> dict[str, Any]:
+    """The meta.json of the datastore at ``path``, after checking that it is one (not a retrieval index) and that
+    meta.json and every file it lists are as written (sizes; checksums unless ``verify`` is False or
+    RLM_INDEX_VERIFY=0)."""
+    path = Path(path)
+    if not (path / META).is_file():
+        raise FileNotFoundError(f"no {WHAT} at {path} ({META} missing); build one with "
+                                "`rlm knnlm build --ckpt CKPT --out DIR`")  # fmt: skip
+    meta = read_manifest(path, META, WHAT, ValueError)
+    if "embedder" in meta and "format_version" in meta:  # rlm.index.store's meta.json
+        raise ValueError(f"{path} is a retrieval index (rlm index build), not a {WHAT}: "
+                         f"`rlm index info {path}` reads it")  # fmt: skip
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{WHAT} at {path}: {META} says format {meta.get('format')!r}, this rlm reads {FORMAT} "
+                         f"(not a datastore, or one from another rlm); {REBUILD}")  # fmt: skip
+    check_sealed(path, meta, META, WHAT, REBUILD, ValueError, verify)
+    return meta
+
+
 def doc_hash(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:24]
 
@@ -85,21 +110,11 @@ class Datastore:
     each holding a consecutive entry range from its offset in meta.json's "shards"; ``search`` merges their
     top-k by distance, the exclusion range applied in each shard in global entry ids."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        from rlm.index._faiss import faiss
-
+    def __init__(self, path: str | os.PathLike[str], verify: bool | None = None) -> None:
         self.path = Path(path)
-        meta_file = self.path / "meta.json"
-        if not meta_file.is_file():
-            raise FileNotFoundError(f"no kNN-LM datastore at {self.path} (meta.json missing); build one with "
-                                    "`rlm knnlm build --ckpt CKPT --out DIR`")  # fmt: skip
-        self.meta: dict[str, Any] = json.loads(meta_file.read_text())
-        if self.meta.get("format") != FORMAT:
-            raise ValueError(
-                f"datastore {self.path} has format {self.meta.get('format')}; this rlm reads {FORMAT}"
-            )
+        self.meta: dict[str, Any] = read_datastore_meta(self.path, verify)
         shards = self.meta.get("shards") or [{"file": "index.faiss", "offset": 0}]
-        self.indexes = [faiss.read_index(str(self.path / sh["file"])) for sh in shards]
+        self.indexes = [self._read_index(sh["file"]) for sh in shards]
         self.offsets = [int(sh["offset"]) for sh in shards]
         """The first global entry id of each shard (the single index: [0])."""
         self.values = np.load(self.path / "values.npy", mmap_mode="r")  # (N,) int32 next tokens
@@ -112,6 +127,18 @@ class Datastore:
         if self.offsets != [0, *ends[:-1]] or ends[-1] != len(self.values):
             raise ValueError(f"datastore {self.path}: its index shards hold entries {list(zip(self.offsets, ends))}, "
                              f"not the {len(self.values)} values in order")  # fmt: skip
+
+    def _read_index(self, name: str) -> Any:
+        """One index file, a faiss error on a damaged one (checksums skipped) naming it and the datastore."""
+        from rlm.index._faiss import faiss
+
+        try:
+            return faiss.read_index(str(self.path / name))
+        except RuntimeError as err:  # faiss's message is its source line and the failed read
+            cause = str(err).strip().splitlines()[0]
+            raise ValueError(
+                f"damaged {WHAT} at {self.path}: faiss cannot read {name} ({cause}); {REBUILD}"
+            ) from None
 
     @property
     def index(self) -> Any:
@@ -383,11 +410,14 @@ def build_datastore(
         }
         if shards is not None:
             meta.update(shard_keys=shard_keys, shards=shards)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        meta = seal(tmp, meta)
+        (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
         if tuner is not None and not corpus and len(store.val_docs):
-            ds = Datastore(tmp)
-            meta["tuning"] = tuner(ds, module, data, store) if tuner else None
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            ds = Datastore(tmp, verify=False)  # just written and sealed: hashing it again proves nothing
+            meta = {**meta, "tuning": tuner(ds, module, data, store)}
+            # the files are as sealed: only meta.json's own checksum changes
+            meta[META_SHA] = meta_digest(meta)
+            (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     meta["seconds"]["total"] = time.perf_counter() - start
     return meta
 

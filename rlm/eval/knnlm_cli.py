@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from rlm.outdir import FORCE_HELP
 
@@ -55,14 +54,10 @@ def main(args: list[str]) -> int:
     """Entry point of ``rlm knnlm``."""
     a = parser().parse_args(args)
     if a.action == "info":
-        meta = (
-            json.loads((Path(a.path) / "meta.json").read_text())
-            if (Path(a.path) / "meta.json").is_file()
-            else None
-        )
-        if meta is None:
-            raise FileNotFoundError(f"no kNN-LM datastore at {a.path} (meta.json missing)")
-        meta = {k: v for k, v in meta.items() if k not in ("doc_ids", "doc_hashes")}
+        from rlm.eval.datastore import read_datastore_meta
+
+        meta = read_datastore_meta(a.path)
+        meta = {k: v for k, v in meta.items() if k not in ("doc_ids", "doc_hashes", "sha256")}
         print(json.dumps(meta, indent=1))
         return 0
     from rlm.eval.knnlm import build
