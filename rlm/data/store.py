@@ -20,6 +20,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -136,8 +137,12 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EAC
 
 def write_failure(path: str | os.PathLike[str], err: BaseException) -> OSError | None:
     """An OSError naming ``path``, its cause and the free space, for a failed write (numpy's bare
-    "1888120 requested and 612288 written", faiss's short-write RuntimeError, ENOSPC); None for other errors."""
+    "1888120 requested and 612288 written", faiss's short-write RuntimeError, ENOSPC, safetensors' error with
+    Rust's "(os error 28)"); None for other errors."""
     text = str(err)
+    rust = re.search(r"\(os error (\d+)\)", text)
+    if rust and not isinstance(err, OSError):
+        err = OSError(int(rust.group(1)), os.strerror(int(rust.group(1))))
     if isinstance(err, OSError):
         if err.errno not in _WRITE_ERRNOS and "written" not in text:
             return None  # e.g. a missing input file: not a write failure

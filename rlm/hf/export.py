@@ -4,8 +4,9 @@ DIR holds ``model.safetensors`` (the Transformer's parameters, plugins included)
 ModelConfig and every plugin's options, see rlm.hf.model.RLMConfig), ``generation_config.json``, the tokenizer
 the checkpoint carries (``tokenizer.model``, sentencepiece; or the Hugging Face tokenizer files it trained
 with), a retriever's index in ``index/`` when it has one, and ``README.md``, a card with the training settings,
-data, steps and final losses. The folder is written under a temporary name and renamed; an existing non-empty
-DIR is refused unless ``force``, and the checkpoint's own folder always (rlm.outdir).
+data, steps and final losses, and ``manifest.json``, the checksums of the rest, which loading checks
+(rlm.hf.model). The folder is written under a temporary name and renamed; an existing non-empty DIR is refused
+unless ``force``, and the checkpoint's own folder always (rlm.outdir).
 
 What stays rlm's: a retriever's index search (rlm.index, faiss) runs inside the plugin, so loading a model with
 retrieval needs rlm installed as any rlm model does; kNN-LM datastores (rlm knnlm build) are not exported.
@@ -227,7 +228,7 @@ def export(
     """Write the exported folder of a checkpoint at ``out`` (see the module docstring)."""
     require("transformers", "hf-export", "rlm export")
     require("safetensors", "hf-export", "rlm export")
-    from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs
+    from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs, write_manifest
     from rlm.train.module import LMModule
 
     ckpt_path = Path(ckpt_path)
@@ -270,6 +271,7 @@ def export(
             if path.is_file():
                 path.chmod(0o644)
         (tmp / "README.md").write_text(card(ckpt, ckpt_path, config, tokenizer, indices))
+        write_manifest(tmp, indices)  # last: it covers the card and the tokenizer too
     say(f"wrote {out}: model.safetensors, config.json, {tokenizer}, README.md")
     say(KNNLM_NOTE)
     return dest

@@ -11,11 +11,17 @@ training): a right-padded batch scores exactly, a left-padded one does not; the 
 
 A retriever's index is a folder beside the weights (``indices``: plugin label -> folder relative to the model
 directory); from_pretrained hands it to the plugin, which searches it online as ``rlm generate`` does.
+
+``manifest.json`` holds the size and sha256 of every other file of the folder (rlm.checksums), written by
+``rlm export`` and ``save_pretrained``; from_pretrained of a local folder checks it first, so a damaged
+model.safetensors is an error naming it rather than NaN logits. The indices are left out: each is sealed by its
+own meta.json, checked when the retriever loads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from dataclasses import asdict, field
@@ -26,12 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlm.checksums import check_sealed, read_manifest, seal
 from rlm.extras import require
 
 require("transformers", "hf-export", "rlm.hf (a transformers model of rlm checkpoints)")
 
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutput  # noqa: E402
+from transformers.utils import CONFIG_NAME  # noqa: E402
 
 from rlm.model.config import ModelConfig  # noqa: E402
 from rlm.model.layers import Rotary, rope_cache  # noqa: E402
@@ -39,6 +47,26 @@ from rlm.model.transformer import Transformer  # noqa: E402
 from rlm.plugin.context import Context  # noqa: E402
 
 MODEL_TYPE = "rlm"
+MANIFEST = "manifest.json"
+WHAT = "exported rlm model"
+
+
+def write_manifest(folder: Path, indices: dict[str, str | None]) -> None:
+    """Write ``folder``'s manifest.json: every file under it but the manifest and the ``indices`` folders."""
+    skip = [folder / rel for rel in indices.values() if rel is not None]
+    names = [
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not any(p.is_relative_to(s) for s in skip)
+    ]
+    (folder / MANIFEST).write_text(json.dumps(seal(folder, {}, MANIFEST, names), indent=1) + "\n")
+
+
+def check_manifest(folder: Path, only: str | None = None) -> None:
+    """Raise OSError naming the file and ``folder`` when a file its manifest lists (``only`` that one) is missing
+    or changed."""
+    meta = read_manifest(folder, MANIFEST, WHAT, OSError)
+    check_sealed(folder, meta, MANIFEST, WHAT, "export it again with rlm export", OSError, only=only)
 
 
 class RLMConfig(PretrainedConfig):
@@ -68,6 +96,11 @@ class RLMConfig(PretrainedConfig):
     pad_token_id: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        folder = kwargs.get("name_or_path")
+        # AutoConfig reads config.json before from_pretrained can check the folder: an edited value (a key of
+        # rlm_model, a plugin option) is caught here, not as a TypeError or a silently different model
+        if folder and os.path.isfile(os.path.join(folder, MANIFEST)):
+            check_manifest(Path(folder), only=CONFIG_NAME)
         if self.rlm_model:  # the standard names, for tools that read them, always from rlm's own config
             shape = ModelConfig(**self.rlm_model)
             self.vocab_size, self.hidden_size = shape.vocab_size, shape.d_model
@@ -174,7 +207,10 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
     ):
-        """transformers' from_pretrained, then the retrievers' index folders, found beside the weights."""
+        """transformers' from_pretrained (a local folder's files checked against its manifest first), then the
+        retrievers' index folders, found beside the weights."""
+        if os.path.isdir(pretrained_model_name_or_path):
+            check_manifest(Path(pretrained_model_name_or_path))
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         if not any(rel is not None for rel in (model.config.indices or {}).values()):
             return model
@@ -188,6 +224,14 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
                 stacklevel=2,
             )
         return model
+
+    def save_pretrained(
+        self, save_directory: str | os.PathLike[str], is_main_process: bool = True, **kwargs: Any
+    ) -> None:
+        """transformers' save_pretrained, then the folder's manifest.json (which from_pretrained checks)."""
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            write_manifest(Path(save_directory), self.config.indices or {})
 
     def attach_indices(self, root: str | os.PathLike[str]) -> None:
         """Point each retriever at its exported index folder under ``root`` (loaded on its first forward)."""

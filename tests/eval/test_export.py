@@ -317,3 +317,69 @@ def test_a_file_a_plugin_option_names_is_copied_into_the_folder(tmp_path, sp_mod
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert_close(model(tokens).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, sp_model) -> Path:
+    """The base model exported once; tests damage copies of it."""
+    work = tmp_path_factory.mktemp("exported")
+    export(make_checkpoint(work, {}, sp_model), work / "hf", say=lambda _: None)
+    return work / "hf"
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= (
+        0x01  # inside the tensors of model.safetensors: the size is kept, the header valid
+    )
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {"flip": _flip, "truncate": lambda p: p.write_bytes(p.read_bytes()[:-9]), "delete": Path.unlink}
+
+
+def test_a_fresh_export_lists_its_files_and_a_saved_model_loads_again(exported, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    manifest = json.loads((exported / "manifest.json").read_text())
+    assert {"model.safetensors", "config.json", "tokenizer.model", "README.md"} <= set(manifest["sha256"])
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    model.save_pretrained(tmp_path / "again")  # save_pretrained writes the manifest too
+    assert "model.safetensors" in json.loads((tmp_path / "again" / "manifest.json").read_text())["sha256"]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize("victim", ["model.safetensors", "config.json", "manifest.json"])
+def test_a_damaged_export_is_refused_naming_the_file(exported, tmp_path, victim, damage):
+    """Before, a byte changed inside model.safetensors loaded through AutoModelForCausalLM with NaN or wrong
+    logits and no warning. transformers reads config.json before rlm.hf is asked: an unreadable one is its own
+    error, which names the file and the folder too."""
+    from transformers import AutoModelForCausalLM
+
+    hf = tmp_path / "hf"
+    shutil.copytree(exported, hf)
+    DAMAGE[damage](hf / victim)
+    with pytest.raises(OSError) as err:
+        rlm.hf.RLMForCausalLM.from_pretrained(hf)
+    assert victim in str(err.value) and str(hf) in str(err.value), err.value
+    with pytest.raises((OSError, ValueError)) as err:
+        AutoModelForCausalLM.from_pretrained(hf)
+    assert victim in str(err.value) and str(hf) in str(err.value), err.value
+
+
+def test_a_full_disk_during_export_is_one_line_naming_the_folder(tmp_path, sp_model, capsys, monkeypatch):
+    """safetensors reports ENOSPC as a SafetensorError (not an OSError), which was a traceback."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    ckpt = make_checkpoint(tmp_path, {}, sp_model)
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"rlm export: error: cannot write '{tmp_path / 'hf'}': No space left on device" in err, err
+    assert "Traceback" not in err  # (above it, transformers' progress bar)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "ckpt"]  # no folder, whole or half-written
