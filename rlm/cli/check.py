@@ -2,7 +2,8 @@
 
 jsonargparse falls back to a plain dict for ``model.model`` / ``model.optim`` when a key is unknown, which
 then fails deep inside the module's constructor; an unwritable output folder used to fail at the first log or
-checkpoint, after the data was prepared; ``max_steps 0`` trained nothing and exited 0.
+checkpoint, after the data was prepared; ``max_steps 0`` (or ``max_epochs 0``, ``limit_train_batches 0``) trained
+nothing and exited 0.
 """
 
 from __future__ import annotations
@@ -92,11 +93,28 @@ def check_fit(cfg: Any) -> None:
     """All checks of a parsed ``fit`` config (``cfg`` is the subcommand's namespace)."""
     check_sections(_get(cfg, "model"))
     trainer = _get(cfg, "trainer")
-    max_steps = _get(trainer, "max_steps")
-    if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
+    for name, what in (("max_steps", "a positive number of steps (or -1: no limit)"),
+                       ("max_epochs", "a positive number of epochs (or -1: no limit)")):  # fmt: skip
+        value = _get(trainer, name)
+        if value == 0 or (isinstance(value, int) and value < -1):
+            raise ValueError(f"--trainer.{name} {value} trains nothing; give {what}")
+    # Lightning rejects these with a traceback, or (a limit of 0) trains nothing and exits 0. jsonargparse may
+    # read an integer of an int-or-float setting as a float, so only the sign is checked here.
+    limit = _get(trainer, "limit_train_batches")
+    if limit is not None and limit <= 0:
         raise ValueError(
-            f"--trainer.max_steps {max_steps} trains nothing; give a positive number of steps (or -1: no limit)"
+            f"--trainer.limit_train_batches {limit:g} trains nothing; give a positive number of batches or a "
+            "fraction of the epoch in (0, 1]"
         )
+    interval = _get(trainer, "val_check_interval")
+    if interval is not None and interval <= 0:
+        raise ValueError(
+            f"--trainer.val_check_interval {interval:g}; accepted: a number of batches >= 1, or a fraction of "
+            "the epoch in (0, 1]"
+        )
+    accumulate = _get(trainer, "accumulate_grad_batches")
+    if accumulate is not None and accumulate < 1:
+        raise ValueError(f"--trainer.accumulate_grad_batches {accumulate}; accepted: an integer >= 1")
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         for d in output_dirs(trainer):
             check_writable(d)

@@ -97,8 +97,8 @@ def run_generate(command: str, args: list[str]) -> int:
             p.error(
                 f"{flag} {value}; accepted: an integer >= {low}" + (" (0: no top-k cut)" if low == 0 else "")
             )
-    if a.temperature < 0:
-        p.error(f"--temperature {a.temperature}; accepted: >= 0 (0: greedy)")
+    if not 0 <= a.temperature < float("inf"):  # nan fails every comparison
+        p.error(f"--temperature {a.temperature}; accepted: a finite number >= 0 (0: greedy)")
     try:
         device = torch.device(a.device)
         torch.empty(0, device=device)

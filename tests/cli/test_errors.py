@@ -42,6 +42,15 @@ def test_yaml_syntax_error_names_the_file(tmp_path, capsys):
         (["--model.optim.lr=abc"], "model.optim: option lr must be a number, got 'abc'"),
         (["--trainer.max_steps=0"], "--trainer.max_steps 0 trains nothing"),
         (["--trainer.max_steps=-5"], "--trainer.max_steps -5 trains nothing"),
+        (["--trainer.max_epochs=0"], "--trainer.max_epochs 0 trains nothing"),
+        (["--trainer.max_epochs=-3"], "--trainer.max_epochs -3 trains nothing"),
+        (["--trainer.limit_train_batches=0"], "--trainer.limit_train_batches 0 trains nothing"),
+        (["--trainer.limit_train_batches=0.0"], "--trainer.limit_train_batches 0 trains nothing"),
+        (["--trainer.val_check_interval=0"], "--trainer.val_check_interval 0; accepted: a number of batches"),
+        (
+            ["--trainer.accumulate_grad_batches=0"],
+            "--trainer.accumulate_grad_batches 0; accepted: an integer",
+        ),
         (["--model.plugins.moe.capacity_factor=big"], "option capacity_factor must be a number, got 'big'"),
         (
             ["--config", str(CONFIGS / "plugins/retrieval.yaml"), "--model.plugins.retrieval.beta_init=x"],
@@ -113,7 +122,9 @@ def test_damaged_or_foreign_checkpoints_are_named_by_eval_validate_test_and_fit(
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [("--top-k", "-3", "--top-k -3"), ("--max-new-tokens", "-5", "--max-new-tokens -5"),
-     ("--temperature", "-1", "--temperature -1.0"), ("--device", "tpu9", "--device 'tpu9' is not usable here")],
+     ("--temperature", "-1", "--temperature -1.0"), ("--temperature", "nan", "--temperature nan; accepted"),
+     ("--temperature", "inf", "--temperature inf; accepted"),
+     ("--device", "tpu9", "--device 'tpu9' is not usable here")],
 )  # fmt: skip
 def test_generate_refuses_bad_values_by_name(tmp_path, capsys, flag, value, says):
     with pytest.raises(SystemExit) as exit_:
