@@ -20,15 +20,34 @@ from rlm.outdir import FORCE_HELP
 # torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
 
+def limit_threads() -> None:
+    """torch's intra-op threads for a command's CPU work, unless OMP_NUM_THREADS says otherwise: half the cores
+    this process may use, at most 4. torch's default (every core) oversubscribes a machine shared with other
+    work, where small models' steps then wait on each other's threads."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, min(4, cores // 2)))
+
+
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
     from rlm.cli.lightning_cli import RLMCLI
     from rlm.cli.override import apply_plugin_flags, split_plugin_args
-    from rlm.cli.support import flag_value, help_formatter, quiet_known_noise, refuse_optimizer_options
+    from rlm.cli.support import (
+        flag_value,
+        help_formatter,
+        quiet_known_noise,
+        refuse_optimizer_options,
+        require_class_extras,
+    )
     from rlm.data import RLMDataModule
     from rlm.train.module import LMModule
 
     quiet_known_noise()
+    limit_threads()
     configs, rest = split_config_args(args)
     plugin_flags, rest = split_plugin_args(rest)
     # The command line's default_root_dir as a last config layer, so ${trainer.default_root_dir} resolves to it.
@@ -36,6 +55,7 @@ def run_lightning(command: str, args: list[str]) -> int:
     layers = [*configs, *([{"trainer": {"default_root_dir": root}}] if root and configs else [])]
     merged = apply_plugin_flags(merge_configs(layers), plugin_flags) if configs or plugin_flags else {}
     refuse_optimizer_options(command, merged, rest)
+    require_class_extras(merged, rest)
     if command in ("validate", "test"):
         from rlm.eval.evaluate import with_checkpoint_settings
 
@@ -66,24 +86,31 @@ def run_lightning(command: str, args: list[str]) -> int:
 
 
 def run_generate(command: str, args: list[str]) -> int:
-    """``rlm generate --ckpt PATH --prompt TEXT``: sample a continuation."""
-    import torch
-
-    from rlm.data import RLMDataModule
-    from rlm.eval.generate import sample
-    from rlm.train.module import LMModule
+    """``rlm generate --ckpt PATH --prompt TEXT``: sample a continuation of each prompt."""
+    from rlm.eval.knnlm_cli import DEVICE_HELP, default_device
 
     p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
     p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit (alias --ckpt_path)")
-    p.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="text to continue; repeat for a batch of prompts (default: 'def ')")  # fmt: skip
+    p.add_argument("--prompts-file", default=None,
+                   help="a text file of prompts, one per line, continued as a batch after any --prompt")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to sample after the prompt (default: %(default)s)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.8,
                    help="softmax temperature; 0 is greedy (default: %(default)s)")  # fmt: skip
     p.add_argument("--top-k", type=int, default=50,
                    help="sample among the k most likely tokens; 0: all (default: %(default)s)")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probabilities sum to p (nucleus); 1: all "
+                        "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the positive logits of tokens already in the text by this, multiply the negative "
+                        "ones (CTRL's rule); 1: none (default: %(default)s)")  # fmt: skip
+    p.add_argument("--stop", action="append", default=[],
+                   help="end a sequence once its text contains this string, which is cut; repeatable")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device to run on, e.g. cuda (default: %(default)s)")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole window for every token instead of the key/value cache")  # fmt: skip
     p.add_argument(
@@ -99,6 +126,26 @@ def run_generate(command: str, args: list[str]) -> int:
             )
     if not 0 <= a.temperature < float("inf"):  # nan fails every comparison
         p.error(f"--temperature {a.temperature}; accepted: a finite number >= 0 (0: greedy)")
+    if not 0 < a.top_p <= 1:
+        p.error(f"--top-p {a.top_p}; accepted: 0 < p <= 1 (1: no top-p cut)")
+    if not 0 < a.repetition_penalty < float("inf"):
+        p.error(f"--repetition-penalty {a.repetition_penalty}; accepted: a finite number > 0 (1: none)")
+    if "" in a.stop:
+        p.error("--stop ''; accepted: a non-empty string")
+    prompts = a.prompt or ([] if a.prompts_file else ["def "])
+    if a.prompts_file:
+        if not os.path.isfile(a.prompts_file):
+            p.error(f"--prompts-file {a.prompts_file!r} does not exist")
+        with open(a.prompts_file, encoding="utf-8") as f:
+            prompts += f.read().splitlines()
+    import torch
+
+    from rlm.data import RLMDataModule
+    from rlm.eval.generate import cut_at, sample_batch, stop_at
+    from rlm.train.module import LMModule
+
+    limit_threads()
+    a.device = a.device or default_device()
     try:
         device = torch.device(a.device)
         torch.empty(0, device=device)
@@ -133,25 +180,28 @@ def run_generate(command: str, args: list[str]) -> int:
         if not 0 <= lam < 1:
             p.error(f"--lam {lam}; accepted: 0 <= lam < 1")
         mixer = Mixer(ds, lam, tuned.get("temperature", 1.0), a.knn_k or ds.meta["k"])
-    out = sample(
-        module, [tok.bos_id, *tok.encode(a.prompt)], a.max_new_tokens, a.temperature, a.top_k, tok.eos_id, gen,
-        mixer, cache=not a.no_cache,
+    outs = sample_batch(
+        module, [[tok.bos_id, *tok.encode(text)] for text in prompts], a.max_new_tokens, a.temperature, a.top_k,
+        tok.eos_id, gen, mixer, cache=not a.no_cache, stop=stop_at(tok.decode, a.stop) if a.stop else None,
+        top_p=a.top_p, repetition_penalty=a.repetition_penalty,
     )  # fmt: skip
-    print(a.prompt + tok.decode(out))
+    texts = [text + cut_at(tok.decode(out), a.stop) for text, out in zip(prompts, outs, strict=True)]
+    print("\n\n".join(texts))  # several prompts: their samples in order, a blank line between two
     return 0
 
 
 def run_eval(command: str, args: list[str]) -> int:
     """``rlm eval --ckpt PATH [--corpus X | --tasks T1,T2]``: loss, perplexity and bits per byte with the model's
     tokenizer, or lm-evaluation-harness tasks."""
-    from rlm.eval.knnlm_cli import eval_main  # plain; kNN-LM with --datastore; lm-eval with --tasks
+    # eval_main: plain; kNN-LM with --datastore; lm-eval with --tasks
+    from rlm.eval.knnlm_cli import eval_main, eval_parser
 
+    a = eval_parser().parse_args(args)  # --help and usage errors before torch is imported
+    limit_threads()
     code = eval_main(args)
     if code == 0:  # the results are printed above; then the checkpoint and what to run next
         from rlm.cli.summary import eval_summary
-        from rlm.eval.evaluate import parser
 
-        a = parser().parse_args(args)
         print(eval_summary(a.ckpt, a.json))
     return code
 
@@ -159,7 +209,10 @@ def run_eval(command: str, args: list[str]) -> int:
 def run_knnlm(command: str, args: list[str]) -> int:
     """``rlm knnlm build|info``."""
     from rlm.eval.knnlm_cli import main as knnlm_main
+    from rlm.eval.knnlm_cli import parser
 
+    if parser().parse_args(args).action == "build":  # --help and usage errors first, without torch
+        limit_threads()
     return knnlm_main(args)
 
 

@@ -56,6 +56,29 @@ def refuse_optimizer_options(command: str, merged: dict[str, Any], args: list[st
         )
 
 
+# Classes a config may name whose package is an extra of rlm: class name -> (package, extra).
+CLASS_EXTRAS = {"WandbLogger": ("wandb", "wandb")}
+
+
+def require_class_extras(merged: dict[str, Any], args: list[str]) -> None:
+    """MissingExtra naming ``pip install 'rlm[extra]'`` when the config or the arguments name a class (e.g. a
+    logger) whose package is not installed; LightningCLI would bury that hint in a parser error about Union
+    subtypes."""
+
+    def class_paths(node: Any) -> list[str]:
+        if isinstance(node, dict):
+            own = [node["class_path"]] if isinstance(node.get("class_path"), str) else []
+            return own + [c for v in node.values() for c in class_paths(v)]
+        return [c for v in node for c in class_paths(v)] if isinstance(node, list) else []
+
+    from rlm.extras import require
+
+    for name in [*class_paths(merged), *(a.rsplit("=", 1)[-1] for a in args)]:
+        if name.rsplit(".", 1)[-1] in CLASS_EXTRAS:
+            package, extra = CLASS_EXTRAS[name.rsplit(".", 1)[-1]]
+            require(package, extra, name)
+
+
 def pop_print_config(args: list[str]) -> tuple[list[str], dict[str, Any] | None]:
     """``args`` without ``--print_config[=flags]``, and the jsonargparse dump options it asked for (or None)."""
     rest, options = [], None

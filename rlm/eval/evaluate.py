@@ -239,56 +239,8 @@ def evaluate(
     }
 
 
-def parser() -> argparse.ArgumentParser:
-    """The ``rlm eval`` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="rlm eval",
-        description="Loss, perplexity and bits per byte of a checkpoint, with its own tokenizer: on its "
-        "corpus's test (or validation) split, or on all of any text (--corpus); or lm-evaluation-harness "
-        "tasks (--tasks).",
-    )
-    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
-    p.add_argument(
-        "--corpus",
-        nargs="+",
-        default=None,
-        help="evaluate every document of this text (a file, directory, glob, 'stdlib' or hf:NAME) instead",
-    )
-    p.add_argument(
-        "--split", default="test", choices=SPLITS, help="the checkpoint corpus's split to evaluate"
-    )
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="windows per batch (default: the run's); with --tasks, requests per batch (default 8)")  # fmt: skip
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    h = p.add_argument_group("lm-evaluation-harness (pip install 'rlm[eval]'; rlm.eval.harness)")
-    h.add_argument("--tasks", default=None,
-                   help="comma-separated lm-eval tasks, e.g. hellaswag,lambada_openai (hub data sets: they "
-                        "need the network or a filled Hugging Face cache)")  # fmt: skip
-    h.add_argument("--limit", type=float, default=None, help="examples per task (below 1: a fraction)")
-    h.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
-    h.add_argument("--tasks-path", default=None, help="a folder of your own task YAML files")
-    h.add_argument("--bootstrap-iters", type=int, default=100000,
-                   help="bootstrap draws for the stderr of metrics such as perplexity (0: none)")  # fmt: skip
-    knn = p.add_argument_group("kNN-LM (a datastore from `rlm knnlm build`)")
-    knn.add_argument("--datastore", default=None, help="also score kNN-LM with this datastore")
-    knn.add_argument(
-        "--knn-k", type=int, default=None, help="neighbours per token (default: the datastore's)"
-    )
-    knn.add_argument("--lam", type=float, default=None, help="interpolation weight (default: tuned at build)")
-    knn.add_argument(
-        "--temperature", type=float, default=None, help="kNN softmax temperature (default: tuned)"
-    )
-    knn.add_argument("--knn-cache", action="store_true",
-                     help="add the evaluated document's own past (the continuous cache)")  # fmt: skip
-    return p
-
-
-def main(args: list[str]) -> int:
-    """Entry point of ``rlm eval``."""
-    a = parser().parse_args(args)
-    if a.batch_size is not None and a.batch_size < 1:
-        raise ValueError(f"--batch-size={a.batch_size}; accepted: a positive integer")
+def main(a: argparse.Namespace) -> int:
+    """``rlm eval`` without --tasks or --datastore: ``a`` from rlm.eval.knnlm_cli.eval_parser."""
     if a.datastore:  # the kNN-LM path (rlm.eval.knnlm_cli.eval_main) is chosen by the command table
         raise ValueError("--datastore is handled by rlm.eval.knnlm_cli.eval_main")
     result = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=sys.stderr.isatty())

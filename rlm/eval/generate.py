@@ -55,9 +55,15 @@ class CachedDecoder:
 
 
 @torch.no_grad()
-def sample(
+def sample(module: LMModule, prompt_ids: list[int], *args: Any, **kwargs: Any) -> list[int]:
+    """One prompt's new ids: :func:`sample_batch` with a batch of one (same arguments)."""
+    return sample_batch(module, [prompt_ids], *args, **kwargs)[0]
+
+
+@torch.no_grad()
+def sample_batch(
     module: LMModule,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     max_new_tokens: int = 200,
     temperature: float = 0.8,
     top_k: int | None = 50,
@@ -66,50 +72,130 @@ def sample(
     mixer: Any = None,
     cache: bool = True,
     stop: Callable[[list[int]], bool] | None = None,
-) -> list[int]:
-    """Continue ``prompt_ids`` token by token: with ``cache`` (default) incrementally (see the module doc for the
-    window past max_seq_len), else by a full recompute over the last max_seq_len tokens at every step; ``mixer``
-    (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into kNN-LM log-probabilities;
-    ``stop``, given the new ids so far after each token, ends the sampling when it returns True."""
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+) -> list[list[int]]:
+    """Continue each prompt token by token and return each one's new ids: with ``cache`` (default) incrementally
+    (see the module doc for the window past max_seq_len), else by a full recompute over the last max_seq_len
+    tokens at every step; ``mixer`` (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into
+    kNN-LM log-probabilities; ``stop``, given a sequence's new ids after each token, ends that sequence when it
+    returns True, as ``eos_id`` does (which is kept as its last id). The next token: :func:`pick`.
+
+    Prompts of one length run as one batch, so no position is padding and each sequence gets the tokens it would
+    get alone under greedy decoding (sampling draws from one generator in batch order)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty; give at least one token (for example the tokenizer's bos id)")
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(
+                f"prompt_ids is empty (prompt {i}); give at least one token (e.g. the tokenizer's bos id)"
+            )
     module.eval()
-    device = module.device
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
-    window = module.model.config.max_seq_len
+    out: list[list[int]] = [[] for _ in prompts]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    for rows in by_length.values():
+        ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=module.device)  # (B, T)
+        news = _continue(module, ids, max_new_tokens, mixer, cache, eos_id, stop,
+                         lambda logits, seen: pick(logits, seen, temperature, top_k, top_p, repetition_penalty,
+                                                   generator))  # fmt: skip
+        for i, new in zip(rows, news, strict=True):
+            out[i] = new
+    return out
+
+
+def _continue(
+    module: LMModule,
+    ids: Tensor,
+    max_new_tokens: int,
+    mixer: Any,
+    cache: bool,
+    eos_id: int | None,
+    stop: Callable[[list[int]], bool] | None,
+    choose: Callable[[Tensor, Tensor], Tensor],
+) -> list[list[int]]:
+    """New ids of each row of ``ids`` (B, T); a finished row keeps being computed (the batch shares its shapes),
+    its later tokens dropped."""
+    prompt_len, window = ids.shape[1], module.model.config.max_seq_len
     decoder = CachedDecoder(module) if cache else None
+    lengths: list[int | None] = [None] * ids.shape[0]  # new ids of each finished row
     with contextlib.ExitStack() as stack:
         hooked = None
         if mixer is not None:
             from rlm.eval.datastore import reading_keys
 
             hooked = stack.enter_context(reading_keys(module, mixer.ds.meta["layer"]))
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             if decoder is not None:
-                logits = decoder(ids)  # (1, V)
+                logits = decoder(ids)  # (B, V)
             else:
                 context = ids[:, -window:]
                 ctx = module.make_context({"tokens": context}, "predict")
-                logits = module.model(context, ctx)[:, -1, :].float()  # (1, V)
+                logits = module.model(context, ctx)[:, -1, :].float()  # (B, V)
             if hooked is not None:
-                logits = mixer(logits, hooked["keys"][:, -1])  # (1, V) log-probabilities
-            next_id = _pick(logits, temperature, top_k, generator)
-            ids = torch.cat([ids, next_id], dim=1)
-            if eos_id is not None and int(next_id) == eos_id:
+                logits = mixer(logits, hooked["keys"][:, -1])  # (B, V) log-probabilities
+            ids = torch.cat([ids, choose(logits, ids)], dim=1)
+            for row, new in enumerate(ids[:, prompt_len:].tolist()):
+                if lengths[row] is None and (
+                    (eos_id is not None and new[-1] == eos_id) or (stop is not None and stop(new))
+                ):
+                    lengths[row] = step + 1
+            if all(n is not None for n in lengths):
                 break
-            if stop is not None and stop(ids[0, len(prompt_ids) :].tolist()):
-                break
-    return ids[0, len(prompt_ids) :].tolist()
+    return [new[:n] for new, n in zip(ids[:, prompt_len:].tolist(), lengths, strict=True)]
 
 
-def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
+def pick(
+    logits: Tensor,
+    seen: Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """(B, 1) next ids from (B, V) logits, given the (B, N) ids so far: the repetition penalty, then greedy
+    (``temperature`` 0) or a draw after the temperature, the top-k cut and the top-p cut, in that order."""
+    if repetition_penalty != 1.0:
+        logits = penalize_repeats(logits, seen, repetition_penalty)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)
+
+
+def penalize_repeats(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019, eq. 1 as used in its code): the logit of every id in
+    ``seen`` (B, N) is divided by ``penalty`` where positive and multiplied by it where negative, so a penalty
+    above 1 makes any repeat less likely, whatever the logit's sign."""
+    prev = logits.gather(1, seen)  # (B, N)
+    return logits.scatter(1, seen, torch.where(prev > 0, prev / penalty, prev * penalty))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus sampling's cut (Holtzman et al. 2020): per row of (B, V) logits, -inf outside the smallest set of
+    most likely ids whose probabilities sum to at least ``p``; the most likely id always stays."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # (B, V): the mass of the more likely ids
+    cut = before >= p  # (B, V) in sorted order
+    return logits.masked_fill(torch.empty_like(cut).scatter_(1, order, cut), float("-inf"))
+
+
+def stop_at(decode: Callable[[list[int]], str], stops: list[str]) -> Callable[[list[int]], bool]:
+    """A ``stop`` for :func:`sample_batch`: True once the decoded new ids contain one of ``stops``."""
+    return lambda ids: any(s in decode(ids) for s in stops)
+
+
+def cut_at(text: str, stops: list[str]) -> str:
+    """``text`` up to the first occurrence of any of ``stops`` (the stop string itself cut)."""
+    return text[: min((text.index(s) for s in stops if s in text), default=len(text))]

@@ -59,8 +59,25 @@ Imports rlm.train, rlm.cli's config plumbing (``merge``, ``lightning_cli``: conf
 ``plots``; both read the runs through ``results``.
 """
 
-from rlm.experiment.cli import main
-from rlm.experiment.spec import Experiment, ExperimentError, Variant, load_experiment
-from rlm.experiment.timing import TrainClock
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Each name is imported when asked for (PEP 562): `rlm experiment status` and `--help` import no torch or Lightning.
+_NAMES = {
+    "main": "rlm.experiment.cli",
+    "Experiment": "rlm.experiment.spec",
+    "ExperimentError": "rlm.experiment.spec",
+    "Variant": "rlm.experiment.spec",
+    "load_experiment": "rlm.experiment.spec",
+    "TrainClock": "rlm.experiment.timing",
+}
 
 __all__ = ["Experiment", "ExperimentError", "TrainClock", "Variant", "load_experiment", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module 'rlm.experiment' has no attribute {name!r}")

@@ -7,16 +7,20 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlm.cli.summary import experiment_summary
-from rlm.experiment.check import ParamCounts, check_experiment
 from rlm.experiment.children import Preempted
 from rlm.experiment.report import write_report
-from rlm.experiment.runner import run_experiment
 from rlm.experiment.runs import LAST_CKPT, SUMMARY, plan
 from rlm.experiment.spec import Experiment
 from rlm.extras import MissingExtra
-from rlm.train.checkpoint import PREEMPTED
+
+if TYPE_CHECKING:
+    from rlm.experiment.check import ParamCounts
+
+# check and runner import torch and Lightning: inside the commands that need them, so `status`, `report` and
+# --help start without them.
 
 LAUNCHER_FLAGS = (
     "launcher",
@@ -44,6 +48,8 @@ def _print_plan(exp: Experiment, out: Path, runs: int, counts: dict[str, ParamCo
 
 def cmd_check(a: argparse.Namespace) -> int:
     """Validate the file and print the plan with each variant's parameter counts; train nothing."""
+    from rlm.experiment.check import check_experiment
+
     exp, counts = check_experiment(a.file, a.set, a.seeds, a.base)
     out = exp.out_dir(a.out)
     _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)
@@ -54,6 +60,7 @@ def _launch(exp: Experiment, out: Path, a: argparse.Namespace) -> list[str] | No
     """Execute the runs where the launcher options (the file's, then the flags) say; the labels of the runs
     that failed, or None when the jobs were only submitted (--no-wait)."""
     from rlm.experiment.launcher import resolve_launcher
+    from rlm.experiment.runner import run_experiment
     from rlm.extras import require
 
     launcher = resolve_launcher(
@@ -78,6 +85,9 @@ def _launch(exp: Experiment, out: Path, a: argparse.Namespace) -> list[str] | No
 
 def cmd_run(a: argparse.Namespace) -> int:
     """Validate, train every unfinished run, then write the report."""
+    from rlm.experiment.check import check_experiment
+    from rlm.train.checkpoint import PREEMPTED
+
     exp, counts = check_experiment(a.file, a.set, a.seeds, a.base)
     out = exp.out_dir(a.out)
     _print_plan(exp, out, len(plan(exp, out, a.variants)), counts)

@@ -41,6 +41,7 @@ from rlm.experiment.runs import (
     Run,
     _keep_metrics,
     _last,
+    log_tail,
     plan,
     run_metrics,
     series,
@@ -183,11 +184,6 @@ def reuse(run: Run, source: Path) -> dict[str, Any]:
     run.dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, run.dir)  # the run appears finished in one step
     return summary
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
-    return "\n".join(f"    {ln}" for ln in text[-lines:])
 
 
 def write_job(run_dir: Path, **fields: Any) -> None:

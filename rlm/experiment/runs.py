@@ -130,3 +130,9 @@ def _keep_metrics(run: Run) -> None:
     if current.is_file():
         k = len(list(current.parent.glob("metrics.part-*.csv")))
         os.replace(current, current.with_name(f"metrics.part-{k}.csv"))
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a run's log, indented, for the messages that say where it failed."""
+    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join(f"    {ln}" for ln in text[-lines:])

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlm.cli.summary import val_subset
-from rlm.experiment.runner import log_tail
-from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY
+from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY, log_tail
 
 STATES = ("done", "running", "queued", "stopped", "failed", "pending")
 

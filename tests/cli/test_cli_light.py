@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
 
 import pytest
+import torch
 
 from rlm.cli import main
 from rlm.plugin import registry
@@ -28,6 +30,61 @@ def test_help_version_and_plugin_list_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out, out
     assert "plugins" in out and "tokenid" in out
+
+
+def test_subcommand_help_and_experiment_status_import_no_torch(tmp_path):
+    # A fresh interpreter; every command below stops before its work, so none needs torch, Lightning or faiss.
+    heavy = (*HEAVY, "faiss")
+    commands = [["eval", "--help"], ["generate", "--help"], ["knnlm", "build", "--help"], ["export", "--help"],
+                ["experiment", "--help"], ["experiment", "check", "--help"], ["experiment", "status", str(tmp_path)],
+                ["generate", "--ckpt", "x.ckpt", "--top-p", "0"]]  # fmt: skip
+    code = (
+        "import sys\n"
+        "from rlm.cli import main\n"
+        f"for args in {commands!r}:\n"
+        "    try:\n"
+        "        main(args)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "HEAVY []" in run.stdout, run.stdout
+    assert "usage: rlm generate" in run.stdout and "usage: rlm experiment check" in run.stdout
+    assert (
+        "is not an experiment directory" in run.stderr and "--top-p 0.0; accepted: 0 < p <= 1" in run.stderr
+    )
+
+
+def test_a_device_left_out_is_the_gpu_when_torch_sees_one(monkeypatch):
+    from rlm.eval.knnlm_cli import default_device, eval_parser, parser
+
+    assert eval_parser().parse_args(["--ckpt", "x"]).device is None
+    assert parser().parse_args(["build", "--ckpt", "x", "--out", "y"]).device is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_device() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device() == "cpu"
+
+
+def test_threads_are_limited_unless_omp_num_threads_is_set(monkeypatch):
+    from rlm.cli.commands import limit_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(7)
+        limit_threads()
+        assert torch.get_num_threads() == 7  # the user's setting wins
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        limit_threads()
+        assert torch.get_num_threads() == 4
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        limit_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_version_is_the_distribution_version(capsys):

@@ -101,3 +101,20 @@ def test_torch_floor_covers_the_torch_apis_imported():
     assert "torch.distributed.fsdp.fully_shard" in needed  # the scan sees the package's imports
     too_new = {name: v for name, v in needed.items() if v > floor}
     assert not too_new, f"pyproject allows torch {floor}, but these need a later release: {too_new}"
+
+
+def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(monkeypatch, rlm_main, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    (tmp_path / "wandb.yaml").write_text(
+        "trainer:\n  logger:\n    - class_path: pytorch_lightning.loggers.WandbLogger\n      init_args: {project: x}\n"
+    )
+    r = rlm_main(
+        ["fit", "--config", ROOT / "configs/model/tiny.yaml", "--config", tmp_path / "wandb.yaml"], tmp_path
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "rlm fit: error: pytorch_lightning.loggers.WandbLogger needs the 'wandb' package, which is not installed: "
+        "pip install 'rlm[wandb]'"
+    ]
+    r = rlm_main(["fit", "--trainer.logger=WandbLogger"], tmp_path)
+    assert r.returncode == 2 and "needs the 'wandb' package" in r.stderr
