@@ -73,14 +73,18 @@ def plan(index: Tensor, valid: Tensor, n: int, capacity: int | None) -> Plan:
     valid = valid.reshape(-1).repeat_interleave(k)  # (A0,)
     expert = torch.where(valid, expert, n)  # padding goes to a sentinel expert n, never computed
     order = torch.argsort(expert, stable=True)  # (A0,) stable: row order within each expert's queue
-    counts = torch.bincount(expert, minlength=n + 1)  # (N + 1,)
+    # (N + 1,): bincount would read the largest id back to size its output, a host sync on a GPU
+    counts = torch.zeros(n + 1, dtype=torch.long, device=index.device).scatter_add_(
+        0, expert, torch.ones_like(expert)
+    )
     start = torch.cumsum(counts, 0) - counts
     e_sorted = expert[order]
     position = torch.arange(order.numel(), device=index.device) - start[e_sorted]
     keep = e_sorted < n
     if capacity is not None:
         keep &= position < capacity
-    order, e_sorted, position = order[keep], e_sorted[keep], position[keep]
+    kept = keep.nonzero().squeeze(1)  # the one host sync of the plan: the number of kept assignments
+    order, e_sorted, position = order[kept], e_sorted[kept], position[kept]
     counts = counts[:n] if capacity is None else counts[:n].clamp(max=capacity)
     n_valid = valid.sum().clamp(min=1)
     dropped = 1.0 - order.numel() / n_valid.float()

@@ -102,11 +102,13 @@ def _encoded(inp, ctx, label, e_query, e_nb, index, states, L, vocab=None, rows=
     B, n, k, M = inp.tokens.shape
     e_nb = e_nb[index]  # (B*n*k, D)
     relevance = (e_query.unsqueeze(1) * e_nb.view(B * n, k, -1)).sum(-1)  # (B*n, k) cosine
-    valid = inp.valid.reshape(B * n, k)
-    if valid.any():
-        ctx.log(f"{label}/relevance", relevance.detach()[valid].mean())
-        ctx.log(f"{label}/same_doc", inp.same_doc.reshape(B * n, k)[valid].float().mean())
-    ctx.log(f"{label}/coverage", valid.any(1).float().mean())
+    valid = inp.valid.reshape(B * n, k).float()
+    # means over the valid neighbours as masked sums, not valid.any() and boolean indexing (host syncs on a GPU);
+    # 0 for a batch with none
+    count = valid.sum().clamp(min=1)
+    ctx.log(f"{label}/relevance", (relevance.detach() * valid).sum() / count)
+    ctx.log(f"{label}/same_doc", (inp.same_doc.reshape(B * n, k).float() * valid).sum() / count)
+    ctx.log(f"{label}/coverage", valid.amax(1).mean())
     return Encoded(states, index, inp.mask.reshape(B * n, k * M), relevance, L, vocab, rows)
 
 

@@ -240,7 +240,11 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         lm, loss, ctx, n_tokens = self._loss(batch, "train")
-        self.log("train/loss", lm, prog_bar=True)
+        self.log("train/loss", lm)
+        # The progress bar reads its values at every refresh, a host sync each step on a GPU: it gets the loss only
+        # at the steps the loggers write (and read) it, and shows the last one between them.
+        if self._trainer is not None and self.trainer._logger_connector.should_update_logs:
+            self.log("loss", lm, prog_bar=True, logger=False)
         self.log("train/ppl", torch.exp(lm.detach().clamp(max=20)))
         if ctx.aux_losses or loss is not lm:
             self.log("train/total_loss", loss)

@@ -89,14 +89,20 @@ def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
 
 
 class Throughput(pl.Callback):
-    """Logs train/tokens_per_s, train/flops_per_step, train/flops_per_s and train/mfu every training step.
+    """Logs train/tokens_per_s, train/flops_per_step, train/flops_per_s and train/mfu at the steps the loggers write.
 
-    Tokens and FLOPs count the whole global batch (all processes); MFU divides by world_size devices' peak.
+    The rates are over the window of steps since the last write, wall-clock from the first step's start, data
+    loading included, validation not. On a GPU the host runs ahead of the device, so the window ends with a device sync: one per
+    log_every_n_steps, at the steps where the loggers read the device's values anyway. Tokens and FLOPs count the
+    whole global batch (all processes); MFU divides by world_size devices' peak.
     """
 
     def __init__(self, peak_flops: float | None = None) -> None:
         self.peak_flops = peak_flops
-        self._start: float | None = None
+        self._start: float | None = None  # the window's start
+        self._tokens = 0  # global tokens of the window's steps
+        self._flops = 0.0
+        self._validating: float | None = None  # when the validation inside the window began
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.peak_flops is None:
@@ -114,19 +120,37 @@ class Throughput(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
     ) -> None:
-        self._start = time.perf_counter()
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validating = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the window's clock leaves out validation: its start moves forward by the validation's time
+        if self._start is not None and self._validating is not None:
+            self._start += time.perf_counter() - self._validating
+        self._validating = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
         if self._start is None:
             return
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
         B, T = batch["tokens"].shape
         tokens = B * T * trainer.world_size
         flops = train_flops_per_token(pl_module.model, T) * tokens
-        pl_module.log("train/tokens_per_s", tokens / elapsed)
+        self._tokens += tokens
+        self._flops += flops
+        if not trainer._logger_connector.should_update_logs:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        now = time.perf_counter()
+        elapsed = max(now - self._start, 1e-9)
+        pl_module.log("train/tokens_per_s", self._tokens / elapsed)
         pl_module.log("train/flops_per_step", float(flops))
-        pl_module.log("train/flops_per_s", flops / elapsed)
+        pl_module.log("train/flops_per_s", self._flops / elapsed)
         if self.peak_flops:
-            pl_module.log("train/mfu", flops / elapsed / (self.peak_flops * trainer.world_size))
+            pl_module.log("train/mfu", self._flops / elapsed / (self.peak_flops * trainer.world_size))
+        self._start, self._tokens, self._flops = now, 0, 0.0

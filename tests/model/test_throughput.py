@@ -38,22 +38,24 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def test_logged_flops_tokens_and_mfu_match_the_analytic_count(tmp_path):
+@pytest.mark.parametrize(("every", "rows"), [(1, 3), (2, 1)])  # rates over the window between log steps
+def test_logged_flops_tokens_and_mfu_match_the_analytic_count(tmp_path, every, rows):
     module = LMModule(model=MODEL, peak_flops=1e12)
     trainer = pl.Trainer(
         max_steps=3,
         accelerator="cpu",
         logger=CSVLogger(tmp_path, name="t"),
-        log_every_n_steps=1,
+        log_every_n_steps=every,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(module, torch.utils.data.DataLoader(_batches(3), batch_size=None))
+    n_rows = rows
     rows = read_metrics(tmp_path / "t" / "version_0")
     want = analytic_flops_per_step(ModelConfig(**MODEL), B, T)
     flops = column(rows, "train/flops_per_step")
-    assert len(flops) == 3 and all(f == pytest.approx(want, rel=1e-9) for f in flops)
+    assert len(flops) == n_rows and all(f == pytest.approx(want, rel=1e-9) for f in flops)
     per_s, tokens_per_s, mfu = (column(rows, f"train/{k}") for k in ("flops_per_s", "tokens_per_s", "mfu"))
     for f, tok, u in zip(per_s, tokens_per_s, mfu):
         assert f == pytest.approx(tok * want / (B * T), rel=1e-5)  # the same step time behind both
