@@ -1,6 +1,7 @@
 """Shared test fixtures: a small deterministic torch setup and a token cache shared by the session."""
 
 import os
+from pathlib import Path
 
 # One thread per process, set before torch (and faiss, numpy) start their pools. The suite's models are tiny, and
 # on the 2-core CI machine any pool wider than one thread fights the other process of a 2-process test, or the
@@ -49,3 +50,29 @@ def rlm_main(monkeypatch, capsys):
         return subprocess.CompletedProcess(args, code, out, err)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, rlm_cache):
+    """``trained(*fragments, steps=2)``: the last.ckpt of a tiny ``rlm fit`` with those config fragments stacked,
+    trained in this process once per session and shared by every test that asks for the same one (eval, export,
+    generation, kNN-LM and the harness read checkpoints; none needs its own training)."""
+    from cli_helpers import fit_args
+
+    from rlm.cli import main
+
+    done: dict[tuple, Path] = {}
+
+    def get(*fragments, steps: int = 2) -> Path:
+        key = (tuple(map(str, fragments)), steps)
+        if key not in done:
+            work = tmp_path_factory.mktemp("trained")
+            with pytest.MonkeyPatch.context() as mp:
+                mp.chdir(work)
+                mp.setenv("RLM_CACHE", str(rlm_cache))
+                code = main([str(a) for a in fit_args(*fragments)] + [f"--trainer.max_steps={steps}"])
+            assert code == 0, f"the tiny fit with {fragments} failed ({code})"
+            done[key] = work / "runs" / "test" / "ckpt" / "last.ckpt"
+        return done[key]
+
+    return get

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from cli_helpers import REPO, fit_args, run_rlm
+from cli_helpers import REPO
 from torch.testing import assert_close
 
 pytest.importorskip("lm_eval")
@@ -24,12 +24,10 @@ LONG_CTX = "def total(xs):\n    s = 0\n" + "".join(f"    s = s + xs[{i}]  # item
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, rlm_cache):
+def tiny(trained, rlm_cache):
     """A 2-step tiny checkpoint (max_seq_len 256) and its Scorer, 3 requests per batch (mixed lengths, padded)."""
-    work = tmp_path_factory.mktemp("harness")
-    run_rlm([*fit_args(), "--trainer.max_steps=2"], work, rlm_cache)
+    ckpt = trained()
     os.environ["RLM_CACHE"] = str(rlm_cache)  # the checkpoint's tokenizer is written there
-    ckpt = work / "runs" / "test" / "ckpt" / "last.ckpt"
     return ckpt, harness.load_scorer(str(ckpt), batch_size=3)
 
 
