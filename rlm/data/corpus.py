@@ -265,15 +265,21 @@ def _is_blank(path: str) -> bool:
     return True
 
 
+def json_file_problem(path: Path) -> ValueError | None:
+    """The error naming the first malformed line of a .json/.jsonl file (as rlm reads them); None if none is."""
+    try:
+        for _ in _json_rows(path):
+            pass
+    except ValueError as err:
+        return err
+    return None
+
+
 def _data_file_error(name: str, builder: str, err: Exception) -> ValueError:
     """datasets' failure to read the local data file ``name`` as an error naming the file: for JSON, the first
     bad line (datasets' own message counts rows within a block, not lines of the file); else datasets' reason."""
-    if builder == "json":
-        try:
-            for _ in _json_rows(Path(name)):
-                pass
-        except ValueError as located:
-            return located
+    if builder == "json" and (located := json_file_problem(Path(name))):
+        return located
     reason = str(err.__cause__ or err).strip()
     return ValueError(f"hf:{name} cannot be read as {builder} data: {reason}")
 

@@ -41,7 +41,9 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -256,20 +258,79 @@ def task_manager(tasks: list[str], tasks_path: str | None = None) -> Any:
 
     # Indexing all ~15k of lm-eval's tasks takes ~10 s: only the folder's own when it holds every name.
     manager = TaskManager(include_path=tasks_path, include_defaults=False) if tasks_path else None
+    broken = {}
     if manager is None or not set(tasks) <= set(manager.all_tasks):
+        # lm-eval skips a task file it cannot parse, so its task is only "unknown": name the file and the problem
+        broken = unreadable_task_files(tasks_path) if tasks_path else {}
+        for name in [t for t in tasks if manager is None or t not in manager.all_tasks]:
+            for path, (text, problem) in broken.items():
+                if re.search(rf"^task:\s*['\"]?{re.escape(name)}['\"]?\s*$", text, re.MULTILINE):
+                    raise ValueError(
+                        f"lm-eval task {name!r}: its file {path!r} is not valid YAML ({problem})"
+                    )
         manager = TaskManager(include_path=tasks_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         near = {t: difflib.get_close_matches(t, manager.all_tasks, 3) for t in unknown}
         raise ValueError(f"unknown lm-eval tasks {unknown} (close: {near}); accepted: the names `lm-eval ls tasks` "
                          "lists" + (f", or tasks defined under {tasks_path}" if tasks_path else ", or your own "
-                         "task YAML under --tasks-path DIR"))  # fmt: skip
+                         "task YAML under --tasks-path DIR")
+                         + (f"; task files there that are not valid YAML: {list(broken)}" if broken else ""))  # fmt: skip
     return manager
+
+
+def unreadable_task_files(tasks_path: str) -> dict[str, tuple[str, str]]:
+    """The .yaml files under ``tasks_path`` (where lm-eval looks) that are not valid YAML: path -> (text, problem).
+    Only the syntax is read (yaml.compose), so lm-eval's own tags such as ``!function`` pass."""
+    import yaml
+
+    broken = {}
+    for path in sorted(Path(tasks_path).glob("**/*.yaml")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            yaml.compose(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            broken[str(path)] = (text, where + (getattr(err, "problem", None) or str(err)))
+    return broken
+
+
+def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
+    """lm-eval's Task (or Group) of each name, loaded one at a time: lm-eval reads the task's data then and puts
+    its first document through the templates, so a broken task fails here, before the model loads, naming the
+    task, its file and the problem (lm-eval's own traceback names none of them)."""
+    loaded = []
+    for name in tasks:
+        try:
+            got = manager.load(name)
+        except Exception as err:  # a user's task: its data files, templates and !function code run here
+            raise ValueError(task_problem(manager, name, err)) from err
+        top = got["groups"].get(name) or got["tasks"].get(name)
+        loaded.extend([top] if top is not None else got["tasks"].values())  # a tag: its tasks
+    return loaded
+
+
+def task_problem(manager: Any, name: str, err: Exception) -> str:
+    """One line for a task that failed to load: its name, its YAML file and the problem, which for a data file
+    with a bad JSON line is that line (datasets says only "An error occurred while generating the dataset")."""
+    from rlm.data.corpus import json_file_problem
+
+    entry = manager.task_index.get(name)
+    files = ((entry.cfg or {}).get("dataset_kwargs") or {}).get("data_files") if entry else None
+    files = list(files.values()) if isinstance(files, dict) else files if isinstance(files, list) else [files]
+    paths = [Path(p) for f in files for p in (f if isinstance(f, list) else [f]) if isinstance(p, str)]
+    json_files = [p for p in paths if p.suffix in (".json", ".jsonl") and p.is_file()]
+    located = next((e for e in map(json_file_problem, json_files) if e is not None), None)
+    cause = err.__cause__ or err
+    problem = str(located) if located else " ".join(f"{type(cause).__name__}: {cause}".split())
+    where = f" ({entry.yaml_path})" if entry and entry.yaml_path else ""
+    return f"lm-eval task {name!r}{where} cannot be loaded: {problem}"
 
 
 def evaluate_tasks(
     scorer: Scorer,
-    tasks: list[str],
+    tasks: list[Any],
     limit: float | None = None,
     num_fewshot: int | None = None,
     tasks_path: str | None = None,
@@ -277,10 +338,13 @@ def evaluate_tasks(
     log_samples: bool = False,
     manager: Any = None,
 ) -> dict[str, Any]:
-    """``lm_eval.simple_evaluate`` of ``tasks`` (names known to lm-eval, or defined under ``tasks_path``)."""
+    """``lm_eval.simple_evaluate`` of ``tasks``: names known to lm-eval or defined under ``tasks_path``, or what
+    load_tasks made of them (with their ``manager``)."""
     import lm_eval
 
-    manager = manager or task_manager(tasks, tasks_path)
+    if all(isinstance(t, str) for t in tasks):
+        manager = manager or task_manager(tasks, tasks_path)
+        tasks = load_tasks(manager, tasks)
     return lm_eval.simple_evaluate(
         model=model_class()(scorer=scorer), tasks=tasks, num_fewshot=num_fewshot, limit=limit,
         task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=log_samples,
@@ -301,11 +365,12 @@ def main(a: Any) -> int:
     if not tasks:
         raise ValueError(f"--tasks {a.tasks!r}; accepted: comma-separated lm-eval task names")
     require("lm_eval", "eval", "lm-evaluation-harness tasks (rlm eval --tasks)")
-    manager = task_manager(tasks, a.tasks_path)  # a misspelt task fails before the model loads
+    manager = task_manager(tasks, a.tasks_path)  # a misspelt or broken task fails before the model loads
+    loaded = load_tasks(manager, tasks)
     scorer = load_scorer(a.ckpt, a.batch_size or 8, a.device, a.datastore, a.lam, a.temperature, a.knn_k)
     limit = int(a.limit) if a.limit is not None and a.limit >= 1 else a.limit
     results = evaluate_tasks(
-        scorer, tasks, limit, a.num_fewshot, a.tasks_path, a.bootstrap_iters, manager=manager
+        scorer, loaded, limit, a.num_fewshot, a.tasks_path, a.bootstrap_iters, manager=manager
     )
     from lm_eval.utils import make_table
 

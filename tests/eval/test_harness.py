@@ -266,3 +266,34 @@ def test_rlm_eval_tasks_prints_the_table_and_bad_values_are_named(
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # an environment without the extra
     assert main([*args, "--tasks", "rlm_tiny_mc"]) == 2
     assert "pip install 'rlm[eval]'" in capsys.readouterr().err
+
+
+def test_malformed_local_tasks_are_named_with_their_file_and_problem(offline, tmp_path, rlm_main):
+    """A bad JSON line in a task's data, a template naming an undefined field, a task file that is not YAML: one
+    error line naming the task, the file and the problem, before the model loads (the checkpoint is never read)."""
+    ll = (TASKS / "rlm_tiny_ll.yaml").read_text()
+    good = tmp_path / "ll.jsonl"
+    good.write_text((TASKS / "ll.jsonl").read_text())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "target": " b"}\n{"context": oops}\n')
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, text in {
+        "bad_json": ll.replace("tests/lm_eval_tasks/ll.jsonl", str(bad)),
+        "bad_var": ll.replace("tests/lm_eval_tasks/ll.jsonl", str(good)).replace("{{context}}", "{{contxt}}"),
+        "bad_yaml": ll.replace("tests/lm_eval_tasks/ll.jsonl", str(good)).replace(
+            "test_split: test", "test_split: [test"
+        ),
+    }.items():
+        (tasks / f"{name}.yaml").write_text(text.replace("task: rlm_tiny_ll", f"task: {name}"))
+    args = ["eval", "--ckpt", tmp_path / "never_read.ckpt", "--tasks-path", tasks, "--tasks"]
+    for name, says in (
+        ("bad_json", f"lm-eval task 'bad_json' ({tasks / 'bad_json.yaml'}) cannot be loaded: corpus file '{bad}' "
+                     "line 2 is not JSON"),
+        ("bad_var", f"lm-eval task 'bad_var' ({tasks / 'bad_var.yaml'}) cannot be loaded: UndefinedError: "
+                    "'contxt' is undefined"),
+        ("bad_yaml", f"lm-eval task 'bad_yaml': its file '{tasks / 'bad_yaml.yaml'}' is not valid YAML (line 9"),
+    ):  # fmt: skip
+        proc = rlm_main([*args, name], tmp_path)
+        assert proc.returncode == 2 and f"rlm eval: error: {says}" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
