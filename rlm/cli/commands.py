@@ -87,7 +87,7 @@ def run_lightning(command: str, args: list[str]) -> int:
 
 def run_generate(command: str, args: list[str]) -> int:
     """``rlm generate --ckpt PATH --prompt TEXT``: sample a continuation of each prompt."""
-    from rlm.eval.knnlm_cli import DEVICE_HELP, default_device
+    from rlm.eval.knnlm_cli import DEVICE_HELP, device_arg
 
     p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
     p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit (alias --ckpt_path)")
@@ -145,14 +145,7 @@ def run_generate(command: str, args: list[str]) -> int:
     from rlm.train.module import LMModule
 
     limit_threads()
-    a.device = a.device or default_device()
-    try:
-        device = torch.device(a.device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as err:
-        p.error(
-            f"--device {a.device!r} is not usable here ({err}); accepted: cpu, or cuda when torch sees a GPU"
-        )
+    device = torch.device(device_arg(a.device))
     if not os.path.isfile(a.ckpt):
         p.error(f"--ckpt {a.ckpt!r} does not exist")
     from rlm.train.checkpoint import load_checkpoint_file

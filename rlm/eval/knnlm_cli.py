@@ -19,6 +19,24 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_arg(value: str | None) -> str:
+    """The device of a ``--device`` value (left out: default_device) when torch can run on it here; else ValueError
+    naming the value and this machine's devices. torch itself fails late with a traceback on ``cuda`` without a
+    GPU or on ``foo``, and takes ``meta``, a device that holds no data."""
+    import torch
+
+    if value is None:
+        return default_device()
+    here = ["cpu"]
+    if torch.cuda.is_available():
+        here += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    if torch.backends.mps.is_available():
+        here.append("mps")
+    if value not in here:
+        raise ValueError(f"--device {value!r} is not usable here; accepted: {', '.join(here)}")
+    return value
+
+
 def eval_parser() -> argparse.ArgumentParser:
     """The ``rlm eval`` argument parser."""
     p = argparse.ArgumentParser(
@@ -116,7 +134,7 @@ def main(args: list[str]) -> int:
         return 0
     from rlm.eval.knnlm import build
 
-    a.device = a.device or default_device()
+    a.device = device_arg(a.device)
     for name in ("k", "tune_tokens", "flat_below"):
         if getattr(a, name) < (1 if name == "k" else 0):
             raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}; accepted: a positive integer")
@@ -143,7 +161,7 @@ def eval_main(args: list[str]) -> int:
     from rlm.eval.knnlm import evaluate_knn
 
     a = eval_parser().parse_args(args)
-    a.device = a.device or default_device()
+    a.device = device_arg(a.device)
     if a.batch_size is not None and a.batch_size < 1:
         raise ValueError(f"--batch-size={a.batch_size}; accepted: a positive integer")
     if a.tasks is not None:  # lm-evaluation-harness, with the datastore's kNN-LM when one is given

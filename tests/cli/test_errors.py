@@ -123,14 +123,42 @@ def test_damaged_or_foreign_checkpoints_are_named_by_eval_validate_test_and_fit(
     ("flag", "value", "says"),
     [("--top-k", "-3", "--top-k -3"), ("--max-new-tokens", "-5", "--max-new-tokens -5"),
      ("--temperature", "-1", "--temperature -1.0"), ("--temperature", "nan", "--temperature nan; accepted"),
-     ("--temperature", "inf", "--temperature inf; accepted"),
-     ("--device", "tpu9", "--device 'tpu9' is not usable here")],
+     ("--temperature", "inf", "--temperature inf; accepted")],
 )  # fmt: skip
 def test_generate_refuses_bad_values_by_name(tmp_path, capsys, flag, value, says):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--ckpt", str(tmp_path / "x.ckpt"), flag, value])
     assert exit_.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_every_command_with_a_device_flag_checks_it(tmp_path, rlm_main, monkeypatch):
+    """rlm eval and rlm knnlm build handed --device to torch unchecked (a traceback on cuda without a GPU or on
+    foo) and rlm generate took meta: each names the value and this machine's devices, before the checkpoint."""
+    import torch
+
+    from rlm.eval.knnlm_cli import device_arg
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this test's machine: a CPU-only torch
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    ckpt = tmp_path / "never_read.ckpt"
+    for command, args in (
+        ("generate", ["generate", "--ckpt", ckpt]),
+        ("eval", ["eval", "--ckpt", ckpt]),
+        ("knnlm", ["knnlm", "build", "--ckpt", ckpt, "--out", tmp_path / "ds"]),
+    ):
+        for device in ("cuda", "cuda:0", "foo", "meta"):
+            proc = rlm_main([*args, "--device", device], tmp_path)
+            assert proc.returncode == 2, proc.stderr
+            says = f"rlm {command}: error: --device {device!r} is not usable here; accepted: cpu\n"
+            assert proc.stderr.endswith(says), proc.stderr
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [device_arg(d) for d in ("cpu", "cuda", "cuda:1", None)] == ["cpu", "cuda", "cuda:1", "cuda"]
+    with pytest.raises(
+        ValueError, match=r"--device 'cuda:2' is not usable here; accepted: cpu, cuda, cuda:0, cuda:1$"
+    ):
+        device_arg("cuda:2")
 
 
 @pytest.mark.parametrize(
