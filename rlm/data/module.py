@@ -249,13 +249,27 @@ class RLMDataModule(pl.LightningDataModule):
         # resume Lightning then overrides epoch and position with the checkpoint's load_state_dict().
         epoch = trainer.current_epoch if trainer else 0
         return TrainLoader(
-            self.windows("train"), self.batch_size, self.seed, rank, world, self.num_workers, epoch
+            self.windows("train"),
+            self.batch_size,
+            self.seed,
+            rank,
+            world,
+            self.num_workers,
+            epoch,
+            self._pin(),
         )
+
+    def _pin(self) -> bool:
+        """Whether batches go to a GPU: then they are made in page-locked memory, and copied without a wait."""
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation windows in a fixed order; an empty list when val_fraction is 0."""
         windows = self.windows("val")
-        return eval_loader(windows, self.val_batch_size, self.num_workers) if len(windows) else []
+        return (
+            eval_loader(windows, self.val_batch_size, self.num_workers, self._pin()) if len(windows) else []
+        )
 
     def test_dataloader(self) -> DataLoader:
         """Test windows in a fixed order (the test documents, disjoint from training and validation)."""
@@ -265,7 +279,7 @@ class RLMDataModule(pl.LightningDataModule):
                 f"the test split is empty (test_fraction={self.test_fraction}, {self.store.n_docs} documents); "
                 "set data.test_fraction > 0"
             )
-        return eval_loader(windows, self.val_batch_size, self.num_workers)
+        return eval_loader(windows, self.val_batch_size, self.num_workers, self._pin())
 
     def state_dict(self) -> dict[str, bytes]:
         """The tokenizer model's bytes: a checkpoint carries its own tokenizer (``rlm eval`` reads it)."""

@@ -112,14 +112,21 @@ class _Indices(Dataset):
         return i
 
 
-def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0) -> DataLoader:
-    """Validation/test batches in a fixed order (Lightning adds a DistributedSampler under DDP)."""
+def pinned(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch's tensors in page-locked memory, so that their copy to a GPU runs without blocking the host."""
+    return {name: x.pin_memory() if isinstance(x, Tensor) else x for name, x in batch.items()}
+
+
+def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0, pin: bool = False) -> DataLoader:
+    """Validation/test batches in a fixed order (Lightning adds a DistributedSampler under DDP); ``pin`` when
+    the batches go to a GPU."""
     return DataLoader(
         _Indices(len(windows)),
         batch_size=batch_size,
         shuffle=False,
         collate_fn=windows.collate,
         num_workers=num_workers,
+        pin_memory=pin,
     )
 
 
@@ -147,6 +154,7 @@ class TrainLoader:
         world_size: int = 1,
         num_workers: int = 0,
         epoch: int = 0,
+        pin: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} with world_size={world_size}; accepted: 0 <= rank < world_size")
@@ -159,6 +167,8 @@ class TrainLoader:
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.epoch = epoch
         """Epoch being (or last) drawn from."""
+        self.pin = pin
+        """Batches in page-locked memory (for a GPU)."""
         self.position = 0
         """Batches of `epoch` already handed out."""
 
@@ -180,10 +190,15 @@ class TrainLoader:
         order = self.epoch_batches(self.epoch)[self.position :]
         if self.num_workers > 0:
             batches = DataLoader(
-                _Batches(self.windows), batch_size=None, sampler=list(order), num_workers=self.num_workers
+                _Batches(self.windows),
+                batch_size=None,
+                sampler=list(order),
+                num_workers=self.num_workers,
+                pin_memory=self.pin,
             )
         else:
             batches = map(self.windows.collate, order)
+            batches = map(pinned, batches) if self.pin else batches
         for batch in batches:
             self.position += 1
             yield batch

@@ -462,7 +462,10 @@ class LMModule(pl.LightningModule):
         return [*core, Throughput(self.peak_flops), *plugin_callbacks]
 
     def setup(self, stage: str) -> None:
-        # One sequence of the data's length for Lightning's model summary, which counts its forward FLOPs.
+        # One sequence of the data's length for Lightning's model summary, which counts its forward FLOPs; not with
+        # compiled blocks, which the summary's batch of 1 would compile for a second shape.
+        if self.compile_config is not None:
+            return
         seq_len = getattr(self.trainer.datamodule, "seq_len", None) if self._trainer is not None else None
         T = min(seq_len or self.model_config.max_seq_len, self.model_config.max_seq_len)
         self.example_input_array = torch.zeros(1, T, dtype=torch.long)

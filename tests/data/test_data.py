@@ -503,3 +503,18 @@ def test_damaged_cache_is_refused(corpus, tmp_path):
     np.save(module.cache_path() / "doc_offsets.npy", np.array([0, 1, 2]))
     with pytest.raises(ValueError, match="token cache .* is inconsistent .*: delete it to rebuild"):
         _dm(corpus[0], tmp_path).setup()
+
+
+def test_batches_for_a_gpu_are_pinned_and_others_not(dm, monkeypatch):
+    """A trainer on a CUDA device gets page-locked batches (their copy to the GPU then does not block the host);
+    pin_memory needs CUDA, so it is replaced here by a marker."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t.clone().fill_(-7))
+    for device, want in (("cpu", False), ("cuda", True)):
+        strategy = SimpleNamespace(root_device=torch.device(device))
+        trainer = SimpleNamespace(strategy=strategy, global_rank=0, world_size=1, current_epoch=0)
+        monkeypatch.setattr(dm, "trainer", trainer)
+        batch = next(iter(dm.train_dataloader()))
+        assert (batch["tokens"] == -7).all().item() is want
+        assert dm.val_dataloader().pin_memory is want
