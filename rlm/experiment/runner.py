@@ -34,6 +34,7 @@ from rlm.experiment.children import (
 from rlm.experiment.knnlm_stage import DATASTORE, KNNLM_JSON, knnlm_stage, with_knnlm, without_knnlm
 from rlm.experiment.runs import (
     CORE_METRICS,
+    FINGERPRINT,
     JOB_JSON,
     LAST_CKPT,
     SUMMARY,
@@ -47,7 +48,7 @@ from rlm.experiment.runs import (
     series,
 )
 from rlm.experiment.spec import Experiment, run_config, write_atomic
-from rlm.train.checkpoint import PREEMPTED
+from rlm.train.checkpoint import PREEMPTED, load_checkpoint_file
 from rlm.train.resume import newest_loadable
 
 
@@ -89,19 +90,46 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
     }
 
 
-def _prepare_dir(run: Run) -> list[str]:
-    """Make the run directory ready; the extra ``rlm fit`` arguments (a checkpoint to resume from)."""
-    saved = run.dir / "fingerprint"
+def _reached_end(run: Run, ckpt: dict[str, Any]) -> bool:
+    """Whether ``ckpt`` was saved at the run's last step (trainer.max_steps): resuming it trains nothing, and
+    saves nothing either."""
+    max_steps = (run.config.get("trainer") or {}).get("max_steps")
+    return isinstance(max_steps, int) and 0 < max_steps <= int(ckpt.get("global_step", -1))
+
+
+def _use_as_last(run: Run, path: Path) -> None:
+    """Make ``path`` the run's last.ckpt, the one its evaluation and summary read."""
+    last = run.dir / LAST_CKPT
+    if path.resolve() != last.resolve():
+        tmp = last.with_name(last.name + ".restore-tmp")
+        tmp.unlink(missing_ok=True)
+        _link_or_copy(str(path), str(tmp))  # checkpoints are replaced, never written in place: a link is safe
+        os.replace(tmp, last)
+
+
+def _prepare_dir(run: Run) -> list[str] | None:
+    """Make the run directory ready; the extra ``rlm fit`` arguments (a checkpoint to resume from), or None when
+    a checkpoint of the run's last step loads: it becomes last.ckpt, and there is nothing left to train."""
+    saved = run.dir / FINGERPRINT
     if run.dir.exists():
+        run.check_dir()
         same = saved.is_file() and saved.read_text().strip() == run.fingerprint
         if same and (run.dir / LAST_CKPT).parent.is_dir():
             try:  # the newest checkpoint that loads; damaged ones are skipped with a line in the output
-                path, _ = newest_loadable([run.dir / LAST_CKPT.parent], say=tqdm.write, remove_damaged=True)
+                path, ckpt = newest_loadable(
+                    [run.dir / LAST_CKPT.parent], say=tqdm.write, remove_damaged=True
+                )
             except ValueError as err:
                 tqdm.write(f"{run.label}: {err}; starting afresh")
             else:
-                _keep_metrics(run)
-                return ["--ckpt_path", str(path)]
+                if not _reached_end(run, ckpt):
+                    _keep_metrics(run)
+                    return ["--ckpt_path", str(path)]
+                if run_metrics(run.dir):
+                    _use_as_last(run, path)
+                    tqdm.write(f"{run.label}: trained to its last step earlier ({path.name})")
+                    return None
+                tqdm.write(f"{run.label}: trained earlier, but its metrics are gone; starting afresh")
         job = (run.dir / JOB_JSON).read_text() if (run.dir / JOB_JSON).is_file() else None
         shutil.rmtree(run.dir)  # an unfinished run of another config, or one that saved nothing loadable
         if job is not None:
@@ -117,7 +145,12 @@ def train(run: Run) -> tuple[bool, float]:
     config_path = run.dir / "config.yaml"
     write_atomic(config_path, yaml.safe_dump(run_config(run.config, run.seed, run.dir), sort_keys=False))
     wall_file = run.dir / "wall_s"
-    before = float(wall_file.read_text()) if wall_file.is_file() else 0.0
+    try:
+        before = float(wall_file.read_text())
+    except (OSError, ValueError):
+        before = 0.0
+    if extra is None:
+        return True, before
     start = time.perf_counter()
     with open(run.dir / "fit.log", "a") as log:
         code = _run_forwarding_sigterm(
@@ -128,6 +161,9 @@ def train(run: Run) -> tuple[bool, float]:
     if code in (PREEMPTED, -signal.SIGTERM):
         raise Preempted(f"{run.label}: stopped by SIGTERM after {wall:.0f}s; its last.ckpt is kept, and the next "
                         "`rlm experiment run` resumes it")  # fmt: skip
+    if code == 0 and extra and not (run.dir / LAST_CKPT).is_file():
+        # it resumed at the end of training (of max_epochs, say), so it trained and saved nothing
+        _use_as_last(run, Path(extra[1]))
     return code == 0, wall
 
 
@@ -204,6 +240,7 @@ def execute(
     stage when the variant has one, then summary.json. Returns the summary, or None if a step failed; a
     finished run is skipped. ``env`` is added to the environment of its subprocesses. Raises
     :class:`Preempted` when SIGTERM stopped it (the run stays unfinished and resumes next time)."""
+    run.check_dir()
     _THREAD.env = env or {}
     try:
         return _execute(run, out, reuse_equal)
@@ -218,9 +255,24 @@ def execute(
         _THREAD.env = {}
 
 
+def _loads(path: Path) -> bool:
+    try:
+        load_checkpoint_file(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _execute(run: Run, out: Path, reuse_equal: bool) -> dict[str, Any] | None:
-    if run.finished():
-        summary = json.loads((run.dir / SUMMARY).read_text())
+    summary = run.summary()
+    if summary is not None and not _loads(run.dir / LAST_CKPT):
+        # its results stand, but not the model they were measured on: rebuilt (from a checkpoint of the last step
+        # when one loads), then evaluated again
+        tqdm.write(f"{run.label}: finished earlier, but its {LAST_CKPT} is missing or damaged; rebuilding it")
+        for name in (SUMMARY, TEST_JSON):
+            (run.dir / name).unlink(missing_ok=True)
+        summary = None
+    if summary is not None:
         if run.knnlm is None or summary.get("knnlm"):
             note = (
                 ""
@@ -352,6 +404,8 @@ def run_experiment(
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
     runs = plan(exp, out, variants)
+    for run in runs:  # before the first run trains, not hours later
+        run.check_dir()
     if jobs > 1:
         return _run_pool(runs, out, reuse_equal, jobs, desc=f"experiment {exp.name}")
     failed = []

@@ -27,6 +27,10 @@ TEST_JSON = "test.json"
 """``rlm eval`` of the last checkpoint on the test split, written when training has finished."""
 
 
+FINGERPRINT = "fingerprint"
+"""The hash of the run's config and seed (:attr:`Run.fingerprint`), written when its training starts."""
+
+
 JOB_JSON = "job.json"
 """Where a run is executed and how it went: ``state`` (queued, running, done, failed, stopped), pid, host, job
 id, times, and the log to read on failure; ``rlm experiment status`` reads it."""
@@ -59,14 +63,33 @@ class Run:
     def fingerprint(self) -> str:
         return config_hash({"config": self.config, "seed": self.seed})
 
+    def summary(self) -> dict[str, Any] | None:
+        """The run's summary.json, or None when it is missing or damaged (the run is then not finished)."""
+        try:
+            summary = json.loads((self.dir / SUMMARY).read_text())
+        except (OSError, ValueError):
+            return None
+        return summary if isinstance(summary, dict) else None
+
     def finished(self) -> bool:
-        return (self.dir / SUMMARY).is_file()
+        return self.summary() is not None
 
     def complete(self) -> bool:
         """Finished, with the kNN-LM stage too when the variant has one: nothing left to do."""
-        if not self.finished():
-            return False
-        return self.knnlm is None or bool(json.loads((self.dir / SUMMARY).read_text()).get("knnlm"))
+        summary = self.summary()
+        return summary is not None and (self.knnlm is None or bool(summary.get("knnlm")))
+
+    def check_dir(self) -> None:
+        """ValueError when the run's folder holds files but is not one this runner wrote (it has neither a
+        fingerprint nor a job.json): training the run there would delete them."""
+        names = sorted(p.name for p in self.dir.iterdir()) if self.dir.is_dir() else []
+        if names and not {FINGERPRINT, JOB_JSON} & set(names):
+            shown = ", ".join(map(repr, names[:3])) + (", ..." if len(names) > 3 else "")
+            raise ValueError(
+                f"{self.dir} holds files that rlm experiment did not write ({shown}; its run folders hold a "
+                f"{FINGERPRINT!r} or {JOB_JSON!r}), and training {self.label} there would delete them; choose "
+                "another --out, or move them away"
+            )
 
 
 def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[Run]:

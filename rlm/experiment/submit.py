@@ -103,6 +103,8 @@ def submit(
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
     runs = plan(exp, out, variants)
+    for run in runs:  # before job.json is written into a folder that is not a run's
+        run.check_dir()
     ex = executor(options, out / FOLDER)
     # SLURM's warning comes signal_delay_s before the kill: leave rlm fit most of it to save last.ckpt
     stop_wait_s = max(5.0, options["signal_delay_s"] - 15.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlm.experiment.runner import _prepare_dir
@@ -58,3 +59,40 @@ def test_a_damaged_last_checkpoint_is_removed_so_the_rerun_can_write_it_again(tm
     (ckpt / "last.ckpt").write_bytes(b"PK\x03\x04 cut short")
     assert _prepare_dir(run) == ["--ckpt_path", str((ckpt / "epoch=0-step=30.ckpt").resolve())]
     assert not (ckpt / "last.ckpt").exists()
+
+
+def test_a_checkpoint_of_the_last_step_is_used_as_it_is_not_resumed(tmp_path, capsys):
+    """A run whose summary went, with its last.ckpt damaged, but a loadable checkpoint of its last step: resuming
+    it trained nothing and saved no last.ckpt, so its evaluation failed on every rerun. The checkpoint becomes
+    last.ckpt instead, and nothing is trained; with the run's metrics gone too, it trains afresh."""
+    run = Run("base", 0, tmp_path / "base" / "seed0", {"trainer": {"max_steps": 30}})
+    run.dir.mkdir(parents=True)
+    (run.dir / "fingerprint").write_text(run.fingerprint + "\n")
+    ckpt = run.dir / "ckpt"
+    atomic_save({"global_step": 30}, ckpt / "epoch=0-step=30.ckpt")
+    (ckpt / "last.ckpt").write_bytes(b"PK\x03\x04 cut short")
+    _csv(run.dir / METRICS_CSV, [(28, 3.0), (29, 2.9)])
+    assert _prepare_dir(run) is None
+    assert torch.load(ckpt / "last.ckpt", weights_only=False)["global_step"] == 30
+    assert (run.dir / METRICS_CSV).is_file()  # kept in place: no new attempt logs
+    (run.dir / METRICS_CSV).unlink()
+    assert _prepare_dir(run) == [] and "its metrics are gone; starting afresh" in capsys.readouterr().out
+    assert not ckpt.exists()
+
+
+def test_a_run_folder_the_runner_did_not_write_is_refused_not_deleted(tmp_path):
+    """out/VARIANT/seedN holding someone's files (no fingerprint, no job.json) was deleted to train the run."""
+    from rlm.experiment.runner import execute
+
+    run = Run("base", 0, tmp_path / "base" / "seed0", {"model": {"d_model": 8}})
+    run.dir.mkdir(parents=True)
+    (run.dir / "notes.txt").write_text("mine\n")
+    for call in (lambda: _prepare_dir(run), lambda: execute(run, tmp_path)):
+        with pytest.raises(
+            ValueError, match=r"holds files that rlm experiment did not write \('notes.txt'"
+        ) as err:
+            call()
+        assert str(run.dir) in str(err.value) and "choose another --out" in str(err.value)
+    assert sorted(p.name for p in run.dir.iterdir()) == ["notes.txt"]
+    (run.dir / "notes.txt").unlink()  # an empty folder is taken
+    assert _prepare_dir(run) == [] and (run.dir / "fingerprint").is_file()
