@@ -112,8 +112,10 @@ def neighbour_distance(y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Ten
 
 def sq_dist_mm(q: Tensor, keys: Tensor) -> Tensor:
     """||q_i - key_j||^2 - ||q_i||^2 (N, M) of rows q (N, d), keys (M, d) in one addmm: the same ordering per row
-    as the squared distance (the row's own norm added back only to the few kept)."""
-    return torch.addmm(keys.square().sum(-1)[None], q, keys.T, beta=1, alpha=-2)
+    as the squared distance (the row's own norm added back only to the few kept). In float32 under autocast too:
+    in bfloat16 the cancellation in ||q||^2 - 2 q.k + ||k||^2 reorders the nearest neighbours."""
+    with torch.autocast(q.device.type, enabled=False):
+        return torch.addmm(keys.square().sum(-1)[None], q, keys.transpose(0, 1).to(q.dtype), beta=1, alpha=-2)
 
 
 class KnnAttention(nn.Module):
@@ -369,9 +371,10 @@ class KnnAttentionPlugin(Plugin):
         S = P + T
         with torch.no_grad():
             q = yf.detach()
-            d2 = torch.baddbmm(
-                keys.square().sum(-1)[:, None, :], q, keys.transpose(1, 2), alpha=-2
-            )  # (B, T, S)
+            with torch.autocast(q.device.type, enabled=False):  # float32, as sq_dist_mm
+                d2 = torch.baddbmm(
+                    keys.square().sum(-1)[:, None, :], q, keys.transpose(1, 2).to(q.dtype), alpha=-2
+                )  # (B, T, S)
             earlier = (
                 torch.arange(S, device=y.device)[None, :] < (P + torch.arange(T, device=y.device))[:, None]
             )

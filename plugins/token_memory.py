@@ -127,9 +127,11 @@ class TokenMemoryPlugin(Plugin):
         return float(self.log_tau.detach().exp())
 
     def scores(self, queries: Tensor, keys: Tensor) -> Tensor:
-        """s (N, M) = -||q - k||^2 / tau + b, in float32."""
+        """s (N, M) = -||q - k||^2 / tau + b, in float32 (autocast would run q @ k.T in bfloat16, whose cancellation
+        in the expanded square reorders near keys)."""
         q, k = queries.float(), keys.float()
-        d2 = (q.square().sum(-1, keepdim=True) + k.square().sum(-1)[None, :] - 2 * q @ k.T).clamp_min(0)
+        with torch.autocast(q.device.type, enabled=False):
+            d2 = (q.square().sum(-1, keepdim=True) + k.square().sum(-1)[None, :] - 2 * q @ k.T).clamp_min(0)
         return -d2 / self.log_tau.exp() + self.bias
 
     def memory(self, ctx: Context, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:

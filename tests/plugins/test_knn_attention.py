@@ -389,3 +389,16 @@ def test_benchmark_script_smoke():
     assert float(rows["base (no plugin)"][2]) == 1.0
     for name in VARIANTS:
         assert float(rows[name][0]) > 0 and float(rows[name][2]) > 0, (name, rows[name])
+
+
+def test_distances_stay_float32_under_bf16_autocast():
+    """sq_dist_mm is ||q - k||^2 - ||q||^2: by hand in float64, and float32 under autocast (bfloat16's cancellation
+    in the expanded square reorders near neighbours)."""
+    from rlm.plugins.knn_attention import sq_dist_mm
+
+    q, keys = torch.randn(7, 16) * 30, torch.randn(11, 16) * 30
+    want = ((q.double()[:, None] - keys.double()[None]) ** 2).sum(-1) - q.double().square().sum(-1, keepdim=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = sq_dist_mm(q, keys)
+    assert got.dtype == torch.float32
+    assert_close(got.double(), want, rtol=1e-4, atol=0.5)

@@ -189,3 +189,14 @@ def test_the_objective_replaces_cross_entropy_in_training_only_and_one_plugin_at
     module.model.plugins["second"] = TokenMemoryPlugin(TokenMemoryConfig(), module.model_config)
     with pytest.raises(ValueError, match="'token_memory' and 'second' both replace the training loss"):
         module._loss(batch, "train")
+
+
+def test_scores_are_float32_distances_under_bf16_autocast():
+    """-||q - k||^2 / tau + b by hand in float64: autocast must not run the distance's q @ k.T in bfloat16."""
+    p = plugin()
+    q, k = torch.randn(6, D) * 30, torch.randn(9, D) * 30  # large norms: bfloat16's cancellation shows
+    want = -((q.double()[:, None] - k.double()[None]) ** 2).sum(-1) / p.log_tau.exp().double() + p.bias.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = p.scores(q, k)
+    assert got.dtype == torch.float32
+    assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-2)
