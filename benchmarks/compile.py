@@ -8,22 +8,7 @@ median of the steps after --warmup. ``--clock cpu`` measures the process's CPU t
 busy shared machine does not inflate; use it with --threads 1. ``--plugin NAME`` stacks
 configs/plugins/NAME.yaml on the model (repeatable).
 
-Measured 2026-11-22 on the CPU of an otherwise idle 16-core machine (torch 2.11, `--threads 1 --clock cpu`, 6-8
-steps after 2 of warmup, each row against the eager baseline of its own run; CPU time still varied by about
-25% between runs):
-
-| plugins | eager ms/step | compiled ms/step | speed-up | first (compiling) step |
-|---|---|---|---|---|
-| none (default model) | 1010 | 701 | 1.45x | 13 s |
-| pkm | 863 | 738 | 1.17x | 7.5 s |
-| moe, dispatch traced (before it became an eager island) | 710 | 748 | 0.95x | 16 s |
-| moe, dispatch as an eager island (as shipped) | 914 | 645 | 1.42x | 5.4 s |
-| moe + pkm + altup, MoE dispatch traced | 888 | 1290 | 0.69x | 26 s |
-
-The same day on a shared 2-core AMD EPYC (load average 2.4-3, torch 2.13, 6 steps after 2, as shipped):
-none 1140 -> 1050 ms (1.08x), moe 1140 -> 1050 ms (1.09x), moe + pkm + altup 1280 -> 1270 ms (1.01x).
-Both tables were measured with the whole model compiled; LMModule now compiles each block after sharding
-(rlm/train/SCALE.md, item 15), which leaves the embedding, head and loss eager: not re-measured since.
+Results: RESULTS.md, "Speed on CPU".
 """
 
 from __future__ import annotations

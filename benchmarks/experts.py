@@ -9,10 +9,7 @@ dense FFN so both see the same machine load, and reports the fastest of --repeat
 (partial experts, tokenid) run the dense FFN plus the added module, as the FFN slot does. The peer row
 (st-moe-pytorch, `pip install rlm[bench]`) is skipped with a note when the package is absent.
 
-Measured 2026-11-22 (`--threads 1`, a shared 2-core CPU, noise about +-15%): moe top-1 cf 1.25 'grouped'
-1.09x / 1.36x / 1.65x the dense FFN at 8 / 32 / 64 experts ('bmm' capacity buffers 1.36x / 1.91x / 2.3x);
-Token-ID and LSH routing at or below the learned router; tokenid and rank-0 partial experts 0.99x-1.10x;
-st-moe-pytorch top-2 2.2x / 2.3x / 2.5x; default model step with moe at layers [1, 3] 1.02x (8) / 1.26x (64).
+Results: RESULTS.md, "MoE / Switch".
 """
 
 from __future__ import annotations

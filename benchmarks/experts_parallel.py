@@ -19,11 +19,8 @@ counted). Times are the median wall-clock step over --repeat runs, rank 0; on a 
 they measure little more than the machine's load (use them on GPUs with NCCL for speed). The router, the
 other rank's share and everything else are the same in both rows.
 
-Measured 2026-11-22 (defaults: d=256, top-1, capacity 1.25, 8 x 256 tokens per rank; gloo, 2 processes on a
-shared 2-core CPU): bytes sent per step by rank 0, 8 experts: replicated 17.3 MB, expert parallel 3.14 MB
-(0.18x); 32 experts: 69.2 MB vs 3.15 MB (0.045x). Step 138 vs 121 ms (8 experts), 227 vs 116 ms (32).
-(Before --overlap-chunks: those are the blocking exchange, 1 chunk. Chunks send the same bytes; the time they
-hide is NCCL's, on GPUs: gloo on a shared CPU shows none of it.)
+Results: RESULTS.md, "Multi-GPU and scale". Chunks (--overlap-chunks) send the same bytes; the time they hide is
+NCCL's, on GPUs: gloo on a shared CPU shows none of it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ exact faiss flat search measured in the same run; then the time of a full causal
     python benchmarks/index.py                      # 200k clustered unit vectors of dim 256 (a few minutes)
     python benchmarks/index.py --n 20000 --dim 64   # a quick run
 
-Goal for 'auto' (issue 6): recall@10 >= 0.95 at >= 8x the exact search's queries/s.
+Goal for 'auto': recall@10 >= 0.95 at >= 8x the exact search's queries/s.
 Queries are held-out vectors drawn from the same blobs as the data. recall@k = |found & exact| / k.
 """
 

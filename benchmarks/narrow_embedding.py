@@ -1,4 +1,4 @@
-"""How much of the retriever's neighbour ranking survives a narrower segment embedding (rlm/train/SCALE.md item 10).
+"""How much of the retriever's neighbour ranking survives a narrower segment embedding.
 
 At a large corpus the `tokens` embedder's vectors are d_model wide (8 TB at 1B segments x 2048 in fp32); a narrower
 embedding is the way down. This measures two ways of narrowing on a trained checkpoint's own e(.) (the L2-normalised

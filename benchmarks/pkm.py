@@ -9,7 +9,8 @@ inference speed barely depends on the number of slots; training cost should grow
 Layer rows: forward; and a training step of the layer = forward + backward (input gradient included, as
 inside a model) + values update. 'sparse' is the plugin's default on one process (row gradients and a
 row-wise lazy Adam on the touched rows); 'dense' is pkm.sparse: false (a dense value gradient and
-torch's fused Adam over the whole table; the FSDP2 path before issue 25 part 4). The dense FFN (4d, GELU) row includes its Adam step. The peer
+torch's fused Adam over the whole table; FSDP2's own path for the values). The dense FFN (4d, GELU) row
+includes its Adam step. The peer
 (`pip install product-key-memory`, in `rlm[bench]`) is timed at the same shapes, forward + backward as its
 README trains it; its rows are skipped with a note when the package is absent.
 """

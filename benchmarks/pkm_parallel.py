@@ -27,7 +27,7 @@ with gloo: indicative only.
 root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, backward, the row-wise Adam
 (rows), and torch's Adam over what has a gradient (fused, as rlm's AdamW is where torch has the kernel):
 
-- dense (pkm.sparse: false, the FSDP2 path before issue 25 part 4): the values are sharded with the rest, their
+- dense (pkm.sparse: false, FSDP2's own path for the values): the values are sharded with the rest, their
   dense (slots, d) gradient is reduce-scattered and each rank's Adam updates every row of its (slots / 2, d)
   shard;
 - rows (pkm.sparse: auto): the values stay out of fully_shard (``Plugin.replicated_parameters`` as
@@ -43,13 +43,9 @@ update over a larger table); a parallel path's ratio adds its collectives' share
 The optimizer step is in the FSDP2 step because the dense path's cost is mostly its Adam over the table (the
 DDP rows above leave the main optimizer out). "FSDP-managed" is the unsharded size of the parameters FSDP2
 all-gathers and reduce-scatters (each collective moves (W-1)/W of it per rank). The table ends with the step of
-the largest table over the smallest, per path (issue 25's goal for rows: 1M slots within 1.5x of 16k).
+the largest table over the smallest, per path (the goal for rows: 1M slots within 1.5x of 16k).
 
-Measured 2026-11-22 (defaults; gloo, 2 processes on a shared 2-core CPU): bytes sent per step by rank 0,
-16,384 slots: dense 4.59 MB (all DDP buckets), rows 2.99 MB (0.40 MB DDP + 2.59 MB rows, 9,829 rows touched);
-1,048,576 slots: dense 270.7 MB, rows 6.49 MB (2.23 MB DDP, the sub-keys, + 4.26 MB rows, 16,146 rows
-touched); at most 2 x 64 x 4 x 32 = 16,384 rows per rank whatever the table size. Step 513 ms dense vs
-58 ms rows at 1M slots.
+Results: RESULTS.md, "PKM".
 """
 
 from __future__ import annotations

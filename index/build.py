@@ -120,8 +120,8 @@ _GPU_RESOURCES: dict[int, Any] = {}
 def process_gpu() -> int | None:
     """The one GPU this process's faiss indices go to: with several processes under torch.distributed, the GPU
     torch uses (Lightning sets each rank's to its local rank); None for a single process, whose indices are
-    replicated over every visible GPU. Before, every rank of an 8-GPU node copied its index to all 8 GPUs: 8
-    copies of each rank's index on every GPU (rlm/train/SCALE.md item 10)."""
+    replicated over every visible GPU. Replicating each rank's index over every GPU would put W copies of
+    each rank's index on every GPU of a W-GPU node."""
     import torch
     import torch.distributed as dist
 

@@ -74,10 +74,9 @@ class TorchExactIndex:
 
 SCAN_QUERIES = (16, 512)
 """search_index answers between this many queries (inclusive) of an exact flat faiss index on the CPU with one
-torch matmul over the index's own vectors (no copy) instead of faiss. Measured on 2 CPU cores, 51,200 vectors of
-dim 256, top 12: 32 queries (a retrieval training step's online lookups) 24 ms against faiss's 40 ms, 256
-queries 100 ms against 303 ms; below 16 queries faiss's per-query path wins (8: 10 ms against 14 ms), and from
-about 1,000 its blocked BLAS search does (1,024: 210 ms against 368 ms)."""
+torch matmul over the index's own vectors (no copy) instead of faiss. One matmul beats faiss's per-query path
+from about 16 queries (a retrieval training step's online lookups are a few dozen), and faiss's blocked BLAS
+search wins again from about a thousand (RESULTS.md, "Retrieval (MARGE)")."""
 
 
 def flat_vectors(index: Any) -> np.ndarray | None:

@@ -1,4 +1,4 @@
-"""The narrow embedding: a PCA projection of the index's vectors, fitted at each rebuild (rlm/train/SCALE.md item 10).
+"""The narrow embedding: a PCA projection of the index's vectors, fitted at each rebuild.
 
 At 1B segments the embedder's d_model-wide vectors are terabytes; only the search needs them, so the index holds
 them narrowed to m dims: y = normalise(V_m^T x), V_m the top-m eigenvectors of the second-moment matrix X^T X of a

@@ -17,7 +17,7 @@ loop over positions or ranks). So with capacity or dropless, outputs and gradien
 on the group's batch (with one group: the global batch); only the activations of kept assignments are
 exchanged, in the experts' compute dtype (autocast's bf16 under bf16-mixed). Every rank knows the whole plan,
 so the all_to_all split sizes come from one host read of a W x W x chunks tensor, with no exchange of counts.
-rlm/train/SCALE.md has the costs at cluster scale.
+docs/SCALE.md has the costs at cluster scale.
 
 Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over the P ranks, so
 each rank's local expert gradient, a sum over its group's losses, is scaled by 1/P by a hook and summed over
@@ -547,7 +547,7 @@ class ExpertParallelCallback(ArmedSync):
     ) -> None:
         # Every rank runs this (Lightning dumps the checkpoint on all ranks, rank 0 alone writes it). So the full
         # tensors are gathered to rank 0 only, one tensor at a time and straight to host memory: at OLMoE's size
-        # an all-gather of every expert tensor and both Adam moments put 77 GB on every GPU (rlm/train/SCALE.md);
+        # an all-gather of every expert tensor and both Adam moments would put every full tensor on every GPU;
         # this peaks at one full tensor on rank 0's device. The other ranks keep their shards (never written).
         group, world, rank = self.group, self.world, self.rank
 

@@ -47,7 +47,7 @@ SOURCE = (_HERE / "_pkm_kernels.c").read_text() + "".join(
     for ctype, suffix in (("float", "_f32"), ("double", "_f64"))
 )
 
-# -fno-math-errno: sqrtf need not set errno, so it vectorises (the Adam update is 4x faster); results are
+# -fno-math-errno: sqrtf need not set errno, so the Adam update's loop vectorises; results are
 # the same, IEEE square roots being correctly rounded either way.
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC")
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most aarch64 kernels

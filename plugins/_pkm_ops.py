@@ -113,8 +113,8 @@ def _onednn_linear() -> Any:
 def half_scores(q: Tensor, keys: Tensor) -> list[Tensor]:
     """Per head h, the (N, n) scores q[h] @ keys[h].T of one half; q (H, N, dh) contiguous, keys (H, n, dh).
 
-    On CPU float32 through oneDNN: the same fp32 arithmetic, but here ~2.5x faster than torch.bmm (whose
-    MKL sgemm does not use the widest vector path on every CPU, e.g. AMD); torch.bmm elsewhere.
+    On CPU float32 through oneDNN: the same fp32 arithmetic, but faster than torch.bmm, whose
+    MKL sgemm does not use the widest vector path on every CPU (e.g. AMD); torch.bmm elsewhere.
     """
     op = _onednn_linear() if q.device.type == "cpu" and q.dtype == keys.dtype == torch.float32 else None
     if op is not None:

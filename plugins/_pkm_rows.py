@@ -214,7 +214,7 @@ def exchange_lookups(
       token, ~1/10 of the touched rows' gradients (rows touched x (8 + d s)) at d = 64; its price is that every
       rank sums every rank's lookups (sum E x d x s bytes read), counted at 1/REDUCE_READS_PER_BYTE a byte;
     - dense: one all-reduce of the (rows, d + 1) gradient with a touched-row column, ~2 x rows x (d + 1) x s
-      bytes on a ring; cheaper when the global batch reads most of the table (rlm/train/SCALE.md item 7).
+      bytes on a ring; cheaper when the global batch reads most of the table.
     For W a power of two the lookups' sums are bitwise those of one process on the global batch when its loss
     is the mean over it: the same lookups in the same order (ranks in rank order), with x / W exact.
     """

@@ -113,7 +113,7 @@ class RetrievalConfig:
     shard_above: int = 1_048_576
     """sharded 'auto' shards from this many indexed segments: 2^20 segments gathered whole are 3 GiB of fp32
     vectors received and held by every rank at d 768 (8 GiB at d 2048), and rank 0's build grows past what the
-    other ranks can wait for in a collective (rlm/train/SCALE.md item 10); below it one index costs little."""
+    other ranks can wait for in a collective; below it one index costs little."""
     index_dim: int | str | None = "auto"
     """Width of the vectors the index holds: the embedder's e(.) narrowed by a PCA fitted at each rebuild on a
     sample (up to 65,536) of the vectors about to be indexed (rlm.index.projection; under DDP the same projection
@@ -121,8 +121,8 @@ class RetrievalConfig:
     stays on the full-width e(.). null: full width; an integer m: that width, below e(.)'s (d_model; encoder_dim
     with embedder 'separate'); 'auto': min(256, half the width) from shard_above (2^20) indexed segments, full width
     below, so small runs are unchanged. At 1B segments x 2048 dims the full width is 8.2 TB of fp32; at half width
-    PCA keeps recall@10 0.89-0.90 of the full-width search (a random projection 0.62-0.68; rlm/train/SCALE.md item
-    10). The projection is stored with the index and is part of its embedder identity."""
+    PCA keeps most of the full-width search's neighbours, a random projection far fewer (benchmarks/
+    narrow_embedding.py; RESULTS.md). The projection is stored with the index and is part of its embedder identity."""
     embed_batch_size: int = 256
     """Segments per embedder call during a rebuild."""
     rebuild_dtype: str = "float32"

@@ -88,7 +88,7 @@ def gather_inputs(
         )
     own = segments
     # the loader's host copies (host_array): the lookup runs in numpy, and copying the device's back would be a sync
-    # every step on a GPU (SCALE.md, item 11)
+    # every step on a GPU
     seg_np, docs, starts = (host_array(batch, name) for name in ("segment_ids", "doc_ids", "starts"))
     real = host_array(batch, "mask")  # (B, T) or None
     ref = memory.segments if memory is not None else own

@@ -2,8 +2,8 @@
 contexts, found by the LM's own states (after kNN-LM, Khandelwal et al. 2020, and the kNN attention of Memorizing
 Transformers, Wu et al. 2022, here over other documents and with the neighbours' next tokens as values).
 
-What kNN-LM shows on rlm's corpora (issue 23): neighbours found by the LM's contextual states, and the token that
-followed each, carry a large signal (-0.54 nats on the default corpus, -0.61 on prose, with no training), while the
+What kNN-LM shows on rlm's corpora (RESULTS.md, "kNN-LM"): neighbours found by the LM's contextual states, and the
+token that followed each, carry a large signal with no training at all, while the
 MARGE retriever's mean token embeddings carry little of it outside code. This plugin puts that signal inside the
 model, where the LM loss learns how far to trust it.
 
@@ -25,11 +25,11 @@ Where the neighbours come from, the same way at every stage (the training set pl
 - at evaluation with a datastore (``rlm knnlm build --layer attn_input``, attached by ``rlm eval --datastore`` and
   the experiment runner's ``knnlm: {rule: model}``): the k nearest of this model's states over its training split,
   searched with the causal exclusion of kNN-LM (never the evaluated document's own entries, nor a copy's).
-What measured best (300 steps, 3 seeds, both corpora; RESULTS.md, "kNN attention"): the own past alone (k 0, the
+What measured best in the short studies on both corpora (RESULTS.md, "kNN attention"): the own past alone (k 0, the
 default), a trained continuous cache (Grave et al. 2017's cache, here with the LM's states as keys and the weights
-learned): below the base model at equal time on both corpora, at 1.03-1.09x a base step. A queue of other documents'
-states (k 16 over 4,096 or 1,024) cost a tenth of a step more and lost to the own past alone on both: at this
-scale its neighbours are noise the softmax must learn to ignore. The memory path stays for larger runs and for a
+learned): below the base model at equal time, for a small fraction of a base step more. A queue of other documents'
+states cost more per step and lost to the own past alone on both: at small scale its neighbours are noise the
+softmax must learn to ignore. The memory path stays for larger runs and for a
 datastore at evaluation.
 Why a slot and not an output rule: the neighbours' tokens enter the residual stream before the last block's FFN,
 so the model mixes them with its own prediction in its own way (the token memory, plugins/token_memory.py, mixes
@@ -60,9 +60,8 @@ class KnnAttentionConfig:
     """The block whose self-attention input y is the query and beside which the module runs (-1: the last)."""
     k: int = 0
     """Neighbours from the memory (the training queue, or a datastore at evaluation); 0 (the default): none, the
-    window's own past alone. Measured (300 steps, 3 seeds, test loss; RESULTS.md, "kNN attention"): k 16 with a
-    queue of 4,096 training states lost to the own past alone on both corpora (default corpus 4.174 against 4.091,
-    prose 4.608 against 4.553) at 1.13-1.19x a base step against 1.03-1.09x; a queue of 1,024, 4.627 on prose."""
+    window's own past alone. In the short studies (RESULTS.md, "kNN attention") a queue of training states lost to
+    the own past alone on both corpora, at a higher step time."""
     own_k: int = 8
     """Neighbours from the window's own past (the continuous cache); 0: none."""
     memory_tokens: int = 4096

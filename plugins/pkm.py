@@ -19,8 +19,7 @@ all-reduce the dense table gradient when that moves fewer bytes (plugins/_pkm_ro
 the same update, so the replicas stay equal; under other distributed strategies the values get ordinary dense
 gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer. The memory's own
 collectives (the row exchange, batch-norm statistics, validation slot statistics) run over the group handed in
-by ``set_group`` (``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group;
-rlm/train/SCALE.md item 16).
+by ``set_group`` (``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group).
 """
 
 from __future__ import annotations
@@ -119,7 +118,7 @@ class PKMLayer(nn.Module):
 
     keep_fp32_params = True
     """Under FSDP2 with a bf16 policy, ``parallelize`` makes this layer a unit of its own whose parameters are
-    gathered in fp32: the product-key search is meant to run in fp32 (rlm/train/SCALE.md item 8), and sub-keys
+    gathered in fp32: the product-key search runs in fp32 (bf16 rounding reorders near scores), and sub-keys
     gathered in bf16 would change the slots read before the search casts them back up."""
 
     def __init__(self, config: PKMConfig, d: int, owner: PKMPlugin, table: str, layer: int) -> None:
@@ -304,7 +303,7 @@ class PKMPlugin(Plugin):
 
     def synced_parameters(self) -> list[nn.Parameter]:
         # Sparse (so fully_shard can leave parameters out): the sub-keys too, 2 x sqrt(slots) rows a head, whose
-        # gathers grew the FSDP2 step at 1M slots by more than the layer's own growth (SCALE.md item 17).
+        # gathers, at a million slots, cost an FSDP2 step more than the layer itself grows.
         # Dense, everything stays sharded as before.
         return [layer.keys for _, layer in sorted(self.memories.items())] if self._sparse else []
 

@@ -161,7 +161,7 @@ HOOK_NOTE = (
     r"`LightningDataModule`"
 )
 """Lightning 2.6's note on every fit with a data module: LMModule overrides the hook on purpose (it keeps the
-batch's host copy, rlm/train/SCALE.md item 11) and Lightning does use it."""
+batch's host copy, so plugins read host fields without a device sync) and Lightning does use it."""
 
 
 class _DropLine(logging.Filter):

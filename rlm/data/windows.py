@@ -72,7 +72,7 @@ class Windows:
 def host_copy(batch: dict[str, Any]) -> dict[str, Tensor]:
     """The batch's HOST_FIELDS that are on the host, to keep as batch[HOST] when the batch moves to a device (the
     batch's own host copy if it has one): reading them there (host_array) copies nothing back from the device, on a
-    GPU a sync that drains the launch queue (rlm/train/SCALE.md, item 11)."""
+    GPU a sync that drains the launch queue."""
     if HOST in batch:
         return batch[HOST]
     fields = {name: batch.get(name) for name in HOST_FIELDS}

@@ -1,4 +1,4 @@
-"""torch.compile applied per transformer block, after the strategy's parallelism (rlm/train/SCALE.md, item 15).
+"""torch.compile applied per transformer block, after the strategy's parallelism.
 
 ``LMModule(compile=...)`` used to compile the whole model in its constructor, before ``configure_model`` sharded
 the blocks with FSDP2, so the one graph was traced around FSDP's per-block hooks. Now ``configure_model`` shards

@@ -10,7 +10,7 @@ record says every step so far was finite.
 
 ``every_n_steps=1`` (the default on a CPU, where a host read waits for nothing) stops before the optimizer step of
 the first bad step, so nothing non-finite ever reaches the weights. On a GPU the default is the trainer's
-``log_every_n_steps``: a read every step drained the CUDA queue (rlm/train/SCALE.md, item 11), and logging reads
+``log_every_n_steps``: a read every step drains the CUDA queue, and logging reads
 the loss at those steps anyway. Then the weights may take up to ``every_n_steps - 1`` non-finite updates before
 the run stops, in memory only: no checkpoint is written in between without the record being read first.
 """

@@ -310,7 +310,7 @@ def check_host_build(
     model: ModelConfig, plugins: dict[str, Any], processes: int | None = None, available: int | None = None
 ) -> None:
     """Refuse, before anything is allocated, a model whose full fp32 copy in each local process does not fit the
-    host's available memory (rlm/train/SCALE.md item 14: every rank builds and initialises the whole model on the
+    host's available memory (every rank builds and initialises the whole model on the
     host before FSDP2 shards it; an OLMoE-sized 6.9B model is 27.6 GB a process, 221 GB for 8 on a node). The
     alternative is the kernel's OOM killer partway through eight processes' random init, which names nothing.
     Plugins without a memory formula are counted as the base model (the check then errs towards building)."""
@@ -333,6 +333,6 @@ def check_host_build(
             f"building this model needs {need / gib:.1f} GiB of host memory ({params:,} fp32 parameters in each of "
             f"{processes} process(es) on this machine), and {available / gib:.1f} GiB is available: every process "
             "builds and initialises the whole model on the host before FSDP2 shards it (a meta-device build is "
-            "not done yet, rlm/train/SCALE.md item 14). Use fewer processes per machine, a host with more memory, "
+            "not done yet). Use fewer processes per machine, a host with more memory, "
             "or a smaller model."
         )

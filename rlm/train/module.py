@@ -50,10 +50,9 @@ class OptimConfig:
     with the run, so a larger max_steps continues at the floor rather than stretching the cosine anew. Set it (at
     resume too) to lay the schedule out over that many steps instead."""
     fused: bool | None = None
-    """torch's fused AdamW kernel: one pass over each tensor instead of about ten (on a 2-core CPU 12x faster on a
-    2 MB tensor: 0.56 against 7.0 ms). None: fused wherever torch has the kernel for every parameter (floating
-    point, on CPU or CUDA); false: torch's for-loop AdamW (the same update to rounding; every run before
-    2026-11-27 used it); true: fused, an error where torch cannot."""
+    """torch's fused AdamW kernel: one pass over each tensor instead of about ten. None: fused wherever torch has
+    the kernel for every parameter (floating point, on CPU or CUDA); false: torch's for-loop AdamW (the same update
+    to rounding; the one rlm used before this option); true: fused, an error where torch cannot."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -138,9 +137,9 @@ class LMModule(pl.LightningModule):
         plugins = {k: v for k, v in (plugins or {}).items()}
         self.save_hyperparameters({"model": asdict(model), "plugins": plugins, "optim": asdict(optim)})
         self.model_config, self.optim = model, optim
-        check_host_build(model, plugins)  # a clear error, not the OOM killer mid-init (SCALE.md item 14)
+        check_host_build(model, plugins)  # a clear error, not the OOM killer mid-init
         self.model = Transformer(model, plugins)
-        # Applied in configure_model, after the strategy's sharding (SCALE.md, item 15); not a hyperparameter.
+        # Applied in configure_model, after the strategy's sharding, so each block is traced once; not a hyperparameter.
         self.compile_config = compile_config(compile)
         self.peak_flops = peak_flops
         self._val_sum = torch.zeros(())
@@ -152,7 +151,7 @@ class LMModule(pl.LightningModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Lightning's move to the device, keeping the loader's host tensors of the fields plugins read on the host
         as batch["host"] (rlm.data.windows.host_copy): the retriever's neighbour lookup then reads nothing back from
-        the device, which on a GPU was a sync every training step (SCALE.md, item 11)."""
+        the device, which on a GPU would be a sync every training step."""
         if not isinstance(batch, dict):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
         host = host_copy(batch)

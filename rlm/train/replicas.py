@@ -5,7 +5,7 @@ over the replica group (plugins/_expert_parallel.py). Under FSDP2, a plugin's ``
 sub-keys) stay out of ``fully_shard`` like its ``replicated_parameters`` (rlm/train/parallel.py), but the main
 optimizer trains them: :class:`SyncedGradients` averages their gradients over the data-parallel ranks with an
 all-reduce each, started in the backward as soon as the gradient is accumulated (2 (W-1)/W of their bytes per
-step, where FSDP2's two all-gathers and reduce-scatter move 3 (W-1)/W and copy them in and out; SCALE.md item 17).
+step, where FSDP2's two all-gathers and reduce-scatter move 3 (W-1)/W and copy them in and out).
 
 Plain tensors beside FSDP2's DTensors break what takes both in one call: torch's ``clip_grad_norm_`` and foreach
 or fused optimizer kernels refuse the mix. So :func:`clip_grad_norm_` computes one global norm from the two

@@ -6,7 +6,8 @@
   from deep inside Lightning: DeepSpeed when its package is missing, and Lightning's FSDP1 strategy (rlm's FSDP is
   FSDP2 through ModelParallelStrategy, configs/trainer/fsdp.yaml).
 - Lightning's ModelParallelStrategy becomes rlm's subclass of it (:class:`ModelParallelStrategy` here), which
-  shards evaluation data over every rank (rlm/train/SCALE.md, item 13).
+  shards evaluation data over every rank (Lightning's splits it over the mesh's data-parallel dimension only, the
+  node count, so the GPUs of a node evaluated the same part).
 """
 
 from __future__ import annotations
