@@ -1,4 +1,4 @@
-"""Validation under FSDP2 (rlm/train/SCALE.md, item 13): every window is evaluated by exactly one rank, and the
+"""Validation under FSDP2 (docs/SCALE.md section 13): every window is evaluated by exactly one rank, and the
 token-weighted val/loss of 2 gloo processes equals one process's and a by-hand mean."""
 
 from __future__ import annotations

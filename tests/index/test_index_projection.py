@@ -1,4 +1,4 @@
-"""The narrow embedding (rlm.index.projection, rlm/train/SCALE.md item 10): the PCA against a numpy SVD, the
+"""The narrow embedding (rlm.index.projection, docs/SCALE.md section 10): the PCA against a numpy SVD, the
 recall of a narrowed index against the full-width exact search, the retriever's query path against a by-hand
 projected exact search, the identity check that refuses an index of another projection, the rebuild callback's
 use of index_dim, and with 2 gloo processes the same projection on every rank and the 1-process search."""

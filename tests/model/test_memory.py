@@ -222,7 +222,7 @@ def test_a_layer_outside_the_model_is_named():
 
 
 def test_a_host_too_small_for_every_local_process_is_refused_before_the_model_is_built(monkeypatch):
-    """SCALE.md item 14's bound: 4 B x parameters x local processes against MemAvailable, checked in
+    """docs/SCALE.md section 14's bound: 4 B x parameters x local processes against MemAvailable, checked in
     LMModule.__init__ before anything is allocated; the error names the need, the processes and the memory."""
     import rlm.train.memory as memory
     import rlm.train.module as module

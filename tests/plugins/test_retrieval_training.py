@@ -417,7 +417,7 @@ def test_validation_logs_loss_by_neighbour_source_and_the_random_ablation(tmp_pa
     assert out["val/retrieval_random/loss"] != out["val/loss"]
 
 
-# ----- no batch field read back from the device (SCALE.md, item 11) -----
+# ----- no batch field read back from the device (docs/SCALE.md section 11) -----
 
 HOST_READS = {"cpu", "numpy", "__array__", "tolist", "item", "__int__", "__float__", "__bool__", "__index__"}
 

@@ -39,8 +39,8 @@ def test_fit_on_gpu_in_bf16(tmp_path, rlm_cache):
 
 
 def test_the_guard_and_the_token_count_do_not_sync_between_reads():
-    # SCALE.md item 11: between the guard's reads (every_n_steps), recording a loss and the gradients' finiteness
-    # and counting a batch's target tokens never wait for the GPU (set_sync_debug_mode raises at a sync).
+    # docs/SCALE.md section 11: between the guard's reads (every_n_steps), recording a loss and the gradients'
+    # finiteness and counting a batch's target tokens never wait for the GPU (set_sync_debug_mode raises at a sync).
     from types import SimpleNamespace
 
     import pytorch_lightning as pl

@@ -99,7 +99,7 @@ def test_non_finite_stops_at_its_step_and_names_the_last_finite_checkpoint(tmp_p
 def test_a_guard_reading_every_4_steps_names_the_first_bad_step_and_no_checkpoint_takes_it(
     tmp_path, where, nan_at, every_n, seen_at
 ):
-    # SCALE.md item 11: the guard records on the device and reads (a host sync) every 4 optimizer steps, before
+    # docs/SCALE.md section 11: the guard records on the device and reads (a host sync) every 4 optimizer steps, before
     # each checkpoint and at the end; the run stops within 4 steps, naming the first bad one, and every
     # checkpoint written is finite and from before it.
     guard = NonFiniteGuard(every_n_steps=4)
