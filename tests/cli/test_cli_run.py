@@ -150,7 +150,8 @@ def test_a_fit_prints_no_litlogger_tip_and_no_pytree_deprecation(tiny_fit):
     out = proc.stdout + proc.stderr
     assert "Epoch 0" in out  # the progress bar ran, where the warning used to appear
     assert "litlogger" not in out.lower() and "LeafSpec" not in out
-    assert "transfer_batch_to_device" not in out  # LMModule's hook (docs/SCALE.md section 11), overridden on purpose
+    # LMModule's hook (docs/SCALE.md section 11), overridden on purpose
+    assert "transfer_batch_to_device" not in out
 
 
 def test_the_noise_filters_are_precise():
