@@ -328,6 +328,45 @@ def value_lookup(
     return _ValueBag.apply(slots, weights, values, sink, key)
 
 
+class _ValueDot(torch.autograd.Function):
+    """values[slots[t, j]] . x[t], (N, m): PEER's down projections, read like the value bag and updated alike.
+
+    Backward: x gets an EmbeddingBag of the rows weighted by the output gradient; the table's row gradient is
+    sum over lookups of grad[t, j] * x[t], the value bag's with (weights, output gradient) = (grad, x), so it goes
+    to the same sink (or becomes the same dense gradient).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, slots: Tensor, x: Tensor, values: Tensor, sink: LookupSink | None, key: str
+    ) -> Tensor:
+        ctx.save_for_backward(slots, x, values)
+        ctx.sink, ctx.key = sink, key
+        return bag_dot(values, slots, x)  # (N, m)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        slots, x, values = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_values = None
+        if ctx.needs_input_grad[1]:
+            grad_x = F.embedding_bag(slots, values, mode="sum", per_sample_weights=grad.to(values.dtype))
+        if ctx.sink is not None:
+            ctx.sink.add_lookups(ctx.key, slots, grad.detach(), x.detach())
+        elif ctx.needs_input_grad[2]:
+            rows, g = coalesce_rows(slots, grad, x)
+            grad_values = torch.zeros_like(values).index_copy_(0, rows, g.to(values.dtype))
+        return None, grad_x, grad_values, None, None
+
+
+@torch.compiler.disable  # as value_lookup
+def value_dot(
+    slots: Tensor, x: Tensor, values: Tensor, sink: LookupSink | None = None, key: str = ""
+) -> Tensor:
+    """values[slots[t, j]] . x[t], (N, m), for slots (N, m) and x (N, d); the table's gradient as in value_lookup."""
+    return _ValueDot.apply(slots, x, values, sink, key)
+
+
 def slot_stats(weights: Tensor) -> tuple[Tensor, Tensor]:
     """Memory usage (fraction of slots with non-zero summed weight) and KL(p || uniform) of p = weights / sum.
 

@@ -9,6 +9,9 @@ For a token x of width d, at each chosen layer (Lample et al. Sec. 3):
     m(x) = sum_h sum_{i in I_h} w_hi v_i  one EmbeddingBag (mode sum) over H*k rows of the value table
     y = m(x)                             or, gated (Berges et al. 2024, 'Memory Layers at Scale'):
     y = W_o (m(x) * silu(W_g x))
+Options from later memory layers: ``values: peer`` (He 2024, 'Mixture of A Million Experts') makes each slot a
+single-neuron expert with a down row u_i and an up row v_i, m(x) = sum_h sum_{i in I_h} w_hi act(u_i . x) v_i;
+``key_norm`` (Berges et al. 2025, 'Memory Layers at Scale', qk-norm) L2-normalises query halves and sub-keys.
 The layer replaces the dense FFN or runs beside it (mode 'add'). Value tables live on the plugin (one
 shared by every memory layer by default) so they are registered once. Values train with their own Adam
 group (lr 1e-3, constant, no decay); the plugin updates them itself with a row-wise lazy Adam that reads
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -37,12 +40,23 @@ from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
 from rlm.plugins._pkm_native import huge_page_empty
-from rlm.plugins._pkm_ops import MaskedBatchNorm, group_size, product_key_topk, slot_stats, value_lookup
+from rlm.plugins._pkm_ops import (
+    MaskedBatchNorm,
+    group_size,
+    product_key_topk,
+    slot_stats,
+    value_dot,
+    value_lookup,
+)
 from rlm.plugins._pkm_rows import RowAdam
 from rlm.train.parallel import CAN_REPLICATE
 
 SPARSE_CHOICES = ("auto", "true", "false")
 QUERY_NORMS = ("layernorm", "batchnorm", "none")
+VALUE_KINDS = ("embedding", "peer")
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+DOWN = "_down"
+"""Suffix of a PEER value table's down-projection table (``shared_down`` beside ``shared``)."""
 
 
 @dataclass
@@ -70,6 +84,15 @@ class PKMConfig:
     the other sequences), so a token's training output depends on its future; evaluation uses running
     statistics and is exact.
     'none': the raw query."""
+    key_norm: bool = False
+    """L2-normalise each query half and each sub-key before their dot product (after query_norm): the qk
+    normalisation of Berges et al. 2025 ('Memory Layers at Scale'); a score is then a sum of two cosines."""
+    values: Literal["embedding", "peer"] = "embedding"
+    """'embedding': a slot is a value row v_i (Lample et al.). 'peer': a slot is a single-neuron expert
+    act(u_i . x) v_i (He 2024, 'Mixture of A Million Experts'), its down rows u_i in a second table of the same
+    shape, trained like the values (row-wise Adam, values_lr)."""
+    activation: Literal["gelu", "relu", "silu"] = "gelu"
+    """values 'peer': the experts' activation."""
     shared_values: bool = True
     """One value table for every memory layer (else one table per layer)."""
     gated: bool = False
@@ -86,6 +109,12 @@ class PKMConfig:
     def __post_init__(self) -> None:
         if self.query_norm not in QUERY_NORMS:
             raise ValueError(f"pkm.query_norm={self.query_norm!r} is unknown; expected one of {QUERY_NORMS}")
+        if self.values not in VALUE_KINDS:
+            raise ValueError(f"pkm.values={self.values!r} is unknown; expected one of {VALUE_KINDS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"pkm.activation={self.activation!r} is unknown; expected one of {tuple(ACTIVATIONS)}"
+            )
         if self.mode not in ("replace", "add"):
             raise ValueError(f"pkm.mode={self.mode!r} is unknown; expected 'replace' or 'add'")
         for name in ("n_keys", "heads", "topk", "k_dim"):
@@ -126,7 +155,8 @@ class PKMLayer(nn.Module):
         c = config
         self.heads, self.topk, self.half = c.heads, c.topk, c.k_dim // 2
         self.layer, self.table = layer, table
-        self.value_dropout = c.value_dropout
+        self.value_dropout, self.key_norm = c.value_dropout, c.key_norm
+        self.act = ACTIVATIONS[c.activation] if c.values == "peer" else None
         self.query = nn.Linear(d, c.heads * c.k_dim, bias=False)
         nn.init.normal_(self.query.weight, 0.0, d**-0.5)
         self.norm_kind = c.query_norm
@@ -162,6 +192,8 @@ class PKMLayer(nn.Module):
         dtype = torch.promote_types(q.dtype, torch.float32)  # search and softmax in at least float32
         q = q.to(dtype).view(-1, self.heads, 2, self.half)  # (N, H, 2, k_dim/2)
         keys = self.keys.to(dtype)
+        if self.key_norm:
+            q, keys = F.normalize(q, dim=-1), F.normalize(keys, dim=-1)
         scores, slots = product_key_topk(q, keys, self.topk)
         return slots, scores.softmax(dim=-1)  # (N, H, k) each
 
@@ -173,7 +205,12 @@ class PKMLayer(nn.Module):
         values = self._owner.values[self.table]
         sink = self._owner.row_optimizer if (self._owner.sparse_active and torch.is_grad_enabled()) else None
         hk = self.heads * self.topk
-        m = value_lookup(slots.view(-1, hk), weights.view(-1, hk).to(values.dtype), values, sink, self.table)
+        rows, w = slots.view(-1, hk), weights.view(-1, hk).to(values.dtype)  # (N, H*k)
+        if self.act is not None:  # PEER: w_i act(u_i . x), each selected expert's weight on its up row v_i
+            down = self.table + DOWN
+            u = self._owner.values[down]
+            w = w * self.act(value_dot(rows, xf.to(u.dtype), u, sink, down))
+        m = value_lookup(rows, w, values, sink, self.table)
         if self.value_dropout:
             m = F.dropout(m, self.value_dropout, self.training)  # (N, d)
         if self.gate is not None:
@@ -217,6 +254,8 @@ class PKMPlugin(Plugin):
         )
         d = model_config.d_model
         keys = ["shared"] if config.shared_values else [f"layer{i}" for i in self.layers]
+        if config.values == "peer":
+            keys += [k + DOWN for k in keys]
         # Values: normal(0, d^-1/2) as in the paper's code. The only copy of each table is registered here.
         self.values = nn.ParameterDict({k: nn.Parameter(self._init_values(config.slots, d)) for k in keys})
         self.row_optimizer = RowAdam(lr=config.values_lr)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -67,3 +68,30 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
 def column(rows: list[dict[str, str]], name: str) -> list[float]:
     """The non-empty values of one metrics.csv column, in order."""
     return [float(r[name]) for r in rows if r.get(name) not in (None, "")]
+
+
+def fit_in_process(plugins: dict, steps: int = 2, vocab: int = 64, seq: int = 16) -> tuple[list[float], Any]:
+    """Train a tiny LMModule with ``plugins`` for ``steps`` steps on random tokens with pl.Trainer in this
+    process (no CLI, no corpus); the training loss of each step and the trained module."""
+    import pytorch_lightning as pl
+    import torch
+
+    from rlm.train.module import LMModule
+
+    torch.manual_seed(0)
+    model = {"vocab_size": vocab, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": seq}
+    module = LMModule(model=model, plugins=plugins)
+    tokens = torch.randint(0, vocab, (steps * 2, seq + 1))
+    batches = [{"tokens": t[:, :-1], "targets": t[:, 1:]} for t in tokens.split(2)]
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Record()],
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return losses, module

@@ -117,6 +117,7 @@ def _pkm(c: Any, mc: ModelConfig, parts: Parts) -> None:
     per_layer = d * c.heads * c.k_dim + norm + c.heads * 2 * c.n_keys * (c.k_dim // 2)
     per_layer += 2 * d * d if c.gated else 0
     tables = 1 if c.shared_values else len(layers)
+    tables *= 2 if c.values == "peer" else 1  # PEER: a down table beside each up table
     values = tables * c.slots * d
     parts.params += len(layers) * per_layer + values
     if c.sparse in ("auto", "true"):  # one process (and DDP): the row optimizer owns the values
@@ -128,6 +129,8 @@ def _pkm(c: Any, mc: ModelConfig, parts: Parts) -> None:
     # Query input 2d (bf16); the layer norm's bf16 input 2 H k_dim and its mean and 1/std (8 H); the fp32 query
     # 4 H k_dim; per head the top-k indices of both halves (2 x 8 k), the softmax weights (4 k), the slots (8 k).
     act = 2 * d + 6 * c.heads * c.k_dim + 8 * c.heads + 28 * hk
+    if c.values == "peer":  # u_i . x and its activation, fp32 (by formula, not measured)
+        act += 8 * hk
     for _ in layers:
         if c.mode == "replace":
             parts.params -= ffn_p
