@@ -7,12 +7,25 @@ Each entry is a partial expert added to the FFN of the chosen layers:
     rank r:  f_id(x) = V_id relu(U_id^T x)        (U_id, V_id of shape d x r)
 Lookups are embedding gathers, never a dense matmul over the vocabulary; their gradient touches only
 the rows of the batch's tokens.
+
+With ``ngram_orders`` the tables are a hashed n-gram memory instead (Engram, DeepSeek 2026; Over-Tokenized
+Transformer, Huang et al. 2025): for each order n and hash head h, the n-gram ending at position t,
+tokens[t-n+1..t], is hashed by multiplicative-XOR into one of ``ngram_rows`` rows of the head's table,
+    bucket = (XOR_j (token_j * a_nhj mod 2^31)) mod rows        (a_nhj: fixed odd multipliers from ngram_seed)
+    e(t) = sum_n sum_h E_nh[bucket_nh(t)]                        one EmbeddingBag over all heads and orders
+added to the FFN output of the chosen layers (Engram), scaled by a context gate sigmoid(w . x + b) of the FFN
+input x, or to the token embedding (placement 'embed', Over-Tokenized). Positions before the start of the
+window read a padding id (vocab_size), so no future token is read; with a KV cache the previous n-1 tokens come
+from the cache. Not done: Engram's host-memory tables prefetched on a side stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
@@ -29,13 +42,52 @@ class TokenIDConfig:
     """0: one constant vector per token id; r > 0: a rank-r partial expert V relu(U^T x) per token id."""
     init_std: float = 0.0
     """Initial standard deviation of the tables (0: the constant vectors start at zero, so training starts from
-    the base model); the rank-r U table uses 1/sqrt(d) when this is 0."""
+    the base model); the rank-r U table uses 1/sqrt(d) when this is 0. Also the n-gram tables' init."""
+    ngram_orders: list[int] = field(default_factory=list)
+    """Hashed n-gram memory: the orders n looked up at each position, e.g. [2, 3] (the n-gram ending there);
+    empty: the per-id tables above. Needs rank 0."""
+    ngram_heads: int = 4
+    """Hash heads per order, each with its own multipliers and table; all heads' rows are summed."""
+    ngram_rows: int = 65536
+    """Rows of each hash head's table (the bucket count)."""
+    ngram_seed: int = 0
+    """Seed of the hash multipliers (kept in the config, so a checkpoint keeps its buckets)."""
+    ngram_gate: bool = True
+    """Scale the n-gram embedding by a per-position gate sigmoid(w . x + b) of the FFN input x (Engram's context
+    gate); placement 'ffn' only (the embedding slot has no hidden state)."""
+    placement: Literal["ffn", "embed"] = "ffn"
+    """Where the n-gram embedding is added: 'ffn' (beside the FFN of ``layers``, Engram) or 'embed' (to the
+    token embedding, once; ``layers`` unused; Over-Tokenized Transformer)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"tokenid.rank must be a non-negative integer, got {self.rank!r}")
         if self.init_std < 0:
             raise ValueError(f"tokenid.init_std must be >= 0, got {self.init_std}")
+        orders = list(self.ngram_orders)
+        bad = [n for n in orders if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+        if bad or len(set(orders)) < len(orders):
+            raise ValueError(
+                f"tokenid.ngram_orders must be distinct integers >= 1, got {self.ngram_orders!r}"
+            )
+        for name in ("ngram_heads", "ngram_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"tokenid.{name} must be a positive integer, got {value!r}")
+        if self.placement not in ("ffn", "embed"):
+            raise ValueError(f"tokenid.placement={self.placement!r} is unknown; expected 'ffn' or 'embed'")
+        if orders and self.rank:
+            raise ValueError(
+                f"tokenid.ngram_orders {orders} needs rank 0 (n-gram rows are vectors), got {self.rank}"
+            )
+        if self.placement == "embed" and not orders:
+            raise ValueError(
+                "tokenid.placement='embed' needs ngram_orders, e.g. [2, 3]; the per-id tables use 'ffn'"
+            )
+        if self.placement == "embed" and self.ngram_gate:
+            raise ValueError(
+                "tokenid.ngram_gate reads the hidden state, which placement 'embed' lacks; set it false"
+            )
 
 
 class TokenIDTable(nn.Module):
@@ -47,6 +99,71 @@ class TokenIDTable(nn.Module):
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         return self.entries(x, ctx.tokens.unsqueeze(-1))  # (B, T, d): entry of each token's own id
+
+
+MASK = (1 << 31) - 1
+"""Hash arithmetic stays below 2^62: token ids and multipliers are < 2^31, products are masked to 31 bits."""
+
+
+def ngram_multipliers(orders: list[int], heads: int, seed: int) -> Tensor:
+    """Odd multipliers a_nhj < 2^31 for each order, head and position in the n-gram, (O, H, max order)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1 << 30, (len(orders), heads, max(orders)), generator=g) * 2 + 1
+
+
+def ngram_buckets(seq: Tensor, orders: list[int], mult: Tensor, rows: int) -> Tensor:
+    """Bucket of each position's n-grams, (B, T, O, H): seq (B, P + T) holds P = max order - 1 earlier tokens
+    (or padding ids) before the T positions; position t's n-gram is seq[P+t-n+1 .. P+t]."""
+    P = mult.shape[-1] - 1
+    T = seq.shape[1] - P
+    out = []
+    for o, n in enumerate(orders):
+        h = seq.new_zeros(seq.shape[0], T, mult.shape[1])  # (B, T, H)
+        for j in range(n):
+            tok = seq[:, P - n + 1 + j : P - n + 1 + j + T, None]  # (B, T, 1): the n-gram's j-th token
+            h = h ^ ((tok * mult[o, :, j]) & MASK)
+        out.append(h % rows)
+    return torch.stack(out, dim=2)
+
+
+def with_history(ctx: Context, k: int, pad: int) -> Tensor:
+    """The step's tokens after the k before them, (B, k + T): from the KV cache while decoding, padding ids
+    before the window's start (so a full recompute and cached decoding read the same n-grams)."""
+    tokens = ctx.tokens
+    prev = tokens[:, :0]
+    if ctx.cache is not None:
+        prev = ctx.cache.tokens[:, max(0, ctx.offset - k) : ctx.offset]
+    fill = tokens.new_full((tokens.shape[0], k - prev.shape[1]), pad)
+    return torch.cat([fill, prev, tokens], dim=1)
+
+
+class NGramMemory(nn.Module):
+    """Hashed n-gram tables: the summed rows of every order and hash head, gated by the FFN input if asked."""
+
+    def __init__(self, vocab: int, d: int, c: TokenIDConfig) -> None:
+        super().__init__()
+        self.orders, self.rows, self.pad = sorted(c.ngram_orders), c.ngram_rows, vocab
+        heads = len(self.orders) * c.ngram_heads
+        self.table = nn.Parameter(torch.randn(heads * c.ngram_rows, d) * c.init_std)  # heads' tables stacked
+        self.register_buffer(
+            "mult", ngram_multipliers(self.orders, c.ngram_heads, c.ngram_seed), persistent=False
+        )
+        self.register_buffer(
+            "start", torch.arange(heads) * c.ngram_rows, persistent=False
+        )  # (O*H,) first rows
+        self.gate = nn.Linear(d, 1) if c.ngram_gate else None
+        if self.gate is not None:
+            nn.init.zeros_(self.gate.weight)  # gate 1/2 everywhere at the start
+            nn.init.zeros_(self.gate.bias)
+
+    def forward(self, x: Tensor, ctx: Context) -> Tensor:
+        seq = with_history(ctx, max(self.orders) - 1, self.pad)
+        B, T = ctx.tokens.shape
+        ids = ngram_buckets(seq, self.orders, self.mult, self.rows).view(B * T, -1) + self.start  # (B*T, O*H)
+        e = F.embedding_bag(ids, self.table, mode="sum").view(B, T, -1)  # (B, T, d)
+        if self.gate is not None:
+            e = e * torch.sigmoid(self.gate(x)).to(e.dtype)  # (B, T, 1) per-position context gate
+        return e
 
 
 class TokenIDPlugin(Plugin):
@@ -61,18 +178,33 @@ class TokenIDPlugin(Plugin):
         self.layers = check_layers(self.name, config.layers, model_config.n_layers)
 
     def claims(self) -> list[Claim]:
+        if self.config.placement == "embed":
+            return [Claim(Slot.EMBED, Mode.ADD)]
         return [Claim(Slot.FFN, Mode.ADD, self.layers)]
 
     def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
         c = self.model_config
+        if self.config.ngram_orders:
+            return NGramMemory(c.vocab_size, c.d_model, self.config)
         return TokenIDTable(c.vocab_size, c.d_model, self.config.rank, self.config.init_std)
 
     def added_parameters(self) -> int:
-        """Parameters added per layer: vocab*d at rank 0, 2*rank*vocab*d at rank r."""
+        """Parameters added per layer: vocab*d at rank 0, 2*rank*vocab*d at rank r; n-grams: orders*heads*rows*d
+        and the gate's d+1."""
+        c = self.config
+        if c.ngram_orders:
+            gate = self.model_config.d_model + 1 if c.ngram_gate else 0
+            return len(c.ngram_orders) * c.ngram_heads * c.ngram_rows * self.model_config.d_model + gate
         per_bucket = self.model_config.d_model * (1 if self.config.rank == 0 else 2 * self.config.rank)
         return per_bucket * self.model_config.vocab_size
 
     def inactive_parameters(self) -> int:
         # A token reads one row of each table: all other rows are inactive for it.
+        c = self.config
+        if c.ngram_orders:
+            modules = 1 if c.placement == "embed" else len(self.layers)
+            return (
+                modules * len(c.ngram_orders) * c.ngram_heads * (c.ngram_rows - 1) * self.model_config.d_model
+            )
         vocab = self.model_config.vocab_size
         return len(self.layers) * self.added_parameters() * (vocab - 1) // vocab

@@ -176,6 +176,15 @@ def _altup(c: Any, mc: ModelConfig, parts: Parts) -> None:
 
 def _tokenid(c: Any, mc: ModelConfig, parts: Parts) -> None:
     layers = _layers(c.layers, mc.n_layers, [0])
+    if c.ngram_orders:  # hashed n-gram tables (and a gate) per layer, or once at the embedding
+        heads = len(c.ngram_orders) * c.ngram_heads
+        modules = 1 if c.placement == "embed" else len(layers)
+        parts.params += modules * (
+            heads * c.ngram_rows * mc.d_model + (mc.d_model + 1 if c.ngram_gate else 0)
+        )
+        # The buckets (8 B a head), the summed rows in fp32 (4d); by formula, not measured.
+        parts.act_per_token += modules * (8 * heads + 4 * mc.d_model)
+        return
     per = mc.d_model * (1 if c.rank == 0 else 2 * c.rank) * mc.vocab_size
     parts.params += len(layers) * per
     if c.rank:  # rank 0 saves nothing: the ids are the batch's, the read a residual add

@@ -34,6 +34,8 @@ PLUGINS = {
     "altup_router": {"altup": {"k": 3, "router": True, "reduce": "project"}},
     "altup_sum": {"altup": {"k": 2, "update": "sum"}},
     "tokenid": {"tokenid": {"layers": [0, 1], "rank": 2}},
+    "tokenid_ngram": {"tokenid": {"layers": [0, 1], "ngram_orders": [2, 3], "ngram_heads": 2, "ngram_rows": 32}},
+    "tokenid_ngram_embed": {"tokenid": {"ngram_orders": [1, 3], "ngram_rows": 32, "placement": "embed", "ngram_gate": False}},
     "pkm_peer": {"pkm": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16, "values": "peer", "key_norm": True}},
     "tokenid_moe_altup": {"tokenid": {"layers": [0]}, "moe": {"layers": [1], "num_experts": 4}, "altup": {"k": 2}},
     "knn_attention": {"knn_attention": {"k": 4, "own_k": 3}},
