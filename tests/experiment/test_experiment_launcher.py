@@ -359,7 +359,8 @@ def test_time_limits_in_minutes():
 
 
 def test_base_flag_stacks_a_model_size_on_every_variant(tmp_path, monkeypatch):
-    """``--base configs/model/X.yaml`` runs the same comparison at another size (README: the seeds' files at 124M)."""
+    """``--base configs/model/X.yaml`` runs the same comparison at another size (docs/EXPERIMENTS.md: the seeds'
+    files at 124M)."""
     from cli_helpers import CONFIGS
 
     from rlm.experiment.check import check_experiment
