@@ -194,7 +194,7 @@ class Experts(nn.Module):
 # has data-dependent shapes (kept assignments per expert), which split the graph in many places and recompile
 # as the loads change, and the grouped GEMM's fake kernel takes only bf16 (torch 2.13). As an eager island
 # the router and the rest of the model compile, and the experts still run through the grouped GEMM
-# (benchmarks/compile.py: the default model with MoE compiled 1.4x eager on CPU this way, 0.95x traced).
+# (benchmarks/compile.py: compiled this way the model with MoE beats eager; traced, it is slower than eager).
 @torch.compiler.disable
 def dispatch(
     x: Tensor, index: Tensor, weight: Tensor, valid: Tensor, experts: Experts, capacity: int | None, mode: str

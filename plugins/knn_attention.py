@@ -145,8 +145,8 @@ class KnnAttention(nn.Module):
         a = torch.softmax(s.masked_fill(~found, 0.0), -1).masked_fill(values < 0, 0.0)
         E = p.embedding().detach()
         # r = sum_j a_j E[v_j] as a weighted embedding bag: never materialises the (B, T, n, d) rows. E is read, not
-        # trained through here: its gradient through the bag cost 0.13 s a step on 2 CPU threads (3.7x the bag with
-        # E fixed), and the tied LM head already scores E[v] . h, which W_o learns to raise
+        # trained through here: its gradient through the bag costs several times the bag with E fixed (RESULTS.md,
+        # "kNN attention"), and the tied LM head already scores E[v] . h, which W_o learns to raise
         r = F.embedding_bag(values.clamp_min(0).flatten(0, 1), E, per_sample_weights=a.flatten(0, 1).to(E.dtype),
                             mode="sum").view(B, T, d)  # fmt: skip
         g = torch.sigmoid(self.gate(y))
