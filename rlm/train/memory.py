@@ -129,8 +129,8 @@ def _pkm(c: Any, mc: ModelConfig, parts: Parts) -> None:
     # Query input 2d (bf16); the layer norm's bf16 input 2 H k_dim and its mean and 1/std (8 H); the fp32 query
     # 4 H k_dim; per head the top-k indices of both halves (2 x 8 k), the softmax weights (4 k), the slots (8 k).
     act = 2 * d + 6 * c.heads * c.k_dim + 8 * c.heads + 28 * hk
-    if c.values == "peer":  # u_i . x and its activation, fp32 (by formula, not measured)
-        act += 8 * hk
+    if c.values == "peer":  # the fp32 input of u_i . x (4d); u_i . x, its activation and w_i act(.) in fp32
+        act += 4 * d + 12 * hk
     for _ in layers:
         if c.mode == "replace":
             parts.params -= ffn_p
@@ -182,8 +182,10 @@ def _tokenid(c: Any, mc: ModelConfig, parts: Parts) -> None:
         parts.params += modules * (
             heads * c.ngram_rows * mc.d_model + (mc.d_model + 1 if c.ngram_gate else 0)
         )
-        # The buckets (8 B a head), the summed rows in fp32 (4d); by formula, not measured.
-        parts.act_per_token += modules * (8 * heads + 4 * mc.d_model)
+        # The EmbeddingBag's row ids (8 B a head), offsets, bag sizes and max indices (24); with the gate, its bf16
+        # input 2d, its sigmoid in bf16 and fp32 (6) and the fp32 sum it scales 4d.
+        gate = 6 * mc.d_model + 6 if c.ngram_gate else 0
+        parts.act_per_token += modules * (8 * heads + 24 + gate)
         return
     per = mc.d_model * (1 if c.rank == 0 else 2 * c.rank) * mc.vocab_size
     parts.params += len(layers) * per

@@ -52,6 +52,13 @@ CASES = {
         ["altup"],
         {"altup": {"k": 3, "embedding": "project", "extra_width": 101}},
     ),
+    "small+pkm_peer": ("small", ["pkm_peer"], {"pkm": {"layers": [1, 2], "shared_values": False}}),
+    "small+tokenid_ngram": ("small", ["tokenid_ngram"], {"tokenid": {"layers": [0, -1]}}),
+    "small+tokenid_ngram_embed": (
+        "small",
+        ["tokenid_ngram"],
+        {"tokenid": {"placement": "embed", "ngram_gate": False}},
+    ),
     "small+tokenid_rank2": ("small", ["tokenid"], {"tokenid": {"rank": 2, "layers": [0, -1]}}),
     "small+retrieval_continuation": (
         "small",
@@ -170,7 +177,13 @@ def _saved_bytes_per_token(cfg: dict, batch: int, T: int = 32) -> float:
         ("plain", {}),
         ("gated", {}),
         ("pkm", {"pkm": {"layers": [1], "n_keys": 16, "k_dim": 32, "topk": 4}}),
+        ("pkm_peer", {"pkm": {"layers": [1], "n_keys": 16, "k_dim": 32, "topk": 4, "values": "peer"}}),
         ("altup", {"altup": {"k": 3}}),
+        ("tokenid_ngram", {"tokenid": {"layers": [0, 2], "ngram_orders": [2, 3], "ngram_rows": 64}}),
+        (
+            "tokenid_ngram_embed",
+            {"tokenid": {"ngram_orders": [2], "ngram_rows": 64, "placement": "embed", "ngram_gate": False}},
+        ),
         ("tokenid", {"tokenid": {"layers": [0, 2], "rank": 2}}),
         ("tokenid_rank1", {"tokenid": {"layers": [1], "rank": 1}}),
         ("moe_bmm", {"moe": {"layers": [1], "num_experts": 4, "dispatch": "bmm", "capacity_factor": 2.0}}),
