@@ -211,7 +211,9 @@ def test_train_loader_shards_evenly_and_reshuffles(dm):
 def test_datamodule_shards_by_the_attached_trainer(dm, monkeypatch):
     per_rank = []
     for rank in range(3):
-        monkeypatch.setattr(dm, "trainer", SimpleNamespace(global_rank=rank, world_size=3, current_epoch=2))
+        cpu = SimpleNamespace(root_device=torch.device("cpu"))
+        trainer = SimpleNamespace(global_rank=rank, world_size=3, current_epoch=2, strategy=cpu)
+        monkeypatch.setattr(dm, "trainer", trainer)
         loader = dm.train_dataloader()
         assert (loader.rank, loader.world_size, loader.epoch) == (rank, 3, 2)
         per_rank.append([k for b in _keys(loader) for k in b])

@@ -140,6 +140,8 @@ def assert_complete_unit_vectors(path) -> None:
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
 
 
+# slow: the benchmark script times real `rlm fit` subprocesses
+@pytest.mark.slow
 def test_fit_time_benchmark_smoke(tmp_path, rlm_cache, monkeypatch):
     """benchmarks/retrieval_fit.py runs `rlm fit` with and without retrieval, each retrieval run building its one
     index, and prints every variant's ratio to the base run."""
