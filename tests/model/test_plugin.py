@@ -1,5 +1,6 @@
 """The plugin contract: registry, slot claims and conflicts, context, parameter groups, ordering."""
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -54,12 +55,14 @@ def test_class_path_resolution_and_bad_class_path():
 
 
 def test_unknown_option_lists_accepted_fields():
-    with pytest.raises(
-        ValueError, match=r"unknown option\(s\) \['rnak'\]; accepted: \['layers', 'rank', 'init_std'\]"
-    ):
+    accepted = (
+        "['layers', 'rank', 'init_std', 'ngram_orders', 'ngram_heads', 'ngram_rows', 'ngram_seed', "
+        + ("'ngram_gate', 'placement']")
+    )
+    with pytest.raises(ValueError, match=re.escape(f"unknown option(s) ['rnak']; accepted: {accepted}")):
         Transformer(CFG, {"tokenid": {"rnak": 2}})
     assert validate_specs({"tokenid": {"rnak": 2}, "nope": {}, "ok": None}) == [
-        "plugin 'tokenid': unknown option(s) ['rnak']; accepted: ['layers', 'rank', 'init_std']",
+        f"plugin 'tokenid': unknown option(s) ['rnak']; accepted: {accepted}",
         f"unknown plugin 'nope'; known plugins: {known_plugins()} (or give a class_path)",
     ]
 
