@@ -34,6 +34,7 @@ def test_command_table_is_pinned(capsys):
     assert "unknown command 'frobnicate'; known commands: fit, validate" in capsys.readouterr().err
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_logs_checkpoints_and_generates(tmp_path, rlm_cache):
     run_rlm(fit_args(CONFIGS / "plugins" / "tokenid.yaml"), tmp_path, rlm_cache)
@@ -64,6 +65,7 @@ def test_fit_logs_checkpoints_and_generates(tmp_path, rlm_cache):
     assert "val/loss" in val.stdout
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_resume_gives_the_same_loss_curve(tmp_path, rlm_cache):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -79,6 +81,7 @@ def test_resume_gives_the_same_loss_curve(tmp_path, rlm_cache):
     assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes(tmp_path, rlm_cache):
@@ -99,6 +102,7 @@ def test_unknown_plugin_fails_before_training(tmp_path, rlm_cache, rlm_main):
     assert not (tmp_path / "runs/test/ckpt").exists()
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_checkpoint_from_another_config_is_refused(tmp_path, rlm_cache):
     run_rlm(fit_args() + ["--trainer.max_steps=2"], tmp_path, rlm_cache)

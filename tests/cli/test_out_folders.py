@@ -89,6 +89,7 @@ def trained(tmp_path_factory, rlm_cache):
     return work / "runs" / "test" / "ckpt" / "last.ckpt"
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_a_new_folder_inside_the_run_is_written_whole(name, trained, rlm_cache, monkeypatch, capsys):

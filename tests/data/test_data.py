@@ -305,6 +305,7 @@ def test_resuming_on_another_process_count_keeps_the_global_batches(dm, before, 
     assert all(len(b) == glob for b in straight)
 
 
+# slow: starts DataLoader worker processes
 @pytest.mark.slow
 def test_workers_give_the_same_batches(corpus, dm):
     with_workers = _dm(corpus[0], dm.cache_dir, num_workers=1)
@@ -357,6 +358,7 @@ def _fit(corpus, cache, batch_size, steps, ckpt_in=None, ckpt_out=None, every_st
     return model.seen
 
 
+# slow: trains a model in-process for enough steps to check what it learned or saved
 @pytest.mark.slow
 def test_resume_mid_epoch_is_exact_with_a_real_trainer(corpus, dm, tmp_path):
     """2N steps in one go == N steps, checkpoint, resume; with checkpoints saved during training by
@@ -479,6 +481,7 @@ def test_seq_len_longer_than_every_document(corpus, dm, tmp_path):
         _dm(corpus[0], dm.cache_dir, seq_len=4096).setup()
 
 
+# slow: runs the benchmark script end to end at its smoke size
 @pytest.mark.slow
 def test_benchmark_script_smoke(corpus, tmp_path):
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "data.py"

@@ -332,6 +332,7 @@ def test_a_sentencepiece_model_without_bos_or_eos(tmp_path):
         Tokenizer(tmp_path / "neither.model")
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_on_a_jsonl_field_with_a_tokenizer_file(tmp_path, rlm_cache, spm_model):
     rows = [{"id": i, "code": t} for i, t in enumerate(_stdlib_texts(30))]

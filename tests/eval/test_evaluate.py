@@ -41,6 +41,7 @@ def ckpt_of(root):
     return root / "version_0" / "checkpoints" / "last.ckpt"
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_default_root_dir_receives_logs_and_checkpoints_and_no_argv_warning(trained):
     work, root, out = trained
@@ -50,6 +51,7 @@ def test_default_root_dir_receives_logs_and_checkpoints_and_no_argv_warning(trai
     assert "sys.argv" not in out.stdout + out.stderr
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_test_without_training_configs_uses_the_test_split_and_matches_rlm_eval(trained, tmp_path, rlm_cache):
     _, root, _ = trained
@@ -69,6 +71,7 @@ def test_test_without_training_configs_uses_the_test_split_and_matches_rlm_eval(
     assert math.isclose(result["loss"], lightning_loss, rel_tol=1e-5)
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_eval_on_new_text_uses_the_checkpoint_tokenizer_and_matches_a_by_hand_reference(trained, tmp_path, monkeypatch, rlm_cache):  # fmt: skip
     _, root, _ = trained
@@ -99,6 +102,7 @@ def test_eval_on_new_text_uses_the_checkpoint_tokenizer_and_matches_a_by_hand_re
     assert_close(got["ppl"], math.exp(float(nll) / tokens), rtol=1e-5, atol=0)
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_a_checkpoint_without_its_tokenizer_is_a_clear_error(trained, tmp_path, monkeypatch):
     _, root, _ = trained
@@ -110,6 +114,7 @@ def test_a_checkpoint_without_its_tokenizer_is_a_clear_error(trained, tmp_path, 
         evaluate(str(tmp_path / "old.ckpt"))
 
 
+# slow: a real `rlm validate` subprocess on a new corpus, tokenized with the checkpoint's tokenizer
 @pytest.mark.slow
 def test_validate_on_another_corpus_keeps_the_checkpoint_tokenizer(trained, tmp_path, rlm_cache):
     _, root, _ = trained
@@ -147,6 +152,7 @@ def test_print_config_shows_the_vocabulary_that_runs(tmp_path, rlm_main):
     assert "sys.argv" not in out.stderr
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_restored_settings_reuse_the_training_cache_when_it_holds_the_checkpoint_tokenizer(trained, monkeypatch, rlm_cache, tmp_path):  # fmt: skip
     from rlm.eval.evaluate import with_checkpoint_settings

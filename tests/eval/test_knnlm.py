@@ -87,6 +87,7 @@ def tiny(tmp_path_factory, rlm_cache):
     return work, ckpt, meta
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_datastore_holds_every_training_token_and_tunes_lam(tiny):
     from rlm.data import TokenStore
@@ -105,6 +106,7 @@ def test_datastore_holds_every_training_token_and_tunes_lam(tiny):
     assert not list(work.glob(".ds.tmp-*"))  # nothing half-written left
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_datastore_of_another_checkpoint_is_refused(tiny, tmp_path, rlm_cache):
     from rlm.eval.datastore import Datastore
@@ -138,6 +140,7 @@ def _score(ckpt, ds_path, corpus, cache):
     return s, store
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True])
 def test_changing_later_tokens_never_moves_an_earlier_knnlm_probability(tiny, tmp_path, cache):
@@ -166,6 +169,7 @@ def test_changing_later_tokens_never_moves_an_earlier_knnlm_probability(tiny, tm
         assert sa.match[100:].any()
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_a_copy_of_a_training_document_retrieves_what_a_datastore_without_it_gives(tiny, tmp_path):
     """Evaluated as new text, a copy of a datastore document is recognised by its tokens and its own entries are
@@ -219,6 +223,7 @@ def test_the_cache_holds_only_strictly_earlier_positions():
             assert_close(torch.from_numpy(d), want)
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_knnlm_commands_build_evaluate_and_generate(tiny, tmp_path, rlm_cache):
     """`rlm knnlm build`, `rlm eval --datastore` (the LM and kNN-LM from one pass, the LM line equal to plain
@@ -255,6 +260,7 @@ def test_knnlm_commands_build_evaluate_and_generate(tiny, tmp_path, rlm_cache):
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "plugin", ["moe", "pkm", "altup", "tokenid", "retrieval", "token_memory", "knn_attention"]
@@ -288,6 +294,7 @@ def test_knnlm_composes_with_every_plugin(plugin, tmp_path, rlm_cache):
         assert r["joint"]["trained"] is not None and r["joint"]["trained"][0] > 0
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_rlm_test_and_validate_take_a_datastore_and_match_rlm_eval(tiny, tmp_path, rlm_cache):
     """`rlm test --datastore DS` logs test/knnlm/loss (and the joint rule's) from Lightning's loop: the same
@@ -352,6 +359,7 @@ def sharded(tiny):
     return out, json.loads((out / "meta.json").read_text())
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_a_sharded_datastore_finds_the_same_neighbours(tiny, sharded):
     """Shards of whole documents, index-000.faiss, ..., their offsets in meta.json; the merged top-k equals the
@@ -391,6 +399,7 @@ def test_a_sharded_datastore_finds_the_same_neighbours(tiny, sharded):
                 assert not ((ids >= lo) & (ids < hi)).any()
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_rlm_eval_gives_the_same_knnlm_loss_with_a_sharded_datastore(tiny, sharded, tmp_path, rlm_cache):
     """`rlm eval --datastore` over copies of two datastore documents in different shards (each excluded by its
@@ -414,6 +423,7 @@ def test_rlm_eval_gives_the_same_knnlm_loss_with_a_sharded_datastore(tiny, shard
     assert math.isclose(losses[0], losses[1], rel_tol=1e-5), losses
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_a_single_index_datastore_still_loads(tiny, sharded):
     """The layout of datastores built before shards (index.faiss, no "shards" in meta.json) loads and searches
@@ -431,6 +441,7 @@ def test_a_single_index_datastore_still_loads(tiny, sharded):
         _ = Datastore(sharded[0]).index
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_knnlm_build_shards_an_ivf_pq_index_trained_once(tiny, tmp_path, rlm_cache):
     """`rlm knnlm build --shard-keys` with IVF-PQ: one training on a sample, so every shard has the same
@@ -453,6 +464,7 @@ def test_knnlm_build_shards_an_ivf_pq_index_trained_once(tiny, tmp_path, rlm_cac
     assert (ids >= 0).all() and not ((ids >= lo) & (ids < hi)).any()
 
 
+# slow: runs the benchmark script end to end at its smoke size
 @pytest.mark.slow
 def test_narrow_embedding_benchmark_keeps_every_neighbour_at_full_width(tiny, capsys):
     """benchmarks/narrow_embedding.py on the tiny checkpoint: at the full width every narrowing (random, PCA, the PCA

@@ -319,6 +319,7 @@ def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
 # ----- end to end -----------------------------------------------------------------------------------------
 
 
+# slow: a real experiment run: trains and evaluates each variant
 @pytest.mark.slow
 def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monkeypatch, capsys):
     # The runner in-process (its rlm fit runs are subprocesses anyway): two interpreter start-ups fewer.
@@ -425,6 +426,7 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_reused(tmp_path,
     assert trained[-4:] == ["plain/seed0", "plain/seed1", "longer/seed0", "longer/seed1"]
 
 
+# slow: a real experiment run: trains and evaluates each variant
 @pytest.mark.slow
 def test_a_knnlm_variant_reuses_the_trained_model_and_reports_its_datastore(
     tmp_path, rlm_cache, monkeypatch, capsys

@@ -114,6 +114,7 @@ def test_equal_runs_share_a_job_so_the_later_one_reuses_the_first(tmp_path):
     ]
 
 
+# slow: a real experiment run: trains and evaluates each variant
 @pytest.mark.slow
 def test_submitit_local_executor_runs_and_collects_a_two_variant_grid(
     tmp_path, rlm_cache, monkeypatch, capsys

@@ -52,6 +52,7 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, random_index, capsys):
     assert "out of range" in capsys.readouterr().err
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_build_search_eval_info_round_trip_on_a_tiny_checkpoint(tmp_path, rlm_cache, monkeypatch, capsys):
     run_rlm(fit_args() + ["--trainer.max_steps=2"], tmp_path, rlm_cache)
@@ -83,6 +84,7 @@ def test_build_search_eval_info_round_trip_on_a_tiny_checkpoint(tmp_path, rlm_ca
     assert "meanpool@0" in proc.stdout
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_build_with_another_data_config_reads_it_with_the_checkpoints_tokenizer(
     tmp_path, rlm_cache, monkeypatch

@@ -77,6 +77,7 @@ def test_build_checks_the_output_folder_before_embedding(tmp_path, capsys):
     assert f"--out folder '{blocker}' is not writable" in err  # named before the checkpoint is even read
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_search_uses_the_data_settings_build_recorded(tmp_path, rlm_cache, monkeypatch, capsys):
     run_rlm(fit_args() + ["--trainer.max_steps=1"], tmp_path, rlm_cache)

@@ -342,6 +342,7 @@ def _worker(rank: int, port: int, root: str, out: dict) -> None:
         dist.destroy_process_group()
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_two_ranks_fit_one_projection_and_search_as_one_process(tmp_path):

@@ -110,6 +110,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
         dist.destroy_process_group()
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_two_ranks_equal_one_process_for_exact_indices(tmp_path):
@@ -188,6 +189,7 @@ model:
 """
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.parametrize("lookup", ["table", "search"])
@@ -269,6 +271,7 @@ model:
 """
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.parametrize("index_dim", ["null", "auto"])

@@ -88,6 +88,7 @@ def test_compile_option_takes_a_backend_and_refuses_bad_values_by_name():
         compile_config("yes")
 
 
+# slow: trains a model in-process for enough steps to check what it learned or saved
 @pytest.mark.slow
 def test_compiled_training_with_moe_pkm_and_altup_matches_eager():
     """Three optimizer steps (PKM's row-wise value updates included) compiled and eager give the same losses."""
@@ -193,6 +194,7 @@ def two_ranks() -> dict:
     return spawn_local(_par_worker)
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

@@ -118,6 +118,7 @@ def test_parse_option_accepts_only_bool_words():
             parse_option("p", "x", word, bool)
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_trains_and_saves_what_the_flags_built(tmp_path, rlm_cache):
     args = fit_args(PKM) + [

@@ -330,6 +330,7 @@ def test_benchmark_script_smoke(capsys):
 # --- the real `rlm fit` (tests/cli_helpers.py) -----------------------------------------------------------
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_with_altup_and_tokenid(tmp_path, rlm_cache):
     fragments = [CONFIGS / "plugins" / "tokenid.yaml", CONFIGS / "plugins" / "altup.yaml"]
@@ -351,6 +352,7 @@ def test_fit_with_altup_and_tokenid(tmp_path, rlm_cache):
     assert out.stdout.startswith("def ")  # generation from an AltUp checkpoint
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes_with_recycled_altup_and_moe(tmp_path, rlm_cache):

@@ -688,6 +688,7 @@ def _callback_accumulation(layer, batch, group, replicas) -> tuple:
     return at_step, [p.grad for p in params], one_unsummed
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow  # 4 processes
 @pytest.mark.ddp
 def test_expert_groups_of_two_among_four_processes_equal_one_process_per_group():
@@ -805,6 +806,7 @@ def _moe_fit(tmp_path, name: str, rlm_cache, *extra: str, **kw) -> list[float]:
     return column(read_metrics(run / "runs/test/version_0"), "train/loss")
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_fit_with_expert_parallel_equals_replicated_experts_and_resumes(tmp_path, rlm_cache):
@@ -828,6 +830,7 @@ def test_ddp_fit_with_expert_parallel_equals_replicated_experts_and_resumes(tmp_
     assert_close(torch.tensor(resumed), torch.tensor(sharded[3:]), rtol=1e-5, atol=1e-6)
 
 
+# slow: runs the benchmark script end to end at its smoke size
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_benchmark_script_smoke():

@@ -247,6 +247,7 @@ def trained(tmp_path_factory, rlm_cache):
     return work, ckpt, meta
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_fit_logs_the_random_neighbour_ablation(trained):
     work, _, _ = trained
@@ -256,6 +257,7 @@ def test_fit_logs_the_random_neighbour_ablation(trained):
     assert all(0 <= float(r["val/knn_attention/gate"]) <= 1 for r in val)
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_the_datastore_is_searched_inside_the_forward_pass_like_exact_search(trained):
     """With a datastore attached, each position's memory neighbours are the exact k nearest attn_input states of
@@ -305,6 +307,7 @@ def test_the_datastore_is_searched_inside_the_forward_pass_like_exact_search(tra
                 assert int(vals[b, t, j]) in set(values[near].tolist())
 
 
+# slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_rlm_eval_with_an_attn_input_datastore_scores_the_model_retrieving(trained, tmp_path):
     """`rlm eval --datastore` of a knn_attention checkpoint: the model's own loss is scored with the datastore
@@ -397,7 +400,9 @@ def test_distances_stay_float32_under_bf16_autocast():
     from rlm.plugins.knn_attention import sq_dist_mm
 
     q, keys = torch.randn(7, 16) * 30, torch.randn(11, 16) * 30
-    want = ((q.double()[:, None] - keys.double()[None]) ** 2).sum(-1) - q.double().square().sum(-1, keepdim=True)
+    want = ((q.double()[:, None] - keys.double()[None]) ** 2).sum(-1) - q.double().square().sum(
+        -1, keepdim=True
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = sq_dist_mm(q, keys)
     assert got.dtype == torch.float32

@@ -235,6 +235,7 @@ def test_layer_list_is_checked():
 MOE_TINY = "model:\n  plugins:\n    moe:\n      layers: [1]\n      num_experts: 4\n"
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_with_moe_logs_losses_and_routing(tmp_path, rlm_cache):
     (tmp_path / "moe_tiny.yaml").write_text(MOE_TINY)
@@ -254,6 +255,7 @@ def test_fit_with_moe_logs_losses_and_routing(tmp_path, rlm_cache):
     assert all(0.0 <= v <= 1.0 for v in column(rows, "train/moe_dropped/l1"))
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes_with_moe(tmp_path, rlm_cache):

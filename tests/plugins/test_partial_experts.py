@@ -123,6 +123,7 @@ def test_bad_config():
         PartialExpertsLayer(PartialExpertsConfig(lookup="lsh", buckets=10), model_config())
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_with_partial_experts(tmp_path, rlm_cache):
     run_rlm(

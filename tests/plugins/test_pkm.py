@@ -516,6 +516,7 @@ def pkm_fragment(tmp_path, **kw) -> str:
     return str(path)
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_with_pkm_alone_and_stacked_logs_usage(tmp_path, rlm_cache):
     alone, stacked = tmp_path / "alone", tmp_path / "stacked"
@@ -538,6 +539,7 @@ def test_fit_with_pkm_alone_and_stacked_logs_usage(tmp_path, rlm_cache):
     assert "pkm_values" not in groups
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_resume_restores_the_row_optimizer(tmp_path, rlm_cache):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -555,6 +557,7 @@ def test_resume_restores_the_row_optimizer(tmp_path, rlm_cache):
     assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_cpu_processes_with_dense_values(tmp_path, rlm_cache):
@@ -574,6 +577,7 @@ def test_ddp_two_cpu_processes_with_dense_values(tmp_path, rlm_cache):
     assert group["lr"] == 1e-3 and group["weight_decay"] == 0.0
 
 
+# slow: runs the benchmark script end to end at its smoke size
 @pytest.mark.slow
 def test_benchmark_script_smoke(capsys):
     import importlib.util
@@ -620,6 +624,7 @@ def _synced_bn_worker(
         dist.destroy_process_group()
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_batchnorm_is_synced_across_two_processes():

@@ -221,6 +221,7 @@ def test_row_adam_over_two_processes_equals_one_process_with_several_reads_a_ste
         assert (two_ranks[("row_adam_sent", rows)] == 16 + 12 * 9 * 4) == (rows == 12), rows
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_fit_exchanges_rows_instead_of_a_dense_all_reduce(tmp_path, rlm_cache):
@@ -236,6 +237,7 @@ def test_ddp_fit_exchanges_rows_instead_of_a_dense_all_reduce(tmp_path, rlm_cach
     assert "pkm_values" not in names
 
 
+# slow: runs the benchmark script end to end at its smoke size
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_benchmark_script_smoke():

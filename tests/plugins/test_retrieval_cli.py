@@ -28,6 +28,7 @@ def _fragment(tmp_path, text: str = FAST):
     return path
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
     """`rlm fit` with retrieval stacked on Token-ID tables: rebuilds on schedule, metrics logged, checkpoint state."""
@@ -85,6 +86,7 @@ def test_fit_with_retrieval_and_tokenid(tmp_path, rlm_cache):
     assert found.stdout.strip()
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.parametrize("lookup", ["search", "table"])
@@ -111,6 +113,7 @@ def test_ddp_two_processes_share_one_index(tmp_path, rlm_cache, lookup):
     assert (index_root / "step-000000002" / "neighbours.npy").exists() == (lookup == "table")
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_background_first_table(tmp_path, rlm_cache):

@@ -139,6 +139,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# slow: trains a model in-process for enough steps to check what it learned or saved
 @pytest.mark.slow
 def test_retrieval_learns_the_partner_documents(tmp_path, one_thread):
     """With retrieval and rebuilds the validation loss falls far below the no-retrieval model's, and the

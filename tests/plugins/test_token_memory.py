@@ -154,6 +154,7 @@ def test_joint_rule_at_evaluation_matches_the_mixture():
     assert math.isclose(best["trained"]["loss"], float(-got.mean()), rel_tol=1e-9)
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_trains_with_the_mixture_and_logs_the_ablation(tmp_path, rlm_cache):
     """A few steps of `rlm fit` with the fragment: train/loss is the mixture (the queue fills), val/loss stays the
@@ -195,7 +196,9 @@ def test_scores_are_float32_distances_under_bf16_autocast():
     """-||q - k||^2 / tau + b by hand in float64: autocast must not run the distance's q @ k.T in bfloat16."""
     p = plugin()
     q, k = torch.randn(6, D) * 30, torch.randn(9, D) * 30  # large norms: bfloat16's cancellation shows
-    want = -((q.double()[:, None] - k.double()[None]) ** 2).sum(-1) / p.log_tau.exp().double() + p.bias.double()
+    want = (
+        -((q.double()[:, None] - k.double()[None]) ** 2).sum(-1) / p.log_tau.exp().double() + p.bias.double()
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = p.scores(q, k)
     assert got.dtype == torch.float32

@@ -62,6 +62,7 @@ def test_bad_config():
         TokenIDConfig(rank=-2)
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_fit_with_tokenid_partial_experts_and_moe_stacked(tmp_path, rlm_cache):
     """Three routed plugins at once, fragments listed in an order unlike their build order."""

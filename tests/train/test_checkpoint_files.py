@@ -79,6 +79,7 @@ while True:
 """
 
 
+# slow: signals and restarts real training processes
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.07, 0.2])
 def test_kill_during_checkpoint_writes_never_leaves_a_truncated_file(tmp_path, delay):

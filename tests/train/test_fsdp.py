@@ -66,6 +66,7 @@ def _curve(tmp_path, fragments, extra: list[str], rlm_cache) -> list[dict]:
     return rows
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.parametrize("group", list(GROUPS))
@@ -107,6 +108,7 @@ def test_fsdp_two_processes_match_one_process(group, tmp_path, rlm_cache, monkey
             ]
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_fsdp_pkm_sub_keys_accumulate_clip_resume_and_train_as_one_process(tmp_path, rlm_cache, monkeypatch):

@@ -75,6 +75,7 @@ def two_ranks() -> dict:
         return dict(out)
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_sharded_model_and_plain_copy_match_one_process(two_ranks):

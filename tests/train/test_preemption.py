@@ -37,6 +37,7 @@ def _wait_for(folder: Path, pattern: str, proc: subprocess.Popen, timeout: float
     raise AssertionError(f"nothing matching {pattern} in {folder} after {timeout}s")
 
 
+# slow: signals and restarts real training processes
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_143_and_the_run_resumes(tmp_path, rlm_cache):
     args = ["fit", *[a for p in TINY for a in ("--config", p)], "--trainer.max_steps=400",
@@ -62,6 +63,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_and_the_run_resumes(tmp_path, 
     assert steps == [step, step + 1]  # the logged step is global_step (see the in-process test below)
 
 
+# slow: signals and restarts real training processes
 @pytest.mark.slow
 def test_sigterm_to_the_experiment_runner_leaves_the_run_unfinished_and_the_rerun_finishes_it(
     tmp_path, rlm_cache

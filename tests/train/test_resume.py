@@ -215,6 +215,7 @@ def _versioned_config(tmp_path: Path) -> Path:
     return path
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_ckpt_path_last_resumes_across_logger_versions_and_skips_damaged(tmp_path, rlm_cache):
     args = fit_args(_versioned_config(tmp_path))
@@ -236,6 +237,7 @@ def test_ckpt_path_last_resumes_across_logger_versions_and_skips_damaged(tmp_pat
     assert "Traceback" not in proc.stderr
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_nan_run_exits_non_zero_naming_step_and_lr(tmp_path, rlm_cache):
     proc = run_rlm(fit_args() + ["--model.optim.lr", "1e3"], tmp_path, rlm_cache, check=False)
@@ -245,6 +247,7 @@ def test_nan_run_exits_non_zero_naming_step_and_lr(tmp_path, rlm_cache):
     assert "Traceback" not in err
 
 
+# slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take
 @pytest.mark.slow
 def test_a_changed_optim_on_resume_is_named_in_a_warning(tmp_path, rlm_cache):
     run_rlm(fit_args() + ["--trainer.max_steps=2"], tmp_path, rlm_cache)

@@ -53,6 +53,7 @@ def test_deepspeed_is_a_clear_error(tmp_path, rlm_cache, rlm_main):
     assert not (tmp_path / "runs").exists()
 
 
+# slow: two (or more) gloo processes, each starting torch and Lightning, then training
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_config_starts_two_cpu_processes(tmp_path, rlm_cache):
