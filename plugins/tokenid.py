@@ -16,20 +16,28 @@ tokens[t-n+1..t], is hashed by multiplicative-XOR into one of ``ngram_rows`` row
 added to the FFN output of the chosen layers (Engram), scaled by a context gate sigmoid(w . x + b) of the FFN
 input x, or to the token embedding (placement 'embed', Over-Tokenized). Positions before the start of the
 window read a padding id (vocab_size), so no future token is read; with a KV cache the previous n-1 tokens come
-from the cache. Not done: Engram's host-memory tables prefetched on a side stream.
+from the cache. With ``ngram_host`` the tables stay in host memory (Engram): ``prepare`` computes the batch's
+buckets on the host and starts copying the rows they name to the device (plugins/_host_table.py), and a row-wise
+lazy Adam on the host updates the rows a step read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlm.data.windows import host_array
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._experts import PartialEntries
+from rlm.plugins._host_table import Fetched, fetch
+from rlm.plugins._pkm_rows import RowAdam
+
+if TYPE_CHECKING:  # Lightning is imported in callbacks() only, as pkm does
+    import pytorch_lightning as pl
 
 
 @dataclass
@@ -58,6 +66,13 @@ class TokenIDConfig:
     placement: Literal["ffn", "embed"] = "ffn"
     """Where the n-gram embedding is added: 'ffn' (beside the FFN of ``layers``, Engram) or 'embed' (to the
     token embedding, once; ``layers`` unused; Over-Tokenized Transformer)."""
+    ngram_host: bool = False
+    """Keep the n-gram tables in host memory (Engram): each step gathers the rows its batch reads on the host and
+    copies them to the device (on a side stream on a GPU, started before the forward); the rows read are updated on
+    the host by a row-wise lazy Adam (``ngram_host_lr``, no weight decay, no schedule, not clipped) in place of the
+    main optimizer. One process only."""
+    ngram_host_lr: float = 1e-3
+    """ngram_host: the constant learning rate of the host tables' row-wise Adam."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 0:
@@ -84,6 +99,12 @@ class TokenIDConfig:
             raise ValueError(
                 "tokenid.placement='embed' needs ngram_orders, e.g. [2, 3]; the per-id tables use 'ffn'"
             )
+        if self.ngram_host and not orders:
+            raise ValueError(
+                "tokenid.ngram_host keeps the n-gram tables on the host; it needs ngram_orders, e.g. [2, 3]"
+            )
+        if not self.ngram_host_lr > 0:
+            raise ValueError(f"tokenid.ngram_host_lr must be > 0, got {self.ngram_host_lr!r}")
         if self.placement == "embed" and self.ngram_gate:
             raise ValueError(
                 "tokenid.ngram_gate reads the hidden state, which placement 'embed' lacks; set it false"
@@ -126,41 +147,90 @@ def ngram_buckets(seq: Tensor, orders: list[int], mult: Tensor, rows: int) -> Te
     return torch.stack(out, dim=2)
 
 
-def with_history(ctx: Context, k: int, pad: int) -> Tensor:
-    """The step's tokens after the k before them, (B, k + T): from the KV cache while decoding, padding ids
-    before the window's start (so a full recompute and cached decoding read the same n-grams)."""
-    tokens = ctx.tokens
+def with_history(ctx: Context, k: int, pad: int, tokens: Tensor | None = None) -> Tensor:
+    """The step's tokens (ctx.tokens, or their copy ``tokens`` on another device) after the k before them,
+    (B, k + T): from the KV cache while decoding, padding ids before the window's start (so a full recompute and
+    cached decoding read the same n-grams)."""
+    tokens = ctx.tokens if tokens is None else tokens
     prev = tokens[:, :0]
     if ctx.cache is not None:
-        prev = ctx.cache.tokens[:, max(0, ctx.offset - k) : ctx.offset]
+        prev = ctx.cache.tokens[:, max(0, ctx.offset - k) : ctx.offset].to(tokens.device)
     fill = tokens.new_full((tokens.shape[0], k - prev.shape[1]), pad)
     return torch.cat([fill, prev, tokens], dim=1)
 
 
 class NGramMemory(nn.Module):
-    """Hashed n-gram tables: the summed rows of every order and hash head, gated by the FFN input if asked."""
+    """Hashed n-gram tables: the summed rows of every order and hash head, gated by the FFN input if asked.
+
+    With ``ngram_host`` the table and the hash constants stay on the host whatever device or dtype the model is
+    moved to (``_apply``), and forward reads the rows the plugin's ``prepare`` fetched (or fetches them itself)."""
 
     def __init__(self, vocab: int, d: int, c: TokenIDConfig) -> None:
         super().__init__()
         self.orders, self.rows, self.pad = sorted(c.ngram_orders), c.ngram_rows, vocab
+        self.host = c.ngram_host
+        self.key = ("", "")  # ngram_host: (plugin label, table name), where prepare leaves this table's rows
+        self.sink: RowAdam | None = None  # ngram_host: the optimizer the rows' gradients go to
+        self.stream: Any = None  # ngram_host on a GPU: the side stream of the copies, made on first use
         heads = len(self.orders) * c.ngram_heads
         self.table = nn.Parameter(torch.randn(heads * c.ngram_rows, d) * c.init_std)  # heads' tables stacked
-        self.register_buffer(
-            "mult", ngram_multipliers(self.orders, c.ngram_heads, c.ngram_seed), persistent=False
-        )
-        self.register_buffer(
-            "start", torch.arange(heads) * c.ngram_rows, persistent=False
-        )  # (O*H,) first rows
+        self.heads, self.seed = c.ngram_heads, c.ngram_seed
+        self.register_buffer("mult", torch.empty(0, dtype=torch.long), persistent=False)
+        self.register_buffer("start", torch.empty(0, dtype=torch.long), persistent=False)
+        self.reset_buffers()
         self.gate = nn.Linear(d, 1) if c.ngram_gate else None
         if self.gate is not None:
             nn.init.zeros_(self.gate.weight)  # gate 1/2 everywhere at the start
             nn.init.zeros_(self.gate.bias)
+        if self.host:
+            self.table.requires_grad_(False)  # updated by the plugin's row-wise Adam, not the main optimizer
+
+    def reset_buffers(self) -> None:
+        """Compute the hash constants from the options (non-persistent buffers: rlm.hf calls this after loading)."""
+        mult = ngram_multipliers(self.orders, self.heads, self.seed)
+        self.mult = mult.to(self.mult.device)  # (O, H, max order)
+        heads = len(self.orders) * self.heads
+        self.start = (torch.arange(heads) * self.rows).to(self.start.device)  # (O*H,) first rows
+
+    def _apply(self, fn: Any, recurse: bool = True) -> NGramMemory:
+        if not self.host:
+            return super()._apply(fn, recurse)
+        # The host table, and the hash constants its ids are computed with on the host, keep their place and dtype.
+        params, buffers = self._parameters.pop("table"), {n: self._buffers.pop(n) for n in ("mult", "start")}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters["table"] = params
+            self._buffers.update(buffers)
+
+    def ids(self, seq: Tensor) -> Tensor:
+        """Row ids of each position's n-grams in the stacked table, (B*T, O*H), for seq (B, max order - 1 + T)."""
+        T = seq.shape[1] - (max(self.orders) - 1)
+        return ngram_buckets(seq, self.orders, self.mult, self.rows).view(seq.shape[0] * T, -1) + self.start
+
+    def fetch(self, ids: Tensor, device: torch.device) -> Fetched:
+        """ngram_host: the rows host ``ids`` read, on their way to ``device`` (see plugins/_host_table.py)."""
+        if device.type == "cuda" and self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        stream = self.stream if device.type == "cuda" else None
+        return fetch(self.table, ids, device, stream, self.sink, self.key[1])
+
+    @torch.compiler.disable  # host tensors, a side stream and a hook: not traceable
+    def _host_bag(self, ctx: Context) -> Tensor:
+        """ngram_host: the summed rows of each position, (B*T, d), from what prepare fetched if it did."""
+        got = ctx.extras.get(self.key[0], {}).get(self.key[1])
+        if got is None:  # a forward without prepare (a direct model call)
+            ids = self.ids(with_history(ctx, max(self.orders) - 1, self.pad, ctx.tokens.cpu()))
+            got = self.fetch(ids, ctx.tokens.device)
+        return F.embedding_bag(got.index, got.rows(), mode="sum")
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        seq = with_history(ctx, max(self.orders) - 1, self.pad)
         B, T = ctx.tokens.shape
-        ids = ngram_buckets(seq, self.orders, self.mult, self.rows).view(B * T, -1) + self.start  # (B*T, O*H)
-        e = F.embedding_bag(ids, self.table, mode="sum").view(B, T, -1)  # (B, T, d)
+        if self.host:
+            e = self._host_bag(ctx).view(B, T, -1)  # (B, T, d)
+        else:
+            ids = self.ids(with_history(ctx, max(self.orders) - 1, self.pad))  # (B*T, O*H)
+            e = F.embedding_bag(ids, self.table, mode="sum").view(B, T, -1)  # (B, T, d)
         if self.gate is not None:
             e = e * torch.sigmoid(self.gate(x)).to(e.dtype)  # (B, T, 1) per-position context gate
         return e
@@ -176,6 +246,9 @@ class TokenIDPlugin(Plugin):
     def __init__(self, config: TokenIDConfig, model_config) -> None:
         super().__init__(config, model_config)
         self.layers = check_layers(self.name, config.layers, model_config.n_layers)
+        # ngram_host: table name -> memory; a plain dict, the memories are registered in their blocks
+        self.memories: dict[str, NGramMemory] = {}
+        self.row_optimizer = RowAdam(lr=config.ngram_host_lr)
 
     def claims(self) -> list[Claim]:
         if self.config.placement == "embed":
@@ -185,8 +258,32 @@ class TokenIDPlugin(Plugin):
     def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
         c = self.model_config
         if self.config.ngram_orders:
-            return NGramMemory(c.vocab_size, c.d_model, self.config)
+            memory = NGramMemory(c.vocab_size, c.d_model, self.config)
+            if self.config.ngram_host:
+                table = f"layer{layer}" if layer is not None else "embed"
+                memory.key, memory.sink = (self.label, table), self.row_optimizer
+                self.row_optimizer.add_table(table, memory.table)
+                self.memories[table] = memory
+            return memory
         return TokenIDTable(c.vocab_size, c.d_model, self.config.rank, self.config.init_std)
+
+    def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
+        """ngram_host: hash the batch's n-grams on the host and start fetching each table's rows to the device, so
+        the copies overlap the layers before the first reader (the rows are read after the previous step's update:
+        fetching the next batch's rows before it would read stale ones)."""
+        if not self.memories:
+            return
+        tokens = torch.as_tensor(host_array(batch, "tokens"))  # (B, T) on the host
+        memory = next(iter(self.memories.values()))  # the tables share their orders, heads, rows and seed
+        ids = memory.ids(with_history(ctx, max(memory.orders) - 1, memory.pad, tokens))  # (B*T, O*H)
+        ctx.extras[self.label] = {k: m.fetch(ids, ctx.tokens.device) for k, m in self.memories.items()}
+
+    def callbacks(self) -> list[pl.Callback]:
+        if not self.config.ngram_host:
+            return []
+        from rlm.plugins._host_table import HostTableCallback
+
+        return [HostTableCallback(self.row_optimizer, "tokenid.ngram_host", f"TokenIDHost[{self.label}]")]
 
     def added_parameters(self) -> int:
         """Parameters added per layer: vocab*d at rank 0, 2*rank*vocab*d at rank r; n-grams: orders*heads*rows*d

@@ -57,7 +57,7 @@ def test_class_path_resolution_and_bad_class_path():
 def test_unknown_option_lists_accepted_fields():
     accepted = (
         "['layers', 'rank', 'init_std', 'ngram_orders', 'ngram_heads', 'ngram_rows', 'ngram_seed', "
-        + ("'ngram_gate', 'placement']")
+        + ("'ngram_gate', 'placement', 'ngram_host', 'ngram_host_lr']")
     )
     with pytest.raises(ValueError, match=re.escape(f"unknown option(s) ['rnak']; accepted: {accepted}")):
         Transformer(CFG, {"tokenid": {"rnak": 2}})

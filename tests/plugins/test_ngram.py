@@ -124,6 +124,8 @@ def test_parameter_counts_match_the_estimate(placement):
         ({"placement": "attn"}, "placement='attn' is unknown"),
         ({"placement": "embed"}, "needs ngram_orders"),
         ({"placement": "embed", "ngram_orders": [2]}, "ngram_gate .* set it false"),
+        ({"ngram_host": True}, "ngram_host keeps the n-gram tables on the host; it needs ngram_orders"),
+        ({"ngram_orders": [2], "ngram_host_lr": 0.0}, "ngram_host_lr must be > 0, got 0.0"),
     ],
 )
 def test_bad_ngram_config_is_a_clear_error(kw, words):
@@ -151,3 +153,128 @@ def test_config_fragment_parses_and_builds_the_ngram_memory(rlm_main, tmp_path):
             ModelConfig(), {"tokenid": yaml.safe_load(fragment.read_text())["model"]["plugins"]["tokenid"]}
         )
     assert isinstance(model.blocks[1].ffn_add[0], NGramMemory)
+
+
+# ----- ngram_host: the tables in host memory, their rows fetched per step and updated by a row-wise Adam -----
+
+HOST = NGRAM | {"ngram_host": True, "ngram_host_lr": 0.05}
+
+
+def host_and_device_memories(device: str = "cpu"):
+    """The same gated memory at layer 1 twice: with its table on the host (and its plugin) and on ``device``."""
+    torch.manual_seed(0)
+    plugin = TokenIDPlugin(TokenIDConfig(layers=[1], **HOST), model_config())
+    host = plugin.build(plugin.claims()[0], 1, None).to(device)
+    torch.nn.init.normal_(host.gate.weight)
+    ref = NGramMemory(V, D, TokenIDConfig(layers=[1], **NGRAM)).to(device)
+    ref.load_state_dict(host.state_dict())
+    return plugin, host, ref
+
+
+def lazy_adam(table: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, lr: float) -> None:
+    """Adam's equations (Kingma & Ba, Algorithm 1) on the rows with a gradient only; the others keep their moments."""
+    rows = table.grad.abs().sum(1) > 0
+    g, (b1, b2) = table.grad[rows], (0.9, 0.999)
+    m[rows] = b1 * m[rows] + (1 - b1) * g
+    v[rows] = b2 * v[rows] + (1 - b2) * g * g
+    m_hat, v_hat = m[rows] / (1 - b1**step), v[rows] / (1 - b2**step)
+    with torch.no_grad():
+        table[rows] -= lr * m_hat / (v_hat.sqrt() + 1e-8)
+    table.grad = None
+
+
+def host_steps_match_the_device_table(device: str) -> None:
+    """Three steps, each a forward, a backward of a random linear loss and a row-wise Adam step of the host table,
+    against the device table's dense gradient put through Adam's equations on the rows read (lazy Adam) at the
+    same learning rate; prepare fetches the rows in steps 0 and 2, the forward itself in step 1."""
+    plugin, host, ref = host_and_device_memories(device)
+    assert host.table.device.type == "cpu" and not host.table.requires_grad
+    m, v = torch.zeros_like(ref.table), torch.zeros_like(ref.table)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        tokens = torch.randint(0, V, (2, 9), generator=g).to(device)
+        x = torch.randn(2, 9, D, generator=g).to(device).requires_grad_()
+        r = torch.randn(2, 9, D, generator=g).to(device)
+        ctx = Context(tokens=tokens)
+        if step != 1:
+            plugin.prepare(ctx, {"tokens": tokens})
+        y, want = host(x, ctx), ref(x, Context(tokens=tokens))
+        assert_close(y, want)
+        (y * r).sum().backward()
+        grads = x.grad.clone(), host.gate.weight.grad.clone()
+        x.grad = None
+        (want * r).sum().backward()
+        assert_close(grads, (x.grad, ref.gate.weight.grad))  # through the gate and into the FFN input
+        plugin.row_optimizer.step()
+        lazy_adam(ref.table, m, v, step + 1, HOST["ngram_host_lr"])
+        assert_close(host.table, ref.table.detach().cpu())
+    assert int(plugin.row_optimizer.state["layer1"]["step"]) == 3
+
+
+def test_host_table_gives_the_device_tables_logits_and_updated_rows():
+    host_steps_match_the_device_table("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_table_rows_reach_the_gpu_on_a_side_stream():
+    host_steps_match_the_device_table("cuda")
+
+
+def test_host_table_stays_on_the_host_in_its_dtype():
+    model = Transformer(model_config(), {"tokenid": HOST | {"layers": [0, 1]}}).to(torch.float64)
+    memories = [m for m in model.modules() if isinstance(m, NGramMemory)]
+    assert len(memories) == 2 and all(m.table.dtype == torch.float32 for m in memories)
+    assert all(m.gate.weight.dtype == torch.float64 for m in memories)  # the rest moves with the model
+    assert model.plugins["tokenid"].memories == {"layer0": memories[0], "layer1": memories[1]}
+
+
+@pytest.mark.parametrize("placement", ["ffn", "embed"])
+def test_host_table_is_causal(placement):
+    """Changing the tokens after position 5 never moves the logits at positions <= 5 (rows fetched by prepare)."""
+    torch.manual_seed(0)
+    opts = HOST | {"layers": [0, 1], "placement": placement, "ngram_gate": placement == "ffn"}
+    model = Transformer(model_config(), {"tokenid": opts})
+    tokens = torch.randint(0, V, (2, 10))
+    changed = tokens.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % V
+    out = []
+    with torch.no_grad():
+        for t in (tokens, changed):
+            ctx = Context(tokens=t)
+            model.plugins["tokenid"].prepare(ctx, {"tokens": t})
+            out.append(model(t, ctx))
+    assert_close(out[0][:, :6], out[1][:, :6])
+    assert not torch.allclose(out[0][:, 6:], out[1][:, 6:])
+
+
+@pytest.mark.parametrize("placement", ["ffn", "embed"])
+def test_two_step_fit_trains_the_host_table_with_its_row_optimizer(placement):
+    opts = HOST | {"layers": [1], "placement": placement, "ngram_gate": placement == "ffn"}
+    torch.manual_seed(0)
+    before = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2), {"tokenid": opts})
+    before = next(m for m in before.modules() if isinstance(m, NGramMemory)).table.clone()
+    losses, module = fit_in_process({"tokenid": opts})
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    plugin = module.model.plugins["tokenid"]
+    (table,) = plugin.row_optimizer.tables.values()
+    assert not table.requires_grad and table.isfinite().all()
+    assert int(next(iter(plugin.row_optimizer.state.values()))["step"]) == 2
+    moved = (table != before).any(dim=1)
+    assert 0 < int(moved.sum()) < table.shape[0]  # the rows read moved, the others kept their values
+    optimized = {id(p) for g in module.trainer.optimizers[0].param_groups for p in g["params"]}
+    assert id(table) not in optimized
+
+
+def test_host_table_refuses_several_processes_and_fp16():
+    from types import SimpleNamespace
+
+    from rlm.plugins._host_table import HostTableCallback
+
+    plugin = TokenIDPlugin(TokenIDConfig(**HOST), model_config())
+    (callback,) = plugin.callbacks()
+    with pytest.raises(ValueError, match="ngram_host trains on one process \\(got 2\\)"):
+        callback.setup(SimpleNamespace(world_size=2, precision="bf16-mixed"), None, "fit")
+    with pytest.raises(ValueError, match="precision='16-mixed'"):
+        callback.setup(SimpleNamespace(world_size=1, precision="16-mixed"), None, "fit")
+    assert isinstance(callback, HostTableCallback)
