@@ -37,6 +37,10 @@ PLUGINS = {
     "tokenid_ngram": {"tokenid": {"layers": [0, 1], "ngram_orders": [2, 3], "ngram_heads": 2, "ngram_rows": 32}},
     "tokenid_ngram_embed": {"tokenid": {"ngram_orders": [1, 3], "ngram_rows": 32, "placement": "embed", "ngram_gate": False}},
     "pkm_peer": {"pkm": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16, "values": "peer", "key_norm": True}},
+    "pkm_peer_per_layer": {"pkm": {"layers": [0, 1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16, "values": "peer", "activation": "silu", "shared_values": False}},
+    "pkm_peer_relu_gated": {"pkm": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16, "values": "peer", "activation": "relu", "gated": True, "mode": "add"}},
+    "tokenid_ngram_options": {"tokenid": {"layers": [1], "ngram_orders": [1, 4], "ngram_heads": 3, "ngram_rows": 64, "ngram_seed": 7, "ngram_gate": False}},
+    "tokenid_ngram_host": {"tokenid": {"layers": [0, 1], "ngram_orders": [2, 3], "ngram_heads": 2, "ngram_rows": 32, "ngram_host": True}},
     "tokenid_moe_altup": {"tokenid": {"layers": [0]}, "moe": {"layers": [1], "num_experts": 4}, "altup": {"k": 2}},
     "knn_attention": {"knn_attention": {"k": 4, "own_k": 3}},
 }  # fmt: skip
@@ -115,7 +119,9 @@ def assert_same_generation(module: LMModule, prompt: list[int], steps: int, via_
 
 @pytest.mark.parametrize("name", list(PLUGINS))
 def test_cached_generation_matches_full_recompute(name):
-    assert_same_generation(tiny_module(PLUGINS[name]), PROMPT, NEW, via_sample=name == "base")
+    # sample (what `rlm generate` runs) too where prepare does work of its own: the host table's rows
+    via_sample = name in ("base", "tokenid_ngram_host")
+    assert_same_generation(tiny_module(PLUGINS[name]), PROMPT, NEW, via_sample=via_sample)
 
 
 @pytest.mark.parametrize("name", list(RETRIEVAL))
