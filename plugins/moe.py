@@ -22,15 +22,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
-from rlm.plugins._expert_parallel import ExpertParallelCallback, parallel_dispatch
+from rlm.plugins._expert_parallel import parallel_dispatch
 from rlm.plugins._experts import DISPATCH_MODES, Experts, Plan, dispatch
 from rlm.plugins._lookup import LookupOptions, Routing, build_lookup, router_losses
+
+if TYPE_CHECKING:  # the callback and Lightning are imported in callbacks(): `rlm plugins moe` stays light
+    import pytorch_lightning as pl
 
 
 @dataclass
@@ -202,6 +205,7 @@ class MoEPlugin(Plugin):
     def callbacks(self) -> list[pl.Callback]:
         if not self.config.expert_parallel:
             return []
+        from rlm.plugins._expert_parallel_callback import ExpertParallelCallback
 
         def layers() -> list[MoELayer]:
             return [self.moe_layers[i] for i in sorted(self.moe_layers)]

@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
@@ -49,7 +47,9 @@ from rlm.plugins._pkm_ops import (
     value_lookup,
 )
 from rlm.plugins._pkm_rows import RowAdam
-from rlm.train.parallel import CAN_REPLICATE
+
+if TYPE_CHECKING:  # the callback and Lightning are imported in callbacks(): `rlm plugins pkm` stays light
+    import pytorch_lightning as pl
 
 SPARSE_CHOICES = ("auto", "true", "false")
 QUERY_NORMS = ("layernorm", "batchnorm", "none")
@@ -362,6 +362,8 @@ class PKMPlugin(Plugin):
         ]
 
     def callbacks(self) -> list[pl.Callback]:
+        from rlm.plugins._pkm_callback import PKMCallback
+
         return [PKMCallback(self)]
 
     def inactive_parameters(self) -> int:
@@ -383,64 +385,3 @@ class PKMPlugin(Plugin):
             layer: slot_stats(memory.stop_stats(self.group))
             for layer, memory in sorted(self.memories.items())
         }
-
-
-class PKMCallback(pl.Callback):
-    """Resolves sparse/dense at setup, steps the row-wise value optimizer, logs usage and KL at validation."""
-
-    def __init__(self, plugin: PKMPlugin) -> None:
-        self.plugin = plugin
-
-    @property
-    def state_key(self) -> str:
-        return f"PKMCallback[{self.plugin.label}]"
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        distributed = trainer.world_size > 1
-        strategy = trainer.strategy
-        # FSDP2 (ModelParallelStrategy): configure_model runs after this and keeps the values out of fully_shard.
-        row_exchange = isinstance(strategy, DDPStrategy) or (
-            isinstance(strategy, ModelParallelStrategy) and CAN_REPLICATE
-        )
-        if distributed and self.plugin.group is None:
-            # The data-parallel ranks: all of them under DDP and under rlm's FSDP2 (its mesh spans every rank, and
-            # the sparse values are whole on each). A group handed in before fit (set_group) is kept.
-            self.plugin.set_group(dist.group.WORLD)
-        sparse = self.plugin.resolve_sparse(distributed, row_exchange)
-        if sparse and str(trainer.precision).startswith("16"):
-            # The recorded output gradients would carry the GradScaler's scale, which only the main optimizer undoes.
-            raise ValueError(
-                f"pkm.sparse with precision={trainer.precision!r} (fp16 loss scaling) is not supported; "
-                "use precision bf16-mixed or 32, or pkm.sparse: false"
-            )
-
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        # Runs after the (accumulated) backward and before the main step, once per optimizer step.
-        if self.plugin.sparse_active:
-            self.plugin.row_optimizer.step()
-
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.plugin.start_stats()
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, "val")
-
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.plugin.start_stats()
-
-    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, "test")
-
-    def _log(self, pl_module: pl.LightningModule, stage: str) -> None:
-        for layer, (usage, kl) in self.plugin.stop_stats().items():
-            prefix = f"{stage}/{self.plugin.label}/layer{layer}"
-            pl_module.log(f"{prefix}/usage", usage.float(), rank_zero_only=True)
-            pl_module.log(f"{prefix}/kl_uniform", kl.float(), rank_zero_only=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.plugin.row_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.plugin.row_optimizer.load_state_dict(state_dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 import torch
+from cli_helpers import TINY
 
 from rlm.cli import main
 from rlm.plugin import registry
@@ -54,6 +56,37 @@ def test_subcommand_help_and_experiment_status_import_no_torch(tmp_path):
     assert (
         "is not an experiment directory" in run.stderr and "--top-p 0.0; accepted: 0 < p <= 1" in run.stderr
     )
+
+
+# rlm.data's package import loads its data module, so Lightning: these plugins' modules import rlm.data.
+PLUGINS_THROUGH_RLM_DATA = {"retrieval", "tokenid"}
+
+
+def test_plugin_options_experiment_check_and_status_import_no_lightning(tmp_path):
+    # A fresh interpreter. A plugin's options and the structure pass of `experiment check` need the plugin
+    # classes (torch) but neither Lightning nor what it pulls in (torchmetrics -> transformers), nor faiss.
+    from rlm.experiment import load_experiment
+
+    (tmp_path / "e.yaml").write_text(
+        json.dumps({"base": [str(p) for p in TINY], "variants": {"baseline": {}}})
+    )
+    exp = load_experiment(tmp_path / "e.yaml")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "experiment.json").write_text(json.dumps(exp.to_json()))
+    (tmp_path / "bad.yaml").write_text("variants: [a, b]\n")
+    heavy = ("pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "transformers", "faiss")
+    names = sorted(set(registry.BUILTIN) - PLUGINS_THROUGH_RLM_DATA)
+    commands = [*(["plugins", n] for n in names), ["experiment", "status", str(tmp_path / "out")],
+                ["experiment", "check", str(tmp_path / "bad.yaml")]]  # fmt: skip
+    code = (
+        "import sys\n"
+        "from rlm.cli import main\n"
+        f"codes = [main(args) for args in {commands!r}]\n"
+        f"print('CODES', codes, 'HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert f"CODES {[0] * (len(names) + 1) + [2]} HEAVY []" in run.stdout, run.stdout[-2000:] + run.stderr
+    assert "baseline" in run.stdout and "variants: expected a non-empty mapping" in run.stderr
 
 
 def test_a_device_left_out_is_the_gpu_when_torch_sees_one(monkeypatch):

@@ -13,8 +13,6 @@ from torch.testing import assert_close
 from rlm.model import ModelConfig
 from rlm.plugin import Context
 from rlm.plugins._expert_parallel import (
-    ExpertParallelCallback,
-    _node_size,
     check_ddp_ignores,
     expert_groups,
     ignore_in_ddp,
@@ -23,6 +21,7 @@ from rlm.plugins._expert_parallel import (
     route_group,
     shard_experts,
 )
+from rlm.plugins._expert_parallel_callback import ExpertParallelCallback, _node_size
 from rlm.plugins._experts import plan
 from rlm.plugins.moe import MoEConfig, MoELayer
 from rlm.train.parallel import spawn_local
