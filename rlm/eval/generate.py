@@ -20,14 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlm.plugin.cache import KVCache
+from rlm.plugin.cache import KVCache, refill_start
 from rlm.train.module import LMModule
-
-
-def refill_start(length: int, start: int, window: int) -> int:
-    """The cached path's window start for a sequence of ``length`` tokens whose current window starts at ``start``:
-    unchanged while the window holds at most ``window`` tokens, else the last ``window // 2`` tokens."""
-    return start if length - start <= window else length - max(window // 2, 1)
 
 
 class CachedDecoder:

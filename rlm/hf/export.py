@@ -1,15 +1,17 @@
-"""``rlm export --ckpt CKPT --out DIR``: a checkpoint as a folder that transformers loads (after ``import rlm.hf``).
+"""``rlm export --ckpt CKPT --out DIR``: a checkpoint as a folder that plain transformers loads.
 
-DIR holds ``model.safetensors`` (the Transformer's parameters, plugins included), ``config.json`` (rlm's
-ModelConfig and every plugin's options, see rlm.hf.model.RLMConfig), ``generation_config.json``, the tokenizer
-the checkpoint carries (``tokenizer.model``, sentencepiece; or the Hugging Face tokenizer files it trained
-with), a retriever's index in ``index/`` when it has one, and ``README.md``, a card with the training settings,
-data, steps and final losses, and ``manifest.json``, the checksums of the rest, which loading checks
-(rlm.hf.model). The folder is written under a temporary name and renamed; an existing non-empty DIR is refused
-unless ``force``, and the checkpoint's own folder always (rlm.outdir).
-
-What stays rlm's: a retriever's index search (rlm.index, faiss) runs inside the plugin, so loading a model with
-retrieval needs rlm installed as any rlm model does; kNN-LM datastores (rlm knnlm build) are not exported.
+A model without plugins and with the gated FFN is written as transformers' own ``LlamaForCausalLM``
+(rlm.hf.llama): ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it anywhere, with transformers' cache.
+Any other model is written as rlm's transformers model (rlm.hf.model.RLMConfig, RLMForCausalLM: rlm's
+ModelConfig and every plugin's options in ``config.json``, the Transformer's parameters, plugins included, in
+``model.safetensors``), with rlm's own source in ``rlm_src/`` and ``modeling_rlm.py`` named by config.json's
+``auto_map``, so ``from_pretrained(DIR, trust_remote_code=True)`` loads it without rlm installed; a retriever's
+index goes in ``index/`` (its search needs faiss). Both also hold ``generation_config.json``, the tokenizer the
+checkpoint carries (``tokenizer.model``, sentencepiece; or the Hugging Face tokenizer files it trained with),
+``README.md``, a card with the training settings, data, steps and final losses, and ``manifest.json``, the
+checksums of the rest, which rlm's loader checks (rlm.hf.model). The folder is written under a temporary name and
+renamed; an existing non-empty DIR is refused unless ``force``, and the checkpoint's own folder always
+(rlm.outdir). kNN-LM datastores (rlm knnlm build) are not exported.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from rlm.outdir import claim_out_dir
 SP_FILE = "tokenizer.model"
 HF_JSON = "tokenizer.json"
 INDEX_DIR = "index"
+SOURCE = "rlm_src"
+AUTO_CONFIG, AUTO_MODEL = "modeling_rlm.RLMConfig", "modeling_rlm.RLMForCausalLM"
 KNNLM_NOTE = (
     "kNN-LM datastores (`rlm knnlm build`) are not part of the export: build one from the original checkpoint "
     "with rlm."
@@ -160,9 +164,14 @@ def _block(obj: Any) -> str:
 
 
 def card(
-    ckpt: dict[str, Any], ckpt_path: Path, config: Any, tokenizer: str, indices: dict[str, str | None]
+    ckpt: dict[str, Any],
+    ckpt_path: Path,
+    config: Any,
+    tokenizer: str,
+    indices: dict[str, str | None],
+    not_llama: str | None,
 ) -> str:
-    """The README.md of the exported folder."""
+    """The README.md of the exported folder; ``not_llama``: why it is not a LlamaForCausalLM (None: it is one)."""
     hp = ckpt.get("hyper_parameters") or {}
     data = {k: v for k, v in (ckpt.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")}
     step = int(ckpt.get("global_step", 0))
@@ -177,13 +186,20 @@ def card(
         f"Exported by `rlm export` from `{ckpt_path}` at step {step} (epoch {ckpt.get('epoch', '?')}).",
         "",
         "```python",
-        "import rlm.hf  # registers model_type 'rlm' with AutoConfig and AutoModelForCausalLM",
         "from transformers import AutoModelForCausalLM",
-        "model = AutoModelForCausalLM.from_pretrained(DIR)",
+        "model = AutoModelForCausalLM.from_pretrained(DIR"
+        + (")" if not_llama is None else ", trust_remote_code=True)"),
         "```",
         "",
+        "A LlamaForCausalLM: plain transformers loads it and generates with its own key/value cache."
+        if not_llama is None
+        else f"Not a LlamaForCausalLM, as {not_llama}: the folder carries rlm's own source (`rlm_src/`), which "
+        "`modeling_rlm.py` loads, so it needs no rlm installed (where rlm is installed, `import rlm.hf` "
+        "registers it without trust_remote_code). generate() uses rlm's key/value cache (or recomputes "
+        "the window with use_cache=False).",
+        "",
         f"Tokenizer: {tokenizer} (load it with `rlm.data.pretrained.load_tokenizer(DIR/<file>)`; documents "
-        "are framed as [bos] + ids + [eos]). Generation recomputes the window at every step (no cache).",
+        "are framed as [bos] + ids + [eos]).",
         "",
         "## Training",
         "",
@@ -199,10 +215,10 @@ def card(
             lines.append(
                 f"- {str(cb).split('{')[0]} {state.get('monitor')}: best {float(state['best_model_score']):.4f}"
             )
-    lines += ["", "Model:", "", _block(hp.get("model") or config.rlm_model), "", "Optimizer:", "",
+    lines += ["", "Model:", "", _block(hp.get("model") or {}), "", "Optimizer:", "",
               _block(hp.get("optim") or {}), "", "## Data", "", _block(data) if data else "(no data settings)", ""]  # fmt: skip
     lines += ["## Plugins", ""]
-    if config.plugins:
+    if getattr(config, "plugins", None):
         lines += [_block(config.plugins), ""]
     else:
         lines += ["None: the base transformer.", ""]
@@ -222,13 +238,85 @@ def card(
     return "\n".join(lines)
 
 
+def write_llama(model: Transformer, tok: Any, dest: Path) -> Any:
+    """Write ``model`` (no plugins, gated FFN) into ``dest`` as transformers' LlamaForCausalLM; returns its
+    config."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    from rlm.hf.llama import llama_config, llama_state_dict
+
+    config = llama_config(model, tok.bos_id, tok.eos_id, tok.pad_id)
+    config.save_pretrained(dest)
+    GenerationConfig.from_model_config(config).save_pretrained(dest)
+    save_file(llama_state_dict(model), dest / "model.safetensors", metadata={"format": "pt"})
+    return config
+
+
+def write_source(dest: Path) -> None:
+    """rlm's own source (its packages' .py and .c files) under ``dest/rlm_src/rlm``, and the remote-code entry
+    ``dest/modeling_rlm.py`` (rlm.hf.modeling_rlm) that loads the model from it."""
+    from importlib.util import find_spec
+
+    def folder(name: str) -> Path:  # found, not imported: the core never imports a plugin
+        return Path(find_spec(name).submodule_search_locations[0])
+
+    root = dest / SOURCE / "rlm"
+    sources = {"rlm": root, "rlm.plugins": root / "plugins", "rlm.index": root / "index"}
+    for name, target in sources.items():
+        base = folder(name)
+        for path in sorted(base.rglob("*")):
+            rel = path.relative_to(base)
+            nested = name == "rlm" and rel.parts[0] in ("plugins", "index")  # (not where they are installed)
+            if path.suffix in (".py", ".c", ".typed") and "__pycache__" not in rel.parts and not nested:
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target / rel)
+    shutil.copyfile(Path(__file__).with_name("modeling_rlm.py"), dest / "modeling_rlm.py")
+
+
+def write_rlm(
+    model: Transformer, module: Any, tok: Any, dest: Path, say: Callable[[str], None]
+) -> tuple[Any, dict[str, str | None]]:
+    """Write ``model`` into ``dest`` as rlm's own transformers model (rlm.hf.model), with its source and an
+    ``auto_map`` for ``trust_remote_code=True``, its indices and option files; returns (config, indices)."""
+    from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs
+
+    indices = export_indices(model, dest, say)
+    specs = plugin_specs(model)
+    # index_dir says where training writes rebuilds: meaningless on another machine
+    for label in indices:
+        if "index_dir" in specs[label]["init_args"]:
+            specs[label]["init_args"]["index_dir"] = None
+    files = export_files(specs, dest, say)
+    config = RLMConfig(
+        rlm_model=asdict(module.model_config),
+        plugins=specs,
+        indices=indices,
+        files=files,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    )
+    config.auto_map = {"AutoConfig": AUTO_CONFIG, "AutoModelForCausalLM": AUTO_MODEL}
+    config.name_or_path = str(dest)  # where the copied files are (not written to config.json)
+    # a shell built from config.json alone (checked against the checkpoint); its Transformer goes in
+    with torch.device("meta"):
+        hf = RLMForCausalLM(config)
+    _check_rebuild(hf.model, model)
+    hf.model = model
+    hf.save_pretrained(dest)
+    write_source(dest)
+    return config, indices
+
+
 def export(
     ckpt_path: str | Path, out: str | Path, force: bool = False, say: Callable[[str], None] = print
 ) -> Path:
     """Write the exported folder of a checkpoint at ``out`` (see the module docstring)."""
     require("transformers", "hf-export", "rlm export")
     require("safetensors", "hf-export", "rlm export")
-    from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs, write_manifest
+    from rlm.hf.llama import llama_refusal
+    from rlm.hf.model import write_manifest
     from rlm.train.module import LMModule
 
     ckpt_path = Path(ckpt_path)
@@ -238,40 +326,25 @@ def export(
         raise ValueError(f"{str(ckpt_path)!r} is not a checkpoint of rlm fit (it holds no model settings)")
     module = LMModule.load_from_checkpoint(ckpt_path, map_location="cpu")
     model = module.model.eval()
+    llama = llama_refusal(model)
     with atomic_dir(dest) as tmp:
         tokenizer, tok = write_tokenizer(ckpt, ckpt_path, tmp)
         if tok.vocab_size > model.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}"
             )
-        indices = export_indices(model, tmp, say)
-        specs = plugin_specs(model)
-        # index_dir says where training writes rebuilds: meaningless on another machine
-        for label in indices:
-            if "index_dir" in specs[label]["init_args"]:
-                specs[label]["init_args"]["index_dir"] = None
-        files = export_files(specs, tmp, say)
-        config = RLMConfig(
-            rlm_model=asdict(module.model_config),
-            plugins=specs,
-            indices=indices,
-            files=files,
-            bos_token_id=tok.bos_id,
-            eos_token_id=tok.eos_id,
-            pad_token_id=tok.pad_id,
-        )
-        config.name_or_path = str(tmp)  # where the copied files are (not written to config.json)
-        # a shell built from config.json alone (checked against the checkpoint); its Transformer goes in
-        with torch.device("meta"):
-            hf = RLMForCausalLM(config)
-        _check_rebuild(hf.model, model)
-        hf.model = model
-        hf.save_pretrained(tmp)
+        if llama is None:
+            config = write_llama(model, tok, tmp)
+            indices: dict[str, str | None] = {}
+        else:
+            config, indices = write_rlm(model, module, tok, tmp, say)
         for path in tmp.iterdir():  # safetensors writes its file private; the folder is to be shared
             if path.is_file():
                 path.chmod(0o644)
-        (tmp / "README.md").write_text(card(ckpt, ckpt_path, config, tokenizer, indices))
+        (tmp / "README.md").write_text(card(ckpt, ckpt_path, config, tokenizer, indices, llama))
         write_manifest(tmp, indices)  # last: it covers the card and the tokenizer too
+    kind = "LlamaForCausalLM" if llama is None else f"rlm's own code (trust_remote_code=True), as {llama}"
+    say(f"exported as {kind}")
     say(f"wrote {out}: model.safetensors, config.json, {tokenizer}, README.md")
     say(KNNLM_NOTE)
     return dest

@@ -5,9 +5,11 @@
 very same :class:`~rlm.model.transformer.Transformer` from them, so the parameter names of ``model.safetensors``
 are the checkpoint's (``model.`` + the Transformer's). How it differs from rlm's own path (LMModule +
 rlm.eval.generate.sample): nothing in the numbers: a forward builds the Context as LMModule.make_context does and
-lets every plugin prepare it. Generation recomputes the whole window at every step (no key/value cache), over
-the last ``max_seq_len`` tokens, as ``rlm generate`` does. Attention is causal with no padding mask (as in rlm's
-training): a right-padded batch scores exactly, a left-padded one does not; the mask reaches the plugins.
+lets every plugin prepare it. ``generate`` decodes as ``rlm generate`` does: with ``use_cache`` (the default) over
+rlm's own KVCache (:class:`WindowCache`, every plugin's per-step state included), which re-fills the window past
+``max_seq_len`` by rlm.plugin.cache.refill_start; without it, by recomputing the last ``max_seq_len`` tokens at
+every step. Attention is causal with no padding mask (as in rlm's training): a right-padded batch scores exactly,
+a left-padded one does not; the mask reaches the plugins, and the cached path refuses it.
 
 A retriever's index is a folder beside the weights (``indices``: plugin label -> folder relative to the model
 directory); from_pretrained hands it to the plugin, which searches it online as ``rlm generate`` does.
@@ -38,12 +40,12 @@ from rlm.extras import require
 require("transformers", "hf-export", "rlm.hf (a transformers model of rlm checkpoints)")
 
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel  # noqa: E402
-from transformers.modeling_outputs import CausalLMOutput  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from transformers.utils import CONFIG_NAME  # noqa: E402
 
 from rlm.model.config import ModelConfig  # noqa: E402
-from rlm.model.layers import Rotary, rope_cache  # noqa: E402
 from rlm.model.transformer import Transformer  # noqa: E402
+from rlm.plugin.cache import KVCache, refill_start  # noqa: E402
 from rlm.plugin.context import Context  # noqa: E402
 
 MODEL_TYPE = "rlm"
@@ -89,8 +91,8 @@ class RLMConfig(PretrainedConfig):
     num_attention_heads: int | None = None
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
-    use_cache: bool = False
-    """No key/value cache: generate() recomputes the window at every step."""
+    use_cache: bool = True
+    """generate() decodes over rlm's key/value cache (WindowCache); False: recompute the window at every step."""
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -142,9 +144,24 @@ def _tied_source(model: Transformer) -> str | None:
     return None
 
 
+class WindowCache(KVCache):
+    """rlm's KVCache as transformers' generate() carries it between steps (``cache``): one window of the sequence,
+    starting at position ``start``."""
+
+    is_compileable = False
+
+    def __init__(self, capacity: int, batch: int, device: torch.device, start: int) -> None:
+        super().__init__(capacity, batch, device)
+        self.start = start
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens of the sequence up to the cache's end (transformers' name)."""
+        return self.start + self.length
+
+
 class RLMForCausalLM(PreTrainedModel, GenerationMixin):
     """rlm's Transformer with its plugins behind the transformers causal-LM interface (logits, shifted loss,
-    greedy and sampled generate() without a cache)."""
+    greedy and sampled generate(), with rlm's key/value cache or without one)."""
 
     config_class = RLMConfig
     base_model_prefix = "model"
@@ -190,12 +207,11 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def _init_weights(self, module: torch.nn.Module) -> None:
-        """Weights come from model.safetensors (or rlm's own init in Transformer.__init__); only the rotary tables,
-        non-persistent buffers that from_pretrained leaves empty, are computed again."""
-        if isinstance(module, Rotary):
-            cos, sin = rope_cache(module.cos.shape[0], 2 * module.cos.shape[1], module.rope_base)
-            module.cos.copy_(cos)
-            module.sin.copy_(sin)
+        """Weights come from model.safetensors (or rlm's own init in Transformer.__init__); only non-persistent
+        buffers computed from the options (the rotary tables, hash constants), which from_pretrained leaves empty,
+        are computed again, by the modules' own ``reset_buffers``."""
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed.main
@@ -253,11 +269,16 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
         return_dict: bool | None = None,
+        cache: WindowCache | None = None,
+        use_cache: bool | None = None,
         **kwargs: Any,
-    ) -> CausalLMOutput | tuple[Tensor, ...]:
+    ) -> CausalLMOutputWithPast | tuple[Tensor, ...]:
         """Logits (B, T, V); with ``labels`` (B, T) also the mean next-token loss (labels shifted here, -100
-        ignored), plus the plugins' weighted auxiliary losses in training mode (rlm's training objective)."""
+        ignored), plus the plugins' weighted auxiliary losses in training mode (rlm's training objective). With
+        ``cache`` (from prepare_inputs_for_generation), ``input_ids`` are the tokens after the cached ones."""
         ctx = self.context(input_ids, attention_mask)
+        if cache is not None:
+            ctx.cache, ctx.offset = cache, cache.length
         logits = self.model(input_ids, ctx)  # (B, T, V)
         loss = None
         if labels is not None:
@@ -268,16 +289,36 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
             loss = loss if aux is None else loss + aux
         if return_dict is False:
             return (logits,) if loss is None else (loss, logits)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, **kwargs: Any) -> dict[str, Any]:
-        """The whole sequence at every step (no cache), cut to the last max_seq_len tokens as rlm generate does."""
-        inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: Tensor,
+        cache: WindowCache | None = None,
+        attention_mask: Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The next forward's inputs, as rlm.eval.generate builds them: with the cache, the tokens it has not
+        seen (the prompt, one new token, or a re-filled window's last max_seq_len // 2 tokens); without it, the
+        last max_seq_len tokens."""
         window = self.model.config.max_seq_len
-        out = {"input_ids": inputs["input_ids"][:, -window:]}
-        if inputs.get("attention_mask") is not None:
-            out["attention_mask"] = inputs["attention_mask"][:, -window:]
-        return out
+        if use_cache is None:
+            use_cache = self.config.use_cache
+        if not use_cache:
+            out = {"input_ids": input_ids[:, -window:]}
+            if attention_mask is not None:
+                out["attention_mask"] = attention_mask[:, -window:]
+            return out
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError(
+                "generate(use_cache=True) of an rlm model takes prompts of one length (no padding: the cache has "
+                "no padding mask); give prompts of equal length, or use_cache=False"
+            )
+        start = refill_start(input_ids.shape[1], cache.start if cache is not None else 0, window)
+        if cache is None or start != cache.start:
+            cache = WindowCache(window, input_ids.shape[0], input_ids.device, start)
+        return {"input_ids": input_ids[:, start + cache.length :], "cache": cache}
 
 
 def register() -> None:

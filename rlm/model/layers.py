@@ -46,12 +46,14 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.rope_base = (
-            config.rope_base
-        )  # to compute the tables again (rlm.hf: from_pretrained leaves them empty)
-        cos, sin = rope_cache(config.max_seq_len, config.head_dim, config.rope_base)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.shape = (config.max_seq_len, config.head_dim, config.rope_base)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Compute the tables (non-persistent buffers: rlm.hf calls this after loading, which leaves them empty)."""
+        self.cos, self.sin = rope_cache(*self.shape, device=self.cos.device)
 
     def forward(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
         T = q.shape[-2]

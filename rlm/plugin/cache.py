@@ -71,4 +71,10 @@ class KVCache:
         self.length = end
 
 
-__all__ = ["KVCache"]
+def refill_start(length: int, start: int, window: int) -> int:
+    """The cached path's window start for a sequence of ``length`` tokens whose current window starts at ``start``:
+    unchanged while the window holds at most ``window`` tokens, else the last ``window // 2`` tokens."""
+    return start if length - start <= window else length - max(window // 2, 1)
+
+
+__all__ = ["KVCache", "refill_start"]

@@ -1,6 +1,8 @@
-"""``rlm export`` and rlm.hf: every plugin's checkpoint round-trips through AutoModelForCausalLM with the
-checkpoint's own logits; config.json holds each plugin's options; the tokenizer and a retriever's index travel
-with the weights (or the folder says there is none)."""
+"""``rlm export`` and rlm.hf: the plain gated model becomes transformers' LlamaForCausalLM; every plugin's checkpoint
+round-trips through AutoModelForCausalLM with the checkpoint's own logits, and transformers' greedy generate()
+(cache or not) gives rlm generate's tokens; the folders load without rlm installed; config.json holds each
+plugin's options; the tokenizer and a retriever's index travel with the weights (or the folder says there is
+none)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +41,11 @@ PLUGINS = {
     "altup": {"altup": {"k": 2}},
     "tokenid": {"tokenid": {"layers": [0, 1], "rank": 2}},
     "retrieval": {"retrieval": {"layers": [1], "k": 2, "progress": False}},
+    "tokenid_ngram": {"tokenid": {"layers": [1], "ngram_orders": [2, 3], "ngram_heads": 2, "ngram_rows": 64}},
+    "pkm_peer": {"pkm": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16, "values": "peer"}},
+    "knn_attention": {"knn_attention": {"k": 4, "own_k": 3}},
 }
+PLAIN = {"ffn": "plain"}  # the GELU FFN: no standard architecture has it with RMSNorm and rotary positions
 L = 8  # the retrieval index's segment length
 
 
@@ -51,12 +58,12 @@ def sp_model(tmp_path_factory) -> bytes:
     return path.read_bytes()
 
 
-def _perturb(module: LMModule) -> None:
+def _perturb(module: LMModule, noise: float) -> None:
     """Noise on every parameter, so zero-initialised parts (retrieval's output, routers) reach the logits."""
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in module.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.add_(noise * torch.randn(p.shape, generator=g))
 
 
 def _index(module: LMModule, folder: Path) -> Path:
@@ -88,13 +95,14 @@ def make_checkpoint(
     sp_model: bytes | None,
     with_index: bool = False,
     tokenizer: str | None = None,
-    **model: int,
+    noise: float = 0.05,
+    **model: Any,
 ) -> Path:
     """A checkpoint as rlm fit writes it (LMModule weights and hyper-parameters, data settings, tokenizer: the
     sentencepiece model's bytes, or the data.tokenizer it names)."""
     torch.manual_seed(0)
     module = LMModule(model={**MODEL, **model}, plugins=plugins)
-    _perturb(module)
+    _perturb(module, noise)
     if with_index:
         _index(module, folder)
     ckpt = {
@@ -112,7 +120,7 @@ def make_checkpoint(
         "RLMDataModule": {"tokenizer_model": sp_model} if sp_model else {},
     }
     path = folder / "ckpt" / "last.ckpt"
-    path.parent.mkdir()
+    path.parent.mkdir(parents=True)
     torch.save(ckpt, path)
     return path
 
@@ -128,11 +136,13 @@ def _tokens(n: int = 2, T: int = 24) -> torch.Tensor:
     return torch.randint(4, VOCAB, (n, T), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("name", list(PLUGINS))
+@pytest.mark.parametrize("name", [*(n for n in PLUGINS if n != "base"), "plain_ffn"])
 def test_every_plugin_round_trips_through_auto_model(tmp_path, sp_model, name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    ckpt = make_checkpoint(tmp_path, PLUGINS[name], sp_model)
+    ckpt = make_checkpoint(
+        tmp_path, PLUGINS.get(name, {}), sp_model, **(PLAIN if name == "plain_ffn" else {})
+    )
     out = tmp_path / "hf"
     said: list[str] = []
     export(ckpt, out, say=said.append)
@@ -143,8 +153,9 @@ def test_every_plugin_round_trips_through_auto_model(tmp_path, sp_model, name):
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "rlm" and config["rlm_model"]["d_model"] == MODEL["d_model"]
-    assert set(config["plugins"]) == set(PLUGINS[name])
-    for label, options in PLUGINS[name].items():  # every option, the given ones with their values
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_rlm.RLMForCausalLM"
+    assert set(config["plugins"]) == set(PLUGINS.get(name, {}))
+    for label, options in PLUGINS.get(name, {}).items():  # every option, the given ones with their values
         args = config["plugins"][label]["init_args"]
         assert {k: args[k] for k in options} == options
         assert len(args) > len(options)  # the defaults too
@@ -220,6 +231,122 @@ def test_loss_shift_and_greedy_generate_match_rlm(tmp_path, sp_model):
     ids = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)  # past max_seq_len
     module = LMModule.load_from_checkpoint(ckpt, map_location="cpu")
     assert ids[0, 10:].tolist() == sample(module, prompt[0].tolist(), 12, temperature=0.0)
+
+
+LLAMA = {"n_kv_heads": 1, "vocab_multiple": 128}  # grouped-query attention, a padded head
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_plain_gated_model_is_a_llama(tmp_path, sp_model, tied):
+    """No plugins and the SwiGLU FFN: transformers' own LlamaForCausalLM, the checkpoint's logits at every position
+    of 24 (so the rotary layouts agree), the padded head cut back to the tokenizer's vocabulary."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    ckpt = make_checkpoint(tmp_path, {}, sp_model, tie_embeddings=tied, **LLAMA)
+    said: list[str] = []
+    export(ckpt, tmp_path / "hf", say=said.append)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["vocab_size"] == VOCAB and "auto_map" not in config
+    assert config["num_key_value_heads"] == 1 and config["tie_word_embeddings"] is tied
+    assert not (tmp_path / "hf" / "rlm_src").exists() and "exported as LlamaForCausalLM" in said
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model) is LlamaForCausalLM
+    tokens = _tokens()
+    with torch.no_grad():
+        assert_close(model(tokens).logits, reference_logits(ckpt, tokens), rtol=1e-5, atol=1e-5)
+
+
+def _rlm_greedy(ckpt: Path, prompts: torch.Tensor, steps: int, cache: bool) -> list[list[int]]:
+    from rlm.eval.generate import sample_batch
+
+    module = LMModule.load_from_checkpoint(ckpt, map_location="cpu")
+    return sample_batch(module, prompts.tolist(), steps, temperature=0, top_k=None, eos_id=3, cache=cache)
+
+
+def _hf_greedy(model: Any, prompts: torch.Tensor, steps: int, cache: bool) -> list[list[int]]:
+    """transformers' greedy generate(): each row's new ids up to and including its eos (id 3), as rlm's."""
+    ids = model.generate(prompts, max_new_tokens=steps, do_sample=False, use_cache=cache)[
+        :, prompts.shape[1] :
+    ]
+    rows = [row.tolist() for row in ids]
+    return [row[: row.index(3) + 1] if 3 in row else row for row in rows]
+
+
+@pytest.mark.parametrize("name", [*PLUGINS, "plain_ffn"])
+def test_transformers_greedy_generate_is_rlm_generate(tmp_path, sp_model, name):
+    """Token for token, with transformers' cache (rlm's KVCache for rlm's model, transformers' for the Llama) and
+    without; rlm's model past max_seq_len too, where both restart the window the same way."""
+    from transformers import AutoModelForCausalLM
+
+    shape = PLAIN if name == "plain_ffn" else LLAMA if name == "base" else {}
+    # untied: a tied head, perturbed, mostly repeats the last token, and greedy decoding would show little
+    ckpt = make_checkpoint(
+        tmp_path, PLUGINS.get(name, {}), sp_model, noise=0.3, tie_embeddings=False, **shape
+    )
+    export(ckpt, tmp_path / "hf", say=lambda _: None)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    prompts = _tokens(2, 10)
+    steps = 40 if name == "base" else 70  # transformers' Llama has no window past max_seq_len=64
+    for cache in (True, False):
+        want = _rlm_greedy(ckpt, prompts, steps, cache)
+        assert len(set(want[0])) > 3, f"degenerate generation {want[0]}: the test would show little"
+        assert _hf_greedy(model, prompts, steps, cache) == want, f"use_cache={cache}"
+
+
+NO_RLM = """
+import json, sys
+# rlm as if not installed: its editable finder off the import system, the repository off the path
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.path[:] = [p for p in sys.path if p not in ("", sys.argv[1])]
+try:
+    import rlm
+    raise SystemExit("rlm is importable")
+except ModuleNotFoundError:
+    pass
+import torch
+from transformers import AutoModelForCausalLM
+out = {}
+for folder in sys.argv[3:]:
+    kwargs = {} if folder.endswith("llama") else {"trust_remote_code": True}
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+    prompts = torch.tensor(json.loads(sys.argv[2]))
+    ids = model.generate(prompts, max_new_tokens=30, do_sample=False)[:, prompts.shape[1]:]
+    rlm_file = getattr(sys.modules.get("rlm"), "__file__", None)
+    out[folder] = {"ids": ids.tolist(), "class": type(model).__name__, "rlm": rlm_file}
+print(json.dumps(out))
+"""
+
+
+def test_exports_load_and_generate_where_rlm_is_not_installed(tmp_path, sp_model):
+    """Plain transformers loads the Llama (no rlm imported at all) and, with trust_remote_code, a model with a
+    plugin from the rlm source its folder carries; both generate what they generate where rlm is installed."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    repo = str(Path(__file__).resolve().parents[2])
+    folders = {}
+    for name, plugins, shape in (("llama", {}, LLAMA), ("pkm", PLUGINS["pkm"], {})):
+        ckpt = make_checkpoint(tmp_path / name, plugins, sp_model, noise=0.3, tie_embeddings=False, **shape)
+        export(ckpt, tmp_path / name / name, say=lambda _: None)
+        folders[name] = str(tmp_path / name / name)
+    prompts = _tokens(2, 10)
+    run = subprocess.run(
+        [sys.executable, "-c", NO_RLM, repo, json.dumps(prompts.tolist()), *folders.values()],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got[folders["llama"]]["class"] == "LlamaForCausalLM" and got[folders["llama"]]["rlm"] is None
+    assert got[folders["pkm"]]["rlm"].startswith(folders["pkm"])  # the folder's own copy of rlm
+    for name, folder in folders.items():
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        here = model.generate(prompts, max_new_tokens=30, do_sample=False)[:, 10:].tolist()
+        assert got[folder]["ids"] == here, name
 
 
 def test_cli_export_refuses_bad_input_and_replaces_with_force(tmp_path, sp_model, capsys):
@@ -321,9 +448,10 @@ def test_a_file_a_plugin_option_names_is_copied_into_the_folder(tmp_path, sp_mod
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, sp_model) -> Path:
-    """The base model exported once; tests damage copies of it."""
+    """A Token-ID model exported once (rlm's own model class, whose loader checks the manifest); tests damage
+    copies of it."""
     work = tmp_path_factory.mktemp("exported")
-    export(make_checkpoint(work, {}, sp_model), work / "hf", say=lambda _: None)
+    export(make_checkpoint(work, PLUGINS["tokenid"], sp_model), work / "hf", say=lambda _: None)
     return work / "hf"
 
 
@@ -368,16 +496,23 @@ def test_a_damaged_export_is_refused_naming_the_file(exported, tmp_path, victim,
     assert victim in str(err.value) and str(hf) in str(err.value), err.value
 
 
-def test_a_full_disk_during_export_is_one_line_naming_the_folder(tmp_path, sp_model, capsys, monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "rlm"])
+def test_a_full_disk_during_export_is_one_line_naming_the_folder(
+    tmp_path, sp_model, capsys, monkeypatch, kind
+):
     """safetensors reports ENOSPC as a SafetensorError (not an OSError), which was a traceback."""
+    import safetensors.torch
     import transformers.modeling_utils
     from safetensors import SafetensorError
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
-    ckpt = make_checkpoint(tmp_path, {}, sp_model)
+    if kind == "llama":  # written by safetensors itself
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
+    else:  # by transformers' save_pretrained
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    ckpt = make_checkpoint(tmp_path, {} if kind == "llama" else PLUGINS["tokenid"], sp_model)
     assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert f"rlm export: error: cannot write '{tmp_path / 'hf'}': No space left on device" in err, err

@@ -13,9 +13,10 @@ import torch
 from retrieval_helpers import CORPUS_SEGMENTS, attach_memory
 from torch.testing import assert_close
 
-from rlm.eval.generate import CachedDecoder, refill_start, sample
+from rlm.eval.generate import CachedDecoder, sample
 from rlm.model.layers import causal_mask
 from rlm.plugin import Context, KVCache
+from rlm.plugin.cache import refill_start
 from rlm.train.module import LMModule
 
 VOCAB, WINDOW = 96, 16

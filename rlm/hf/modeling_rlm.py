@@ -1,0 +1,64 @@
+"""The code transformers runs for an exported rlm model with plugins, ``trust_remote_code=True`` (``rlm export``
+copies this file into the folder as ``modeling_rlm.py``, and config.json's ``auto_map`` names its classes).
+
+The folder also carries rlm's own source (``rlm_src/``), the code that trained the weights. These two classes put
+it on the import path, unless rlm is imported already, and hand over to rlm.hf.model; so the model loads where
+rlm is not installed, with the dependencies its plugins need (torch; faiss for a retriever's index).
+
+This file imports nothing of rlm at its top: transformers checks that every package a remote file imports is
+installed before it runs it, and rlm need not be.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+
+SOURCE = "rlm_src"
+
+
+def _local(path: str | os.PathLike[str]) -> str:
+    """The local folder of a model: ``path`` itself, or the downloaded snapshot of a Hub repository."""
+    if os.path.isdir(path):
+        return str(path)
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(str(path))
+
+
+def _rlm_hf(folder: str) -> Any:
+    """rlm.hf.model, from the folder's own source unless rlm is imported already."""
+    source = os.path.join(folder, SOURCE)
+    if "rlm" not in sys.modules and os.path.isdir(source) and source not in sys.path:
+        sys.path.insert(0, source)
+    return importlib.import_module("rlm.hf.model")
+
+
+class RLMConfig(PretrainedConfig):
+    """Loads as rlm.hf.model.RLMConfig (rlm's ModelConfig and every plugin's options)."""
+
+    model_type = "rlm"
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
+    ):
+        folder = _local(pretrained_model_name_or_path)
+        return _rlm_hf(folder).RLMConfig.from_pretrained(folder, *args, **kwargs)
+
+
+class RLMForCausalLM(PreTrainedModel, GenerationMixin):
+    """Loads as rlm.hf.model.RLMForCausalLM (rlm's Transformer with its plugins; generate() over rlm's cache)."""
+
+    config_class = RLMConfig
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
+    ):
+        folder = _local(pretrained_model_name_or_path)
+        return _rlm_hf(folder).RLMForCausalLM.from_pretrained(folder, *args, **kwargs)
