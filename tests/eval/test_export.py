@@ -44,6 +44,7 @@ PLUGINS = {
     "tokenid_ngram": {"tokenid": {"layers": [1], "ngram_orders": [2, 3], "ngram_heads": 2, "ngram_rows": 64}},
     "pkm_peer": {"pkm": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16, "values": "peer"}},
     "knn_attention": {"knn_attention": {"k": 4, "own_k": 3}},
+    "token_memory": {"token_memory": {"memory_batches": 2}},
 }
 PLAIN = {"ffn": "plain"}  # the GELU FFN: no standard architecture has it with RMSNorm and rotary positions
 L = 8  # the retrieval index's segment length
