@@ -209,7 +209,12 @@ class PKMLayer(nn.Module):
         if self.act is not None:  # PEER: w_i act(u_i . x), each selected expert's weight on its up row v_i
             down = self.table + DOWN
             u = self._owner.values[down]
-            w = w * self.act(value_dot(rows, xf.to(u.dtype), u, sink, down))
+            xd = xf.to(u.dtype)
+            if sink is not None and not xd.requires_grad:
+                # The down rows' gradient is handed to the sink by the read's backward, which autograd runs only
+                # when an input needs a gradient: not so below a frozen network.
+                xd = xd.detach().requires_grad_()
+            w = w * self.act(value_dot(rows, xd, u, sink, down))
         m = value_lookup(rows, w, values, sink, self.table)
         if self.value_dropout:
             m = F.dropout(m, self.value_dropout, self.training)  # (N, d)

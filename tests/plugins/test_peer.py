@@ -161,3 +161,13 @@ def test_config_fragment_parses_and_builds_peer(rlm_main, tmp_path):
             ModelConfig(), {"pkm": yaml.safe_load(fragment.read_text())["model"]["plugins"]["pkm"]}
         )
     assert model.plugins["pkm"].values["shared_down"].shape == model.plugins["pkm"].values["shared"].shape
+
+
+def test_down_rows_train_below_a_frozen_network():
+    """An input without a gradient (the layers below are frozen) still sends the down rows' reads to the row Adam."""
+    plugin, layer = peer_layer(sparse="true")
+    plugin.resolve_sparse(distributed=False)
+    x = torch.randn(2, 4, D, dtype=torch.float64)  # requires no gradient
+    layer(x, Context(tokens=torch.zeros(2, 4, dtype=torch.long))).sum().backward()
+    assert plugin.row_optimizer.pending("shared_down") is not None
+    assert plugin.row_optimizer.pending("shared") is not None
