@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rlm.data.windows import host_array
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._experts import PartialEntries
 from rlm.plugins._host_table import Fetched, fetch
@@ -273,6 +272,8 @@ class TokenIDPlugin(Plugin):
         fetching the next batch's rows before it would read stale ones)."""
         if not self.memories:
             return
+        from rlm.data.windows import host_array  # here: importing rlm.data imports Lightning
+
         tokens = torch.as_tensor(host_array(batch, "tokens"))  # (B, T) on the host
         memory = next(iter(self.memories.values()))  # the tables share their orders, heads, rows and seed
         ids = memory.ids(with_history(ctx, max(memory.orders) - 1, memory.pad, tokens))  # (B*T, O*H)
