@@ -37,7 +37,7 @@ keys: ``seed_everything``, the log and checkpoint directories (every logger's ``
 ``ModelCheckpoint``'s ``dirpath`` point into the run directory, a CSVLogger and a last-checkpoint are added
 when missing, checkpointing is on; other loggers such as W&B or MLflow are kept, each run named
 ``VARIANT/seedK`` there), no progress bar, and the :class:`TrainClock` callback that logs
-``time/train_s``. ``rlm experiment run --set KEY=VALUE`` merges into ``common`` and ``--seeds`` replaces the
+``time/train_s`` and ``time/load`` (the machine's load average, printed beside each run's throughput). ``rlm experiment run --set KEY=VALUE`` merges into ``common`` and ``--seeds`` replaces the
 seeds, for a smaller budget (give such runs their own ``--out``); ``--base FILE`` appends config files to
 ``base`` (another model size). Flags such as ``--launcher``, ``--jobs``, ``--partition`` and ``--time``
 override the ``launcher`` mapping, which is not part of any run's config. The data split (``data.seed``) is not varied with the seed, so every run is validated on the same documents.

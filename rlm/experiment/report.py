@@ -19,7 +19,7 @@ from rlm.experiment.spec import flatten, write_atomic
 RUN_COLUMNS = [
     "variant", "seed", "baseline", "val_loss", "val_ppl", "best_val_loss", "val_step", "test_loss", "test_ppl",
     "test_bpb", "steps", "params_total",
-    "params_added", "params_active", "tokens_per_s", "train_s", "wall_s",
+    "params_added", "params_active", "tokens_per_s", "load", "cores", "jobs", "train_s", "wall_s",
 ]  # fmt: skip
 PLOTS = ("val_loss_vs_step.png", "val_loss_vs_time.png", "loss_vs_added_params.png")
 MAX_METRIC_COLUMNS = 12
@@ -102,7 +102,9 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
         f"validation of each run (mean ± sample sd over seeds){over}; test loss and bits per byte are `rlm eval` of "
         "each run's last checkpoint on the whole test split; Δ against the baseline "
         f"`{info['baseline']}`{'' if base else ' (not finished: no deltas)'}; tokens/s is the median "
-        "training throughput of the second half of each run; train time excludes validation; the loss at equal "
+        "training throughput of the second half of each run, load the machine's 1-minute load average at the same "
+        "steps against its cores, jobs the runs trained at once (--jobs): on a shared machine throughput and "
+        "times follow them; train time excludes validation; the loss at equal "
         "time is read off each run's validation curve (linear between validations) at the training time of the "
         "shortest run.",
         "",
@@ -114,7 +116,7 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     at_header = f"val loss at {_seconds(t_equal)} train" if t_equal is not None else "val loss at equal time"
     header = ["variant", val_name, "Δ loss", at_header, "val ppl", "Δ ppl", "test loss", "test bits/byte",
               "params", "added", "active/token",
-              "tokens/s", "train time", "runs", "tokens/s vs baseline"]  # fmt: skip
+              "tokens/s", "load / cores", "jobs", "train time", "runs", "tokens/s vs baseline"]  # fmt: skip
     rows = []
     for v in ordered:
         loss, sd, ppl, speed = v.mean("val_loss"), v.sd("val_loss"), v.mean("val_ppl"), v.mean("tokens_per_s")
@@ -132,11 +134,14 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
             _count(v.mean("params_added")),
             _count(v.mean("params_active")),
             _fmt(speed, 0),
+            "—" if v.mean("load") is None else f"{v.mean('load'):.1f} / {v.mean('cores'):.0f}",
+            "—" if v.mean("jobs") is None else str(max(r.get("jobs") or 1 for r in v.runs)),
             _seconds(v.mean("train_s")),
             str(len(v.runs)),
             "—" if None in (speed, b_speed) else f"{speed / b_speed:.2f}x",
         ])  # fmt: skip
     lines += _table(*_without_zero_seconds(header, rows))
+    lines += _overload_note(variants)
     stale = sorted(
         f"{v.name}/seed{r['seed']}"
         for v in variants
@@ -153,6 +158,21 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     lines += _metrics_table(info, ordered)
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS) + ".", ""]
     return "\n".join(lines)
+
+
+def _overload_note(variants: list[VariantResult]) -> list[str]:
+    """A warning naming the runs whose machine had more runnable threads than cores while they were timed."""
+    busy = [
+        f"{v.name}/seed{r['seed']} ({r['load']:.1f} on {r['cores']} cores)"
+        for v in variants
+        for r in sorted(v.runs, key=lambda r: r["seed"])
+        if r.get("load") is not None and r.get("cores") and r["load"] > r["cores"]
+    ]
+    if not busy:
+        return []
+    return ["", f"Warning: the load average exceeded the core count during {', '.join(busy)}: their tokens/s, "
+            "MFU, train time and loss at equal time measure the machine's other work as much as the variant "
+            "(the scripts in benchmarks/ time against a baseline measured in the same run)."]  # fmt: skip
 
 
 def _knnlm_table(variants: list[VariantResult]) -> list[str]:

@@ -52,14 +52,19 @@ from rlm.train.checkpoint import PREEMPTED, load_checkpoint_file
 from rlm.train.resume import newest_loadable
 
 
-def summarize(run: Run, wall_s: float) -> dict[str, Any]:
-    """The per-run summary: final validation loss, parameter counts, speed, time and plugin metrics."""
+def _late_median(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The median of a logged value over the second half of its steps: the first steps pay for warm-up,
+    allocation and caching."""
+    values = [v for _, v in series(rows, key)]
+    return statistics.median(values[len(values) // 2 :]) if values else None
+
+
+def summarize(run: Run, wall_s: float, jobs: int = 1) -> dict[str, Any]:
+    """The per-run summary: final validation loss, parameter counts, speed with the machine's load while it was
+    measured (``jobs``: runs at once), time and plugin metrics."""
     rows = run_metrics(run.dir)
     val_series = series(rows, "val/loss")
     val = [v for _, v in val_series]
-    speed = [v for _, v in series(rows, "train/tokens_per_s")]
-    # The median of the second half: the first steps pay for warm-up, allocation and caching.
-    tokens_per_s = statistics.median(speed[len(speed) // 2 :]) if speed else None
     hp = torch.load(run.dir / LAST_CKPT, map_location="cpu", weights_only=False, mmap=True)[
         "hyper_parameters"
     ]
@@ -83,7 +88,10 @@ def summarize(run: Run, wall_s: float) -> dict[str, Any]:
         "params_total": counts.total,
         "params_added": counts.added,
         "params_active": counts.active,
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": _late_median(rows, "train/tokens_per_s"),
+        "load": _late_median(rows, "time/load"),  # the 1-minute load average at the same steps (TrainClock)
+        "cores": _cpu_count(),
+        "jobs": jobs,
         "train_s": _last(rows, "time/train_s"),
         "wall_s": wall_s,
         "metrics": {k: _last(rows, k) for k in plugin_metrics if not k.startswith("lr-")},
@@ -234,16 +242,17 @@ def write_job(run_dir: Path, **fields: Any) -> None:
 
 
 def execute(
-    run: Run, out: Path, reuse_equal: bool = True, env: dict[str, str] | None = None
+    run: Run, out: Path, reuse_equal: bool = True, env: dict[str, str] | None = None, jobs: int = 1
 ) -> dict[str, Any] | None:
     """One run's whole work: train (or reuse an equal finished run), evaluate on the test split, the kNN-LM
     stage when the variant has one, then summary.json. Returns the summary, or None if a step failed; a
-    finished run is skipped. ``env`` is added to the environment of its subprocesses. Raises
+    finished run is skipped. ``env`` is added to the environment of its subprocesses; ``jobs`` runs train at
+    once on this machine (the summary records it beside the throughput). Raises
     :class:`Preempted` when SIGTERM stopped it (the run stays unfinished and resumes next time)."""
     run.check_dir()
     _THREAD.env = env or {}
     try:
-        return _execute(run, out, reuse_equal)
+        return _execute(run, out, reuse_equal, jobs)
     except BaseException as err:
         if run.dir.is_dir() and not run.finished():
             # Preempted, a submitit checkpoint's exit or Ctrl-C leave a resumable run; anything else is a bug
@@ -263,7 +272,7 @@ def _loads(path: Path) -> bool:
     return True
 
 
-def _execute(run: Run, out: Path, reuse_equal: bool) -> dict[str, Any] | None:
+def _execute(run: Run, out: Path, reuse_equal: bool, jobs: int) -> dict[str, Any] | None:
     summary = run.summary()
     if summary is not None and not _loads(run.dir / LAST_CKPT):
         # its results stand, but not the model they were measured on: rebuilt (from a checkpoint of the last step
@@ -298,7 +307,7 @@ def _execute(run: Run, out: Path, reuse_equal: bool) -> dict[str, Any] | None:
                 f"{run.label}: {step} failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{log_tail(run.dir / 'fit.log')}"
             )
             return None
-        summary = summarize(run, wall)
+        summary = summarize(run, wall, jobs)
         write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if run.knnlm is not None:
         if not knnlm_stage(run):
@@ -371,7 +380,7 @@ def _run_pool(runs: list[Run], out: Path, reuse_equal: bool, jobs: int, desc: st
             for run in group:
                 if stop.is_set():
                     break
-                if execute(run, out, reuse_equal, env) is None:
+                if execute(run, out, reuse_equal, env, jobs) is None:
                     failed.append(run.label)
         except Preempted:
             stop.set()

@@ -38,7 +38,7 @@ id, times, and the log to read on failure; ``rlm experiment status`` reads it.""
 
 CORE_METRICS = {
     "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
-    "val/loss", "val/ppl", "time/train_s",
+    "val/loss", "val/ppl", "time/train_s", "time/load",
 }  # fmt: skip
 """metrics.csv columns that are not plugin metrics."""
 

@@ -1,7 +1,9 @@
-"""A callback that logs the training wall-clock time, so runs can be compared on a time axis."""
+"""A callback that logs the training wall-clock time, so runs can be compared on a time axis, and the machine's
+load, so that a throughput measured on a shared machine says how shared it was."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -9,7 +11,8 @@ import pytorch_lightning as pl
 
 
 class TrainClock(pl.Callback):
-    """Logs ``time/train_s``: seconds spent training so far, validation excluded, carried across resumes."""
+    """Logs ``time/train_s``: seconds spent training so far, validation excluded, carried across resumes; and
+    ``time/load``: the machine's 1-minute load average (runnable threads, this run's included)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,6 +40,8 @@ class TrainClock(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         pl_module.log("time/train_s", self.elapsed())
+        if hasattr(os, "getloadavg"):  # Unix only
+            pl_module.log("time/load", os.getloadavg()[0])
 
     def state_dict(self) -> dict[str, Any]:
         return {"elapsed": self.elapsed()}

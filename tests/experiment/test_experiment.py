@@ -7,6 +7,7 @@ import json
 import shutil
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -172,6 +173,10 @@ def test_train_clock_excludes_validation_and_survives_resume(monkeypatch):
     resumed.on_train_start(None, None)
     now[0] = 140.0
     assert resumed.elapsed() == pytest.approx(20.0)
+    logged = {}
+    monkeypatch.setattr("rlm.experiment.timing.os.getloadavg", lambda: (3.5, 2.0, 1.0))
+    resumed.on_train_batch_end(None, SimpleNamespace(log=logged.__setitem__))
+    assert logged == {"time/train_s": pytest.approx(20.0), "time/load": 3.5}  # the 1-minute load
 
 
 def test_unfinished_run_resumes_from_its_checkpoint_only_under_the_same_config(tmp_path):
@@ -202,7 +207,7 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, monkeypatch, c
         return run.variant == "good", 1.5
 
     monkeypatch.setattr(runner, "train", fake_train)
-    monkeypatch.setattr(runner, "summarize", lambda run, wall: {"val_loss": 1.0})
+    monkeypatch.setattr(runner, "summarize", lambda run, wall, jobs: {"val_loss": 1.0})
     monkeypatch.setattr(runner, "evaluate_test", lambda run: True)
     failed = runner.run_experiment(exp, tmp_path / "out")
     assert failed == ["bad/seed0", "bad/seed1"]
@@ -227,7 +232,7 @@ def test_the_end_of_an_experiment_run_names_each_run_and_the_next_commands(tmp_p
     losses = {"baseline": 3.5, "other": 3.25}
     monkeypatch.setattr(runner, "train", fake_train)
     monkeypatch.setattr(
-        runner, "summarize", lambda run, wall: {"val_loss": losses[run.variant], "test_loss": 3.0}
+        runner, "summarize", lambda run, wall, jobs: {"val_loss": losses[run.variant], "test_loss": 3.0}
     )
     monkeypatch.setattr(runner, "evaluate_test", lambda run: True)
     monkeypatch.setattr("rlm.experiment.cli.write_report", lambda out: [out / "results.md"])
@@ -245,10 +250,10 @@ def test_the_end_of_an_experiment_run_names_each_run_and_the_next_commands(tmp_p
 
 
 def fake_run(
-    out: Path, variant: str, seed: int, loss: float, added: int, speed: float, clock: float = 0.5
+    out: Path, variant: str, seed: int, loss: float, added: int, speed: float, clock: float = 0.5, **extra
 ) -> None:
-    """A finished run directory with a summary and a metrics.csv of three validations, after 10, 20 and 30
-    steps of ``clock`` seconds each, with losses loss + 1, loss + 0.5, loss."""
+    """A finished run directory with a summary (``extra`` added to it) and a metrics.csv of three validations,
+    after 10, 20 and 30 steps of ``clock`` seconds each, with losses loss + 1, loss + 0.5, loss."""
     run = out / variant / f"seed{seed}"
     (run / "logs" / "version_0").mkdir(parents=True)
     rows = ["epoch,step,time/train_s,val/loss,val/moe_load_max/l1"]
@@ -259,7 +264,7 @@ def fake_run(
         "variant": variant, "seed": seed, "fingerprint": "x", "val_loss": loss, "val_ppl": 2.718281828**loss,
         "best_val_loss": loss, "steps": 30, "params_total": 1000 + added, "params_added": added,
         "params_active": 1000, "tokens_per_s": speed, "train_s": 15.0, "wall_s": 20.0, "val_batches": 25,
-        "metrics": {"val/moe_load_max/l1": 0.5, "train/moe_load/l1_e0": 0.25},
+        "metrics": {"val/moe_load_max/l1": 0.5, "train/moe_load/l1_e0": 0.25}, **extra,
     }  # fmt: skip
     (run / "summary.json").write_text(json.dumps(summary))
 
@@ -316,6 +321,30 @@ def test_report_sorts_by_loss_marks_the_baseline_and_computes_deltas(tmp_path):
     assert "Warning: the last validation of big/seed0 came before" in (tmp_path / "results.md").read_text()
 
 
+def test_the_throughput_carries_the_machines_load_and_an_overloaded_run_is_named(tmp_path):
+    info = {"name": "fake", "base": ["default.yaml"], "baseline": "base", "variants": {"base": {}, "moe": {}}}
+    (tmp_path / "experiment.json").write_text(json.dumps(info))
+    fake_run(tmp_path, "base", 0, 3.0, 0, 100.0, load=1.2, cores=2, jobs=1)
+    fake_run(tmp_path, "moe", 0, 2.9, 500, 40.0, load=3.5, cores=2, jobs=2)
+    fake_run(tmp_path, "moe", 1, 2.9, 500, 90.0, load=0.5, cores=2, jobs=2)
+    write_report(tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    header, _, *rows = md.split("\n\n")[2].splitlines()  # the main table: the third paragraph
+    col = {name.strip("| "): i for i, name in enumerate(header.split(" | "))}
+    cells = {row.split(" | ")[0].strip("| "): row.split(" | ") for row in rows}
+    assert cells["moe"][col["load / cores"]] == "2.0 / 2" and cells["moe"][col["jobs"]] == "2"
+    assert cells["**base** (baseline)"][col["load / cores"]] == "1.2 / 2"
+    assert "exceeded the core count during moe/seed0 (3.5 on 2 cores): their tokens/s" in md
+    assert "moe/seed1" not in md and "base/seed0 (" not in md
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["load"], r["cores"], r["jobs"]) for r in rows] == [
+        ("1.2", "2", "1"),
+        ("3.5", "2", "2"),
+        ("0.5", "2", "2"),
+    ]
+
+
 # ----- end to end -----------------------------------------------------------------------------------------
 
 
@@ -347,6 +376,7 @@ def test_two_variants_two_seeds_run_resume_and_report(tmp_path, rlm_cache, monke
         assert (
             s["steps"] == 4 and s["val_loss"] > 0 and s["tokens_per_s"] > 0 and 0 < s["train_s"] < s["wall_s"]
         )
+        assert s["load"] >= 0 and s["cores"] >= 1 and s["jobs"] == 1  # beside the throughput, in results.md
         # The whole test split, once at the end, with the run's own tokenizer (rlm eval).
         test = json.loads((out / f"{s['variant']}/seed0/test.json").read_text())
         assert (
@@ -409,7 +439,7 @@ def test_a_run_equal_to_a_finished_run_of_another_experiment_is_reused(tmp_path,
     monkeypatch.setattr(
         runner,
         "summarize",
-        lambda run, wall: {"variant": run.variant, "fingerprint": run.fingerprint, "val_loss": 1.0},
+        lambda run, wall, jobs: {"variant": run.variant, "fingerprint": run.fingerprint, "val_loss": 1.0},
     )
     runner.run_experiment(first, tmp_path / "runs" / "a")
     assert trained == ["base/seed0"]

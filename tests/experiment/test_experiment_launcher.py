@@ -43,7 +43,7 @@ def _fake_runs(monkeypatch, runner, seconds: float, record: list[dict]) -> None:
     monkeypatch.setattr(runner, "train", fake_train)
     monkeypatch.setattr(runner, "evaluate_test", lambda run: True)
     monkeypatch.setattr(
-        runner, "summarize", lambda run, wall: {"fingerprint": run.fingerprint, "val_loss": 1.0}
+        runner, "summarize", lambda run, wall, jobs: {"fingerprint": run.fingerprint, "val_loss": 1.0}
     )
 
 
