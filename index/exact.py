@@ -7,6 +7,7 @@ Every index here uses inner product on L2-normalised vectors, i.e. cosine simila
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -32,12 +33,27 @@ def as_unit_float32(x: np.ndarray | torch.Tensor, name: str = "vectors") -> np.n
 
 
 class TorchExactIndex:
-    """Exact inner-product search in torch over (n, d) unit vectors; on CUDA when torch has it."""
+    """Exact inner-product search in torch over (n, d) unit vectors; on CUDA when torch has it.
+
+    The vectors are copied to the device once, at the first search, and kept there (resident) until ``vectors`` is
+    assigned again: a search then moves only its queries and results. A memory-mapped base searched on the CPU, or
+    one the device has no room for, is instead read chunk by chunk at every search, so it never has to fit."""
 
     def __init__(self, vectors: np.ndarray, device: str | None = None, chunk_elems: int = 2**25) -> None:
-        self.vectors = vectors  # (n, d); may be a read-only memmap, read chunk by chunk
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.chunk_elems = chunk_elems  # bounds the (queries, base chunk) score matrix
+        self.chunk_elems = chunk_elems  # bounds the (queries, base chunk) score matrix and each upload's copy
+        self.vectors = vectors
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """(n, d) float32 unit vectors; may be a read-only memmap."""
+        return self._vectors
+
+    @vectors.setter
+    def vectors(self, vectors: np.ndarray) -> None:
+        self._vectors = vectors
+        self._resident: torch.Tensor | None = None  # (n, d) float32 on self.device, made by _upload
+        self._streamed = isinstance(vectors, np.memmap) and self.device.type == "cpu"
 
     @property
     def ntotal(self) -> int:
@@ -49,21 +65,55 @@ class TorchExactIndex:
         """Dimension."""
         return self.vectors.shape[1]
 
+    def _upload(self) -> torch.Tensor:
+        """The whole base as one (n, d) float32 tensor on the device, copied ``chunk_elems`` values at a time (a
+        memmap is read in pieces; a float32 array in memory is used as is on the CPU)."""
+        x = self.vectors
+        if self.device.type == "cpu" and not isinstance(x, np.memmap) and x.dtype == np.float32:
+            if x.flags.writeable and x.flags.c_contiguous:
+                return torch.from_numpy(x)  # no copy
+        out = torch.empty(x.shape, dtype=torch.float32, device=self.device)
+        step = max(1, self.chunk_elems // max(1, x.shape[1]))
+        for lo in range(0, len(x), step):
+            out[lo : lo + step].copy_(torch.from_numpy(np.array(x[lo : lo + step], dtype=np.float32)))
+        return out
+
+    def _base(self) -> torch.Tensor | None:
+        """The resident base (uploaded at the first call), or None when it is streamed at every search."""
+        if self._resident is None and not self._streamed:
+            try:
+                self._resident = self._upload()
+            except torch.OutOfMemoryError:
+                warnings.warn(
+                    f"exact index: {self.ntotal} x {self.d} vectors do not fit on {self.device}; "
+                    "streaming them from host memory at every search",
+                    stacklevel=3,
+                )
+                self._streamed = True
+        return self._resident
+
+    def _chunk(self, base: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo..hi-1 of the base on the device: a view of the resident copy, or read and copied now."""
+        if base is not None:
+            return base[lo:hi]
+        chunk = self.vectors[lo:hi]
+        if isinstance(chunk, np.memmap) or not chunk.flags.writeable or chunk.dtype != np.float32:
+            chunk = np.array(chunk, dtype=np.float32)  # a memmap is read into memory, chunk by chunk
+        return torch.from_numpy(chunk).to(self.device)
+
     @torch.no_grad()
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k (scores (Q, k) float32, ids (Q, k) int64); -1 ids and -inf scores pad when k > n."""
         n, kk = self.ntotal, min(k, self.ntotal)
+        base = self._base()
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.device)  # (Q, d)
         best_s = torch.full((len(q), 0), -math.inf, device=self.device)
         best_i = torch.zeros((len(q), 0), dtype=torch.long, device=self.device)
         step = max(kk, self.chunk_elems // max(1, len(q)))
         for lo in range(0, n, step):
-            chunk = self.vectors[lo : lo + step]
-            if isinstance(chunk, np.memmap) or not chunk.flags.writeable or chunk.dtype != np.float32:
-                chunk = np.array(chunk, dtype=np.float32)  # a memmap is read into memory, chunk by chunk
-            scores = q @ torch.from_numpy(chunk).to(self.device).T  # (Q, chunk)
+            scores = q @ self._chunk(base, lo, lo + step).T  # (Q, chunk)
             s, i = scores.topk(min(kk, scores.shape[1]), dim=1)
-            # keep a running top-k over base chunks so the base never has to fit in memory at once
+            # keep a running top-k over base chunks so the score matrix stays (Q, step)
             best_s, order = torch.cat([best_s, s], 1).topk(min(kk, best_s.shape[1] + s.shape[1]), dim=1)
             best_i = torch.cat([best_i, i + lo], 1).gather(1, order)
         scores = np.full((len(q), k), -np.inf, dtype=np.float32)
