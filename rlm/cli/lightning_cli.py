@@ -83,6 +83,21 @@ class RLMCLI(LightningCLI):
             self.save_config_kwargs["batch_limits"] = ints
         return super().instantiate_trainer(**ints, **kwargs)
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        # rlm's bar (steps to max_steps) unless the config names a bar or turns it off: Lightning's own counts the
+        # epoch's batches and prints a negative epoch total under max_steps.
+        from pytorch_lightning.callbacks import ProgressBar
+
+        from rlm.train.progress import StepProgressBar
+
+        given = config.get("callbacks")
+        given = [*(given if isinstance(given, list) else [given] if given else []), *callbacks]
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in given
+        ):
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
+
     def _run_subcommand(self, subcommand: str) -> None:
         # A fit that fails before its first step (the data is too small for the batch, a plugin's setup check)
         # used to leave its logger folders behind, an empty version_N, so the next run took version_N+1.

@@ -1,0 +1,35 @@
+"""The training progress bar of ``rlm fit``: optimizer steps against ``trainer.max_steps``, how rlm runs are sized.
+
+Lightning's bars count the batches of the current epoch: with ``max_steps`` set its Rich bar prints the epoch
+total as ``max_epochs - 1``, which is -2 (max_epochs is -1), and after a resume the batch index runs past the
+epoch's batch count (``Epoch 1/-2 100/50``). Which of its bars a run got also depended on whether ``rich`` happened
+to be installed; this one is tqdm's, a dependency of rlm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import TQDMProgressBar
+
+
+class StepProgressBar(TQDMProgressBar):
+    """TQDMProgressBar whose training bar reads ``Epoch E, step: N/max_steps`` (resumed runs start at their step);
+    a run bounded by ``max_epochs`` alone keeps Lightning's batches of the epoch."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        bar = self.train_progress_bar
+        if trainer.max_steps > 0 and not bar.disable:
+            bar.reset(total=trainer.max_steps)
+            bar.n = bar.initial = trainer.global_step  # initial: the rate counts this run's steps only
+            bar.unit = "step"
+            bar.set_description(f"Epoch {trainer.current_epoch}, step")
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning's hook shows batch_idx + 1 of the epoch's batches; steps to max_steps are global_step.
+        shown = trainer.global_step - 1 if trainer.max_steps > 0 else batch_idx
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, shown)
