@@ -53,15 +53,16 @@ def _load_source(
     # LightningCLI adds bookkeeping such as '_instantiator' to the saved settings: keep the real arguments
     accepted = inspect.signature(RLMDataModule).parameters
     data_hp = {key: value for key, value in data_hp.items() if key in accepted}
-    if data_config is not None and state.get("datamodule_hyper_parameters"):
+    given = data_hp.get("tokenizer") not in (None, "train")  # not one trained on the corpus
+    if state.get("datamodule_hyper_parameters") and (data_config is not None or given):
         # Another corpus is read with the checkpoint's own tokenizer and vocabulary, never a tokenizer trained
-        # anew on it (the index would be meaningless, and a larger vocab_size indexed past the embedding).
+        # anew on it (the index would be meaningless, and a larger vocab_size indexed past the embedding); an
+        # existing tokenizer with the copy the checkpoint carries, as the file data.tokenizer named may be gone.
         from rlm.eval.evaluate import with_tokenizer
 
         vocab = (state.get("hyper_parameters") or {}).get("model", {}).get("vocab_size")
-        data_hp = with_tokenizer(
-            {**data_hp, **({"vocab_size": vocab} if vocab else {})}, state, ckpt, force=True
-        )
+        data_hp = {**data_hp, **({"vocab_size": vocab} if vocab else {})}
+        data_hp = with_tokenizer(data_hp, state, ckpt, force=data_config is not None)
     data = RLMDataModule(**{**data_hp, "progress": False})
     data.setup("predict")
     # rebuilt from the saved settings rather than LMModule.load_from_checkpoint, which (Lightning 2.6)

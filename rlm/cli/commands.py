@@ -8,7 +8,6 @@ plugins and their options. torch and Lightning are imported inside the commands,
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -140,7 +139,8 @@ def run_generate(command: str, args: list[str]) -> int:
             prompts += f.read().splitlines()
     import torch
 
-    from rlm.data import RLMDataModule
+    from rlm.data.pretrained import load_tokenizer
+    from rlm.eval.evaluate import data_settings, tokenizer_file
     from rlm.eval.generate import cut_at, sample_batch, stop_at
     from rlm.train.module import LMModule
 
@@ -151,15 +151,9 @@ def run_generate(command: str, args: list[str]) -> int:
     from rlm.train.checkpoint import load_checkpoint_file
 
     ckpt = load_checkpoint_file(a.ckpt)  # a damaged file is named, not a traceback
-    data_hp = ckpt.get("datamodule_hyper_parameters")
-    if not data_hp:
-        p.error(f"{a.ckpt!r} holds no data module settings, so its tokenizer cannot be found")
-    accepted = inspect.signature(RLMDataModule).parameters
-    data = RLMDataModule(**{**{k: v for k, v in data_hp.items() if k in accepted}, "progress": False})
-    data.prepare_data()
-    data.setup("predict")
+    # the tokenizer the checkpoint carries: generating needs neither the corpus nor its token cache
+    tok = load_tokenizer(tokenizer_file(ckpt, a.ckpt, data_settings(ckpt, a.ckpt)))
     module = LMModule.load_from_checkpoint(a.ckpt, map_location=device)
-    tok = data.tokenizer
     gen = torch.Generator(device=device).manual_seed(a.seed)
     mixer = None
     if a.datastore:

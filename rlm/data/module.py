@@ -281,14 +281,19 @@ class RLMDataModule(pl.LightningDataModule):
             )
         return eval_loader(windows, self.val_batch_size, self.num_workers, self._pin())
 
-    def state_dict(self) -> dict[str, bytes]:
-        """The tokenizer model's bytes: a checkpoint carries its own tokenizer (``rlm eval`` reads it)."""
+    def state_dict(self) -> dict[str, bytes | dict[str, bytes]]:
+        """The tokenizer's bytes, so that a checkpoint carries its own (``rlm eval``, ``generate``, ``export`` and
+        resuming read them, never data.tokenizer's path): ``tokenizer_model``, a sentencepiece model, or
+        ``tokenizer_files``, a Hugging Face tokenizer's files by name (tokenizer.json and the ones beside it)."""
         tok = self.tokenizer if self._store is not None else None
-        # a sentencepiece model is one file; a Hugging Face tokenizer is named by data.tokenizer instead
-        return {"tokenizer_model": Path(tok.path).read_bytes()} if isinstance(tok, Tokenizer) else {}
+        if isinstance(tok, Tokenizer):
+            return {"tokenizer_model": Path(tok.path).read_bytes()}
+        if isinstance(tok, HFTokenizer):  # its cache folder holds the HF_FILES that data.tokenizer had
+            return {"tokenizer_files": {f.name: f.read_bytes() for f in sorted(Path(tok.path).iterdir())}}
+        return {}
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
-        """Nothing to restore: the tokenizer comes from the cache entry (the bytes are for evaluation)."""
+        """Nothing to restore: the tokenizer comes from the cache entry (the bytes are for the readers above)."""
 
     # ---- what the rest of rlm reads ----------------------------------------------------------------------
     def windows(self, split: str) -> Windows:

@@ -21,6 +21,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,19 +61,39 @@ def _cache_dir(hp: dict[str, Any]) -> Path:
     ).expanduser()
 
 
-def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[str, Any]) -> str:
-    """A file holding the checkpoint's own sentencepiece model; ValueError when it cannot be found."""
-    model = (ckpt.get(RLMDataModule.__qualname__) or {}).get("tokenizer_model")
-    if model:
-        digest = hashlib.sha256(model).hexdigest()[:20]
-        target = _cache_dir(hp) / "tokenizers" / f"{digest}.model"
-        if not target.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-            tmp.write_bytes(model)
+def _unpack(files: dict[str, bytes], cache: Path) -> Path:
+    """A folder under ``cache``/tokenizers holding ``files`` (name -> bytes), named by their digest; written once,
+    atomically, so that concurrent readers of one checkpoint share it."""
+    h = hashlib.sha256()
+    for name, data in sorted(files.items()):
+        h.update(name.encode() + b"\0" + data + b"\0")
+    target = cache / "tokenizers" / h.hexdigest()[:20]
+    if not target.is_dir():
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        try:
             os.replace(tmp, target)
-        return str(target)
-    if hp.get("tokenizer") and Path(hp["tokenizer"]).is_file():
+        except OSError:  # another process wrote it first
+            shutil.rmtree(tmp)
+            if not target.is_dir():
+                raise
+    return target
+
+
+def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[str, Any]) -> str:
+    """The checkpoint's own tokenizer on disk: a sentencepiece model file, or the folder of a Hugging Face
+    tokenizer's files, written from the copy the checkpoint carries; ValueError when it cannot be found."""
+    state = ckpt.get(RLMDataModule.__qualname__) or {}
+    if state.get("tokenizer_model"):
+        # under data.tokenizer's file name: the token cache's key hashes it, so the copy finds the training entry
+        spec = hp.get("tokenizer")
+        name = Path(spec).name if spec not in (None, TRAIN) else "tokenizer.model"
+        return str(_unpack({name: state["tokenizer_model"]}, _cache_dir(hp)) / name)
+    if state.get("tokenizer_files"):
+        return str(_unpack(state["tokenizer_files"], _cache_dir(hp)))
+    if hp.get("tokenizer") not in (None, TRAIN) and Path(hp["tokenizer"]).exists():
         return str(hp["tokenizer"])
     # Older checkpoints carry no tokenizer: the cache entry they trained on has it, if it is still there.
     try:
@@ -102,11 +123,9 @@ def with_tokenizer(
     """Data arguments that read their tokens with the checkpoint's tokenizer: unchanged when their cache entry
     already holds it (the training run's own entry: nothing is encoded again, and retrieval indices keyed by
     it stay valid), else (or with ``force``) with ``tokenizer`` set to the checkpoint's model file."""
-    if data.get("tokenizer") not in (None, TRAIN):
-        return data
     model = tokenizer_file(ckpt, path, data_settings(ckpt, path))  # the training data's, not `data`'s
-    if force:
-        return {**data, "tokenizer": model}
+    if force or data.get("tokenizer") not in (None, TRAIN) or not Path(model).is_file():
+        return {**data, "tokenizer": model}  # an existing tokenizer's copy: its cache key is the original's
     try:
         root = RLMDataModule(**{**data, "progress": False}).cache_path()
     except (OSError, ValueError):

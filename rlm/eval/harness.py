@@ -56,7 +56,7 @@ GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top
 
 @dataclass
 class Scorer:
-    """Scores lm-eval's requests with an rlm model and its tokenizer (rlm.data.Tokenizer); ``mixer``
+    """Scores lm-eval's requests with an rlm model and its tokenizer (sentencepiece or Hugging Face); ``mixer``
     (rlm.eval.knnlm.Mixer) makes every distribution the kNN-LM's."""
 
     module: Any
@@ -231,11 +231,11 @@ def load_scorer(
 ) -> Scorer:
     """A Scorer for a checkpoint and its own tokenizer; with ``datastore``, kNN-LM with the datastore's tuned
     lam and temperature unless given."""
-    from rlm.data import Tokenizer
+    from rlm.data.pretrained import load_tokenizer
     from rlm.eval.evaluate import data_settings, load_checkpoint, load_module, tokenizer_file
 
     ckpt = load_checkpoint(ckpt_path)
-    tokenizer = Tokenizer(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
+    tokenizer = load_tokenizer(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
     module = load_module(ckpt_path, device, tokenizer)
     mixer = None
     if datastore is not None:

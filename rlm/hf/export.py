@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlm.data.pretrained import HF_FILES, TRAIN, load_tokenizer
+from rlm.data.pretrained import HF_FILES, is_sentencepiece, load_tokenizer
 from rlm.eval.evaluate import data_settings, load_checkpoint, tokenizer_file
 from rlm.extras import require
 from rlm.index.memory import copy_memory
@@ -49,19 +49,15 @@ KNNLM_NOTE = (
 def write_tokenizer(ckpt: dict[str, Any], ckpt_path: Path, dest: Path) -> tuple[str, Any]:
     """Write the checkpoint's own tokenizer into ``dest``; returns (what was written, the loaded tokenizer).
 
-    A sentencepiece model (carried by the checkpoint, or the file it names) becomes ``tokenizer.model``; a Hugging
-    Face tokenizer is copied with the files beside it, plus a tokenizer_config.json when it had none, so that
-    transformers' AutoTokenizer loads it."""
-    hp = data_settings(ckpt, ckpt_path)  # ValueError: no data settings, so no tokenizer
-    spec = hp.get("tokenizer")
-    carried = (ckpt.get("RLMDataModule") or {}).get("tokenizer_model")
-    if carried or spec in (None, TRAIN) or str(spec).endswith(".model"):
-        shutil.copyfile(tokenizer_file(ckpt, ckpt_path, hp), dest / SP_FILE)
+    The checkpoint's copy (or, in checkpoints written before they carried every tokenizer, the file its data
+    settings name): a sentencepiece model becomes ``tokenizer.model``; a Hugging Face tokenizer is copied with the
+    files beside it, plus a tokenizer_config.json when it had none, so that transformers' AutoTokenizer loads it."""
+    # ValueError: no data settings, or an old checkpoint whose tokenizer is gone
+    source = Path(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
+    if is_sentencepiece(source):
+        shutil.copyfile(source, dest / SP_FILE)
         return f"{SP_FILE} (sentencepiece)", load_tokenizer(str(dest / SP_FILE))
-    source = Path(spec)  # a Hugging Face tokenizer: tokenizer.json, or the directory that holds it
-    folder = source if source.is_dir() else source.parent
-    if not (folder / HF_JSON).is_file():
-        raise ValueError(f"{str(ckpt_path)!r} trained with the tokenizer {spec!r}, which is gone")
+    folder = source if source.is_dir() else source.parent  # tokenizer.json, or the folder that holds it
     names = [n for n in HF_FILES if (folder / n).is_file()]
     for name in names:
         shutil.copyfile(folder / name, dest / name)

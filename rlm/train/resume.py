@@ -134,11 +134,14 @@ def prepare_ckpt_path(config: Any) -> dict[str, Any]:
         )
     if command != "fit":
         return {}
+    from rlm.data.pretrained import TRAIN, resolve_vocab_size
+    from rlm.eval.evaluate import data_settings, tokenizer_file
+
+    if cfg.data.get("tokenizer") not in (None, TRAIN):  # the checkpoint's copy: the file may be gone
+        cfg.data.tokenizer = tokenizer_file(ckpt, path, data_settings(ckpt, path))
     saved = ckpt.get("hyper_parameters", {})
     current = cfg.model.as_dict()
     if current.get("model") is not None:
-        from rlm.data.pretrained import resolve_vocab_size
-
         current["model"]["vocab_size"] = resolve_vocab_size(cfg.data.vocab_size, cfg.data.get("tokenizer"))
     current["model"] = asdict(ModelConfig(**(current.get("model") or {})))
     diffs = config_diff(saved, current)
