@@ -2,16 +2,18 @@
 
 Kept apart from ``plugins/pkm.py`` so the plugin file reads as the model: here are the exact product-key
 search (with a backward that touches only the selected sub-keys), the batch norm that ignores padding
-(synced over a process group handed in), the value read (EmbeddingBag) whose backward is dense or hands the
-reads to the row-wise lazy Adam that updates only touched rows, and the usage/KL statistics. Nothing here builds
-a tensor of size n^2 (slots) except the dense value gradient of ``pkm.sparse: false``.
+(synced over a process group handed in), the value read (EmbeddingBag, or gathers and index_add_ on CUDA: see
+VALUE_READ) whose backward is dense or hands the reads to the row-wise lazy Adam that updates only touched rows,
+and the usage/KL statistics. Nothing here builds a tensor of size n^2 (slots) except the dense value gradient of
+``pkm.sparse: false``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlm.plugins import _pkm_native
+
+VALUE_READ: Literal["auto", "bag", "gather"] = "auto"
+"""How rows of the value and sub-key tables are read and their gradients reduced. 'bag': EmbeddingBag, a bag per
+token forward and a bag per distinct row backward (the CPU kernels are fast and the sums deterministic).
+'gather': index_select and a weighted sum forward, index_add_ backward. 'auto': gather on CUDA only, where
+EmbeddingBag reduces each bag in one warp, so every lookup of a hot sub-key or slot runs one after another there.
+Set by tests to run either path on any device."""
+
+_BLOCK = 1 << 22  # elements of one gathered block (16 MB in float32): bounds the transient (E, d) gathers
+
+
+def gathers(t: Tensor) -> bool:
+    """Whether tables on t's device are read by gathers and index_add_ (see VALUE_READ)."""
+    return VALUE_READ == "gather" or (VALUE_READ == "auto" and t.device.type == "cuda")
 
 
 def grouped_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -72,8 +88,8 @@ def _subkey_grads(
     for q (N, H, 2, dh) and keys (H, 2, n, dh), both halves at once.
 
     The dense (N, H, n) score gradient of each half has k non-zeros per row, so instead of two dense matmuls
-    per half: dq = sum_e g_e C[i_e] (an EmbeddingBag over the sub-keys) and dC[i] = sum over selections of i of
-    g q (the same reduction as the value rows'); nothing of size (N, H, n) is built. Each gradient is one
+    per half: dq = sum_e g_e C[i_e] (bag_sum over the sub-keys) and dC[i] = sum over selections of i of g q
+    (table_grad, the same reduction as the value rows'); nothing of size (N, H, n) is built. Each gradient is one
     tensor in its input's layout: the keys' is zero-filled once (slicing the halves apart would make autograd
     zero-fill a whole (H, 2, n, dh) tensor for each half and add them).
     """
@@ -85,10 +101,9 @@ def _subkey_grads(
     w = grad.unsqueeze(2).expand(N, H, 2, k).reshape(N * H * 2, k).to(keys.dtype)  # one score, both halves
     grad_q = grad_keys = None
     if need_q:
-        grad_q = F.embedding_bag(rows, flat_keys, mode="sum", per_sample_weights=w).view(N, H, 2, dh)
+        grad_q = bag_sum(flat_keys, rows, w).view(N, H, 2, dh)
     if need_keys:
-        touched, g = coalesce_rows(rows, w, q.reshape(N * H * 2, dh).to(keys.dtype))
-        grad_keys = torch.zeros_like(flat_keys).index_copy_(0, touched, g).view(H, 2, n, dh)
+        grad_keys = table_grad(flat_keys, rows, w, q.reshape(N * H * 2, dh).to(keys.dtype)).view(H, 2, n, dh)
     return grad_q, grad_keys
 
 
@@ -254,7 +269,9 @@ def sort_lookups(
 def row_gradients(offsets: Tensor, tok: Tensor, w: Tensor, grad: Tensor) -> Tensor:
     """Gradient of sum-EmbeddingBag w.r.t. each distinct row, (U, d): sum over its lookups of w * grad[tok].
 
-    This is itself an EmbeddingBag over ``grad`` with one bag per row, so nothing of size (E, d) is built.
+    This is itself an EmbeddingBag over ``grad`` with one bag per row, so nothing of size (E, d) is built. On
+    every device: the row exchange needs every rank to sum in the same order, which index_add_'s CUDA atomics do
+    not keep (the row-wise Adam's single-process gather path sums with scatter_rows instead).
     """
     return F.embedding_bag(tok, grad, offsets[:-1], mode="sum", per_sample_weights=w.to(grad.dtype))
 
@@ -265,19 +282,64 @@ def coalesce_rows(slots: Tensor, weights: Tensor, grad: Tensor) -> tuple[Tensor,
     return rows, row_gradients(offsets, tok, w, grad)
 
 
+def scatter_rows(out: Tensor, index: Tensor, weights: Tensor, tok: Tensor, grad: Tensor) -> Tensor:
+    """out[index[e]] += weights[e] * grad[tok[e]] for every lookup e (index, weights, tok (E,), grad (R, d)); out.
+
+    EmbeddingBag's backward as index_add_: on CUDA a hot row's lookups are spread over all threads (atomic adds,
+    in no fixed order) instead of looping in one warp.
+    """
+    block = max(1, _BLOCK // grad.shape[1])
+    for e in range(0, index.numel(), block):
+        part = slice(e, e + block)
+        src = grad.index_select(0, tok[part]) * weights[part, None].to(grad.dtype)  # (c, d)
+        out.index_add_(0, index[part], src.to(out.dtype))
+    return out
+
+
+def table_grad(table: Tensor, slots: Tensor, weights: Tensor, grad: Tensor) -> Tensor:
+    """The dense gradient of bag_sum(table, slots, weights) for output gradient grad (N, d); slots, weights (N, m)."""
+    if gathers(table):
+        N, m = slots.shape
+        tok = torch.arange(N, device=slots.device).repeat_interleave(m)  # (N * m,)
+        return scatter_rows(torch.zeros_like(table), slots.reshape(-1), weights.reshape(-1), tok, grad)
+    rows, g = coalesce_rows(slots, weights, grad)
+    return torch.zeros_like(table).index_copy_(0, rows, g.to(table.dtype))
+
+
+def _gathered(table: Tensor, slots: Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, Tensor]]:
+    """Blocks of tokens with their rows: (tokens t:t+c, table[slots[t:t+c]] as (c, m, d) in dtype); slots (N, m).
+
+    A block holds ~_BLOCK elements, so nothing of size (N * m, d) is gathered at once."""
+    (N, m), d = slots.shape, table.shape[1]
+    block = max(1, _BLOCK // (m * d))
+    for t in range(0, N, block):
+        part = slice(t, t + block)
+        yield part, table.index_select(0, slots[part].reshape(-1)).view(-1, m, d).to(dtype)
+
+
+def bag_sum(table: Tensor, slots: Tensor, weights: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """sum_j weights[t, j] * table[slots[t, j]], (N, d) in table's dtype, for slots and weights (N, m).
+
+    A sum-EmbeddingBag, or on the gather path (gathers) the gathered rows times the weights, multiplied in
+    ``dtype`` (default: the table's), e.g. autocast's.
+    """
+    if not gathers(table):
+        return F.embedding_bag(slots, table, mode="sum", per_sample_weights=weights)
+    dtype = dtype or table.dtype
+    out = table.new_empty(slots.shape[0], table.shape[1])
+    for part, rows in _gathered(table, slots, dtype):
+        out[part] = torch.bmm(weights[part].unsqueeze(1).to(dtype), rows).squeeze(1)  # (c, 1, m) @ (c, m, d)
+    return out
+
+
 def bag_dot(values: Tensor, slots: Tensor, grad: Tensor) -> Tensor:
     """values[slots[t, j]] . grad[t], (N, m): the gradient of a sum-EmbeddingBag w.r.t. its per-sample weights."""
     out = _pkm_native.bag_dot(values, slots, grad)
     if out is not None:
         return out
-    N, m = slots.shape
-    out = grad.new_empty(N, m)
-    chunk = max(1, (1 << 22) // (m * values.shape[1]))  # gather ~16 MB of rows at a time, not all N*m rows
-    for t in range(0, N, chunk):
-        rows = values.index_select(0, slots[t : t + chunk].reshape(-1)).view(
-            -1, m, values.shape[1]
-        )  # (c, m, d)
-        out[t : t + chunk] = torch.bmm(rows.to(grad.dtype), grad[t : t + chunk].unsqueeze(-1)).squeeze(-1)
+    out = grad.new_empty(slots.shape)
+    for part, rows in _gathered(values, slots, grad.dtype):
+        out[part] = torch.bmm(rows, grad[part].unsqueeze(-1)).squeeze(-1)  # (c, m, d) @ (c, d, 1)
     return out
 
 
@@ -291,7 +353,8 @@ class _ValueBag(torch.autograd.Function):
     """sum_j weights[t, j] * values[slots[t, j]] with a backward that never builds a dense (N*m, d) tensor.
 
     Weights get bag_dot; the values get either a dense gradient (sparse: false, for DDP/FSDP to reduce) or, with
-    a sink, nothing: backward hands (slots, weights, output gradient) to the row optimizer instead.
+    a sink, nothing: backward hands (slots, weights, output gradient) to the row optimizer instead. On the
+    gather path the weighted sum runs in autocast's dtype when autocast is on (the output stays in the values').
     """
 
     @staticmethod
@@ -300,7 +363,9 @@ class _ValueBag(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(slots, weights, values)
         ctx.sink, ctx.key = sink, key
-        return F.embedding_bag(slots, values, mode="sum", per_sample_weights=weights)  # (N, d)
+        device = values.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else values.dtype
+        return bag_sum(values, slots, weights, dtype)  # (N, d)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -311,8 +376,7 @@ class _ValueBag(torch.autograd.Function):
         if ctx.sink is not None:
             ctx.sink.add_lookups(ctx.key, slots, weights.detach(), grad)
         elif ctx.needs_input_grad[2]:
-            rows, g = coalesce_rows(slots, weights, grad)
-            grad_values = torch.zeros_like(values).index_copy_(0, rows, g.to(values.dtype))
+            grad_values = table_grad(values, slots, weights, grad)
         return None, grad_w, grad_values, None, None
 
 
@@ -331,7 +395,7 @@ def value_lookup(
 class _ValueDot(torch.autograd.Function):
     """values[slots[t, j]] . x[t], (N, m): PEER's down projections, read like the value bag and updated alike.
 
-    Backward: x gets an EmbeddingBag of the rows weighted by the output gradient; the table's row gradient is
+    Backward: x gets bag_sum of the rows weighted by the output gradient; the table's row gradient is
     sum over lookups of grad[t, j] * x[t], the value bag's with (weights, output gradient) = (grad, x), so it goes
     to the same sink (or becomes the same dense gradient).
     """
@@ -350,12 +414,11 @@ class _ValueDot(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = grad_values = None
         if ctx.needs_input_grad[1]:
-            grad_x = F.embedding_bag(slots, values, mode="sum", per_sample_weights=grad.to(values.dtype))
+            grad_x = bag_sum(values, slots, grad.to(values.dtype))
         if ctx.sink is not None:
             ctx.sink.add_lookups(ctx.key, slots, grad.detach(), x.detach())
         elif ctx.needs_input_grad[2]:
-            rows, g = coalesce_rows(slots, grad, x)
-            grad_values = torch.zeros_like(values).index_copy_(0, rows, g.to(values.dtype))
+            grad_values = table_grad(values, slots, grad, x)
         return None, grad_x, grad_values, None, None
 
 
