@@ -179,9 +179,10 @@ def _tokenid(c: Any, mc: ModelConfig, parts: Parts) -> None:
     if c.ngram_orders:  # hashed n-gram tables (and a gate) per layer, or once at the embedding
         heads = len(c.ngram_orders) * c.ngram_heads
         modules = 1 if c.placement == "embed" else len(layers)
-        parts.params += modules * (
-            heads * c.ngram_rows * mc.d_model + (mc.d_model + 1 if c.ngram_gate else 0)
-        )
+        table = 0 if c.ngram_host else heads * c.ngram_rows * mc.d_model  # ngram_host: in host memory
+        parts.params += modules * (table + (mc.d_model + 1 if c.ngram_gate else 0))
+        if c.ngram_host:
+            parts.notes.append("tokenid: the n-gram tables are in host memory (ngram_host), not counted")
         # The EmbeddingBag's row ids (8 B a head), offsets, bag sizes and max indices (24); with the gate, its bf16
         # input 2d, its sigmoid in bf16 and fp32 (6) and the fp32 sum it scales 4d.
         gate = 6 * mc.d_model + 6 if c.ngram_gate else 0

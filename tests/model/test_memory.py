@@ -272,3 +272,17 @@ def test_a_host_too_small_for_every_local_process_is_refused_before_the_model_is
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     module.LMModule(model=mc)
     assert len(built) == 1
+
+
+def test_host_ngram_tables_are_not_counted_on_the_device():
+    """ngram_host keeps the tables in host memory: the device estimate leaves them out, and says so."""
+    tokenid = {"layers": [0, 2], "ngram_orders": [2, 3], "ngram_heads": 2, "ngram_rows": 64}
+    fields = dict(vocab_size=96, d_model=64, n_layers=3, n_heads=4, max_seq_len=32)
+    cfgs = [
+        {"model": {"model": fields, "plugins": {"tokenid": {**tokenid, "ngram_host": host}}},
+         "data": {"batch_size": 1, "seq_len": 8}}
+        for host in (False, True)
+    ]  # fmt: skip
+    device, host = estimate(cfgs[0]), estimate(cfgs[1])
+    assert device["params"] - host["params"] == 2 * (2 * 2) * 64 * 64  # 2 layers x 4 heads' tables of 64 x d
+    assert any("host memory" in note for note in host["notes"])
