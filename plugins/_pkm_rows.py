@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlm.plugins import _pkm_native
-from rlm.plugins._pkm_ops import row_gradients, sort_lookups
+from rlm.plugins._pkm_ops import gathers, row_gradients, scatter_rows, sort_lookups
 
 
 class RowAdam:
@@ -26,7 +26,9 @@ class RowAdam:
     like ``.grad`` accumulates (several layers sharing a table, gradient accumulation); ``step`` groups the
     reads by row and, on CPU float32, runs a fused kernel that reduces each row's gradient and updates
     (value, m, v) in one pass (plugins/_pkm_native.py). Elsewhere it computes the row gradients with an
-    EmbeddingBag, gathers the touched rows into reused buffers, runs torch's fused Adam and writes them back.
+    EmbeddingBag, gathers the touched rows into reused buffers, runs torch's fused Adam and writes them back; on
+    the gather path (_pkm_ops.gathers: CUDA) on one process, it does so with no host read (touched_rows), the
+    step count on the table's device.
     """
 
     def __init__(
@@ -99,19 +101,30 @@ class RowAdam:
         return out.copy_(like) if like is not None else out
 
     def _state(self, key: str) -> dict[str, Tensor]:
+        table = self.tables[key]
         if key not in self.state:
             self.state[key] = {
-                "step": torch.zeros((), dtype=torch.float32),
+                "step": torch.zeros((), dtype=torch.float32, device=table.device),
                 "exp_avg": self._moment(key),
                 "exp_avg_sq": self._moment(key),
             }
-        return self.state[key]
+        st = self.state[key]
+        if st["exp_avg"].device != table.device:  # restored before the model moved to its device
+            st.update({k: t.to(table.device) if k == "step" else self._moment(key, t) for k, t in st.items()})
+        return st
 
     @torch.no_grad()
     def step(self) -> None:
         """Apply one Adam step to the touched rows of every table, then clear the gradients."""
         self.sent_bytes = 0
         for key, table in self.tables.items():
+            if self.group is None and gathers(table):
+                got = self._reads(key)
+                if got is not None and got[0].numel():
+                    st = self._state(key)
+                    st["step"] += 1
+                    self._update(key, table, st, *touched_rows(*got, rows=table.shape[0]))
+                continue
             if self.group is not None:
                 # Every rank takes part (a rank without reads sends none) and gets the same global lookups.
                 got = self._reads(key)
@@ -135,15 +148,19 @@ class RowAdam:
             hyper = dict(lr=self.lr, betas=self.betas, eps=self.eps, step=int(st["step"]))
             if self.native and _pkm_native.row_adam(*full, *args, **hyper):
                 continue
-            g = row_gradients(offsets, tok, w, grad)  # (U, d)
-            # Reused gather buffers: fresh (U, d) allocations cost page faults on every step.
-            bufs = self._buffers.setdefault(key, [table.new_empty(0) for _ in range(3)])
-            # resize_(0) keeps the storage, so index_select refills it without a new allocation.
-            p, m, v = (torch.index_select(t, 0, rows, out=b.resize_(0)) for t, b in zip(full, bufs))  # (U, d)
-            self._adam_rows(p, g.to(p.dtype), m, v, st["step"])
-            for t, rows_t in zip(full, (p, m, v)):
-                t.index_copy_(0, rows, rows_t)
+            self._update(key, table, st, rows, row_gradients(offsets, tok, w, grad))
         self.zero_grad()
+
+    def _update(self, key: str, table: Tensor, st: dict[str, Tensor], rows: Tensor, g: Tensor) -> None:
+        """Adam on rows (U,) of table and its moments for their gradients g (U, d): gathered, updated, written back."""
+        full = (table, st["exp_avg"], st["exp_avg_sq"])
+        # Reused gather buffers: fresh (U, d) allocations cost page faults on every step.
+        bufs = self._buffers.setdefault(key, [table.new_empty(0) for _ in range(3)])
+        # resize_(0) keeps the storage, so index_select refills it without a new allocation.
+        p, m, v = (torch.index_select(t, 0, rows, out=b.resize_(0)) for t, b in zip(full, bufs))  # (U, d)
+        self._adam_rows(p, g.to(p.dtype), m, v, st["step"])
+        for t, rows_t in zip(full, (p, m, v)):
+            t.index_copy_(0, rows, rows_t)
 
     def _adam_rows(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> None:
         """One Adam step in place on gathered rows p, m, v (U, d) with gradient g (U, d).
@@ -175,10 +192,35 @@ class RowAdam:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (moments are copied to each table's device and layout)."""
         self.state = {
-            k: {name: self._moment(k, t) if name != "step" else t.cpu() for name, t in v.items()}
+            k: {
+                name: self._moment(k, t) if name != "step" else t.to(self.tables[k].device)
+                for name, t in v.items()
+            }
             for k, v in state.get("state", {}).items()
             if k in self.tables
         }
+
+
+def touched_rows(
+    slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, rows: int
+) -> tuple[Tensor, Tensor]:
+    """The distinct rows read and their gradients, (C,) and (C, d) for C = min(E, rows), with no host read.
+
+    slots, weights, tok (E,) and grad (R, d) as RowAdam._reads gives them: row slots[e] gets weights[e] *
+    grad[tok[e]]. The number U <= C of distinct rows is known on the device only, so entries U..C-1 repeat row
+    U-1 and its gradient: an elementwise update of all C rows written back with index_copy_ writes the same
+    numbers to that row more than once.
+    """
+    s, order = slots.sort(stable=True)  # (E,) rows ascending, each row's lookups in read order
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[1:] = s[1:] != s[:-1]
+    seg = new.cumsum(0) - 1  # (E,) the rank of each sorted lookup's row among the distinct rows
+    size = min(s.numel(), rows)
+    distinct = s.new_empty(size).scatter_(0, seg, s)  # (C,) rows 0..U-1, then unset
+    sorted_w, sorted_tok = weights.index_select(0, order), tok.index_select(0, order)
+    g = scatter_rows(grad.new_zeros(size, grad.shape[1]), seg, sorted_w, sorted_tok, grad)  # (C, d)
+    pick = torch.arange(size, device=s.device).clamp_(max=seg[-1])  # (C,) 0..U-1, then U-1 repeated
+    return distinct.index_select(0, pick), g.index_select(0, pick)
 
 
 # The lookup exchange's reduction reads one gradient row per lookup on every rank; a byte read from memory is

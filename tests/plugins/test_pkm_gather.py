@@ -1,12 +1,14 @@
 """The gather path of PKM's table reads (index_select and a weighted sum forward, index_add_ backward; the default
 on CUDA), forced on the CPU with _pkm_ops.VALUE_READ: output and gradients against the EmbeddingBag path and the
-naive per-token equations, in float32 and under bf16 autocast, and a few training steps."""
+naive per-token equations, in float32 and under bf16 autocast; the row-wise Adam's step without host reads against
+torch's SparseAdam; on a GPU, one training step under CUDA's sync debug mode."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from host_reads import _Count
 from test_peer import naive_peer, peer_layer
 from test_pkm import naive_memory, small_layer
 from torch.testing import assert_close
@@ -14,6 +16,7 @@ from torch.testing import assert_close
 from rlm.plugin import Context
 from rlm.plugins import _pkm_ops
 from rlm.plugins._pkm_ops import value_lookup
+from rlm.plugins._pkm_rows import RowAdam, touched_rows
 
 D = 32  # the tiny layers' width (test_pkm.small_layer, test_peer.peer_layer)
 BF16 = {"atol": 2e-2, "rtol": 2e-2}
@@ -140,3 +143,94 @@ def test_training_steps_on_the_gather_path_give_the_bag_paths_parameters(values,
         result[path] = {**layer.state_dict(), **{k: t.detach() for k, t in plugin.values.items()}}
         result[path] |= {f"{k}.{n}": t for k, st in plugin.row_optimizer.state.items() for n, t in st.items()}
     _assert_same(result["gather"], result["bag"])
+
+
+@pytest.mark.parametrize("rows", [40, 300], ids=["more-reads-than-rows", "fewer"])
+def test_touched_rows_are_the_distinct_rows_and_their_gradients(rows):
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randint(0, 40, (30, 6), generator=g)
+    slots[:, 0] = 7  # a hot row, read by every token
+    weights, grad = torch.rand(30, 6, generator=g), torch.randn(30, 5, generator=g)
+    opt = RowAdam()
+    opt.add_table("t", torch.zeros(rows, 5))
+    opt.add_lookups("t", slots, weights, grad)
+    got_rows, got = touched_rows(*opt._reads("t"), rows=rows)
+    want_rows, want = opt.pending("t")
+    U = want_rows.numel()
+    assert got_rows.shape == (min(slots.numel(), rows),)
+    assert torch.equal(got_rows[:U], want_rows) and (got_rows[U:] == want_rows[-1]).all()
+    assert_close(got[:U], want)
+    assert torch.equal(got[U:], got[U - 1].expand(got.shape[0] - U, -1))  # the same numbers, written twice
+
+
+@pytest.mark.parametrize("rows", [100, 300], ids=["more-reads-than-rows", "fewer"])
+def test_row_adam_on_the_gather_path_matches_torch_sparse_adam(rows, monkeypatch):
+    monkeypatch.setattr(_pkm_ops, "VALUE_READ", "gather")
+    table = torch.randn(rows, 8)
+    ref = table.clone().requires_grad_(True)
+    opt, ref_opt = RowAdam(lr=0.01), torch.optim.SparseAdam([ref], lr=0.01)
+    opt.add_table("t", table)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        dense = torch.zeros(rows, 8)
+        for n, m in ((20 + step, 6), (7, 3)):  # two reads of the table add up
+            slots = torch.randint(0, 60 + 10 * step, (n, m), generator=g)
+            slots[:, 0] = 3  # a hot row
+            weights, grad = torch.rand(n, m, generator=g), torch.rand(n, 8, generator=g) + 0.1
+            opt.add_lookups("t", slots, weights, grad)
+            dense.index_add_(0, slots.reshape(-1), (weights.unsqueeze(-1) * grad.unsqueeze(1)).reshape(-1, 8))
+        untouched = dense.abs().sum(1) == 0
+        before = table.clone()
+        opt.step()
+        ref.grad = dense.to_sparse()
+        ref_opt.step()
+        assert_close(table, ref.detach())
+        assert torch.equal(table[untouched], before[untouched])
+    assert not opt.reads
+
+
+def _host_reads(path: str, monkeypatch) -> dict[str, int]:
+    """Host reads (tests/host_reads.py) of one training step of a layer and its value rows on ``path``."""
+    monkeypatch.setattr(_pkm_ops, "VALUE_READ", path)
+    plugin, layer = _layer("embedding", "true")
+    x, ctx, target = _inputs()
+    with _Count(set()) as count:
+        (layer(x, ctx) * target).sum().backward()
+        plugin.row_optimizer.step()
+    return dict(count.where)
+
+
+def test_a_training_step_on_the_gather_path_reads_the_host_never(monkeypatch):
+    assert any("unique_consecutive" in where for where in _host_reads("bag", monkeypatch))  # what is counted
+    assert _host_reads("gather", monkeypatch) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("values", ["embedding", "peer"])
+def test_a_cuda_training_step_never_synchronises(values):
+    torch.manual_seed(0)
+    plugin, layer = _layer(values, "true")
+    plugin.cuda(), layer.cuda()
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3, fused=True)
+    x, ctx, target = _inputs()
+    x, target, ctx = x.cuda(), target.cuda(), Context(tokens=ctx.tokens.cuda(), mask=ctx.mask.cuda())
+
+    def step() -> None:
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x, ctx)
+        (y.float() * target).sum().backward()
+        opt.step()
+        plugin.row_optimizer.step()
+
+    step()  # the first step builds what is cached (the search's candidate pairs) and the optimizers' state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(t.isfinite().all() for t in plugin.values.values())
+    assert all(int(st["step"]) == 2 for st in plugin.row_optimizer.state.values())

@@ -13,7 +13,8 @@ from cli_helpers import CONFIGS, fit_args
 # plugin config -> host reads of one step. Every config has the non-finite guard's read of its record
 # (rlm/train/guard.py): every step on a CPU, every log_every_n_steps steps on a GPU. The others:
 # - moe: the dispatch plan's count of kept assignments (plugins/_experts.py plan), one per MoE layer;
-# - pkm: the distinct value rows of the row-wise Adam (unique_consecutive) and its step count;
+# - pkm: the distinct value rows of the row-wise Adam (unique_consecutive) and its step count, both on the CPU's
+#   EmbeddingBag path only (the CUDA gather path reads none: tests/plugins/test_pkm_gather.py);
 # - retrieval: the distinct neighbour ids and distinct token ids the encoder embeds once each (torch.unique);
 # - token_memory: the valid target positions its mixture and its queue keep (boolean indexing).
 PINNED = {
