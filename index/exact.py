@@ -150,6 +150,6 @@ def exact_search(base: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndar
 
 
 def _is_gpu(index: Any) -> bool:
-    if isinstance(index, TorchExactIndex) or not hasattr(faiss, "GpuParameterSpace"):
-        return False
+    if not isinstance(index, faiss.Index) or not hasattr(faiss, "GpuParameterSpace"):
+        return False  # a torch index (exact or IVF), wherever its tensors are, is searched like a CPU one
     return "Gpu" in type(faiss.downcast_index(index)).__name__

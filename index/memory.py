@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -20,6 +21,7 @@ from rlm.checksums import META_SHA, file_sha256, meta_digest
 from rlm.data.segments import SegmentTable
 from rlm.index.build import TORCH, IndexConfig, build_index
 from rlm.index.copies import SegmentHashes, TextRuns
+from rlm.index.device_search import device_index
 from rlm.index.projection import Projection, with_projection
 from rlm.index.protocol import Embedder, embed_all
 from rlm.index.search import Exclusions, Neighbours, neighbour_table, search_neighbours
@@ -36,6 +38,8 @@ from rlm.index.store import (
 )
 
 NEIGHBOURS, ROWS = "neighbours.npy", "rows.npy"
+SEARCH_DEVICES = ("cuda",)
+"""Device types whose models search the memory there (RetrievalMemory.place_search); a CPU model keeps faiss-cpu."""
 CORPUS, DOC_OFFSETS, CORPUS_TOKENS = "corpus.json", "doc_offsets.npy", "corpus_tokens.npy"
 
 
@@ -71,6 +75,8 @@ class RetrievalMemory:
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
     _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _searched: tuple[torch.device, Any] | None = field(default=None, init=False, repr=False)
+    """(device, the index searched there) once place_search has run."""
     collective: ClassVar[bool] = False
     """Whether search is a collective that every rank calls together (a sharded index)."""
 
@@ -99,6 +105,17 @@ class RetrievalMemory:
             self._copies["text"] = TextRuns(self.segments, docs, half, half)
         return self._copies["text"]
 
+    def place_search(self, device: torch.device) -> None:
+        """Search on ``device`` from now on when it is one of SEARCH_DEVICES (index/device_search.py: faiss-gpu, else
+        a torch search over the index's own data when it fits), saying which on stderr once; a sharded memory keeps
+        its parts' search."""
+        if self.collective or device.type not in SEARCH_DEVICES:
+            return
+        if self._searched is None or self._searched[0] != device:
+            index, how = device_index(self.index, device)
+            self._searched = (device, index)
+            print(f"rlm: retrieval search: {how}", file=sys.stderr)
+
     def project(self, queries: np.ndarray) -> np.ndarray:
         """(Q, D) full-width query vectors in the index's width: narrowed by its projection, if it has one."""
         return queries if self.projection is None else self.projection.apply(queries)
@@ -115,7 +132,7 @@ class RetrievalMemory:
         full width: the index's projection narrows them."""
         rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
         found = search_neighbours(
-            self.index,
+            self.index if self._searched is None else self._searched[1],
             self.project(queries),
             k,
             rows,

@@ -150,13 +150,17 @@ class RetrievalPlugin(Plugin):
             self._prepare_cached(ctx, batch)
             return
         start = time.perf_counter()
+        online = not (ctx.training and batch.get("segment_ids") is not None) or (
+            memory is not None and memory.neighbours is None
+        )
+        if online and memory is not None:  # searched where the model runs (faiss-gpu or torch on a GPU)
+            memory.place_search(batch["tokens"].device)
         inputs = ctx.extras[self.label] = gather_inputs(
             memory,
             batch,
             c.k,
             c.continuation,
-            online=not (ctx.training and batch.get("segment_ids") is not None)
-            or (memory is not None and memory.neighbours is None),
+            online=online,
             embed=self._embed_queries,
             segments=ctx.segments,
             warm_k=(c.k if memory is None else c.same_doc_k) if warm != "none" else 0,
@@ -189,6 +193,7 @@ class RetrievalPlugin(Plugin):
         first, last = offset // L, (offset + T - 1) // L
         if any(j not in chunks for j in range(first, last + 1)):
             start = time.perf_counter()
+            self.memory.place_search(ctx.tokens.device)
             inputs = gather_inputs(
                 self.memory,
                 {"tokens": cache.history(offset, ctx.tokens)},

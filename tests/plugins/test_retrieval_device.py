@@ -1,0 +1,60 @@
+"""The retriever's search where the model runs: the memory's index searched by torch (here forced onto the CPU, as
+on a GPU without faiss-gpu) finds the neighbours faiss-cpu finds, and the forward is the same."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from retrieval_helpers import CORPUS_OFFSETS, CORPUS_SEGMENTS, context, tiny_model
+
+import rlm.index.memory as memory_module
+from rlm.data.windows import Windows
+from rlm.index.build import IndexConfig, set_search_params
+from rlm.index.device_search import TorchIVFIndex
+from rlm.index.exact import TorchExactIndex
+from rlm.index.memory import build_memory, embed_rows, indexed_rows
+
+
+def with_memory(factory: str, **opts):
+    """A tiny retriever searching online (lookup 'search') a memory of the training documents under `factory`."""
+    model = tiny_model(warm_start="none", lookup="search", **opts)
+    plugin = model.plugins["retrieval"]
+    rows = indexed_rows(CORPUS_SEGMENTS, np.arange(10))
+    embedder = plugin.snapshot(0)
+    vectors = embed_rows(embedder, CORPUS_SEGMENTS, rows, 64, 0, 1, False)
+    config = IndexConfig(factory=factory, target_recall=None)
+    memory = build_memory(
+        vectors, CORPUS_SEGMENTS, rows, 2, embedder.embedder_identity(), 0, config, None, table=False
+    )
+    set_search_params(memory.index.index, {"nprobe": 2} if factory.startswith("IVF") else {})
+    plugin.use_memory(memory)
+    return model, memory
+
+
+@pytest.mark.parametrize(("factory", "searcher"), [("IVF4,Flat", TorchIVFIndex), ("Flat", TorchExactIndex)])
+@pytest.mark.parametrize("stage", ["train", "val"])
+def test_torch_search_on_the_models_device_finds_faiss_cpus_neighbours(
+    factory, searcher, stage, monkeypatch, capsys
+):
+    """The same batch through faiss-cpu, then through the torch search over the index's own lists with its nprobe
+    (forced on the CPU): the same neighbour ids and logits; the memory says once which search it uses."""
+    windows = Windows(CORPUS_SEGMENTS, CORPUS_OFFSETS, np.arange(10), 32)
+    batch = windows.collate(np.arange(len(windows)))
+    model, memory = with_memory(factory)
+    with torch.no_grad():
+        ctx = context(model, batch, stage)
+        want_ids, want = ctx.extras["retrieval"].ids, model(batch["tokens"], ctx)
+    assert memory._searched is None  # a CPU model keeps faiss-cpu
+    monkeypatch.setattr(memory_module, "SEARCH_DEVICES", ("cuda", "cpu"))
+    with torch.no_grad():
+        for _ in range(2):  # placed once, searched twice
+            ctx = context(model, batch, stage)
+            got_ids, got = ctx.extras["retrieval"].ids, model(batch["tokens"], ctx)
+            assert (want_ids >= 0).sum() > len(batch["tokens"])
+            torch.testing.assert_close(got_ids, want_ids, rtol=0, atol=0)
+            torch.testing.assert_close(got, want)
+    assert isinstance(memory._searched[1], searcher)
+    log = capsys.readouterr().err
+    assert log.count("rlm: retrieval search: ") == 1
+    assert f"on cpu ({factory}" in log
