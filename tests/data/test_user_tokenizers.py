@@ -132,6 +132,16 @@ def test_every_reader_uses_the_tokenizer_the_checkpoint_carries(tmp_path, rlm_ma
     exported = {p.name for p in (tmp_path / "exported").iterdir()}
     assert ("tokenizer.model" in exported) == kind.startswith("sentencepiece")
     assert ("special_tokens_map.json" in exported) == (kind == "tokenizer_folder_declared")
+    if importlib.util.find_spec(
+        "transformers"
+    ):  # either loads in AutoTokenizer, with rlm's ids (docs/CLI.md)
+        from transformers import AutoTokenizer
+
+        auto = AutoTokenizer.from_pretrained(tmp_path / "exported", trust_remote_code=True)
+        file = "tokenizer.model" if kind.startswith("sentencepiece") else "tokenizer.json"
+        ours = load_tokenizer(str(tmp_path / "exported" / file))
+        text = "def f(x):\n    return {'a': x}  # é"
+        assert auto(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert torch.load(tmp_path / CKPT, map_location="cpu", weights_only=False)["global_step"] == 3
 
 
