@@ -189,20 +189,35 @@ def test_row_adam_on_the_gather_path_matches_torch_sparse_adam(rows, monkeypatch
     assert not opt.reads
 
 
-def _host_reads(path: str, monkeypatch) -> dict[str, int]:
+def _host_reads(path: str, values: str, monkeypatch) -> dict[str, int]:
     """Host reads (tests/host_reads.py) of one training step of a layer and its value rows on ``path``."""
     monkeypatch.setattr(_pkm_ops, "VALUE_READ", path)
-    plugin, layer = _layer("embedding", "true")
+    plugin, layer = _layer(values, "true")
     x, ctx, target = _inputs()
-    with _Count(set()) as count:
+    x.requires_grad_(True)
+    count = _Count(set())
+    # The autograd engine runs a backward with no torch-function mode: the memory's own backwards count again.
+    for op in (_pkm_ops._ProductKeySearch, _pkm_ops._ValueBag, _pkm_ops._ValueDot):
+        monkeypatch.setattr(op, "backward", staticmethod(_counted(op.backward, count)))
+    with count:
         (layer(x, ctx) * target).sum().backward()
         plugin.row_optimizer.step()
     return dict(count.where)
 
 
-def test_a_training_step_on_the_gather_path_reads_the_host_never(monkeypatch):
-    assert any("unique_consecutive" in where for where in _host_reads("bag", monkeypatch))  # what is counted
-    assert _host_reads("gather", monkeypatch) == {}
+def _counted(backward, count: _Count):
+    def run(ctx, *grads):
+        with count:
+            return backward(ctx, *grads)
+
+    return run
+
+
+@pytest.mark.parametrize("values", ["embedding", "peer"])
+def test_a_training_step_on_the_gather_path_reads_the_host_never(values, monkeypatch):
+    bag = _host_reads("bag", values, monkeypatch)
+    assert any("unique_consecutive _pkm_ops" in where for where in bag) and "_pkm_rows" in str(bag)  # counted
+    assert _host_reads("gather", values, monkeypatch) == {}
 
 
 @pytest.mark.gpu
