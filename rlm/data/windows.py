@@ -15,9 +15,9 @@ from rlm.data.segments import SegmentTable
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 HOST = "host"
 """The batch key of its host copy (host_copy), once the batch is on a device."""
-HOST_FIELDS = ("mask", "segment_ids", "doc_ids", "starts")
+HOST_FIELDS = ("tokens", "mask", "segment_ids", "doc_ids", "starts")
 """Fields collate makes on the host that plugins read on the host (the retriever looks its neighbours up in numpy
-tables with them)."""
+tables with them; Token-ID's host n-gram tables hash the tokens there)."""
 
 
 class Windows:

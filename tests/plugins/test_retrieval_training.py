@@ -487,5 +487,5 @@ def test_fit_moves_each_batch_with_its_host_copy(tmp_path):
 
     module = make_module({"k": 2, "warm_start": "recent", "schedule": "every 100"})
     trainer(tmp_path, 1, callbacks=[Watch()]).fit(module, datamodule=small_data())
-    assert set(seen[0]["host"]) == {"mask", "segment_ids", "doc_ids", "starts"}
+    assert set(seen[0]["host"]) == {"tokens", "mask", "segment_ids", "doc_ids", "starts"}
     assert seen[0]["host"]["segment_ids"] is seen[0]["segment_ids"]  # on the CPU the move is the identity
