@@ -13,6 +13,9 @@ memory's table. At evaluation the filters and the own-past candidates of _retrie
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +75,8 @@ def gather_inputs(
     randomise: bool = False,
     evaluation: bool = False,
     exclude_copies: bool = True,
-) -> RetrievalInputs:
+    background: bool = False,
+) -> RetrievalInputs | PendingInputs:
     """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs): the first k - warm_k
     from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours).
 
@@ -80,7 +84,10 @@ def gather_inputs(
     the memory's ids only when it is the memory's table; the others are outside queries, which the index's causal
     filter does not know. evaluation (validation, test, rlm eval, generation): the filters and own-past candidates
     of _retrieval_filter (its copy filters only with exclude_copies); a batch without a table (generation) is its
-    own document there."""
+    own document there.
+
+    background: return at once a PendingInputs whose thread does the host half (search, tokens) while the caller
+    goes on; only for training steps on a memory of one process. The query embedding runs here either way."""
     if batch.get("segment_ids") is not None and segments is None:
         raise ValueError(
             "the batch has segment_ids but names no segment table (Context.segments): they cannot be read as ids "
@@ -142,69 +149,128 @@ def gather_inputs(
         if warm == "similar":
             cands = most_similar(own, cands, q_tokens, q_mask, warm_k, embed, seg_np[:, 0])
         warm_part = cands  # (B, n, warm_k) own-table ids
-    parts, excluded = [], 0
     k_table = k - warm_k if memory is not None else 0
-    if k_table and online:
-        nb = np.full((B * n, k_table), -1, dtype=np.int64)
-        scores = np.full((B * n, k_table), -np.inf, dtype=np.float32)
+    search = bool(k_table and online)
+    rows, exclusions, e = np.zeros(0, dtype=np.int64), None, None
+    if search:
         rows = np.flatnonzero(q_valid.reshape(-1))
-        exclusions = None
         if evaluation and exclude_copies:  # the filters of an evaluated text (_retrieval_filter)
             q_np, m_np = q_tokens.cpu().numpy(), q_mask.cpu().numpy()
             found = [(copy_exclusions(memory, q_np, m_np, continuation), False)]
             if known_future and seg_np is not None:
                 found.append((future_exclusions(memory, own, docs, seg_np, continuation), True))
             exclusions = as_exclusions(rows, found)
-        e_q = None
-        if len(rows):
+        if len(rows):  # on the calling thread: a shared embedder runs the LM's own blocks
             e = embed(q_tokens.reshape(B * n, L)[rows], q_mask.reshape(B * n, L)[rows])  # (R, D)
-            # full width: the memory narrows the queries by its index's projection, if it has one
-            e_np = e.float().cpu().numpy()  # (R, D): the one read of the queries for the CPU index
-            got = memory.search_scored(e_np, q_ids.reshape(-1)[rows], k_table, exclusions)
-            nb[rows], scores[rows] = got.ids, got.scores
-            excluded = int(got.excluded.sum()) if got.excluded is not None else 0
-            e = index_width(memory, e, e_np)  # (R, m): own-past scores below compare with the index's
-            e_q = torch.zeros(B * n, e.shape[-1], device=e.device, dtype=e.dtype)  # (B*n, m)
-            e_q[torch.from_numpy(rows).to(e.device)] = e
-        elif memory.collective:  # a sharded index searches with every rank: join in with no query
-            memory.search_scored(np.zeros((0, 0), dtype=np.float32), rows, k_table, exclusions)
-        nb, scores = nb.reshape(B, n, k_table), scores.reshape(B, n, k_table)
-        if evaluation and e_q is not None and seg_np is not None:
-            # a document the index does not hold: its own past, merged with the index's results by score
-            held = inside & memory.indexed_mask()[np.minimum(doc_first, len(memory.segments) - 1)]  # (B,)
-            cands = warm_candidates_of(
-                np.where(held[:, None], -1, own_q), seg_np[:, 0], doc_first, warm_candidates
-            )
-            if warm_part is not None:  # not twice: the warm picks have their own slots
-                cands = np.where((cands[..., :, None] == warm_part[..., None, :]).any(-1), -1, cands)
-            past = score_candidates(own, cands, e_q, lambda t, m: index_width(memory, embed(t, m)))
-            nb = merge_by_score(nb, scores, np.where(cands >= 0, cands + off, -1), past, k_table)
-        parts.append(nb)
-    elif k_table:
-        table = memory.neighbours[np.maximum(q_ids, 0), :k_table]
-        parts.append(np.where((q_ids >= 0)[..., None], table, -1))  # (B, n, k_table)
-    if warm_part is not None:
-        parts.append(np.where(warm_part >= 0, warm_part + off, -1))
-    nb = np.concatenate(parts, -1)  # (B, n, k)
-    if randomise:
-        nb = random_neighbours(nb, q_ids, ref, memory.rows if memory is not None else None)
-    nb_tokens, nb_mask = two_table_tokens(ref, own, off, nb, continuation)
-    if off:
-        same = nb >= off  # the batch's own past; nothing of the memory's table is of its documents
-    elif docs is not None:
-        same = (nb >= 0) & (ref.doc[np.maximum(nb, 0)] == docs[:, None, None])
-    else:
-        same = np.zeros_like(nb, dtype=bool)
-    return RetrievalInputs(
-        query_tokens=q_tokens,
-        query_mask=q_mask,
-        tokens=torch.from_numpy(nb_tokens).to(device),
-        mask=torch.from_numpy(nb_mask).to(device),
-        valid=torch.from_numpy(nb >= 0).to(device),
-        same_doc=torch.from_numpy(same).to(device),
-        ids=torch.from_numpy(nb).to(device),
-        excluded=excluded,
-    )
+
+    def finish() -> RetrievalInputs:
+        """The host half: read the queries, search, and fetch the neighbours' tokens."""
+        parts, excluded = [], 0
+        if search:
+            nb = np.full((B * n, k_table), -1, dtype=np.int64)
+            scores = np.full((B * n, k_table), -np.inf, dtype=np.float32)
+            e_q = None
+            if e is not None:
+                # full width: the memory narrows the queries by its index's projection, if it has one
+                e_np = e.float().cpu().numpy()  # (R, D): the one read of the queries for the CPU index
+                got = memory.search_scored(e_np, q_ids.reshape(-1)[rows], k_table, exclusions)
+                nb[rows], scores[rows] = got.ids, got.scores
+                excluded = int(got.excluded.sum()) if got.excluded is not None else 0
+                e_m = index_width(memory, e, e_np)  # (R, m): own-past scores below compare with the index's
+                e_q = torch.zeros(B * n, e_m.shape[-1], device=e_m.device, dtype=e_m.dtype)  # (B*n, m)
+                e_q[torch.from_numpy(rows).to(e_m.device)] = e_m
+            elif memory.collective:  # a sharded index searches with every rank: join in with no query
+                memory.search_scored(np.zeros((0, 0), dtype=np.float32), rows, k_table, exclusions)
+            nb, scores = nb.reshape(B, n, k_table), scores.reshape(B, n, k_table)
+            if evaluation and e_q is not None and seg_np is not None:
+                # a document the index does not hold: its own past, merged with the index's results by score
+                held = inside & memory.indexed_mask()[np.minimum(doc_first, len(memory.segments) - 1)]  # (B,)
+                cands = warm_candidates_of(
+                    np.where(held[:, None], -1, own_q), seg_np[:, 0], doc_first, warm_candidates
+                )
+                if warm_part is not None:  # not twice: the warm picks have their own slots
+                    cands = np.where((cands[..., :, None] == warm_part[..., None, :]).any(-1), -1, cands)
+                past = score_candidates(own, cands, e_q, lambda t, m: index_width(memory, embed(t, m)))
+                nb = merge_by_score(nb, scores, np.where(cands >= 0, cands + off, -1), past, k_table)
+            parts.append(nb)
+        elif k_table:
+            table = memory.neighbours[np.maximum(q_ids, 0), :k_table]
+            parts.append(np.where((q_ids >= 0)[..., None], table, -1))  # (B, n, k_table)
+        if warm_part is not None:
+            parts.append(np.where(warm_part >= 0, warm_part + off, -1))
+        nb = np.concatenate(parts, -1)  # (B, n, k)
+        if randomise:
+            nb = random_neighbours(nb, q_ids, ref, memory.rows if memory is not None else None)
+        nb_tokens, nb_mask = two_table_tokens(ref, own, off, nb, continuation)
+        if off:
+            same = nb >= off  # the batch's own past; nothing of the memory's table is of its documents
+        elif docs is not None:
+            same = (nb >= 0) & (ref.doc[np.maximum(nb, 0)] == docs[:, None, None])
+        else:
+            same = np.zeros_like(nb, dtype=bool)
+        return RetrievalInputs(
+            query_tokens=q_tokens,
+            query_mask=q_mask,
+            tokens=torch.from_numpy(nb_tokens).to(device),
+            mask=torch.from_numpy(nb_mask).to(device),
+            valid=torch.from_numpy(nb >= 0).to(device),
+            same_doc=torch.from_numpy(same).to(device),
+            ids=torch.from_numpy(nb).to(device),
+            excluded=excluded,
+        )
+
+    if not background:
+        return finish()
+    if evaluation or (memory is not None and memory.collective):
+        raise ValueError(
+            "gather_inputs(background=True) is for training steps on a memory of one process: evaluation embeds "
+            "again in its host half, and a sharded index's search is a collective"
+        )
+    return PendingInputs(finish, device, e)
+
+
+class PendingInputs:
+    """gather_inputs' host half (the queries read to the host, the index search, the neighbours' tokens) running in
+    a thread, so that the step's forward runs up to the first cross-attention meanwhile; result() waits for it.
+
+    On CUDA the thread works on a side stream that starts after everything queued so far (the batch, the query
+    embedding) and that the caller's stream waits for in result(): its reads never wait for the forward's
+    kernels, and the forward never reads its tensors early."""
+
+    def __init__(self, finish: Callable[[], RetrievalInputs], device: torch.device, uses: Tensor | None):
+        self._stream = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            if uses is not None:
+                uses.record_stream(
+                    self._stream
+                )  # freed by the caller's stream only once the side stream is done
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(
+            target=self._run, args=(finish,), name="retrieval-search", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, finish: Callable[[], RetrievalInputs]) -> None:
+        try:
+            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                self._out["inputs"] = finish()
+        except BaseException as err:  # raised again on the caller's thread, in result()
+            self._out["error"] = err
+
+    def result(self) -> RetrievalInputs:
+        """The inputs, once the thread is done, ready for the caller's stream; its error if it failed."""
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        inputs = self._out["inputs"]
+        if self._stream is not None:
+            main = torch.cuda.current_stream(self._stream.device)
+            main.wait_stream(self._stream)
+            for t in (inputs.tokens, inputs.mask, inputs.valid, inputs.same_doc, inputs.ids):
+                t.record_stream(main)  # made on the side stream, used on the caller's
+        return inputs
 
 
 def index_width(memory: RetrievalMemory, e: Tensor, host: np.ndarray | None = None) -> Tensor:

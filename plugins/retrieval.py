@@ -54,6 +54,7 @@ from rlm.plugins._retrieval_encoder import (
     weights_hash,
 )
 from rlm.plugins._retrieval_neighbours import (
+    PendingInputs,
     RetrievalInputs,
     chunk_cat,
     chunk_slice,
@@ -63,6 +64,10 @@ from rlm.plugins._retrieval_neighbours import (
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+BACKGROUND_DEVICES = ("cuda",)
+"""Device types whose training steps search in a thread beside the forward (gather_inputs' background); on the CPU
+the thread would take the cores the forward runs on."""
 
 
 class RetrievalPlugin(Plugin):
@@ -153,8 +158,17 @@ class RetrievalPlugin(Plugin):
         online = not (ctx.training and batch.get("segment_ids") is not None) or (
             memory is not None and memory.neighbours is None
         )
+        device = batch["tokens"].device
         if online and memory is not None:  # searched where the model runs (faiss-gpu or torch on a GPU)
-            memory.place_search(batch["tokens"].device)
+            memory.place_search(device)
+        # a training step's search runs in a thread while the forward reaches the first cross-attention (encoded)
+        background = (
+            online
+            and ctx.training
+            and memory is not None
+            and not memory.collective
+            and device.type in BACKGROUND_DEVICES
+        )
         inputs = ctx.extras[self.label] = gather_inputs(
             memory,
             batch,
@@ -169,8 +183,11 @@ class RetrievalPlugin(Plugin):
             randomise=ctx.variant == f"{self.label}_random",
             evaluation=not ctx.training,
             exclude_copies=c.exclude_copies,
+            background=background,
         )
         self.prepare_seconds = time.perf_counter() - start
+        if background:
+            return  # prepare_ms is logged once the forward has waited for the search (encoded)
         ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
         if not ctx.training and memory is not None and c.exclude_copies:  # the evaluated future's copies
             ctx.log(f"{self.label}/duplicates_excluded", float(inputs.excluded))
@@ -227,9 +244,19 @@ class RetrievalPlugin(Plugin):
         cross-attention layers."""
         key = f"{self.label}/encoded"
         if key not in ctx.extras:
-            inputs: RetrievalInputs | None = ctx.extras.get(self.label)
+            inputs: RetrievalInputs | PendingInputs | None = ctx.extras.get(self.label)
+            if isinstance(inputs, PendingInputs):
+                inputs = ctx.extras[self.label] = self._wait(inputs, ctx)
             ctx.extras[key] = None if inputs is None else self._encode(inputs, ctx)
         return ctx.extras[key]
+
+    def _wait(self, pending: PendingInputs, ctx: Context) -> RetrievalInputs:
+        """The inputs of a search prepare() left running; prepare_ms counts the time the forward waited for them."""
+        start = time.perf_counter()
+        inputs = pending.result()
+        self.prepare_seconds += time.perf_counter() - start
+        ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
+        return inputs
 
     def _encode(self, inputs: RetrievalInputs, ctx: Context) -> Encoded:
         """encode_neighbours; under incremental decoding once per span of chunks (a chunk's L steps share it)."""

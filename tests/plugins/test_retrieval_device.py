@@ -1,5 +1,7 @@
 """The retriever's search where the model runs: the memory's index searched by torch (here forced onto the CPU, as
-on a GPU without faiss-gpu) finds the neighbours faiss-cpu finds, and the forward is the same."""
+on a GPU without faiss-gpu) finds the neighbours faiss-cpu finds, and the forward is the same; a training step's
+search left running in a thread (forced onto the CPU too) gives the synchronous step's neighbours, logits and
+gradients."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from rlm.index.build import IndexConfig, set_search_params
 from rlm.index.device_search import TorchIVFIndex
 from rlm.index.exact import TorchExactIndex
 from rlm.index.memory import build_memory, embed_rows, indexed_rows
+from rlm.plugins import retrieval as retrieval_module
+from rlm.plugins._retrieval_neighbours import PendingInputs, gather_inputs
 
 
 def with_memory(factory: str, **opts):
@@ -58,3 +62,73 @@ def test_torch_search_on_the_models_device_finds_faiss_cpus_neighbours(
     log = capsys.readouterr().err
     assert log.count("rlm: retrieval search: ") == 1
     assert f"on cpu ({factory}" in log
+
+
+def forward_and_grads(model, batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(neighbour ids, logits, every parameter's gradient) of one training forward and backward."""
+    model.zero_grad()
+    ctx = context(model, batch, "train")
+    out = model(batch["tokens"], ctx)
+    out.float().square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return ctx.extras["retrieval"].ids, out.detach(), grads
+
+
+@pytest.mark.parametrize("device_search", [False, True])
+def test_a_training_steps_search_in_the_background_equals_the_synchronous_one(device_search, monkeypatch):
+    """prepare leaves the search running in a thread (PendingInputs) and the forward waits for it at the first
+    cross-attention: the neighbours, logits and gradients are those of the synchronous path, with faiss-cpu or the
+    torch search; prepare_ms counts the wait."""
+    windows = Windows(CORPUS_SEGMENTS, CORPUS_OFFSETS, np.arange(10), 32)
+    batch = windows.collate(np.arange(len(windows)))
+    model, _ = with_memory("IVF4,Flat")
+    want_ids, want, want_grads = forward_and_grads(model, batch)
+    if device_search:
+        monkeypatch.setattr(memory_module, "SEARCH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(retrieval_module, "BACKGROUND_DEVICES", ("cuda", "cpu"))
+    assert isinstance(context(model, batch, "train").extras["retrieval"], PendingInputs)
+    ids, got, grads = forward_and_grads(model, batch)
+    torch.testing.assert_close(ids, want_ids, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+    ctx = context(model, batch, "train")
+    model(batch["tokens"], ctx)
+    assert ctx.metrics["retrieval/prepare_ms"] > 0
+    # evaluation stays synchronous (its host half embeds again)
+    assert not isinstance(context(model, batch, "val").extras["retrieval"], PendingInputs)
+
+
+def test_an_error_of_the_background_search_is_raised_by_the_forward(monkeypatch):
+    windows = Windows(CORPUS_SEGMENTS, CORPUS_OFFSETS, np.arange(10), 32)
+    batch = windows.collate(np.arange(4))
+    model, memory = with_memory("Flat")
+    monkeypatch.setattr(retrieval_module, "BACKGROUND_DEVICES", ("cuda", "cpu"))
+
+    def broken(*args, **kwargs):
+        raise OSError("index file gone")
+
+    monkeypatch.setattr(memory, "search_scored", broken)
+    ctx = context(model, batch, "train")
+    with pytest.raises(OSError, match="index file gone"):
+        model(batch["tokens"], ctx)
+
+
+def test_background_gather_is_refused_for_evaluation():
+    windows = Windows(CORPUS_SEGMENTS, CORPUS_OFFSETS, np.arange(10), 32)
+    batch = windows.collate(np.arange(4))
+    model, memory = with_memory("Flat")
+    plugin = model.plugins["retrieval"]
+    with pytest.raises(ValueError, match=r"background=True\) is for training steps"):
+        gather_inputs(
+            memory,
+            batch,
+            2,
+            False,
+            True,
+            plugin._embed_queries,
+            CORPUS_SEGMENTS,
+            evaluation=True,
+            background=True,
+        )
