@@ -1,19 +1,25 @@
 """Start-up time of the ``rlm`` command: each command line in a fresh interpreter, best of --repeat.
 
-    python benchmarks/startup.py [--repeat 3]
+    python benchmarks/startup.py [--repeat 3] [--experiment configs/experiments/pkm.yaml]
 
-The light commands (``--help``, ``plugins``, the help of ``eval`` and ``generate``) import neither torch nor
-Lightning; ``fit --help`` is LightningCLI's and imports both, so it is the baseline the ratios are taken against.
+The light commands (``--help``, ``plugins``, the help of ``eval`` and ``generate``, ``experiment status``, an
+``experiment check`` of a file that fails its structure pass) import no Lightning, ``plugins NAME`` imports
+torch for the plugin's class; ``fit --help`` is LightningCLI's and imports both, so it is the baseline the ratios
+are taken against. ``experiment check FILE`` of a valid file parses every variant with the ``rlm fit`` parser
+and builds each model on the meta device, so it costs at least what ``fit --help`` does. The load average is
+printed before and after: on a shared machine the times grow with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
-
-COMMANDS = [["--help"], ["plugins"], ["eval", "--help"], ["generate", "--help"], ["fit", "--help"]]
+from pathlib import Path
 
 
 def start_time(args: list[str], repeat: int) -> float:
@@ -21,17 +27,50 @@ def start_time(args: list[str], repeat: int) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "rlm", *args], check=True, capture_output=True)
+        run = subprocess.run([sys.executable, "-m", "rlm", *args], capture_output=True, text=True)
         times.append(time.perf_counter() - t0)
+        if run.returncode != (
+            2 if args[-1].endswith("bad.yaml") else 0
+        ):  # a crash would time as a fast start
+            raise SystemExit(f"rlm {' '.join(args)}: exit {run.returncode}\n{run.stderr[-2000:]}")
     return min(times)
+
+
+def commands(experiment: str, work: Path) -> list[list[str]]:
+    """The command lines timed; ``work`` receives an experiment directory for ``status`` and a bad file."""
+    from rlm.experiment import load_experiment
+
+    (work / "out").mkdir()
+    (work / "out" / "experiment.json").write_text(json.dumps(load_experiment(experiment).to_json()))
+    (work / "bad.yaml").write_text("variants: [a, b]\n")
+    return [
+        ["--help"],
+        ["plugins"],
+        ["plugins", "pkm"],
+        ["plugins", "moe"],
+        ["plugins", "retrieval"],
+        ["eval", "--help"],
+        ["generate", "--help"],
+        ["experiment", "check", "--help"],
+        ["experiment", "status", str(work / "out")],
+        ["experiment", "check", str(work / "bad.yaml")],
+        ["experiment", "check", experiment],
+        ["fit", "--help"],
+    ]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeat", type=int, default=3, help="runs per command; the best is reported")
+    p.add_argument("--experiment", default="configs/experiments/pkm.yaml",
+                   help="the experiment file `experiment check` and `status` read (default: %(default)s)")  # fmt: skip
     a = p.parse_args()
-    seconds = {" ".join(c): start_time(c, a.repeat) for c in COMMANDS}
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as work:
+        lines = commands(a.experiment, Path(work))
+        seconds = {" ".join(c).replace(work, "TMP"): start_time(c, a.repeat) for c in lines}
     base = seconds["fit --help"]
+    print(f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {os.cpu_count()} cores")
     print("| command | seconds | / fit --help |\n|---|---:|---:|")
     for name, s in seconds.items():
         print(f"| rlm {name} | {s:.2f} | {s / base:.2f} |")
