@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
+import torch
 
 from rlm.index.build import IndexConfig
 from rlm.index.memory import (
@@ -110,6 +111,18 @@ class Schedule:
         """Whether to rebuild at `step` when the last rebuild was at `last` (robust to resuming anywhere)."""
         every = self.interval(step)
         return every is not None and step - last >= every
+
+
+def rebuild_stream() -> torch.cuda.Stream | None:
+    """A CUDA stream for the background rebuild, so that its embedding forward neither queues behind the training
+    step's kernels nor makes the step's syncs wait for its own (a thread otherwise shares the default stream); it
+    starts after the work queued so far (the snapshot's copy of the weights). On this process's GPU (Lightning sets
+    each rank's current device); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
 
 
 # ----- what the plugin reads -----
@@ -431,11 +444,14 @@ class RebuildCallback(pl.Callback):
         result["memory"] = build(shard, *args, self._path_for(result["step"]), self.table, projection)
 
     def _run_job(self, result: dict[str, Any], work: Any) -> None:
-        """Run work() in the rebuild thread; its error is reported on the training thread (_collect)."""
+        """Run work() in the rebuild thread, on a CUDA stream of its own; its error is reported on the training thread
+        (_collect)."""
+        stream = rebuild_stream()
 
         def guarded() -> None:
             try:
-                work()
+                with torch.cuda.stream(stream):  # None: no CUDA, nothing to switch
+                    work()
             except BaseException as err:  # reported on the main thread
                 result["error"] = err
             result["end"] = time.perf_counter()
