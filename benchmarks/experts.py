@@ -6,8 +6,8 @@ whole default model's training step with MoE in every other layer against the de
 
 Every layer row times forward and backward (input gradient included, as inside a model), alternating with the
 dense FFN so both see the same machine load, and reports the fastest of --repeat runs of each. The 'add' rows
-(partial experts, tokenid) run the dense FFN plus the added module, as the FFN slot does. The peer row
-(st-moe-pytorch, `pip install rlm[bench]`) is skipped with a note when the package is absent.
+(partial experts, tokenid and its hashed n-grams) run the dense FFN plus the added module, as the FFN slot does.
+The peer row (st-moe-pytorch, `pip install rlm[bench]`) is skipped with a note when the package is absent.
 
 Results: RESULTS.md, "MoE / Switch".
 """
@@ -33,7 +33,7 @@ from rlm.model.layers import FeedForward  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins.moe import MoEConfig, MoELayer  # noqa: E402
 from rlm.plugins.partial_experts import PartialExpertsConfig, PartialExpertsLayer  # noqa: E402
-from rlm.plugins.tokenid import TokenIDTable  # noqa: E402
+from rlm.plugins.tokenid import NGramMemory, TokenIDConfig, TokenIDTable  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,6 +140,14 @@ def layer_rows(a: argparse.Namespace) -> list[list[object]]:
             f"FFN + rank {rank}",
             step_fn([ffn, tokenid], x, tokens),
         )
+    for rows_ in a.ngram_rows:
+        for gate in (True, False):
+            cfg = TokenIDConfig(layers=[0], ngram_orders=[2, 3], ngram_rows=rows_, ngram_gate=gate)
+            add(
+                f"FFN + tokenid n-grams [2, 3] x 4 heads x {rows_} rows{' gated' if gate else ''}",
+                "FFN + 8 rows",
+                step_fn([ffn, NGramMemory(a.vocab, a.d, cfg)], x, tokens),
+            )
     return rows
 
 
@@ -166,6 +174,16 @@ def model_rows(a: argparse.Namespace) -> list[list[object]]:
             {"moe": {"layers": every_other, "num_experts": n}},
         )
         for n in (min(a.experts), max(a.experts))
+    ]
+    variants.append(
+        ("default model, tokenid.yaml (one vector per id at layer 0)", {"tokenid": {"layers": [0]}})
+    )
+    variants += [
+        (
+            f"default model, tokenid n-grams [2, 3] x 4 heads x {r} rows, gated, at layer 1",
+            {"tokenid": {"layers": [1], "ngram_orders": [2, 3], "ngram_rows": r}},
+        )
+        for r in a.ngram_rows
     ]
     steps = {}
     for name, plugins in variants:
@@ -202,6 +220,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument(
+        "--ngram-rows",
+        type=int,
+        nargs="+",
+        default=[512, 65536],
+        help="rows per hash head of the n-gram rows (512: Token-ID's parameters at vocabulary 4096; 65536: shipped)",
+    )
     p.add_argument(
         "--repeat", type=int, default=7, help="timed runs per row, alternating with the baseline (min)"
     )

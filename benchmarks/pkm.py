@@ -12,7 +12,9 @@ row-wise lazy Adam on the touched rows); 'dense' is pkm.sparse: false (a dense v
 torch's fused Adam over the whole table; FSDP2's own path for the values). The dense FFN (4d, GELU) row
 includes its Adam step. The peer
 (`pip install product-key-memory`, in `rlm[bench]`) is timed at the same shapes, forward + backward as its
-README trains it; its rows are skipped with a note when the package is absent.
+README trains it; its rows are skipped with a note when the package is absent. The options table times
+the layer and the default model with each of OPTIONS at --option-n (512: pkm.yaml's slots) against the memory
+as shipped, the dense FFN and the model without memory, all in the same run.
 """
 
 from __future__ import annotations
@@ -53,19 +55,32 @@ def cpu_time_fn(fn: Callable[[], object], repeat: int = 10, warmup: int = 2) -> 
     return statistics.median(times)
 
 
-def memory(a: argparse.Namespace, n: int, sparse: str) -> PKMPlugin:
+OPTIONS: dict[str, dict[str, object]] = {
+    "pkm.yaml as shipped": {},
+    "key_norm": {"key_norm": True},
+    "gated": {"gated": True},
+    "PEER values": {"values": "peer"},
+    "PEER values + key_norm (pkm_peer.yaml)": {"values": "peer", "key_norm": True},
+}
+"""The later memory-layer options against the memory as shipped: qk-norm and the gated output (Berges et al.),
+single-neuron PEER experts (He 2024) in the same number of slots."""
+
+
+def memory(a: argparse.Namespace, n: int, sparse: str, **options: object) -> PKMPlugin:
     """A plugin whose single memory layer is at layer 0 of a d-wide model."""
     mc = ModelConfig(d_model=a.d, n_layers=1, n_heads=4)
-    cfg = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim, sparse=sparse)
+    cfg = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim, sparse=sparse, **options)
     plugin = PKMPlugin(cfg, mc)
     plugin.build(plugin.claims()[0], 0, None)
     plugin.resolve_sparse(distributed=False)
     return plugin
 
 
-def layer_fns(a: argparse.Namespace, n: int, sparse: str) -> tuple[Callable[[], None], Callable[[], None]]:
+def layer_fns(
+    a: argparse.Namespace, n: int, sparse: str, **options: object
+) -> tuple[Callable[[], None], Callable[[], None]]:
     """(forward, forward + backward + values update) of one memory layer."""
-    plugin = memory(a, n, sparse)
+    plugin = memory(a, n, sparse, **options)
     layer = plugin.memories[0]
     x = torch.randn(a.batch, a.seq, a.d, requires_grad=True)
     tokens = torch.zeros(a.batch, a.seq, dtype=torch.long)
@@ -149,47 +164,87 @@ def layer_rows(a: argparse.Namespace) -> tuple[list[list[object]], list[list[obj
     return rows, peers
 
 
-def model_rows(a: argparse.Namespace) -> list[list[object]]:
-    """The default model with one memory layer in the middle: inference tokens/s and training step time."""
+def model_fns(a: argparse.Namespace, pkm: dict | None) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(inference, training step) of the default model with the memory ``pkm`` in the middle (or none)."""
     mc = ModelConfig(
         vocab_size=a.vocab, d_model=256, n_layers=4, n_heads=4, max_seq_len=max(1024, a.model_seq)
     )
     tokens = torch.randint(0, a.vocab, (a.model_batch, a.model_seq + 1))
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    n_tokens = inp.numel()
+    model = Transformer(mc, None if pkm is None else {"pkm": pkm})
+    for plugin in model.plugins.values():
+        plugin.resolve_sparse(distributed=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    def infer() -> None:
+        model.eval()
+        with torch.no_grad():
+            model(inp, Context(tokens=inp, stage="val"))
+
+    def step() -> None:
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(inp, Context(tokens=inp)).flatten(0, 1), tgt.flatten())
+        loss.backward()
+        opt.step()
+        for plugin in model.plugins.values():
+            plugin.row_optimizer.step()
+
+    return infer, step
+
+
+def model_rows(a: argparse.Namespace) -> list[list[object]]:
+    """The default model with one memory layer in the middle: inference tokens/s and training step time."""
+    n_tokens = a.model_batch * a.model_seq
     variants = [("default model, no memory", None)] + [
-        (f"pkm at layer {mc.n_layers // 2}, n={n} ({n * n:,} slots)", n) for n in (min(a.n), max(a.n))
+        (f"pkm at layer 2, n={n} ({n * n:,} slots)", n) for n in (min(a.n), max(a.n))
     ]
     rows, base = [], None
     for name, n in variants:
-        plugins = None if n is None else {"pkm": dict(n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim)}
-        model = Transformer(mc, plugins)
-        for plugin in model.plugins.values():
-            plugin.resolve_sparse(distributed=False)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-
-        def infer(model=model) -> None:
-            model.eval()
-            with torch.no_grad():
-                model(inp, Context(tokens=inp, stage="val"))
-
-        def step(model=model, opt=opt) -> None:
-            model.train()
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(inp, Context(tokens=inp)).flatten(0, 1), tgt.flatten())
-            loss.backward()
-            opt.step()
-            for plugin in model.plugins.values():
-                plugin.row_optimizer.step()
-
-        t_inf, t_step = a.timer(infer, a.repeat), a.timer(step, a.repeat)
+        pkm = None if n is None else dict(n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim)
+        t_inf, t_step = (a.timer(f, a.repeat) for f in model_fns(a, pkm))
         if n == min(a.n):
             base = (t_inf, t_step)
         speed = n_tokens / t_inf
         rel = ("", "") if base is None or n is None else (base[0] / t_inf, t_step / base[1])  # speed, cost
         rows.append([name, speed, t_step * 1e3, *rel])
         print(f"  {name}: {speed:.0f} tok/s, step {t_step * 1e3:.1f} ms", file=sys.stderr)
-        del model, opt
+    return rows
+
+
+def option_rows(a: argparse.Namespace) -> list[list[object]]:
+    """Each of OPTIONS at n = a.option_n: the layer's training step and the default model's, each against the
+    memory as shipped and against the dense FFN / the model without memory, all measured in this run."""
+    n = a.option_n
+    ffn_step = a.timer(ffn_fns(a)[1], a.repeat)
+    dense_model = a.timer(model_fns(a, None)[1], a.repeat) if not a.no_model else float("nan")
+    rows, shipped = [], None
+    # The memory as shipped once more at the end: how far two measurements of one thing differ here.
+    for name, options in [*OPTIONS.items(), ("pkm.yaml as shipped, again", {})]:
+        step = a.timer(layer_fns(a, n, "true", **options)[1], a.repeat)
+        pkm = dict(n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim, **options)
+        model = a.timer(model_fns(a, pkm)[1], a.repeat) if not a.no_model else float("nan")
+        shipped = shipped or (step, model)
+        rows.append(
+            [name, f"{n * n:,}", step * 1e3, step / shipped[0], step / ffn_step,
+             model * 1e3, model / shipped[1], model / dense_model]
+        )  # fmt: skip
+        print(
+            f"  {name} n={n}: layer step {step * 1e3:.1f} ms, model step {model * 1e3:.1f} ms",
+            file=sys.stderr,
+        )
+    rows.append(
+        [
+            "dense FFN 4d / default model without memory",
+            "-",
+            ffn_step * 1e3,
+            "",
+            1.0,
+            dense_model * 1e3,
+            "",
+            1.0,
+        ]
+    )
     return rows
 
 
@@ -214,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed runs per row (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-model", action="store_true", help="skip the whole-model rows")
+    p.add_argument("--option-n", type=int, default=512, help="sub-keys per half of the options table")
     p.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall",
         help="wall: median wall-clock time; cpu: median CPU time of one thread (1 torch thread; for shared machines)",
@@ -247,6 +303,18 @@ def main(argv: list[str] | None = None) -> None:
         print()
         headers = ["default model", "inference tok/s", "train step ms", "speed x n_min", "step x n_min"]
         print(table(headers, model_rows(a)))
+    print()
+    headers = [
+        f"option (sparse values, n={a.option_n})",
+        "slots",
+        "layer step ms",
+        "x shipped",
+        "x FFN",
+        "model step ms",
+        "x shipped",
+        "x no memory",
+    ]
+    print(table(headers, option_rows(a)))
 
 
 if __name__ == "__main__":

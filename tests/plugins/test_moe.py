@@ -312,6 +312,8 @@ def test_benchmark_script_smoke(capsys):
             "64",
             "--repeat",
             "1",
+            "--ngram-rows",
+            "8",
             "--no-model",
         ]
     )
@@ -320,6 +322,7 @@ def test_benchmark_script_smoke(capsys):
         "| dense FFN (against itself) |" in out
         and "moe N=2 top-1 lsh" in out
         and "FFN + tokenid rank 4" in out
+        and "FFN + tokenid n-grams [2, 3] x 4 heads x 8 rows gated" in out
     )
     assert "x dense FFN |" in out.splitlines()[2]
 

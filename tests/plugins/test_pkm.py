@@ -600,11 +600,14 @@ def test_benchmark_script_smoke(capsys):
             "16",
             "--model-batch",
             "1",
+            "--option-n",
+            "32",
         ]
     )
     out = capsys.readouterr().out
     assert "| pkm sparse n=64 | 4,096 |" in out and "| pkm dense n=32 |" in out
     assert "peer" in out and "pkm at layer 2, n=64" in out
+    assert "| PEER values | 1,024 |" in out and "| gated | 1,024 |" in out and "| key_norm | 1,024 |" in out
 
 
 def _synced_bn_worker(
