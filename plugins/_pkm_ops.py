@@ -29,12 +29,16 @@ token forward and a bag per distinct row backward (the CPU kernels are fast and 
 EmbeddingBag reduces each bag in one warp, so every lookup of a hot sub-key or slot runs one after another there.
 Set by tests to run either path on any device."""
 
-_BLOCK = 1 << 22  # elements of one gathered block (16 MB in float32): bounds the transient (E, d) gathers
-
 
 def gathers(t: Tensor) -> bool:
     """Whether tables on t's device are read by gathers and index_add_ (see VALUE_READ)."""
     return VALUE_READ == "gather" or (VALUE_READ == "auto" and t.device.type == "cuda")
+
+
+def _block(t: Tensor) -> int:
+    """Elements of one gathered block, which bounds the transient (E, d) gathers: 16 MB of float32 on a CPU (the
+    cache), 256 MB on a GPU, where each block's few kernels cost a launch each, so blocks must be few."""
+    return 1 << 26 if t.is_cuda else 1 << 22
 
 
 def grouped_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -288,7 +292,7 @@ def scatter_rows(out: Tensor, index: Tensor, weights: Tensor, tok: Tensor, grad:
     EmbeddingBag's backward as index_add_: on CUDA a hot row's lookups are spread over all threads (atomic adds,
     in no fixed order) instead of looping in one warp.
     """
-    block = max(1, _BLOCK // grad.shape[1])
+    block = max(1, _block(grad) // grad.shape[1])
     for e in range(0, index.numel(), block):
         part = slice(e, e + block)
         src = grad.index_select(0, tok[part]) * weights[part, None].to(grad.dtype)  # (c, d)
@@ -309,9 +313,9 @@ def table_grad(table: Tensor, slots: Tensor, weights: Tensor, grad: Tensor) -> T
 def _gathered(table: Tensor, slots: Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, Tensor]]:
     """Blocks of tokens with their rows: (tokens t:t+c, table[slots[t:t+c]] as (c, m, d) in dtype); slots (N, m).
 
-    A block holds ~_BLOCK elements, so nothing of size (N * m, d) is gathered at once."""
+    A block holds ~_block elements, so nothing of size (N * m, d) is gathered at once."""
     (N, m), d = slots.shape, table.shape[1]
-    block = max(1, _BLOCK // (m * d))
+    block = max(1, _block(table) // (m * d))
     for t in range(0, N, block):
         part = slice(t, t + block)
         yield part, table.index_select(0, slots[part].reshape(-1)).view(-1, m, d).to(dtype)

@@ -98,6 +98,14 @@ def test_gather_read_equals_the_bag_read_and_the_naive_loop(values, sparse):
     _assert_same(gather, _naive(values))
 
 
+@pytest.mark.parametrize("sparse", ["true", "false"])
+@pytest.mark.parametrize("values", ["embedding", "peer"])
+def test_gathers_in_many_blocks_give_the_same_sums(values, sparse, monkeypatch):
+    whole = _forward_backward("gather", values, sparse)
+    monkeypatch.setattr(_pkm_ops, "_block", lambda t: 100)  # a token, or 3 lookups, a block
+    _assert_same(_forward_backward("gather", values, sparse), whole)
+
+
 @pytest.mark.parametrize("values", ["embedding", "peer"])
 def test_gather_read_under_bf16_autocast_is_close_to_the_bag_read(values):
     gather = _forward_backward("gather", values, "true", autocast=True)
