@@ -176,9 +176,10 @@ def gather_inputs(
                 got = memory.search_scored(e_np, q_ids.reshape(-1)[rows], k_table, exclusions)
                 nb[rows], scores[rows] = got.ids, got.scores
                 excluded = int(got.excluded.sum()) if got.excluded is not None else 0
-                e_m = index_width(memory, e, e_np)  # (R, m): own-past scores below compare with the index's
-                e_q = torch.zeros(B * n, e_m.shape[-1], device=e_m.device, dtype=e_m.dtype)  # (B*n, m)
-                e_q[torch.from_numpy(rows).to(e_m.device)] = e_m
+                if evaluation:  # for the own-past candidates below
+                    e_m = index_width(memory, e, e_np)  # (R, m): own-past scores compare with the index's
+                    e_q = torch.zeros(B * n, e_m.shape[-1], device=e_m.device, dtype=e_m.dtype)  # (B*n, m)
+                    e_q[torch.from_numpy(rows).to(e_m.device)] = e_m
             elif memory.collective:  # a sharded index searches with every rank: join in with no query
                 memory.search_scored(np.zeros((0, 0), dtype=np.float32), rows, k_table, exclusions)
             nb, scores = nb.reshape(B, n, k_table), scores.reshape(B, n, k_table)
