@@ -239,9 +239,8 @@ def test_a_training_step_on_the_gather_path_reads_the_host_never(values, monkeyp
 @pytest.mark.parametrize("values", ["embedding", "peer"])
 def test_cuda_reads_gathers_and_equals_the_cpu_bag_read(values, sparse):
     assert _pkm_ops.VALUE_READ == "auto" and _pkm_ops.gathers(torch.empty(0, device="cuda"))
-    _assert_same(
-        _forward_backward("auto", values, sparse, device="cuda"), _forward_backward("bag", values, sparse)
-    )
+    cuda = _forward_backward("auto", values, sparse, device="cuda")
+    _assert_same(cuda, _forward_backward("bag", values, sparse), atol=1e-5, rtol=1e-4)  # sums in other orders
 
 
 @pytest.mark.gpu
