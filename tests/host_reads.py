@@ -99,3 +99,37 @@ class HostReads(pl.Callback):
         self._mode = None
         result = {"total": sum(reads.values()), "reads": dict(reads), "where": dict(where.most_common())}
         Path(self.out).write_text(json.dumps(result, indent=1))
+
+
+class CudaSyncs(pl.Callback):
+    """On a GPU: the synchronising CUDA calls of training step ``step``, as torch itself reports them under
+    ``torch.cuda.set_sync_debug_mode("warn")`` (a warning at each), counted into ``out`` (JSON: total, messages)."""
+
+    def __init__(self, step: int = 1, out: str = "cuda_syncs.json") -> None:
+        self.step, self.out = step, out
+        self._catch: Any = None
+        self._seen: list[Any] = []
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
+    ) -> None:
+        self._stop()
+        if trainer.global_step == self.step:
+            import warnings
+
+            self._catch = warnings.catch_warnings(record=True)
+            self._seen = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._catch is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(None, None, None)
+        self._catch = None
+        syncs = [str(w.message) for w in self._seen if "synchroniz" in str(w.message).lower()]
+        Path(self.out).write_text(json.dumps({"total": len(syncs), "messages": syncs}, indent=1))

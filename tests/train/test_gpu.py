@@ -1,8 +1,11 @@
 """CUDA paths of the core: the model on GPU in float32 and bf16 autocast, and `rlm fit` with the GPU trainer."""
 
+import json
+
 import pytest
 import torch
 from cli_helpers import CONFIGS, column, fit_args, read_metrics, run_rlm
+from test_host_reads import LAYERS, PINNED
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
@@ -71,3 +74,26 @@ def test_the_guard_and_the_token_count_do_not_sync_between_reads():
     trainer.global_step = 3
     with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\) at step 1"):
         guard.on_before_optimizer_step(trainer, module, None)  # the 4th step reads the record
+
+
+# slow: an in-process `rlm fit` per plugin on the GPU (data, model, index where the plugin has one, 2 steps)
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", list(PINNED))
+def test_a_training_step_syncs_the_gpu_no_more_than_its_documented_host_reads(
+    plugin, tmp_path, rlm_cache, rlm_main
+):
+    """torch's own sync detector (set_sync_debug_mode) over the second step of `rlm fit` on the GPU trainer config
+    (bf16-mixed, fused AdamW with clipping; eager): each plugin synchronises at most its pinned host reads
+    (tests/train/test_host_reads.py), the documented few."""
+    fragments = [CONFIGS / "trainer" / "gpu.yaml"]
+    fragments += [] if plugin == "dense" else [CONFIGS / "plugins" / f"{plugin}.yaml"]
+    out = tmp_path / "syncs.json"
+    args = [*fit_args(*fragments), "--trainer.max_steps=2", "--model.compile=false",
+            "--trainer.callbacks+=host_reads.CudaSyncs", f"--trainer.callbacks.out={out}",
+            "--trainer.log_every_n_steps=5"]  # fmt: skip
+    if plugin in LAYERS:
+        args.append(f"--model.plugins.{plugin}.layers={LAYERS[plugin]}")
+    proc = rlm_main(args, tmp_path, rlm_cache)
+    assert proc.returncode == 0, proc.stderr
+    syncs = json.loads(out.read_text())
+    assert syncs["total"] <= PINNED[plugin], syncs["messages"]
