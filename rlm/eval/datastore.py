@@ -18,7 +18,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,8 +32,9 @@ import torch
 from tqdm.auto import tqdm
 
 from rlm.checksums import META_SHA, check_sealed, meta_digest, read_manifest, seal
-from rlm.data import RLMDataModule, TokenStore, Windows
-from rlm.data.windows import IGNORE_INDEX, eval_loader
+from rlm.data.module import RLMDataModule
+from rlm.data.store import TokenStore
+from rlm.data.windows import IGNORE_INDEX, Windows, eval_loader
 
 LAYERS = ("final", "ffn_input", "attn_input")
 """Where keys are read: the LM head's input, the last block's normed FFN input (kNN-LM's best), or the last block's
@@ -202,39 +205,131 @@ class Datastore:
         return np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
 
 
+LOG_EVERY = 30.0
+"""Seconds between the plain progress lines printed when stderr is not a terminal (a log file, a batch job)."""
+TRIAL_BATCHES = 3
+"""Batches timed with each thread count before key extraction keeps the faster one."""
+
+
+class Progress:
+    """Progress of one build phase: a tqdm bar on a terminal; elsewhere a plain stderr line every ``LOG_EVERY``
+    seconds and at the end (phase, done/total, rate, ETA), which a log file keeps readable."""
+
+    def __init__(self, desc: str, total: int, unit: str, enabled: bool = True) -> None:
+        self.desc, self.total, self.unit, self.done = desc, total, unit, 0
+        self.start = self.last = time.perf_counter()
+        self.enabled = enabled
+        tty = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=desc, unit=unit, disable=not tty)
+        self.lines = enabled and not tty
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        self.done += n
+        now = time.perf_counter()
+        if self.lines and (now - self.last >= LOG_EVERY or self.done >= self.total):
+            self.last = now
+            self.log(now)
+
+    def log(self, now: float) -> None:
+        rate = self.done / max(now - self.start, 1e-9)
+        eta = (self.total - self.done) / rate if rate else float("inf")
+        print(f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({self.done / max(self.total, 1):.0%}), "
+              f"{rate:,.0f} {self.unit}/s, {now - self.start:,.0f} s elapsed, ETA {eta:,.0f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def note(self, message: str) -> None:
+        """A line about this phase, above the bar on a terminal."""
+        if self.enabled:
+            tqdm.write(f"{self.desc}: {message}", file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def window_targets(windows: Any) -> int:
+    """Targets (keys) of all ``windows``: each window's min(T, what is left of its document after its start)."""
+    left = np.diff(windows.doc_offsets)[windows.doc] - 1 - windows.start  # (W,)
+    return int(np.minimum(left, windows.seq_len).sum())
+
+
+def phase(progress: bool, message: str) -> None:
+    """A line on stderr about a build phase that has no bar of its own (faiss's training)."""
+    if progress:
+        print(f"rlm knnlm: {message}", file=sys.stderr, flush=True)
+
+
 def entries(
     module: Any, windows: Any, batch_size: int, layer: str, progress: bool, desc: str = "datastore keys"
 ) -> Iterator[tuple]:
-    """(keys (n, d) float16, values (n,), doc, first position) of every window, in order."""
-    with reading_keys(module, layer) as hooked, torch.no_grad():
-        module.eval()
-        for batch in tqdm(eval_loader(windows, batch_size), desc=desc, disable=not progress,
-                          unit="batch"):  # fmt: skip
-            batch = {key: v.to(module.device) for key, v in batch.items()}
-            ctx = module.make_context(batch, "test", segments=windows.segments)
-            module.model(batch["tokens"], ctx)
-            keys = hooked["keys"].to(torch.float16).cpu().numpy()
-            targets = batch["targets"].cpu().numpy()
-            for b in range(len(targets)):
-                n = int((targets[b] != IGNORE_INDEX).sum())
-                yield keys[b, :n], targets[b, :n], int(batch["doc_ids"][b]), int(batch["starts"][b])
+    """(keys (n, d) float16, values (n,), doc, first position) of every window, in order.
+
+    Only the blocks run (``model.hidden``): no key needs the LM head. On a CPU the first batches alternate
+    torch's thread count and one thread, and the faster median is kept: on a shared machine a parallel region
+    waits for its slowest thread, and one thread can be several times faster. The keys are the same either
+    way. Once timed, the phase's duration is estimated from them."""
+    threads = torch.get_num_threads()
+    counts = (threads, 1) if module.device.type == "cpu" and threads > 1 else (threads,)
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    trial = TRIAL_BATCHES * len(counts)
+    loader = eval_loader(windows, batch_size)
+    bar = Progress(desc, window_targets(windows), "keys", progress)
+    try:
+        with reading_keys(module, layer) as hooked, torch.inference_mode():
+            module.eval()
+            for i, batch in enumerate(loader):
+                trying = counts[i % len(counts)] if i < trial else None
+                if trying is not None:
+                    torch.set_num_threads(trying)
+                start = time.perf_counter()
+                batch = {key: v.to(module.device) for key, v in batch.items()}
+                ctx = module.make_context(batch, "test", segments=windows.segments)
+                module.model.hidden(batch["tokens"], ctx)
+                keys = hooked["keys"].to(torch.float16).cpu().numpy()  # (B, T, d)
+                targets = batch["targets"].cpu().numpy()  # (B, T)
+                if trying is not None:
+                    times[trying].append(time.perf_counter() - start)
+                if trying is not None and (i == trial - 1 or i == len(loader) - 1):
+                    best = min((n for n in counts if times[n]), key=lambda n: statistics.median(times[n]))
+                    torch.set_num_threads(best)
+                    each = statistics.median(times[best])
+                    bar.note(f"about {each * len(loader):,.0f} s for {len(loader):,} batches of {batch_size} windows "
+                             f"({each:.3g} s each at {best} of {threads} torch threads"
+                             + (", the faster on the first batches)" if len(counts) > 1 else ")"))  # fmt: skip
+                real = (targets != IGNORE_INDEX).sum(1)  # (B,) targets of each window
+                bar.update(int(real.sum()))
+                for b in range(len(targets)):
+                    yield (
+                        keys[b, : real[b]],
+                        targets[b, : real[b]],
+                        int(batch["doc_ids"][b]),
+                        int(batch["starts"][b]),
+                    )
+    finally:
+        torch.set_num_threads(threads)
+        bar.close()
 
 
 def estimate(n_tokens: int, dim: int, factory: str, shard_tokens: int | None = None) -> dict[str, int]:
     """Bytes a build needs: on disk (the float16 keys while building, then the index, values and table) and in
-    memory (the index while it is filled, and the k-means training sample). Sharded (``shard_tokens``, the
-    largest shard's keys): no keys on disk, and in memory one shard's float16 keys and index, not the corpus's."""
+    memory (the index while it is filled, and the k-means training sample); "files", the finished datastore's
+    (the index with its centroids and codebooks, and the values). Sharded (``shard_tokens``, the largest shard's
+    keys): no keys on disk, and in memory one shard's float16 keys and index, not the corpus's."""
     from rlm.index.knn import EXACT, bytes_per_key
 
     index = n_tokens * bytes_per_key(factory, dim)
+    ivf = re.match(r"IVF(\d+)", factory)
+    if ivf:  # the coarse centroids (nlist, d) float32, and a product quantiser's 256-entry codebooks
+        index += int(ivf[1]) * dim * 4 + (256 * dim * 4 if ",PQ" in factory else 0)
     sample = min(n_tokens, 131072) * dim * 4
+    files = index + n_tokens * 4
     if shard_tokens is not None:
         shard = shard_tokens * (bytes_per_key(factory, dim) + 2 * dim)
         sample = 0 if factory in (EXACT, "Flat", "IndexFlatL2") else sample  # an exact index is not trained
-        return {"disk": n_tokens * 4 + index, "memory": shard + sample, "index": index, "keys": 0,
-                "shard": shard}  # fmt: skip
-    return {"disk": n_tokens * (2 * dim + 4) + index, "memory": index + sample,
-            "index": index, "keys": n_tokens * 2 * dim}  # fmt: skip
+        return {"disk": files, "memory": shard + sample, "index": index, "keys": 0, "shard": shard,
+                "files": files}  # fmt: skip
+    return {"disk": files + n_tokens * 2 * dim, "memory": index + sample, "index": index,
+            "keys": n_tokens * 2 * dim, "files": files}  # fmt: skip
 
 
 def shard_docs(lengths: np.ndarray, shard_keys: int) -> list[slice]:
@@ -321,7 +416,8 @@ def build_datastore(
     if shard_keys is not None and shard_keys < 1:
         raise ValueError(f"shard_keys={shard_keys}; accepted: a positive integer (keys per index shard)")
     out = claim_out_dir(out, reads=[ckpt_path, *(corpus or [])], force=force, own=("meta.json", "format"))
-    module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
+    bars = progress and sys.stderr.isatty()  # for the tqdm bars of rlm.data and rlm.index: a terminal only
+    module, data, store = load_for_knn(ckpt_path, corpus, device, bars)
     docs = store.train_docs if not corpus else np.arange(store.n_docs)
     if documents is not None:  # an explicit subset (tests, ablations)
         docs = np.asarray([d for d in docs if int(d) in set(documents)], dtype=np.int64)
@@ -338,8 +434,8 @@ def build_datastore(
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     mem = available_memory()
-    print(f"rlm knnlm: {n:,} keys of dim {dim} ({len(docs)} documents), index {resolved}: about "
-          f"{need['disk'] / 2**20:,.0f} MiB of disk while building ({free / 2**20:,.0f} MiB free), "
+    print(f"rlm knnlm: {n:,} keys of dim {dim} ({len(docs)} documents), index {resolved}: a datastore of about "
+          f"{need['files'] / 2**20:,.1f} MiB; {need['disk'] / 2**20:,.0f} MiB of disk while building ({free / 2**20:,.0f} MiB free), "
           f"{need['memory'] / 2**20:,.0f} MiB of memory ({mem / 2**20:,.0f} MiB available)"
           + (f"; {len(parts)} shards of up to {biggest:,} keys, searching loads all "
              f"{need['index'] / 2**20:,.0f} MiB of index" if parts else ""), file=sys.stderr)  # fmt: skip
@@ -355,7 +451,7 @@ def build_datastore(
     with atomic_dir(out) as tmp:
         if parts is not None:
             built, shards = _build_shards(tmp, module, data, store, docs, parts, resolved, layer,
-                                          batch_size or data.val_batch_size, target_recall, k, progress)  # fmt: skip
+                                          batch_size or data.val_batch_size, target_recall, k, progress, bars)  # fmt: skip
             embed_s = built.seconds.pop("keys")
         else:
             keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, dim))
@@ -376,7 +472,12 @@ def build_datastore(
             assert pos == n, (pos, n)
             keys.flush()
             embed_s = time.perf_counter() - start
-            built = build_l2_index(keys, resolved, target_recall, tune_k=k, progress=progress)
+            phase(progress, f"index {resolved}: training, adding {n:,} keys and tuning")
+            built = build_l2_index(keys, resolved, target_recall, tune_k=k, progress=bars)
+            phase(
+                progress,
+                f"index {resolved}: " + ", ".join(f"{name} {t:.1f} s" for name, t in built.seconds.items()),
+            )
             faiss.write_index(built.index, str(tmp / "index.faiss"))
             del keys
             (tmp / "keys.npy").unlink()
@@ -414,6 +515,7 @@ def build_datastore(
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
         if tuner is not None and not corpus and len(store.val_docs):
             ds = Datastore(tmp, verify=False)  # just written and sealed: hashing it again proves nothing
+            phase(progress, "tuning lam and the temperature on the validation split")
             meta = {**meta, "tuning": tuner(ds, module, data, store)}
             # the files are as sealed: only meta.json's own checksum changes
             meta[META_SHA] = meta_digest(meta)
@@ -435,6 +537,7 @@ def _build_shards(
     target_recall: float | None,
     k: int,
     progress: bool,
+    bars: bool,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """Write values.npy, docs.npy and one index file per shard of ``docs`` into ``tmp``: the index is trained
     once on a sample of keys (documents drawn at random until it is full), then each shard's keys are computed,
@@ -460,8 +563,13 @@ def _build_shards(
         sample = np.concatenate([kv for kv, *_ in entries(module, windows, batch_size, layer, progress,
                                                           "training sample keys")])  # fmt: skip
         rows = np.sort(rng.choice(len(sample), size=min(len(sample), size), replace=False))
+        phase(progress, f"index {factory}: training on {len(rows):,} keys")
         train_l2_index(index, factory, np.asarray(sample[rows], dtype=np.float32))
         del sample
+        phase(
+            progress,
+            f"index {factory}: trained in {time.perf_counter() - start:.1f} s (sample keys included)",
+        )
     seconds["train"] = time.perf_counter() - start
     trained = faiss.serialize_index(index)  # every shard starts from a copy: shared centroids and codebooks
     built = L2Index(index, factory, seconds=seconds)
@@ -469,7 +577,8 @@ def _build_shards(
     ranges = np.zeros((len(docs), 2), dtype=np.int64)
     shards: list[dict[str, Any]] = []
     pos, segments = 0, None
-    for s, part in enumerate(tqdm(parts, desc="datastore shards", disable=not progress, unit="shard")):
+    bar = Progress("datastore shards", len(parts), "shards", progress)
+    for s, part in enumerate(parts):
         start, offset = time.perf_counter(), pos
         keys = np.empty((int(lengths[part].sum()), dim), dtype=np.float16)
         row = {int(d): part.start + i for i, d in enumerate(docs[part])}
@@ -489,7 +598,7 @@ def _build_shards(
         seconds["keys"] += time.perf_counter() - start
         start = time.perf_counter()
         shard = faiss.deserialize_index(trained)
-        add_l2(shard, keys, f"add to shard {s}", progress)
+        add_l2(shard, keys, f"add to shard {s}", bars)
         seconds["add"] += time.perf_counter() - start
         if s == 0:
             start = time.perf_counter()
@@ -502,6 +611,8 @@ def _build_shards(
             {"file": name, "offset": offset, "entries": len(keys), "documents": part.stop - part.start}
         )
         del keys, shard
+        bar.update(1)
+    bar.close()
     assert pos == n, (pos, n)
     values.flush()
     del values

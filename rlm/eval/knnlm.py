@@ -32,11 +32,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from rlm.data import RLMDataModule, TokenStore
+from rlm.data.module import RLMDataModule
+from rlm.data.store import TokenStore
 from rlm.data.windows import IGNORE_INDEX, eval_loader
-from rlm.eval.datastore import Datastore, build_datastore, first_docs, load_for_knn, reading_keys, windows_of
+from rlm.eval.datastore import (
+    Datastore,
+    Progress,
+    build_datastore,
+    first_docs,
+    load_for_knn,
+    reading_keys,
+    window_targets,
+    windows_of,
+)
 
 CACHE_TOKENS = 4096
 """The continuous cache holds the document's most recent positions, at most this many before the window."""
@@ -192,10 +201,9 @@ def score(
     ] = {}  # doc -> (keys, values) of earlier windows
     root = str(Path(store.root).resolve())
     attach_datastore(module, datastore, store, root)
+    bar = Progress("kNN-LM", window_targets(windows), "tokens", progress)
     with reading_keys(module, layer) as hooked:
-        for batch in tqdm(
-            eval_loader(windows, batch_size), desc="kNN-LM", disable=not progress, unit="batch"
-        ):
+        for batch in eval_loader(windows, batch_size):
             t0 = time.perf_counter()
             batch = {key: v.to(module.device) for key, v in batch.items()}
             rows, keys, t1 = scored_batch(
@@ -221,6 +229,8 @@ def score(
                     rmatch.append(np.isfinite(d) & (drawn == tgt.numpy()[:, None]))
                 else:
                     rmatch.append(np.zeros(d.shape, bool))
+            bar.update(sum(len(row[0]) for row in rows))
+    bar.close()
     kk = max((x.shape[1] for x in dists), default=k)
     pad = [np.pad(x, ((0, 0), (0, kk - x.shape[1])), constant_values=np.inf) for x in dists]
     padm = [np.pad(x, ((0, 0), (0, kk - x.shape[1]))) for x in match]

@@ -82,11 +82,22 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends each option with its default, unless there is none to show (None, a flag's False) or its
+    help already says what leaving it out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``rlm knnlm`` argument parser."""
     p = argparse.ArgumentParser(prog="rlm knnlm", description="kNN-LM datastores (Khandelwal et al. 2020).")
     sub = p.add_subparsers(dest="action", required=True)
-    b = sub.add_parser("build", help="build a datastore from a checkpoint's states over a corpus")
+    b = sub.add_parser("build", help="build a datastore from a checkpoint's states over a corpus",
+                       formatter_class=ShowDefaults)  # fmt: skip
     b.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
     b.add_argument(
         "--out",
@@ -110,15 +121,22 @@ def parser() -> argparse.ArgumentParser:
                    help="tune nprobe to this recall@k against exact search")  # fmt: skip
     b.add_argument("--tune-tokens", type=int, default=16384,
                    help="validation tokens lam and the temperature are tuned on (0: none)")  # fmt: skip
-    b.add_argument("--max-documents", type=int, default=None, help="only the first N documents")
+    b.add_argument(
+        "--max-documents", type=int, default=None, help="only the first N documents (default: all)"
+    )
     b.add_argument("--shard-keys", type=int, default=None,
                    help="for big corpora: index shards index-000.faiss, ... of whole documents, about N keys each, "
                         "filling copies of one index trained on a sample, each written once its keys are "
-                        "computed (memory holds one shard's keys); search merges their top-k")  # fmt: skip
-    b.add_argument("--batch-size", type=int, default=None, help="windows per forward pass")
+                        "computed (memory holds one shard's keys); search merges their top-k (default: one index)")  # fmt: skip
+    b.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="windows per forward pass (default: the run's validation batch size)",
+    )
     b.add_argument("--device", default=None, help=DEVICE_HELP)
-    i = sub.add_parser("info", help="print a datastore's metadata")
-    i.add_argument("path")
+    i = sub.add_parser("info", help="print a datastore's metadata", formatter_class=ShowDefaults)
+    i.add_argument("path", help="a datastore directory written by `rlm knnlm build`")
     return p
 
 
@@ -142,7 +160,7 @@ def main(args: list[str]) -> int:
         raise ValueError(f"--shard-keys={a.shard_keys}; accepted: a positive integer (keys per index shard)")
     meta = build(a.ckpt, a.out, corpus=a.corpus, layer=a.layer, factory=a.factory, k=a.k,
                  target_recall=a.target_recall, flat_below=a.flat_below, tune_tokens=a.tune_tokens,
-                 batch_size=a.batch_size, device=a.device, progress=sys.stderr.isatty(),
+                 batch_size=a.batch_size, device=a.device, progress=True,
                  max_documents=a.max_documents, shard_keys=a.shard_keys, force=a.force)  # fmt: skip
     tuned = meta.get("tuning") or {}
     print(f"datastore {a.out}: {meta['entries']:,} keys, {meta['factory']} {meta['search_params']} "
