@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
-from rlm.data import IGNORE_INDEX, RLMDataModule, TrainLoader, Windows  # noqa: E402
+from rlm.data.module import RLMDataModule  # noqa: E402
+from rlm.data.windows import IGNORE_INDEX, TrainLoader, Windows  # noqa: E402
 
 
 class PerWindow(Dataset):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
 from rlm.cli.merge import merge_configs  # noqa: E402
-from rlm.data import RLMDataModule  # noqa: E402
+from rlm.data.module import RLMDataModule  # noqa: E402
 
 
 def unigram_nll(data: RLMDataModule) -> float:

@@ -29,7 +29,7 @@ def _load_source(
     """(LMModule, set-up RLMDataModule, global step, data settings) of a checkpoint; data from the YAML or the checkpoint."""
     import yaml
 
-    from rlm.data import RLMDataModule
+    from rlm.data.module import RLMDataModule
     from rlm.model import ModelConfig
     from rlm.train.module import LMModule
 

@@ -7,7 +7,7 @@ and copies them to the device on a side CUDA stream, so the copy overlaps whatev
 the reader asks for them (``Fetched.rows`` makes the reader's stream wait). In training the fetched rows are a leaf
 tensor; autograd sums each row's gradient over its reads, and a hook hands that (U, d) gradient to a row-wise
 optimizer on the host (``RowAdam.add_lookups``, one lookup per row): the table gets no ``.grad`` and the main
-optimizer never sees it. ``HostTableCallback`` steps that optimizer in training.
+optimizer never sees it. ``HostTableCallback`` (plugins/_host_table_callback.py) steps that optimizer in training.
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from torch import Tensor
-
-from rlm.plugins._pkm_rows import RowAdam
 
 
 @dataclass
@@ -73,41 +70,3 @@ def _to_sink(leaf: Tensor, sink: Any, key: str, rows: Tensor) -> None:
     grad = leaf.grad.to("cpu", torch.float32)  # a GPU: waits for the backward up to this table's reader
     sink.add_lookups(key, rows.view(-1, 1), torch.ones(rows.numel(), 1), grad)
     leaf.grad = None
-
-
-class HostTableCallback(pl.Callback):
-    """Steps the row-wise Adam of host tables once per optimizer step and checkpoints its moments; refuses what it
-    cannot train (several processes, fp16 loss scaling). ``option`` names the plugin's option in errors."""
-
-    def __init__(self, optimizer: RowAdam, option: str, key: str) -> None:
-        self.optimizer, self.option, self.key = optimizer, option, key
-
-    @property
-    def state_key(self) -> str:
-        return self.key
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if trainer.world_size > 1:
-            # Each process would update its own host copy from its own batch: the copies would drift apart.
-            raise ValueError(
-                f"{self.option} trains on one process (got {trainer.world_size}); set it false to train the table "
-                "on the device under data parallelism"
-            )
-        if str(trainer.precision).startswith("16"):
-            # The recorded gradients would carry the GradScaler's scale, which only the main optimizer undoes.
-            raise ValueError(
-                f"{self.option} with precision={trainer.precision!r} (fp16 loss scaling) is not supported; "
-                "use precision bf16-mixed or 32"
-            )
-
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        # After the (accumulated) backward, before the main step: the rows read since the last step.
-        self.optimizer.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)

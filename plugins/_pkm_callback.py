@@ -3,7 +3,7 @@ pkm``, an experiment check) does not import Lightning: the plugin imports it in 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
@@ -11,15 +11,12 @@ from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 
 from rlm.train.parallel import CAN_REPLICATE
 
-if TYPE_CHECKING:
-    from rlm.plugins.pkm import PKMPlugin
-
 
 class PKMCallback(pl.Callback):
     """Resolves sparse/dense at setup, steps the row-wise value optimizer, logs usage and KL at validation."""
 
-    def __init__(self, plugin: PKMPlugin) -> None:
-        self.plugin = plugin
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin  # the PKMPlugin (not imported here: plugins/pkm.py imports this module)
 
     @property
     def state_key(self) -> str:

@@ -282,7 +282,7 @@ class TokenIDPlugin(Plugin):
     def callbacks(self) -> list[pl.Callback]:
         if not self.config.ngram_host:
             return []
-        from rlm.plugins._host_table import HostTableCallback
+        from rlm.plugins._host_table_callback import HostTableCallback
 
         return [HostTableCallback(self.row_optimizer, "tokenid.ngram_host", f"TokenIDHost[{self.label}]")]
 

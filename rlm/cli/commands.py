@@ -42,7 +42,7 @@ def run_lightning(command: str, args: list[str]) -> int:
         refuse_optimizer_options,
         require_class_extras,
     )
-    from rlm.data import RLMDataModule
+    from rlm.data.module import RLMDataModule
     from rlm.train.module import LMModule
 
     quiet_known_noise()
@@ -139,8 +139,8 @@ def run_generate(command: str, args: list[str]) -> int:
             prompts += f.read().splitlines()
     import torch
 
+    from rlm.data.carried import data_settings, tokenizer_file
     from rlm.data.pretrained import load_tokenizer
-    from rlm.eval.evaluate import data_settings, tokenizer_file
     from rlm.eval.generate import cut_at, sample_batch, stop_at
     from rlm.train.module import LMModule
 

@@ -12,27 +12,9 @@ of each document -> batches, a dict of tensors:
   doc_ids      (B,) long     document of each row
   starts       (B,) long     offset of the window inside its document (a multiple of seq_len)
 
-and, once LMModule has moved a batch to its device, host: the loader's host tensors of mask, segment_ids, doc_ids
-and starts (rlm.data.windows.host_copy), which plugins read instead of copying the device's back (host_array).
+and, once LMModule has moved a batch to its device, host: the loader's host tensors of tokens, mask, segment_ids,
+doc_ids and starts (rlm.data.windows.host_copy), which plugins read instead of copying the device's back (host_array).
 
-Core layer: imports nothing of rlm but rlm.extras.
+Core layer: imports nothing of rlm but rlm.extras. Import names from their modules (rlm.data.module, ...):
+this package imports none, so reading a token array does not import Lightning.
 """
-
-from rlm.data.corpus import Document, read_corpus
-from rlm.data.module import RLMDataModule
-from rlm.data.segments import SegmentTable
-from rlm.data.store import TokenStore
-from rlm.data.tokenizer import Tokenizer
-from rlm.data.windows import IGNORE_INDEX, TrainLoader, Windows
-
-__all__ = [
-    "IGNORE_INDEX",
-    "Document",
-    "RLMDataModule",
-    "SegmentTable",
-    "TokenStore",
-    "Tokenizer",
-    "TrainLoader",
-    "Windows",
-    "read_corpus",
-]

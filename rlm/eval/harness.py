@@ -231,8 +231,9 @@ def load_scorer(
 ) -> Scorer:
     """A Scorer for a checkpoint and its own tokenizer; with ``datastore``, kNN-LM with the datastore's tuned
     lam and temperature unless given."""
+    from rlm.data.carried import data_settings, tokenizer_file
     from rlm.data.pretrained import load_tokenizer
-    from rlm.eval.evaluate import data_settings, load_checkpoint, load_module, tokenizer_file
+    from rlm.eval.evaluate import load_checkpoint, load_module
 
     ckpt = load_checkpoint(ckpt_path)
     tokenizer = load_tokenizer(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))

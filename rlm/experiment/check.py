@@ -68,7 +68,7 @@ def count_parameters(model_cfg: dict[str, Any], plugins: dict[str, Any] | None) 
 def _fit_parser() -> argparse.ArgumentParser:
     """The parser ``rlm fit`` uses (jsonargparse via LightningCLI), built without parsing or running."""
     from rlm.cli.lightning_cli import RLMCLI
-    from rlm.data import RLMDataModule
+    from rlm.data.module import RLMDataModule
     from rlm.train.module import LMModule
 
     class ParseOnly(RLMCLI):
@@ -154,7 +154,7 @@ def _blame(exp: Experiment, name: str, parser: ConfigParser) -> tuple[list[str],
 
 def _instantiate_configs(ns: Any, plugins: dict[str, Any]) -> ParamCounts:
     """Run the model, optimizer and data configs' own checks; the model's parameter counts."""
-    from rlm.data import RLMDataModule
+    from rlm.data.module import RLMDataModule
     from rlm.train.module import OptimConfig
 
     if ns.model.optim is not None:

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlm.data.carried import data_settings, tokenizer_file
 from rlm.data.pretrained import HF_FILES, is_sentencepiece, load_tokenizer
-from rlm.eval.evaluate import data_settings, load_checkpoint, tokenizer_file
+from rlm.eval.evaluate import load_checkpoint
 from rlm.extras import require
 from rlm.index.memory import copy_memory
 from rlm.index.store import atomic_dir

@@ -134,8 +134,8 @@ def prepare_ckpt_path(config: Any) -> dict[str, Any]:
         )
     if command != "fit":
         return {}
+    from rlm.data.carried import data_settings, tokenizer_file
     from rlm.data.pretrained import TRAIN, resolve_vocab_size
-    from rlm.eval.evaluate import data_settings, tokenizer_file
 
     if cfg.data.get("tokenizer") not in (None, TRAIN):  # the checkpoint's copy: the file may be gone
         cfg.data.tokenizer = tokenizer_file(ckpt, path, data_settings(ckpt, path))

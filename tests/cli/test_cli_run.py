@@ -32,7 +32,7 @@ def test_limit_val_batches_1_is_one_batch_and_1_0_the_whole_set(tmp_path, monkey
     """jsonargparse reads Lightning's Union[float, int] `1` as 1.0, which Lightning takes for 100% of the batches
     (issue 24: `--trainer.limit_val_batches 1` validated on the whole set)."""
     from rlm.cli.lightning_cli import RLMCLI
-    from rlm.data import RLMDataModule
+    from rlm.data.module import RLMDataModule
     from rlm.train.module import LMModule
 
     monkeypatch.chdir(tmp_path)

@@ -14,9 +14,12 @@ import torch
 import yaml
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from rlm.data import IGNORE_INDEX, RLMDataModule, SegmentTable, Tokenizer, TrainLoader, read_corpus
-from rlm.data.corpus import stdlib_paths
+from rlm.data.corpus import read_corpus, stdlib_paths
+from rlm.data.module import RLMDataModule
+from rlm.data.segments import SegmentTable
 from rlm.data.store import TokenStore, split_documents, split_train_val_test
+from rlm.data.tokenizer import Tokenizer
+from rlm.data.windows import IGNORE_INDEX, TrainLoader
 
 SEQ, SEG = 32, 8
 

@@ -18,9 +18,10 @@ from cli_helpers import CONFIGS, fit_args, run_rlm
 from jsonargparse import Namespace
 
 from rlm.cli.support import link_vocab
-from rlm.data import RLMDataModule, Tokenizer, read_corpus
-from rlm.data.corpus import fingerprint
+from rlm.data.corpus import fingerprint, read_corpus
+from rlm.data.module import RLMDataModule
 from rlm.data.pretrained import DEFAULT_VOCAB, resolve_vocab_size
+from rlm.data.tokenizer import Tokenizer
 from rlm.train.module import LMModule
 
 # Rows as a user's dump has them: an id, the text under "body", some rows with empty or null text (skipped),

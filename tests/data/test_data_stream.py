@@ -8,9 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from rlm.data import RLMDataModule, Tokenizer
 from rlm.data import stream as stream_mod
+from rlm.data.module import RLMDataModule
 from rlm.data.pretrained import HFTokenizer, load_tokenizer
+from rlm.data.tokenizer import Tokenizer
 from rlm.extras import MissingExtra
 
 datasets = pytest.importorskip("datasets")

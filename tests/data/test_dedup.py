@@ -11,9 +11,9 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from rlm.data import RLMDataModule
 from rlm.data.corpus import Document
 from rlm.data.dedup import near_duplicate_groups, removed_documents
+from rlm.data.module import RLMDataModule
 from rlm.data.store import CacheKey, TokenStore, build_store
 
 
@@ -175,7 +175,7 @@ def test_the_data_module_removes_near_duplicates_by_default(tmp_path):
 
 
 def test_a_checkpoint_from_before_deduplication_names_its_undeduplicated_entry():
-    from rlm.eval.evaluate import data_settings
+    from rlm.data.carried import data_settings
 
     old = {"datamodule_hyper_parameters": {"corpus": "stdlib", "val_fraction": 0.05, "seed": 0}}
     assert data_settings(old, "old.ckpt")["dedup_threshold"] is None

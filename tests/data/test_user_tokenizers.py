@@ -14,8 +14,8 @@ import sentencepiece as spm
 import torch
 from cli_helpers import fit_args
 
+from rlm.data.carried import data_settings, tokenizer_file
 from rlm.data.pretrained import load_tokenizer
-from rlm.eval.evaluate import data_settings, tokenizer_file
 
 TEXT = Path(json.__file__).read_text().splitlines(keepends=True)  # a stdlib text to train tokenizers on
 CKPT = Path("runs/test/ckpt/last.ckpt")

@@ -16,7 +16,7 @@ import yaml
 from cli_helpers import CONFIGS, run_rlm
 from torch.testing import assert_close
 
-from rlm.data import Tokenizer
+from rlm.data.tokenizer import Tokenizer
 from rlm.eval.evaluate import evaluate
 from rlm.train.module import LMModule
 

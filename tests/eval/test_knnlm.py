@@ -90,7 +90,7 @@ def tiny(tmp_path_factory, rlm_cache):
 # slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_datastore_holds_every_training_token_and_tunes_lam(tiny):
-    from rlm.data import TokenStore
+    from rlm.data.store import TokenStore
 
     work, ckpt, meta = tiny
     store = TokenStore(meta["store"])
@@ -146,7 +146,7 @@ def _score(ckpt, ds_path, corpus, cache):
 def test_changing_later_tokens_never_moves_an_earlier_knnlm_probability(tiny, tmp_path, cache):
     """A document evaluated twice, the second time with its end rewritten: every target before the first
     changed token has the same kNN-LM probability, with and without the document's own past (the cache)."""
-    from rlm.data import TokenStore
+    from rlm.data.store import TokenStore
 
     work, ckpt, meta = tiny
     store = TokenStore(meta["store"])
@@ -174,7 +174,7 @@ def test_changing_later_tokens_never_moves_an_earlier_knnlm_probability(tiny, tm
 def test_a_copy_of_a_training_document_retrieves_what_a_datastore_without_it_gives(tiny, tmp_path):
     """Evaluated as new text, a copy of a datastore document is recognised by its tokens and its own entries are
     excluded inside the search: its neighbours are exactly those of a datastore built without it."""
-    from rlm.data import TokenStore
+    from rlm.data.store import TokenStore
     from rlm.eval.knnlm import build
 
     work, ckpt, meta = tiny
@@ -404,7 +404,7 @@ def test_a_sharded_datastore_finds_the_same_neighbours(tiny, sharded):
 def test_rlm_eval_gives_the_same_knnlm_loss_with_a_sharded_datastore(tiny, sharded, tmp_path, rlm_cache):
     """`rlm eval --datastore` over copies of two datastore documents in different shards (each excluded by its
     tokens): the same kNN-LM loss from the sharded and the single-index datastore."""
-    from rlm.data import TokenStore
+    from rlm.data.store import TokenStore
 
     work, ckpt, meta = tiny
     path, smeta = sharded

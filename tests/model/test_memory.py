@@ -216,7 +216,7 @@ def test_gpt2_small_on_fineweb_edu_fits_an_h100_and_needs_a_tokenizer():
     with pytest.raises(ValueError, match="vocabulary size is unknown"):
         estimate(cfg)  # the tokenizer sets it; here none was given
 
-    from rlm.data import RLMDataModule
+    from rlm.data.module import RLMDataModule
 
     with pytest.raises(FileNotFoundError, match="--data.tokenizer PATH"):
         RLMDataModule(**cfg["data"])

@@ -262,7 +262,7 @@ def test_fit_logs_the_random_neighbour_ablation(trained):
 def test_the_datastore_is_searched_inside_the_forward_pass_like_exact_search(trained):
     """With a datastore attached, each position's memory neighbours are the exact k nearest attn_input states of
     other documents (the datastore's keys are the same model's states, computed here again)."""
-    from rlm.data import TokenStore
+    from rlm.data.store import TokenStore
     from rlm.data.windows import eval_loader
     from rlm.eval.datastore import Datastore, load_for_knn, reading_keys, windows_of
     from rlm.eval.knnlm import attach_datastore

@@ -269,7 +269,7 @@ def test_two_step_fit_trains_the_host_table_with_its_row_optimizer(placement):
 def test_host_table_refuses_several_processes_and_fp16():
     from types import SimpleNamespace
 
-    from rlm.plugins._host_table import HostTableCallback
+    from rlm.plugins._host_table_callback import HostTableCallback
 
     plugin = TokenIDPlugin(TokenIDConfig(**HOST), model_config())
     (callback,) = plugin.callbacks()
