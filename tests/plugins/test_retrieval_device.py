@@ -132,3 +132,27 @@ def test_background_gather_is_refused_for_evaluation():
             evaluation=True,
             background=True,
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("factory", ["IVF4,Flat", "Flat"])
+def test_on_cuda_a_training_step_searches_on_the_device_beside_its_forward(factory):
+    """The model on CUDA: the memory is searched there (faiss-gpu, else torch), in the background thread on a side
+    stream; the neighbours are the CPU model's with faiss-cpu, the logits and gradients close to its."""
+    windows = Windows(CORPUS_SEGMENTS, CORPUS_OFFSETS, np.arange(10), 32)
+    batch = windows.collate(np.arange(len(windows)))
+    model, memory = with_memory(factory)
+    want_ids, want, want_grads = forward_and_grads(model, batch)
+    model.cuda()
+    on_gpu = {name: x.cuda() if isinstance(x, torch.Tensor) else x for name, x in batch.items()}
+    on_gpu["host"] = {
+        name: x for name, x in batch.items() if isinstance(x, torch.Tensor)
+    }  # the loader's copies
+    assert isinstance(context(model, on_gpu, "train").extras["retrieval"], PendingInputs)
+    ids, got, grads = forward_and_grads(model, on_gpu)
+    assert memory._searched is not None and memory._searched[0].type == "cuda"
+    torch.testing.assert_close(ids.cpu(), want_ids, rtol=0, atol=0)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.cpu(), want_grads[name], rtol=1e-3, atol=1e-4, msg=name)
