@@ -11,7 +11,7 @@ import torch
 from retrieval_helpers import CORPUS_OFFSETS, CORPUS_SEGMENTS, context, tiny_model
 
 import rlm.index.memory as memory_module
-from rlm.data.windows import Windows
+from rlm.data.windows import HOST, Windows, host_copy
 from rlm.index.build import IndexConfig, set_search_params
 from rlm.index.device_search import TorchIVFIndex
 from rlm.index.exact import TorchExactIndex
@@ -146,9 +146,7 @@ def test_on_cuda_a_training_step_searches_on_the_device_beside_its_forward(facto
     want_ids, want, want_grads = forward_and_grads(model, batch)
     model.cuda()
     on_gpu = {name: x.cuda() if isinstance(x, torch.Tensor) else x for name, x in batch.items()}
-    on_gpu["host"] = {
-        name: x for name, x in batch.items() if isinstance(x, torch.Tensor)
-    }  # the loader's copies
+    on_gpu[HOST] = host_copy(batch)  # what the loader's move to the device keeps
     assert isinstance(context(model, on_gpu, "train").extras["retrieval"], PendingInputs)
     ids, got, grads = forward_and_grads(model, on_gpu)
     assert memory._searched is not None and memory._searched[0].type == "cuda"
