@@ -49,7 +49,7 @@ def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
     base = raw.vectors if isinstance(raw, TorchExactIndex) else flat_vectors(raw)
     need = None if base is None else base.shape[0] * base.shape[1] * 4
     if base is None and plain_ivf(raw) is not None:
-        need = ivf_device_bytes(raw)
+        need = ivf_device_bytes(plain_ivf(raw))
     if need is None:
         return index, f"faiss-cpu ({name}: no torch search for this index type)"
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
@@ -75,7 +75,7 @@ def plain_ivf(index: Any) -> Any:
 
 
 def ivf_device_bytes(index: Any) -> int:
-    """Bytes TorchIVFIndex keeps on the device for this IVF index: float32 vectors and int64 ids, centroids."""
+    """Bytes TorchIVFIndex keeps on the device for a faiss IndexIVF: float32 vectors and int64 ids, centroids."""
     return int(index.ntotal) * (4 * index.d + 8) + int(index.nlist) * index.d * 4
 
 
@@ -85,10 +85,10 @@ class TorchIVFIndex:
 
     def __init__(
         self, index: Any, device: str | torch.device, factory: str | None = None, chunk_elems: int = 2**25
-    ):
+    ) -> None:
         ivf = plain_ivf(index)
         if ivf is None:
-            what = factory or type(faiss.downcast_index(index)).__name__
+            what = factory or type(index).__name__
             raise ValueError(
                 f"the torch IVF search takes a plain inner-product IVF index (IVF{{n}},Flat, IVF{{n}},SQ8, "
                 f"IVF{{n}},PQ{{m}}), got {what!r}; use faiss-gpu, or the CPU search"
