@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -264,14 +265,14 @@ def entries(
 ) -> Iterator[tuple]:
     """(keys (n, d) float16, values (n,), doc, first position) of every window, in order.
 
-    Only the blocks run (``model.hidden``): no key needs the LM head. On a CPU the first batches alternate
-    torch's thread count and one thread, and the faster median is kept: on a shared machine a parallel region
-    waits for its slowest thread, and one thread can be several times faster. The keys are the same either
-    way. Once timed, the phase's duration is estimated from them."""
+    Only the blocks run (``model.hidden``): no key needs the LM head. On a CPU the first batches alternate one
+    thread and torch's thread count, and the faster median is kept (at once, when one count is twice as fast in
+    every batch): on a shared machine a parallel region waits for its slowest thread, and one thread can be
+    several times faster. The keys are the same either way. Once timed, the phase's duration is estimated."""
     threads = torch.get_num_threads()
-    counts = (threads, 1) if module.device.type == "cpu" and threads > 1 else (threads,)
+    counts = (1, threads) if module.device.type == "cpu" and threads > 1 else (threads,)
     times: dict[int, list[float]] = {n: [] for n in counts}
-    trial = TRIAL_BATCHES * len(counts)
+    trial = TRIAL_BATCHES * len(counts)  # the batches timed; fewer once one count is clearly faster
     loader = eval_loader(windows, batch_size)
     bar = Progress(desc, window_targets(windows), "keys", progress)
     try:
@@ -289,13 +290,16 @@ def entries(
                 targets = batch["targets"].cpu().numpy()  # (B, T)
                 if trying is not None:
                     times[trying].append(time.perf_counter() - start)
-                if trying is not None and (i == trial - 1 or i == len(loader) - 1):
-                    best = min((n for n in counts if times[n]), key=lambda n: statistics.median(times[n]))
-                    torch.set_num_threads(best)
-                    each = statistics.median(times[best])
-                    bar.note(f"about {each * len(loader):,.0f} s for {len(loader):,} batches of {batch_size} windows "
-                             f"({each:.3g} s each at {best} of {threads} torch threads"
-                             + (", the faster on the first batches)" if len(counts) > 1 else ")"))  # fmt: skip
+                    best, *rest = sorted(counts, key=lambda n: statistics.median(times[n] or [math.inf]))
+                    # twice as fast in every batch so far: the rest of the trial would only cost time
+                    clear = bool(rest) and all(times.values()) and 2 * max(times[best]) < min(times[rest[0]])
+                    if clear or i == trial - 1 or i == len(loader) - 1:
+                        trial = i + 1
+                        torch.set_num_threads(best)
+                        each = statistics.median(times[best])
+                        bar.note(f"about {each * len(loader):,.0f} s for {len(loader):,} batches of {batch_size} "
+                                 f"windows ({each:.3g} s each at {best} of {threads} torch threads"
+                                 + (", the faster on the first batches)" if rest else ")"))  # fmt: skip
                 real = (targets != IGNORE_INDEX).sum(1)  # (B,) targets of each window
                 bar.update(int(real.sum()))
                 for b in range(len(targets)):
