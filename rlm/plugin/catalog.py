@@ -1,8 +1,16 @@
-"""What ``rlm plugins`` prints: the plugins one can name, and each one's options with their docstrings."""
+"""What ``rlm plugins`` prints: the plugins one can name, and each one's options with their docstrings.
+
+A built-in plugin is read from its source (``ast``), not imported: its class docstring, and its Config dataclass's
+fields (annotation as the interpreter keeps it, default, attribute docstring), so listing and describing plugins imports neither
+torch nor what a plugin module pulls in (Lightning, faiss). Entry-point plugins are imported, as only their
+classes are known; so is a built-in whose source is not plain enough to read (an option whose default is computed).
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 from typing import Any
 
 from rlm.plugin import registry
@@ -11,11 +19,11 @@ from rlm.plugin import registry
 def plugin_table() -> list[tuple[str, str, str]]:
     """(name, source, one-line description) of every plugin that can be named, sorted by name.
 
-    Built-ins are described from the registry's table, without importing them (so without torch); an
-    entry-point plugin is imported for the first line of its class docstring.
+    Built-ins are described from their source, without importing them (so without torch); an entry-point plugin
+    is imported for the first line of its class docstring.
     """
     rows = {
-        n: ("built-in", registry.DESCRIPTIONS.get(n, ""))
+        n: ("built-in", _first_line(ast.get_docstring(_class_node(*t.split(":"))[1]) or ""))
         for n, t in registry.BUILTIN.items()
         if registry._builtin_available(t)
     }
@@ -54,8 +62,105 @@ def _default(f: dataclasses.Field) -> Any:
     return "(required)"
 
 
+class _NotPlain(Exception):
+    """A source construct the static reader does not evaluate: import the plugin instead."""
+
+
+def _class_node(module: str, name: str) -> tuple[str, ast.ClassDef]:
+    """(the module that defines it, the class statement) of ``module.name``, following ``from M import name``."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise _NotPlain(module)
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return module, node
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and any(a.name == name and not a.asname for a in node.names)
+        ):
+            return _class_node(node.module, name)
+    raise _NotPlain(f"{module}.{name}")
+
+
+def _value(node: ast.expr | None) -> Any:
+    """A field's default: a literal, or field(default=...) / field(default_factory=list | dict | lambda: literal)."""
+    if node is None:
+        return "(required)"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "field":
+        kw = {k.arg: k.value for k in node.keywords}
+        if "default" in kw:
+            return _value(kw["default"])
+        factory = kw.get("default_factory")
+        if isinstance(factory, ast.Name) and factory.id in ("list", "dict"):
+            return [] if factory.id == "list" else {}
+        if isinstance(factory, ast.Lambda):
+            return _value(factory.body)
+        raise _NotPlain(ast.dump(node))
+    try:
+        return ast.literal_eval(node)
+    except ValueError as err:
+        raise _NotPlain(ast.dump(node)) from err
+
+
+def _fields(module: str, name: str) -> list[tuple[str, str, Any, str]]:
+    """(name, annotation as the interpreter keeps it, default, attribute docstring) of a dataclass's fields, its bases' first."""
+    where, cls = _class_node(module, name)
+    out: dict[str, tuple[str, str, Any, str]] = {}
+    for base in cls.bases:
+        if isinstance(base, ast.Name):
+            out.update({f[0]: f for f in _fields(where, base.id)})
+    body = cls.body
+    for i, node in enumerate(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if "ClassVar" in ast.unparse(node.annotation):
+                continue
+            nxt = body[i + 1] if i + 1 < len(body) else None
+            doc = ""
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                doc = " ".join(nxt.value.value.split())
+            annotation = ast.unparse(node.annotation)  # as ``from __future__ import annotations`` keeps it
+            out[node.target.id] = (node.target.id, annotation, _value(node.value), doc)
+    return list(out.values())
+
+
+def _static_options(target: str) -> tuple[str, list[tuple[str, str, Any, str]]] | None:
+    """(the class docstring's first line, its Config's fields) of a built-in ``module:Class``, read from source;
+    None when the source does not say them plainly."""
+    module, name = target.split(":")
+    try:
+        where, cls = _class_node(module, name)
+        config = next(
+            (n.value.id for n in cls.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+             and any(isinstance(t, ast.Name) and t.id == "Config" for t in n.targets)),
+            None,
+        )  # fmt: skip
+        return _first_line(ast.get_docstring(cls)), ([] if config is None else _fields(where, config))
+    except _NotPlain:
+        return None
+
+
 def describe_plugin(name: str) -> str:
     """``rlm plugins NAME``: the plugin's description and every option with its type, default and docstring."""
+    target = registry.BUILTIN.get(name)
+    static = _static_options(target) if target and registry._builtin_available(target) else None
+    if static is not None:
+        first, fields = static
+        lines = [f"{name}: {first}", f"  class: {target.replace(':', '.')}", ""]
+        if not fields:
+            return "\n".join([*lines, "  (no options)"])
+        lines.append(f"options (model.plugins.{name}.OPTION):")
+        for field_name, annotation, default, doc in fields:
+            lines.append(f"  {field_name}: {annotation} = {default!r}")
+            if doc:
+                lines.append(f"      {doc}")
+        return "\n".join(lines)
     cls = registry.resolve(name)
     config = cls.Config
     lines = [f"{name}: {_first_line(cls.__doc__)}", f"  class: {cls.__module__}.{cls.__qualname__}", ""]

@@ -10,7 +10,7 @@ import importlib.util
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # imported where used: `rlm plugins` reads the tables below without importing torch
+if TYPE_CHECKING:  # imported where used: `rlm plugins` reads the table below without importing torch
     from rlm.plugin.base import Plugin
 
 # Built-in plugins: short name -> "module:Class". Imported lazily, only when named.
@@ -23,19 +23,6 @@ BUILTIN: dict[str, str] = {
     "retrieval": "rlm.plugins.retrieval:RetrievalPlugin",
     "token_memory": "rlm.plugins.token_memory:TokenMemoryPlugin",
     "knn_attention": "rlm.plugins.knn_attention:KnnAttentionPlugin",
-}
-
-# One line each for `rlm plugins`, kept here so that listing them imports no plugin (a test keeps them equal
-# to the first line of each class's docstring).
-DESCRIPTIONS: dict[str, str] = {
-    "tokenid": "Token-ID tables added to the FFN at chosen layers.",
-    "moe": "Replaces the FFN at the chosen layers with a mixture of N experts.",
-    "partial_experts": "Adds looked-up partial experts to the FFN at the chosen layers.",
-    "pkm": "Product key memory layers in the FFN slot of chosen layers.",
-    "altup": "Alternating Updates: a K*d representation computed by width-d blocks (wraps the stack slot).",
-    "retrieval": "The retriever: an embedder, cross-attention at chosen layers, and the index rebuild callback.",
-    "token_memory": "A token-grain memory of the LM's own states and their next tokens, mixed into the output (TRIME).",
-    "knn_attention": "Each position attends to the next tokens of its nearest contexts, keys the LM's own states (kNN attention).",
 }
 
 ENTRY_POINT_GROUP = "rlm.plugins"

@@ -58,13 +58,9 @@ def test_subcommand_help_and_experiment_status_import_no_torch(tmp_path):
     )
 
 
-# retrieval's module imports its index rebuild callback (index/rebuild.py, a Lightning callback) and faiss.
-PLUGINS_THROUGH_RLM_DATA = {"retrieval"}
-
-
-def test_plugin_options_experiment_check_and_status_import_no_lightning(tmp_path):
-    # A fresh interpreter. A plugin's options and the structure pass of `experiment check` need the plugin
-    # classes (torch) but neither Lightning nor what it pulls in (torchmetrics -> transformers), nor faiss.
+def test_plugin_options_experiment_check_and_status_import_no_torch(tmp_path):
+    # A fresh interpreter. A built-in plugin's options are read from its source: no torch. The structure pass of
+    # `experiment check` needs neither Lightning nor what it pulls in (torchmetrics -> transformers), nor faiss.
     from rlm.experiment import load_experiment
 
     (tmp_path / "e.yaml").write_text(
@@ -74,8 +70,8 @@ def test_plugin_options_experiment_check_and_status_import_no_lightning(tmp_path
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "experiment.json").write_text(json.dumps(exp.to_json()))
     (tmp_path / "bad.yaml").write_text("variants: [a, b]\n")
-    heavy = ("pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "transformers", "faiss")
-    names = sorted(set(registry.BUILTIN) - PLUGINS_THROUGH_RLM_DATA)
+    heavy = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "transformers", "faiss")
+    names = sorted(registry.BUILTIN)
     commands = [*(["plugins", n] for n in names), ["experiment", "status", str(tmp_path / "out")],
                 ["experiment", "check", str(tmp_path / "bad.yaml")]]  # fmt: skip
     code = (
@@ -125,18 +121,12 @@ def test_version_is_the_distribution_version(capsys):
     assert capsys.readouterr().out.strip() == f"rlm {importlib.metadata.version('rlm')}"
 
 
-def test_descriptions_match_the_plugin_docstrings():
-    assert set(registry.DESCRIPTIONS) == set(registry.BUILTIN)
-    for name, target in registry.BUILTIN.items():
-        cls = registry.load_class(target)
-        assert registry.DESCRIPTIONS[name] == cls.__doc__.strip().split("\n")[0], name
-
-
-def test_plugins_lists_every_builtin(capsys):
+def test_plugins_lists_every_builtin_with_its_docstring(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    for name, desc in registry.DESCRIPTIONS.items():
-        assert any(line.startswith(name) and desc in line for line in out.splitlines()), name
+    for name, target in registry.BUILTIN.items():
+        first = registry.load_class(target).__doc__.strip().split("\n")[0]
+        assert any(line.startswith(name) and first in line for line in out.splitlines()), name
 
 
 @pytest.mark.parametrize("name", sorted(registry.BUILTIN))
