@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from rlm.index.build import IndexConfig, TorchExactIndex, recall_at_k
-from rlm.index.store import load_index_dir, read_meta
 from rlm.outdir import FORCE_HELP
 
 
@@ -91,6 +89,7 @@ def cmd_build(a: argparse.Namespace) -> int:
     import torch
 
     from rlm.cli.check import check_writable
+    from rlm.index.build import IndexConfig
     from rlm.index.protocol import embed_all
     from rlm.index.search import SegmentTable
     from rlm.index.store import META, build_index_dir
@@ -135,6 +134,8 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 def cmd_search(a: argparse.Namespace) -> int:
     """Print the nearest segments of a text (embedded with the index's own checkpoint) or of a stored segment."""
+    from rlm.index.store import load_index_dir, read_meta
+
     meta = read_meta(a.dir)
     source = meta.get("source")
     data = None
@@ -181,6 +182,9 @@ def cmd_search(a: argparse.Namespace) -> int:
 
 def cmd_eval(a: argparse.Namespace) -> int:
     """Recall@k of the index against exact search, and both searches' queries/s, on stored vectors."""
+    from rlm.index.build import TorchExactIndex, recall_at_k
+    from rlm.index.store import load_index_dir
+
     idx = load_index_dir(a.dir)
     if idx.vectors is None:
         raise ValueError(f"{a.dir} was written without its vectors (store_vectors=False); eval needs them")
@@ -203,6 +207,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 def cmd_info(a: argparse.Namespace) -> int:
     """Print the index directory's metadata."""
+    from rlm.index.store import read_meta
+
     meta = read_meta(a.dir)
     if a.json:
         print(json.dumps(meta, indent=2))

@@ -38,7 +38,7 @@ def test_subcommand_help_and_experiment_status_import_no_torch(tmp_path):
     # A fresh interpreter; every command below stops before its work, so none needs torch, Lightning or faiss.
     heavy = (*HEAVY, "faiss")
     commands = [["eval", "--help"], ["generate", "--help"], ["knnlm", "build", "--help"], ["export", "--help"],
-                ["experiment", "--help"], ["experiment", "check", "--help"], ["experiment", "status", str(tmp_path)],
+                ["index", "--help"], ["index", "build", "--help"], ["experiment", "--help"], ["experiment", "check", "--help"], ["experiment", "status", str(tmp_path)],
                 ["generate", "--ckpt", "x.ckpt", "--top-p", "0"]]  # fmt: skip
     code = (
         "import sys\n"
