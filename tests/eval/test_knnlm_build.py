@@ -113,3 +113,21 @@ def test_build_and_info_help_show_the_defaults(tmp_path, rlm_main):
     assert "(default: None)" not in text and "(default: False)" not in text
     info = rlm_main(["knnlm", "info", "--help"], tmp_path)
     assert info.returncode == 0 and "a datastore directory written by `rlm knnlm build`" in info.stdout
+
+
+def test_the_build_benchmark_runs_and_its_keys_match_the_loop_it_replaced(ckpt, capsys):
+    """benchmarks/knnlm_build.py at its smallest: a row per variant, and the keys of entries() equal to the old
+    loop's (full forward, head included) up to float16 rounding."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "knnlm_build.py"
+    spec = importlib.util.spec_from_file_location("knnlm_build", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--ckpt", str(ckpt), "--tokens", "200", "--repeat", "1"])
+    out = capsys.readouterr().out
+    rows = [r for r in out.splitlines() if r.startswith("| ") and "variant" not in r]
+    assert any(r.startswith("| now: entries()") for r in rows) and len(rows) >= 6, out
+    # normed states of order 1: a float16 step there is 1e-3, where two thread counts' sums may round apart
+    assert float(re.search(r"max \|key before - key now\| (\S+)", out)[1]) <= 4e-3, out
