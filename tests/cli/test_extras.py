@@ -61,7 +61,7 @@ def test_plots_name_the_extra(monkeypatch, tmp_path):
 
 
 def test_faiss_names_both_extras():
-    code = "import sys; sys.modules['faiss'] = None\nimport rlm.index\n"
+    code = "import sys; sys.modules['faiss'] = None\nimport rlm.index.build\n"
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
     assert "MissingExtra: retrieval indices needs the 'faiss' package" in err
     assert "pip install 'rlm[gpu]' (or pip install faiss-cpu, rlm's default)" in err
