@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from rlm.cli.merge import config_text, merge_configs, split_config_args
 from rlm.extras import MissingExtra
@@ -31,8 +32,55 @@ def limit_threads() -> None:
     torch.set_num_threads(max(1, min(4, cores // 2)))
 
 
+def _help_file(command: str) -> Path:
+    """Where ``rlm COMMAND --help``'s text is kept: keyed by the versions and the rlm sources it is built from, and
+    the terminal's width, so any change to them writes it anew."""
+    import hashlib
+    import importlib.metadata
+    import shutil
+
+    h = hashlib.sha256(f"{command};{shutil.get_terminal_size().columns};{sys.version}".encode())
+    for dist in ("rlm", "pytorch-lightning", "jsonargparse", "torch"):
+        try:
+            h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    for path in sorted(
+        Path(__file__).resolve().parents[1].rglob("*.py")
+    ):  # rlm/: the model's and data's options
+        st = path.stat()
+        h.update(f"{path}:{st.st_mtime_ns}:{st.st_size};".encode())
+    cache = Path(os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm").expanduser()
+    return cache / "help" / f"{command}-{h.hexdigest()[:16]}.txt"
+
+
 def run_lightning(command: str, args: list[str]) -> int:
-    """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI."""
+    """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI. A bare ``--help`` prints the
+    text the last build of the same parser printed (building it imports Lightning, seconds before any output)."""
+    if args in (["--help"], ["-h"]):
+        saved = _help_file(command)
+        if saved.is_file():
+            print(saved.read_text(), end="")
+            return 0
+        import contextlib
+        import io
+
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            try:
+                code = run_lightning(command, ["--help", "--"])  # "--": not this shortcut again
+            except SystemExit as stop:
+                code = stop.code or 0
+        print(text.getvalue(), end="")
+        if code == 0 and text.getvalue():
+            with contextlib.suppress(OSError):  # a cache that cannot be written: the help is printed anyway
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                tmp = saved.with_name(f".{saved.name}.{os.getpid()}")
+                tmp.write_text(text.getvalue())
+                os.replace(tmp, saved)
+        return code
+    if args == ["--help", "--"]:
+        args = ["--help"]
     from rlm.cli.lightning_cli import RLMCLI
     from rlm.cli.override import apply_plugin_flags, split_plugin_args
     from rlm.cli.support import (

@@ -70,7 +70,15 @@ def test_plugin_options_experiment_check_and_status_import_no_torch(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "experiment.json").write_text(json.dumps(exp.to_json()))
     (tmp_path / "bad.yaml").write_text("variants: [a, b]\n")
-    heavy = ("torch", "pytorch_lightning", "lightning", "lightning_fabric", "torchmetrics", "transformers", "faiss")
+    heavy = (
+        "torch",
+        "pytorch_lightning",
+        "lightning",
+        "lightning_fabric",
+        "torchmetrics",
+        "transformers",
+        "faiss",
+    )
     names = sorted(registry.BUILTIN)
     commands = [*(["plugins", n] for n in names), ["experiment", "status", str(tmp_path / "out")],
                 ["experiment", "check", str(tmp_path / "bad.yaml")]]  # fmt: skip
@@ -177,3 +185,21 @@ def test_rlm_cli_names_resolve_lazily():
     assert rlm.cli.RLMCLI is lightning_cli.RLMCLI
     with pytest.raises(AttributeError):
         rlm.cli.no_such_name  # noqa: B018
+
+
+def test_fit_help_is_built_once_and_then_printed_without_lightning(tmp_path, monkeypatch, capsys):
+    """The first `rlm fit --help` builds LightningCLI's parser (Lightning's import, seconds) and keeps its text; a
+    later one, in a fresh interpreter, prints the same text importing neither torch nor Lightning."""
+    monkeypatch.setenv("RLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "100")  # the key holds the terminal's width: the same in both processes
+    assert main(["fit", "--help"]) == 0
+    built = capsys.readouterr().out
+    assert "--trainer.max_steps" in built and "--model.plugins" in built
+    assert len(list((tmp_path / "help").glob("fit-*.txt"))) == 1
+    code = (
+        "import sys\nfrom rlm.cli import main\ncode = main(['fit', '--help'])\n"
+        f"print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}), code, file=sys.stderr)\n"
+    )
+    env = {**os.environ, "RLM_CACHE": str(tmp_path), "COLUMNS": "100"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert run.stdout == built and "HEAVY [] 0" in run.stderr
