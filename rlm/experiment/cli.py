@@ -48,6 +48,12 @@ def _print_plan(exp: Experiment, out: Path, runs: int, counts: dict[str, ParamCo
 
 def cmd_check(a: argparse.Namespace) -> int:
     """Validate the file and print the plan with each variant's parameter counts; train nothing."""
+    from rlm.experiment.spec import parse_experiment
+
+    first, _ = parse_experiment(a.file)  # the structure pass: instant, what the slow part then checks
+    if first is not None:
+        print(f"rlm experiment check: {len(first.variants)} variants ({', '.join(first.variants)}); parsing each "
+              "with the rlm fit parser and building its model on the meta device", file=sys.stderr, flush=True)  # fmt: skip
     from rlm.experiment.check import check_experiment
 
     exp, counts = check_experiment(a.file, a.set, a.seeds, a.base)

@@ -12,7 +12,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 import torch
-from cli_helpers import TINY
+from cli_helpers import CONFIGS, TINY
 
 from rlm.cli import main
 from rlm.plugin import registry
@@ -203,3 +203,24 @@ def test_fit_help_is_built_once_and_then_printed_without_lightning(tmp_path, mon
     env = {**os.environ, "RLM_CACHE": str(tmp_path), "COLUMNS": "100"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert run.stdout == built and "HEAVY [] 0" in run.stderr
+
+
+# slow: a fresh interpreter checks a valid experiment file, every variant through the real rlm fit parser
+@pytest.mark.slow
+def test_experiment_check_says_what_it_checks_before_importing_lightning():
+    hook = (
+        "import sys\n"
+        "class Mark:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'pytorch_lightning':\n"
+        "            print('LIGHTNING', file=sys.stderr, flush=True)\n"
+        "            sys.meta_path.remove(self)\n"
+        "sys.meta_path.insert(0, Mark())\n"
+        "from rlm.cli import main\n"
+        f"sys.exit(main(['experiment', 'check', {str(CONFIGS / 'experiments' / 'altup.yaml')!r}]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", hook], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = run.stderr.index("rlm experiment check: 5 variants (baseline, sum, sameup, altup, recycled)")
+    assert said < run.stderr.index("LIGHTNING")  # the slow part comes after the first line
+    assert "altup" in run.stdout  # the plan, as before
