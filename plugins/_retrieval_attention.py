@@ -29,6 +29,10 @@ from rlm.plugins._retrieval_encoder import (
 if TYPE_CHECKING:
     from rlm.plugins._retrieval_neighbours import RetrievalInputs
 
+BETA_INIT = 1.0
+"""Initial relevance-bias scale beta of each layer; beta trains from it (it ends near 1 on the default corpus,
+RESULTS.md), and a checkpoint loads its trained value."""
+
 
 @dataclass
 class Encoded:
@@ -139,7 +143,7 @@ class RetrievalCrossAttention(nn.Module):
         else:
             nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
         # shape (1,), not a scalar: FSDP2 shards every parameter along dim 0 (and refuses 0-d ones)
-        self.beta = nn.Parameter(torch.full((1,), float(plugin.config.beta_init)))
+        self.beta = nn.Parameter(torch.full((1,), BETA_INIT))
         self.register_load_state_dict_pre_hook(_beta_as_vector)
         self.rope_base = c.rope_base
 

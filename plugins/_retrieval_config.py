@@ -49,8 +49,6 @@ class RetrievalConfig:
     the residual path, and e(S_t) is computed with gradients. 'none': as 'embedding' without the residual path
     (the embedder learns only through the query's e(S_t)). The forward values are the same in all three; with
     embedder 'tokens' (no blocks) 'embedding' is 'full'."""
-    beta_init: float = 1.0
-    """Initial relevance-bias scale beta of each cross-attention layer."""
     zero_init: bool = True
     """Start each cross-attention's output projection at zero, so the model starts as the same model without
     retrieval and the neighbours' contribution grows only as far as it lowers the loss (the role of Flamingo's

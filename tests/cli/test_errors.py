@@ -53,8 +53,12 @@ def test_yaml_syntax_error_names_the_file(tmp_path, capsys):
         ),
         (["--model.plugins.moe.capacity_factor=big"], "option capacity_factor must be a number, got 'big'"),
         (
-            ["--config", str(CONFIGS / "plugins/retrieval.yaml"), "--model.plugins.retrieval.beta_init=x"],
-            "beta_init",
+            [
+                "--config",
+                str(CONFIGS / "plugins/retrieval.yaml"),
+                "--model.plugins.retrieval.target_recall=x",
+            ],
+            "target_recall",
         ),
     ],
 )

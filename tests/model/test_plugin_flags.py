@@ -93,7 +93,11 @@ def test_bad_flags_name_the_option_and_what_is_accepted(flag, message):
             {"capacity_factor": "big"},
             "plugin 'moe': option capacity_factor must be a number, got 'big'",
         ),
-        ("retrieval", {"beta_init": "x"}, "plugin 'retrieval': option beta_init must be a number, got 'x'"),
+        (
+            "retrieval",
+            {"target_recall": "x"},
+            "plugin 'retrieval': option target_recall must be a number or null, got 'x'",
+        ),
         ("pkm", {"gated": "off"}, "option gated must be a bool"),
         ("tokenid", {"rank": "2"}, "option rank must be an integer, got '2'"),
     ],
