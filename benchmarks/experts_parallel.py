@@ -37,11 +37,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
+from rlm.distributed.parallel import spawn_local
 from rlm.model import ModelConfig  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins._expert_parallel import shard_experts  # noqa: E402
 from rlm.plugins.moe import MoEConfig, MoELayer  # noqa: E402
-from rlm.train.parallel import spawn_local
 
 
 class _Counter:

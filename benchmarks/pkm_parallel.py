@@ -24,7 +24,7 @@ distinct rows the rank's reads touch. Times are the median wall-clock step of ra
 with gloo: indicative only.
 
 ``--strategy fsdp2`` shards the same module with FSDP2 (``fully_shard`` on the layer, as on a block, then on the
-root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, backward, the row-wise Adam
+root, as rlm/distributed/parallel.py does) and runs a whole optimizer step: forward, backward, the row-wise Adam
 (rows), and torch's Adam over what has a gradient (fused, as rlm's AdamW is where torch has the kernel):
 
 - dense (pkm.sparse: false, FSDP2's own path for the values): the values are sharded with the rest, their
@@ -33,7 +33,7 @@ root, as rlm/train/parallel.py does) and runs a whole optimizer step: forward, b
 - rows (pkm.sparse: auto): the values stay out of fully_shard (``Plugin.replicated_parameters`` as
   ``ignored_params``), whole on each rank, and take the row exchange and row-wise Adam of DDP's rows; so do the
   sub-keys (``Plugin.synced_parameters``), whose gradients are averaged by an all-reduce started in the backward
-  (rlm/train/replicas.py, as rlm's trainer does); FSDP2 shards and reduces the rest (query, norm).
+  (rlm/distributed/replicas.py, as rlm's trainer does); FSDP2 shards and reduces the rest (query, norm).
 
 ``--strategy one`` is the reference for both: the same layer and step as FSDP2's (forward, backward, the row-wise
 Adam without an exchange, torch's Adam) in rank 0 alone on the same tokens, while rank 1 waits. Its 1M / 16k
@@ -67,12 +67,12 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
+from rlm.distributed.parallel import replicated_parameters, spawn_local, synced_parameters  # noqa: E402
+from rlm.distributed.replicas import ReplicaSync  # noqa: E402
 from rlm.model import ModelConfig  # noqa: E402
 from rlm.plugin import Context  # noqa: E402
 from rlm.plugins.pkm import PKMConfig, PKMPlugin  # noqa: E402
 from rlm.train.module import fused_adamw  # noqa: E402
-from rlm.train.parallel import replicated_parameters, spawn_local, synced_parameters  # noqa: E402
-from rlm.train.replicas import ReplicaSync  # noqa: E402
 
 KINDS = ("dense", "rows")
 

@@ -8,7 +8,7 @@ expert's gradient collects every group rank's tokens. The exchanges are asynchro
 in chunks (``moe.overlap_chunks``): each chunk's tokens travel while the chunk before it computes, and its
 results while the next one computes, in forward and, mirrored, in backward (:func:`parallel_dispatch`). The
 groups' copies of an expert are kept equal by an all-reduce of their gradients over the replica group before
-each optimizer step (``rlm.train.replicas.sync_replicas``).
+each optimizer step (``rlm.distributed.replicas.sync_replicas``).
 
 Capacity is decided for the group's batch, exactly as one process would decide it: the routing (k expert ids
 per token, padding as id N; one byte each below 256 experts) is all-gathered first and every rank runs the same

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
 
+from rlm.distributed.replicas import ArmedSync, ReplicaSync
 from rlm.plugins._expert_parallel import (
     check_ddp_ignores,
     default_group,
@@ -20,7 +21,6 @@ from rlm.plugins._expert_parallel import (
     ignore_in_ddp,
     shard_experts,
 )
-from rlm.train.replicas import ArmedSync, ReplicaSync
 
 
 def _node_size(trainer: pl.Trainer, world: int) -> int:

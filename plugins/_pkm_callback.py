@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 
-from rlm.train.parallel import CAN_REPLICATE
+from rlm.distributed.parallel import CAN_REPLICATE
 
 
 class PKMCallback(pl.Callback):

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlm.distributed.parallel import full_tensor, plain_copy
 from rlm.model.config import ModelConfig
 from rlm.model.layers import TokenEmbedding
 from rlm.model.transformer import Block
 from rlm.plugin import Context
-from rlm.train.parallel import full_tensor, plain_copy
 
 
 def masked_mean_unit(states: Tensor, mask: Tensor) -> Tensor:

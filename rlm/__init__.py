@@ -5,8 +5,8 @@ two modules import each other (tests/model/test_layering.py, which names the one
 the README, "Layout"):
 
 1. core: rlm.model, rlm.data, rlm.plugin (the contract and a registry that names plugins as strings), rlm.extras
-2. rlm.index (index/) and rlm.train.parallel
-3. rlm.plugins (plugins/): core, rlm.index and rlm.train.parallel; rlm/ and index/ never import a plugin
+2. rlm.index (index/) and rlm.distributed (FSDP2 helpers, gradients rlm reduces itself)
+3. rlm.plugins (plugins/): core, rlm.index and rlm.distributed; rlm/ and index/ never import a plugin
 4. rlm.train, then 5. rlm.eval
 6. rlm.cli's config plumbing (merge, override, check, support, lightning_cli)
 7. rlm.experiment and rlm.index.cli, the subcommands with parsers of their own

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from rlm.train.parallel import is_sharded
+from rlm.distributed.parallel import is_sharded
 
 
 class GlobalLoss(pl.Callback):

@@ -155,16 +155,17 @@ class Plugin(nn.Module):
     def replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters FSDP2 must leave whole on every rank (not sharded, their gradients not reduced), because the
         plugin updates them itself and keeps the replicas equal (PKM's row-wise Adam, which exchanges the rows a
-        step touched). Asked when the model is sharded (``rlm.train.parallel.parallelize``), after the callbacks'
-        ``setup``; DDP needs no list (it leaves parameters without ``requires_grad`` alone)."""
+        step touched). Asked when the model is sharded (``rlm.distributed.parallel.parallelize``), after the
+        callbacks' ``setup``; DDP needs no list (it leaves parameters without ``requires_grad`` alone)."""
         return []
 
     def synced_parameters(self) -> list[nn.Parameter]:
         """Parameters the main optimizer trains that FSDP2 should also leave whole on every rank, because they are
         small and an all-reduce of their gradient costs less than FSDP2's two gathers and reduce-scatter (PKM's
         sub-keys). rlm averages their gradients over the ranks in the backward (DDP's treatment,
-        ``rlm.train.replicas.SyncedGradients``) and gives them optimizer groups of their own. Asked when the model
-        is sharded and when the optimizer is built, on every strategy (the groups are the same on one process)."""
+        ``rlm.distributed.replicas.SyncedGradients``) and gives them optimizer groups of their own. Asked when the
+        model is sharded and when the optimizer is built, on every strategy (the groups are the same on one
+        process)."""
         return []
 
     def attach(self, model: nn.Module) -> None:

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 
 from rlm.data.segments import SegmentSource
 from rlm.data.windows import HOST, host_copy
+from rlm.distributed.parallel import mixed_precision_policy, parallelize, synced_parameters, unshard_root
+from rlm.distributed.replicas import clip_grad_norm_, mixes_dtensors
 from rlm.model.config import ModelConfig
 from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup, Plugin
@@ -23,8 +25,6 @@ from rlm.plugin.context import Context
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
 from rlm.train.diff import config_diff
 from rlm.train.memory import check_host_build
-from rlm.train.parallel import mixed_precision_policy, parallelize, synced_parameters, unshard_root
-from rlm.train.replicas import clip_grad_norm_, mixes_dtensors
 from rlm.train.throughput import Throughput
 
 
@@ -184,7 +184,7 @@ class LMModule(pl.LightningModule):
             offset=cache.length if cache is not None else 0,
             cache=cache,
         )
-        unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.train.parallel)
+        unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.distributed.parallel)
         for plugin in self.model.plugins.values():
             plugin.prepare(ctx, batch)
         return ctx
@@ -451,9 +451,9 @@ class LMModule(pl.LightningModule):
             )
 
     def configure_callbacks(self) -> list[pl.Callback]:
+        from rlm.distributed.replicas import SyncedGradients
         from rlm.train.checkpoint import CheckpointHygiene
         from rlm.train.guard import NonFiniteGuard
-        from rlm.train.replicas import SyncedGradients
 
         # synced gradients averaged (FSDP2 only) before the guard reads them; stop at NaN; crash-safe checkpoints
         core = [SyncedGradients(), NonFiniteGuard(), CheckpointHygiene()]

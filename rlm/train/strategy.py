@@ -30,7 +30,7 @@ class ModelParallelStrategy(_LightningModelParallel):
     Lightning's strategy hands its DistributedSampler the mesh's ``data_parallel`` dimension, which is the node
     count in its default (nodes, devices per node) mesh: it assumes the ``tensor_parallel`` dimension splits
     each layer, so the GPUs of a node must see the same batch. rlm has no tensor parallelism; both dimensions
-    shard FSDP2 (:func:`rlm.train.parallel.fsdp_mesh`) and every rank is a data-parallel replica. So under
+    shard FSDP2 (:func:`rlm.distributed.parallel.fsdp_mesh`) and every rank is a data-parallel replica. So under
     Lightning's rule every GPU of a node evaluated the same 1/nodes of the validation set (on one node, the whole
     of it on every GPU: W times the evaluation work, and on 8 nodes of 8, 8 times). Training was unaffected:
     ``TrainLoader`` shards by global rank itself.

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from rlm.distributed.parallel import spawn_local
 from rlm.train.module import LMModule
-from rlm.train.parallel import spawn_local
 
 VOCAB, T, WINDOWS, BATCH = 64, 16, 12, 2
 MODEL = {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": T}

@@ -349,9 +349,9 @@ def test_two_ranks_fit_one_projection_and_search_as_one_process(tmp_path):
     """2 gloo ranks: both hold the same projection, fitted on the gathered per-rank samples (equal to the 1-process
     fit on those rows), and the sharded narrowed index gives the 1-process narrowed index's table and search; the
     rebuild callback, unsharded and sharded, narrows alike on both ranks and gives the 1-process table."""
+    from rlm.distributed.parallel import spawn_local
     from rlm.index.projection import sample_rows
     from rlm.index.protocol import shard_range
-    from rlm.train.parallel import spawn_local
 
     got = spawn_local(_worker, str(tmp_path))
     np.testing.assert_array_equal(got[0][0], got[1][0])

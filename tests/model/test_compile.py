@@ -10,9 +10,9 @@ import yaml
 from cli_helpers import fit_args
 from torch.testing import assert_close
 
+from rlm.distributed.parallel import full_tensor, is_sharded, spawn_local
 from rlm.train.compile import CompileConfig, compile_config, is_compiled
 from rlm.train.module import LMModule
-from rlm.train.parallel import full_tensor, is_sharded, spawn_local
 
 MODEL = dict(vocab_size=128, d_model=64, n_layers=2, n_heads=2, max_seq_len=64)
 PLUGINS = {

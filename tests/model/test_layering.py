@@ -21,7 +21,7 @@ SOURCES = {"rlm": ROOT / "rlm", "rlm.plugins": ROOT / "plugins", "rlm.index": RO
 # and the ones below. "rlm" alone catches the top-level modules (rlm/__init__.py, extras).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("rlm", "rlm.model", "rlm.data", "rlm.plugin")),
-    ("index and parallelism", ("rlm.index", "rlm.train.parallel", "rlm.train.replicas")),
+    ("index and parallelism", ("rlm.index", "rlm.distributed")),
     ("plugins", ("rlm.plugins",)),
     ("train", ("rlm.train",)),
     ("eval", ("rlm.eval", "rlm.hf.export")),
@@ -191,5 +191,5 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     assert cycles({"a": {"b"}, "b": set()}) == []
     assert layer("rlm.model.transformer") < layer("rlm.train.module") < layer("rlm.eval.generate")
     assert layer("rlm.eval.evaluate") < layer("rlm.cli.check") < layer("rlm.cli.commands")
-    assert layer("rlm.train.parallel") < layer("rlm.plugins.moe") < layer("rlm.train.resume")
+    assert layer("rlm.distributed.parallel") < layer("rlm.plugins.moe") < layer("rlm.train.resume")
     assert layer("rlm.cli.merge") < layer("rlm.experiment.spec") < layer("rlm.cli")

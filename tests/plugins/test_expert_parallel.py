@@ -10,6 +10,8 @@ import yaml
 from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
+from rlm.distributed.parallel import spawn_local
+from rlm.distributed.replicas import ReplicaSync, sync_replicas
 from rlm.model import ModelConfig
 from rlm.plugin import Context
 from rlm.plugins._expert_parallel import (
@@ -24,8 +26,6 @@ from rlm.plugins._expert_parallel import (
 from rlm.plugins._expert_parallel_callback import ExpertParallelCallback, _node_size
 from rlm.plugins._experts import plan
 from rlm.plugins.moe import MoEConfig, MoELayer
-from rlm.train.parallel import spawn_local
-from rlm.train.replicas import ReplicaSync, sync_replicas
 
 D, V, B, T = 32, 64, 2, 12  # B rows per rank
 TOL = dict(rtol=1e-4, atol=1e-5)  # float32; sums over tokens run in another order

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from rlm.distributed.parallel import spawn_local
 from rlm.model import ModelConfig
 from rlm.plugin import Context
 from rlm.plugins.pkm import PKMConfig, PKMPlugin
-from rlm.train.parallel import spawn_local
 
 D, B, T, STEPS = 16, 2, 5, 3  # B rows per rank
 TABLES = ("shared", "shared_down")

@@ -10,6 +10,7 @@ import yaml
 from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
+from rlm.distributed.parallel import CAN_REPLICATE
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context
 from rlm.plugins import _pkm_native, _pkm_ops
@@ -22,7 +23,6 @@ from rlm.plugins._pkm_ops import (
 )
 from rlm.plugins._pkm_rows import RowAdam
 from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
-from rlm.train.parallel import CAN_REPLICATE
 
 RUN = "runs/test/version_0"
 

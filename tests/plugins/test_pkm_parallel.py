@@ -7,10 +7,10 @@ import yaml
 from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
+from rlm.distributed.parallel import spawn_local
 from rlm.model import ModelConfig
 from rlm.plugin import Context
 from rlm.plugins.pkm import PKMConfig, PKMPlugin
-from rlm.train.parallel import spawn_local
 
 D, B, T, STEPS = 32, 2, 6, 3  # B rows per rank
 
@@ -281,8 +281,8 @@ def _fsdp_train(model, rank: int | None, sync=None) -> tuple[list[bool], list[fl
     synced parameters' all-reduce) armed on the second, the norm clipped, then the optimizers. ``rank`` None: one
     process on all 4 rows (micro-batch h: rows h and 2 + h); else this rank's row of each micro-batch (2 rank + h).
     Returns, per step, whether the value table had no .grad, and the gradient norm before clipping."""
-    from rlm.train.parallel import synced_parameters
-    from rlm.train.replicas import clip_grad_norm_
+    from rlm.distributed.parallel import synced_parameters
+    from rlm.distributed.replicas import clip_grad_norm_
 
     plugin = model.plugins["pkm"]
     synced = {id(p) for p in synced_parameters(model)}
@@ -319,8 +319,8 @@ def _fsdp_part(rank: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from rlm.train.parallel import full_tensor, parallelize, synced_parameters
-    from rlm.train.replicas import ReplicaSync
+    from rlm.distributed.parallel import full_tensor, parallelize, synced_parameters
+    from rlm.distributed.replicas import ReplicaSync
 
     for sparse in ("auto", "false"):
         model = _fsdp_model(sparse)

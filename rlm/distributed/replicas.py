@@ -2,7 +2,7 @@
 
 Two users. Expert parallelism keeps each expert on one rank of every expert group, and sums the copies' gradients
 over the replica group (plugins/_expert_parallel.py). Under FSDP2, a plugin's ``synced_parameters`` (PKM's
-sub-keys) stay out of ``fully_shard`` like its ``replicated_parameters`` (rlm/train/parallel.py), but the main
+sub-keys) stay out of ``fully_shard`` like its ``replicated_parameters`` (parallel.py here), but the main
 optimizer trains them: :class:`SyncedGradients` averages their gradients over the data-parallel ranks with an
 all-reduce each, started in the backward as soon as the gradient is accumulated (2 (W-1)/W of their bytes per
 step, where FSDP2's two all-gathers and reduce-scatter move 3 (W-1)/W and copy them in and out).
@@ -143,7 +143,7 @@ class SyncedGradients(ArmedSync):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the first hook after the strategy's setup: configure_model has sharded the model by now
-        from rlm.train.parallel import is_sharded, synced_parameters
+        from rlm.distributed.parallel import is_sharded, synced_parameters
 
         model = getattr(pl_module, "model", None)
         if self.sync is None and model is not None and is_sharded(model) and trainer.world_size > 1:

@@ -10,7 +10,7 @@ with the full one.
 Parameters a plugin updates itself stay out of the sharding (``Plugin.replicated_parameters``, handed to every
 ``fully_shard`` call as ``ignored_params``): whole on every rank, never all-gathered, their gradients never reduced.
 So do small parameters the main optimizer trains whose gather would cost more than an all-reduce
-(``Plugin.synced_parameters``: PKM's sub-keys); rlm averages their gradients itself (rlm/train/replicas.py).
+(``Plugin.synced_parameters``: PKM's sub-keys); rlm averages their gradients itself (replicas.py here).
 PKM's value tables are such under ``sparse: auto``: its row-wise lazy Adam exchanges the rows a step touched and
 updates them on every rank, as under DDP, instead of a dense (slots, d) gradient reduce-scattered and an Adam over
 every row of the shards (with ``sparse: false`` they are sharded like any other parameter).
@@ -87,8 +87,8 @@ def replicated_parameters(model: nn.Module) -> set[nn.Parameter]:
 
 def synced_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the plugins in ``model`` keep whole on every rank for the main optimizer to train, their
-    gradients averaged by rlm (``Plugin.synced_parameters``; rlm/train/replicas.py), in the same order on every
-    rank (the plugins' module order, then each plugin's)."""
+    gradients averaged by rlm (``Plugin.synced_parameters``; replicas.py here), in the same order on every rank
+    (the plugins' module order, then each plugin's)."""
     from rlm.plugin import Plugin
 
     found = [p for m in model.modules() if isinstance(m, Plugin) for p in m.synced_parameters()]
@@ -179,7 +179,7 @@ def _lazy_init_root(module: FSDPModule) -> None:
             f"torch {torch.__version__}: FSDPModule._get_fsdp_state()._lazy_init() is gone. rlm calls this private "
             "method (present in torch 2.6 to 2.13) so that the model, not a block a plugin runs before the "
             "model's forward (retrieval's shared encoder), becomes FSDP2's root unit. Use a torch from 2.6 to "
-            "2.13, or port rlm.train.parallel.unshard_root to this torch's way of fixing the root"
+            "2.13, or port rlm.distributed.parallel.unshard_root to this torch's way of fixing the root"
         )
     lazy_init()
 

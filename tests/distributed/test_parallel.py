@@ -1,5 +1,6 @@
-"""rlm/train/parallel.py with 2 gloo processes: a sharded model computes what the unsharded one does, and a plain copy of
-a sharded part is an ordinary module with the full weights (what retrieval's rebuild snapshot embeds with)."""
+"""rlm/distributed/parallel.py with 2 gloo processes: a sharded model computes what the unsharded one does, and a
+plain copy of a sharded part is an ordinary module with the full weights (what retrieval's rebuild snapshot embeds
+with)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _worker(rank: int, world: int, port: int, tokens: torch.Tensor, out: dict) -
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from rlm.train.parallel import parallelize, plain_copy, unshard_root
+    from rlm.distributed.parallel import parallelize, plain_copy, unshard_root
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -109,7 +110,7 @@ def test_beta_loads_from_a_scalar_checkpoint():
 
 
 def test_mixed_precision_policy_follows_the_trainer_precision():
-    from rlm.train.parallel import mixed_precision_policy
+    from rlm.distributed.parallel import mixed_precision_policy
 
     policy = mixed_precision_policy("bf16-mixed")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
@@ -123,7 +124,7 @@ def _shared_part(rank: int, tokens: torch.Tensor, out: dict) -> None:
     both ranks (in _worker's process group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlm.train.parallel import parallelize, plain_copy
+    from rlm.distributed.parallel import parallelize, plain_copy
 
     model = _model("shared")
     parallelize(model, init_device_mesh("cpu", (2,)))
@@ -145,14 +146,14 @@ def _bf16_sharded(model: Transformer) -> Transformer:
     """``model`` sharded over _worker's 2 processes with bf16-mixed's FSDP2 policy."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlm.train.parallel import mixed_precision_policy, parallelize
+    from rlm.distributed.parallel import mixed_precision_policy, parallelize
 
     return parallelize(model, init_device_mesh("cpu", (2,)), mp_policy=mixed_precision_policy("bf16-mixed"))
 
 
 def _bf16_step(model: Transformer, rank: int, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Forward and backward of this rank's half of ``tokens`` under CPU autocast: (logits, full gradients)."""
-    from rlm.train.parallel import unshard_root
+    from rlm.distributed.parallel import unshard_root
 
     mine = tokens[rank * 2 : rank * 2 + 2]
     unshard_root(model)
@@ -262,7 +263,7 @@ def _encode_then_forward(model: Transformer) -> torch.Tensor:
 
 
 def test_unshard_root_makes_the_model_the_root_before_a_plugin_runs_a_block(one_rank):
-    from rlm.train.parallel import unshard_root
+    from rlm.distributed.parallel import unshard_root
 
     model = _sharded(one_rank)
     unshard_root(model)
@@ -281,7 +282,7 @@ def test_unshard_root_names_the_torch_version_when_fsdps_private_call_is_gone(go
 
     from torch.distributed.fsdp import FSDPModule
 
-    from rlm.train.parallel import unshard_root
+    from rlm.distributed.parallel import unshard_root
 
     model = _sharded(one_rank)
     owner = type(model._get_fsdp_state()) if gone == "_lazy_init" else FSDPModule
@@ -309,7 +310,7 @@ def test_plain_copy_patches_no_class_and_copies_units_and_dtensors(one_rank):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from rlm.train.parallel import plain_copy
+    from rlm.distributed.parallel import plain_copy
 
     model = _sharded(one_rank)
     model.blocks[0].compile(backend="eager")  # as rlm.train.compile does after sharding
