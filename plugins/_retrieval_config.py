@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from rlm.index.build import IndexConfig
 from rlm.index.projection import check_index_dim
 from rlm.index.rebuild import Schedule
-from rlm.plugins._retrieval_encoder import REBUILD_DTYPES
 
 EMBEDDERS = ("shared", "separate", "tokens")
 MODES = ("blocking", "background")
@@ -123,10 +122,6 @@ class RetrievalConfig:
     narrow_embedding.py; RESULTS.md). The projection is stored with the index and is part of its embedder identity."""
     embed_batch_size: int = 256
     """Segments per embedder call during a rebuild."""
-    rebuild_dtype: str = "float32"
-    """dtype of the rebuild's (and online queries') embedding pass: 'float32', 'bfloat16' (autocast), or 'auto'
-    (bfloat16 where the device computes it natively). Part of the embedder identity, so a resumed run reuses an
-    index only when it was embedded the same way."""
     progress: bool = True
     """Show a progress bar while embedding the corpus."""
 
@@ -173,10 +168,6 @@ class RetrievalConfig:
         if self.neighbour_grad not in NEIGHBOUR_GRADS:
             raise ValueError(
                 f"retrieval.neighbour_grad={self.neighbour_grad!r}; accepted: {list(NEIGHBOUR_GRADS)}"
-            )
-        if self.rebuild_dtype not in REBUILD_DTYPES:
-            raise ValueError(
-                f"retrieval.rebuild_dtype={self.rebuild_dtype!r}; accepted: {list(REBUILD_DTYPES)}"
             )
         Schedule.parse(self.schedule)  # raises ValueError naming the accepted grammar
         IndexConfig(factory=self.index_factory, target_recall=self.target_recall, flat_below=self.flat_below)

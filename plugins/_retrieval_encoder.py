@@ -200,9 +200,6 @@ def config_hash(*configs: object) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-REBUILD_DTYPES = ("auto", "float32", "bfloat16")
-
-
 def encoder_device(encoder: SegmentEncoder) -> torch.device:
     """Where the encoder's weights live (a shared encoder's are the LM's embedding)."""
     if isinstance(encoder, SharedEncoder):
@@ -210,52 +207,23 @@ def encoder_device(encoder: SegmentEncoder) -> torch.device:
     return next(iter(encoder.parameters()), torch.empty(0)).device
 
 
-def resolve_rebuild_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype a rebuild embeds in. 'auto': bfloat16 where the device multiplies it natively (a CUDA GPU
-    with bf16; a CPU with AVX512-BF16 or AMX through oneDNN), else float32. The index only ranks segments:
-    the relevance bias the LM trains through is always computed by the live encoder in its own dtype."""
-    if name not in REBUILD_DTYPES:
-        raise ValueError(f"rebuild dtype {name!r}; accepted: {list(REBUILD_DTYPES)}")
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
-    else:
-        native = device.type == "cpu" and cpu_bf16_native()
-    return torch.bfloat16 if native else torch.float32
-
-
-def cpu_bf16_native() -> bool:
-    """Whether oneDNN multiplies bf16 natively on this CPU (AVX512-BF16 or AMX); False if the check fails.
-
-    torch has no public query for it; the private torch.ops.mkldnn._is_mkldnn_bf16_supported is asked, and
-    any exception (an op renamed or missing in this build) means float32.
-    """
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:
-        return False
-
-
 class FrozenEmbedder:
     """A snapshot of an encoder (a deep copy in eval mode) that embeds segments for an index rebuild.
 
     Implements rlm.index's Embedder protocol; safe to run in a background thread while the live
-    encoder keeps training, since it shares no tensors with it. With dtype bfloat16 the encoder runs under
-    autocast, which is faster where the CPU has bf16 matmul instructions (AVX512-BF16, AMX)."""
+    encoder keeps training, since it shares no tensors with it. It embeds in float32 whatever autocast the caller
+    runs under: bfloat16 embedded faster but ranked the index's segments worse (RESULTS.md, rebuild_dtype)."""
 
-    def __init__(self, encoder: SegmentEncoder, identity: dict, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, encoder: SegmentEncoder, identity: dict) -> None:
         # plain_copy: a deep copy with full, unsharded weights under FSDP, so the thread embeds on its own
         self.encoder = plain_copy(encoder).eval().requires_grad_(False)
         self.identity = dict(identity)
-        self.dtype = dtype
 
     @torch.no_grad()
     def embed_segments(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """(S, L) tokens and mask -> (S, D) float32 unit vectors."""
         device = encoder_device(self.encoder)
-        low = self.dtype != torch.float32
-        with torch.autocast(device.type, dtype=self.dtype, enabled=low):
+        with torch.autocast(device.type, enabled=False):
             return self.encoder.pooled(tokens.to(device), mask.to(device)).float()
 
     def embedder_identity(self) -> dict:

@@ -49,8 +49,6 @@ from rlm.plugins._retrieval_encoder import (
     SharedEncoder,
     TokenEncoder,
     config_hash,
-    encoder_device,
-    resolve_rebuild_dtype,
     weights_hash,
 )
 from rlm.plugins._retrieval_neighbours import (
@@ -229,12 +227,12 @@ class RetrievalPlugin(Plugin):
 
     @torch.no_grad()
     def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        """Online queries (validation, generation), embedded as the index rows were (eval mode, rebuild dtype)."""
+        """Online queries (validation, generation), embedded as the index rows were (FrozenEmbedder: eval mode,
+        float32)."""
         was = self.encoder.training
         self.encoder.eval()
-        dtype = self._rebuild_dtype()
         try:
-            with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            with torch.autocast(tokens.device.type, enabled=False):
                 return self.encoder.pooled(tokens, mask).float()
         finally:
             self.encoder.train(was)
@@ -301,17 +299,13 @@ class RetrievalPlugin(Plugin):
 
     def snapshot(self, step: int) -> FrozenEmbedder:
         """A frozen copy of the current embedder (rlm.index Embedder protocol)."""
-        return FrozenEmbedder(self.encoder, self.identity(step), self._rebuild_dtype())
-
-    def _rebuild_dtype(self) -> torch.dtype:
-        return resolve_rebuild_dtype(self.config.rebuild_dtype, encoder_device(self.encoder))
+        return FrozenEmbedder(self.encoder, self.identity(step))
 
     def identity(self, step: int) -> dict[str, Any]:
         """Which embedder and weights produce the vectors now."""
         return {
             "name": f"retrieval/{self.config.embedder}",
-            # the resolved rebuild dtype is hashed with the config ('auto' may mean bfloat16 on one machine only)
-            "config_hash": config_hash(self.config, self.model_config, self._rebuild_dtype()),
+            "config_hash": config_hash(self.config, self.model_config),
             "weights_hash": weights_hash(self.encoder.weights()),
             "step": int(step),
         }

@@ -12,7 +12,6 @@ from rlm.plugins import _experts, _pkm_native, _pkm_ops
 from rlm.plugins._experts import Experts, plan
 from rlm.plugins._pkm_ops import half_scores
 from rlm.plugins._pkm_rows import RowAdam
-from rlm.plugins._retrieval_encoder import cpu_bf16_native, resolve_rebuild_dtype
 
 
 def _raise(*args, **kwargs):
@@ -130,12 +129,6 @@ def test_row_adam_without_fused_adam_gives_the_fused_numbers(monkeypatch):
         assert_close(tables[1], tables[0])
         assert not torch.equal(tables[1], table)
     assert opts[0].fused and not opts[1].fused
-
-
-def test_mkldnn_bf16_query_that_raises_means_float32(monkeypatch):
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", _raise)
-    assert cpu_bf16_native() is False
-    assert resolve_rebuild_dtype("auto", torch.device("cpu")) == torch.float32
 
 
 def test_native_cache_key_names_the_architecture_and_the_compiler(monkeypatch):
