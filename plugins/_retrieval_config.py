@@ -61,13 +61,10 @@ class RetrievalConfig:
     """Neighbours until the first table lands (Komatsuzaki 2020, sec. 5.4: poorly initialised neighbours make
     learning slow, so start from segments of the same document), in training and validation alike: earlier
     segments of the query's own document, never the target segment or anything after it. Segments before the
-    attention window come first, the most recent first. 'recent': in that order; 'similar': among up to
-    warm_candidates of them, the most similar to S_t by the current embedder; 'none': no retrieval until the
-    first table. With a warm start the first table is built at the schedule's first due step, not at fit start,
-    where it would rank segments with a random embedder."""
-    warm_candidates: int = 16
-    """Most recent earlier same-document segments scored by warm_start 'similar' (and by same_doc_k); at evaluation,
-    the own-past candidates of a document the index does not hold, merged with the index's results by score."""
+    attention window come first, the most recent first. 'recent': in that order; 'similar': among the 16 most
+    recent (_retrieval_neighbours.WARM_CANDIDATES), the most similar to S_t by the current embedder; 'none': no
+    retrieval until the first table. With a warm start the first table is built at the schedule's first due step,
+    not at fit start, where it would rank segments with a random embedder."""
     same_doc_k: int = 0
     """After the first table: this many of the k neighbours are warm-start picks from the query's own past (as
     warm_start chooses them; 'recent' when warm_start is 'none'), the other k - same_doc_k come from the table
@@ -148,10 +145,6 @@ class RetrievalConfig:
         if not isinstance(self.same_doc_k, int) or not 0 <= self.same_doc_k <= self.k:
             raise ValueError(
                 f"retrieval.same_doc_k must be an integer in [0, k={self.k}], got {self.same_doc_k!r}"
-            )
-        if not isinstance(self.warm_candidates, int) or self.warm_candidates < self.k:
-            raise ValueError(
-                f"retrieval.warm_candidates must be an integer >= k={self.k}, got {self.warm_candidates!r}"
             )
         if self.sharded not in (True, False, "auto"):
             raise ValueError(f"retrieval.sharded={self.sharded!r}; accepted: true, false, 'auto'")

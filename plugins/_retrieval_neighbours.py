@@ -36,6 +36,11 @@ from rlm.plugins._retrieval_filter import (
     window_table,
 )
 
+WARM_CANDIDATES = 16
+"""Earlier same-document segments (the most recent) that warm start 'similar' scores, and at evaluation the own-past
+candidates of a document the index does not hold: each is embedded and scored, so more cost more; 16 reach four
+default windows (256 tokens, L 64) back."""
+
 
 @dataclass
 class RetrievalInputs:
@@ -71,7 +76,6 @@ def gather_inputs(
     segments: Any = None,
     warm_k: int = 0,
     warm: str = "recent",
-    warm_candidates: int = 16,
     randomise: bool = False,
     evaluation: bool = False,
     exclude_copies: bool = True,
@@ -143,9 +147,8 @@ def gather_inputs(
         doc_first = own.first[docs]  # (B,)
     warm_part = None
     if warm_k:
-        cands = warm_candidates_of(
-            own_q, seg_np[:, 0], doc_first, warm_k if warm == "recent" else warm_candidates, continuation
-        )
+        c = warm_k if warm == "recent" else max(WARM_CANDIDATES, warm_k)  # 'similar' picks warm_k among c
+        cands = warm_candidates_of(own_q, seg_np[:, 0], doc_first, c, continuation)
         if warm == "similar":
             cands = most_similar(own, cands, q_tokens, q_mask, warm_k, embed, seg_np[:, 0])
         warm_part = cands  # (B, n, warm_k) own-table ids
@@ -187,7 +190,7 @@ def gather_inputs(
                 # a document the index does not hold: its own past, merged with the index's results by score
                 held = inside & memory.indexed_mask()[np.minimum(doc_first, len(memory.segments) - 1)]  # (B,)
                 cands = warm_candidates_of(
-                    np.where(held[:, None], -1, own_q), seg_np[:, 0], doc_first, warm_candidates
+                    np.where(held[:, None], -1, own_q), seg_np[:, 0], doc_first, WARM_CANDIDATES
                 )
                 if warm_part is not None:  # not twice: the warm picks have their own slots
                     cands = np.where((cands[..., :, None] == warm_part[..., None, :]).any(-1), -1, cands)

@@ -177,7 +177,6 @@ class RetrievalPlugin(Plugin):
             segments=ctx.segments,
             warm_k=(c.k if memory is None else c.same_doc_k) if warm != "none" else 0,
             warm=warm,
-            warm_candidates=c.warm_candidates,
             randomise=ctx.variant == f"{self.label}_random",
             evaluation=not ctx.training,
             exclude_copies=c.exclude_copies,

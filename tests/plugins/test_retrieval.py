@@ -122,7 +122,7 @@ def test_neighbour_table_matches_brute_force(corpus):
 PATHS = {
     "table": ({"warm_start": "none"}, True),
     "warm_recent": ({"warm_start": "recent"}, False),
-    "warm_similar": ({"warm_start": "similar", "warm_candidates": 4}, False),
+    "warm_similar": ({"warm_start": "similar"}, False),
     "table_same_doc": ({"warm_start": "recent", "same_doc_k": 1}, True),
     "table_same_doc_similar": ({"warm_start": "similar", "same_doc_k": 1}, True),
     "tokens_table": ({"warm_start": "none", "embedder": "tokens"}, True),
@@ -559,7 +559,6 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"encoder_dim": 7}, "encoder_dim"),
         ({"warm_start": "random"}, "'recent', 'similar', 'none'"),
         ({"same_doc_k": 3}, r"same_doc_k must be an integer in \[0, k=2\]"),
-        ({"warm_candidates": 1}, "warm_candidates must be an integer >= k=2"),
         ({"target_recall": 1.5}, "target_recall"),
         ({"neighbour_grad": True}, "neighbour_grad must be a string, got True"),
         ({"lookup": "cache"}, r"retrieval.lookup='cache'; accepted: \['table', 'search'\]"),
