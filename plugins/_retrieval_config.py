@@ -117,8 +117,6 @@ class RetrievalConfig:
     below, so small runs are unchanged. At 1B segments x 2048 dims the full width is 8.2 TB of fp32; at half width
     PCA keeps most of the full-width search's neighbours, a random projection far fewer (benchmarks/
     narrow_embedding.py; RESULTS.md). The projection is stored with the index and is part of its embedder identity."""
-    embed_batch_size: int = 256
-    """Segments per embedder call during a rebuild."""
     progress: bool = True
     """Show a progress bar while embedding the corpus."""
 
@@ -156,8 +154,6 @@ class RetrievalConfig:
             raise ValueError(f"retrieval.{err}") from None
         if self.lookup not in LOOKUPS:
             raise ValueError(f"retrieval.lookup={self.lookup!r}; accepted: {list(LOOKUPS)}")
-        if self.embed_batch_size < 1:
-            raise ValueError(f"retrieval.embed_batch_size must be positive, got {self.embed_batch_size}")
         if self.neighbour_grad not in NEIGHBOUR_GRADS:
             raise ValueError(
                 f"retrieval.neighbour_grad={self.neighbour_grad!r}; accepted: {list(NEIGHBOUR_GRADS)}"

@@ -11,7 +11,7 @@ so the LM loss alone trains e through the bias. Causality: segment t+1 only sees
 with S_t, and the neighbour tables never hold S_{t+1} or a later segment of the same document; the
 first segment of a window uses the neighbours of the document's previous segment, or none.
 
-Training reads neighbour ids from the table of the last rebuild (index/rebuild.py, the callback this
+Training reads neighbour ids from the table of the last rebuild (_retrieval_rebuild.py, the callback this
 plugin returns); validation and generation search the index online with the current embedder. Until the
 first table lands (it is built at the schedule's first due step), the warm start gives each segment earlier
 segments of its own document (Komatsuzaki 2020, sec. 5.4; RetrievalConfig.warm_start).
@@ -23,7 +23,8 @@ from its own document's past, kept causal by _retrieval_filter.py even where it 
 This file holds the plugin (its options, RetrievalConfig, are in _retrieval_config.py), whose methods read as one step: prepare() finds
 the batch's neighbours (_retrieval_neighbours.py), encoded() embeds them once per forward for the
 cross-attention layers (_retrieval_attention.py), and the step logs its metrics and loss groups. The embedders
-are in _retrieval_encoder.py; the index, its neighbour tables and the rebuild callback in rlm.index.
+are in _retrieval_encoder.py, the rebuild callback in _retrieval_rebuild.py; the index and its neighbour tables in
+rlm.index.
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from rlm.index.build import IndexConfig
 from rlm.index.memory import RetrievalMemory
-from rlm.index.rebuild import RebuildCallback, load_memory_for_search
+from rlm.index.rebuild import load_memory_for_search
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._retrieval_attention import Encoded, RetrievalCrossAttention, encode_neighbours
 from rlm.plugins._retrieval_config import (
@@ -112,27 +112,9 @@ class RetrievalPlugin(Plugin):
             self.encoder.bind(model)
 
     def callbacks(self) -> list[pl.Callback]:
-        c = self.config
-        return [
-            RebuildCallback(
-                self,
-                k=c.k,
-                schedule=c.schedule,
-                mode=c.mode,
-                index_config=IndexConfig(
-                    factory=c.index_factory, target_recall=c.target_recall, flat_below=c.flat_below
-                ),
-                defer_first=c.warm_start != "none",
-                index_dir=c.index_dir,
-                batch_size=c.embed_batch_size,
-                progress=c.progress,
-                label=self.label,
-                sharded=c.sharded,
-                shard_above=c.shard_above,
-                table=c.lookup == "table",
-                index_dim=c.index_dim,
-            )
-        ]
+        from rlm.plugins._retrieval_rebuild import RebuildCallback  # imports Lightning: only when training
+
+        return [RebuildCallback(self, self.config, self.label)]
 
     # ----- one step: the batch's neighbours (prepare), the cross-attention's view of them (encoded), metrics -----
 

@@ -24,12 +24,13 @@ from rlm.index.projection import (
     index_width,
     load_projection,
 )
-from rlm.index.rebuild import RebuildCallback, load_memory_for_search
+from rlm.index.rebuild import load_memory_for_search
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.search import search_neighbours
 from rlm.index.store import IndexMismatchError, read_meta
 from rlm.plugin import Context
 from rlm.plugins._retrieval_config import RetrievalConfig
+from rlm.plugins._retrieval_rebuild import RebuildCallback
 
 IDENTITY = {"name": "test", "config_hash": "c", "weights_hash": "w", "step": 3}
 FLAT = IndexConfig(factory="Flat", target_recall=None)
@@ -249,7 +250,10 @@ def callback_for(tmp_path, n: int, **options) -> tuple[RebuildCallback, Owner, n
     docs = [np.array([i] * 8) for i in range(n)]  # one segment per document, its first token is its row
     segments = make_segments(docs, 8)
     owner = Owner(vectors)
-    cb = RebuildCallback(owner, k=2, index_config=FLAT, progress=False, table=False, **options)
+    config = RetrievalConfig(
+        k=2, index_factory="Flat", target_recall=None, progress=False, lookup="search", **options
+    )
+    cb = RebuildCallback(owner, config)
     cb.segments, cb.rows, cb._root, cb._writer = segments, np.arange(n), tmp_path, True
     return cb, owner, vectors
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from retrieval_helpers import make_segments
 
-from rlm.index.build import IndexConfig
-from rlm.index.rebuild import RebuildCallback, rebuild_stream
+from rlm.index.rebuild import rebuild_stream
+from rlm.plugins._retrieval_config import RetrievalConfig
+from rlm.plugins._retrieval_rebuild import RebuildCallback
 
 N = 64
 
@@ -46,13 +47,8 @@ class StreamOwner:
 
 def rebuild_in_background(tmp_path, owner: StreamOwner) -> None:
     """One background rebuild of N one-segment documents, collected."""
-    cb = RebuildCallback(
-        owner,
-        k=2,
-        mode="background",
-        index_config=IndexConfig(factory="Flat", target_recall=None),
-        progress=False,
-    )
+    options = {"mode": "background", "lookup": "table", "index_factory": "Flat", "target_recall": None}
+    cb = RebuildCallback(owner, RetrievalConfig(k=2, progress=False, **options))
     cb.segments = make_segments([np.array([i] * 8) for i in range(N)], 8)
     cb.rows, cb._root, cb._writer = np.arange(N), tmp_path, True
     trainer = SimpleNamespace(global_rank=0, world_size=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_retrieval_training import fitted_with_index, make_module, trainer
 
-from rlm.index.rebuild import RebuildCallback
+from rlm.plugins._retrieval_rebuild import RebuildCallback
 
 
 def test_resume_rebuilds_a_damaged_neighbour_table_with_a_log_line(tmp_path, capsys):

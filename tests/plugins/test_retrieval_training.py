@@ -15,9 +15,10 @@ from retrieval_helpers import attach_memory, make_segments
 
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 from rlm.index.memory import RetrievalMemory
-from rlm.index.rebuild import RebuildCallback, Schedule
+from rlm.index.rebuild import Schedule
 from rlm.model import ModelConfig
 from rlm.plugins._retrieval_neighbours import RetrievalInputs
+from rlm.plugins._retrieval_rebuild import RebuildCallback
 from rlm.train.module import LMModule, OptimConfig
 
 SEG, SEQ = 8, 32
@@ -209,12 +210,13 @@ def test_resume_reuses_a_matching_index_and_rebuilds_a_missing_one(tmp_path):
     cb = next(c for c in t.callbacks if isinstance(c, RebuildCallback))
     assert cb.history == [(0, "built"), (4, "built")]
     kept = sorted(p.name for p in (tmp_path / "retrieval_index").glob("step-*"))
-    assert kept == ["step-000000000", "step-000000004"]  # the newest `keep` = 2 rebuilds stay on disk
+    assert kept == ["step-000000000", "step-000000004"]  # the newest KEEP = 2 rebuilds stay on disk
     ckpt = tmp_path / "last.ckpt"
     t.save_checkpoint(ckpt)
     state = torch.load(ckpt, weights_only=False)["callbacks"]["RebuildCallback[retrieval]"]
     assert state["last_step"] == 4 and state["index_dir"].endswith("step-000000004")
     assert state["identity"]["step"] == 4 and len(state["identity"]["weights_hash"]) == 16
+    assert "k" not in state  # in the hyperparameters and the index's meta.json already
     table = module.model.plugins["retrieval"].memory.neighbours.copy()
 
     resumed = make_module({"k": 2, "schedule": "every 4", "index_factory": "Flat"}, seed=1)
@@ -298,8 +300,8 @@ def test_resume_refuses_an_index_of_another_embedder(tmp_path):
 
 
 def fit_with_build(tmp_path, module, data, steps: int, watch: pl.Callback, wrap) -> RebuildCallback:
-    """Fit with rlm.index.rebuild.build_memory replaced by wrap(real, *args, **kwargs); the rebuild callback."""
-    import rlm.index.rebuild as rebuild
+    """Fit with the rebuild callback's build_memory replaced by wrap(real, *args, **kwargs); the callback."""
+    import rlm.plugins._retrieval_rebuild as rebuild
 
     real = rebuild.build_memory
     rebuild.build_memory = lambda *args, **kwargs: wrap(real, *args, **kwargs)

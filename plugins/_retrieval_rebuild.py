@@ -1,0 +1,417 @@
+"""The retriever's index rebuild callback: re-embed every training segment with the current embedder, rebuild the
+index (and with lookup 'table' the neighbour table) on the schedule (MARGE-style retrieval, Komatsuzaki 2020 section
+5.4: the embeddings go stale as the embedder trains, so the index is rebuilt every I steps). It reads the retriever's
+options (RetrievalConfig) and talks to its owner through rlm.index's MemoryOwner (snapshot an embedder, take a new
+memory); the index, its memory and the sharded parts are rlm.index's.
+
+Modes: 'blocking' (training waits) and 'background' (a frozen snapshot of the embedder embeds and indexes in a
+thread while training continues on the old table; the new one is swapped in at a step boundary with one reference
+assignment). In the background mode the first table is built the same way: the first steps train without
+retrieval until it lands. With a warm start no table is built at fit start; the first comes when the schedule is
+due. Under DDP each rank embeds its contiguous share of the segments, the shares are all-gathered, rank 0 builds
+and writes the index directory and every rank loads that same directory, so all ranks train on the same table. The
+state (last rebuild step, embedder identity, index path) is checkpointed; on resume the index is reused only if it
+is the one the checkpoint names. Sharded (more than one rank; 'auto': from shard_above indexed segments), no rank
+gathers the vectors: each keeps and writes its own part of the index, searches are collectives and the parts' top-k
+merge (index/sharded.py); in the background mode without a table each rank's whole build runs in its thread. With
+index_dim the vectors are narrowed by a PCA fitted at each rebuild on the vectors about to be indexed
+(index/projection.py; under DDP on a sample gathered from every rank, the same projection on every rank) before they
+are gathered, indexed or written; the projection is stored with the index and narrows every query.
+
+Kept apart from plugins/retrieval.py so that reading the plugin's options does not import Lightning: the plugin
+imports it in ``callbacks()``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from rlm.index.build import IndexConfig
+from rlm.index.memory import (
+    MemoryOwner,
+    RetrievalMemory,
+    build_memory,
+    embed_rows,
+    indexed_rows,
+    load_memory,
+)
+from rlm.index.projection import Projection, fit_projection, index_width, with_projection
+from rlm.index.rebuild import Schedule, rebuild_stream, shards
+from rlm.index.sharded import check_same_table, fit_projection_across_ranks, gather_shards
+from rlm.index.store import IndexMismatchError, IndexNotFoundError
+from rlm.plugins._retrieval_config import RetrievalConfig
+
+EMBED_BATCH = 256
+"""Segments per embedder call during a rebuild: large enough that the per-call overhead vanishes, small enough that
+a shared embedder's activations ((256, L, d_model) per block) stay small beside training's."""
+KEEP = 2
+"""Rebuild directories kept on disk: the one in use and the one before it (a checkpoint written before the last
+rebuild may still name it)."""
+
+
+class RebuildCallback(pl.Callback):
+    """Rebuilds the retriever's index on its schedule (see the module docstring) for `owner` (the plugin: snapshot,
+    use_memory), with the plugin's own options and label."""
+
+    def __init__(self, owner: MemoryOwner, config: RetrievalConfig, label: str = "retrieval") -> None:
+        self.owner, self.config, self.label = (
+            owner,
+            config,
+            label,
+        )  # the config is read where used, never copied
+        self.schedule = Schedule.parse(config.schedule)
+        self.index_config = IndexConfig(
+            factory=config.index_factory, target_recall=config.target_recall, flat_below=config.flat_below
+        )
+        self.table = config.lookup == "table"
+        """Each rebuild also finds every indexed segment's k neighbours (the table a training step reads); False:
+        index only, and the owner searches each step's queries online."""
+        self.parts: list[str] | None = None
+        """The part directories of every rank when the table in use is from a sharded index."""
+        self.last_step = -1
+        """Step of the rebuild whose table is in use (-1: none yet)."""
+        self.identity: dict[str, Any] | None = None
+        """Identity of the embedder that produced the table in use."""
+        self.path: str | None = None
+        """Index directory of the table in use."""
+        self.history: list[tuple[int, str]] = []
+        """(step, 'built' | 'reused') of every table taken, in order (for logs and tests)."""
+        self.recall: float | None = None
+        """Recall against exact search of the index in use (logged as train/<label>/index_recall)."""
+        self.last_seconds = 0.0
+        """Duration of the last rebuild (in the background: the thread's time)."""
+        self.blocked_seconds = 0.0
+        """Seconds the last rebuild held up training: the whole of a blocking one; in the background, the part
+        that ran on the training thread (under DDP unsharded, the gather and rank 0's build; sharded without a
+        table, or one process: none)."""
+        self._job: threading.Thread | None = None
+        self._job_result: dict[str, Any] = {}
+        self._step_start: float | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"RebuildCallback[{self.label}]"
+
+    # ----- checkpoint state -----
+
+    def state_dict(self) -> dict[str, Any]:
+        # no k: the module's hyperparameters hold it (a resume refuses another), and so does the index's meta.json
+        return {
+            "last_step": self.last_step,
+            "identity": self.identity,
+            "index_dir": self.path,
+            "parts": self.parts,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_step, self.identity, self.path = state["last_step"], state["identity"], state["index_dir"]
+        self.parts = state.get("parts")
+
+    # ----- hooks -----
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        root = self.config.index_dir or Path(trainer.default_root_dir) / "retrieval_index"
+        self._root = Path(root).resolve()
+        dm = trainer.datamodule
+        if dm is None:
+            raise ValueError(
+                "the retrieval rebuild callback needs a datamodule (trainer.fit(model, datamodule=...))"
+            )
+        self.segments, self.rows = dm.segments, indexed_rows(dm.segments, dm.store.train_docs)
+        self._writer = trainer.global_rank == 0
+        self._ready = False
+
+    # The first table is made once the training state (global_step) is restored, i.e. not in on_fit_start
+    # (Lightning 2.6 restores it after that hook) but before the sanity check and the first step.
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_table(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_table(trainer)
+
+    def _first_table(self, trainer: pl.Trainer) -> None:
+        """Reuse the checkpoint's table, else build one: blocking, or in the background, where training runs
+        without retrieval (the owner has no memory) until the first table is swapped in."""
+        if self._ready:
+            return
+        self._ready = True
+        if self._reuse_parts(trainer) if self._sharded(trainer) else self._try_reuse():
+            return
+        if self.config.warm_start != "none":  # the owner's warm start retrieves until the schedule is due
+            return
+        if self.config.mode == "blocking":
+            self._rebuild_blocking(trainer, trainer.global_step)
+        else:
+            self._start_background(trainer, trainer.global_step)
+
+    def _try_reuse(self) -> bool:
+        """Load the index directory the checkpoint names, when it exists and matches; else False."""
+        if self.path is None or self.identity is None:
+            return False
+        if not self._same_width():
+            return False
+        if self.parts is not None:  # a sharded index, now resumed on one process: rebuild
+            return False
+        try:
+            memory = load_memory(Path(self.path), self.segments, self.identity, self.config.k)
+            if self.table and memory.neighbours is None:
+                raise IndexMismatchError(
+                    f"index at {self.path} has no neighbour table (built for lookup 'search')"
+                )
+        except (IndexNotFoundError, IndexMismatchError, FileNotFoundError) as err:
+            print(f"rlm: not reusing the checkpoint's index ({err}); building a new one", file=sys.stderr)
+            return False
+        self._take(memory, "reused")
+        return True
+
+    def _width(self, width: int | None = None) -> int | None:
+        """The width the index narrows to at this corpus size (None: full width); `width` of the vectors if known."""
+        return index_width(self.config.index_dim, width, len(self.rows), self.config.shard_above)
+
+    def _same_width(self) -> bool:
+        """Whether the checkpoint's index was narrowed as index_dim asks now (else it is rebuilt, with a log line):
+        its projection identity against the width this configuration wants."""
+        have = self.identity.get("projection")
+        want = self._width(have["in_dim"] if have else None)
+        if (have["dim"] if have else None) == want:
+            return True
+        print(
+            f"rlm: not reusing the checkpoint's index (its vectors are {have['dim'] if have else 'full'} wide, "
+            f"index_dim={self.config.index_dim!r} wants {want or 'full'}); building a new one",
+            file=sys.stderr,
+        )
+        return False
+
+    def _narrow(
+        self, shard: np.ndarray, identity: dict[str, Any], collective: bool
+    ) -> tuple[np.ndarray, dict[str, Any], Projection | None]:
+        """(this rank's vectors in the index's width, the identity that records the projection, the projection):
+        the PCA is fitted on the vectors about to be indexed (collective: on a sample of every rank's, the same on
+        every rank); none when the index stays full width."""
+        if self._width() is None:
+            return shard, with_projection(identity, None), None
+        if collective:
+            projection = fit_projection_across_ranks(shard, self._width)
+        else:
+            projection = fit_projection(shard, self._width(shard.shape[1]))
+        return projection.apply(shard), with_projection(identity, projection), projection
+
+    def _sharded(self, trainer: pl.Trainer) -> bool:
+        return shards(self.config.sharded, trainer.world_size, len(self.rows), self.config.shard_above)
+
+    def _reuse_parts(self, trainer: pl.Trainer) -> bool:
+        """Each rank reloads its own part of the checkpoint's sharded index; all ranks reuse, or all rebuild."""
+        from rlm.index.sharded import load_sharded_memory
+
+        memory = None
+        if self.parts is not None and self.identity is not None and self._same_width():
+            try:
+                memory = load_sharded_memory(
+                    self.parts, self.segments, self.rows, self.identity, self.config.k
+                )
+            except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
+                memory = None
+            if memory is not None and self.table and memory.neighbours is None:
+                memory = None  # built without a table (lookup 'search'): rebuild
+        if not trainer.strategy.reduce_boolean_decision(memory is not None, all=True):
+            return False
+        check_same_table(trainer, memory.neighbours)
+        self._take(memory, "reused")
+        return True
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self._job is not None:
+            self._collect(trainer, wait=False)
+        if self._job is None and self.schedule.due(step, self.last_step):
+            if self.config.mode == "blocking":
+                self._rebuild_blocking(trainer, step)
+            else:
+                self._start_background(trainer, step)
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_start is None:
+            return
+        step_s = time.perf_counter() - self._step_start
+        p = self.label
+        pl_module.log(f"train/{p}/retrieval_fraction", float(self.owner.prepare_seconds) / max(step_s, 1e-9))
+        pl_module.log(f"train/{p}/steps_since_rebuild", float(trainer.global_step - self.last_step))
+        pl_module.log(f"train/{p}/rebuild_s", float(self.last_seconds))
+        pl_module.log(f"train/{p}/rebuild_blocked_s", float(self.blocked_seconds))
+        if self.recall is not None:  # recall@k of the table in use against exact search
+            pl_module.log(f"train/{p}/index_recall", float(self.recall))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # finish (and keep) a rebuild still running, both its stages, so nothing dangles
+        while self._job is not None:
+            self._collect(trainer, wait=True)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._job is not None:
+            self._job.join()
+            self._job = None
+
+    # ----- rebuilding -----
+
+    def _path_for(self, step: int) -> Path:
+        return self._root / f"step-{step:09d}"
+
+    def _rebuild_blocking(self, trainer: pl.Trainer, step: int) -> None:
+        start = time.perf_counter()
+        embedder = self.owner.snapshot(step)
+        rank, world = trainer.global_rank, trainer.world_size
+        shard = embed_rows(embedder, self.segments, self.rows, EMBED_BATCH, rank, world, self.config.progress)
+        memory = self._finish(trainer, shard, embedder.embedder_identity(), step)
+        self.last_seconds = self.blocked_seconds = time.perf_counter() - start
+        self._take(memory, "built")
+
+    def _finish(
+        self, trainer: pl.Trainer, shard: np.ndarray, identity: dict[str, Any], step: int
+    ) -> RetrievalMemory:
+        """Narrow the vectors (index_dim), gather the shards, build on rank 0, and give every rank the memory rank 0
+        wrote."""
+        path = self._path_for(step)
+        shard, identity, projection = self._narrow(shard, identity, trainer.world_size > 1)
+        args = (self.segments, self.rows, self.config.k, identity, step, self.index_config, path, self.table)
+        if self._sharded(trainer):  # each rank keeps its part; the table is merged from every part
+            from rlm.index.sharded import build_sharded_memory
+
+            memory = build_sharded_memory(shard, *args, projection)
+            check_same_table(trainer, memory.neighbours)
+            return memory
+        if trainer.world_size == 1:
+            return build_memory(shard, *args, projection)
+        vectors = gather_shards(trainer, shard, len(self.rows))  # narrowed first: m wide, not D
+        if trainer.global_rank == 0:
+            build_memory(vectors, *args, projection)
+        trainer.strategy.barrier("retrieval-rebuild")
+        memory = load_memory(path, self.segments, identity, self.config.k)
+        check_same_table(trainer, memory.neighbours)
+        return memory
+
+    def _start_background(self, trainer: pl.Trainer, step: int) -> None:
+        embedder = self.owner.snapshot(step)  # copied now, on the main thread, at a step boundary
+        rank, world = trainer.global_rank, trainer.world_size
+        result: dict[str, Any] = {"step": step, "start": time.perf_counter()}
+        # a sharded build without a table needs no collective: each rank indexes and writes its own part here; with
+        # a projection to fit (a collective under DDP) the thread embeds, the training thread fits (_collect), and a
+        # second thread indexes and writes
+        alone = self._sharded(trainer) and not self.table
+        fit_first = alone and self._width() is not None
+
+        def work() -> None:
+            shard = embed_rows(embedder, self.segments, self.rows, EMBED_BATCH, rank, world, False)
+            result["identity"] = embedder.embedder_identity()
+            # no collective is needed: the whole rebuild (one process) or this rank's part runs here
+            if (alone or world == 1) and not fit_first:
+                shard, identity, projection = self._narrow(shard, result["identity"], collective=False)
+                self._build_alone(result, shard, identity, projection, alone)
+            else:
+                result["shard"] = shard
+                result["then_alone"] = fit_first
+
+        self._run_job(result, work)
+
+    def _build_alone(
+        self,
+        result: dict[str, Any],
+        shard: np.ndarray,
+        identity: dict[str, Any],
+        projection: Projection | None,
+        part: bool,
+    ) -> None:
+        """The non-collective build of the thread: the whole index (one process) or this rank's part (sharded,
+        without a table), into result["memory"]."""
+        from rlm.index.sharded import build_sharded_memory
+
+        build = build_sharded_memory if part else build_memory
+        args = (self.segments, self.rows, self.config.k, identity, result["step"], self.index_config)
+        result["memory"] = build(shard, *args, self._path_for(result["step"]), self.table, projection)
+
+    def _run_job(self, result: dict[str, Any], work: Any) -> None:
+        """Run work() in the rebuild thread, on a CUDA stream of its own; its error is reported on the training thread
+        (_collect)."""
+        stream = rebuild_stream()
+
+        def guarded() -> None:
+            try:
+                with torch.cuda.stream(stream):  # None: no CUDA, nothing to switch
+                    work()
+            except BaseException as err:  # reported on the main thread
+                result["error"] = err
+            result["end"] = time.perf_counter()
+
+        self._job_result = result
+        self._job = threading.Thread(target=guarded, name=f"{self.label}-rebuild", daemon=True)
+        self._job.start()
+
+    def _collect(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Swap in a finished background rebuild (all ranks agree it finished before any collective)."""
+        if wait:
+            self._job.join()
+        done = not self._job.is_alive()
+        if trainer.world_size > 1:
+            done = trainer.strategy.reduce_boolean_decision(done, all=True)
+        if not done:
+            return
+        self._job.join()
+        self._job, result = None, self._job_result
+        if isinstance(result.get("error"), OSError):  # a full disk: the path is named, one error line
+            raise result["error"]
+        if "error" in result:
+            raise RuntimeError(f"background index rebuild of step {result['step']} failed") from result[
+                "error"
+            ]
+        memory, start = result.get("memory"), time.perf_counter()
+        if memory is None and result.pop("then_alone", False):  # fit the projection here (a collective), then
+            shard, identity, projection = self._narrow(
+                result.pop("shard"), result["identity"], collective=True
+            )
+            result["blocked"] = time.perf_counter() - start
+            self._run_job(result, lambda: self._build_alone(result, shard, identity, projection, part=True))
+            return  # the part is indexed and written in the thread; collected like any other
+        if memory is None:  # the collective part, on the training thread
+            memory = self._finish(trainer, result["shard"], result["identity"], result["step"])
+        elif memory.collective:
+            check_same_table(trainer, memory.neighbours)  # the ranks agree: no table on any
+        blocked = time.perf_counter() - start if "shard" in result else 0.0
+        self.blocked_seconds = blocked + result.get("blocked", 0.0)
+        self.last_seconds = result["end"] - result["start"]
+        self._take(memory, "built")
+
+    def _take(self, memory: RetrievalMemory, how: str) -> None:
+        self.owner.use_memory(memory)
+        self.last_step, self.identity = memory.step, memory.identity
+        self.path = str(memory.path) if memory.path is not None else None
+        self.recall = memory.recall
+        self.parts = memory.parts
+        self.history.append((memory.step, how))
+        self._prune(memory.path)
+
+    def _prune(self, current: Path | None) -> None:
+        """Delete all but the newest KEEP rebuild directories (the current one always stays)."""
+        if current is None or not self._root.exists():
+            return
+        if self.parts is not None:  # every rank prunes (its filesystem may be its own), whole rebuilds
+            current = current.parent
+        elif not self._writer:
+            return
+        old = sorted(p for p in self._root.glob("step-*") if p.is_dir() and p.resolve() != current.resolve())
+        for p in old[: max(0, len(old) - (KEEP - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
