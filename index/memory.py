@@ -1,8 +1,9 @@
 """A retrieval memory: an index over the training segments, its neighbour table and the rows it holds, as
 built and written by a rebuild and loaded again (by a resumed run, by validation and generation).
 
-It knows no plugin and no callback: index/rebuild.py schedules rebuilds and index/sharded.py keeps one part per
-rank; both build on this module. A memory's owner (the retriever) implements ``MemoryOwner``.
+It knows no plugin and no callback: the retriever's callback (plugins/_retrieval_rebuild.py) rebuilds on
+index/rebuild.py's schedule and index/sharded.py keeps one part per rank; both build on this module. A memory's
+owner (the retriever) implements ``MemoryOwner``.
 """
 
 from __future__ import annotations
