@@ -10,9 +10,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
 
+from rlm.distributed.layout import layout
 from rlm.distributed.replicas import ArmedSync, ReplicaSync
 from rlm.plugins._expert_parallel import (
     check_ddp_ignores,
@@ -60,9 +60,10 @@ class ExpertParallelCallback(ArmedSync):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         got = default_group()
         if got is not None and not self.placed:
-            if not isinstance(trainer.strategy, DDPStrategy):
+            run = layout(trainer)
+            if run.kind != "ddp":
                 raise ValueError(
-                    f"moe.expert_parallel runs under the ddp strategy; got {type(trainer.strategy).__name__} "
+                    f"moe.expert_parallel runs under the ddp strategy; got {run.strategy} "
                     "(use --trainer.strategy ddp, or expert_parallel: false)"
                 )
             _, rank, processes = got

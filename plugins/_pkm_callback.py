@@ -7,9 +7,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
-from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 
-from rlm.distributed.parallel import CAN_REPLICATE
+from rlm.distributed.layout import layout
 
 
 class PKMCallback(pl.Callback):
@@ -23,17 +22,13 @@ class PKMCallback(pl.Callback):
         return f"PKMCallback[{self.plugin.label}]"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        distributed = trainer.world_size > 1
-        strategy = trainer.strategy
-        # FSDP2 (ModelParallelStrategy): configure_model runs after this and keeps the values out of fully_shard.
-        row_exchange = isinstance(strategy, DDPStrategy) or (
-            isinstance(strategy, ModelParallelStrategy) and CAN_REPLICATE
-        )
-        if distributed and self.plugin.group is None:
+        run = layout(trainer)
+        if run.distributed and self.plugin.group is None:
             # The data-parallel ranks: all of them under DDP and under rlm's FSDP2 (its mesh spans every rank, and
             # the sparse values are whole on each). A group handed in before fit (set_group) is kept.
             self.plugin.set_group(dist.group.WORLD)
-        sparse = self.plugin.resolve_sparse(distributed, row_exchange)
+        # Under FSDP2, configure_model runs after this and keeps the sparse values out of fully_shard.
+        sparse = self.plugin.resolve_sparse(run.distributed, row_exchange=run.can_replicate)
         if sparse and str(trainer.precision).startswith("16"):
             # The recorded output gradients would carry the GradScaler's scale, which only the main optimizer undoes.
             raise ValueError(

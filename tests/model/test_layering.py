@@ -3,6 +3,7 @@ inside a function or under TYPE_CHECKING, read with ast (plus ``importlib.import
 
 - rlm/ never imports a concrete plugin (rlm.plugins.*): the registry names them in strings only;
 - index/ never imports rlm.plugins;
+- rlm.plugins never imports Lightning's strategies (a plugin asks rlm.distributed.layout what the run is);
 - no module imports a layer above its own (LAYERS, lowest first);
 - no import cycle among the modules, lazy imports included (KNOWN_CYCLES excepted).
 """
@@ -159,6 +160,26 @@ def test_rlm_and_index_never_import_a_concrete_plugin(graph):
         if dst == "rlm.plugins" or dst.startswith("rlm.plugins.")
     ]
     assert not bad, "rlm/ and index/ reach plugins by name only (rlm.plugin.registry):\n  " + "\n  ".join(bad)
+LIGHTNING_STRATEGIES = (
+    "pytorch_lightning.strategies",
+    "lightning.pytorch.strategies",
+    "lightning.fabric.strategies",
+)
+
+
+def test_plugins_never_import_lightnings_strategies():
+    bad = [
+        f"{name} imports {target}"
+        for name, path in sorted(find_modules().items())
+        if name.startswith("rlm.plugins")
+        for target in sorted(imported_names(name, path))
+        if target.startswith(LIGHTNING_STRATEGIES)
+    ]
+    assert not bad, (
+        "plugins read the run's layout from rlm.distributed.layout.layout(trainer):\n  " + "\n  ".join(bad)
+    )
+
+
 
 
 def test_no_module_imports_a_layer_above_its_own(graph):

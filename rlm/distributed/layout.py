@@ -1,0 +1,53 @@
+"""The run's parallel layout, read from Lightning's strategy in one place: a plugin's callback asks
+``layout(trainer)`` what it needs (how many processes, whether it may keep parameters whole on every rank) and
+never tests a strategy class itself (tests/model/test_layering.py keeps Lightning's strategies out of plugins/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
+
+from rlm.distributed.parallel import CAN_REPLICATE
+
+Kind = Literal["ddp", "fsdp2", "other"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the processes of a run share the model."""
+
+    kind: Kind
+    """ddp: a whole model per process, gradients all-reduced (Lightning's DDPStrategy and its subclasses); fsdp2:
+    rlm's FSDP2 sharding (Lightning's ModelParallelStrategy, rlm's subclass included); other: any other strategy,
+    one device's included."""
+    world_size: int
+    """Processes in the run."""
+    strategy: str
+    """The strategy's class name, for messages."""
+
+    @property
+    def distributed(self) -> bool:
+        """Whether several processes train."""
+        return self.world_size > 1
+
+    @property
+    def can_replicate(self) -> bool:
+        """Whether a plugin may keep parameters whole on every rank and keep the copies equal itself (PKM's row
+        exchange): DDP leaves parameters without gradients alone, and FSDP2 leaves them out of its sharding
+        (``Plugin.replicated_parameters``, ``fully_shard(ignored_params=)``: torch >= 2.7)."""
+        return self.kind == "ddp" or (self.kind == "fsdp2" and CAN_REPLICATE)
+
+
+def layout(trainer: Any) -> Layout:
+    """The layout of ``trainer``'s run (a Lightning Trainer, or anything with ``strategy`` and ``world_size``)."""
+    strategy = trainer.strategy
+    kind: Kind
+    if isinstance(strategy, DDPStrategy):
+        kind = "ddp"
+    elif isinstance(strategy, ModelParallelStrategy):
+        kind = "fsdp2"
+    else:
+        kind = "other"
+    return Layout(kind, int(trainer.world_size), type(strategy).__name__)
