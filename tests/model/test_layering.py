@@ -160,6 +160,8 @@ def test_rlm_and_index_never_import_a_concrete_plugin(graph):
         if dst == "rlm.plugins" or dst.startswith("rlm.plugins.")
     ]
     assert not bad, "rlm/ and index/ reach plugins by name only (rlm.plugin.registry):\n  " + "\n  ".join(bad)
+
+
 LIGHTNING_STRATEGIES = (
     "pytorch_lightning.strategies",
     "lightning.pytorch.strategies",
@@ -178,8 +180,6 @@ def test_plugins_never_import_lightnings_strategies():
     assert not bad, (
         "plugins read the run's layout from rlm.distributed.layout.layout(trainer):\n  " + "\n  ".join(bad)
     )
-
-
 
 
 def test_no_module_imports_a_layer_above_its_own(graph):
