@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlm.index.build import IndexConfig
 from rlm.index.projection import check_index_dim
@@ -16,21 +15,6 @@ MODES = ("blocking", "background")
 WARM_STARTS = ("recent", "similar", "none")
 LOOKUPS = ("table", "search")
 NEIGHBOUR_GRADS = ("full", "embedding", "none")
-REMOVED = {"beta_init": 1.0, "warm_candidates": 16, "embed_batch_size": 256, "rebuild_dtype": "float32"}
-"""Options that became constants, with the value now always used (BETA_INIT, WARM_CANDIDATES, EMBED_BATCH, float32):
-the hyperparameters of a checkpoint saved before may still hold them."""
-
-
-def drop_removed(options: dict[str, Any]) -> dict[str, Any]:
-    """Saved options without the REMOVED ones that hold the value now used; another value is refused by name, since
-    the run would not be the one saved."""
-    for key in sorted(REMOVED.keys() & options.keys()):
-        if options[key] != REMOVED[key]:
-            raise ValueError(
-                f"retrieval.{key} was removed: it is always {REMOVED[key]!r} now, and this config or checkpoint "
-                f"sets {options[key]!r}; drop the option to run with {REMOVED[key]!r}"
-            )
-    return {key: value for key, value in options.items() if key not in REMOVED}
 
 
 @dataclass

@@ -27,10 +27,8 @@ from rlm.index.build import IndexConfig
 from rlm.index.memory import build_memory
 from rlm.model.transformer import Transformer
 from rlm.plugin import Context, make_config
-from rlm.plugins._retrieval_attention import BETA_INIT, Encoded
-from rlm.plugins._retrieval_config import REMOVED, RetrievalConfig, drop_removed
-from rlm.plugins._retrieval_neighbours import WARM_CANDIDATES, RetrievalInputs, warm_candidates_of
-from rlm.plugins._retrieval_rebuild import EMBED_BATCH
+from rlm.plugins._retrieval_attention import Encoded
+from rlm.plugins._retrieval_neighbours import RetrievalInputs, warm_candidates_of
 from rlm.plugins.retrieval import RetrievalPlugin
 
 
@@ -562,37 +560,13 @@ def test_relevance_gradient_reaches_query_and_neighbour_embeddings(corpus):
         ({"warm_start": "random"}, "'recent', 'similar', 'none'"),
         ({"same_doc_k": 3}, r"same_doc_k must be an integer in \[0, k=2\]"),
         ({"target_recall": 1.5}, "target_recall"),
-        ({"neighbour_grad": True}, "neighbour_grad must be a string, got True"),
+        ({"neighbour_grad": True}, r"retrieval.neighbour_grad=True; accepted: \['full', "),
         ({"lookup": "cache"}, r"retrieval.lookup='cache'; accepted: \['table', 'search'\]"),
     ],
 )
 def test_bad_config_is_a_clear_error(opts, message):
     with pytest.raises(ValueError, match=message):
         make_config(RetrievalPlugin, opts)
-
-
-def test_removed_options_at_their_constant_are_dropped_and_another_value_is_refused():
-    """A checkpoint's saved options may hold options that became constants: dropped when they hold the constant,
-    refused by name otherwise; REMOVED names the constants the code uses."""
-    assert REMOVED == {
-        "beta_init": BETA_INIT,
-        "warm_candidates": WARM_CANDIDATES,
-        "embed_batch_size": EMBED_BATCH,
-        "rebuild_dtype": "float32",
-    }
-    saved = {
-        "k": 3,
-        "beta_init": 1.0,
-        "warm_candidates": 16,
-        "embed_batch_size": 256,
-        "rebuild_dtype": "float32",
-    }
-    assert drop_removed(saved) == {"k": 3}
-    assert make_config(RetrievalPlugin, drop_removed(saved)) == RetrievalConfig(k=3)
-    with pytest.raises(
-        ValueError, match=r"retrieval.rebuild_dtype was removed: it is always 'float32' now.*'auto'"
-    ):
-        drop_removed({**saved, "rebuild_dtype": "auto"})
 
 
 def test_cross_attention_inside_the_shared_embedder_is_refused():
