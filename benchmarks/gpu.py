@@ -359,12 +359,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.estimate:
-        from rlm.cli.merge import merge_configs
+        from rlm.experiment.spec import merge
         from rlm.train.memory import format_estimate
 
         if not a.config:
             raise SystemExit("--estimate needs --config FILE (repeatable)")
-        print(format_estimate(estimate(merge_configs(a.config), a.vocab_size)))
+        print(format_estimate(estimate(merge([Path(c) for c in a.config]), a.vocab_size)))
         return 0
     if not a.smoke and not torch.cuda.is_available():
         print(

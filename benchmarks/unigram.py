@@ -19,8 +19,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
-from rlm.cli.merge import merge_configs  # noqa: E402
 from rlm.data.module import RLMDataModule  # noqa: E402
+from rlm.experiment.spec import merge  # noqa: E402
 
 
 def unigram_nll(data: RLMDataModule) -> float:
@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("--config", nargs="+", default=["configs/default.yaml"])
     p.add_argument("--metrics", type=Path, help="metrics.csv of a run (CSVLogger)")
     a = p.parse_args()
-    cfg = merge_configs(a.config)["data"]
+    cfg = merge([Path(c) for c in a.config])["data"]
     data = RLMDataModule(**{**cfg, "progress": False})
     data.prepare_data()
     data.setup("fit")

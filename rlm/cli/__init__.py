@@ -1,8 +1,6 @@
 """The ``rlm`` command (console script ``rlm.cli:main``) and the LightningCLI plumbing behind ``rlm fit``.
 
 - ``commands``: the table of subcommands and ``main``;
-- ``merge``, ``override``: stacked ``--config`` files and ``--model.plugins`` flags, deep-merged before
-  LightningCLI sees them;
 - ``support``, ``check``: checks of the arguments and of the parsed config;
 - ``lightning_cli``: ``RLMCLI``, LightningCLI with rlm's additions.
 - ``summary``: the block ``fit``, ``eval`` and ``experiment run`` print at their end (where the files went,
@@ -12,7 +10,7 @@
 may import rlm.train, rlm.eval, rlm.model, rlm.data, rlm.plugin and rlm.extras; rlm.experiment and
 rlm.index.cli use it to read configs as ``rlm fit`` does, so it never imports them, nor ``commands``.
 Nothing is imported here until a name is asked for (PEP 562): ``rlm --help`` imports neither torch nor
-Lightning, and importing ``rlm.cli.merge`` does not load the command table.
+Lightning, and importing ``rlm.cli.support`` does not load the command table.
 """
 
 from __future__ import annotations

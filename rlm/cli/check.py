@@ -1,14 +1,11 @@
 """Checks of a parsed ``rlm fit`` config before anything is built: clear errors instead of tracebacks.
 
-jsonargparse falls back to a plain dict for ``model.model`` / ``model.optim`` when a key is unknown, which
-then fails deep inside the module's constructor; an unwritable output folder used to fail at the first log or
-checkpoint, after the data was prepared; ``max_steps 0`` (or ``max_epochs 0``, ``limit_train_batches 0``) trained
-nothing and exited 0.
+An unwritable output folder used to fail at the first log or checkpoint, after the data was prepared;
+``max_steps 0`` (or ``max_epochs 0``, ``limit_train_batches 0``) trained nothing and exited 0.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import tempfile
@@ -16,38 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from rlm.plugin.options import check_option, field_types, parse_option
 from rlm.train.resume import _as_list, _get, _init_args
-
-
-def _keys(section: Any) -> list[str]:
-    if section is None:
-        return []
-    if isinstance(section, dict):
-        return list(section)
-    if hasattr(section, "as_dict"):
-        return list(section.as_dict())
-    return [f.name for f in dataclasses.fields(section)] if dataclasses.is_dataclass(section) else []
-
-
-def check_sections(model_cfg: Any) -> None:
-    """Unknown keys under ``model.model`` or ``model.optim`` name themselves and the accepted ones."""
-    from rlm.model.config import ModelConfig
-    from rlm.train.module import OptimConfig
-
-    for name, cls in (("model", ModelConfig), ("optim", OptimConfig)):
-        accepted = [f.name for f in dataclasses.fields(cls)]
-        section = _get(model_cfg, name)
-        unknown = sorted(set(_keys(section)) - set(accepted))
-        if unknown:
-            raise ValueError(f"unknown key(s) {unknown} under model.{name}; accepted: {accepted}")
-        if isinstance(section, dict):  # jsonargparse kept a dict: some value did not fit its field's type
-            types_ = field_types(cls)
-            for key, value in section.items():
-                if isinstance(value, str) and types_[key] is not str:
-                    parse_option(f"model.{name}", key, value, types_[key])  # raises naming key and type
-                elif not isinstance(value, str):
-                    check_option(f"model.{name}", key, value, types_[key])
 
 
 def output_dirs(trainer_cfg: Any) -> dict[Path, str]:
@@ -91,7 +57,6 @@ def check_writable(
 
 def check_fit(cfg: Any) -> None:
     """All checks of a parsed ``fit`` config (``cfg`` is the subcommand's namespace)."""
-    check_sections(_get(cfg, "model"))
     trainer = _get(cfg, "trainer")
     for name, what in (("max_steps", "a positive number of steps (or -1: no limit)"),
                        ("max_epochs", "a positive number of epochs (or -1: no limit)")):  # fmt: skip

@@ -1,6 +1,6 @@
 """The ``rlm`` command: a small table of subcommands.
 
-``fit``, ``validate`` and ``test`` run LightningCLI on the deep-merged ``--config`` files; ``generate``
+``fit``, ``validate`` and ``test`` run LightningCLI on the stacked ``--config`` files; ``generate``
 samples from a checkpoint; ``index`` and ``experiment`` hand over to their own parsers; ``plugins`` lists the
 plugins and their options. torch and Lightning are imported inside the commands, not at module level.
 """
@@ -13,7 +13,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rlm.cli.merge import config_text, merge_configs, split_config_args
 from rlm.extras import MissingExtra
 from rlm.outdir import FORCE_HELP
 
@@ -82,9 +81,9 @@ def run_lightning(command: str, args: list[str]) -> int:
     if args == ["--help", "--"]:
         args = ["--help"]
     from rlm.cli.lightning_cli import RLMCLI
-    from rlm.cli.override import apply_plugin_flags, split_plugin_args
     from rlm.cli.support import (
-        flag_value,
+        check_plugin_names,
+        config_layers,
         help_formatter,
         quiet_known_noise,
         refuse_optimizer_options,
@@ -95,20 +94,16 @@ def run_lightning(command: str, args: list[str]) -> int:
 
     quiet_known_noise()
     limit_threads()
-    configs, rest = split_config_args(args)
-    plugin_flags, rest = split_plugin_args(rest)
-    # The command line's default_root_dir as a last config layer, so ${trainer.default_root_dir} resolves to it.
-    root = flag_value(rest, "--trainer.default_root_dir")
-    layers = [*configs, *([{"trainer": {"default_root_dir": root}}] if root and configs else [])]
-    merged = apply_plugin_flags(merge_configs(layers), plugin_flags) if configs or plugin_flags else {}
-    refuse_optimizer_options(command, merged, rest)
-    require_class_extras(merged, rest)
+    layers = config_layers(
+        args
+    )  # each --config file read as YAML, for the checks below (a clear error first)
+    refuse_optimizer_options(command, layers, args)
+    check_plugin_names(layers, args)
+    require_class_extras(layers, args)
     if command in ("validate", "test"):
-        from rlm.eval.evaluate import with_checkpoint_settings
+        from rlm.eval.evaluate import checkpoint_layer
 
-        merged = with_checkpoint_settings(merged, rest)
-    # The merged config travels as YAML text (jsonargparse reads a --config value that is not a file as YAML):
-    # no temporary file to leave behind when the process is killed.
+        args = checkpoint_layer(layers, args)
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
     from rlm.cli.check import release_run_locks
@@ -119,8 +114,13 @@ def run_lightning(command: str, args: list[str]) -> int:
         RLMCLI(
             LMModule,
             RLMDataModule,
-            args=[command, *(["--config", config_text(merged)] if merged else []), *rest],
-            parser_kwargs={"parser_mode": "omegaconf", "formatter_class": help_formatter()},
+            args=[command, *args],
+            # omegaconf+: ${trainer.default_root_dir} resolves after every file and flag is merged
+            parser_kwargs={
+                "parser_mode": "omegaconf+",
+                "formatter_class": help_formatter(),
+                "exit_on_error": False,
+            },
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
         )

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import set_parsing_settings
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 
@@ -53,20 +55,21 @@ class RLMCLI(LightningCLI):
         # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
         # (rlm.cli.support.refuse_optimizer_options explains it to the user).
         kwargs.setdefault("auto_configure_optimizers", False)
+        # omegaconf+ mode resolves the configs' ${trainer.default_root_dir} after every file and flag; read
+        # relative to the subcommand's section (fit.trainer...), where the parser puts it
+        set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
         kwargs.setdefault("save_config_callback", SaveConfig)
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        from rlm.cli.check import check_fit, check_sections
+        from rlm.cli.check import check_fit
         from rlm.cli.support import link_vocab
         from rlm.train.strategy import prepare_trainer
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        # Clear errors before anything is built: unknown keys, max_steps 0, unwritable output folders.
+        # Clear errors before anything is built: max_steps 0, unwritable output folders.
         if self.subcommand == "fit":
             check_fit(cfg)
-        else:
-            check_sections(cfg.get("model"))
         link_vocab(cfg)
         prepare_trainer(cfg.trainer)  # strategies rlm cannot run: a clear error; devices: auto on a CPU
         if self.subcommand == "fit":  # the last check: nothing is created in default_root_dir before it
@@ -130,11 +133,27 @@ class RLMCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
         # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
-        from rlm.cli.support import integer_batch_limits, pop_print_config
+        from rlm.cli.support import integer_batch_limits, plain_parse_error, pop_print_config
 
         args, self._print_config = pop_print_config(list(args))
-        self.config = parser.parse_args(args)
+        try:
+            self.config = parser.parse_args(args)
+        except (
+            ArgumentError
+        ) as err:  # parser_kwargs exit_on_error=False: the error reaches rlm's one-line report
+            raise ValueError(plain_parse_error(str(err))) from None
         self._batch_limits = integer_batch_limits(args)
+
+    def instantiate_classes(self) -> None:
+        # a plugin Config's own check (__post_init__) fails here, wrapped in jsonargparse's union report
+        from rlm.cli.support import plain_parse_error
+
+        try:
+            super().instantiate_classes()
+        except (ArgumentError, ValueError, TypeError) as err:
+            if "Parser key" not in str(err) and "Union subtypes" not in str(err):
+                raise
+            raise ValueError(plain_parse_error(str(err))) from None
 
     def _parse_ckpt_path(self) -> None:
         # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another

@@ -43,10 +43,66 @@ def flag_value(args: list[str], flag: str) -> str | None:
     return value
 
 
-def refuse_optimizer_options(command: str, merged: dict[str, Any], args: list[str]) -> None:
-    """ValueError when the config or the arguments set LightningCLI's optimizer or lr_scheduler."""
+def config_layers(args: list[str]) -> list[dict[str, Any]]:
+    """Each ``--config`` value of ``args`` (a file's path or YAML text) as a mapping, in order; ValueError naming a
+    file that is missing or not valid YAML, or does not hold a mapping."""
+    import yaml
+
+    values = [
+        a.split("=", 1)[1] if a.startswith("--config=") else args[i + 1]
+        for i, a in enumerate(args)
+        if a.startswith("--config=") or (a in ("--config", "-c") and i + 1 < len(args))
+    ]
+    layers = []
+    for value in values:
+        try:
+            is_file = Path(value).is_file()
+        except OSError:  # YAML text longer than a file name
+            is_file = False
+        if not is_file and "\n" not in value and value.endswith((".yaml", ".yml")):
+            raise ValueError(f"config file {value!r} does not exist")
+        what = f"config file {value!r}" if is_file else "--config text"
+        try:
+            data = yaml.safe_load(Path(value).read_text() if is_file else value)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{what} is not valid YAML: {err}") from err
+        if not isinstance(data, dict | None):
+            raise ValueError(f"{what} must hold a mapping at the top level, got {type(data).__name__}")
+        layers.append(data or {})
+    return layers
+
+
+def check_plugin_names(layers: list[dict[str, Any]], args: list[str]) -> None:
+    """ValueError naming a plugin that no registry entry or entry point knows, in a config file or a
+    ``--model.plugins`` flag (jsonargparse would drop an unknown key of the plugins' dataclass silently)."""
+    import yaml
+
+    from rlm.plugin.registry import known_plugins
+
+    named = [n for layer in layers for n in ((layer.get("model") or {}).get("plugins") or {})]
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key == "--model.plugins":
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                given = yaml.safe_load(value)
+            except yaml.YAMLError as err:
+                raise ValueError(f"--model.plugins {value!r} is not valid YAML/JSON ({err})") from err
+            named += list(given) if isinstance(given, dict) else []
+        elif (
+            key.startswith("--model.plugins.") and key.split(".")[2] != "help"
+        ):  # --model.plugins.help: jsonargparse's
+            named.append(key.split(".")[2])
+    known = known_plugins()
+    for name in named:
+        if name not in known:
+            raise ValueError(f"unknown plugin {name!r}; known plugins: {known}")
+
+
+def refuse_optimizer_options(command: str, layers: list[dict[str, Any]], args: list[str]) -> None:
+    """ValueError when a config file or the arguments set LightningCLI's optimizer or lr_scheduler."""
     given = [f"--{k}" for k in REFUSED for a in args if a == f"--{k}" or a.startswith((f"--{k}=", f"--{k}."))]
-    given += [f"{k}: (config file)" for k in REFUSED if merged.get(k) is not None]
+    given += [f"{k}: (config file)" for k in REFUSED if any(layer.get(k) is not None for layer in layers)]
     if given:
         raise ValueError(
             f"{sorted(set(given))} are not supported by rlm {command}: the optimizer is AdamW over the model's "
@@ -60,7 +116,7 @@ def refuse_optimizer_options(command: str, merged: dict[str, Any], args: list[st
 CLASS_EXTRAS = {"WandbLogger": ("wandb", "wandb")}
 
 
-def require_class_extras(merged: dict[str, Any], args: list[str]) -> None:
+def require_class_extras(layers: list[dict[str, Any]], args: list[str]) -> None:
     """MissingExtra naming ``pip install 'rlm[extra]'`` when the config or the arguments name a class (e.g. a
     logger) whose package is not installed; LightningCLI would bury that hint in a parser error about Union
     subtypes."""
@@ -73,7 +129,7 @@ def require_class_extras(merged: dict[str, Any], args: list[str]) -> None:
 
     from rlm.extras import require
 
-    for name in [*class_paths(merged), *(a.rsplit("=", 1)[-1] for a in args)]:
+    for name in [*class_paths(layers), *(a.rsplit("=", 1)[-1] for a in args)]:
         if name.rsplit(".", 1)[-1] in CLASS_EXTRAS:
             package, extra = CLASS_EXTRAS[name.rsplit(".", 1)[-1]]
             require(package, extra, name)
@@ -112,18 +168,11 @@ BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches"
 
 def _yaml_trainer(value: str) -> dict[str, Any]:
     """The ``trainer`` section of a ``--config`` value (a file's path or YAML text), or {} when it has none."""
-    import yaml
-
     try:
-        try:
-            is_file = Path(value).is_file()
-        except OSError:  # YAML text longer than a file name
-            is_file = False
-        text = Path(value).read_text() if is_file else value
-        data = yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError):  # jsonargparse reports a bad config itself
+        (data,) = config_layers(["--config", value])
+    except (OSError, ValueError):  # reported by config_layers before LightningCLI runs
         return {}
-    trainer = data.get("trainer") if isinstance(data, dict) else None
+    trainer = data.get("trainer")
     return trainer if isinstance(trainer, dict) else {}
 
 
@@ -257,3 +306,49 @@ def help_formatter() -> type:
             return plain_help(super()._expand_help(action))
 
     return PlainHelpFormatter
+
+
+def _section_class(keys: list[str]) -> type | None:
+    """The dataclass behind a dotted config section: model.model, model.optim or model.plugins.NAME."""
+    from rlm.model.config import ModelConfig
+    from rlm.plugin.registry import resolve
+    from rlm.train.module import OptimConfig
+
+    section = ".".join(keys)
+    if section.startswith("model.plugins.") and section.count(".") == 2:
+        return resolve(section.rsplit(".", 1)[1]).Config
+    return {"model.model": ModelConfig, "model.optim": OptimConfig}.get(section)
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "a bool (true/false)", "str": "a string"}
+
+
+def plain_parse_error(message: str) -> str:
+    """jsonargparse's nested report of a bad value in one line: the dotted key and the innermost reason.
+
+    A plugin option's error arrives wrapped twice in "Does not validate against any of the Union subtypes"
+    (``model.plugins`` and each plugin are optional dataclasses); what the user needs is at the bottom, e.g.
+    ``Parser key "n_keys": Expected a <class 'int'>. Got value: abc`` becomes
+    ``model.plugins.pkm.n_keys: expected an integer, got 'abc'``."""
+    lines = [ln.strip() for ln in message.splitlines()]
+    keys = [m.group(1) for ln in lines if (m := re.match(r'(?:- )?Parser key "([^"]+)"', ln))]
+    noise = (
+        "Expected a <class 'NoneType'>",
+        "Problem with given class_path",
+        "Does not validate against",
+        "Given value",
+    )
+    reasons = [ln.removeprefix("- ") for ln in lines if ln and not ln.startswith(("Parser key", "- Parser key",
+               "Subtypes:", "Errors:", *noise, "- " + noise[0], "- " + noise[1], "- " + noise[2]))]  # fmt: skip
+    if not reasons:
+        return message.strip()
+    reason = reasons[-1]
+    if m := re.match(r"Expected a <class '(\w+)'>\. Got value: (.*)", reason):
+        reason = f"must be {_TYPE_WORDS.get(m.group(1), m.group(1))}, got {m.group(2)!r}"
+    elif m := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", reason):
+        reason = f"must be one of {m.group(1)}, got {m.group(2)!r}"
+    elif (m := re.match(r"Option '(\w+)' is not accepted", reason)) and (cls := _section_class(keys)):
+        import dataclasses
+
+        reason = f"unknown key {m.group(1)!r}; accepted: {[f.name for f in dataclasses.fields(cls)]}"
+    return f"{'.'.join(keys)}: {reason}" if keys else reason

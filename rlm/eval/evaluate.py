@@ -79,22 +79,36 @@ def ckpt_path_arg(args: list[str]) -> str | None:
     return None
 
 
-def with_checkpoint_settings(merged: dict[str, Any], args: list[str]) -> dict[str, Any]:
-    """For ``rlm validate|test --ckpt_path CKPT``: the checkpoint's data settings under the given config.
+def checkpoint_layer(layers: list[dict[str, Any]], args: list[str]) -> list[str]:
+    """For ``rlm validate|test --ckpt_path CKPT``: ``args`` with the checkpoint's data settings as a config layer
+    after the given config files (``layers``, read from ``args``).
 
     The checkpoint's data arguments come first, so no training config is needed; config files and
     ``--data.*`` flags still override them (``--data.corpus X`` evaluates X's split). The tokenizer is always
     the checkpoint's (see with_tokenizer), never one trained anew. LightningCLI itself restores the model's
     settings from the checkpoint.
     """
+    import yaml
+
     path = ckpt_path_arg(args)
     if path is None:
-        return merged
+        return args
     ckpt = load_checkpoint(path)
-    data = {**data_settings(ckpt, path), **(merged.get("data") or {})}
+    data = data_settings(ckpt, path)
+    for layer in layers:
+        data.update(layer.get("data") or {})
     flags = {arg.split("=", 1)[0] for arg in args if arg.startswith("--data.")}
     changed = any(f"--data.{k}" in flags for k in CACHE_ARGS)  # e.g. --data.corpus X: another cache entry
-    return {**merged, "data": with_tokenizer(data, ckpt, path, force=changed)}
+    layer = yaml.safe_dump({"data": with_tokenizer(data, ckpt, path, force=changed)})
+    configs, rest, i = [], [], 0
+    while i < len(args):  # the config files first (in order), then this layer, then the flags
+        if args[i] in ("--config", "-c") and i + 1 < len(args):
+            configs += args[i : i + 2]
+            i += 2
+            continue
+        (configs if args[i].startswith("--config=") else rest).append(args[i])
+        i += 1
+    return [*configs, "--config", layer, *rest]
 
 
 def _windows(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:

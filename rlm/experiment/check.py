@@ -89,24 +89,6 @@ def _fit_parser() -> argparse.ArgumentParser:
     return cli.parser
 
 
-def _condense(message: str) -> str:
-    """jsonargparse's multi-line union errors reduced to the lines that name the problem."""
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    noise = (
-        "Does not validate against any",
-        "Subtypes:",
-        "Errors:",
-        "Expected a <class 'NoneType'>",
-        "Given value",
-        "Subclass types expect",
-        "- a class path",
-        "- a dict",
-        "Not a valid subclass",
-    )
-    kept = [ln for ln in lines[1:] if not any(n in ln for n in noise)]
-    return " ".join([lines[0], *kept]) if lines else message
-
-
 class ConfigParser:
     """Parses merged run configs with the ``rlm fit`` parser; returns the namespace or the error."""
 
@@ -114,13 +96,15 @@ class ConfigParser:
         self.parser = _fit_parser()
 
     def parse(self, cfg: dict[str, Any]) -> tuple[Any, str | None]:
+        from rlm.cli.support import plain_parse_error
+
         fd, path = tempfile.mkstemp(prefix="rlm-experiment-", suffix=".yaml")
         try:
             with os.fdopen(fd, "w") as f:
                 yaml.safe_dump(cfg, f, sort_keys=False)
             return self.parser.parse_args(["--config", path]), None
         except (argparse.ArgumentError, ValueError, TypeError, KeyError) as err:
-            return None, _condense(str(err))
+            return None, plain_parse_error(str(err))
         finally:
             os.unlink(path)
 
@@ -197,7 +181,10 @@ def check_experiment(
         if err:
             # Name each bad override, then go on without them to find the variant's other problems.
             blamed, bad = _blame(exp, name, parser)
-            problems += [p for p in blamed if p not in problems]
+            # a plugin problem already reported above is not reported again in the parser's words
+            problems += [
+                p for p in blamed if p not in problems and not (plugin_problems and ".plugins." in p)
+            ]
             common, overrides = _without(exp.common, bad["common"]), _without(variant.set, bad["set"])
             ns, err = parser.parse(
                 run_config(merge(files, common, overrides, skip_missing=True), 0, CHECK_DIR)

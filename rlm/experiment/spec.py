@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from rlm.cli.merge import load_config
 from rlm.experiment.launcher import (
     parse_launcher,
 )
@@ -322,8 +321,25 @@ def load_experiment(path: str | Path) -> Experiment:
     return exp
 
 
+def load_config(path: str | Path) -> Any:
+    """One YAML config file as an OmegaConf mapping; ValueError naming a file that is missing, not YAML, or not a
+    mapping."""
+    import yaml
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+    if not isinstance(cfg, DictConfig):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return cfg
+
+
 def merge(files: list[Path], *mappings: dict[str, Any], skip_missing: bool = False) -> dict[str, Any]:
-    """Config files deep-merged in order (with their includes), then the mappings (lists are replaced)."""
+    """Config files deep-merged in order, then the mappings (lists are replaced): the runner's own composition of a
+    variant, written out as one config file for its rlm fit."""
     files = [p for p in files if p.is_file()] if skip_missing else files
     layers = [load_config(p) for p in files] + [OmegaConf.create(m) for m in mappings]
     return OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)  # type: ignore[return-value]

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor, nn
 
 from rlm.plugin.context import Context
-from rlm.plugin.options import check_option, field_types
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -182,16 +181,19 @@ def config_fields(config_cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(config_cls)] if dataclasses.is_dataclass(config_cls) else []
 
 
-def make_config(plugin_cls: type[Plugin], args: dict[str, Any] | None) -> Any:
-    """Build ``plugin_cls.Config`` from a dict, rejecting unknown keys with the list of accepted ones."""
+def make_config(plugin_cls: type[Plugin], args: Any) -> Any:
+    """Build ``plugin_cls.Config`` from a dict (or take an instance), rejecting unknown keys with the list of accepted
+    ones; the Config checks its values itself (``rlm fit`` has typed them before)."""
+    if isinstance(args, plugin_cls.Config):
+        return args
     args = dict(args or {})
     known = config_fields(plugin_cls.Config)
     unknown = sorted(set(args) - set(known))
     if unknown:
-        raise ValueError(f"plugin {plugin_cls.name!r}: unknown option(s) {unknown}; accepted: {known}")
-    types_ = field_types(plugin_cls.Config)
-    for key, value in args.items():
-        check_option(plugin_cls.name, key, value, types_[key])
+        raise ValueError(
+            f"plugin {plugin_cls.name!r}: unknown option(s) {unknown}; accepted: {known} (a checkpoint or config of an "
+            f"older rlm may name an option since removed: `git log -S {unknown[0]}` says what became of it)"
+        )
     return plugin_cls.Config(**args)
 
 

@@ -5,8 +5,11 @@ The core never imports a concrete plugin module except through this table's stri
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import importlib.util
+import sys
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
@@ -112,3 +115,67 @@ def validate_specs(specs: dict[str, Any] | None) -> list[str]:
         except (ValueError, TypeError) as err:
             problems.append(str(err))
     return problems
+
+
+@functools.cache
+def plugins_config() -> type:
+    """The type of ``model.plugins``: a dataclass with one optional field per known plugin, typed by that plugin's
+    Config (None: disabled). jsonargparse then merges stacked config files plugin by plugin and key by key, types
+    ``--model.plugins.NAME.OPTION`` flags, validates the values and prints each option in ``rlm fit --help``.
+    Building it imports every plugin."""
+    fields = []
+    for name in known_plugins():
+        cls = resolve(name)
+        doc = (cls.__doc__ or "").strip().split("\n")[0]
+        fields.append((name, cls.Config | None, dataclasses.field(default=None, metadata={"doc": doc})))
+    made = dataclasses.make_dataclass("PluginsConfig", fields)
+    made.__doc__ = (
+        "Memory plugins to use, by name; null (the default) leaves a plugin out.\n\nArgs:\n"
+        + "\n".join(f"    {n}: {f.metadata['doc']}" for n, _, f in fields)
+    )  # Google style: jsonargparse prints each line as its field's help
+    # jsonargparse finds the type again by its import path
+    made.__module__ = __name__
+    sys.modules[__name__].PluginsConfig = made
+    return made
+
+
+def _plain(value: Any) -> Any:
+    """Lists for tuples, so that hparams.yaml stays plain YAML."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def full_specs(specs: dict[str, Any] | None) -> dict[str, Any]:
+    """Each enabled plugin's options with every default filled in (a checkpoint written before a plugin's options
+    were all saved compares equal to one that saved them); entries that do not build are kept as they are."""
+    from rlm.plugin.base import make_config
+
+    out = {}
+    for name, spec in (specs or {}).items():
+        try:
+            parsed = parse_spec(name, spec)
+        except ValueError:
+            out[name] = spec
+            continue
+        try:
+            out[name] = None if parsed is None else _plain(dataclasses.asdict(make_config(*parsed)))
+        except (ValueError, TypeError):
+            out[name] = spec
+    return out
+
+
+def plugin_specs(plugins: Any) -> dict[str, Any]:
+    """``model.plugins`` as name -> options mapping (what checkpoints store): from the typed dataclass (enabled
+    plugins only), or a mapping as it is."""
+    if plugins is None:
+        return {}
+    if dataclasses.is_dataclass(plugins) and not isinstance(plugins, type):
+        return {
+            f.name: _plain(dataclasses.asdict(value))
+            for f in dataclasses.fields(plugins)
+            if (value := getattr(plugins, f.name)) is not None
+        }
+    if not isinstance(plugins, dict):
+        raise ValueError(f"model.plugins must map plugin names to options, got {plugins!r}")
+    return dict(plugins)

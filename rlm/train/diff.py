@@ -29,13 +29,17 @@ def dict_diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two LMModule hyperparameter dicts in the parts that shape the model."""
+    from rlm.plugin.registry import full_specs
+
     diffs = []
     for key in ("model", "plugins"):
-        empty = {} if key == "plugins" else None  # no plugins: None and {} alike
         if key in saved:  # only the keys that differ, as dotted names
-            diffs += dict_diff(
-                {key: _normalise(saved[key] or empty)}, {key: _normalise(current.get(key) or empty)}
-            )
+            old, new = saved[key], current.get(key)
+            if (
+                key == "plugins"
+            ):  # no plugins: None and {} alike; options left at their defaults count as given
+                old, new = full_specs(old), full_specs(new)
+            diffs += dict_diff({key: _normalise(old)}, {key: _normalise(new)})
     return diffs
 
 

@@ -22,10 +22,13 @@ from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup, Plugin
 from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
+from rlm.plugin.registry import plugin_specs, plugins_config
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
 from rlm.train.diff import config_diff
 from rlm.train.memory import check_host_build
 from rlm.train.throughput import Throughput
+
+PluginsConfig = plugins_config()  # the type of LMModule's `plugins`, one optional field per registered plugin
 
 
 @dataclass
@@ -109,9 +112,9 @@ class LMModule(pl.LightningModule):
 
     def __init__(
         self,
-        model: ModelConfig | dict | None = None,
-        plugins: dict[str, Any] | None = None,
-        optim: OptimConfig | dict | None = None,
+        model: ModelConfig | None = None,
+        plugins: PluginsConfig | None = None,
+        optim: OptimConfig | None = None,
         compile: bool | CompileConfig = False,
         peak_flops: float | None = None,
     ) -> None:
@@ -119,8 +122,9 @@ class LMModule(pl.LightningModule):
 
         Args:
             model: the transformer's shape; ``vocab_size`` is linked from the data module.
-            plugins: plugin name -> options (a mapping of the plugin's Config fields, or
-                ``{class_path, init_args}``); ``null`` disables a plugin set by an earlier config file.
+            plugins: the memory plugins, each by name with its options, e.g. ``--model.plugins.pkm.n_keys 1024``;
+                a later config file's ``null`` disables one an earlier file set. ``rlm plugins NAME`` lists a
+                plugin's options. In Python also a mapping of name -> options or ``{class_path, init_args}``.
             optim: optimizer and schedule.
             compile: compile each transformer block with torch.compile when the trainer sets the model up
                 (``configure_model``, after FSDP2 has sharded the blocks; see rlm/train/compile.py): true for
@@ -134,7 +138,7 @@ class LMModule(pl.LightningModule):
         # Dicts come back from checkpoints' hyper_parameters (load_from_checkpoint).
         model = ModelConfig(**model) if isinstance(model, dict) else (model or ModelConfig())
         optim = OptimConfig(**optim) if isinstance(optim, dict) else (optim or OptimConfig())
-        plugins = {k: v for k, v in (plugins or {}).items()}
+        plugins = plugin_specs(plugins)
         self.save_hyperparameters({"model": asdict(model), "plugins": plugins, "optim": asdict(optim)})
         self.model_config, self.optim = model, optim
         check_host_build(model, plugins)  # a clear error, not the OOM killer mid-init

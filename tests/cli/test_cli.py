@@ -46,7 +46,11 @@ def test_fit_logs_checkpoints_and_generates(tmp_path, rlm_cache):
     assert ckpt.is_file()
     assert (tmp_path / RUN / "config.yaml").is_file() or (tmp_path / "runs/test/config.yaml").is_file()
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    assert state["hyper_parameters"]["plugins"] == {"tokenid": {"layers": [0], "rank": 0}}
+    saved = state["hyper_parameters"]["plugins"]
+    assert list(saved) == ["tokenid"] and {k: saved["tokenid"][k] for k in ("layers", "rank")} == {
+        "layers": [0],
+        "rank": 0,
+    }
     out = run_rlm(
         ["generate", "--ckpt", ckpt, "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"],
         tmp_path,

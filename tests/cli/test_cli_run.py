@@ -10,7 +10,6 @@ import pytest
 import yaml
 from cli_helpers import TINY, fit_args, read_metrics, run_rlm
 
-from rlm.cli.merge import config_text, merge_configs
 from rlm.cli.support import integer_batch_limits
 
 
@@ -37,11 +36,11 @@ def test_limit_val_batches_1_is_one_batch_and_1_0_the_whole_set(tmp_path, monkey
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RLM_CACHE", str(tmp_path / "cache"))
-    configs = ["--config", config_text(merge_configs([str(p) for p in TINY]))]  # as run_lightning passes them
+    configs = [a for p in TINY for a in ("--config", str(p))]
 
     def trainer(*flags: str):
         cli = RLMCLI(LMModule, RLMDataModule, args=[*configs, *flags], run=False, seed_everything_default=0,
-                     parser_kwargs={"parser_mode": "omegaconf"})  # fmt: skip
+                     parser_kwargs={"parser_mode": "omegaconf+"})  # fmt: skip
         return cli.trainer
 
     t = trainer("--trainer.limit_val_batches", "1", "--trainer.limit_test_batches=1.0")

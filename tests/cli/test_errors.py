@@ -34,12 +34,9 @@ def test_yaml_syntax_error_names_the_file(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model.optim.lrr=1"], "unknown key(s) ['lrr'] under model.optim; accepted: ['lr', "),
-        (
-            ["--model.model.d_modl=8"],
-            "unknown key(s) ['d_modl'] under model.model; accepted: ['vocab_size', ",
-        ),
-        (["--model.optim.lr=abc"], "model.optim: option lr must be a number, got 'abc'"),
+        (["--model.optim.lrr=1"], "model.optim: unknown key 'lrr'; accepted: ['lr', "),
+        (["--model.model.d_modl=8"], "model.model: unknown key 'd_modl'; accepted: ['vocab_size', "),
+        (["--model.optim.lr=abc"], "model.optim.lr: must be a number, got 'abc'"),
         (["--trainer.max_steps=0"], "--trainer.max_steps 0 trains nothing"),
         (["--trainer.max_steps=-5"], "--trainer.max_steps -5 trains nothing"),
         (["--trainer.max_epochs=0"], "--trainer.max_epochs 0 trains nothing"),
@@ -51,7 +48,11 @@ def test_yaml_syntax_error_names_the_file(tmp_path, capsys):
             ["--trainer.accumulate_grad_batches=0"],
             "--trainer.accumulate_grad_batches 0; accepted: an integer",
         ),
-        (["--model.plugins.moe.capacity_factor=big"], "option capacity_factor must be a number, got 'big'"),
+        (
+            ["--model.plugins.moe.capacity_factor=big"],
+            "model.plugins.moe.capacity_factor: must be a number, got 'big'",
+        ),
+        (["--model.plugins.nope.x=1"], "unknown plugin 'nope'; known plugins: ['altup', "),
         (
             [
                 "--config",

@@ -155,17 +155,19 @@ def test_print_config_shows_the_vocabulary_that_runs(tmp_path, rlm_main):
 # slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
 def test_restored_settings_reuse_the_training_cache_when_it_holds_the_checkpoint_tokenizer(trained, monkeypatch, rlm_cache, tmp_path):  # fmt: skip
-    from rlm.eval.evaluate import with_checkpoint_settings
+    from rlm.eval.evaluate import checkpoint_layer
+
+    def data_layer(layers, args):
+        args = checkpoint_layer(layers, args)
+        return yaml.safe_load(args[args.index("--config") + 1])["data"]
 
     _, root, _ = trained
     monkeypatch.setenv("RLM_CACHE", str(rlm_cache))
-    data = with_checkpoint_settings({}, ["--ckpt_path", str(ckpt_of(root))])["data"]
+    data = data_layer([], ["--ckpt_path", str(ckpt_of(root))])
     assert (
         data["corpus"] == "stdlib" and data["vocab_size"] == 1024 and data.get("tokenizer") in (None, "train")
     )
-    other = with_checkpoint_settings({"data": {"corpus": str(tmp_path)}}, [f"--ckpt_path={ckpt_of(root)}"])[
-        "data"
-    ]
+    other = data_layer([{"data": {"corpus": str(tmp_path)}}], [f"--ckpt_path={ckpt_of(root)}"])
     assert (
         other["corpus"] == str(tmp_path)
         and open(other["tokenizer"], "rb").read()

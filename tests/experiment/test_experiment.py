@@ -68,7 +68,7 @@ def test_broken_experiment_lists_every_problem(tmp_path, capsys):
         "variant 'mystery': unknown plugin 'mystery'; known plugins: [",
         "variant 'bad_option': plugin 'tokenid': unknown option(s) ['rnk']",
         "variant 'bad_layer': plugin 'tokenid': layer 7 is out of range for a model of 2 layers",
-        "variant 'missing': set.trainer.max_steps = 'abc': Parser key \"trainer.max_steps\"",
+        "variant 'missing': set.trainer.max_steps = 'abc': trainer.max_steps: must be an integer, got 'abc'",
         "variant 'bad_heads': model.n_heads=3 must divide model.d_model=64",
     ]
     problems = info.value.problems
@@ -83,7 +83,9 @@ def test_broken_experiment_lists_every_problem(tmp_path, capsys):
     assert len(extra) == 3, extra
     assert extra[0].startswith("--set 'oops': expected KEY=VALUE")
     assert extra[1] == "seeds: [1, 1] repeats a seed"
-    assert extra[2].startswith("common.trainer.max_steps = 'abc': Parser key \"trainer.max_steps\"")
+    assert extra[2].startswith(
+        "common.trainer.max_steps = 'abc': trainer.max_steps: must be an integer, got 'abc'"
+    )
     # Through the command line: exit code 2, every problem printed, nothing trained.
     assert rlm_main(["experiment", "run", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
@@ -123,9 +125,9 @@ def test_shipped_experiment_files_validate(path):
 
 
 def test_run_config_points_logs_and_checkpoints_into_the_run(tmp_path):
-    from rlm.cli.merge import merge_configs
+    from rlm.experiment.spec import merge
 
-    cfg = run_config(merge_configs(TINY), 3, tmp_path / "v" / "seed3")
+    cfg = run_config(merge(TINY), 3, tmp_path / "v" / "seed3")
     run = str((tmp_path / "v" / "seed3").resolve())
     assert cfg["seed_everything"] == 3 and cfg["trainer"]["default_root_dir"] == run
     (logger,) = cfg["trainer"]["logger"]  # fast.yaml's CSV logger, moved into the run

@@ -29,8 +29,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "cli plumbing",
         (
-            "rlm.cli.merge",
-            "rlm.cli.override",
             "rlm.cli.check",
             "rlm.cli.support",
             "rlm.cli.summary",
@@ -213,4 +211,4 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     assert layer("rlm.model.transformer") < layer("rlm.train.module") < layer("rlm.eval.generate")
     assert layer("rlm.eval.evaluate") < layer("rlm.cli.check") < layer("rlm.cli.commands")
     assert layer("rlm.distributed.parallel") < layer("rlm.plugins.moe") < layer("rlm.train.resume")
-    assert layer("rlm.cli.merge") < layer("rlm.experiment.spec") < layer("rlm.cli")
+    assert layer("rlm.cli.support") < layer("rlm.experiment.spec") < layer("rlm.cli")

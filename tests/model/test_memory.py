@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlm.cli.merge import merge_configs
+from rlm.experiment.spec import merge
 from rlm.model import Transformer
 from rlm.plugin import Context
 from rlm.train.memory import LOSS_BYTES_PER_LOGIT, estimate, model_config
@@ -70,7 +70,7 @@ CASES = {
 
 def merged(model: str, fragments: list[str], overrides: dict, vocab: int = GPT2_VOCAB) -> dict:
     paths = [CONFIGS / "model" / f"{model}.yaml"] + [CONFIGS / "plugins" / f"{f}.yaml" for f in fragments]
-    cfg = merge_configs([*paths, {"model": {"plugins": overrides}}])
+    cfg = merge(paths, {"model": {"plugins": overrides}})
     cfg["model"]["model"]["vocab_size"] = vocab
     return cfg
 
@@ -207,7 +207,7 @@ def test_activation_bytes_equal_what_autograd_saves_under_bf16_autocast(case, pl
 
 def test_gpt2_small_on_fineweb_edu_fits_an_h100_and_needs_a_tokenizer():
     files = ["model/gpt2_small.yaml", "data/fineweb_edu.yaml", "trainer/gpu.yaml"]
-    cfg = merge_configs([CONFIGS / f for f in files])
+    cfg = merge([CONFIGS / f for f in files])
     assert cfg["trainer"]["precision"] == "bf16-mixed" and cfg["model"]["compile"] is True
     est = estimate(cfg, vocab_size=GPT2_VOCAB)
     assert est["batch_size"] * est["seq_len"] == 16 * 1024

@@ -340,11 +340,11 @@ def test_benchmark_script_smoke(capsys):
 )
 def test_config_fragments_build_the_default_model(fragments):
     """Every routed-memory fragment (stacked as `rlm fit` stacks them) is valid for the default 4-layer model."""
-    from rlm.cli.merge import merge_configs
+    from rlm.experiment.spec import merge
     from rlm.plugin.registry import validate_specs
 
     root = Path(__file__).resolve().parents[2] / "configs"
-    specs = merge_configs([root / "plugins" / f for f in fragments])["model"]["plugins"]
+    specs = merge([root / "plugins" / f for f in fragments])["model"]["plugins"]
     assert validate_specs(specs) == []
     with torch.device("meta"):
         model = Transformer(ModelConfig(), specs)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlm.cli.merge import merge_configs
+from rlm.experiment.spec import merge
 from rlm.train.memory import estimate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_estimate_mode_prints_the_configs_memory(bench, capsys):
     ]
     assert bench.main(["--estimate", *(f"--config={f}" for f in files), "--vocab-size", "50257"]) == 0
     out = capsys.readouterr().out
-    est = estimate(merge_configs(files), 50257)
+    est = estimate(merge(files), 50257)
     assert f"parameters {est['params']:,} ({est['row_adam_params']:,} under PKM's row Adam)" in out
 
 

@@ -200,12 +200,21 @@ def _versioned_config(tmp_path: Path) -> Path:
         "trainer": {
             "default_root_dir": "runs/v",
             "logger": [
-                {"class_path": "pytorch_lightning.loggers.CSVLogger", "init_args": {"save_dir": "runs"}}
+                # name and version set: a later file's item of the same class merges into the earlier one's
+                {
+                    "class_path": "pytorch_lightning.loggers.CSVLogger",
+                    "init_args": {"save_dir": "runs", "name": "lightning_logs", "version": None},
+                }
             ],
             "callbacks": [
                 {
                     "class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-                    "init_args": {"save_last": True, "every_n_train_steps": 3, "save_top_k": -1},
+                    "init_args": {
+                        "dirpath": None,
+                        "save_last": True,
+                        "every_n_train_steps": 3,
+                        "save_top_k": -1,
+                    },
                 }
             ],
         }
