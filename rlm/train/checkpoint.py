@@ -1,12 +1,6 @@
-"""Crash-safe checkpoint files: written beside their target and renamed, loaded with the file named on failure.
-
-Lightning's own writer goes through an fsspec transaction that writes to ``$TMPDIR`` and then moves the file;
-when the run directory is on another filesystem the move is a copy, so a kill or a full disk leaves a
-truncated ``last.ckpt`` under its real name. :class:`AtomicCheckpointIO` writes ``.NAME.tmp-PID`` in the
-target's own directory, fsyncs it, ``os.replace``\\ s it over the target and fsyncs the directory: a reader
-sees the old file or the new one, never part of one. :class:`CheckpointHygiene` installs it and removes the
-debris of killed runs (temporary files, and checkpoints past ``save_top_k`` that no checkpoint tracks).
-"""
+"""Crash-safe checkpoint files: written beside their target, fsynced and renamed, so a reader sees the old file
+or the new one. Lightning's writer goes through ``$TMPDIR``; on another filesystem its move is a copy, and a kill
+or a full disk leaves a truncated ``last.ckpt`` under its real name."""
 
 from __future__ import annotations
 
@@ -22,10 +16,8 @@ from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 PREEMPTED = 143
-"""rlm fit's exit code when SIGTERM stopped it after saving last.ckpt (128 + 15, as a shell reports a process
-the signal killed): the run is unfinished and resumes with ``--ckpt_path last``."""
-TMP_PATTERN = re.compile(r"^\..+\.tmp-\d+$")
-"""Names of the temporary files :func:`atomic_save` writes (``.last.ckpt.tmp-1234``)."""
+"""rlm fit's exit code after SIGTERM and a saved last.ckpt (128 + 15, as a shell reports it): resume it."""
+TMP_PATTERN = re.compile(r"^\..+\.tmp-\d+$")  # atomic_save's temporary files: .last.ckpt.tmp-PID
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -42,9 +34,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``.
-
-    Raises OSError naming ``path`` (disk full, read-only folder) and leaves no temporary file behind."""
+    """``torch.save`` to a temporary file beside ``path``, fsync, rename; OSError naming ``path`` on failure."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -103,9 +93,8 @@ def remove_tmp_files(directory: str | Path) -> list[Path]:
 
 
 def remove_stale_tmp_files(root: str | Path) -> list[Path]:
-    """Delete, anywhere under ``root``, the temporary files of :func:`atomic_save` calls whose process is gone:
-    each resume logs to a new version_N, so a killed run's ``.last.ckpt.tmp-PID`` in an older version's folder
-    was never looked at again."""
+    """Delete, anywhere under ``root``, :func:`atomic_save`'s temporary files whose process is gone (a resume
+    logs to a new version_N and never looks in the old one's folder)."""
     from rlm.index.store import process_alive
 
     removed = []
@@ -119,11 +108,6 @@ def remove_stale_tmp_files(root: str | Path) -> list[Path]:
     return removed
 
 
-def _step_of(name: str) -> int | None:
-    m = re.search(r"step=(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
 class CheckpointHygiene(pl.Callback):
     """Installs :class:`AtomicCheckpointIO`, clears what killed runs left in the checkpoint folders, and makes
     ``last.ckpt`` hold the final weights when training ends between two of ModelCheckpoint's saves."""
@@ -134,18 +118,16 @@ class CheckpointHygiene(pl.Callback):
             strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """With every_n_train_steps=100 and max_steps=390, ModelCheckpoint's last save is step 300: ``rlm eval``
-        of last.ckpt then scored older weights than the run ended with, and a resume retrained 90 steps. Save the
-        final state as last.ckpt (every rank calls this: saving is collective under DDP and FSDP)."""
+        """Save the final weights as last.ckpt when the run ended between two of ModelCheckpoint's saves (every
+        rank calls this: saving is collective under DDP and FSDP)."""
         for cb in trainer.checkpoint_callbacks:
             if not isinstance(cb, ModelCheckpoint) or not cb.save_last or not cb.dirpath:
                 continue
             # Lightning keeps the step of its last save privately; without it, save anyway (one more write)
             if getattr(cb, "_last_global_step_saved", None) == trainer.global_step:
                 continue
-            # Lightning 2.6 saves last.ckpt in its own on_train_end when this run has saved none yet; saving it
-            # here first made that one a second file, last-v1.ckpt (the name was taken by a file it had not
-            # written). Older versions have no such save (and no such attribute): save here.
+            # Lightning >= 2.6 saves last.ckpt in its own on_train_end when the run saved none yet: saving here
+            # too would make its file a second one, last-v1.ckpt. Older versions lack the attribute: save.
             if not getattr(cb, "_last_checkpoint_saved", "no such save"):
                 continue
             trainer.save_checkpoint(os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION))
@@ -153,10 +135,8 @@ class CheckpointHygiene(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Preemption: SLURM and Kubernetes stop a job with SIGTERM (Lightning turns it into SIGTERMException at
-        the next batch boundary, on every rank at once). Save last.ckpt at the step reached, so a rerun with
-        ``--ckpt_path last`` loses nothing; rlm fit then exits 143, so the scheduler and the experiment runner
-        see an unfinished run, not a finished one."""
+        """Preemption (SIGTERM, raised by Lightning at a batch boundary on every rank): save last.ckpt at the step
+        reached, so ``--ckpt_path last`` loses nothing; rlm fit then exits PREEMPTED, an unfinished run."""
         from pytorch_lightning.utilities.exceptions import SIGTERMException
 
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
@@ -190,13 +170,13 @@ class CheckpointHygiene(pl.Callback):
                 print(f"rlm: removed {p}, a partial checkpoint of an interrupted run", file=sys.stderr)
             if resumed is None or cb.save_top_k < 0:
                 continue
-            # A kill between writing a new top-k checkpoint and deleting the one it displaced, or after the
-            # checkpoint we resume from, leaves files that no restored state tracks: the callback would keep
-            # them forever beyond save_top_k. Those written after the resumed step are trained again anyway.
+            # A kill between writing a top-k checkpoint and deleting the one it displaced, or after the one we
+            # resume from, leaves files no restored state tracks, kept forever beyond save_top_k. Those written
+            # after the resumed step are trained again anyway.
             tracked = {os.path.abspath(p) for p in [*cb.best_k_models, cb.last_model_path, resumed] if p}
             for p in Path(cb.dirpath).glob("*" + cb.FILE_EXTENSION):
-                step = _step_of(p.name)
-                if os.path.abspath(p) in tracked or step is None or step <= trainer.global_step:
+                m = re.search(r"step=(\d+)", p.name)
+                if os.path.abspath(p) in tracked or m is None or int(m.group(1)) <= trainer.global_step:
                     continue
                 p.unlink(missing_ok=True)
                 print(
@@ -206,14 +186,12 @@ class CheckpointHygiene(pl.Callback):
 
 
 def recount_resumed_batch(trainer: pl.Trainer) -> bool:
-    """Undo Lightning 2.6's second count of the last batch when resuming a checkpoint saved after that batch was
-    counted (``last.ckpt`` of :meth:`CheckpointHygiene.on_exception`) at a step where validation is due.
+    """Undo Lightning's second count of the last batch on resuming a checkpoint saved after the count (SIGTERM's
+    last.ckpt) at a step where validation is due; returns whether it did.
 
-    Resuming such a checkpoint ("restarted on last"), Lightning's training loop assumes it was saved at the end of
-    that step's validation, before the loop counted the batch in ``_batches_that_stepped``: it skips the
-    validation and counts the batch once more, training nothing. A SIGTERM seen at the end of a validation is
-    raised after the count, so the resumed run logged every metric at global_step + 1 (no batch was skipped or
-    repeated: only the loggers' step). Returns whether the count was corrected."""
+    Lightning assumes such a checkpoint ("restarted on last") was saved at the end of the step's validation,
+    before ``_batches_that_stepped`` counted the batch, and counts it again: every metric would be logged at
+    global_step + 1."""
     epoch_loop = trainer.fit_loop.epoch_loop
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is None or not (epoch_loop.restarting and epoch_loop.restarted_on_last):

@@ -1,21 +1,11 @@
-"""torch.compile applied per transformer block, after the strategy's parallelism.
+"""torch.compile per transformer block, applied in ``configure_model`` after FSDP2 has sharded the blocks.
 
-``LMModule(compile=...)`` used to compile the whole model in its constructor, before ``configure_model`` sharded
-the blocks with FSDP2, so the one graph was traced around FSDP's per-block hooks. Now ``configure_model`` shards
-first (under ModelParallelStrategy) and then compiles each block in place, on one process and under every
-strategy alike (one code path):
-
-- the unit FSDP2 all-gathers is the unit compiled: FSDP's hooks around a block run eagerly (torch marks them
-  ``_dynamo_disable``), and a block's graph holds only its own compute;
-- the embedding, the stack slot's loop (AltUp's predict / correct), the head and the loss stay eager, where the
-  plugins' ``prepare`` and the per-step context live;
-- what plugins keep out of the graph today (``torch.compiler.disable`` on MoE's dispatch and PKM's search and
-  value read) stays out the same way: it is inside the blocks, behind its own graph breaks;
-- in place (``nn.Module.compile``): parameter names, and so checkpoints, are those of the eager model.
-
-Under DDP, Lightning wraps the module after ``configure_model``; compilation is lazy, so every block is traced
-on its first call, inside DDP's forward, where Dynamo's DDP optimizer sees the wrapper as it would for a model
-compiled after wrapping.
+The unit FSDP2 all-gathers is the unit compiled: FSDP's hooks around a block run eagerly and a block's graph
+holds only its own compute. The embedding, the stack's loop, the head and the loss stay eager, where plugins'
+``prepare`` and the per-step context live; what plugins keep out of the graph (``torch.compiler.disable``) stays
+out behind its own graph breaks. In place (``nn.Module.compile``), so parameter names and checkpoints are the
+eager model's. Under DDP compilation is lazy: blocks are traced inside DDP's forward, as Dynamo's DDP optimizer
+expects.
 """
 
 from __future__ import annotations
@@ -32,8 +22,8 @@ class CompileConfig:
     """How each transformer block is compiled (``torch.compile``'s backend and mode)."""
 
     backend: str = "inductor"
-    """A torch.compile backend by name: 'inductor' (generated kernels), or 'aot_eager' / 'eager' (traced, no code
-    generated: cheap, for tests and for telling a tracing problem from a code-generation one)."""
+    """A torch.compile backend: 'inductor', or 'aot_eager' / 'eager' (traced, no code generated: for tests,
+    and for telling a tracing problem from a code-generation one)."""
     mode: str | None = None
     """Inductor's mode ('default', 'reduce-overhead', 'max-autotune', ...); None: Inductor's default."""
 
@@ -72,8 +62,8 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def compile_blocks(model: nn.Module, config: CompileConfig) -> None:
-    """Compile every block of ``model`` (a Transformer) in place; blocks already compiled are left as they are
-    (``configure_model`` may be called twice)."""
+    """Compile every block of a Transformer in place, skipping compiled ones (``configure_model`` may run
+    twice)."""
     for block in model.blocks:
         if not is_compiled(block):
             block.compile(backend=config.backend, mode=config.mode)

@@ -1,8 +1,4 @@
-"""Config diffing: which keys differ between the config a checkpoint was written under and this run's.
-
-Used by the LightningModule (refusing a checkpoint of another model in ``on_load_checkpoint``) and by
-``--ckpt_path`` resuming (rlm.train.resume), which each name the keys that differ.
-"""
+"""Which keys differ between the config a checkpoint was written under and this run's."""
 
 from __future__ import annotations
 
@@ -33,11 +29,9 @@ def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
     diffs = []
     for key in ("model", "plugins"):
-        if key in saved:  # only the keys that differ, as dotted names
+        if key in saved:
             old, new = saved[key], current.get(key)
-            if (
-                key == "plugins"
-            ):  # no plugins: None and {} alike; options left at their defaults count as given
+            if key == "plugins":  # None and {} alike; options left at their defaults count as given
                 old, new = full_specs(old), full_specs(new)
             diffs += dict_diff({key: _normalise(old)}, {key: _normalise(new)})
     return diffs

@@ -1,18 +1,11 @@
 """Stopping a run at its first non-finite loss or gradient, before a checkpoint takes it in.
 
-A diverged run used to go on to ``max_steps`` and exit 0 with NaN in every checkpoint. The guard records, on the
-device, whether the loss (one process) and the gradients before each optimizer step (after DDP's all-reduce, so
-every process sees the same) are finite, and reads that record (one host sync) every ``every_n_steps`` optimizer
-steps, before every checkpoint is written and when training ends; it also checks the weights of every checkpoint.
-It raises :class:`NonFiniteError` naming the first step that went non-finite, the suspects (the learning rates,
-the plugins' aux losses) and the last checkpoint written, which is finite: a checkpoint is written only after the
-record says every step so far was finite.
-
-``every_n_steps=1`` (the default on a CPU, where a host read waits for nothing) stops before the optimizer step of
-the first bad step, so nothing non-finite ever reaches the weights. On a GPU the default is the trainer's
-``log_every_n_steps``: a read every step drains the CUDA queue, and logging reads
-the loss at those steps anyway. Then the weights may take up to ``every_n_steps - 1`` non-finite updates before
-the run stops, in memory only: no checkpoint is written in between without the record being read first.
+Whether the loss (one process) and the gradients before each optimizer step (after DDP's all-reduce, the same on
+every process) are finite is recorded on the device, and read (one host sync) every ``every_n_steps`` optimizer
+steps, before every checkpoint and at the end of training; checkpoints' weights are checked too. So every
+checkpoint written is finite. On a CPU the read is every step and nothing non-finite reaches the weights; on a GPU
+a read drains the CUDA queue, so it comes every ``log_every_n_steps`` (when logging reads the loss anyway) and the
+weights may take up to ``every_n_steps - 1`` non-finite updates, in memory only.
 """
 
 from __future__ import annotations
@@ -75,8 +68,8 @@ class NonFiniteGuard(pl.Callback):
     """Raise :class:`NonFiniteError` at the first non-finite loss or gradient (see the module docstring)."""
 
     def __init__(self, every_n_steps: int | None = None) -> None:
-        """``every_n_steps``: optimizer steps between reads of the device-side record; None: 1 on a CPU, the
-        trainer's ``log_every_n_steps`` on an accelerator."""
+        """``every_n_steps``: optimizer steps between reads of the record; None: 1 on a CPU, else the trainer's
+        ``log_every_n_steps``."""
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps}; accepted: None or >= 1")
         self.every_n_steps = every_n_steps
@@ -176,8 +169,8 @@ class NonFiniteGuard(pl.Callback):
         if getattr(trainer.precision_plugin, "scaler", None) is None:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             dense = [g for g in grads if not g.is_sparse]
-            # One fused pass over the dense gradients (a norm is finite iff every value is, barring an overflow
-            # of finite values, which the exact per-tensor check at the read sorts out).
+            # One fused norm pass: a norm is finite iff every value is, barring an overflow of finite values,
+            # which the exact per-tensor check at the read sorts out.
             finite = torch.ones((), dtype=torch.bool, device=pl_module.device)
             # FSDP2's sharded gradients apart from plain ones (synced parameters): foreach refuses the mix
             for part in (

@@ -48,14 +48,12 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """The cosine decays to min_lr_ratio * lr at the schedule's last step (total_steps)."""
     total_steps: int | None = None
-    """Steps the warmup + cosine is laid out over (its horizon); past it the rate stays at min_lr_ratio * lr. None:
-    the run's length (trainer.max_steps, or what max_epochs comes to) on a fresh run; on resume the horizon saved
-    with the run, so a larger max_steps continues at the floor rather than stretching the cosine anew. Set it (at
-    resume too) to lay the schedule out over that many steps instead."""
+    """Steps the warmup + cosine is laid out over; past it the rate stays at min_lr_ratio * lr. None: the
+    run's length on a fresh run, and on resume the horizon saved with the run (a larger max_steps continues at
+    the floor rather than stretching the cosine anew)."""
     fused: bool | None = None
-    """torch's fused AdamW kernel: one pass over each tensor instead of about ten. None: fused wherever torch has
-    the kernel for every parameter (floating point, on CPU or CUDA); false: torch's for-loop AdamW (the same update
-    to rounding; the one rlm used before this option); true: fused, an error where torch cannot."""
+    """torch's fused AdamW kernel (one pass over each tensor), the same update to rounding. None: fused where
+    torch has the kernel for every parameter (floating point, CPU or CUDA); true: an error where it has not."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -86,8 +84,8 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 
 class WarmupCosine:
-    """:func:`warmup_cosine` as a LambdaLR lambda: an object rather than a function, so that LambdaLR's state_dict
-    saves its horizon (``total``) in the checkpoint and a resumed run continues the same schedule."""
+    """:func:`warmup_cosine` as an object, so LambdaLR's state_dict saves its horizon and a resume continues
+    the same schedule."""
 
     def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
@@ -122,17 +120,13 @@ class LMModule(pl.LightningModule):
 
         Args:
             model: the transformer's shape; ``vocab_size`` is linked from the data module.
-            plugins: the memory plugins, each by name with its options, e.g. ``--model.plugins.pkm.n_keys 1024``;
-                a later config file's ``null`` disables one an earlier file set. ``rlm plugins NAME`` lists a
-                plugin's options. In Python also a mapping of name -> options or ``{class_path, init_args}``.
+            plugins: the memory plugins by name with their options, e.g. ``--model.plugins.pkm.n_keys 1024``;
+                ``null`` in a later config file disables one. ``rlm plugins NAME`` lists a plugin's options.
             optim: optimizer and schedule.
-            compile: compile each transformer block with torch.compile when the trainer sets the model up
-                (``configure_model``, after FSDP2 has sharded the blocks; see rlm/train/compile.py): true for
-                Inductor's defaults, or ``{backend, mode}``; plugins that cannot be traced run eagerly behind
-                graph breaks (PKM's search and value read; MoE's expert dispatch).
-            peak_flops: peak FLOP/s of one device, the denominator of the logged train/mfu; None: a known
-                GPU's dense peak in the training precision (H100 SXM bf16: 989e12), or on CPU the fp32 matmul
-                rate measured when training starts (see rlm/train/throughput.py).
+            compile: torch.compile each transformer block after sharding (rlm/train/compile.py): true for
+                Inductor's defaults, or ``{backend, mode}``.
+            peak_flops: one device's peak FLOP/s, the denominator of train/mfu; None: a known GPU's dense peak
+                in the training precision, or on a CPU a measured fp32 matmul rate.
         """
         super().__init__()
         # Dicts come back from checkpoints' hyper_parameters (load_from_checkpoint).
@@ -143,7 +137,7 @@ class LMModule(pl.LightningModule):
         self.model_config, self.optim = model, optim
         check_host_build(model, plugins)  # a clear error, not the OOM killer mid-init
         self.model = Transformer(model, plugins)
-        # Applied in configure_model, after the strategy's sharding, so each block is traced once; not a hyperparameter.
+        # Applied in configure_model, after sharding; not a hyperparameter.
         self.compile_config = compile_config(compile)
         self.peak_flops = peak_flops
         self._val_sum = torch.zeros(())
@@ -153,9 +147,8 @@ class LMModule(pl.LightningModule):
     # ----- forward -----
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Lightning's move to the device, keeping the loader's host tensors of the fields plugins read on the host
-        as batch["host"] (rlm.data.windows.host_copy): the retriever's neighbour lookup then reads nothing back from
-        the device, which on a GPU would be a sync every training step."""
+        """Lightning's move to the device, keeping the host copies of the fields plugins read on the host as
+        batch["host"]: reading them back from a GPU would be a sync every step."""
         if not isinstance(batch, dict):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
         host = host_copy(batch)
@@ -171,9 +164,9 @@ class LMModule(pl.LightningModule):
         segments: Any = None,
         cache: KVCache | None = None,
     ) -> Context:
-        """The per-step context for a batch, filled by every plugin's ``prepare``; ``segments`` is the table the
-        batch's segment ids index (default: the attached data module's, during fit, validate and test); with
-        ``cache`` the batch's tokens continue the cached ones (incremental decoding, ctx.offset = its length)."""
+        """The per-step context for a batch, filled by every plugin's ``prepare``. ``segments``: the table the
+        segment ids index (default: the attached data module's); with ``cache`` the tokens continue the cached
+        ones (ctx.offset = its length)."""
         if segments is None and batch.get("segment_ids") is not None:
             dm = self._trainer.datamodule if self._trainer is not None else None
             segments = dm.segments if isinstance(dm, SegmentSource) else None
@@ -244,8 +237,8 @@ class LMModule(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         lm, loss, ctx, n_tokens = self._loss(batch, "train")
         self.log("train/loss", lm)
-        # The progress bar reads its values at every refresh, a host sync each step on a GPU: it gets the loss only
-        # at the steps the loggers write (and read) it, and shows the last one between them.
+        # The progress bar reads its values at every refresh, a host sync on a GPU: it gets the loss only at the
+        # steps the loggers read it anyway.
         if self._trainer is not None and self.trainer._logger_connector.should_update_logs:
             self.log("loss", lm, prog_bar=True, logger=False)
         self.log("train/ppl", torch.exp(lm.detach().clamp(max=20)))
@@ -285,7 +278,7 @@ class LMModule(pl.LightningModule):
         return lm
 
     def _eval_add(self, name: str, total: Tensor, count: Tensor | int) -> None:
-        """Accumulate a token-weighted sum and its token count under `name` (reduced at epoch end)."""
+        """Add a token-weighted sum and its token count under ``name``, reduced at epoch end."""
         acc = self._eval_sums.setdefault(name, torch.zeros(2, device=self.device, dtype=torch.float64))
         acc[0] += total
         acc[1] += count
@@ -310,9 +303,8 @@ class LMModule(pl.LightningModule):
         self._eval_epoch_end("test")
 
     def configure_model(self) -> None:
-        """Shard the model with FSDP2 when the strategy gives a device mesh (ModelParallelStrategy); with DDP or
-        one device there is none and nothing changes. Under bf16-mixed, FSDP2 gathers parameters in bf16. Then,
-        with ``compile``, compile each block in place, on every strategy and on one process alike."""
+        """FSDP2-shard the model when the strategy gives a device mesh (ModelParallelStrategy; parameters
+        gathered in bf16 under bf16-mixed), then compile each block with ``compile``, on every strategy."""
         if self.device_mesh is not None:
             policy = mixed_precision_policy(self.trainer.precision)
             parallelize(self.model, self.device_mesh, mp_policy=policy)
@@ -322,10 +314,10 @@ class LMModule(pl.LightningModule):
     # ----- optimisation -----
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: plugin groups first, then decayed matrices and non-decayed vectors/embeddings, then the
-        plugins' synced parameters (``Plugin.synced_parameters``) in decayed and non-decayed groups of their own:
-        under FSDP2 they are plain tensors among DTensors, which foreach and fused kernels refuse in one group.
-        They are grouped so on every strategy, so one optimizer state fits one process, DDP and FSDP2 alike."""
+        """AdamW groups: the plugins' first, then decayed and non-decayed ones, then the plugins' synced
+        parameters (``Plugin.synced_parameters``) in groups of their own: under FSDP2 they are plain tensors
+        among DTensors, which foreach and fused kernels refuse in one group. Grouped so on every strategy, so one
+        optimizer state fits one process, DDP and FSDP2 alike."""
         groups: list[dict[str, Any]] = []
         taken: set[int] = set()
         # asked first: a plugin may settle what it syncs here (PKM resolves its value path)
@@ -370,12 +362,11 @@ class LMModule(pl.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Lightning's clipping, with two cases it refuses or gets wrong handled here.
+        """Lightning's clipping, with two cases it refuses or gets wrong.
 
-        - A fused AdamW unscales fp16 gradients inside its own step, so Lightning's mixed precision refuses to clip
-          for it (and under bf16, which has no scaler, refuses for nothing). The gradients are unscaled here first
-          where a scaler is on (GradScaler.step then passes the fused kernel no scale), and clipped as usual.
-        - FSDP2's DTensor gradients beside plain ones (synced parameters) take one global norm, which torch's
+        - Fused AdamW unscales fp16 gradients in its own step, so Lightning refuses to clip for it (and under bf16
+          too). Unscale here where a scaler is on (GradScaler.step then passes no scale), and clip as usual.
+        - FSDP2's DTensor gradients beside plain ones (synced parameters) need one global norm, which torch's
           ``clip_grad_norm_`` refuses in one call."""
         if not gradient_clip_val:
             return
@@ -431,8 +422,8 @@ class LMModule(pl.LightningModule):
         return cosines[0].total if cosines else None
 
     def on_train_start(self) -> None:
-        # By now a resumed run has its scheduler's state back, the horizon saved with it included (WarmupCosine).
-        # optim.total_steps, when set, is a new horizon asked for; else running past the saved one is said once.
+        # A resumed run has its scheduler's state, the saved horizon included, back by now. optim.total_steps,
+        # when set, is a new horizon; else running past the saved one is said once.
         scheduler, cosines = self._schedules()
         if not cosines:
             return
@@ -465,8 +456,8 @@ class LMModule(pl.LightningModule):
         return [*core, Throughput(self.peak_flops), *plugin_callbacks]
 
     def setup(self, stage: str) -> None:
-        # One sequence of the data's length for Lightning's model summary, which counts its forward FLOPs; not with
-        # compiled blocks, which the summary's batch of 1 would compile for a second shape.
+        # A sequence for Lightning's model summary to count FLOPs on; not with compiled blocks, which its batch
+        # of 1 would compile for a second shape.
         if self.compile_config is not None:
             return
         seq_len = getattr(self.trainer.datamodule, "seq_len", None) if self._trainer is not None else None

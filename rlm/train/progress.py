@@ -1,9 +1,7 @@
-"""The training progress bar of ``rlm fit``: optimizer steps against ``trainer.max_steps``, how rlm runs are sized.
+"""``rlm fit``'s progress bar: optimizer steps against ``trainer.max_steps``, how rlm runs are sized.
 
-Lightning's bars count the batches of the current epoch: with ``max_steps`` set its Rich bar prints the epoch
-total as ``max_epochs - 1``, which is -2 (max_epochs is -1), and after a resume the batch index runs past the
-epoch's batch count (``Epoch 1/-2 100/50``). Which of its bars a run got also depended on whether ``rich`` happened
-to be installed; this one is tqdm's, a dependency of rlm.
+Lightning's bars count the current epoch's batches: with ``max_steps`` set the epoch total prints as -2 and after
+a resume the index runs past it. tqdm, a dependency of rlm, whatever else is installed.
 """
 
 from __future__ import annotations

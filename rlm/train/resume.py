@@ -1,10 +1,8 @@
 """``--ckpt_path``: finding a run's newest loadable checkpoint, and refusing one written by another model.
 
-Lightning looks for ``last`` only in the new run's folder (a new logger version each run), says "No checkpoint
-will be loaded" and trains from step 0. Here ``--ckpt_path last`` searches every folder the run's config
-writes checkpoints to (the ModelCheckpoint ``dirpath``s, each logger's ``save_dir/name/version_*``, the
-``default_root_dir``), newest file first, skips files that do not load (saying so), and is an error when
-none loads.
+Lightning looks for ``last`` only in the new run's folder (a new logger version each run) and otherwise trains
+from step 0; here ``last`` searches every folder the config writes checkpoints to, skips files that do not load
+(saying so), and is an error when none loads.
 """
 
 from __future__ import annotations
@@ -74,9 +72,9 @@ def newest_loadable(
     roots: list[Path], say: Any = None, remove_damaged: bool = False
 ) -> tuple[Path, dict[str, Any]]:
     """The checkpoint under ``roots`` of the highest training step that loads (the newest file among equal
-    steps), and its contents; ValueError when there is none. By step, not by file time: a copy, an rsync or a
-    ``touch`` makes an old file the newest. ``remove_damaged`` deletes files that do not load (for folders rlm
-    owns, such as an experiment run's: a damaged last.ckpt would otherwise block the name forever)."""
+    steps), and its contents; ValueError when there is none. By step, not file time: a copy or a ``touch`` makes
+    an old file the newest. ``remove_damaged`` deletes files that do not load (in folders rlm owns, where a
+    damaged last.ckpt would block the name)."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     candidates = find_checkpoints(roots)
     best: tuple[int, Path, dict[str, Any]] | None = None
@@ -104,9 +102,9 @@ def newest_loadable(
 def prepare_ckpt_path(config: Any) -> dict[str, Any]:
     """Resolve ``--ckpt_path last``, check the file loads, and refuse resuming ``fit`` under another model.
 
-    ``config`` is LightningCLI's parsed config (with a ``subcommand``); ``ckpt_path`` is replaced in place.
-    Returns the ``model.optim`` settings this run asks for that resuming honours (``total_steps``, a new horizon
-    for the schedule), to put back after LightningCLI has replaced the model config by the checkpoint's.
+    ``config`` is LightningCLI's parsed config; ``ckpt_path`` is replaced in place. Returns the ``model.optim``
+    settings a resume honours (``total_steps``), to put back after LightningCLI replaces the model config by the
+    checkpoint's.
     """
     from rlm.model.config import ModelConfig
     from rlm.train.module import OptimConfig
@@ -147,9 +145,8 @@ def prepare_ckpt_path(config: Any) -> dict[str, Any]:
     diffs = config_diff(saved, current)
     if diffs:
         raise ValueError(f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs))
-    # LightningCLI then replaces the model config by the checkpoint's, and the optimizer and schedule state
-    # come from the checkpoint too: a changed optim setting would be dropped without a word. A new horizon for
-    # the schedule (total_steps) is the exception: returned, for the caller to put back.
+    # The optimizer and schedule state come from the checkpoint, so a changed optim setting would be dropped
+    # silently: warn. A new schedule horizon (total_steps) is returned for the caller to put back.
     optim = current.get("optim")
     optim = asdict(OptimConfig(**optim)) if isinstance(optim, dict) else asdict(OptimConfig())
     saved_optim = saved.get("optim") or {}

@@ -1,18 +1,13 @@
 """Training FLOPs and model-FLOPs utilisation (MFU) in the logs.
 
-FLOPs of one training token follow PaLM (Chowdhery et al. 2022, App. B):
+FLOPs of one training token follow PaLM (Chowdhery et al. 2022, App. B): 6 N + 12 L T d, with N the parameters a
+token multiplies with (active ones, less norms and the untied input embedding, a lookup), L layers, T the sequence
+length, d the width. 6 N is forward (2 N) plus backward (4 N); 12 L T d is attention's QK^T and AV over the full
+T x T (the causal mask is not credited, the usual convention). Plugins' lookups count their read rows as if
+multiplied; MoE counts its k active experts (``active_parameters``).
 
-    6 N + 12 L T d
-
-N: parameters a token multiplies with (the active parameters, less norms and the untied input embedding,
-which is a lookup; a tied embedding is the output head and counts), L layers, T the sequence length, d the
-width. 6 N is forward (2 N) plus backward (4 N); 12 L T d is attention's QK^T and AV over the full T x T
-(the causal mask is not credited, the usual convention). For plugins N is an estimate: lookups count their
-read rows as if multiplied (tokenid, PKM values), MoE its k active experts (``active_parameters``).
-
-MFU = achieved FLOP/s / peak FLOP/s per device. The peak is ``peak_flops`` when set; else, on CUDA, the dense
-bf16/fp16/fp32 figure of a known GPU (H100 SXM bf16: 989e12); else, on CPU, the fp32 matmul rate measured
-once when training starts (a 1024^3 matmul, the roof a CPU run can reach, noisy on a shared machine).
+MFU = achieved FLOP/s / peak FLOP/s per device: ``peak_flops``, else a known GPU's dense peak, else on a CPU the
+fp32 matmul rate measured when training starts.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ from pytorch_lightning.utilities import rank_zero_info
 
 from rlm.model.transformer import Transformer
 
-# Dense (not 2:4-sparse) tensor-core peaks per GPU, FLOP/s, from NVIDIA's data sheets; other GPUs fall back to
-# Lightning's table (lightning_fabric.utilities.throughput.get_available_flops).
+# Dense (not 2:4-sparse) tensor-core peaks, FLOP/s, from NVIDIA's data sheets; other GPUs: Lightning's table.
 DENSE_PEAKS: dict[str, dict[torch.dtype, float]] = {
     "h100 sxm": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
     "h100 80gb hbm3": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12},
@@ -89,12 +83,11 @@ def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
 
 
 class Throughput(pl.Callback):
-    """Logs train/tokens_per_s, train/flops_per_step, train/flops_per_s and train/mfu at the steps the loggers write.
+    """Logs train/tokens_per_s, flops_per_step, flops_per_s and mfu at the steps the loggers write.
 
-    The rates are over the window of steps since the last write, wall-clock from the first step's start, data
-    loading included, validation not. On a GPU the host runs ahead of the device, so the window ends with a device sync: one per
-    log_every_n_steps, at the steps where the loggers read the device's values anyway. Tokens and FLOPs count the
-    whole global batch (all processes); MFU divides by world_size devices' peak.
+    Rates are over the steps since the last write, data loading included, validation not. On a GPU the window
+    ends with a device sync, at steps where the loggers read device values anyway. Tokens and FLOPs count the
+    global batch; MFU divides by world_size devices' peak.
     """
 
     def __init__(self, peak_flops: float | None = None) -> None:
