@@ -1,7 +1,4 @@
-"""Retrieval indices (installed as rlm.index): build, search with causal filters, narrow (PCA), store, shard and
-merge.
+"""Retrieval indices (installed as rlm.index): build, search with causal filters, narrow (PCA), store, shard.
 
-index/ knows nothing of plugins; it reaches embedders through the Embedder protocol. It imports only the core
-(rlm.data, rlm.plugin's Context, rlm.extras); its command line, rlm.index.cli, also loads checkpoints
-(rlm.train) and checks output folders (rlm.cli.check).
+It knows no plugin: embedders come in through the Embedder protocol (protocol.py).
 """

@@ -4,6 +4,4 @@ from rlm.extras import require
 
 faiss = require("faiss", "gpu", "retrieval indices", alternative="or pip install faiss-cpu, rlm's default")
 
-from faiss.contrib.ondisk import merge_ondisk  # noqa: E402  (after the import that names the extra)
-
-__all__ = ["faiss", "merge_ondisk"]
+__all__ = ["faiss"]

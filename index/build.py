@@ -1,8 +1,5 @@
-"""Build a vector index over segment embeddings: faiss factory strings, an automatic choice, GPU handling, and
-the tuning of nprobe/efSearch to a target recall against exact search (rlm.index.exact).
-
-Every index here uses inner product on L2-normalised vectors, i.e. cosine similarity.
-"""
+"""Build a vector index over segment embeddings: faiss factory strings, an automatic choice, GPU placement, and
+nprobe/efSearch tuned to a target recall against exact search. Inner product on unit vectors (cosine)."""
 
 from __future__ import annotations
 
@@ -24,12 +21,9 @@ from rlm.index.exact import (
     flat_vectors,
 )
 
-TORCH = "torch"
-"""Factory name of the exact torch search (no faiss index; the vectors themselves are the index)."""
-ADD_CHUNK = 65536
-"""Vectors added per faiss call (one progress-bar tick)."""
-MIN_POINTS_PER_CENTROID = 39
-"""faiss warns below 39 training points per k-means centroid; 'auto' never asks for fewer."""
+TORCH = "torch"  # factory name of the exact torch search: the vectors themselves are the index
+ADD_CHUNK = 65536  # vectors added per faiss call
+MIN_POINTS_PER_CENTROID = 39  # faiss warns below this many training points per k-means centroid
 
 
 @dataclass
@@ -75,7 +69,7 @@ class IndexConfig:
 
     @property
     def memory_budget_bytes(self) -> int:
-        """The budget in bytes."""
+        """memory_budget_gb in bytes."""
         return int(self.memory_budget_gb * 2**30)
 
 
@@ -92,7 +86,7 @@ class BuiltIndex:
     tuned_recall: float | None = None
     """Recall@tune_k measured on the tuning sample with search_params, when tuned."""
     on_gpu: bool = False
-    """Whether `index` lives on a GPU (move it to CPU before writing)."""
+    """Whether `index` lives on a GPU."""
 
     @property
     def ntotal(self) -> int:
@@ -113,15 +107,12 @@ def gpu_available() -> bool:
     return hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
 
 
-_GPU_RESOURCES: dict[int, Any] = {}
-"""One faiss StandardGpuResources per GPU this process uses (its temporary memory and streams, reused)."""
+_GPU_RESOURCES: dict[int, Any] = {}  # one faiss StandardGpuResources per GPU, reused
 
 
 def process_gpu() -> int | None:
-    """The one GPU this process's faiss indices go to: with several processes under torch.distributed, the GPU
-    torch uses (Lightning sets each rank's to its local rank); None for a single process, whose indices are
-    replicated over every visible GPU. Replicating each rank's index over every GPU would put W copies of
-    each rank's index on every GPU of a W-GPU node."""
+    """The GPU this process's faiss indices go to: under torch.distributed the rank's own (else every rank would
+    replicate its index over every GPU of the node); None for one process, which uses every visible GPU."""
     import torch
     import torch.distributed as dist
 
@@ -146,8 +137,7 @@ def cpu_to_gpu(index: Any) -> Any:
 
 
 def to_gpu(index: Any) -> tuple[Any, bool]:
-    """(index moved to this process's GPU(s), see cpu_to_gpu, True), or (index, False) for types faiss cannot
-    move (e.g. HNSW)."""
+    """(cpu_to_gpu(index), True), or (index, False) for types faiss cannot move (e.g. HNSW)."""
     try:
         return cpu_to_gpu(index), True
     except (RuntimeError, AttributeError) as err:
@@ -157,8 +147,7 @@ def to_gpu(index: Any) -> tuple[Any, bool]:
         return index, False
 
 
-GPU_MAX_K = 2048
-"""faiss GPU indices return at most this many results per query."""
+GPU_MAX_K = 2048  # faiss GPU indices return at most this many results per query
 
 
 def max_k(index: Any) -> int:
@@ -173,13 +162,9 @@ def nlist_for(n: int) -> int:
 
 
 def choose_factory(n: int, dim: int, memory_budget_bytes: int, flat_below: int = 32768) -> str:
-    """The faiss factory string 'auto' resolves to for n vectors of dimension dim.
-
-    Small collections get exact flat search. Larger ones get IVF with nlist_for(n) lists and the
-    richest codes that fit the budget: float32 (exact distances inside the probed lists; on 2 CPU cores
-    its scan was as fast as SQ8's), else 8-bit scalar quantisation (4x smaller, ~2-3% recall@10 lost
-    on unit vectors), else product quantisation with the most 1-byte sub-quantisers that fit.
-    """
+    """The faiss factory 'auto' resolves to: exact flat search for small n, else IVF with nlist_for(n) lists and
+    the richest codes that fit the budget: float32, else SQ8 (4x smaller), else PQ with the most 1-byte
+    sub-quantisers that fit."""
     if n <= 0 or dim <= 0:
         raise ValueError(f"need n > 0 vectors of dim > 0, got n={n}, dim={dim}")
     nlist = nlist_for(n)
@@ -194,53 +179,44 @@ def choose_factory(n: int, dim: int, memory_budget_bytes: int, flat_below: int =
     if m == 0 or n < 256:
         raise ValueError(
             f"{n} vectors of dim {dim} do not fit memory_budget_gb={memory_budget_bytes / 2**30:.3g} "
-            f"even as product-quantised codes; raise the budget or build in shards on disk"
+            f"even as product-quantised codes; raise the budget"
         )
     return f"IVF{nlist},PQ{m}"
 
 
-def min_train_size(index: faiss.Index) -> int:
-    """Fewest training vectors faiss accepts for this untrained index (IVF: nlist; PQ: 2**nbits)."""
-    need = 1
-    ivf = _ivf_or_none(index)
-    if ivf is not None:
-        need = max(need, ivf.nlist)
-    quantised = faiss.downcast_index(ivf if ivf is not None else index)
-    pq = getattr(quantised, "pq", None)
-    if pq is not None:
-        need = max(need, pq.ksub)
-    return need
-
-
-def _ivf_or_none(index: faiss.Index) -> Any:
+def ivf_of(index: Any) -> Any:
+    """The IndexIVF inside a faiss index (through pre-transforms and refinements), or None."""
     try:
         return faiss.extract_index_ivf(index)
     except RuntimeError:
         return None
 
 
-def make_faiss_index(factory: str, dim: int) -> faiss.Index:
-    """An empty inner-product faiss index from a factory string, with a clear error for a bad string."""
+def make_faiss_index(factory: str, dim: int, metric: int | None = None) -> faiss.Index:
+    """An empty faiss index (inner product unless `metric`) from a factory string; ValueError for a bad string."""
     try:
-        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT if metric is None else metric)
     except RuntimeError as err:
         raise ValueError(f"faiss cannot build factory string {factory!r} for dim {dim}: {err}") from None
 
 
-def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool | None = None) -> faiss.Index:
-    """Train `index` on `train` (on GPU when asked/available) and return it on the CPU."""
+def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool) -> faiss.Index:
+    """Train `index` on `train` (k-means on the GPU when `gpu`) and return it on the CPU."""
     if index.is_trained:
         return index
-    need = min_train_size(index)
+    ivf = ivf_of(index)
+    pq = getattr(faiss.downcast_index(ivf if ivf is not None else index), "pq", None)
+    need = max(
+        1, ivf.nlist if ivf is not None else 1, pq.ksub if pq is not None else 1
+    )  # IVF lists, PQ centroids
     if len(train) < need:
         raise ValueError(
             f"too few vectors to train {factory!r}: got {len(train)}, it needs at least {need} "
             f"(IVF lists / PQ centroids; faiss recommends {MIN_POINTS_PER_CENTROID}x per IVF list). "
             f"Use fewer IVF lists, factory 'Flat', or 'auto', which picks nlist <= n/{MIN_POINTS_PER_CENTROID}"
         )
-    ivf = _ivf_or_none(index)
-    if ivf is not None and (gpu if gpu is not None else gpu_available()):
-        # k-means on GPU is the expensive part of training (faiss's documented recipe).
+    if ivf is not None and gpu:
+        # k-means on GPU is the expensive part of training (faiss's documented recipe)
         ivf.clustering_index = cpu_to_gpu(faiss.IndexFlatIP(ivf.d))
     index.train(train)
     if ivf is not None:
@@ -249,8 +225,8 @@ def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool |
 
 
 def search_index(index: Any, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """index.search(queries, k), the same exact results; a batch of SCAN_QUERIES queries of a flat inner-product
-    faiss index on the CPU is scored by torch over its vectors."""
+    """index.search(queries, k); a batch of SCAN_QUERIES queries of a flat inner-product faiss index on the CPU
+    is scored by torch over its vectors instead (the same results)."""
     if isinstance(index, BuiltIndex):
         index = index.index
     lo, hi = SCAN_QUERIES
@@ -278,7 +254,7 @@ def set_search_params(index: Any, params: dict[str, int]) -> None:
 
 def tunable_param(index: Any) -> tuple[str, int] | None:
     """(name, largest useful value) of the speed/recall knob of this index, or None for exact ones."""
-    ivf = _ivf_or_none(index) if not isinstance(index, TorchExactIndex) else None
+    ivf = ivf_of(index) if not isinstance(index, TorchExactIndex) else None
     if ivf is not None:
         return "nprobe", int(ivf.nlist)
     if hasattr(faiss.downcast_index(index), "hnsw"):
@@ -299,13 +275,11 @@ def tune_search_params(
 ) -> tuple[dict[str, int], float]:
     """Smallest nprobe/efSearch whose recall@k on the sample reaches `target` (or the best one, with a warning).
 
-    `exact_ids` are the sample's exact top-(k+1) ids; each query's own id is dropped from both sides so
-    a query that finds itself is not counted as a hit (the neighbour tables exclude it too).
-    knob: tunable_param of the index's CPU version (a GPU index hides its IVF/HNSW structure); None: find it.
-    The sample are indexed vectors: for IVF their recall matches held-out queries' within ~0.01, but an HNSW
-    graph links them directly, so held-out queries see lower recall than tuned for (see benchmarks/index.py).
-    plateau: stop doubling once recall gains less than this (a product quantiser caps the recall: more lists
-    only cost time); apply: sets the parameter (default set_search_params).
+    `exact_ids` are the sample's exact top-(k+1) ids; each query's own id is dropped from both sides, as the
+    neighbour tables drop it. The sample are indexed vectors, which an HNSW graph links directly: held-out
+    queries see lower recall than tuned for. knob: tunable_param of the CPU index (a GPU index hides its
+    structure); plateau: stop doubling once recall gains less than this (a product quantiser caps recall);
+    apply: sets the parameter (default set_search_params).
     """
     knob = knob or tunable_param(index)
     if knob is None:
@@ -354,14 +328,8 @@ def _drop_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def build_index(
-    vectors: np.ndarray, config: IndexConfig | None = None, trained: Any = None, progress: bool = False
-) -> BuiltIndex:
-    """Build (train, add, tune) an index over `vectors`, row i getting id i.
-
-    `trained` is an already trained empty faiss index to add to (shared by sharded builds);
-    `progress` shows a bar while vectors are added.
-    """
+def build_index(vectors: np.ndarray, config: IndexConfig | None = None, progress: bool = False) -> BuiltIndex:
+    """Build (train, add, tune) an index over `vectors`, row i getting id i."""
     config = config or IndexConfig()
     x = as_unit_float32(vectors)
     n, dim = x.shape
@@ -371,10 +339,7 @@ def build_index(
     if factory == "auto":
         factory = choose_factory(n, dim, config.memory_budget_bytes, config.flat_below)
     use_gpu = gpu_available() if config.gpu is None else config.gpu
-    index = trained if trained is not None else make_faiss_index(factory, dim)
-    if index.d != dim:
-        raise ValueError(f"index dimension {index.d} != vectors dimension {dim}")
-    index = train_index(index, x, factory, use_gpu)
+    index = train_index(make_faiss_index(factory, dim), x, factory, use_gpu)
     knob = tunable_param(index)  # read on the CPU index, before a GPU copy hides its structure
     on_gpu = False
     if use_gpu:

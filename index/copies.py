@@ -1,21 +1,21 @@
 """Exact copies of indexed text: which indexed segments hold exactly the given tokens (SegmentHashes), and where
 in the indexed documents a run of tokens occurs (TextRuns).
 
-The causal filter of search.py knows a query by its segment id in the index's own table. A query from another text
-(an evaluation corpus, a generation prompt) has no such id, yet may copy a training document, at any offset; the
-retriever finds the copied place here and filters the query as that document's own (the retriever plugin's
-evaluation filter). Token rows are hashed (a polynomial hash of the row and its length, mod 2^64) once per memory;
-every hit is checked token by token, so a hash collision never counts as a copy.
+A query from another text (an evaluation corpus, a prompt) has no segment id for the causal filter, yet may copy a
+training document at any offset; the retriever finds the copied place here and filters the query as that
+document's own. Every hash hit is checked token by token, so a collision never counts as a copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 _BASE = 0x9E3779B97F4A7C15  # odd: the row hash is a polynomial in it, mod 2^64
 _LENGTH = 0xC2B2AE3D27D4EB4F  # mixes a segment's real length into its hash
+_CHUNK = 1 << 16  # rows hashed at a time
 
 
 def _powers(L: int) -> np.ndarray:
@@ -34,38 +34,44 @@ def row_hashes(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return h + np.asarray(lengths).astype(np.uint64) * np.uint64(_LENGTH)
 
 
+def _sorted_hashes(n: int, hash_of: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted hashes, the position in 0..n-1 of each) of n rows hashed _CHUNK at a time by hash_of(positions)."""
+    parts = np.array_split(np.arange(n), max(1, -(-n // _CHUNK)))
+    h = np.concatenate([np.zeros(0, dtype=np.uint64)] + [hash_of(p) for p in parts])
+    order = np.argsort(h, kind="stable")
+    return h[order], order
+
+
+def _hits(hashes: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(query row, position in hashes) of every entry of sorted `hashes` equal to a query hash h (N,)."""
+    lo, hi = np.searchsorted(hashes, h, "left"), np.searchsorted(hashes, h, "right")
+    count = hi - lo  # (N,) hits of each row
+    row = np.repeat(np.arange(len(h)), count)
+    return row, np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
+
+
 class SegmentHashes:
     """The hashes of some segments of a table (the indexed ones), sorted, to find exact copies."""
 
-    def __init__(self, segments: Any, ids: np.ndarray, chunk: int = 1 << 16) -> None:
-        self.segments = segments
-        """The table the ids are of (rlm.data.SegmentTable)."""
+    def __init__(self, segments: Any, ids: np.ndarray) -> None:
+        self.segments = segments  # rlm.data.SegmentTable
         ids = np.asarray(ids, dtype=np.int64)
-        h = np.concatenate(
-            [np.zeros(0, dtype=np.uint64)]
-            + [
-                row_hashes(segments.tokens(part), segments.length[part])
-                for part in np.array_split(ids, max(1, -(-len(ids) // chunk)))
-            ]
+        self.hashes, order = _sorted_hashes(
+            len(ids), lambda p: row_hashes(segments.tokens(ids[p]), segments.length[ids[p]])
         )
-        order = np.argsort(h, kind="stable")
-        self.hashes, self.ids = h[order], ids[order]
-        """Sorted hashes and the segment id of each."""
+        self.ids = ids[order]  # the segment id of each hash
 
     def find(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(which row, segment id) of every segment holding exactly the tokens of a row (N, L) of the given lengths
         (its padding aside); rows without a copy give none, rows with several give each."""
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-        h = row_hashes(tokens, lengths)
-        lo, hi = np.searchsorted(self.hashes, h, "left"), np.searchsorted(self.hashes, h, "right")
-        count = hi - lo  # (N,) hash hits of each row
-        row = np.repeat(np.arange(len(h)), count)
-        at = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
+        row, at = _hits(self.hashes, row_hashes(tokens, lengths))
         seg = self.ids[at]
         if not len(seg):
             return row, seg
-        L = tokens.shape[-1]
-        real = np.arange(L) < lengths[row][:, None]  # compare real tokens only: padding may differ
+        real = (
+            np.arange(tokens.shape[-1]) < lengths[row][:, None]
+        )  # compare real tokens only: padding may differ
         same = (self.segments.length[seg] == lengths[row]) & (
             (self.segments.tokens(seg) == tokens[row]) | ~real
         ).all(1)
@@ -76,7 +82,7 @@ class TextRuns:
     """Runs of `run` tokens of some documents, at every multiple of `stride` of each document, hashed: any text of
     at least run + stride - 1 tokens copied from one of them holds one of these runs whole."""
 
-    def __init__(self, segments: Any, docs: np.ndarray, run: int, stride: int, chunk: int = 1 << 16) -> None:
+    def __init__(self, segments: Any, docs: np.ndarray, run: int, stride: int) -> None:
         if run < 1 or stride < 1:
             raise ValueError(f"run={run} and stride={stride} must be positive")
         self.segments, self.run, self.stride = segments, run, stride
@@ -86,18 +92,11 @@ class TextRuns:
         n = np.maximum(segments.start[last] + segments.length[last] - start - run, -1) // stride + 1  # runs
         doc = np.repeat(docs, n)
         pos = (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)) * stride  # in the document
-        self.abs = np.repeat(start, n) + pos
-        """(N,) position of each run in the token array."""
-        h = np.concatenate(
-            [np.zeros(0, dtype=np.uint64)]
-            + [
-                row_hashes(self._tokens(part), np.full(len(part), run))
-                for part in np.array_split(np.arange(len(doc)), max(1, -(-len(doc) // chunk)))
-            ]
+        self.abs = np.repeat(start, n) + pos  # (N,) position of each run in the token array
+        self.hashes, order = _sorted_hashes(
+            len(doc), lambda p: row_hashes(self._tokens(p), np.full(len(p), run))
         )
-        order = np.argsort(h, kind="stable")
-        self.hashes, self.doc, self.pos, self.abs = h[order], doc[order], pos[order], self.abs[order]
-        """Sorted hashes; the document and the position in it of each run."""
+        self.doc, self.pos, self.abs = doc[order], pos[order], self.abs[order]
 
     def _tokens(self, i: np.ndarray) -> np.ndarray:
         """(len(i), run) tokens of runs i (in the order of self.abs)."""
@@ -109,10 +108,6 @@ class TextRuns:
         """(which row, document, position in it) of every indexed run holding exactly the tokens of a row
         (N, run)."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        h = row_hashes(tokens, np.full(len(tokens), self.run))
-        lo, hi = np.searchsorted(self.hashes, h, "left"), np.searchsorted(self.hashes, h, "right")
-        count = hi - lo
-        row = np.repeat(np.arange(len(h)), count)
-        at = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
+        row, at = _hits(self.hashes, row_hashes(tokens, np.full(len(tokens), self.run)))
         same = (self._tokens(at) == tokens[row]).all(1) if len(at) else np.zeros(0, dtype=bool)
         return row[same], self.doc[at[same]], self.pos[at[same]]

@@ -1,12 +1,9 @@
 """Searching an index on the device: faiss-gpu when it is installed, else torch over the index's own data (the
 exact TorchExactIndex for a flat index, TorchIVFIndex for an IVF one) when it fits in the device's memory.
 
-TorchIVFIndex, against faiss's own IVF search: the same coarse centroids, inverted lists and nprobe, so the same
-results, but the lists' codes are decoded once (sa_decode) into float32 vectors kept on the device, and every probed
-list is scored exactly against them; faiss scores IVF-PQ and IVF-SQ codes through lookup tables of the same inner
-products <q, centroid> + <q, decoded residual>, so the results agree up to float rounding. Only plain
-inner-product IVF indices are taken (IVF{n},Flat, SQ8, PQ{m}); anything wrapped around one (a pre-transform, a
-refinement) or another metric is refused.
+TorchIVFIndex keeps faiss's centroids, inverted lists and nprobe, but decodes the lists' codes once (sa_decode) to
+float32 vectors on the device and scores each probed list exactly: faiss's lookup tables compute the same
+<q, centroid> + <q, decoded residual>, so results agree up to float rounding. Plain inner-product IVF only.
 """
 
 from __future__ import annotations
@@ -21,20 +18,15 @@ from rlm.index._faiss import faiss
 from rlm.index.build import BuiltIndex, gpu_available, to_gpu
 from rlm.index.exact import TorchExactIndex, _is_gpu, flat_vectors
 
-DECODE_ROWS = 65536
-"""Vectors decoded per faiss sa_decode call while the lists are extracted (bounds the host copy)."""
-
-
-HEADROOM = 0.5
-"""A torch search goes to the device only if its tensors take at most this share of the device's free memory (the
-training step needs the rest)."""
+DECODE_ROWS = 65536  # vectors decoded per faiss sa_decode call (bounds the host copy)
+HEADROOM = (
+    0.5  # a torch search may take this share of the device's free memory; the training step needs the rest
+)
 
 
 def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
     """(what to search on ``device`` instead of ``index``, a phrase saying which search that is): faiss-gpu when it
-    is installed; else a torch search over the index's own data when it fits (HEADROOM); else ``index`` itself.
-
-    index: a BuiltIndex, faiss index or TorchExactIndex, on the CPU or already on a GPU."""
+    is installed; else a torch search over the index's own data when it fits (HEADROOM); else ``index`` itself."""
     factory = index.factory if isinstance(index, BuiltIndex) else None
     raw = index.index if isinstance(index, BuiltIndex) else index
     name = factory or type(raw).__name__
@@ -48,8 +40,10 @@ def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
             return moved, f"faiss-gpu ({name})"
     base = raw.vectors if isinstance(raw, TorchExactIndex) else flat_vectors(raw)
     need = None if base is None else base.shape[0] * base.shape[1] * 4
-    if base is None and plain_ivf(raw) is not None:
-        need = ivf_device_bytes(plain_ivf(raw))
+    if base is None and (ivf := plain_ivf(raw)) is not None:
+        need = (
+            int(ivf.ntotal) * (4 * ivf.d + 8) + int(ivf.nlist) * ivf.d * 4
+        )  # float32 vectors, int64 ids, centroids
     if need is None:
         return index, f"faiss-cpu ({name}: no torch search for this index type)"
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
@@ -74,11 +68,6 @@ def plain_ivf(index: Any) -> Any:
     return down
 
 
-def ivf_device_bytes(index: Any) -> int:
-    """Bytes TorchIVFIndex keeps on the device for a faiss IndexIVF: float32 vectors and int64 ids, centroids."""
-    return int(index.ntotal) * (4 * index.d + 8) + int(index.nlist) * index.d * 4
-
-
 class TorchIVFIndex:
     """Search a plain inner-product IVF faiss index (see plain_ivf) with torch on ``device``; nprobe is the faiss
     index's, read at every search, so set_search_params on it applies here too."""
@@ -93,13 +82,8 @@ class TorchIVFIndex:
                 f"the torch IVF search takes a plain inner-product IVF index (IVF{{n}},Flat, IVF{{n}},SQ8, "
                 f"IVF{{n}},PQ{{m}}), got {what!r}; use faiss-gpu, or the CPU search"
             )
-        # ivf is a view of ``index``'s C++ object: the wrapper is kept so that it stays alive
-        self._owner, self.faiss_index, self.device, self.chunk_elems = (
-            index,
-            ivf,
-            torch.device(device),
-            chunk_elems,
-        )
+        self._owner = index  # ivf is a view of its C++ object: kept so that it stays alive
+        self.faiss_index, self.device, self.chunk_elems = ivf, torch.device(device), chunk_elems
         sizes, ids, codes = _lists(ivf)
         self.ntotal, self.d, self.nlist = int(ivf.ntotal), int(ivf.d), int(ivf.nlist)
         self.centroids = torch.from_numpy(ivf.quantizer.reconstruct_n(0, self.nlist)).to(

@@ -1,8 +1,5 @@
-"""Exact search: the torch index that is both the always-available fallback and the reference every index's recall
-is measured against, and the unit-vector input check every index shares.
-
-Every index here uses inner product on L2-normalised vectors, i.e. cosine similarity.
-"""
+"""Exact inner-product search over unit vectors in torch: the fallback index and the reference every index's recall
+is measured against; and the unit-vector input check every index shares."""
 
 from __future__ import annotations
 
@@ -35,9 +32,9 @@ def as_unit_float32(x: np.ndarray | torch.Tensor, name: str = "vectors") -> np.n
 class TorchExactIndex:
     """Exact inner-product search in torch over (n, d) unit vectors; on CUDA when torch has it.
 
-    The vectors are copied to the device once, at the first search, and kept there (resident) until ``vectors`` is
-    assigned again: a search then moves only its queries and results. A memory-mapped base searched on the CPU, or
-    one the device has no room for, is instead read chunk by chunk at every search, so it never has to fit."""
+    The vectors are copied to the device at the first search and kept there until ``vectors`` is assigned again, so
+    a search moves only its queries and results. A memmap searched on the CPU, or a base the device has no room
+    for, is read chunk by chunk at every search instead, so it never has to fit."""
 
     def __init__(self, vectors: np.ndarray, device: str | None = None, chunk_elems: int = 2**25) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -123,10 +120,8 @@ class TorchExactIndex:
 
 
 SCAN_QUERIES = (16, 512)
-"""search_index answers between this many queries (inclusive) of an exact flat faiss index on the CPU with one
-torch matmul over the index's own vectors (no copy) instead of faiss. One matmul beats faiss's per-query path
-from about 16 queries (a retrieval training step's online lookups are a few dozen), and faiss's blocked BLAS
-search wins again from about a thousand (RESULTS.md, "Retrieval (MARGE)")."""
+"""search_index scores batches of this many queries (inclusive) of a flat faiss index on the CPU with one torch
+matmul over its vectors: faster than faiss's per-query path, slower than its blocked BLAS search on large batches."""
 
 
 def flat_vectors(index: Any) -> np.ndarray | None:

@@ -1,13 +1,7 @@
-"""Indices over raw vectors by squared L2 distance, for token-level datastores (kNN-LM).
-
-The segment indices of build.py compare unit vectors by inner product. A kNN-LM datastore (Khandelwal et al.
-2020) compares an LM's context states by L2 distance instead (the paper found L2 better than inner product),
-and holds one vector per token, so it is two orders of magnitude larger: its keys stream from an on-disk
-float16 array in chunks, never all in memory as float32.
-
-Factories: 'SQfp16' is exact search over float16 keys (2 bytes a dimension); 'IVF{nlist},PQ{m}' quantises
-each key to m bytes and scans nprobe of nlist lists, tuned at build time to a target recall@k against exact
-search on a sample of the keys. 'auto' picks exact below ``flat_below`` keys.
+"""Indices over raw vectors by squared L2 distance, for token-level kNN-LM datastores (Khandelwal et al. 2020,
+who found L2 better than inner product). One key per token: keys stream from an on-disk float16 array in chunks,
+never all in memory as float32. 'SQfp16' is exact over float16 keys; 'IVF{nlist},PQ{m}' scans nprobe of nlist
+lists of m-byte codes, tuned to a target recall@k against exact search.
 """
 
 from __future__ import annotations
@@ -22,15 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from rlm.index._faiss import faiss
-from rlm.index.build import set_search_params, tunable_param, tune_search_params
+from rlm.index.build import ivf_of, make_faiss_index, set_search_params, tunable_param, tune_search_params
 
-ADD_CHUNK = 65536
-"""Keys converted to float32 and added per faiss call."""
+ADD_CHUNK = 65536  # keys converted to float32 and added per faiss call
 EXACT = "SQfp16"
-REFINE_FACTOR = 4
-"""A refined index re-ranks this many times k candidates of its quantised search by exact distance."""
-PLATEAU = 0.005
-"""Tuning stops doubling nprobe once recall gains less than this (a product quantiser's ceiling)."""
+REFINE_FACTOR = 4  # a refined index re-ranks this many times k candidates of its quantised search exactly
+PLATEAU = (
+    0.005  # tuning stops doubling nprobe once recall gains less than this (a product quantiser's ceiling)
+)
 
 
 @dataclass
@@ -46,16 +39,14 @@ class L2Index:
 
     @property
     def ntotal(self) -> int:
+        """Number of indexed keys."""
         return int(self.index.ntotal)
 
 
 def choose_l2_factory(n: int, dim: int, flat_below: int = 1_000_000) -> str:
-    """'SQfp16' (exact, float16 keys) below ``flat_below`` keys, else IVF-PQ with ~8 keys' dims per code byte
-    whose candidates (REFINE_FACTOR x k of them) are re-ranked by their exact distances over float16 keys: the
-    kNN distribution is a softmax of distances, and PQ's approximate ones blur it.
-
-    nlist ~ 2*sqrt(n), a quarter of build.nlist_for's: each of the nlist centroids needs ~39 training keys, and
-    k-means over millions of 256-d keys with 4*sqrt(n) lists takes minutes on two CPU cores.
+    """'SQfp16' (exact) below ``flat_below`` keys, else IVF-PQ with ~8 dims per code byte whose REFINE_FACTOR x k
+    candidates are re-ranked by exact float16 distances: the kNN distribution is a softmax of distances, and PQ's
+    approximate ones blur it. nlist ~ 2*sqrt(n), half of build.nlist_for's: k-means over millions of keys is slow.
     """
     if n <= 0 or dim <= 0:
         raise ValueError(f"need n > 0 keys of dim > 0, got n={n}, dim={dim}")
@@ -138,21 +129,18 @@ def build_l2_index(
 
 def empty_l2_index(dim: int, factory: str) -> Any:
     """A new, untrained faiss L2 index of ``factory``; ValueError for a string faiss cannot build."""
-    try:
-        return faiss.index_factory(dim, factory, faiss.METRIC_L2)
-    except RuntimeError as err:
-        raise ValueError(f"faiss cannot build factory string {factory!r} for dim {dim}: {err}") from None
+    return make_faiss_index(factory, dim, faiss.METRIC_L2)
 
 
 def l2_train_size(index: Any, train_size: int = 131072) -> int:
     """Keys to train ``index`` on: ``train_size``, or more where an IVF needs >= 39 per centroid."""
-    ivf = _ivf(index)
+    ivf = ivf_of(index)
     return max(train_size, 40 * ivf.nlist if ivf is not None else 0)
 
 
 def train_l2_index(index: Any, factory: str, sample: np.ndarray) -> None:
     """Train ``index`` (its coarse quantiser and product quantiser) on float32 ``sample`` (S, d)."""
-    ivf = _ivf(index)
+    ivf = ivf_of(index)
     need = max(ivf.nlist if ivf is not None else 1, 256 if ",PQ" in factory else 1)
     if len(sample) < need:
         raise ValueError(
@@ -186,7 +174,7 @@ def tune_l2(
     if _refine(index) is not None:
         _refine(index).k_factor = REFINE_FACTOR
         built.search_params["k_factor"] = REFINE_FACTOR
-    knob = ("nprobe", _ivf(index).nlist) if _ivf(index) is not None else tunable_param(index)
+    knob = tunable_param(index)
     if target_recall is not None and knob is not None:
         qids = np.sort(rng.choice(n, size=min(n, tune_queries), replace=False))
         queries = np.asarray(keys[qids], dtype=np.float32)
@@ -198,13 +186,6 @@ def tune_l2(
         built.search_params.update(tuned)
 
 
-def _ivf(index: Any) -> Any:
-    try:
-        return faiss.extract_index_ivf(index)
-    except RuntimeError:
-        return None
-
-
 def _refine(index: Any) -> Any:
     down = faiss.downcast_index(index)
     return down if isinstance(down, faiss.IndexRefine) else None
@@ -212,8 +193,8 @@ def _refine(index: Any) -> Any:
 
 def apply_params(index: Any, params: dict[str, int]) -> None:
     """Set nprobe (on the IVF part, through a refinement wrapper) and k_factor (on the refinement)."""
-    if "nprobe" in params and _ivf(index) is not None:
-        _ivf(index).nprobe = int(params["nprobe"])
+    if "nprobe" in params and ivf_of(index) is not None:
+        ivf_of(index).nprobe = int(params["nprobe"])
     if "k_factor" in params and _refine(index) is not None:
         _refine(index).k_factor = float(params["k_factor"])
     rest = {k: v for k, v in params.items() if k not in ("nprobe", "k_factor")}
@@ -237,7 +218,7 @@ def search_l2(
         apply_params(index, params)
         return index.search(q, k)
     sel = faiss.IDSelectorNot(faiss.IDSelectorRange(int(exclude[0]), int(exclude[1])))
-    ivf = _ivf(index)
+    ivf = ivf_of(index)
     if ivf is not None:
         inner = faiss.SearchParametersIVF(sel=sel, nprobe=int(params.get("nprobe", ivf.nprobe)))
     else:

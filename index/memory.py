@@ -1,10 +1,5 @@
-"""A retrieval memory: an index over the training segments, its neighbour table and the rows it holds, as
-built and written by a rebuild and loaded again (by a resumed run, by validation and generation).
-
-It knows no plugin and no callback: the retriever's callback (plugins/_retrieval_rebuild.py) rebuilds on
-index/rebuild.py's schedule and index/sharded.py keeps one part per rank; both build on this module. A memory's
-owner (the retriever) implements ``MemoryOwner``.
-"""
+"""A retrieval memory: an index over the training segments, its neighbour table and the rows it holds, as a
+rebuild writes it and a resumed run, validation or generation loads it. Its owner implements ``MemoryOwner``."""
 
 from __future__ import annotations
 
@@ -39,8 +34,7 @@ from rlm.index.store import (
 )
 
 NEIGHBOURS, ROWS = "neighbours.npy", "rows.npy"
-SEARCH_DEVICES = ("cuda",)
-"""Device types whose models search the memory there (RetrievalMemory.place_search); a CPU model keeps faiss-cpu."""
+SEARCH_DEVICES = ("cuda",)  # device types whose models search the memory there; a CPU model keeps faiss-cpu
 CORPUS, DOC_OFFSETS, CORPUS_TOKENS = "corpus.json", "doc_offsets.npy", "corpus_tokens.npy"
 
 
@@ -66,18 +60,17 @@ class RetrievalMemory:
     path: Path | None = None
     """The index directory it was written to or loaded from."""
     recall: float | None = None
-    """Recall@tune_k of the index against exact search (tuned to the target; 1.0 for an exact index; None when
-    unmeasured)."""
+    """Recall@tune_k of the index against exact search (1.0 for an exact index; None when unmeasured)."""
     parts: list[str] | None = None
     """A sharded index (index/sharded.py): every rank's part directory, in rank order; None otherwise."""
     projection: Projection | None = None
-    """The PCA that narrowed the indexed vectors (index/projection.py); every query is narrowed by it. None: the
-    index holds the embedder's full-width vectors."""
+    """The PCA that narrowed the indexed vectors, and narrows every query; None: full width."""
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
     _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
-    _searched: tuple[torch.device, Any] | None = field(default=None, init=False, repr=False)
-    """(device, the index searched there) once place_search has run."""
+    _searched: tuple[torch.device, Any] | None = field(
+        default=None, init=False, repr=False
+    )  # by place_search
     collective: ClassVar[bool] = False
     """Whether search is a collective that every rank calls together (a sharded index)."""
 
@@ -107,9 +100,8 @@ class RetrievalMemory:
         return self._copies["text"]
 
     def place_search(self, device: torch.device) -> None:
-        """Search on ``device`` from now on when it is one of SEARCH_DEVICES (index/device_search.py: faiss-gpu, else
-        a torch search over the index's own data when it fits), saying which on stderr once; a sharded memory keeps
-        its parts' search."""
+        """Search on ``device`` from now on when it is one of SEARCH_DEVICES (device_index), saying how on stderr
+        once; a sharded memory keeps its parts' search."""
         if self.collective or device.type not in SEARCH_DEVICES:
             return
         if self._searched is None or self._searched[0] != device:
@@ -128,9 +120,8 @@ class RetrievalMemory:
     def search_scored(
         self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
     ) -> Neighbours:
-        """As search, with the scores, and excluding the given ranges of global ids (Exclusions over global ids
-        lo <= id < hi instead of rows; Neighbours.excluded counts what the counted ones took). The queries are
-        full width: the index's projection narrows them."""
+        """As search, with the scores, excluding the given ranges of global ids (Exclusions over global ids
+        instead of rows). The queries are full width: the index's projection narrows them."""
         rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
         found = search_neighbours(
             self.index if self._searched is None else self._searched[1],
@@ -165,9 +156,6 @@ class MemoryOwner(Protocol):
     def use_memory(self, memory: RetrievalMemory | None) -> None:
         """Take a new memory (an atomic swap)."""
         ...
-
-
-# ----- building, writing, loading -----
 
 
 def indexed_rows(segments: Any, docs: np.ndarray) -> np.ndarray:
@@ -208,10 +196,7 @@ def build_memory(
     projection: Projection | None = None,
 ) -> RetrievalMemory:
     """Index the rows' vectors, find every row's k causal neighbours (table=False: no table, the owner searches
-    online), and write it all to `path` (atomically).
-
-    projection: the PCA the vectors were already narrowed by (index/projection.py); it is written beside the
-    index and recorded in its embedder identity, and narrows every query."""
+    online), and write it all to `path` atomically. projection: the PCA the vectors were already narrowed by."""
     identity = with_projection(identity, projection)
     built = build_index(vectors, index_config)
     recall = built.tuned_recall
@@ -223,17 +208,7 @@ def build_memory(
         found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
         neighbours = np.full((len(segments), k), -1, dtype=np.int64)
         neighbours[rows] = np.where(found >= 0, rows[np.maximum(found, 0)], -1)
-    if path is not None:
-        with atomic_dir(path) as tmp:
-            if neighbours is not None:
-                _save_npy(tmp / NEIGHBOURS, neighbours)
-            _save_npy(tmp / ROWS, rows)
-            save_corpus_ref(tmp, segments)
-            if projection is not None:
-                projection.save(tmp)
-            extra = {"k": k, "recall": recall, "target_recall": index_config.target_recall}
-            write_dir_contents(tmp, built, index_segments, segments.fingerprint, identity, vectors, extra)
-    return RetrievalMemory(
+    memory = RetrievalMemory(
         segments,
         rows,
         built,
@@ -241,16 +216,35 @@ def build_memory(
         neighbours,
         identity,
         step,
-        None if path is None else path.resolve(),
-        recall,
+        recall=recall,
         projection=projection,
     )
+    if path is not None:
+        extra = {"k": k, "recall": recall, "target_recall": index_config.target_recall}
+        write_memory(path, memory, vectors, extra)
+    return memory
+
+
+def write_memory(path: Path, memory: RetrievalMemory, vectors: np.ndarray, extra: dict[str, Any]) -> None:
+    """Write a memory (its index over `vectors`, table, rows, corpus reference, projection) to `path` atomically,
+    and set memory.path."""
+    with atomic_dir(path) as tmp:
+        if memory.neighbours is not None:
+            _save_npy(tmp / NEIGHBOURS, memory.neighbours)
+        _save_npy(tmp / ROWS, memory.rows)
+        save_corpus_ref(tmp, memory.segments)
+        if memory.projection is not None:
+            memory.projection.save(tmp)
+        fingerprint = memory.segments.fingerprint
+        write_dir_contents(
+            tmp, memory.index, memory.index_segments, fingerprint, memory.identity, vectors, extra
+        )
+    memory.path = Path(path).resolve()
 
 
 def save_corpus_ref(tmp: Path, segments: Any) -> None:
-    """Say where the segments' tokens are, so the memory can be loaded without the data module (generation).
-
-    A memory-mapped token array (the data module's cache) is referenced by file; any other is copied."""
+    """Say where the segments' tokens are, so the memory loads without the data module (generation): a memmap (the
+    data cache) by its file, any other array copied."""
     doc_offsets = np.append(segments.start[segments.first[:-1]], segments.start[-1] + segments.length[-1])
     _save_npy(tmp / DOC_OFFSETS, doc_offsets)
     tokens = segments.corpus_tokens
@@ -288,10 +282,8 @@ def load_corpus_ref(path: Path) -> SegmentTable:
 
 
 def copy_memory(src: str | Path, dst: Path) -> dict[str, Any]:
-    """Copy a written memory to ``dst`` (a new folder) so that it stands alone: corpus tokens it references in a
-    data cache (save_corpus_ref) are copied in, and its checksums rewritten to match. Returns its metadata.
-
-    The source is verified first; one part of a sharded index is refused (its parts live in other folders)."""
+    """Copy a verified memory to a new folder ``dst`` that stands alone: corpus tokens it references in a data cache
+    are copied in and its checksums rewritten. Returns its metadata. One part of a sharded index is refused."""
     src = Path(src)
     meta = read_meta(src, verify=True)
     if "shard" in meta:

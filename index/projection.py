@@ -1,18 +1,11 @@
-"""The narrow embedding: a PCA projection of the index's vectors, fitted at each rebuild.
+"""The narrow embedding: a PCA projection of the index's vectors, fitted at each rebuild, so the index holds m
+dims instead of d_model: y = normalise(V_m^T x), V_m the top-m eigenvectors of the second moments X^T X of a sample
+of the vectors (PCA without centring). Not centred, because the search ranks by inner products of unit vectors and
+x . y keeps the shared mean direction's part mu . y, which centring drops (benchmarks/narrow_embedding.py compares
+them). ``Projection.mean`` stays in the format (zero from this fit), so a centred projection still applies.
 
-At 1B segments the embedder's d_model-wide vectors are terabytes; only the search needs them, so the index holds
-them narrowed to m dims: y = normalise(V_m^T x), V_m the top-m eigenvectors of the second-moment matrix X^T X of a
-sample of the vectors about to be indexed (PCA without centring). Not centred, because the search ranks by inner
-products of unit vectors, and x . y keeps the shared mean direction's part mu . y, which centring drops: on the
-trained e(.) of the default corpus (300 steps, d 256, benchmarks/narrow_embedding.py) the uncentred projection
-keeps recall@10 0.894 of the full-width exact search at half width, the centred one 0.813, a random projection
-0.684. The results are renormalised so the index keeps unit vectors and inner-product scores (merged across parts
-as before). ``Projection.mean`` stays in the format (zeros from this fit), so a stored centred projection still
-applies as it was fitted.
-
-The projection is stored in the index directory (PROJECTION) and recorded in the embedder identity of its
-metadata (``identity["projection"]``), so an index is searched only with its own projection: a query of another
-width is refused here, and an index of another projection (or none) by the identity check on load.
+The projection is stored in the index directory (PROJECTION) and recorded in the embedder identity of its metadata
+(``identity["projection"]``), so an index is searched only with its own projection.
 """
 
 from __future__ import annotations
@@ -25,15 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-PROJECTION = "projection.npz"
-"""The file beside an index that holds its projection (absent: the index is full width)."""
-SAMPLE = 65_536
-"""Vectors the PCA is fitted on (all of them below this): a D x D covariance from 64k rows is stable for the
-top few hundred directions and costs seconds even at D 2048."""
-APPLY_CHUNK = 65_536
-"""Rows narrowed at a time (bounds the centred full-width copy to 0.5 GB at D 2048)."""
-AUTO_DIM = 256
-"""index_dim 'auto' narrows to this width (half the embedding width where that is smaller)."""
+PROJECTION = "projection.npz"  # beside an index; absent: the index is full width
+SAMPLE = (
+    65_536  # vectors the PCA is fitted on: enough for a stable D x D covariance's top few hundred directions
+)
+APPLY_CHUNK = 65_536  # rows narrowed at a time (bounds the centred full-width copy)
+AUTO_DIM = 256  # index_dim 'auto' narrows to this width (half the embedding width where that is smaller)
 
 
 @dataclass(frozen=True)
@@ -66,7 +56,7 @@ class Projection:
                 "the queries must come from the embedder that built the index (full width, before projection)"
             )
         y = np.empty((len(x), self.dim), dtype=np.float32)
-        for lo in range(0, len(x), APPLY_CHUNK):  # in chunks: no full-width centred copy of a rank's share
+        for lo in range(0, len(x), APPLY_CHUNK):
             part = (x[lo : lo + APPLY_CHUNK] - self.mean) @ self.components.T  # (chunk, m)
             y[lo : lo + APPLY_CHUNK] = part / np.maximum(np.linalg.norm(part, axis=1, keepdims=True), 1e-12)
         return y
@@ -92,14 +82,9 @@ def load_projection(directory: str | Path) -> Projection | None:
         return Projection(f["mean"].astype(np.float32), f["components"].astype(np.float32))
 
 
-def projection_identity(projection: Projection | None) -> dict[str, Any] | None:
-    """What the embedder identity records of a projection: its identity(), None for full width."""
-    return None if projection is None else projection.identity()
-
-
 def with_projection(identity: dict[str, Any], projection: Projection | None) -> dict[str, Any]:
     """The embedder identity of the vectors an index holds: the embedder's, and the projection applied to them."""
-    return {**identity, "projection": projection_identity(projection)}
+    return {**identity, "projection": None if projection is None else projection.identity()}
 
 
 def check_index_dim(setting: int | str | None) -> None:
@@ -148,6 +133,5 @@ def fit_pca(sample: np.ndarray, m: int) -> Projection:
 
 
 def fit_projection(vectors: np.ndarray, m: int, sample: int = SAMPLE) -> Projection:
-    """fit_pca on up to `sample` evenly spaced rows of (n, D) vectors (one process; see
-    rlm.index.sharded.fit_projection_across_ranks for several)."""
+    """fit_pca on up to `sample` evenly spaced rows of (n, D) vectors (one process)."""
     return fit_pca(vectors[sample_rows(len(vectors), sample)], m)

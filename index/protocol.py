@@ -1,5 +1,5 @@
-"""The embedder protocol the retriever plugin implements, the batched embedding loop, and a mean-pool
-embedder over any core transformer (the stand-in until the retriever exists)."""
+"""The embedder protocol the retriever plugin implements, the batched embedding loop, and a mean-pool embedder over
+any core transformer."""
 
 from __future__ import annotations
 
@@ -70,10 +70,6 @@ class _Stop(Exception):
     """Raised by the capture hook: nothing after the chosen block needs computing."""
 
 
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def weights_hash(module: nn.Module) -> str:
     """Hash of every parameter and buffer (names, shapes, values) of a module."""
     h = hashlib.sha256()
@@ -86,9 +82,8 @@ def weights_hash(module: nn.Module) -> str:
 class MeanPoolEmbedder:
     """Mean over real tokens of the hidden state after block `layer` of a core Transformer, L2-normalised.
 
-    The hidden state is captured with a forward hook on blocks[layer], so the embedding and stack slots run
-    exactly as in training, whatever plugins fill them; the hook stops the pass there, so later blocks
-    and the head cost nothing.
+    A forward hook on blocks[layer] captures it, so the slots run exactly as in training whatever plugins fill
+    them, and stops the pass there, so later blocks and the head cost nothing.
     """
 
     def __init__(self, model: nn.Module, layer: int = -1, step: int = 0, name: str = "meanpool") -> None:
@@ -134,7 +129,7 @@ class MeanPoolEmbedder:
         )
         return {
             "name": f"{self.name}@{self.layer}",
-            "config_hash": _sha(config.encode()),
+            "config_hash": hashlib.sha256(config.encode()).hexdigest()[:16],
             "weights_hash": weights_hash(self.model),
             "step": int(self.step),
         }

@@ -1,7 +1,6 @@
-"""What schedules and serves the retriever's index rebuilds without knowing the retriever: the schedule grammar
-(Schedule), whether a rebuild keeps one part per rank (shards), the CUDA stream a background rebuild embeds on
-(rebuild_stream), and loading a written memory for online search (load_memory_for_search). The callback that
-rebuilds on the schedule is the retriever's (plugins/_retrieval_rebuild.py).
+"""What schedules and serves the retriever's index rebuilds without knowing the retriever: the schedule grammar, whether
+a rebuild keeps one part per rank, the CUDA stream a background rebuild embeds on, and loading a written memory for
+online search. The callback itself is the retriever's (plugins/_retrieval_rebuild.py).
 """
 
 from __future__ import annotations
@@ -22,9 +21,6 @@ def shards(sharded: bool | str, world: int, rows: int, shard_above: int) -> bool
     if world <= 1:
         return False
     return rows >= shard_above if sharded == "auto" else bool(sharded)
-
-
-# ----- the schedule -----
 
 
 @dataclass(frozen=True)
@@ -76,10 +72,9 @@ class Schedule:
 
 
 def rebuild_stream() -> torch.cuda.Stream | None:
-    """A CUDA stream for the background rebuild, so that its embedding forward neither queues behind the training
-    step's kernels nor makes the step's syncs wait for its own (a thread otherwise shares the default stream); it
-    starts after the work queued so far (the snapshot's copy of the weights). On this process's GPU (Lightning sets
-    each rank's current device); None without CUDA."""
+    """A CUDA stream for the background rebuild, so that its embedding neither queues behind the training step's
+    kernels nor makes the step's syncs wait for its own; it starts after the work queued so far (the snapshot's copy
+    of the weights). None without CUDA."""
     if not torch.cuda.is_available():
         return None
     stream = torch.cuda.Stream()
@@ -87,12 +82,9 @@ def rebuild_stream() -> torch.cuda.Stream | None:
     return stream
 
 
-# ----- what the plugin reads -----
-
-
 def load_memory_for_search(path: str | Path) -> RetrievalMemory:
     """Load a written memory with its own segment table, for online search (validation, generation); a part of
-    a sharded index is loaded with every other part (index/sharded.py)."""
+    a sharded index is loaded with every other part."""
     path = Path(path)
     if "shard" in load_index_dir(path).meta:
         return load_parts_for_search(path)

@@ -1,15 +1,10 @@
 """Batched, filtered search of a whole table of queries: the retriever's neighbour tables.
 
-Filters follow MARGE for causal LMs (Komatsuzaki 2020): the neighbours of segment S_t condition the
-prediction of S_{t+1}, so a query segment must never retrieve itself, its target S_{t+1}, or any later
-segment of its own document; its earlier segments S_0..S_{t-1} and every other document are allowed.
-Filtering is over-fetch-and-filter with a refill loop: rows left with fewer than k allowed results are
-searched again with twice the fetch size, until they are full or the index has nothing more to give, so
-the result equals filtering the index's full ranking.
-
-Exclusions add row ranges that some queries must not find, beyond the causal filter: the retriever's exact-copy
-filter for queries from outside the index's segment table (rlm.index.copies). Those marked counted are counted as
-they remove results (a query's first k results without them, that they take away).
+Filters follow MARGE for causal LMs (Komatsuzaki 2020): the neighbours of segment S_t condition the prediction of
+S_{t+1}, so a query segment never retrieves itself, its target S_{t+1}, or any later segment of its document; its
+earlier segments and every other document are allowed. Over-fetch and filter, then refill: rows left with fewer than
+k allowed results are searched again with twice the fetch size, so the result equals filtering the full ranking.
+Exclusions add row ranges some queries must not find (the retriever's exact-copy filter, rlm.index.copies).
 """
 
 from __future__ import annotations
@@ -78,11 +73,6 @@ class Exclusions:
             raise ValueError(
                 f"exclusions of unequal lengths: {len(self.query)}, {len(self.lo)}, {len(self.hi)}"
             )
-
-    @classmethod
-    def none(cls) -> Exclusions:
-        """No exclusion."""
-        return cls(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0, dtype=bool))
 
     def __len__(self) -> int:
         return len(self.query)
@@ -153,11 +143,9 @@ def search_neighbours(
 ) -> Neighbours:
     """Top-k neighbours of every query, filtered (see the module docstring).
 
-    index: anything with search(x, k) -> (scores, ids) and ntotal (faiss index, BuiltIndex, TorchExactIndex).
-    queries: (Q, d) vectors; query_ids: (Q,) segment id of each query (-1: not a segment, no filter);
-    None means query q is segment q (a neighbour table of the whole index).
-    fetch: first fetch size per query (default 2k + 8, enough for most rows; the rest are refilled).
-    exclusions: row ranges given queries must not find (Neighbours.excluded counts what the counted ones removed).
+    index: anything with search(x, k) -> (scores, ids) and ntotal. queries: (Q, d); query_ids: (Q,) segment id of
+    each query (-1: not a segment, no filter), None: query q is segment q. fetch: first fetch size per query
+    (default 2k + 8; short rows are refilled). exclusions: row ranges given queries must not find.
     """
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")

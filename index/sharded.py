@@ -1,27 +1,13 @@
-"""An index sharded across the ranks of a process group, as Atlas's distributed index is (Izacard et al. 2022,
-section 'Efficient retriever fine-tuning'): no rank holds every vector and no shared filesystem is needed.
+"""An index sharded across the ranks of a process group, as Atlas's distributed index (Izacard et al. 2022,
+'Efficient retriever fine-tuning'): no rank holds every vector and no shared filesystem is needed.
 
-How it differs from the 1-process memory of rebuild.py (``RetrievalMemory``): rank r embeds the contiguous
-share ``shard_range(R, r, world)`` of the R indexed segments, builds an index over that share only and
-writes it to its own directory ``<step dir>/rank-RRRRR-of-WWWWW`` (atomically, verified on load).
-A search is a collective: the queries of every rank are all-gathered, each rank searches its part with the
-causal filter of search.py (a query never finds its own segment, its target or a later segment of its
-document; the query's document and offset are known on every rank from the full segment table), the
-per-part top-k (scores, global ids) go back to the rank that asked (one all_to_all: ``search_scored``; a
-rebuild's table, which every rank keeps whole, all-gathers them: ``search_all``), and it merges them into the
-global top-k.
-The union of the parts' top-k allowed results contains the global top-k allowed ones, so for an exact index
-('torch' or 'Flat') the merged result equals the 1-process search; equal scores are ordered by global id.
-
-The neighbour table of a rebuild is the same collective over every indexed segment, in chunks: every rank
-ends with the whole (S, k) table (small next to the vectors: 8k bytes per segment).
-
-Every rank must call ``ShardedMemory.search`` together, with any number of queries (zero included).
-
-What a rank holds: its R/world vectors and their index (instead of all R of each, gathered), the (S, k) table,
-and, while a table is built, world * TABLE_CHUNK gathered query vectors and their (world, world * TABLE_CHUNK, k)
-per-part results. Outside training, one process can load every part and search them as one (load_parts_for_search),
-where the part directories are reachable.
+Rank r embeds the contiguous share ``shard_range(R, r, world)`` of the R indexed segments, indexes that share only
+and writes it to ``<step dir>/rank-RRRRR-of-WWWWW``. A search is a collective: every rank's queries are
+all-gathered, each rank searches its part with the causal filter of search.py (the query's document and offset
+are known on every rank from the full segment table), and the per-part top-k are merged into the global top-k:
+the union of the parts' top-k allowed results holds the global top-k, so an exact index gives the 1-process
+result; equal scores are ordered by global id. A rebuild's neighbour table is the same collective over every
+indexed segment, in chunks; every rank keeps the whole (S, k) table.
 """
 
 from __future__ import annotations
@@ -37,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlm.index.build import BuiltIndex, IndexConfig, build_index
-from rlm.index.memory import NEIGHBOURS, ROWS, RetrievalMemory, load_part_memory, load_table, save_corpus_ref
+from rlm.index.memory import ROWS, RetrievalMemory, load_part_memory, load_table, write_memory
 from rlm.index.projection import SAMPLE, Projection, fit_pca, sample_rows, with_projection
 from rlm.index.protocol import shard_range
 from rlm.index.search import Exclusions, Neighbours, search_neighbours
@@ -45,19 +31,14 @@ from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.store import (
     IndexMismatchError,
     IndexNotFoundError,
-    _save_npy,
-    atomic_dir,
     load_index_dir,
     read_meta,
-    write_dir_contents,
 )
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-TABLE_CHUNK = 4096
-"""Query vectors each rank contributes per round while the neighbour table is built (bounds the gathered
-(world * chunk, d) queries and (world, world * chunk, k) results)."""
+TABLE_CHUNK = 4096  # queries a rank adds per round of a table build: bounds the (world * chunk, d) gathered
 
 
 def part_dir(step_dir: Path, rank: int, world: int) -> Path:
@@ -66,7 +47,7 @@ def part_dir(step_dir: Path, rank: int, world: int) -> Path:
 
 
 def _device() -> torch.device:
-    # nccl moves CUDA tensors only; gloo moves CPU tensors
+    """The device collectives move tensors on: nccl moves CUDA tensors only, gloo CPU tensors."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -96,10 +77,9 @@ def merge_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray,
 
 
 def route_to_askers(part: Neighbours, counts: list[int], k: int) -> Neighbours:
-    """Collective: send each rank the rows of this part's (sum Q_r, k) results that answer its queries (rank r's
-    are rows sum Q_<r .. + Q_r), and receive every part's answer to this rank's Q_me queries: (world, Q_me, k)
-    ids and scores, and (world, Q_me) exclusion counts when the part has them. One all_to_all_single of int64
-    rows (ids, the scores' float32 bits, the count), so a rank receives only its own queries' results."""
+    """Collective: send each rank the rows of this part's (sum Q_r, k) results that answer its queries, and receive
+    every part's answer to this rank's Q_me queries: (world, Q_me, k) ids and scores, (world, Q_me) exclusion
+    counts. One all_to_all_single of int64 rows (ids, the scores' float32 bits, the count)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
     bits = np.ascontiguousarray(part.scores, dtype=np.float32).view(np.int32).astype(np.int64)
     excluded = np.zeros(len(part.ids), dtype=np.int64) if part.excluded is None else part.excluded
@@ -115,9 +95,8 @@ def route_to_askers(part: Neighbours, counts: list[int], k: int) -> Neighbours:
 
 @dataclass
 class ShardedMemory(RetrievalMemory):
-    """This rank's part of a sharded index (rows, index, index_segments: the part) and the whole neighbour table.
-
-    path is this rank's part directory; parts lists every rank's, in rank order."""
+    """This rank's part of a sharded index (rows, index, index_segments, path: the part's) and the whole neighbour
+    table; parts lists every rank's directory."""
 
     rank: int = 0
     """This process's rank in the default process group."""
@@ -144,9 +123,7 @@ class ShardedMemory(RetrievalMemory):
         the exclusions' ranges of global ids."""
         R = len(self.rows)
         safe = np.maximum(query_ids, 0)
-        inside = (query_ids >= 0) & self.indexed[
-            safe
-        ]  # as in 1 process: a query that is not indexed is outside
+        inside = (query_ids >= 0) & self.indexed[safe]  # as in 1 process: a query not indexed is outside
         local = np.where(inside, self.row_of[safe], -1)  # the query's own row when this part holds it
         # queries held by another part: appended to this part's segment table, so the filter knows their
         # (document, offset); they are no row of this index, so exclude_self never matches them
@@ -196,9 +173,8 @@ class ShardedMemory(RetrievalMemory):
     ) -> tuple[list[np.ndarray], Neighbours]:
         """Collective: (every rank's query ids, in rank order; the merged (sum Q_r, k) neighbours of all of them).
 
-        With exclusions (every rank must pass some, or none), Neighbours.excluded sums the parts' counts: with
-        several parts, an upper bound of what the exclusions took from the merged top k. projected: the queries
-        are already in the index's width (a rebuild's table: the indexed vectors themselves)."""
+        Neighbours.excluded sums the parts' counts: an upper bound of what the exclusions took from the merged
+        top k. projected: the queries are already in the index's width (a rebuild's table)."""
         all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions, projected)
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k) each
         if len(all_q) == 0:
@@ -214,11 +190,8 @@ class ShardedMemory(RetrievalMemory):
     ) -> Neighbours:
         """Collective: this rank's queries' neighbours (as RetrievalMemory.search_scored, over all parts).
 
-        Routed per rank, as Atlas routes its distributed index's results: the queries are all-gathered (every
-        part must score every query), but each part sends each rank only the top-k of that rank's own queries
-        (one all_to_all), and each rank merges its own. A rank receives W x Q_r x k results instead of every
-        rank's W x (sum Q) x k: 1/W of search_all's traffic (at 64 ranks x 256 queries x k 2: 0.66 MB against
-        25 MB per step and rank), and merges 1/W of the queries."""
+        As Atlas routes its results: every part scores every query, but sends each rank only the top-k of its own
+        queries (route_to_askers), so a rank receives W x Q_r x k results, 1/W of search_all's traffic."""
         all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions)
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k)
         if len(all_q) == 0:
@@ -243,9 +216,8 @@ def build_sharded_memory(
     projection: Projection | None = None,
 ) -> ShardedMemory:
     """Collective: index this rank's share of the rows' vectors (shard_range order), build the whole neighbour table
-    with every part (table=False: none, the owner searches online), and write this rank's part (with the table)
-    to part_dir(step_dir, rank, world), atomically. projection: the PCA every rank's share was already narrowed
-    by (fit_projection_across_ranks: the same on every rank), stored with each part."""
+    with every part (table=False: none), and write this rank's part to part_dir(step_dir, rank, world).
+    projection: the PCA every rank's share was already narrowed by (fit_projection_across_ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     identity = with_projection(identity, projection)
     if len(rows) < world:
@@ -280,25 +252,9 @@ def build_sharded_memory(
         memory.neighbours[np.concatenate(ids_by_rank)] = found.ids
     if step_dir is not None:
         path = part_dir(step_dir, rank, world)
-        with atomic_dir(path) as tmp:
-            if table:
-                _save_npy(tmp / NEIGHBOURS, memory.neighbours)
-            _save_npy(tmp / ROWS, mine)
-            save_corpus_ref(tmp, segments)
-            if projection is not None:
-                projection.save(tmp)
-            shard_meta = {"rank": rank, "world": world, "rows_total": len(rows)}
-            write_dir_contents(
-                tmp,
-                built,
-                memory.index_segments,
-                segments.fingerprint,
-                identity,
-                shard,
-                {"k": k, "shard": shard_meta},
-            )
+        shard_meta = {"rank": rank, "world": world, "rows_total": len(rows)}
+        write_memory(path, memory, shard, {"k": k, "shard": shard_meta})
         read_meta(path)  # verify: every file listed in meta.json is there, full size
-        memory.path = path.resolve()
         memory.parts = [str(part_dir(step_dir, r, world).resolve()) for r in range(world)]
     return memory
 
@@ -382,7 +338,7 @@ def load_parts_for_search(path: str | Path) -> RetrievalMemory:
             f"the parts of the sharded index at {path.parent} were narrowed by different projections ({kinds}): "
             "they cannot be searched as one; rebuild it"
         )
-    memory = RetrievalMemory(
+    return RetrievalMemory(
         first.segments,
         np.concatenate([p.rows for p in parts]),
         BuiltIndex(PartsIndex([p.index for p in parts]), "parts"),
@@ -396,20 +352,16 @@ def load_parts_for_search(path: str | Path) -> RetrievalMemory:
         path.resolve(),
         projection=first.projection,
     )
-    return memory
-
-
-# ----- the projection every rank narrows by -----
 
 
 def fit_projection_across_ranks(
     shard: np.ndarray, m: int | Callable[[int], int], sample: int = SAMPLE
 ) -> Projection:
-    """Collective: the PCA (index/projection.py) of a sample of every rank's vectors, the same on every rank.
+    """Collective: the PCA of a sample of every rank's vectors, the same on every rank.
 
-    Each rank contributes sample / world of its (n_r, D) shard's rows (evenly spaced; an empty shard none), the
-    samples are all-gathered, rank 0 fits and broadcasts, so every part projects bit for bit alike. m: the width,
-    or a function of the vectors' width D (known to every rank after the gather, even one with an empty shard)."""
+    Each rank contributes sample / world evenly spaced rows of its (n_r, D) shard; rank 0 fits on the gathered
+    sample and broadcasts, so every part projects bit for bit alike. m: the width, or a function of the width D
+    (known to every rank after the gather, even one with an empty shard)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
     width = max(int(w[0]) for w in all_gather_rows(np.array([shard.shape[1] if len(shard) else 0])))
     m = m(width) if callable(m) else m
@@ -423,9 +375,6 @@ def fit_projection_across_ranks(
     dist.broadcast(packed, src=0)
     packed = packed.cpu().numpy()
     return Projection(packed[0].copy(), packed[1:].copy())
-
-
-# ----- the whole-index rebuild under DDP: one table on every rank, every rank's vectors gathered -----
 
 
 def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None:

@@ -4,20 +4,18 @@ Layout of DIR:
     meta.json           count, dim, metric, factory, search params, corpus fingerprint, embedder identity,
                         and the byte size of every other file (checked on load); written last
     index.faiss         the faiss index (absent for the exact 'torch' index)
-    index.ivfdata       inverted lists of an index merged on disk from shards (see shards.py)
     vectors.npy         the L2-normalised vectors (optional for faiss indices; needed by 'eval')
     segment_doc.npy     (S,) document id of each segment id
     segment_offset.npy  (S,) token offset of each segment in its document
     rows.npy            (S,) the corpus's global segment id of each index row, when only some are indexed
     projection.npz      the PCA that narrowed the vectors (index/projection.py), when the index is narrowed
 
-A directory is written under a temporary sibling name and renamed into place, so a crash mid-write never
-leaves a directory at DIR that loads (faiss contrib/ checkpoints follow the same write-then-rename rule).
+A directory is written under a temporary sibling name and renamed into place, so a crash mid-write never leaves a
+directory at DIR that loads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -49,13 +47,11 @@ from rlm.index.projection import Projection, load_projection
 from rlm.index.search import Neighbours, SegmentTable, search_neighbours
 
 FORMAT_VERSION = 1
-META, INDEX, IVFDATA, VECTORS = "meta.json", "index.faiss", "index.ivfdata", "vectors.npy"
+META, INDEX, VECTORS = "meta.json", "index.faiss", "vectors.npy"
 SEG_DOC, SEG_OFFSET, ROWS = "segment_doc.npy", "segment_offset.npy", "rows.npy"
 EMBEDDER_KEYS = ("name", "config_hash", "weights_hash", "step")
-PROJECTION_KEY = "projection"
-"""The embedder identity's optional record of the index's projection (index/projection.py; None: full width)."""
-MMAP_ABOVE = 2**30
-"""Indices larger than this (bytes) are memory-mapped on load unless told otherwise."""
+PROJECTION_KEY = "projection"  # the embedder identity's record of the index's projection (None: full width)
+MMAP_ABOVE = 2**30  # indices larger than this (bytes) are memory-mapped on load unless told otherwise
 
 
 class IndexMismatchError(ValueError):
@@ -99,19 +95,6 @@ class IndexDir:
         return search_neighbours(self.index, queries, k, segments=self.segments, **filters)
 
 
-def corpus_fingerprint(*arrays: np.ndarray, chunk: int = 2**24) -> str:
-    """sha256 (hex, first 16 chars) of the arrays' dtypes, shapes and bytes, read chunk by chunk (mmap-friendly)."""
-    h = hashlib.sha256()
-    for a in arrays:
-        a = np.asarray(a)
-        h.update(f"{a.dtype.str}{a.shape}".encode())
-        flat = a.reshape(-1)
-        step = max(1, chunk // max(1, a.itemsize))
-        for lo in range(0, flat.size, step):
-            h.update(np.ascontiguousarray(flat[lo : lo + step]).tobytes())
-    return h.hexdigest()[:16]
-
-
 def process_alive(pid: int) -> bool:
     """Whether a process with this pid is running (another user's counts)."""
     try:
@@ -126,8 +109,7 @@ def process_alive(pid: int) -> bool:
 def recover_swap(path: str | os.PathLike) -> Path | None:
     """Finish the directory swap of a writer killed between its two renames (``path`` moved aside to
     ``.NAME.old-*``, the new ``.NAME.tmp-PID-*`` not yet moved in): the new one when it is complete (its
-    meta.json is written last), else the old one goes back. Returns what was restored; None when nothing was
-    missing. Without it, ``path`` stayed absent and the next build deleted both copies as debris."""
+    meta.json is written last), else the old one goes back. Returns what was restored, or None."""
     path = Path(path)
     if path.exists() or not path.parent.is_dir():
         return None
@@ -243,21 +225,6 @@ def write_dir_contents(
     (tmp / META).write_text(json.dumps(seal(tmp, meta), indent=2))
 
 
-def save_index_dir(
-    path: str | os.PathLike,
-    built: BuiltIndex,
-    segments: SegmentTable,
-    fingerprint: str,
-    embedder: dict[str, Any],
-    vectors: np.ndarray | None = None,
-    extra: dict[str, Any] | None = None,
-) -> Path:
-    """Atomically write an index directory at `path` (replacing any previous one)."""
-    with atomic_dir(path) as tmp:
-        write_dir_contents(tmp, built, segments, fingerprint, embedder, vectors, extra)
-    return Path(path)
-
-
 def build_index_dir(
     path: str | os.PathLike,
     vectors: np.ndarray,
@@ -368,13 +335,10 @@ def load_index_dir(
     if meta["factory"] == TORCH:
         index = TorchExactIndex(vectors)
     else:
-        on_disk = (path / IVFDATA).exists()
         if mmap is None:
             mmap = (path / INDEX).stat().st_size > MMAP_ABOVE
-        # ONDISK_SAME_DIR: the merged inverted lists are found next to the index file, wherever it was moved
-        flags = (faiss.IO_FLAG_MMAP if mmap else 0) | (faiss.IO_FLAG_ONDISK_SAME_DIR if on_disk else 0)
-        index = faiss.read_index(str(path / INDEX), flags)
-        if (gpu if gpu is not None else gpu_available() and not (mmap or on_disk)) and gpu_available():
+        index = faiss.read_index(str(path / INDEX), faiss.IO_FLAG_MMAP if mmap else 0)
+        if (gpu if gpu is not None else gpu_available() and not mmap) and gpu_available():
             index, _ = to_gpu(index)
         set_search_params(index, meta["search_params"])
     return IndexDir(path, meta, index, segments, vectors, projection)

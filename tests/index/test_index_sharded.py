@@ -64,7 +64,7 @@ def queries(rank: int, segments, rows, both: bool = False):
 def exclusions(rank: int, rows) -> Exclusions:
     """Rank 0: ranges of global ids its queries may not find (one of them over both ranks' parts); rank 1: none."""
     if rank == 1:
-        return Exclusions.none()
+        return Exclusions([], [], [], [])
     return Exclusions(
         [0, 0, 3, 7, 9], rows[[1, 40, 17, 0, 30]], rows[[5, 41, 44, 3, 31]], [False, True, True, False, True]
     )
@@ -242,14 +242,16 @@ def test_sharded_auto_shards_from_shard_above_with_more_than_one_process():
     """'auto' shards from shard_above indexed segments, and only with more than one process; true and false decide
     alone; anything else is refused by name."""
     from rlm.index.rebuild import shards
+    from rlm.plugin import make_config
     from rlm.plugins._retrieval_config import RetrievalConfig
+    from rlm.plugins.retrieval import RetrievalPlugin
 
     assert not shards("auto", 1, 10**9, 2**20) and not shards(True, 1, 10**9, 2**20)  # one process: never
     assert shards("auto", 2, 2**20, 2**20) and not shards("auto", 2, 2**20 - 1, 2**20)
     assert shards(True, 2, 5, 2**20) and not shards(False, 64, 10**9, 2**20)
     assert RetrievalConfig().sharded == "auto" and RetrievalConfig().shard_above == 2**20
-    with pytest.raises(ValueError, match=r"retrieval.sharded='yes'; accepted: true, false, 'auto'"):
-        RetrievalConfig(sharded="yes")
+    with pytest.raises(ValueError, match=r"option sharded must be one of \('auto',\) or bool, got 'yes'"):
+        make_config(RetrievalPlugin, {"sharded": "yes"})
     with pytest.raises(ValueError, match="retrieval.shard_above must be a positive integer, got 0"):
         RetrievalConfig(shard_above=0)
 
