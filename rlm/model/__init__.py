@@ -1,7 +1,5 @@
-"""The core transformer and its named slots, and the filling of the slots with plugins (``assemble``).
-
-Core layer: imports rlm.plugin (the contract and the registry, never a concrete plugin) and nothing else of
-rlm. ``transformer`` calls ``assemble``, never the other way.
+"""The core transformer, its named slots, and their filling with plugins (``assemble``); imports of rlm only
+rlm.plugin's contract and registry.
 """
 
 from rlm.model.config import ModelConfig

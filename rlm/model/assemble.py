@@ -1,8 +1,6 @@
-"""Applying plugins to a built model: ordering, conflict checks, slot filling.
-
-:class:`~rlm.model.transformer.Transformer` calls :func:`apply_plugins` on itself while it is built, so this
-module only sees it as an ``nn.Module`` with the slots (``embed``, ``stack``, ``blocks``, ``config``,
-``plugins``) and never imports it: the import goes one way, transformer -> assemble.
+"""Applying plugins to a model while it is built: ordering, conflict checks, slot filling. Sees the model only
+as an ``nn.Module`` with slots (``embed``, ``stack``, ``blocks``, ``config``, ``plugins``): the import goes one way,
+transformer -> assemble.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Building blocks of the core transformer: RMSNorm, rotary positions, attention, FFN.
 
-Every slot module takes ``(x, ctx)`` and returns a tensor of the same shape, so plugins can
-replace, add to or wrap any of them without the block knowing who filled the slot.
+Every slot module maps ``(x, ctx)`` to a tensor of x's shape, so plugins can replace, add to or wrap any of them.
 """
 
 from __future__ import annotations

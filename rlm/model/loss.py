@@ -1,10 +1,9 @@
 """The LM head and its cross-entropy in one pass over row chunks, without the (N, V) float32 logits.
 
-The plain path writes the logits (N, V) in the compute dtype, casts them to float32 for the log-softmax and keeps
-both for backward: at GPT-2's vocabulary and 16k tokens a step, 3.3 GB of float32 alone. Here each chunk of rows
-makes its logits, its loss and its gradients (d logits = softmax - onehot) at once, and only the gradients of the
-hidden states (N, d) and of the head (V, d) are kept for backward, which scales them by the upstream gradient (the
-loss is linear in them). The matmuls run in the autocast dtype and the softmax in float32, as on the plain path.
+The plain path keeps the logits (N, V) in the compute dtype and in float32 for backward. Here each chunk of rows
+makes its logits, loss and gradients (d logits = softmax - onehot) at once; only the gradients of the hidden states
+(N, d) and of the head (V, d) are kept, and backward scales them by the upstream gradient (the loss is linear in
+them). Matmuls run in the autocast dtype and the softmax in float32, as on the plain path.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CHUNK_ROWS = 4096
-"""Rows per chunk: (4096, 50304) float32 logits are 0.8 GB; fewer rows would leave the GEMMs small."""
+CHUNK_ROWS = 4096  # (4096, 50304) float32 logits are 0.8 GB; fewer rows would leave the GEMMs small
 
 
 class _HeadCrossEntropy(torch.autograd.Function):

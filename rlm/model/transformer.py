@@ -142,14 +142,11 @@ class Transformer(nn.Module):
         """Total number of distinct parameters."""
         return sum(p.numel() for p in self.parameters())
 
-    def base_parameters(self) -> int:
-        """Parameters of the same model with no plugins (built on the meta device, no memory used)."""
-        with torch.device("meta"):
-            return Transformer(self.config).num_parameters()
-
     def added_parameters(self) -> int:
-        """Parameters the plugins add over the base model."""
-        return self.num_parameters() - self.base_parameters()
+        """Parameters the plugins add over the base model (built on the meta device, no memory used)."""
+        with torch.device("meta"):
+            base = Transformer(self.config).num_parameters()
+        return self.num_parameters() - base
 
     def active_parameters(self) -> int:
         """Parameters used per token: total minus what each plugin reports as unused per token."""
