@@ -1,6 +1,5 @@
-"""The run's parallel layout, read from Lightning's strategy in one place: a plugin's callback asks
-``layout(trainer)`` what it needs (how many processes, whether it may keep parameters whole on every rank) and
-never tests a strategy class itself (tests/model/test_layering.py keeps Lightning's strategies out of plugins/)."""
+"""The run's parallel layout, read from Lightning's strategy in this one place, so plugins never test strategy
+classes (tests/model/test_layering.py keeps Lightning's strategies out of plugins/)."""
 
 from __future__ import annotations
 
@@ -19,13 +18,10 @@ class Layout:
     """How the processes of a run share the model."""
 
     kind: Kind
-    """ddp: a whole model per process, gradients all-reduced (Lightning's DDPStrategy and its subclasses); fsdp2:
-    rlm's FSDP2 sharding (Lightning's ModelParallelStrategy, rlm's subclass included); other: any other strategy,
-    one device's included."""
+    """ddp: a whole model per process (DDPStrategy and subclasses); fsdp2: rlm's FSDP2 sharding
+    (ModelParallelStrategy and subclasses); other: anything else, one device included."""
     world_size: int
-    """Processes in the run."""
-    strategy: str
-    """The strategy's class name, for messages."""
+    strategy: str  # its class name, for messages
 
     @property
     def distributed(self) -> bool:
@@ -34,9 +30,9 @@ class Layout:
 
     @property
     def can_replicate(self) -> bool:
-        """Whether a plugin may keep parameters whole on every rank and keep the copies equal itself (PKM's row
-        exchange): DDP leaves parameters without gradients alone, and FSDP2 leaves them out of its sharding
-        (``Plugin.replicated_parameters``, ``fully_shard(ignored_params=)``: torch >= 2.7)."""
+        """Whether a plugin may keep parameters whole on every rank and keep the copies equal itself: DDP leaves
+        parameters without gradients alone, and FSDP2 leaves them out of its sharding
+        (``fully_shard(ignored_params=)``, torch >= 2.7)."""
         return self.kind == "ddp" or (self.kind == "fsdp2" and CAN_REPLICATE)
 
 

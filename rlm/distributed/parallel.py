@@ -1,19 +1,12 @@
-"""Parallelism applied from outside the model (torchtitan's habit): FSDP2 sharding, and plain copies of sharded parts.
+"""FSDP2 sharding applied from outside the model (torchtitan's habit), and plain copies of sharded parts.
 
-The model and plugin code stay single-device. ``parallelize`` shards a built :class:`~rlm.model.Transformer`
-with ``torch.distributed.fsdp.fully_shard``: each block is one unit (its parameters are all-gathered just before
-its forward and freed after it), and the root unit holds what is left (the embedding, tied to the head, the final
-norm, and the parameters plugins own at the top: PKM value tables, a separate retrieval encoder, AltUp's tables).
-Gradients are reduce-scattered, so every rank ends a step with its shard of the averaged gradient, as DDP would
-with the full one.
+``parallelize`` shards a built Transformer with ``fully_shard``: each block is a unit (all-gathered just before its
+forward, freed after), and the root holds the rest (embedding and tied head, final norm, plugins' top-level
+parameters). Gradients are reduce-scattered, so each rank ends a step with its shard of the averaged gradient.
 
-Parameters a plugin updates itself stay out of the sharding (``Plugin.replicated_parameters``, handed to every
-``fully_shard`` call as ``ignored_params``): whole on every rank, never all-gathered, their gradients never reduced.
-So do small parameters the main optimizer trains whose gather would cost more than an all-reduce
-(``Plugin.synced_parameters``: PKM's sub-keys); rlm averages their gradients itself (replicas.py here).
-PKM's value tables are such under ``sparse: auto``: its row-wise lazy Adam exchanges the rows a step touched and
-updates them on every rank, as under DDP, instead of a dense (slots, d) gradient reduce-scattered and an Adam over
-every row of the shards (with ``sparse: false`` they are sharded like any other parameter).
+Parameters a plugin updates itself (``Plugin.replicated_parameters``) stay out of every unit (``ignored_params``):
+whole on every rank, never gathered, gradients never reduced. So do small parameters whose gather would cost more
+than an all-reduce (``Plugin.synced_parameters``: PKM's sub-keys); rlm averages their gradients (replicas.py).
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ DP, TP = "data_parallel", "tensor_parallel"
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP shards over: a 1-D mesh of every rank, or (nodes, devices) for HSDP.
 
-    ModelParallelStrategy's default mesh is (data_parallel=nodes, tensor_parallel=devices per node). Without tensor
-    parallelism, a size-1 dimension is dropped (one node: plain FSDP over its devices) and a 2-D mesh is used as
-    HSDP: parameters sharded within a node, replicated across nodes (the all-gathers stay on the fast links)."""
+    ModelParallelStrategy's mesh is (data_parallel=nodes, tensor_parallel=devices per node). A size-1 dimension is
+    dropped; a 2-D mesh is HSDP: sharded within a node, replicated across nodes (all-gathers on the fast links)."""
     if mesh.ndim == 1:
         return mesh
     names = mesh.mesh_dim_names or ()
@@ -56,16 +48,12 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def mixed_precision_policy(precision: Any) -> MixedPrecisionPolicy | None:
-    """FSDP2's mixed precision for the trainer's ``precision``: under 'bf16-mixed', parameters all-gathered in
-    bf16 and gradients reduce-scattered in fp32 (torchtitan's default); else None (FSDP moves the parameters'
-    own dtype).
+    """FSDP2's mixed precision for the trainer's ``precision``: under 'bf16-mixed', parameters all-gathered
+    in bf16 and gradients reduce-scattered in fp32 (torchtitan's default); else None.
 
-    Lightning's bf16-mixed is autocast alone, so without a policy FSDP2 all-gathers fp32 parameters (twice a
-    bf16 gather's bytes, in the forward and again in the backward) for matmuls that autocast runs in bf16
-    anyway. Block inputs are not cast (``cast_forward_inputs=False``), and :func:`parallelize` gathers the root
-    (the embedding) and modules marked ``keep_fp32_params`` in fp32: the residual stream stays fp32 as under
-    autocast alone, and autocast still picks each op's dtype (norms and softmax in fp32, matmuls in bf16); what
-    changes is that the blocks' weights reach the ops already rounded to bf16.
+    Lightning's bf16-mixed is autocast alone, so without a policy FSDP2 gathers fp32 parameters (twice the bytes)
+    for matmuls autocast runs in bf16 anyway. Block inputs are not cast, and :func:`parallelize` gathers the root
+    and ``keep_fp32_params`` modules in fp32, so the residual stream stays fp32 as under autocast alone.
     """
     if str(precision) in ("bf16-mixed", "bf16"):
         return MixedPrecisionPolicy(
@@ -74,8 +62,7 @@ def mixed_precision_policy(precision: Any) -> MixedPrecisionPolicy | None:
     return None
 
 
-CAN_REPLICATE = "ignored_params" in inspect.signature(fully_shard).parameters
-"""Whether this torch's ``fully_shard`` can leave parameters out (``ignored_params``, torch >= 2.7)."""
+CAN_REPLICATE = "ignored_params" in inspect.signature(fully_shard).parameters  # torch >= 2.7
 
 
 def replicated_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -86,9 +73,8 @@ def replicated_parameters(model: nn.Module) -> set[nn.Parameter]:
 
 
 def synced_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters the plugins in ``model`` keep whole on every rank for the main optimizer to train, their
-    gradients averaged by rlm (``Plugin.synced_parameters``; replicas.py here), in the same order on every rank
-    (the plugins' module order, then each plugin's)."""
+    """The plugins' ``synced_parameters``: whole on every rank, trained by the main optimizer, gradients
+    averaged by rlm; in the same order on every rank."""
     from rlm.plugin import Plugin
 
     found = [p for m in model.modules() if isinstance(m, Plugin) for p in m.synced_parameters()]
@@ -101,11 +87,9 @@ def parallelize(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
-    """Shard ``model`` (a Transformer) in place with FSDP2: every block, then the root. A mesh of one rank and an
-    already sharded model are left as they are (nothing to shard; ``configure_model`` may be called twice).
-    ``mp_policy``: see :func:`mixed_precision_policy`; None keeps the parameters' dtype. The plugins'
-    :func:`replicated_parameters` stay plain tensors where they are (Lightning's ``model_to_device`` moves them
-    with the rest of what is left on the CPU)."""
+    """Shard a Transformer in place with FSDP2: every block, then the root. A one-rank mesh and an already
+    sharded model are left alone (``configure_model`` may run twice). The plugins' replicated parameters stay
+    plain tensors (Lightning's ``model_to_device`` moves them)."""
     if isinstance(model, FSDPModule) or mesh.size() == 1:
         return model
     mesh = fsdp_mesh(mesh)
@@ -121,9 +105,8 @@ def parallelize(
                 fully_shard(
                     module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32, **ignored
                 )
-        # The root (embedding and tied head, final norm, plugins' top-level parameters) gathered in fp32: a bf16
-        # embedding would make the residual stream bf16 from the first block on, where autocast alone (DDP, one
-        # process) keeps it fp32; the head's matmul still runs in bf16 under autocast.
+        # The root gathered in fp32: a bf16 embedding would make the residual stream bf16 from the first block,
+        # where autocast alone keeps it fp32; the head's matmul still runs in bf16 under autocast.
         root_mp = {"mp_policy": fp32}
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp, **ignored)
@@ -140,8 +123,7 @@ def _ignored(model: nn.Module) -> dict[str, Any]:
     if not CAN_REPLICATE:
         raise ValueError(
             f"a plugin keeps {len(ignored)} parameter(s) whole on every rank (PKM's values and sub-keys with "
-            "pkm.sparse), which "
-            f"needs fully_shard(ignored_params=), torch >= 2.7; this is torch {torch.__version__}: upgrade torch, "
+            "pkm.sparse), which needs fully_shard(ignored_params=), torch >= 2.7; this is torch {torch.__version__}: upgrade torch, "
             "or set pkm.sparse: false (dense value gradients that FSDP reduces)"
         )
     return {"ignored_params": ignored}
@@ -155,23 +137,18 @@ def is_sharded(module: nn.Module) -> bool:
 def unshard_root(module: nn.Module) -> None:
     """All-gather the root unit's parameters now (a no-op unless ``module`` is an FSDP unit).
 
-    Plugins' ``prepare`` may run model modules before the forward (retrieval embeds its online queries with the
-    LM's own embedding); under FSDP those parameters must be gathered first. The forward would do this very
-    all-gather a moment later, and finds it done, so it costs nothing extra; FSDP frees them after the backward.
-    FSDP2 marks as root the first unit whose forward runs: its lazy init is done here, so that a block run by a
-    plugin before the model's forward (the shared encoder's) does not claim to be a root (FSDP then refuses the
-    real root's forward). The public ``unshard`` does not do it (it lazy-inits the parameter groups only), so
-    :func:`_lazy_init_root` makes the private call, which is idempotent."""
+    Plugins' ``prepare`` may run model modules before the forward (retrieval embeds queries with the LM's
+    embedding), so they must be gathered first; the forward finds the all-gather done, so it costs nothing
+    extra. FSDP2 makes the first unit whose forward runs the root: lazy-init here, so a block a plugin runs first
+    does not claim it (FSDP would then refuse the real root's forward). The public ``unshard`` does not."""
     if isinstance(module, FSDPModule):
         _lazy_init_root(module)
         module.unshard()
 
 
 def _lazy_init_root(module: FSDPModule) -> None:
-    """FSDP2's lazy init with ``module`` as the root: ``module._get_fsdp_state()._lazy_init()``, private in torch
-    2.6 to 2.13 (read in their sources; the one public way to it is ``module``'s own forward). A torch without
-    it is named in a RuntimeError here rather than failing later as FSDP's 'requires running forward through the
-    root module first' from inside a plugin."""
+    """FSDP2's lazy init with ``module`` as the root, a private call (torch 2.6 to 2.13); a torch without it
+    is named here rather than failing later inside a plugin."""
     get_state = getattr(module, "_get_fsdp_state", None)
     lazy_init = getattr(get_state(), "_lazy_init", None) if callable(get_state) else None
     if not callable(lazy_init):
@@ -216,8 +193,8 @@ def _plain_module(module: nn.Module) -> nn.Module:
 
 
 def _unit_state(unit: nn.Module) -> dict[str, Any]:
-    """What deepcopy would copy of a unit (``Module.__getstate__``: its ``__dict__`` less a ``compile()``-d call,
-    which runs the original module) less FSDP's state."""
+    """What deepcopy would copy of a unit (``Module.__getstate__``, without a ``compile()``-d call) less FSDP's
+    state."""
     return {k: v for k, v in unit.__getstate__().items() if not k.startswith(_FSDP_STATE)}
 
 
@@ -242,9 +219,8 @@ _ATOMIC = (
 
 
 def _sharded_parts(obj: Any) -> tuple[list[nn.Module], list[DTensor]]:
-    """The FSDP units and DTensors that ``copy.deepcopy(obj)`` would meet, in a fixed order (the same on every
-    rank): a walk through containers, bound methods and instances' ``__dict__`` as deepcopy goes, which does
-    not enter a unit's FSDP hooks and state (a plain copy leaves them out) nor a DTensor."""
+    """The FSDP units and DTensors that ``copy.deepcopy(obj)`` would meet, in the same order on every rank:
+    a walk as deepcopy goes that does not enter a unit's FSDP hooks and state nor a DTensor."""
     units: list[nn.Module] = []
     dtensors: list[DTensor] = []
     seen: set[int] = set()
@@ -273,13 +249,12 @@ def _sharded_parts(obj: Any) -> tuple[list[nn.Module], list[DTensor]]:
 
 
 def plain_copy(obj: Any) -> Any:
-    """``copy.deepcopy`` that a single process can run alone: FSDP units come back as their own classes without
-    FSDP, and sharded parameters as full plain tensors. Under FSDP this all-gathers, so every rank calls it at the
-    same point (retrieval's rebuild snapshot does, at a step boundary); without FSDP it is ``copy.deepcopy``.
+    """``copy.deepcopy`` that one process can run alone: FSDP units come back as their own classes, sharded
+    parameters as full plain tensors. Under FSDP this all-gathers, so every rank calls it at the same point.
 
-    No class is patched (a background rebuild may deep-copy at the same time): deepcopy's ``memo`` is filled
-    beforehand with each DTensor's full tensor and each unit's plain instance, so deepcopy takes those instead
-    of reaching FSDP's own ``__deepcopy__`` (which raises) or DTensor's (which copies the local shard)."""
+    No class is patched (a background rebuild may deep-copy meanwhile): deepcopy's ``memo`` is filled beforehand
+    with each DTensor's full tensor and each unit's plain instance, so deepcopy never reaches FSDP's
+    ``__deepcopy__`` (which raises) or DTensor's (which copies the local shard)."""
     units, dtensors = _sharded_parts(obj)
     if not units and not dtensors:
         return copy.deepcopy(obj)
@@ -294,9 +269,7 @@ def plain_copy(obj: Any) -> Any:
             for key, value in _unit_state(unit).items():
                 new.__dict__[key] = type(value)() if key in _HOOKS else copy.deepcopy(value, memo)
         out = copy.deepcopy(obj, memo)
-    if any(
-        _sharded_parts(out)
-    ):  # reached by a path the walk does not follow (__slots__, a custom __reduce__)
+    if any(_sharded_parts(out)):  # reached by a path the walk does not follow (__slots__, __reduce__)
         raise RuntimeError(f"plain_copy left FSDP units or DTensors in its copy of a {type(obj).__name__}")
     return out
 

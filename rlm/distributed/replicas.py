@@ -1,15 +1,11 @@
 """Parameters whole on every rank whose gradients rlm reduces itself, as DDP would: the replica all-reduce.
 
-Two users. Expert parallelism keeps each expert on one rank of every expert group, and sums the copies' gradients
-over the replica group (plugins/_expert_parallel.py). Under FSDP2, a plugin's ``synced_parameters`` (PKM's
-sub-keys) stay out of ``fully_shard`` like its ``replicated_parameters`` (parallel.py here), but the main
-optimizer trains them: :class:`SyncedGradients` averages their gradients over the data-parallel ranks with an
-all-reduce each, started in the backward as soon as the gradient is accumulated (2 (W-1)/W of their bytes per
-step, where FSDP2's two all-gathers and reduce-scatter move 3 (W-1)/W and copy them in and out).
-
-Plain tensors beside FSDP2's DTensors break what takes both in one call: torch's ``clip_grad_norm_`` and foreach
-or fused optimizer kernels refuse the mix. So :func:`clip_grad_norm_` computes one global norm from the two
-parts, and the LM module gives synced parameters optimizer groups of their own (rlm/train/module.py).
+Expert parallelism sums an expert's copies' gradients over the replica group (plugins/_expert_parallel.py). Under
+FSDP2, a plugin's ``synced_parameters`` stay out of ``fully_shard`` but the main optimizer trains them:
+:class:`SyncedGradients` averages their gradients with an all-reduce each, started in the backward (2 (W-1)/W of
+their bytes a step, where FSDP2's gathers and reduce-scatter move 3 (W-1)/W). torch's ``clip_grad_norm_`` and
+foreach kernels refuse such plain tensors beside DTensors, hence :func:`clip_grad_norm_` here and the synced
+parameters' own optimizer groups (rlm/train/module.py).
 """
 
 from __future__ import annotations
@@ -24,11 +20,10 @@ from torch.distributed.tensor import DTensor
 
 
 def sync_replicas(params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
-    """All-reduce (sum) the gradients of ``params`` over ``group``, each multiplied by ``scale`` first (1/W: the
-    mean over W ranks). Expert parallelism sums the groups' copies of an expert (each group's gradient is its own
-    ranks' share, already scaled by 1/P, see ``shard_experts``): the gradient of the mean loss over all P
-    processes, as DDP gives the other parameters. Run once per optimizer step, after gradient accumulation (a sum
-    is not idempotent). One tensor at a time: a flat copy of every gradient would double their memory."""
+    """All-reduce (sum) the gradients of ``params`` over ``group``, each times ``scale`` first (1/W: the mean).
+    Expert parallelism sums the groups' copies of an expert, each already scaled by 1/P (``shard_experts``): the
+    gradient of the mean loss over all P processes, as DDP gives. Once per optimizer step, after gradient accumulation (a sum is not idempotent); one tensor at a time, since a
+    flat copy of every gradient would double their memory."""
     for p in params:
         if p.grad is not None:
             if scale != 1.0:
@@ -37,14 +32,12 @@ def sync_replicas(params: list[nn.Parameter], group: Any, scale: float = 1.0) ->
 
 
 class ReplicaSync:
-    """sync_replicas overlapped with the backward: each gradient's all-reduce over ``group`` starts as soon as the
-    backward has accumulated it (a post-accumulate-grad hook), while the backward goes on through the layers below;
-    ``finish`` waits for them all. ``scale`` multiplies each gradient before its all-reduce (see sync_replicas).
+    """sync_replicas overlapped with the backward: each gradient's all-reduce starts when the backward has
+    accumulated it (a post-accumulate-grad hook); ``finish`` waits for them all.
 
-    Only while ``armed`` (the last micro-batch before an optimizer step: a sum is not idempotent, so partial
-    accumulations must not be reduced). ``finish`` reduces, blocking, any gradient whose hook did not start one
-    (a parameter outside this backward), so that afterwards every gradient is reduced exactly once. ``params``
-    must be in the same order on every rank (the blocking reductions run in that order).
+    Only while ``armed`` (the last micro-batch before a step: partial accumulations must not be reduced).
+    ``finish`` reduces, blocking, any gradient no hook started (a parameter outside this backward), so each is
+    reduced exactly once; ``params`` must be in the same order on every rank.
     """
 
     def __init__(self, params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
@@ -84,10 +77,8 @@ def mixes_dtensors(tensors: list[Tensor]) -> bool:
 
 
 def clip_grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
-    """torch's ``clip_grad_norm_`` (2-norm) over gradients that are partly FSDP2's DTensors and partly plain
-    tensors equal on every rank (synced parameters): the total norm is sqrt(|sharded|^2 + |plain|^2), the sharded
-    part's norm taken over every rank's shards, so every rank gets the same factor. Returns the total norm. No
-    host sync: the factor stays on the device."""
+    """torch's ``clip_grad_norm_`` (2-norm) over gradients partly FSDP2 DTensors, partly plain tensors equal
+    on every rank: total = sqrt(|sharded|^2 + |plain|^2), the same factor on every rank, no host sync."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -110,10 +101,9 @@ def clip_grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
 
 
 class ArmedSync(pl.Callback):
-    """Runs a :class:`ReplicaSync` (``self.sync``, set by the subclass) with Lightning's gradient accumulation: armed
-    on the micro-batch that ends an accumulation (Lightning steps after every accumulate_grad_batches-th batch),
-    finished after its backward, before anything reads the gradients (the guard, clipping, the optimizer); an
-    epoch's last, partial window, never armed, is reduced blocking before its optimizer step."""
+    """Runs a :class:`ReplicaSync` (``self.sync``, set by the subclass) with Lightning's gradient
+    accumulation: armed on the micro-batch that ends an accumulation, finished after its backward, before anything
+    reads the gradients; an epoch's last, partial window is reduced blocking before its optimizer step."""
 
     sync: ReplicaSync | None = None
     synced = False  # whether this step's gradients have been reduced
@@ -137,9 +127,8 @@ class ArmedSync(pl.Callback):
 
 
 class SyncedGradients(ArmedSync):
-    """Under FSDP2, averages the gradients of the plugins' ``synced_parameters`` over the ranks before each
-    optimizer step (see :class:`ArmedSync`). Does nothing on one process, under DDP (which reduces them as any
-    parameter) or when no plugin names any."""
+    """Under FSDP2, averages the plugins' ``synced_parameters`` gradients over the ranks before each
+    optimizer step; nothing on one process, under DDP, or with none."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the first hook after the strategy's setup: configure_model has sharded the model by now
