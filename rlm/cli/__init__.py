@@ -23,7 +23,6 @@ _COMMANDS = (
     "main",
     "run_eval",
     "run_experiment",
-    "run_generate",
     "run_index",
     "run_lightning",
     "run_plugins",

@@ -8,10 +8,16 @@ plugins and their options. torch and Lightning are imported inside the commands,
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import os
+import re
 import sys
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rlm.extras import MissingExtra
 from rlm.outdir import FORCE_HELP
@@ -132,95 +138,103 @@ def run_lightning(command: str, args: list[str]) -> int:
     return 0
 
 
-def run_generate(command: str, args: list[str]) -> int:
-    """``rlm generate --ckpt PATH --prompt TEXT``: sample a continuation of each prompt."""
-    from rlm.eval.knnlm_cli import DEVICE_HELP, device_arg
+def cmd_generate(
+    *,
+    ckpt: str,
+    prompt: list[str] | None = None,
+    prompts_file: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    stop: list[str] | None = None,
+    seed: int = 0,
+    device: str | None = None,
+    no_cache: bool = False,
+    datastore: str | None = None,
+    knn_k: int | None = None,
+    lam: float | None = None,
+) -> int:
+    """Sample text from a checkpoint.
 
-    p = argparse.ArgumentParser(prog="rlm generate", description="Sample text from a checkpoint.")
-    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit (alias --ckpt_path)")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="text to continue; repeat for a batch of prompts (default: 'def ')")  # fmt: skip
-    p.add_argument("--prompts-file", default=None,
-                   help="a text file of prompts, one per line, continued as a batch after any --prompt")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=200,
-                   help="tokens to sample after the prompt (default: %(default)s)")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="softmax temperature; 0 is greedy (default: %(default)s)")  # fmt: skip
-    p.add_argument("--top-k", type=int, default=50,
-                   help="sample among the k most likely tokens; 0: all (default: %(default)s)")  # fmt: skip
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample among the most likely tokens whose probabilities sum to p (nucleus); 1: all "
-                        "(default: %(default)s)")  # fmt: skip
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divide the positive logits of tokens already in the text by this, multiply the negative "
-                        "ones (CTRL's rule); 1: none (default: %(default)s)")  # fmt: skip
-    p.add_argument("--stop", action="append", default=[],
-                   help="end a sequence once its text contains this string, which is cut; repeatable")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: %(default)s)")
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument("--no-cache", action="store_true",
-                   help="recompute the whole window for every token instead of the key/value cache")  # fmt: skip
-    p.add_argument(
-        "--datastore", default=None, help="sample from kNN-LM with this datastore (rlm knnlm build)"
-    )
-    p.add_argument("--knn-k", type=int, default=None, help="neighbours per token (default: the datastore's)")
-    p.add_argument("--lam", type=float, default=None, help="kNN-LM interpolation weight (default: tuned)")
-    a = p.parse_args(args)
-    for flag, value, low in (("--max-new-tokens", a.max_new_tokens, 1), ("--top-k", a.top_k, 0)):
+    Args:
+        ckpt: checkpoint written by rlm fit (alias --ckpt_path)
+        prompt: text to continue; repeat for a batch of prompts (default: 'def ')
+        prompts_file: a text file of prompts, one per line, continued as a batch after any --prompt
+        max_new_tokens: tokens to sample after the prompt
+        temperature: softmax temperature; 0 is greedy
+        top_k: sample among the k most likely tokens; 0: all
+        top_p: sample among the most likely tokens whose probabilities sum to p (nucleus); 1: all
+        repetition_penalty: divide the positive logits of tokens already in the text by this, multiply the
+            negative ones (CTRL's rule); 1: none
+        stop: end a sequence once its text contains this string, which is cut; repeatable
+        seed: random seed of the sampling
+        device: torch device, e.g. cpu or cuda:1 (default: cuda when torch sees a GPU, else cpu)
+        no_cache: recompute the whole window for every token instead of the key/value cache
+        datastore: sample from kNN-LM with this datastore (rlm knnlm build)
+        knn_k: neighbours per token (default: the datastore's)
+        lam: kNN-LM interpolation weight (default: tuned)
+    """
+    stop = stop or []
+    for flag, value, low in (("--max-new-tokens", max_new_tokens, 1), ("--top-k", top_k, 0)):
         if value < low:
-            p.error(
+            raise ValueError(
                 f"{flag} {value}; accepted: an integer >= {low}" + (" (0: no top-k cut)" if low == 0 else "")
             )
-    if not 0 <= a.temperature < float("inf"):  # nan fails every comparison
-        p.error(f"--temperature {a.temperature}; accepted: a finite number >= 0 (0: greedy)")
-    if not 0 < a.top_p <= 1:
-        p.error(f"--top-p {a.top_p}; accepted: 0 < p <= 1 (1: no top-p cut)")
-    if not 0 < a.repetition_penalty < float("inf"):
-        p.error(f"--repetition-penalty {a.repetition_penalty}; accepted: a finite number > 0 (1: none)")
-    if "" in a.stop:
-        p.error("--stop ''; accepted: a non-empty string")
-    prompts = a.prompt or ([] if a.prompts_file else ["def "])
-    if a.prompts_file:
-        if not os.path.isfile(a.prompts_file):
-            p.error(f"--prompts-file {a.prompts_file!r} does not exist")
-        with open(a.prompts_file, encoding="utf-8") as f:
+    if not 0 <= temperature < float("inf"):  # nan fails every comparison
+        raise ValueError(f"--temperature {temperature}; accepted: a finite number >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p {top_p}; accepted: 0 < p <= 1 (1: no top-p cut)")
+    if not 0 < repetition_penalty < float("inf"):
+        raise ValueError(
+            f"--repetition-penalty {repetition_penalty}; accepted: a finite number > 0 (1: none)"
+        )
+    if "" in stop:
+        raise ValueError("--stop ''; accepted: a non-empty string")
+    prompts = prompt or ([] if prompts_file else ["def "])
+    if prompts_file:
+        if not os.path.isfile(prompts_file):
+            raise ValueError(f"--prompts-file {prompts_file!r} does not exist")
+        with open(prompts_file, encoding="utf-8") as f:
             prompts += f.read().splitlines()
     import torch
 
     from rlm.data.carried import data_settings, tokenizer_file
     from rlm.data.pretrained import load_tokenizer
     from rlm.eval.generate import cut_at, sample_batch, stop_at
+    from rlm.eval.knnlm_cli import device_arg
     from rlm.train.module import LMModule
 
     limit_threads()
-    device = torch.device(device_arg(a.device))
-    if not os.path.isfile(a.ckpt):
-        p.error(f"--ckpt {a.ckpt!r} does not exist")
+    where = torch.device(device_arg(device))
+    if not os.path.isfile(ckpt):
+        raise ValueError(f"--ckpt {ckpt!r} does not exist")
     from rlm.train.checkpoint import load_checkpoint_file
 
-    ckpt = load_checkpoint_file(a.ckpt)  # a damaged file is named, not a traceback
+    state = load_checkpoint_file(ckpt)  # a damaged file is named, not a traceback
     # the tokenizer the checkpoint carries: generating needs neither the corpus nor its token cache
-    tok = load_tokenizer(tokenizer_file(ckpt, a.ckpt, data_settings(ckpt, a.ckpt)))
-    module = LMModule.load_from_checkpoint(a.ckpt, map_location=device)
-    gen = torch.Generator(device=device).manual_seed(a.seed)
+    tok = load_tokenizer(tokenizer_file(state, ckpt, data_settings(state, ckpt)))
+    module = LMModule.load_from_checkpoint(ckpt, map_location=where)
+    gen = torch.Generator(device=where).manual_seed(seed)
     mixer = None
-    if a.datastore:
+    if datastore:
         from rlm.eval.datastore import Datastore
         from rlm.eval.knnlm import Mixer
 
-        ds = Datastore(a.datastore)
+        ds = Datastore(datastore)
         ds.check_model(module)
         tuned = ds.meta.get("tuning") or {}
-        lam = a.lam if a.lam is not None else tuned.get("lam", 0.25)
+        lam = lam if lam is not None else tuned.get("lam", 0.25)
         if not 0 <= lam < 1:
-            p.error(f"--lam {lam}; accepted: 0 <= lam < 1")
-        mixer = Mixer(ds, lam, tuned.get("temperature", 1.0), a.knn_k or ds.meta["k"])
+            raise ValueError(f"--lam {lam}; accepted: 0 <= lam < 1")
+        mixer = Mixer(ds, lam, tuned.get("temperature", 1.0), knn_k or ds.meta["k"])
     outs = sample_batch(
-        module, [[tok.bos_id, *tok.encode(text)] for text in prompts], a.max_new_tokens, a.temperature, a.top_k,
-        tok.eos_id, gen, mixer, cache=not a.no_cache, stop=stop_at(tok.decode, a.stop) if a.stop else None,
-        top_p=a.top_p, repetition_penalty=a.repetition_penalty,
+        module, [[tok.bos_id, *tok.encode(text)] for text in prompts], max_new_tokens, temperature, top_k,
+        tok.eos_id, gen, mixer, cache=not no_cache, stop=stop_at(tok.decode, stop) if stop else None,
+        top_p=top_p, repetition_penalty=repetition_penalty,
     )  # fmt: skip
-    texts = [text + cut_at(tok.decode(out), a.stop) for text, out in zip(prompts, outs, strict=True)]
+    texts = [text + cut_at(tok.decode(out), stop) for text, out in zip(prompts, outs, strict=True)]
     print("\n\n".join(texts))  # several prompts: their samples in order, a blank line between two
     return 0
 
@@ -301,7 +315,7 @@ def run_plugins(command: str, args: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
+COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int]], str]] = {
     "fit": (run_lightning, "train a model (LightningCLI; stack --config files)"),
     "validate": (run_lightning, "evaluate on the validation split"),
     "test": (run_lightning, "evaluate on the test split"),
@@ -310,7 +324,7 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
         "loss, perplexity and bits per byte of a checkpoint on any text, its own tokenizer; "
         "lm-eval tasks (--tasks)",
     ),
-    "generate": (run_generate, "sample text from a checkpoint"),
+    "generate": (cmd_generate, "sample text from a checkpoint"),
     "export": (run_export, "a checkpoint as a transformers folder (safetensors, config, tokenizer, card)"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
     "knnlm": (
@@ -320,13 +334,163 @@ COMMANDS: dict[str, tuple[Callable[[str, list[str]], int], str]] = {
     "experiment": (run_experiment, "run plugin comparisons and report them"),
     "plugins": (run_plugins, "list the plugins, or show one plugin's options"),
 }
+"""Each command: LightningCLI (run_lightning), a typed function whose signature and docstring are its parser, a
+dict of them (subcommands), or "module:NAME" naming either, imported when the command runs."""
+
+THREADED = ("rlm generate",)
+"""Commands whose torch work runs in this process: limit_threads once their arguments are parsed."""
 
 
-def usage() -> str:
-    """The top-level help text."""
-    lines = ["usage: rlm [--version] COMMAND [args]", "", "commands:"]
-    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`rlm COMMAND --help` for a command's options."]
+def command_target(command: str) -> Any:
+    """What COMMANDS runs for ``command``, a "module:NAME" entry imported."""
+    target = COMMANDS[command][0]
+    if isinstance(target, str):
+        module, _, name = target.partition(":")
+        target = getattr(importlib.import_module(module), name)
+    return target
+
+
+def _flag_kind(hint: Any) -> str:
+    """'bool' or 'list' for a parameter's type, None left out of an Optional; else ''."""
+    parts = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    parts = [p for p in parts if p is not type(None)]
+    if parts == [bool]:
+        return "bool"
+    return "list" if any(typing.get_origin(p) is list for p in parts) else ""
+
+
+def typed_argv(fn: Callable[..., int], args: list[str]) -> list[str]:
+    """``args`` as ``fn``'s jsonargparse parser reads them, from the spellings rlm's argparse commands took: dashes
+    or underscores (``--batch-size``), ``--ckpt_path`` for ``--ckpt``; a bool option alone (``--force``) or
+    negated (``--no-gpu``); a list option's values one after another (``--corpus a b``) or repeated (``--set
+    x=1 --set y=2``); and the values of optional positional parameters (before ``*``, with a default) given as
+    positionals, like the required ones."""
+    params = inspect.signature(fn).parameters
+    kinds = {name: _flag_kind(hint) for name, hint in typing.get_type_hints(fn).items()}
+    needed = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+    optional = [
+        n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty
+    ]
+    out, rest = [], list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--":  # everything after it is positional
+            return out + [arg, *rest]
+        positional = arg[:1] != "-" or arg[1:2].isdigit()  # a negative number is a value
+        if positional and needed:
+            needed.pop(0)
+        elif positional and optional:
+            arg = f"--{optional.pop(0)}={arg}"
+        if positional or arg in ("-h", "--help"):
+            out.append(arg)
+            continue
+        name, eq, value = arg.lstrip("-").partition("=")
+        name = name.replace("-", "_")
+        name = name if name in params else FLAG_ALIASES.get(name, name)
+        if name in optional:
+            optional.remove(name)
+        if kinds.get(name) == "bool" or (name.startswith("no_") and kinds.get(name[3:]) == "bool"):
+            if not eq and rest and rest[0].lower() in ("true", "false"):
+                eq, value = "=", rest.pop(0)
+            if name not in params:  # --no-gpu
+                name, value = name[3:], str(value.lower() == "false" if eq else False)
+            out.append(f"--{name}={value if eq else 'true'}")
+        elif kinds.get(name) == "list":
+            values = [value] if eq else []
+            while not eq and rest and (rest[0][:1] != "-" or rest[0][1:2].isdigit()):
+                values.append(rest.pop(0))
+            out += [f"--{name}+={v}" for v in values] or [f"--{name}"]
+        else:
+            out += [f"--{name}={value}"] if eq or not rest else [f"--{name}", rest.pop(0)]
+    return out
+
+
+FLAG_ALIASES = {"ckpt_path": "ckpt"}
+"""Other names of options: rlm fit's spelling of a checkpoint."""
+
+
+def help_formatter() -> type:
+    """jsonargparse's help formatter showing options as users type them: ``--batch-size``, a bool option with no
+    value, a list option without its ``+`` form; an option's default at the end of its help, unless it is None,
+    False or empty, or the help already says what leaving it out means."""
+    from jsonargparse import DefaultHelpFormatter
+
+    class Help(DefaultHelpFormatter):
+        def _get_help_string(self, action: argparse.Action) -> str:
+            text, default = action.help or "", action.default
+            if (
+                not action.option_strings
+                or default is None
+                or default is False
+                or default in ([], argparse.SUPPRESS)
+                or "default" in text
+            ):
+                return text
+            return f"{text} (default: {default})"
+
+        def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+            if _flag_kind(getattr(action, "_typehint", None)) == "bool":
+                return ""
+            return super()._format_args(action, default_metavar)
+
+        def _format_action_invocation(self, action: argparse.Action) -> str:
+            given = action.option_strings
+            action.option_strings = [s for s in given if not s.endswith("+")]  # --corpus+: typed_argv's
+            try:
+                return super()._format_action_invocation(action)
+            finally:
+                action.option_strings = given
+
+        def format_help(self) -> str:
+            text = re.sub(r"(?<![\w-])--\w+", lambda m: m[0].replace("_", "-"), super().format_help())
+            return text.replace(" ]", "]")  # a bool option's empty value in the usage line
+
+    return Help
+
+
+def function_parser(prog: str, fn: Callable[..., int]) -> Any:
+    """The jsonargparse parser of ``fn``: its parameters (required positional ones as positionals), their types,
+    defaults and docstring descriptions."""
+    from jsonargparse import ArgumentParser
+
+    doc = inspect.getdoc(fn) or ""
+    parser = ArgumentParser(
+        prog=prog, description=doc.split("\n\n")[0], formatter_class=help_formatter(), exit_on_error=False
+    )
+    parser.add_function_arguments(fn, as_group=False, as_positional=True)
+    return parser
+
+
+def call(prog: str, fn: Callable[..., int], args: list[str]) -> int:
+    """``fn`` on ``args`` parsed by its parser: ``--help`` and bad arguments stop before it runs (ValueError)."""
+    from rlm.cli.support import plain_parse_error
+
+    try:
+        cfg = function_parser(prog, fn).parse_args(typed_argv(fn, args))
+    except argparse.ArgumentError as err:  # option names as flags: top_k -> --top-k
+        flags = [
+            n
+            for n, p in inspect.signature(fn).parameters.items()
+            if p.default is not p.empty or p.kind is p.KEYWORD_ONLY
+        ]
+        named = re.compile(rf"\b({'|'.join(flags)})\b(?=:|,|$)" if flags else "^$")
+        raise ValueError(
+            named.sub(lambda m: "--" + m[0].replace("_", "-"), plain_parse_error(str(err)))
+        ) from None
+    if prog in THREADED:
+        limit_threads()
+    return fn(**cfg.as_dict())
+
+
+def usage(prog: str = "rlm", group: dict[str, Callable[..., int]] | None = None) -> str:
+    """The help text of ``rlm``, or of a group of subcommands such as ``rlm index``."""
+    if group is None:
+        rows = {name: help_ for name, (_, help_) in COMMANDS.items()}
+    else:
+        rows = {name: (inspect.getdoc(fn) or "").split("\n")[0] for name, fn in group.items()}
+    lines = [f"usage: {prog} {'[--version] ' if group is None else ''}COMMAND [args]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, help_ in rows.items()]
+    lines += ["", f"`{prog} COMMAND --help` for a command's options."]
     return "\n".join(lines)
 
 
@@ -356,10 +520,28 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"rlm: unknown command {command!r}; known commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from rlm.cli.support import canonical_flags
-
+    prog = f"rlm {command}"
     try:
-        return COMMANDS[command][0](command, canonical_flags(command, rest))
+        target = command_target(command)
+        if target is run_lightning:
+            from rlm.cli.support import canonical_flags
+
+            return run_lightning(command, canonical_flags(command, rest))
+        if not isinstance(target, dict) and not inspect.signature(target).parameters.get("command"):
+            return call(prog, target, rest)
+        if not isinstance(target, dict):
+            from rlm.cli.support import canonical_flags
+
+            return target(command, canonical_flags(command, rest))
+        while isinstance(target, dict) and rest and rest[0] in target:
+            prog, target = f"{prog} {rest[0]}", target[rest.pop(0)]
+        if not isinstance(target, dict):
+            return call(prog, target, rest)
+        if rest[:1] in (["-h"], ["--help"]):
+            print(usage(prog, target))
+            return 0
+        given = f"unknown command {rest[0]!r}" if rest else "a command is needed"
+        raise ValueError(f"{given}; known commands: {', '.join(target)}")
     except (
         ValueError,
         OSError,
@@ -367,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as err:  # OSError: disk full, read-only folder (the path is named)
         if os.environ.get("RLM_DEBUG"):
             raise
-        print(f"rlm {command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
@@ -91,6 +93,36 @@ def test_plugin_options_experiment_check_and_status_import_no_torch(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert f"CODES {[0] * (len(names) + 1) + [2]} HEAVY []" in run.stdout, run.stdout[-2000:] + run.stderr
     assert "baseline" in run.stdout and "variants: expected a non-empty mapping" in run.stderr
+
+
+def typed_commands() -> list[tuple[str, object]]:
+    """Every command of the table that is not LightningCLI's, subcommands apart: (its prog, its function)."""
+    from rlm.cli.commands import COMMANDS, command_target, run_lightning
+
+    found = []
+    for name in COMMANDS:
+        target = command_target(name)
+        if target is run_lightning or "command" in inspect.signature(target).parameters:  # argparse still
+            continue
+        for sub, fn in target.items() if isinstance(target, dict) else [("", target)]:
+            found.append((f"rlm {name} {sub}".strip(), fn))
+    return found
+
+
+@pytest.mark.parametrize(("prog", "fn"), typed_commands(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_command_help_lists_every_parameter_of_its_function(prog, fn, capsys):
+    """The table and the parsers cannot drift: each command's --help shows each parameter of its function, as a
+    positional or as the flag users type, with the description its docstring gives."""
+    with pytest.raises(SystemExit) as stop:
+        main([*prog.split()[1:], "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and out.startswith(f"usage: {prog} ")
+    doc = inspect.getdoc(fn)
+    for name, param in inspect.signature(fn).parameters.items():
+        positional = param.kind is param.POSITIONAL_OR_KEYWORD and param.default is param.empty
+        shown = name if positional else "--" + name.replace("_", "-")
+        assert re.search(rf"(?<![\w-]){re.escape(shown)}(?![\w-])", out), (prog, shown)
+        assert re.search(rf"^ +{name}: \S", doc, re.MULTILINE), f"{prog}: {name} has no description"
 
 
 def test_a_device_left_out_is_the_gpu_when_torch_sees_one(monkeypatch):
