@@ -12,9 +12,8 @@ of each document -> batches, a dict of tensors:
   doc_ids      (B,) long     document of each row
   starts       (B,) long     offset of the window inside its document (a multiple of seq_len)
 
-and, once LMModule has moved a batch to its device, host: the loader's host tensors of tokens, mask, segment_ids,
-doc_ids and starts (rlm.data.windows.host_copy), which plugins read instead of copying the device's back (host_array).
+and, once on a device, host: the loader's host tensors of those fields (rlm.data.windows.host_copy).
 
-Core layer: imports nothing of rlm but rlm.extras. Import names from their modules (rlm.data.module, ...):
-this package imports none, so reading a token array does not import Lightning.
+Core layer: imports nothing of rlm but rlm.extras. This package imports none of its modules, so reading a token
+array does not import Lightning.
 """

@@ -1,11 +1,8 @@
 """Reading a corpus into a list of documents: the interpreter's stdlib, local files, or Hugging Face datasets.
 
-Every source is read in a deterministic order (sorted paths, dataset row order), so `max_documents`
-always picks the same documents and the corpus fingerprint is stable across runs.
-
-Local files are text, one document each, except the record formats in READERS (.jsonl, .json, .parquet):
-one document per row, its ``text_field``. Rows whose text is empty or null are skipped, like empty files.
-Any other record format (csv, arrow, ...) reads through datasets as ``hf:PATH``, or convert it to .jsonl.
+Every source is read in a deterministic order (sorted paths, dataset row order), so `max_documents` always picks
+the same documents and the fingerprint is stable. Local files are one document each, except the record formats in
+READERS (.jsonl, .json, .parquet): one document per row, its ``text_field``; empty or null texts are skipped.
 """
 
 from __future__ import annotations

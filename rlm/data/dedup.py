@@ -1,15 +1,10 @@
 """Near-duplicate documents: word 5-gram shingles, MinHash with LSH banding, exact Jaccard of the candidates.
 
-Lee et al. 2022 ("Deduplicating Training Data Makes Language Models Better") remove documents whose 5-gram
-shingle sets have Jaccard similarity >= 0.8, found with MinHash (Broder 1997) and locality-sensitive hashing
-by bands (Leskovec, Rajaraman and Ullman, "Mining of Massive Datasets", ch. 3). Here every candidate pair that
-LSH proposes is then checked with the exact Jaccard of its two shingle sets, so no pair below the threshold
-is ever grouped; a pair at or above it is missed only when no band of its signatures agrees (the band width
-is chosen so that this happens with probability < 1e-3 at the threshold, less above it).
-
-Shingles are 64-bit hashes of 5 consecutive whitespace-separated words (a document with fewer than 5 words:
-of its words), so "exact" Jaccard is that of the hashed sets (a collision is ~1 in 2^64 per pair of shingles).
-Documents with identical shingle sets (identical texts among them) are always duplicates.
+Lee et al. 2022 ("Deduplicating Training Data Makes Language Models Better") remove documents whose 5-gram shingle
+sets have Jaccard >= 0.8, found with MinHash (Broder 1997) and LSH by bands (Leskovec et al., "Mining of Massive
+Datasets", ch. 3). Every candidate pair is checked with the exact Jaccard of its shingle sets (64-bit hashes of 5
+consecutive words), so no pair below the threshold is grouped; one at it is missed only when no band agrees
+(probability < 1e-3 by the choice of band width). Identical shingle sets are always duplicates.
 """
 
 from __future__ import annotations
@@ -21,11 +16,10 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-NGRAM = 5
-"""Words per shingle."""
+NGRAM = 5  # words per shingle
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd constant that mixes a shingle's word hashes (polynomial hash)
 _BLOCK_DOCS = 256  # documents hashed per step (a smooth progress bar)
-_CHUNK = 8192  # shingles per MinHash step: (8192, num_perm) uint64 temporaries, 8 MiB at 128 permutations
+_CHUNK = 8192  # shingles per MinHash step: bounds the (chunk, num_perm) uint64 temporaries
 
 
 def shingles(text: str, cache: dict[str, int] | None = None) -> np.ndarray:
@@ -58,9 +52,8 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _minhash(sets: Sequence[np.ndarray], mul: np.ndarray, add: np.ndarray) -> np.ndarray:
-    """(len(sets), num_perm) signatures: per permutation, the least ``mul * x + add`` (mod 2**64) over the set.
-
-    (mul odd, random: a multiply-shift hash, whose order is that of its high bits); empty sets get the max."""
+    """(len(sets), num_perm) signatures: per permutation, the least ``mul * x + add`` (mod 2**64, mul odd: a
+    multiply-shift hash) over the set; empty sets get the max."""
     out = np.full((len(sets), len(mul)), np.iinfo(np.uint64).max, dtype=np.uint64)
     x = np.concatenate(sets) if sets else np.zeros(0, np.uint64)
     owner = np.repeat(np.arange(len(sets)), [len(s) for s in sets])

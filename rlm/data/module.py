@@ -31,14 +31,13 @@ class RLMDataModule(pl.LightningDataModule):
             name, the path of one saved with save_to_disk, or of a data file); or a list of these.
         hf_split: Split of a Hugging Face dataset.
         hf_config: Configuration name of a Hugging Face dataset.
-        text_field: Field holding the text: in .jsonl, .json and .parquet files (a document per row; rows with
-            empty text are skipped) and in hf: datasets.
+        text_field: Field holding the text in .jsonl, .json and .parquet files (a document per row) and in hf:
+            datasets.
         extensions: File name endings read from directories (add .jsonl, .json or .parquet to read those by
-            text_field); a directory with none of them is an error naming the endings it holds.
+            text_field).
         max_documents: Keep only the first N documents (sorted order), for quick runs; None keeps all.
-        vocab_size: Number of token ids, special ids included; the model's embedding is sized by it. With a trained
-            tokenizer, the sentencepiece vocabulary size (None: 4096). With an existing tokenizer (``tokenizer``),
-            None takes its number of ids, and any other value must equal it.
+        vocab_size: Number of token ids, special ids included; sizes the model's embedding. A trained tokenizer's
+            vocabulary size (None: 4096); with an existing ``tokenizer``, None takes its number of ids.
         seq_len: Training window length in tokens; a multiple of segment_len.
         segment_len: Retrieval segment length in tokens.
         batch_size: Training batch size (per device).
@@ -51,17 +50,12 @@ class RLMDataModule(pl.LightningDataModule):
         tokenizer_model_type: sentencepiece model type: bpe, unigram, char or word.
         max_tokenizer_chars: Characters of training text the tokenizer trainer sees.
         progress: Show progress bars while reading, training the tokenizer and encoding.
-        tokenizer: "train" trains a sentencepiece model on the training documents (the default); or the path of
-            an existing sentencepiece .model file, or of a Hugging Face tokenizer (a tokenizer.json file or the
-            directory holding it, as tokenizers or transformers save it; extra ``hf``), whose number of ids sets
-            vocab_size. Evaluation with a checkpoint's own tokenizer (``rlm validate|test --ckpt_path``,
-            ``rlm eval``) sets it; None is "train".
+        tokenizer: "train" (None) trains a sentencepiece model on the training documents; or the path of an
+            existing sentencepiece .model file, or of a Hugging Face tokenizer.json or its directory (extra ``hf``).
         streaming: Read hf: sources as a datasets IterableDataset and encode them on the fly into shards on
-            disk, never holding the corpus in memory (see rlm/data/stream.py; hf: sources only).
-        dedup_threshold: Near-duplicate documents are removed before the split: pairs whose word 5-gram sets
-            have Jaccard similarity >= this (and identical texts), grouped transitively, keep only their first
-            document (rlm/data/dedup.py); the others go into no split. None removes none. 0 < t <= 1. Not
-            applied with streaming (a stream is split before all of it is seen; its entries are as before).
+            disk, never holding the corpus in memory (hf: sources only).
+        dedup_threshold: Remove near-duplicate documents before the split: of each group whose word 5-gram sets
+            have Jaccard >= this, only the first is kept. None removes none. Not applied with streaming.
     """
 
     def __init__(
@@ -175,7 +169,7 @@ class RLMDataModule(pl.LightningDataModule):
                 max_tokenizer_chars=self.max_tokenizer_chars,
                 test_fraction=self.test_fraction,
                 tokenizer=TRAIN if self.tokenizer_spec == TRAIN else tokenizer_digest(self.tokenizer_spec),
-                # a stream is not deduplicated, so its key (and entry) stays as before
+                # a stream is not deduplicated
                 dedup_threshold=None if self.streaming else self.dedup_threshold,
             )
         return self._key
@@ -194,29 +188,23 @@ class RLMDataModule(pl.LightningDataModule):
             else:
                 build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_spec)
 
-    def _specs(self) -> list[str]:
-        return [self.corpus] if isinstance(self.corpus, str) else list(self.corpus)
+    def _stream_args(self) -> tuple:
+        specs = [self.corpus] if isinstance(self.corpus, str) else list(self.corpus)
+        return specs, self.hf_split, self.hf_config, self.text_field, self.max_documents
 
     def _stream_key(self) -> str:
         from rlm.data.stream import stream_key
 
-        return stream_key(self._specs(), self.hf_split, self.hf_config, self.text_field, self.max_documents)
+        return stream_key(*self._stream_args())
 
     def _build_streamed(self, root: Path) -> None:
         from rlm.data.stream import build_stream_store, stream_documents
 
-        specs = self._specs()
-        args = (specs, self.hf_split, self.hf_config, self.text_field, self.max_documents)
+        args = self._stream_args()
         stream_documents(*args)  # checks the sources before any work
-        prefix = f"{specs[0]}/{self.hf_split}/" if len(specs) == 1 else "stream/"
-        build_stream_store(
-            root,
-            lambda: stream_documents(*args),
-            self.cache_key(),
-            prefix,
-            self.tokenizer_spec,
-            self.progress,
-        )
+        prefix = f"{args[0][0]}/{self.hf_split}/" if len(args[0]) == 1 else "stream/"
+        docs = lambda: stream_documents(*args)  # noqa: E731
+        build_stream_store(root, docs, self.cache_key(), prefix, self.tokenizer_spec, self.progress)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the cache (building it first when prepare_data was not called), cut segments and windows."""
@@ -245,19 +233,11 @@ class RLMDataModule(pl.LightningDataModule):
         """Shuffled, sharded by the attached trainer's rank, resumable (see TrainLoader)."""
         trainer = self.trainer  # set by Lightning when attached
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        # Start at the trainer's epoch, so reload_dataloaders_every_n_epochs does not replay epoch 0; on
-        # resume Lightning then overrides epoch and position with the checkpoint's load_state_dict().
+        # the trainer's epoch, so reload_dataloaders_every_n_epochs does not replay epoch 0 (a resume then loads
+        # epoch and position from the checkpoint)
         epoch = trainer.current_epoch if trainer else 0
-        return TrainLoader(
-            self.windows("train"),
-            self.batch_size,
-            self.seed,
-            rank,
-            world,
-            self.num_workers,
-            epoch,
-            self._pin(),
-        )
+        args = (self.seed, rank, world, self.num_workers, epoch, self._pin())
+        return TrainLoader(self.windows("train"), self.batch_size, *args)
 
     def _pin(self) -> bool:
         """Whether batches go to a GPU: then they are made in page-locked memory, and copied without a wait."""

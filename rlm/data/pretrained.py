@@ -1,10 +1,7 @@
-"""Existing tokenizers for ``data.tokenizer``: a sentencepiece model file, or a Hugging Face tokenizer on disk.
-
-A Hugging Face tokenizer is a ``tokenizer.json`` (the ``tokenizers`` library's format, which
-``transformers``' ``save_pretrained`` also writes), named directly or by its directory. Its special ids are
-read from ``special_tokens_map.json`` / ``tokenizer_config.json`` beside it when present, else found among
-the usual names; documents are framed as [bos] + ids + [eos], so a tokenizer with only an end-of-text token
-(GPT-2) uses it for both, and for padding (padding is masked out, so its id does not matter).
+"""Existing tokenizers for ``data.tokenizer``: a sentencepiece model file, or a Hugging Face ``tokenizer.json``
+(or its directory). Special ids come from ``special_tokens_map.json`` / ``tokenizer_config.json`` beside it, else
+the usual names; documents are framed as [bos] + ids + [eos], so a tokenizer with only an end-of-text token (GPT-2)
+uses it for both, and for padding (masked out, so its id does not matter).
 """
 
 from __future__ import annotations
@@ -17,17 +14,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rlm.data.tokenizer import Tokenizer
+from rlm.data.tokenizer import SpecialIds, Tokenizer
 from rlm.extras import require
 
-TRAIN = "train"
-"""The ``data.tokenizer`` value that trains a sentencepiece model on the corpus (the default)."""
+TRAIN = "train"  # the data.tokenizer value that trains a sentencepiece model on the corpus
 ACCEPTED = (
     "'train' (a sentencepiece model trained on the corpus), the path of a sentencepiece .model file, or a "
     "Hugging Face tokenizer: a tokenizer.json file or the directory holding it"
 )
-DEFAULT_VOCAB = 4096
-"""``data.vocab_size`` when it is unset and the tokenizer is trained on the corpus."""
+DEFAULT_VOCAB = 4096  # data.vocab_size when it is unset and the tokenizer is trained on the corpus
 HF_FILES = ("tokenizer.json", "special_tokens_map.json", "tokenizer_config.json")
 _CANDIDATES = {
     "bos": ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]", "<|endoftext|>"),
@@ -37,7 +32,7 @@ _CANDIDATES = {
 }
 
 
-class HFTokenizer:
+class HFTokenizer(SpecialIds):
     """A Hugging Face ``tokenizers`` tokenizer with the same interface as the sentencepiece :class:`Tokenizer`."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -62,36 +57,10 @@ class HFTokenizer:
         self._pad = ids.get("pad", self._eos)
         self._unk = ids.get("unk", self._pad)
 
-    def __getstate__(self) -> dict[str, str]:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict[str, str]) -> None:
-        self.__init__(state["path"])
-
     @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def pad_id(self) -> int:
-        """Padding id (the end-of-text id when the tokenizer has no pad token)."""
-        return self._pad
-
-    @property
-    def unk_id(self) -> int:
-        """Unknown-token id (the pad id when there is none)."""
-        return self._unk
-
-    @property
-    def bos_id(self) -> int:
-        """Beginning-of-document id."""
-        return self._bos
-
-    @property
-    def eos_id(self) -> int:
-        """End-of-document id."""
-        return self._eos
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens."""

@@ -5,12 +5,11 @@ Layout of one cache entry, `<cache_dir>/<key digest>/`:
                     a Hugging Face tokenizer is copied to hf_tokenizer/ instead)
   tokens.npy        every document as [bos] + ids + [eos], concatenated; uint16 (uint32 above 65535 ids)
   doc_offsets.npy   int64 (n_docs + 1,): document d is tokens[doc_offsets[d]:doc_offsets[d + 1]]
-  train_docs.npy, val_docs.npy, test_docs.npy   int64 document ids, sorted, disjoint (no test_docs.npy in
-                  entries written before the test split, or streamed: an empty test split)
-  removed_docs.npy  int64 document ids, sorted: near-duplicates of a kept document (rlm/data/dedup.py), in no
-                  split (still encoded, so ids stay those of the corpus); absent when dedup_threshold is None
-  meta.json         the key and the documents' names (a streamed corpus: a name prefix and the count); with
-                  deduplication also near_duplicates_removed and dedup_threshold
+  train_docs.npy, val_docs.npy, test_docs.npy   int64 document ids, sorted, disjoint (test_docs.npy may be absent:
+                  an empty test split)
+  removed_docs.npy  int64 document ids, sorted: near-duplicates of a kept document, in no split (still encoded, so
+                  ids stay those of the corpus); absent when dedup_threshold is None
+  meta.json         the key and the documents' names (a streamed corpus: a name prefix and the count)
 The entry is built in a temporary directory and renamed into place, so a reader never sees half of it.
 """
 
@@ -60,11 +59,11 @@ class CacheKey:
     """'train', or the digest of the files of the existing tokenizer that data.tokenizer names."""
     dedup_threshold: float | None = None
     """Shingle Jaccard at which documents are near-duplicates and all but the first are removed before the
-    split (rlm/data/dedup.py); None: none removed, as in entries written before deduplication existed."""
+    split; None: none removed."""
 
     def digest(self) -> str:
-        """A short, stable name for this key (fields at their empty default are left out, so entries written
-        before they existed keep their names)."""
+        """A short, stable name for this key (fields at their _OPTIONAL default are left out, so an entry keeps its
+        name when a field is added)."""
         fields = {k: v for k, v in asdict(self).items() if not (k in _OPTIONAL and v == _OPTIONAL[k])}
         payload = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:20]
@@ -73,12 +72,6 @@ class CacheKey:
 # None here, not the data module's default (0.8): an entry built without deduplication keeps its name, and a
 # module at the default asks for another entry instead of silently reusing it.
 _OPTIONAL = {"test_fraction": 0.0, "tokenizer": TRAIN, "dedup_threshold": None}
-
-
-def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted (train, val) document ids: a seeded permutation, the first round(val_fraction * n) held out."""
-    train, val, _ = split_train_val_test(n_docs, val_fraction, 0.0, seed)
-    return train, val
 
 
 def split_train_val_test(
@@ -136,9 +129,8 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EAC
 
 
 def write_failure(path: str | os.PathLike[str], err: BaseException) -> OSError | None:
-    """An OSError naming ``path``, its cause and the free space, for a failed write (numpy's bare
-    "1888120 requested and 612288 written", faiss's short-write RuntimeError, ENOSPC, safetensors' error with
-    Rust's "(os error 28)"); None for other errors."""
+    """An OSError naming ``path``, its cause and the free space, for a failed write (numpy's bare "N requested and
+    M written", faiss's short-write RuntimeError, ENOSPC, Rust's "(os error 28)"); None for other errors."""
     text = str(err)
     rust = re.search(r"\(os error (\d+)\)", text)
     if rust and not isinstance(err, OSError):
@@ -157,11 +149,6 @@ def write_failure(path: str | os.PathLike[str], err: BaseException) -> OSError |
         free = "free space unknown"
     reason = err.strerror if isinstance(err, OSError) and err.strerror else text
     return OSError(f"cannot write {str(path)!r}: {reason} ({free}; a full disk or an unwritable folder)")
-
-
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """sha256 of a file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def build_store(
@@ -246,10 +233,10 @@ class TokenStore:
         """Sorted validation document ids."""
         test = self.root / "test_docs.npy"
         self.test_docs: np.ndarray = np.load(test) if test.is_file() else np.zeros(0, dtype=np.int64)
-        """Sorted test document ids (empty in entries written before the test split)."""
+        """Sorted test document ids."""
         removed = self.root / "removed_docs.npy"
         self.removed_docs: np.ndarray = np.load(removed) if removed.is_file() else np.zeros(0, dtype=np.int64)
-        """Sorted ids of near-duplicate documents in no split (empty in entries built without deduplication)."""
+        """Sorted ids of near-duplicate documents, in no split."""
         self.tokenizer = open_cached(self.root)
         meta = json.loads((self.root / "meta.json").read_text())
         self.names: Sequence[str] = (

@@ -1,19 +1,12 @@
 """Streaming ``hf:`` corpora into the token cache without holding them in memory (``data.streaming: true``).
 
-The source is read as a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``; a dataset saved
-with ``save_to_disk`` through ``to_iterable_dataset()``) and encoded on the fly. Two passes over the stream:
-the first trains the tokenizer on the first ``max_tokenizer_chars`` characters of the training documents
-(none when ``data.tokenizer`` names an existing one), the second encodes every document into shards of about
-``SHARD_TOKENS`` tokens, each written to disk (temp name, then renamed) before the next is started. A build
-that stops part way resumes after its last complete shard. The shards are then copied into the same entry
-layout as an in-memory build (rlm/data/store.py), one memory-mapped tokens.npy, so training reads it alike.
-
-Differences from the in-memory build: the corpus has no content fingerprint before it is read, so the cache
-is keyed by the source's description (names, split, config, text field, max_documents), not by its content;
-and the train/val split is a seeded hash of each document's index (held out with probability
-val_fraction), since the number of documents is not known in advance. Nor are near-duplicate documents
-removed (rlm/data/dedup.py needs every document before the split, which a stream is not held for):
-data.dedup_threshold does not apply, and a streamed entry's key carries none.
+The source is read as a ``datasets.IterableDataset`` in two passes: the first trains the tokenizer on the training
+documents' first ``max_tokenizer_chars`` characters (unless ``data.tokenizer`` names one), the second encodes every
+document into shards of about ``SHARD_TOKENS`` tokens, each written (temp name, then renamed) before the next, so
+a build that stops resumes after its last complete shard. The shards are then copied into the entry layout of
+rlm/data/store.py. Unlike the in-memory build, the cache is keyed by the source's description (its content is not
+known before it is read), the validation split is a seeded hash of each document's index (their count is not
+known in advance), and near-duplicates are not removed (that needs every document before the split).
 """
 
 from __future__ import annotations
@@ -34,9 +27,7 @@ from rlm.data.corpus import Document, hf_dataset, named_read_errors
 from rlm.data.pretrained import TRAIN, open_cached
 from rlm.data.store import _ENCODE_BATCH, FORMAT_VERSION, CacheKey, make_tokenizer, token_dtype
 
-SHARD_TOKENS = 1 << 24
-"""Tokens per shard (32 MiB of uint16): the most the build holds in memory at once, besides per-document
-offsets and split flags."""
+SHARD_TOKENS = 1 << 24  # tokens per shard: the most the build holds in memory at once
 
 
 def stream_key(
@@ -62,6 +53,7 @@ def stream_documents(
 
 
 def _stream_one(name: str, split: str, config: str | None, text_field: str) -> Iterator[Document]:
+    """The documents of one hf: source, streamed; empty texts are skipped."""
     ds = hf_dataset(name, split, config, streaming=True)
     for i, row in enumerate(named_read_errors(name, ds)):
         if text_field not in row:
@@ -151,8 +143,7 @@ def _publish(
         raise ValueError("the streamed corpus has no non-empty documents")
     val = np.array([held_out(key.seed, i, key.val_fraction) for i in range(n)])
     if key.val_fraction > 0 and n > 1 and not val.any():
-        # As the in-memory split: at least one document on each side. Only a corpus too small for the hash to
-        # hold one out gets here; its last document was then among the tokenizer's training text.
+        # at least one document on each side, as the in-memory split (the tokenizer was trained on this one)
         val[-1] = True
     if val.all():
         val[0] = False
@@ -175,10 +166,7 @@ def _publish(
         np.save(tmp / "doc_offsets.npy", offsets)
         np.save(tmp / "train_docs.npy", np.flatnonzero(~val).astype(np.int64))
         np.save(tmp / "val_docs.npy", np.flatnonzero(val).astype(np.int64))
-        for item in (work / "tok").iterdir():
-            shutil.copytree(item, tmp / item.name) if item.is_dir() else shutil.copyfile(
-                item, tmp / item.name
-            )
+        shutil.copytree(work / "tok", tmp, dirs_exist_ok=True)
         meta = {"format": FORMAT_VERSION, "key": asdict(key), "name_prefix": name_prefix, "n_docs": n}
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:

@@ -1,8 +1,5 @@
-"""A sentencepiece tokenizer trained on the corpus, with fixed special ids (pad=0, unk=1, bos=2, eos=3).
-
-A user's own sentencepiece model may lack some of them (sentencepiece's defaults have no pad piece: pad_id=-1):
-:class:`Tokenizer` then stands in a valid id, as the Hugging Face tokenizer does (rlm.data.pretrained).
-"""
+"""A sentencepiece tokenizer trained on the corpus, with fixed special ids (pad=0, unk=1, bos=2, eos=3); a user's
+own model that lacks some of them (sentencepiece's defaults have no pad piece) gets a valid stand-in id."""
 
 from __future__ import annotations
 
@@ -36,7 +33,46 @@ def _chunks(texts: Iterable[str], max_chars: int) -> Iterator[str]:
             return
 
 
-class Tokenizer:
+class SpecialIds:
+    """The special ids and pickling both tokenizers share (this one and rlm.data.pretrained.HFTokenizer)."""
+
+    path: str
+    _pad: int
+    _unk: int
+    _bos: int
+    _eos: int
+
+    # The tokenizer is a native object: ship the path to worker processes and reopen there.
+    def __getstate__(self) -> dict[str, str]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.__init__(state["path"])
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id (0 in a trained model; a stand-in where the tokenizer has none)."""
+        return self._pad
+
+    @property
+    def unk_id(self) -> int:
+        """Unknown-piece id (1 in a trained model, which never emits it: bytes fall back to byte pieces)."""
+        return self._unk
+
+    @property
+    def bos_id(self) -> int:
+        """Beginning-of-document id (2 in a trained model; the eos id where there is none)."""
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-document id (3 in a trained model; the bos id where there is none)."""
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without bos/eos."""
+
+class Tokenizer(SpecialIds):
     """A sentencepiece model on disk; encodes any text (byte fallback) and decodes it back exactly."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -52,42 +88,14 @@ class Tokenizer:
         self._eos = eos if eos >= 0 else bos
         # Padding is never trained on (targets there are -100, mask False), so any valid id does; unk, which every
         # sentencepiece model has, is the one a byte-fallback model never emits.
-        self._pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self._sp.unk_id()
-
-    # The processor is a C++ object: ship the path to worker processes and reopen there.
-    def __getstate__(self) -> dict[str, str]:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict[str, str]) -> None:
-        self.__init__(state["path"])
+        self._unk = self._sp.unk_id()
+        self._pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self._unk
 
     @property
     def vocab_size(self) -> int:
         """Number of ids, special ids included."""
         return self._sp.get_piece_size()
 
-    @property
-    def pad_id(self) -> int:
-        """Padding id (0); the unk id for a model without a pad piece."""
-        return self._pad
-
-    @property
-    def unk_id(self) -> int:
-        """Unknown-piece id (1); unused in practice since bytes fall back to byte pieces."""
-        return self._sp.unk_id()
-
-    @property
-    def bos_id(self) -> int:
-        """Beginning-of-document id (2); the eos id for a model without a bos piece."""
-        return self._bos
-
-    @property
-    def eos_id(self) -> int:
-        """End-of-document id (3); the bos id for a model without an eos piece."""
-        return self._eos
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without bos/eos."""
         return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:

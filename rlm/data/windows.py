@@ -13,11 +13,8 @@ from torch.utils.data import DataLoader, Dataset
 from rlm.data.segments import SegmentTable
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
-HOST = "host"
-"""The batch key of its host copy (host_copy), once the batch is on a device."""
-HOST_FIELDS = ("tokens", "mask", "segment_ids", "doc_ids", "starts")
-"""Fields collate makes on the host that plugins read on the host (the retriever looks its neighbours up in numpy
-tables with them; Token-ID's host n-gram tables hash the tokens there)."""
+HOST = "host"  # the batch key of its host copy (host_copy), once the batch is on a device
+HOST_FIELDS = ("tokens", "mask", "segment_ids", "doc_ids", "starts")  # what plugins read on the host
 
 
 class Windows:
@@ -133,16 +130,11 @@ def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0, pin: bo
 class TrainLoader:
     """Shuffled training batches, deterministic in (seed, epoch), sharded by rank, resumable mid-epoch.
 
-    Not a DataLoader on purpose: Lightning would replace a DataLoader's sampler. Each epoch the windows
-    are permuted with rng(seed, epoch); the first len(self) * batch_size * world_size of them are dealt
-    round-robin to the ranks (equal batches per rank, the remainder dropped).
-
-    The loader counts its own epochs: an epoch ends when all its batches have been handed out, and the
-    next iteration starts the next one. Lightning's epoch number is not used, because it disagrees with
-    the data after a run stopped by max_steps (Lightning then counts the unfinished epoch as done) and
-    under limit_train_batches (then successive Lightning epochs walk on through one permutation).
-    `state_dict()` counts the batches handed out, which is what Lightning 2.6 has trained on: its fetcher
-    does not prefetch from a loader that has a length (checked by the resume test in tests/data/test_data.py).
+    Not a DataLoader: Lightning would replace its sampler. Each epoch the windows are permuted with
+    rng(seed, epoch) and the first len(self) * batch_size * world_size are dealt round-robin to the ranks.
+    The loader counts its own epochs (one ends when all its batches are handed out): Lightning's epoch number
+    disagrees with the data after max_steps and under limit_train_batches. `state_dict()` counts the batches
+    handed out, which is what Lightning has trained on: it does not prefetch from a loader that has a length.
     """
 
     def __init__(
@@ -215,11 +207,9 @@ class TrainLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue where `state` left off; the data must be the one it was saved with.
-
-        The process count may change when the global batch (batch_size x world_size) stays the same: global batch
-        i is windows perm[i*G : (i+1)*G] of the epoch's permutation whatever the sharding, so 2 processes of 8 and
-        1 process of 16 train on the same windows at every step (each rank has handed out `position` batches)."""
+        """Continue where `state` left off; the data must be the one it was saved with. The process count may
+        change when the global batch G = batch_size x world_size does not: global batch i is windows
+        perm[i*G : (i+1)*G] of the epoch's permutation whatever the sharding."""
         for name in ("seed", "windows"):
             mine = len(self.windows) if name == "windows" else getattr(self, name)
             if state[name] != mine:

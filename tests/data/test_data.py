@@ -17,7 +17,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from rlm.data.corpus import read_corpus, stdlib_paths
 from rlm.data.module import RLMDataModule
 from rlm.data.segments import SegmentTable
-from rlm.data.store import TokenStore, split_documents, split_train_val_test
+from rlm.data.store import TokenStore, split_train_val_test
 from rlm.data.tokenizer import Tokenizer
 from rlm.data.windows import IGNORE_INDEX, TrainLoader
 
@@ -60,13 +60,15 @@ def dm(corpus, tmp_path_factory):
 
 # ---- split, cache, round trip --------------------------------------------------------------------------
 def test_split_is_deterministic_disjoint_and_complete():
-    train, val = split_documents(100, 0.2, seed=3)
-    again = split_documents(100, 0.2, seed=3)
-    other = split_documents(100, 0.2, seed=4)
+    train, val = split_train_val_test(100, 0.2, 0.0, seed=3)[:2]
+    again = split_train_val_test(100, 0.2, 0.0, seed=3)[:2]
+    other = split_train_val_test(100, 0.2, 0.0, seed=4)[:2]
     assert np.array_equal(train, again[0]) and np.array_equal(val, again[1])
     assert not np.array_equal(val, other[1])
     assert len(val) == 20 and not set(train) & set(val) and sorted({*train, *val}) == list(range(100))
-    assert len(split_documents(3, 0.01, 0)[1]) == 1  # a nonzero fraction holds out at least one document
+    assert (
+        len(split_train_val_test(3, 0.01, 0.0, 0)[1]) == 1
+    )  # a nonzero fraction holds out at least one document
 
 
 def test_store_round_trip(dm, corpus):
@@ -241,7 +243,7 @@ def test_three_way_split_is_deterministic_disjoint_and_keeps_the_validation_docu
     assert all(np.array_equal(a, b) for a, b in zip((train, val, test), again))
     assert not np.array_equal(test, split_train_val_test(100, 0.2, 0.1, seed=4)[2])
     # The validation documents are those of the two-way split: adding a test split leaves them alone.
-    assert np.array_equal(val, split_documents(100, 0.2, seed=3)[1])
+    assert np.array_equal(val, split_train_val_test(100, 0.2, 0.0, seed=3)[:2][1])
     assert [len(p) for p in split_train_val_test(3, 0.01, 0.01, 0)] == [1, 1, 1]
     assert [len(p) for p in split_train_val_test(2, 0.5, 0.5, 0)] == [1, 1, 0]  # one document stays to train
 
@@ -465,12 +467,17 @@ def test_corpus_errors(tmp_path):
         ({"vocab_size": 100}, "vocab_size=100; accepted: >= 261"),
         ({"val_fraction": 1.0}, "val_fraction=1.0; accepted: 0 <= val_fraction < 1"),
         ({"batch_size": 0}, "batch_size=0; accepted: a positive integer"),
-        ({"tokenizer_model_type": "wordpiece"}, "tokenizer_model_type='wordpiece'; accepted: \\['bpe'"),
     ],
 )
 def test_argument_errors(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         _dm(tmp_path, tmp_path, **kwargs)
+
+
+def test_unknown_tokenizer_model_type_is_refused_before_training(tmp_path):
+    """The command line refuses it by its Literal type; Python callers get this before any training."""
+    with pytest.raises(ValueError, match=r"tokenizer_model_type='wordpiece'; accepted: \['bpe'"):
+        Tokenizer.train(["text"], tmp_path / "t.model", vocab_size=300, model_type="wordpiece")
 
 
 def test_vocab_too_large_names_the_largest_that_works(corpus, tmp_path):
