@@ -25,7 +25,6 @@ _COMMANDS = (
     "run_experiment",
     "run_index",
     "run_lightning",
-    "run_plugins",
     "usage",
     "version",
 )

@@ -206,7 +206,6 @@ def cmd_generate(
     from rlm.eval.knnlm_cli import device_arg
     from rlm.train.module import LMModule
 
-    limit_threads()
     where = torch.device(device_arg(device))
     if not os.path.isfile(ckpt):
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
@@ -298,20 +297,21 @@ def run_experiment(command: str, args: list[str]) -> int:
     return experiment_main(args) or 0
 
 
-def run_plugins(command: str, args: list[str]) -> int:
-    """``rlm plugins [NAME]``: list the plugins, or print one plugin's options."""
+def cmd_plugins(name: str | None = None) -> int:
+    """List the plugins, or show one's options (rlm plugins NAME).
+
+    Args:
+        name: a plugin name: print its options with their defaults and docs
+    """
     from rlm.plugin.catalog import describe_plugin, plugin_table
 
-    p = argparse.ArgumentParser(prog="rlm plugins", description="List the plugins, or show one's options.")
-    p.add_argument("name", nargs="?", help="a plugin name: print its options with their defaults and docs")
-    a = p.parse_args(args)
-    if a.name:
-        print(describe_plugin(a.name))
-    else:
-        rows = plugin_table()
-        width = max((len(name) for name, _, _ in rows), default=0)
-        print("\n".join(f"{name:<{width}}  {desc}  [{source}]" for name, source, desc in rows))
-        print("\n`rlm plugins NAME` for a plugin's options; enable one with model.plugins.NAME: {...}.")
+    if name:
+        print(describe_plugin(name))
+        return 0
+    rows = plugin_table()
+    width = max((len(row[0]) for row in rows), default=0)
+    print("\n".join(f"{name:<{width}}  {desc}  [{source}]" for name, source, desc in rows))
+    print("\n`rlm plugins NAME` for a plugin's options; enable one with model.plugins.NAME: {...}.")
     return 0
 
 
@@ -332,7 +332,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
         "build a kNN-LM datastore from a checkpoint (rlm eval / generate --datastore use it)",
     ),
     "experiment": (run_experiment, "run plugin comparisons and report them"),
-    "plugins": (run_plugins, "list the plugins, or show one plugin's options"),
+    "plugins": (cmd_plugins, "list the plugins, or show one plugin's options"),
 }
 """Each command: LightningCLI (run_lightning), a typed function whose signature and docstring are its parser, a
 dict of them (subcommands), or "module:NAME" naming either, imported when the command runs."""
