@@ -69,8 +69,6 @@ class SpecialIds:
         """End-of-document id (3 in a trained model; the bos id where there is none)."""
         return self._eos
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without bos/eos."""
 
 class Tokenizer(SpecialIds):
     """A sentencepiece model on disk; encodes any text (byte fallback) and decodes it back exactly."""
@@ -96,6 +94,8 @@ class Tokenizer(SpecialIds):
         """Number of ids, special ids included."""
         return self._sp.get_piece_size()
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without bos/eos."""
         return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:
