@@ -18,21 +18,9 @@ if TYPE_CHECKING:
     from rlm.plugin.context import Context
     from rlm.plugin.registry import known_plugins, resolve
 
-_WHERE = {
-    "LAYERLESS": "base",
-    "Claim": "base",
-    "Mode": "base",
-    "ParamGroup": "base",
-    "Plugin": "base",
-    "Slot": "base",
-    "check_layers": "base",
-    "make_config": "base",
-    "Context": "context",
-    "KVCache": "cache",
-    "known_plugins": "registry",
-    "resolve": "registry",
-}
-
+_BASE = ("LAYERLESS", "Claim", "Mode", "ParamGroup", "Plugin", "Slot", "check_layers", "make_config")
+_WHERE = {**dict.fromkeys(_BASE, "base"), "Context": "context", "KVCache": "cache"}
+_WHERE |= dict.fromkeys(("known_plugins", "resolve"), "registry")
 __all__ = [
     "LAYERLESS",
     "Claim",

@@ -1,14 +1,11 @@
 """The plugin contract: what a memory plugin declares and what the core asks of it.
 
-A plugin is one class with a typed config (a dataclass named ``Config`` on the class). It says
-which slots it takes at which layers (``claims``), builds the module for each claim (``build``),
-and may contribute optimizer parameter groups, Lightning callbacks, per-batch preparation of the
-context, and its count of parameters not used per token. Aux losses and metrics are written into
-the :class:`~rlm.plugin.context.Context` during forward.
+A plugin is one class with a typed ``Config`` dataclass. It claims slots at layers (``claims``), builds a module
+per claim (``build``), and may add optimizer groups, callbacks, per-batch preparation of the context and a count
+of parameters unused per token. Aux losses and metrics go into the :class:`~rlm.plugin.context.Context`.
 
-Under incremental decoding (``ctx.cache``, rlm/plugin/cache.py) a forward sees only the new positions
-``ctx.offset..ctx.offset + T - 1``: a module whose output there depends on earlier positions keeps what it
-needs of them in ``ctx.cache.state[label]`` (the retriever's chunk neighbours); per-token modules need nothing.
+Under incremental decoding (``ctx.cache``) a forward sees only positions ``ctx.offset..ctx.offset + T - 1``: a
+module whose output there depends on earlier positions keeps what it needs in ``ctx.cache.state[label]``.
 """
 
 from __future__ import annotations
@@ -93,10 +90,8 @@ class ParamGroup:
 
 
 class Plugin(nn.Module):
-    """Base class of every plugin. Subclasses set ``name``, ``Config`` and implement ``claims`` and ``build``.
-
-    The plugin object is an ``nn.Module`` owned by the model, so state shared across layers (for
-    example values shared by several memory layers) lives on it and is checkpointed with the model.
+    """Base class of every plugin: subclasses set ``name`` and ``Config`` and implement ``claims`` and
+    ``build``. An ``nn.Module`` owned by the model, so state shared across layers lives on it and is checkpointed.
     """
 
     name: ClassVar[str] = ""
@@ -119,12 +114,9 @@ class Plugin(nn.Module):
         raise NotImplementedError
 
     def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
-        """Build the module for ``claim`` at ``layer``.
-
-        ``current`` is the slot's module at that moment (None for an absent cross-attention): a
-        REPLACE module takes its place, an ADD module runs beside it, a WRAP module must call it.
-        Every returned module is called as ``module(x, ctx)`` (the embedding slot: ``(tokens, ctx)``).
-        """
+        """Build the module for ``claim`` at ``layer``, called as ``module(x, ctx)`` (embedding: ``(tokens,
+        ctx)``). ``current`` is the slot's module now (None for an absent cross-attention): REPLACE takes its
+        place, ADD runs beside it, WRAP must call it."""
         raise NotImplementedError
 
     # Optional parts of the contract; defaults do nothing.
@@ -133,10 +125,9 @@ class Plugin(nn.Module):
         """Fill ``ctx.extras[self.name]`` from the batch before forward (for example the batch's neighbours)."""
 
     def objective(self, ctx: Context, hidden: Tensor, logits: Tensor, targets: Tensor) -> Tensor | None:
-        """The training loss in place of the LM's cross-entropy, from the final normed states (B, T, d), the logits
-        (B, T, V) and the targets (B, T; -100 ignored); None: cross-entropy. At most one plugin of a model may
-        return one. Called at every stage; what it returns outside training is ignored (``val/loss`` stays the
-        plain cross-entropy, so models stay comparable), and it may log its own metrics through ``ctx``."""
+        """The training loss in place of the LM's cross-entropy, from the final normed states (B, T, d), the
+        logits (B, T, V) and the targets (B, T; -100 ignored); None: cross-entropy. One plugin of a model at most.
+        Ignored outside training, so ``val/loss`` stays the plain cross-entropy and models stay comparable."""
         return None
 
     def param_groups(self) -> list[ParamGroup]:
@@ -152,27 +143,23 @@ class Plugin(nn.Module):
         return 0
 
     def replicated_parameters(self) -> list[nn.Parameter]:
-        """Parameters FSDP2 must leave whole on every rank (not sharded, their gradients not reduced), because the
-        plugin updates them itself and keeps the replicas equal (PKM's row-wise Adam, which exchanges the rows a
-        step touched). Asked when the model is sharded (``rlm.distributed.parallel.parallelize``), after the
-        callbacks' ``setup``; DDP needs no list (it leaves parameters without ``requires_grad`` alone)."""
+        """Parameters FSDP2 must leave whole on every rank, unsharded and unreduced, because the plugin updates
+        them itself and keeps the replicas equal (PKM's row-wise Adam). Asked when the model is sharded, after the
+        callbacks' ``setup``; DDP leaves parameters without ``requires_grad`` alone."""
         return []
 
     def synced_parameters(self) -> list[nn.Parameter]:
-        """Parameters the main optimizer trains that FSDP2 should also leave whole on every rank, because they are
-        small and an all-reduce of their gradient costs less than FSDP2's two gathers and reduce-scatter (PKM's
-        sub-keys). rlm averages their gradients over the ranks in the backward (DDP's treatment,
-        ``rlm.distributed.replicas.SyncedGradients``) and gives them optimizer groups of their own. Asked when the
-        model is sharded and when the optimizer is built, on every strategy (the groups are the same on one
-        process)."""
+        """Parameters the main optimizer trains that FSDP2 should also leave whole on every rank: small enough
+        that an all-reduce of their gradient beats FSDP2's gathers (PKM's sub-keys). rlm averages their gradients
+        (``rlm.distributed.replicas.SyncedGradients``) and gives them optimizer groups of their own."""
         return []
 
     def attach(self, model: nn.Module) -> None:
         """Called once after every plugin has been built, with the assembled model."""
 
     def eval_variants(self) -> list[str]:
-        """Names of extra evaluation passes: for each, validation runs every batch's forward again with
-        ``ctx.variant`` set to the name (seen by ``prepare``) and logs ``val/<name>/loss`` (an ablation, say)."""
+        """Extra evaluation passes: for each name, validation runs every batch again with ``ctx.variant`` set
+        to it and logs ``val/<name>/loss`` (an ablation, say)."""
         return []
 
 

@@ -1,10 +1,8 @@
 """The state of incremental decoding: every self-attention layer's keys and values, and the plugins' own state.
 
-One cache holds one window of one batch of sequences: positions 0..length-1, at most ``capacity`` of them
-(the model's max_seq_len or less). It travels on the Context (``ctx.cache``) with ``ctx.offset`` set to its
-length, so a forward over the next T tokens attends to what earlier forwards left here, and writes its own
-keys and values at positions offset..offset+T-1. Plugins keep what they carry from step to step in
-``state[label]``, never on their modules (see rlm/plugin/context.py).
+One cache holds one window of a batch: positions 0..length-1, at most ``capacity``. It travels as ``ctx.cache``
+with ``ctx.offset`` at its length; a forward over the next T tokens attends to it and writes positions
+offset..offset+T-1. Plugins keep what they carry between steps in ``state[label]``, never on their modules.
 """
 
 from __future__ import annotations
@@ -75,6 +73,3 @@ def refill_start(length: int, start: int, window: int) -> int:
     """The cached path's window start for a sequence of ``length`` tokens whose current window starts at ``start``:
     unchanged while the window holds at most ``window`` tokens, else the last ``window // 2`` tokens."""
     return start if length - start <= window else length - max(window // 2, 1)
-
-
-__all__ = ["KVCache", "refill_start"]

@@ -1,9 +1,8 @@
 """What ``rlm plugins`` prints: the plugins one can name, and each one's options with their docstrings.
 
-A built-in plugin is read from its source (``ast``), not imported: its class docstring, and its Config dataclass's
-fields (annotation as the interpreter keeps it, default, attribute docstring), so listing and describing plugins imports neither
-torch nor what a plugin module pulls in (Lightning, faiss). Entry-point plugins are imported, as only their
-classes are known; so is a built-in whose source is not plain enough to read (an option whose default is computed).
+Built-ins are read from source (``ast``), not imported, so listing them imports neither torch nor Lightning or
+faiss. Entry-point plugins are imported, as only their classes are known; so is a built-in whose source is not
+plain enough to read (a computed default).
 """
 
 from __future__ import annotations
@@ -17,11 +16,7 @@ from rlm.plugin import registry
 
 
 def plugin_table() -> list[tuple[str, str, str]]:
-    """(name, source, one-line description) of every plugin that can be named, sorted by name.
-
-    Built-ins are described from their source, without importing them (so without torch); an entry-point plugin
-    is imported for the first line of its class docstring.
-    """
+    """(name, source, one-line description) of every plugin that can be named, sorted by name."""
     rows = {
         n: ("built-in", _first_line(ast.get_docstring(_class_node(*t.split(":"))[1]) or ""))
         for n, t in registry.BUILTIN.items()
@@ -42,7 +37,8 @@ def _first_line(doc: str | None) -> str:
 
 
 def field_docs(config_cls: type) -> dict[str, str]:
-    """The attribute docstring under each field of a dataclass, inherited fields included (as jsonargparse reads them)."""
+    """The attribute docstring under each field of a dataclass, inherited ones included (as jsonargparse
+    reads them)."""
     import docstring_parser
 
     docs: dict[str, str] = {}
@@ -106,7 +102,7 @@ def _value(node: ast.expr | None) -> Any:
 
 
 def _fields(module: str, name: str) -> list[tuple[str, str, Any, str]]:
-    """(name, annotation as the interpreter keeps it, default, attribute docstring) of a dataclass's fields, its bases' first."""
+    """(name, annotation as written, default, attribute docstring) of a dataclass's fields, bases' first."""
     where, cls = _class_node(module, name)
     out: dict[str, tuple[str, str, Any, str]] = {}
     for base in cls.bases:
@@ -151,26 +147,22 @@ def describe_plugin(name: str) -> str:
     target = registry.BUILTIN.get(name)
     static = _static_options(target) if target and registry._builtin_available(target) else None
     if static is not None:
-        first, fields = static
-        lines = [f"{name}: {first}", f"  class: {target.replace(':', '.')}", ""]
-        if not fields:
-            return "\n".join([*lines, "  (no options)"])
-        lines.append(f"options (model.plugins.{name}.OPTION):")
-        for field_name, annotation, default, doc in fields:
-            lines.append(f"  {field_name}: {annotation} = {default!r}")
-            if doc:
-                lines.append(f"      {doc}")
-        return "\n".join(lines)
-    cls = registry.resolve(name)
-    config = cls.Config
-    lines = [f"{name}: {_first_line(cls.__doc__)}", f"  class: {cls.__module__}.{cls.__qualname__}", ""]
-    if not dataclasses.is_dataclass(config):
+        (first, fields), where = static, target.replace(":", ".")
+    else:
+        cls = registry.resolve(name)
+        first, where, config = _first_line(cls.__doc__), f"{cls.__module__}.{cls.__qualname__}", cls.Config
+        fields = []
+        if dataclasses.is_dataclass(config):
+            docs = field_docs(config)
+            for f in dataclasses.fields(config):
+                type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", repr(f.type))
+                fields.append((f.name, type_name, _default(f), docs.get(f.name, "")))
+    lines = [f"{name}: {first}", f"  class: {where}", ""]
+    if not fields:
         return "\n".join([*lines, "  (no options)"])
-    docs = field_docs(config)
     lines.append(f"options (model.plugins.{name}.OPTION):")
-    for f in dataclasses.fields(config):
-        type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", repr(f.type))
-        lines.append(f"  {f.name}: {type_name} = {_default(f)!r}")
-        if f.name in docs:
-            lines.append(f"      {docs[f.name]}")
+    for field_name, annotation, default, doc in fields:
+        lines.append(f"  {field_name}: {annotation} = {default!r}")
+        if doc:
+            lines.append(f"      {doc}")
     return "\n".join(lines)

@@ -1,7 +1,6 @@
 """The per-step context passed through forward: inputs plugins may read, and what they report back.
 
-Plugins never stash per-step values on modules (that breaks under activation checkpointing, DDP and
-torch.compile); they read and write this object instead.
+Plugins never keep per-step values on modules (that breaks under activation checkpointing, DDP and torch.compile).
 """
 
 from __future__ import annotations
@@ -31,13 +30,13 @@ class Context:
     doc_ids: Tensor | None = None
     """Document id of each row, (B,)."""
     segments: Any = None
-    """The segment table (rlm.data.SegmentTable) that segment_ids and doc_ids index: the batch's own text, which
-    need not be the training corpus (``rlm eval --corpus``); None when the batch names no segments (generation)."""
+    """The segment table (rlm.data.SegmentTable) segment_ids and doc_ids index: the batch's own text, not
+    necessarily the training corpus; None when the batch names no segments (generation)."""
     offset: int = 0
     """Position of tokens[:, 0] within its sequence (for incremental decoding)."""
     cache: KVCache | None = None
-    """Incremental decoding: the keys, values and plugin state of positions 0..offset-1 (offset equals its
-    length); the forward appends its own. None: the tokens are the whole sequence (training, evaluation)."""
+    """Incremental decoding: keys, values and plugin state of positions 0..offset-1; the forward appends its
+    own. None: the tokens are the whole sequence."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Per-step values owned by plugins, keyed by plugin name (for example the batch's neighbours)."""
     aux_losses: dict[str, tuple[Tensor, float]] = field(default_factory=dict)
@@ -48,8 +47,7 @@ class Context:
     """Per-token groups of the evaluation loss, name -> bool mask (B, T): validation logs the token-weighted loss
     of each as ``val/loss_by/<name>``. Declare the same names on every batch (DDP reduces them by name)."""
     hidden: Tensor | None = None
-    """The final normed states (B, T, d) of the last forward (set by Transformer.forward; Plugin.objective reads
-    them)."""
+    """The final normed states (B, T, d) of the last forward, for Plugin.objective."""
     variant: str | None = None
     """The evaluation variant this forward computes (see Plugin.eval_variants); None for the model as it is."""
 

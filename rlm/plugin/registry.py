@@ -119,10 +119,9 @@ def validate_specs(specs: dict[str, Any] | None) -> list[str]:
 
 @functools.cache
 def plugins_config() -> type:
-    """The type of ``model.plugins``: a dataclass with one optional field per known plugin, typed by that plugin's
-    Config (None: disabled). jsonargparse then merges stacked config files plugin by plugin and key by key, types
-    ``--model.plugins.NAME.OPTION`` flags, validates the values and prints each option in ``rlm fit --help``.
-    Building it imports every plugin."""
+    """The type of ``model.plugins``: a dataclass with one optional field per known plugin, typed by its
+    Config (None: disabled), so jsonargparse merges stacked files key by key, types ``--model.plugins.NAME.OPTION``
+    and prints each option in ``rlm fit --help``. Building it imports every plugin."""
     fields = []
     for name in known_plugins():
         cls = resolve(name)
@@ -139,16 +138,16 @@ def plugins_config() -> type:
     return made
 
 
-def _plain(value: Any) -> Any:
-    """Lists for tuples, so that hparams.yaml stays plain YAML."""
+def plain(value: Any) -> Any:
+    """``value`` with lists for tuples, so that hparams.yaml stays plain YAML and configs compare alike."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+        return {k: plain(v) for k, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 def full_specs(specs: dict[str, Any] | None) -> dict[str, Any]:
-    """Each enabled plugin's options with every default filled in (a checkpoint written before a plugin's options
-    were all saved compares equal to one that saved them); entries that do not build are kept as they are."""
+    """Each enabled plugin's options with every default filled in, so a checkpoint that saved only some
+    compares equal to one that saved all; entries that do not build are kept as they are."""
     from rlm.plugin.base import make_config
 
     out = {}
@@ -159,7 +158,7 @@ def full_specs(specs: dict[str, Any] | None) -> dict[str, Any]:
             out[name] = spec
             continue
         try:
-            out[name] = None if parsed is None else _plain(dataclasses.asdict(make_config(*parsed)))
+            out[name] = None if parsed is None else plain(dataclasses.asdict(make_config(*parsed)))
         except (ValueError, TypeError):
             out[name] = spec
     return out
@@ -172,7 +171,7 @@ def plugin_specs(plugins: Any) -> dict[str, Any]:
         return {}
     if dataclasses.is_dataclass(plugins) and not isinstance(plugins, type):
         return {
-            f.name: _plain(dataclasses.asdict(value))
+            f.name: plain(dataclasses.asdict(value))
             for f in dataclasses.fields(plugins)
             if (value := getattr(plugins, f.name)) is not None
         }

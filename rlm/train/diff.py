@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
+from rlm.plugin.registry import full_specs, plain
 
 
 def dict_diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
@@ -18,15 +14,13 @@ def dict_diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
         for key in sorted(set(saved) | set(current), key=str):
             out += dict_diff(saved.get(key), current.get(key), f"{prefix}{key}.")
         return out
-    if _plain(saved) != _plain(current):
+    if plain(saved) != plain(current):
         return [f"{prefix.rstrip('.')}: checkpoint has {saved!r}, this run has {current!r}"]
     return []
 
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two LMModule hyperparameter dicts in the parts that shape the model."""
-    from rlm.plugin.registry import full_specs
-
     diffs = []
     for key in ("model", "plugins"):
         if key in saved:
