@@ -21,7 +21,6 @@ from typing import Any
 _COMMANDS = (
     "COMMANDS",
     "main",
-    "run_eval",
     "run_experiment",
     "run_index",
     "run_lightning",

@@ -17,7 +17,7 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rlm.extras import MissingExtra
 from rlm.outdir import FORCE_HELP
@@ -238,19 +238,55 @@ def cmd_generate(
     return 0
 
 
-def run_eval(command: str, args: list[str]) -> int:
-    """``rlm eval --ckpt PATH [--corpus X | --tasks T1,T2]``: loss, perplexity and bits per byte with the model's
-    tokenizer, or lm-evaluation-harness tasks."""
-    # eval_main: plain; kNN-LM with --datastore; lm-eval with --tasks
-    from rlm.eval.knnlm_cli import eval_main, eval_parser
+def cmd_eval(
+    *,
+    ckpt: str,
+    corpus: list[str] | None = None,
+    split: Literal["test", "val", "train"] = "test",
+    batch_size: int | None = None,
+    device: str | None = None,
+    json: str | None = None,
+    tasks: str | None = None,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    tasks_path: str | None = None,
+    bootstrap_iters: int = 100000,
+    datastore: str | None = None,
+    knn_k: int | None = None,
+    lam: float | None = None,
+    temperature: float | None = None,
+    knn_cache: bool = False,
+) -> int:
+    """Loss, perplexity and bits per byte of a checkpoint, with its own tokenizer: on its corpus's test (or
+    validation) split, or on all of any text (--corpus); or lm-evaluation-harness tasks (--tasks).
 
-    a = eval_parser().parse_args(args)  # --help and usage errors before torch is imported
-    limit_threads()
-    code = eval_main(args)
+    Args:
+        ckpt: checkpoint written by rlm fit
+        corpus: evaluate every document of this text (a file, directory, glob, 'stdlib' or hf:NAME) instead
+        split: the checkpoint corpus's split to evaluate
+        batch_size: windows per batch (default: the run's); with --tasks, requests per batch (default 8)
+        device: torch device, e.g. cpu or cuda:1 (default: cuda when torch sees a GPU, else cpu)
+        json: also write the results to this JSON file
+        tasks: lm-eval (pip install 'rlm[eval]'): comma-separated tasks, e.g. hellaswag,lambada_openai (hub data
+            sets: they need the network or a filled Hugging Face cache)
+        limit: lm-eval: examples per task (below 1: a fraction)
+        num_fewshot: lm-eval: few-shot examples (default: the task's)
+        tasks_path: lm-eval: a folder of your own task YAML files
+        bootstrap_iters: lm-eval: bootstrap draws for the stderr of metrics such as perplexity (0: none)
+        datastore: kNN-LM: also score kNN-LM with this datastore (rlm knnlm build)
+        knn_k: kNN-LM: neighbours per token (default: the datastore's)
+        lam: kNN-LM: interpolation weight (default: tuned at build)
+        temperature: kNN-LM: softmax temperature (default: tuned)
+        knn_cache: kNN-LM: add the evaluated document's own past (the continuous cache)
+    """
+    from rlm.cli.summary import eval_summary
+    from rlm.eval.knnlm_cli import eval_main
+
+    code = eval_main(
+        types.SimpleNamespace(**locals())
+    )  # plain; kNN-LM with --datastore; lm-eval with --tasks
     if code == 0:  # the results are printed above; then the checkpoint and what to run next
-        from rlm.cli.summary import eval_summary
-
-        print(eval_summary(a.ckpt, a.json))
+        print(eval_summary(ckpt, json))
     return code
 
 
@@ -320,7 +356,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
     "validate": (run_lightning, "evaluate on the validation split"),
     "test": (run_lightning, "evaluate on the test split"),
     "eval": (
-        run_eval,
+        cmd_eval,
         "loss, perplexity and bits per byte of a checkpoint on any text, its own tokenizer; "
         "lm-eval tasks (--tasks)",
     ),
@@ -337,7 +373,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
 """Each command: LightningCLI (run_lightning), a typed function whose signature and docstring are its parser, a
 dict of them (subcommands), or "module:NAME" naming either, imported when the command runs."""
 
-THREADED = ("rlm generate",)
+THREADED = ("rlm generate", "rlm eval")
 """Commands whose torch work runs in this process: limit_threads once their arguments are parsed."""
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from rlm.outdir import FORCE_HELP
 
@@ -35,51 +36,6 @@ def device_arg(value: str | None) -> str:
     if value not in here:
         raise ValueError(f"--device {value!r} is not usable here; accepted: {', '.join(here)}")
     return value
-
-
-def eval_parser() -> argparse.ArgumentParser:
-    """The ``rlm eval`` argument parser."""
-    p = argparse.ArgumentParser(
-        prog="rlm eval",
-        description="Loss, perplexity and bits per byte of a checkpoint, with its own tokenizer: on its "
-        "corpus's test (or validation) split, or on all of any text (--corpus); or lm-evaluation-harness "
-        "tasks (--tasks).",
-    )
-    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
-    p.add_argument(
-        "--corpus",
-        nargs="+",
-        default=None,
-        help="evaluate every document of this text (a file, directory, glob, 'stdlib' or hf:NAME) instead",
-    )
-    p.add_argument(
-        "--split", default="test", help="the checkpoint corpus's split to evaluate: test, val or train"
-    )
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="windows per batch (default: the run's); with --tasks, requests per batch (default 8)")  # fmt: skip
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    h = p.add_argument_group("lm-evaluation-harness (pip install 'rlm[eval]'; rlm.eval.harness)")
-    h.add_argument("--tasks", default=None,
-                   help="comma-separated lm-eval tasks, e.g. hellaswag,lambada_openai (hub data sets: they "
-                        "need the network or a filled Hugging Face cache)")  # fmt: skip
-    h.add_argument("--limit", type=float, default=None, help="examples per task (below 1: a fraction)")
-    h.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
-    h.add_argument("--tasks-path", default=None, help="a folder of your own task YAML files")
-    h.add_argument("--bootstrap-iters", type=int, default=100000,
-                   help="bootstrap draws for the stderr of metrics such as perplexity (0: none)")  # fmt: skip
-    knn = p.add_argument_group("kNN-LM (a datastore from `rlm knnlm build`)")
-    knn.add_argument("--datastore", default=None, help="also score kNN-LM with this datastore")
-    knn.add_argument(
-        "--knn-k", type=int, default=None, help="neighbours per token (default: the datastore's)"
-    )
-    knn.add_argument("--lam", type=float, default=None, help="interpolation weight (default: tuned at build)")
-    knn.add_argument(
-        "--temperature", type=float, default=None, help="kNN softmax temperature (default: tuned)"
-    )
-    knn.add_argument("--knn-cache", action="store_true",
-                     help="add the evaluated document's own past (the continuous cache)")  # fmt: skip
-    return p
 
 
 class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -172,13 +128,13 @@ def main(args: list[str]) -> int:
     return 0
 
 
-def eval_main(args: list[str]) -> int:
-    """``rlm eval``: with ``--tasks`` lm-evaluation-harness (rlm.eval.harness), with ``--datastore DIR`` the LM and
-    kNN-LM from one pass, else plain rlm.eval.evaluate."""
+def eval_main(a: Any) -> int:
+    """``rlm eval`` on its options ``a`` (the parameters of rlm.cli.commands.cmd_eval): with ``--tasks``
+    lm-evaluation-harness (rlm.eval.harness), with ``--datastore DIR`` the LM and kNN-LM from one pass, else plain
+    rlm.eval.evaluate."""
     from rlm.eval.evaluate import main, write_json
     from rlm.eval.knnlm import evaluate_knn
 
-    a = eval_parser().parse_args(args)
     a.device = device_arg(a.device)
     if a.batch_size is not None and a.batch_size < 1:
         raise ValueError(f"--batch-size={a.batch_size}; accepted: a positive integer")

@@ -126,9 +126,10 @@ def test_every_command_help_lists_every_parameter_of_its_function(prog, fn, caps
 
 
 def test_a_device_left_out_is_the_gpu_when_torch_sees_one(monkeypatch):
-    from rlm.eval.knnlm_cli import default_device, eval_parser, parser
+    from rlm.cli.commands import cmd_eval, function_parser
+    from rlm.eval.knnlm_cli import default_device, parser
 
-    assert eval_parser().parse_args(["--ckpt", "x"]).device is None
+    assert function_parser("rlm eval", cmd_eval).parse_args(["--ckpt", "x"]).device is None
     assert parser().parse_args(["build", "--ckpt", "x", "--out", "y"]).device is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_device() == "cuda"
