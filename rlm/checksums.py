@@ -1,9 +1,6 @@
-"""Folders that carry the size and sha256 of their files in a JSON manifest, checked on load.
-
-Retrieval indices (rlm.index.store), kNN-LM datastores (rlm.eval.datastore) and exported models (rlm.hf) each keep
-one: a manifest ``{..., "files": {name: bytes}, "sha256": {name: hex}, "meta_sha256": hex}``, the last its own
-checksum, so a value edited in place (nprobe, k, a document hash) is caught like a changed file. Sizes catch
-truncation and missing files cheaply; checksums catch bytes changed in place.
+"""Folders that carry the size and sha256 of their files in a JSON manifest, checked on load (indices,
+datastores, exported models). The manifest ``{..., "files": {name: bytes}, "sha256": {name: hex}, "meta_sha256":
+hex}`` checksums itself too, so a value edited in place is caught like a changed file.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-META_SHA = "meta_sha256"
-"""The manifest's own checksum: of its other keys."""
+META_SHA = "meta_sha256"  # the manifest's own checksum, of its other keys
 
 
 def file_sha256(path: Path, chunk: int = 2**24) -> str:
@@ -29,8 +25,7 @@ def file_sha256(path: Path, chunk: int = 2**24) -> str:
 
 
 def verify_default() -> bool:
-    """Whether loads verify checksums: yes unless ``RLM_INDEX_VERIFY=0`` (for huge folders; sizes are checked
-    always)."""
+    """Whether loads verify checksums: yes unless ``RLM_INDEX_VERIFY=0`` (sizes are checked always)."""
     return os.environ.get("RLM_INDEX_VERIFY", "1").lower() not in ("0", "false", "no")
 
 
@@ -43,8 +38,8 @@ def meta_digest(meta: dict[str, Any]) -> str:
 def seal(
     folder: Path, meta: dict[str, Any], name: str = "meta.json", names: Iterable[str] | None = None
 ) -> dict[str, Any]:
-    """``meta`` with the size and sha256 of each named file of ``folder`` (paths relative to it; default: every
-    file directly in it but the manifest ``name``) and its own checksum, as it will read back from JSON."""
+    """``meta`` with the size and sha256 of each named file of ``folder`` (default: every file in it but
+    the manifest ``name``) and its own checksum, as it will read back from JSON."""
     if names is None:
         names = (p.name for p in folder.iterdir() if p.is_file() and p.name != name)
     names = sorted(names)
@@ -56,8 +51,7 @@ def seal(
 
 
 def read_manifest(path: Path, name: str, what: str, error: type[Exception]) -> dict[str, Any]:
-    """The parsed manifest ``path / name``, or ``error`` naming it and ``what`` is at ``path`` when it is
-    missing or not valid JSON."""
+    """The parsed manifest ``path / name``; ``error`` naming it and ``what`` when missing or not JSON."""
     try:
         return json.loads((path / name).read_bytes())
     except FileNotFoundError:
@@ -79,10 +73,9 @@ def check_sealed(
     unsealed_ok: bool = False,
     only: str | None = None,
 ) -> None:
-    """Raise ``error`` ("damaged {what} at {path}: {file} ...; {remedy}") when the manifest ``meta`` (read from
-    ``path / name``) was edited, or a file it lists (``only`` that one) is missing, of another size or
-    (``verify``, default :func:`verify_default`) of another checksum. ``unsealed_ok``: a manifest without its own
-    checksum passes (written before there was one)."""
+    """Raise ``error`` ("damaged {what} at {path}: ...; {remedy}") when the manifest was edited, or a file
+    it lists (``only`` that one) is missing, of another size or (``verify``) of another checksum.
+    ``unsealed_ok``: a manifest without its own checksum passes."""
     if META_SHA not in meta and not unsealed_ok or META_SHA in meta and meta_digest(meta) != meta[META_SHA]:
         raise error(
             f"damaged {what} at {path}: {name} was changed after it was written (its checksum does not match), "

@@ -1,8 +1,5 @@
-"""Optional dependencies: importing one that an extra provides, with an error that names the extra.
-
-The core (training on local text with sentencepiece) needs neither of these; they are extras of the package:
-``hf`` (datasets, tokenizers), ``plots`` (matplotlib), ``eval`` (lm-eval, for ``rlm eval --tasks``) or ``gpu``
-(faiss-gpu-cu12, in place of the default faiss-cpu).
+"""Optional dependencies, imported with an error that names the extra installing them (``hf``, ``plots``,
+``eval``, ``gpu``); the core, training on local text, needs none.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The one rule for commands that write an output folder (``rlm index build``, ``rlm knnlm build``, ``rlm export``).
+"""The one rule for commands that write a whole output folder (``rlm index build``, ``rlm knnlm build``,
+``rlm export``) and rename it into place, replacing what stood at ``--out``.
 
-Such a command writes the whole folder under a temporary sibling name and renames it into place
-(rlm.index.store.atomic_dir), so whatever stood at ``--out`` before is gone. :func:`claim_out_dir` decides,
-before any work, whether that is allowed:
-
-- a new folder, an empty one, or this command's own earlier output (when it names a marker) is taken;
-- a folder holding anything else only with ``--force``;
-- never, even with ``--force``: a file, the folder of something the command reads (``--out runs/X`` for
-  ``--ckpt runs/X/ckpt/last.ckpt`` replaced the run, checkpoint included), the current folder or one above it,
-  the home folder or the filesystem root.
+Taken: a new or empty folder, or this command's own earlier output. With ``--force``: a folder holding anything
+else. Never: a file, a folder holding something the command reads (``--out runs/X`` for
+``--ckpt runs/X/ckpt/last.ckpt``), the current folder or one above it, the home folder, the filesystem root.
 """
 
 from __future__ import annotations
@@ -18,10 +13,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+# The --force flag's help, the same for every command that takes it.
 FORCE_HELP = (
     "replace --out even when it holds other files (never a folder holding --ckpt, nor the current one)"
 )
-"""The ``--force`` flag's help, the same for every command that takes it."""
 
 
 def _holds(folder: Path, path: Path) -> bool:
@@ -45,11 +40,9 @@ def claim_out_dir(
     own: tuple[str, str] | None = None,
     flag: str = "--out",
 ) -> Path:
-    """The resolved ``out`` when the command may replace it; else ValueError naming the path, why, and what to pass.
-
-    reads: the files and folders the command reads (a folder holding one is never replaced);
-    own: (file, key): a folder whose ``file`` is a JSON object with ``key`` is this command's earlier output,
-    replaced without ``force``; None: replacing anything that is not empty needs ``force``."""
+    """The resolved ``out`` when the command may replace it; else ValueError naming the path, why, and what
+    to pass. ``reads``: what the command reads; ``own``: (file, key) marking its earlier output (a JSON object in
+    ``file`` with ``key``), replaced without ``force``."""
     path = Path(out).expanduser().resolve()
     said = f"{flag} {str(out)!r}" + (f" ({path})" if str(path) != str(out) else "")
     new = f"choose a new {flag} folder"

@@ -1,7 +1,6 @@
-"""Checks of a parsed ``rlm fit`` config before anything is built: clear errors instead of tracebacks.
-
-An unwritable output folder used to fail at the first log or checkpoint, after the data was prepared;
-``max_steps 0`` (or ``max_epochs 0``, ``limit_train_batches 0``) trained nothing and exited 0.
+"""Checks of a parsed ``rlm fit`` config before anything is built, so that an unwritable folder or a run that
+trains nothing fails at once with a clear error, not after the data is prepared or with exit 0; and the run
+locks and the cleanup of a failed run's folders.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from rlm.train.resume import _as_list, _get, _init_args
 
 
 def output_dirs(trainer_cfg: Any) -> dict[Path, str]:
-    """The folders a fit writes to, each with the setting that names it: the root, each logger's folder
-    (save_dir/name, where it numbers its version_N folders) and each checkpoint dirpath."""
+    """The folders a fit writes to (the root, each logger's save_dir/name, each checkpoint dirpath), each
+    with the setting that names it."""
     dirs = {Path(_get(trainer_cfg, "default_root_dir") or "."): "--trainer.default_root_dir"}
     loggers = _get(trainer_cfg, "logger")
     for lg in _as_list(loggers) if loggers not in (True, False) else []:
@@ -40,8 +39,8 @@ def check_writable(
     what: str = "output folder",
     hint: str = "give a folder you can write to (e.g. --trainer.default_root_dir)",
 ) -> None:
-    """Write (and remove) a probe file in ``directory`` or, when it does not exist yet, in its nearest existing
-    ancestor (creating nothing); OSError naming the path when that fails."""
+    """Write and remove a probe file in ``directory``, or its nearest existing ancestor (creating nothing);
+    OSError naming the path when that fails."""
     directory = Path(directory)
     existing = directory.absolute()
     while not existing.exists() and existing != existing.parent:
@@ -85,15 +84,14 @@ def check_fit(cfg: Any) -> None:
             check_writable(d)
 
 
-RUN_LOCK = ".rlm-fit.lock"
-"""A file in each folder a running ``rlm fit`` writes (:func:`output_dirs`) that it holds locked and names itself in."""
+RUN_LOCK = ".rlm-fit.lock"  # in each folder a running fit writes, held locked, holding its pid
 _held: list[Any] = []  # the open lock files: held until the fit ends (release_run_locks) or the process does
 _quieted: list[Any] = []  # warning filters that last as long as the locks
 
 
 def lock_fit(cfg: Any) -> None:
-    """Hold the run lock of every folder a parsed ``fit`` config writes (the first process of the first node:
-    the other ranks are this run's own)."""
+    """Hold the run lock of every folder a parsed ``fit`` config writes (on the first process of the first
+    node: the other ranks are this run's own)."""
     ranks = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
     if not all(int(os.environ.get(v, "0") or 0) == 0 for v in ranks):
         return
@@ -107,8 +105,7 @@ def lock_fit(cfg: Any) -> None:
         fresh = not folder.is_dir() or not any(folder.iterdir())
         hold_run_lock(folder, setting)
         if fresh and folder in checkpoints:
-            # Lightning warns at the start of a fit that a checkpoint folder "exists and is not empty": the lock
-            # file alone would make every new run say so
+            # the lock file alone would make Lightning warn that the checkpoint folder "exists and is not empty"
             warnings.filterwarnings(
                 "ignore", re.escape(f"Checkpoint directory {folder} exists and is not empty")
             )
@@ -116,10 +113,9 @@ def lock_fit(cfg: Any) -> None:
 
 
 def hold_run_lock(root: Path, setting: str = "--trainer.default_root_dir") -> None:
-    """Lock the folder ``root`` for this process, or raise ValueError naming the run that holds it and the
-    ``setting`` to change: two ``rlm fit`` runs writing one folder would take the same logger version (one
-    metrics.csv with both runs' rows) or overwrite each other's checkpoints (and a later ``--ckpt_path last``
-    resume the other run's). The lock is released when the process ends, however it ends."""
+    """Lock ``root`` for this process (released when it ends, however it ends), or raise ValueError naming
+    the run holding it and the ``setting`` to change: two runs in one folder would share a logger version and
+    overwrite each other's checkpoints."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): no lock
@@ -159,13 +155,12 @@ def release_run_locks() -> None:
             created.rmdir()
 
 
+# What Lightning's loggers and the config callback write into a run's folder before the first training step
 STARTUP_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.*")
-"""What Lightning's loggers and the config callback write into a run's folder before the first training step."""
 
 
 def new_dirs(dirs: list[Path]) -> list[Path]:
-    """Each of ``dirs`` that does not exist yet, with its missing ancestors, deepest first (what a run will
-    create)."""
+    """Each of ``dirs`` not existing yet, with its missing ancestors, deepest first: what a run will create."""
     out: list[Path] = []
     for d in dirs:
         d = Path(d).absolute()
@@ -183,9 +178,9 @@ def _startup_only(directory: Path) -> bool:
 
 
 def remove_unused_dirs(created: list[Path]) -> list[Path]:
-    """Remove the folders of ``created`` (from :func:`new_dirs`, before the run) that hold nothing but what the
-    loggers write at the start of a run: a fit that failed before its first step left an empty ``version_N``
-    (the next run then took ``version_N+1``). Returns the folders removed."""
+    """Remove the folders of ``created`` (:func:`new_dirs`) holding only what loggers write at a run's start,
+    so a fit failing before its first step leaves no empty ``version_N`` to push the next run's number on.
+    Returns the folders removed."""
     removed = []
     for d in created:  # deepest first
         if not d.is_dir() or not _startup_only(d):

@@ -1,4 +1,4 @@
-"""LightningCLI with rlm's additions, apart from the command table (rlm/cli/commands.py) so that ``rlm --help`` imports neither torch nor Lightning."""
+"""LightningCLI with rlm's additions, apart from the command table so that ``rlm --help`` imports no torch."""
 
 from __future__ import annotations
 
@@ -14,19 +14,18 @@ from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 
 class SaveConfig(SaveConfigCallback):
-    """SaveConfigCallback whose config.yaml keeps the integer ``limit_*_batches`` the run used: jsonargparse
-    writes them as floats, and a rerun from that file would take ``1.0`` for the whole set."""
+    """SaveConfigCallback whose config.yaml keeps integer ``limit_*_batches``: jsonargparse writes floats,
+    and a rerun would take ``1.0`` for the whole set."""
 
     def __init__(self, *args: Any, batch_limits: dict[str, int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_limits = batch_limits or {}
 
-    path: Path | None = None
-    """The config.yaml this callback writes (None: it writes none)."""
+    path: Path | None = None  # the config.yaml it writes, if any
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        # trainer.log_dir is a broadcast under DDP: read on every rank (as Lightning's setup does), not in
-        # save_config, which only rank 0 runs (the ranks then waited for each other forever)
+        # trainer.log_dir is a broadcast under DDP: read on every rank, not in save_config, which only rank 0
+        # runs (the ranks would wait for each other forever)
         self.path = Path(trainer.log_dir or "") / self.config_filename if self.save_to_log_dir else None
         super().setup(trainer, pl_module, stage)
 
@@ -46,14 +45,11 @@ class RLMCLI(LightningCLI):
     """LightningCLI with the data module's vocabulary copied into the model config, no optimizer flags (they would
     drop the plugins' parameter groups), and --print_config printing what runs."""
 
-    _print_config: dict | None = None
-    """The --print_config dump options, when it was asked for (taken out of the arguments)."""
-    _batch_limits: dict[str, int] = {}
-    """The limit_*_batches the arguments give as integers (jsonargparse parses them as floats)."""
+    _print_config: dict | None = None  # --print_config's dump options, taken out of the arguments
+    _batch_limits: dict[str, int] = {}  # integer limit_*_batches given (jsonargparse parses them as floats)
 
     def __init__(self, *args, **kwargs) -> None:
-        # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule
-        # (rlm.cli.support.refuse_optimizer_options explains it to the user).
+        # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule.
         kwargs.setdefault("auto_configure_optimizers", False)
         # omegaconf+ mode resolves the configs' ${trainer.default_root_dir} after every file and flag; read
         # relative to the subcommand's section (fit.trainer...), where the parser puts it
@@ -102,8 +98,7 @@ class RLMCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
-        # A fit that fails before its first step (the data is too small for the batch, a plugin's setup check)
-        # used to leave its logger folders behind, an empty version_N, so the next run took version_N+1.
+        # A fit failing before its first step removes the logger folders it created (remove_unused_dirs).
         from rlm.cli.check import new_dirs, remove_unused_dirs
 
         trainer = self.trainer
@@ -138,9 +133,7 @@ class RLMCLI(LightningCLI):
         args, self._print_config = pop_print_config(list(args))
         try:
             self.config = parser.parse_args(args)
-        except (
-            ArgumentError
-        ) as err:  # parser_kwargs exit_on_error=False: the error reaches rlm's one-line report
+        except ArgumentError as err:  # exit_on_error=False: the error reaches rlm's one-line report
             raise ValueError(plain_parse_error(str(err))) from None
         self._batch_limits = integer_batch_limits(args)
 

@@ -1,9 +1,5 @@
-"""The short block a run prints at its end: its final loss, where its files went, and the next commands.
-
-A newcomer's first ``rlm fit`` ends in a screen of progress bars; this says in a few lines which checkpoint,
-metrics CSV, TensorBoard folder and merged config the run wrote, and the commands that use them, with the real
-paths filled in. ``rlm fit`` prints it on rank 0 (RLMCLI.after_fit), ``rlm eval`` and ``rlm experiment run``
-after their results. No torch or Lightning import here: the trainer is read through its public attributes.
+"""The short block a run prints at its end: its final loss, where its files went (checkpoint, metrics CSV,
+TensorBoard, merged config), and the next commands with the real paths. Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -33,9 +29,8 @@ def _logger_dir(trainer: Any, class_name: str) -> Path | None:
 
 
 def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None]:
-    """Where a finished fit wrote its checkpoint, metrics CSV, TensorBoard logs and merged config (``config``,
-    from the config callback: ``trainer.log_dir`` is a collective under DDP, and only rank 0 prints; None: not
-    written)."""
+    """Where a finished fit wrote its checkpoint, metrics CSV, TensorBoard logs and merged config
+    (``config``, from the config callback: ``trainer.log_dir`` is a collective under DDP, and only rank 0 prints)."""
     ckpt = None
     for cb in getattr(trainer, "checkpoint_callbacks", []):
         for name in ("last_model_path", "best_model_path"):
@@ -58,8 +53,8 @@ def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None
 def next_commands(
     ckpt: Path | None, config: Path | None = None, step: int | None = None, horizon: int | None = None
 ) -> list[tuple[str, str]]:
-    """(what, command) pairs for the commands that continue from a checkpoint (``horizon``: the step the run's
-    learning-rate schedule ends at, which resuming keeps; past it the rate stays at its floor)."""
+    """(what, command) pairs that continue from a checkpoint (``horizon``: the step the learning-rate
+    schedule ends at, which resuming keeps)."""
     if ckpt is None:
         return []
     c = show(ckpt)
@@ -95,9 +90,9 @@ def block(title: str, facts: list[tuple[str, Any]], commands: list[tuple[str, st
 
 
 def val_subset(limit: float | None, total: int | None = None) -> str:
-    """What a validation loss was computed over, when not the whole validation split: ``limit`` is
-    trainer.limit_val_batches (or the batches a validation read), ``total`` the split's batches when known; '' for
-    the whole split, else '25 batches', '25 of 300 batches' or '10% of the batches'."""
+    """What a validation loss was computed over when not the whole split: '' for the whole split, else '25
+    batches', '25 of 300 batches' or '10% of the batches'. ``limit``: trainer.limit_val_batches (or the batches
+    read), ``total``: the split's batches when known."""
     whole = limit is None or limit == float("inf") or (isinstance(limit, float) and limit == 1.0)
     if whole or (total is not None and limit >= total):
         return ""
@@ -127,8 +122,7 @@ def _loss(metrics: dict[str, Any], key: str) -> str | None:
 
 
 def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = None) -> str:
-    """The block ``rlm fit`` prints when training ended normally (``config``: the merged config.yaml written;
-    ``horizon``: the step the learning-rate schedule ends at)."""
+    """The block ``rlm fit`` prints when training ended normally."""
     metrics = dict(getattr(trainer, "callback_metrics", {}) or {})
     paths = fit_paths(trainer, config)
     step = int(trainer.global_step)
@@ -151,8 +145,8 @@ def eval_summary(ckpt: str | Path, json_path: str | None) -> str:
 def experiment_summary(
     out: Path, runs: list[tuple[str, Path, Path, dict[str, Any]]], report: list[Path]
 ) -> str:
-    """The block ``rlm experiment run`` prints: each finished run's losses and folder (``runs``: label, folder,
-    checkpoint, summary.json), the report, and the next commands on the run of the lowest validation loss."""
+    """The block ``rlm experiment run`` prints: each finished run's losses and folder (``runs``: label,
+    folder, checkpoint, summary.json), the report, and next commands on the run of the lowest validation loss."""
     facts: list[tuple[str, Any]] = []
     for label, run_dir, _, s in runs:
         losses = [f"{k} loss {s[f'{k}_loss']:.4f}" for k in ("val", "test") if s.get(f"{k}_loss") is not None]
