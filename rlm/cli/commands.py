@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlm.extras import MissingExtra
-from rlm.outdir import FORCE_HELP
 
 # torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
 
@@ -300,22 +299,21 @@ def run_knnlm(command: str, args: list[str]) -> int:
     return knnlm_main(args)
 
 
-def run_export(command: str, args: list[str]) -> int:
-    """``rlm export --ckpt PATH --out DIR [--force]``: a folder transformers loads (after ``import rlm.hf``)."""
-    p = argparse.ArgumentParser(
-        prog="rlm export",
-        description="Write a checkpoint as model.safetensors + config.json + tokenizer + README.md (and a "
-        "retriever's index) that transformers' AutoModelForCausalLM loads after `import rlm.hf`.",
-    )
-    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
-    p.add_argument("--out", required=True, help="the folder to write (new or empty)")
-    p.add_argument("--force", action="store_true", help=FORCE_HELP)
-    a = p.parse_args(args)
-    if not os.path.isfile(a.ckpt):
-        p.error(f"--ckpt {a.ckpt!r} does not exist")
+def cmd_export(*, ckpt: str, out: str, force: bool = False) -> int:
+    """Write a checkpoint as model.safetensors + config.json + tokenizer + README.md (and a retriever's index)
+    that transformers' AutoModelForCausalLM loads after `import rlm.hf`.
+
+    Args:
+        ckpt: checkpoint written by rlm fit
+        out: the folder to write (new or empty)
+        force: replace --out even when it holds other files (never a folder holding --ckpt, nor the current
+            one)
+    """
+    if not os.path.isfile(ckpt):
+        raise ValueError(f"--ckpt {ckpt!r} does not exist")
     from rlm.hf.export import export
 
-    export(a.ckpt, a.out, a.force)
+    export(ckpt, out, force)
     return 0
 
 
@@ -361,7 +359,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
         "lm-eval tasks (--tasks)",
     ),
     "generate": (cmd_generate, "sample text from a checkpoint"),
-    "export": (run_export, "a checkpoint as a transformers folder (safetensors, config, tokenizer, card)"),
+    "export": (cmd_export, "a checkpoint as a transformers folder (safetensors, config, tokenizer, card)"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
     "knnlm": (
         run_knnlm,
