@@ -69,7 +69,9 @@ single-neuron PEER experts (He 2024) in the same number of slots."""
 def memory(a: argparse.Namespace, n: int, sparse: str, **options: object) -> PKMPlugin:
     """A plugin whose single memory layer is at layer 0 of a d-wide model."""
     mc = ModelConfig(d_model=a.d, n_layers=1, n_heads=4)
-    cfg = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim, sparse=sparse, **options)
+    cfg = PKMConfig(
+        layers=[0], n_keys=n, heads=a.heads, topk=a.k, k_dim=a.k_dim, sparse=sparse == "true", **options
+    )
     plugin = PKMPlugin(cfg, mc)
     plugin.build(plugin.claims()[0], 0, None)
     plugin.resolve_sparse(distributed=False)
@@ -259,7 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         "--n", type=int, nargs="+", default=[128, 256, 512, 1024], help="sub-keys per half (n^2 slots)"
     )
     p.add_argument(
-        "--paths", nargs="+", default=["true", "false"], help="value update paths: true=sparse false=dense"
+        "--paths",
+        nargs="+",
+        choices=["true", "false"],
+        default=["true", "false"],
+        help="true=sparse false=dense",
     )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)

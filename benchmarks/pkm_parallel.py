@@ -86,7 +86,7 @@ class _Net(nn.Module):
         mc = ModelConfig(vocab_size=256, d_model=a.d, n_layers=2, n_heads=4)
         # distributed: auto, and row_exchange picks the path; one process: rows are the row-wise Adam alone
         # (auto), dense is pkm.sparse: false
-        mode = "auto" if distributed or sparse else "false"
+        mode = "auto" if distributed or sparse else False
         c = PKMConfig(layers=[0], n_keys=n, heads=a.heads, topk=a.topk, k_dim=a.k_dim, sparse=mode)
         self.plugin = PKMPlugin(c, mc)
         self.layer = self.plugin.build(self.plugin.claims()[0], 0, None)

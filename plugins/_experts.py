@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-DISPATCH_MODES = ("auto", "grouped", "bmm")
 # (device type, dtype) pairs where the grouped GEMM raised: 'auto' and 'grouped' use bmm there from then on.
 _GROUPED_FAILED: set[tuple[str, torch.dtype]] = set()
 

@@ -21,6 +21,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,15 +30,12 @@ from torch import Tensor, nn
 
 from rlm.plugin import Context
 
-LOOKUPS = ("softmax", "token_id", "lsh")
-TOKEN_MAPS = ("hash", "balanced")
-
 
 @dataclass
 class LookupOptions:
     """Options of the lookup function, shared by the routed plugins' configs."""
 
-    lookup: str = "softmax"
+    lookup: Literal["softmax", "token_id", "lsh"] = "softmax"
     """How a token picks its entries: 'softmax' (learned router), 'token_id' (vocabulary id) or 'lsh'."""
     top_k: int = 1
     """Entries per token (softmax only; token_id and lsh pick exactly one)."""
@@ -46,7 +44,7 @@ class LookupOptions:
     router off from the LM loss, so it is rejected)."""
     router_jitter: float = 0.01
     """Softmax: multiplicative jitter U(1-eps, 1+eps) on the router input while training (Switch); 0 disables."""
-    token_map: str = "hash"
+    token_map: Literal["hash", "balanced"] = "hash"
     """token_id with fewer entries than the vocabulary: 'hash' (fixed seeded map, equal ids per entry) or
     'balanced' (equal token frequency per entry; needs token_counts)."""
     token_counts: str | None = None
@@ -59,8 +57,6 @@ class LookupOptions:
     """Seed of the fixed token_id hash and the LSH directions (so the buckets are reproducible)."""
 
     def __post_init__(self) -> None:
-        if self.lookup not in LOOKUPS:
-            raise ValueError(f"lookup={self.lookup!r} is unknown; expected one of {LOOKUPS}")
         if not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
         if self.lookup != "softmax" and self.top_k != 1:
@@ -74,8 +70,6 @@ class LookupOptions:
             )
         if not 0.0 <= self.router_jitter < 1.0:
             raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
-        if self.token_map not in TOKEN_MAPS:
-            raise ValueError(f"token_map={self.token_map!r} is unknown; expected one of {TOKEN_MAPS}")
         if self.token_map == "balanced" and not self.token_counts:
             raise ValueError(
                 "token_map='balanced' needs token_counts: a .npy file of per-id counts, shape (vocab,)"

@@ -88,8 +88,6 @@ class TokenIDConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"tokenid.{name} must be a positive integer, got {value!r}")
-        if self.placement not in ("ffn", "embed"):
-            raise ValueError(f"tokenid.placement={self.placement!r} is unknown; expected 'ffn' or 'embed'")
         if orders and self.rank:
             raise ValueError(
                 f"tokenid.ngram_orders {orders} needs rank 0 (n-gram rows are vectors), got {self.rank}"

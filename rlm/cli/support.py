@@ -321,6 +321,19 @@ def _section_class(keys: list[str]) -> type | None:
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "a bool (true/false)", "str": "a string"}
+# An option typed by a union of plain types and Literals (bool | Literal["auto"]): one "Expected a" per arm.
+_UNION = re.compile(
+    r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: .*\n\s*Errors:\n'
+    r"((?:\s*- Expected a .*\n)+)\s*Given value type: .*\n\s*Given value: (.*)"
+)
+
+
+def _accepted(expected: str) -> str:
+    """One arm of a union in words: "typing.Literal['a', 'b']" -> "one of 'a', 'b'", "<class 'int'>" -> ..."""
+    if m := re.fullmatch(r"typing\.Literal\[(.*)\]", expected):
+        return f"one of {m.group(1)}" if "," in m.group(1) else m.group(1)
+    name = expected.removeprefix("<class '").removesuffix("'>")
+    return "null" if name == "NoneType" else _TYPE_WORDS.get(name, name)
 
 
 def plain_parse_error(message: str) -> str:
@@ -342,6 +355,9 @@ def plain_parse_error(message: str) -> str:
                "Subtypes:", "Errors:", *noise, "- " + noise[0], "- " + noise[1], "- " + noise[2]))]  # fmt: skip
     if not reasons:
         return message.strip()
+    if keys and (union := [m for m in _UNION.finditer(message) if m.group(1) == keys[-1]]):
+        arms = " or ".join(_accepted(a) for a in re.findall(r"Expected a (.*)", union[-1].group(2)))
+        return f"{'.'.join(keys)}: must be {arms}, got {union[-1].group(3)!r}"
     reason = reasons[-1]
     if m := re.match(r"Expected a <class '(\w+)'>\. Got value: (.*)", reason):
         reason = f"must be {_TYPE_WORDS.get(m.group(1), m.group(1))}, got {m.group(2)!r}"

@@ -16,7 +16,7 @@ from rlm.data.corpus import Document, fingerprint, read_corpus
 from rlm.data.pretrained import TRAIN, HFTokenizer, resolve_vocab_size, tokenizer_digest
 from rlm.data.segments import SegmentTable
 from rlm.data.store import CacheKey, TokenStore, build_store
-from rlm.data.tokenizer import MODEL_TYPES, Tokenizer
+from rlm.data.tokenizer import ModelType, Tokenizer
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 
 _MIN_VOCAB = 4 + 256 + 1  # special ids, the 256 byte-fallback pieces, at least one learned piece
@@ -76,7 +76,7 @@ class RLMDataModule(pl.LightningDataModule):
         seed: int = 0,
         cache_dir: str | None = None,
         num_workers: int = 0,
-        tokenizer_model_type: str = "bpe",
+        tokenizer_model_type: ModelType = "bpe",
         max_tokenizer_chars: int = 20_000_000,
         progress: bool = True,
         tokenizer: str | None = TRAIN,
@@ -115,8 +115,6 @@ class RLMDataModule(pl.LightningDataModule):
             raise ValueError(f"dedup_threshold={dedup_threshold}; accepted: None (no removal) or 0 < t <= 1")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers}; accepted: >= 0")
-        if tokenizer_model_type not in MODEL_TYPES:
-            raise ValueError(f"tokenizer_model_type={tokenizer_model_type!r}; accepted: {list(MODEL_TYPES)}")
         self.save_hyperparameters()
         self.corpus = corpus
         self.hf_split, self.hf_config, self.text_field = hf_split, hf_config, text_field

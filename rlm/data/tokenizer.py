@@ -7,10 +7,12 @@ import io
 import os
 import re
 from collections.abc import Iterable, Iterator
+from typing import Literal, get_args
 
 import sentencepiece as spm
 
-MODEL_TYPES = ("bpe", "unigram", "char", "word")
+ModelType = Literal["bpe", "unigram", "char", "word"]
+MODEL_TYPES = get_args(ModelType)
 # Sentences longer than this (bytes) are dropped by the trainer; chunks of _CHUNK_CHARS stay well below it.
 _MAX_SENTENCE_BYTES = 16384
 _CHUNK_CHARS = 2000
@@ -113,7 +115,7 @@ class Tokenizer(SpecialIds):
         path: str | os.PathLike[str],
         *,
         vocab_size: int,
-        model_type: str = "bpe",
+        model_type: ModelType = "bpe",
         max_chars: int = 20_000_000,
         seed: int = 0,
     ) -> Tokenizer:

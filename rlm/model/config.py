@@ -1,10 +1,34 @@
-"""Typed configuration of the core transformer."""
+"""Typed configuration of the core transformer, and the check of a config's ``Literal`` choices."""
 
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-FFN_KINDS = ("gated", "plain")
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple[tuple[Any, ...], tuple[type, ...]]]:
+    """Each ``Literal``-typed field of dataclass ``cls`` (also in a union): its choices, and the union's other types."""
+    out = {}
+    for name, hint in get_type_hints(cls).items():
+        arms = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+        choices = tuple(c for arm in arms if get_origin(arm) is Literal for c in get_args(arm))
+        if choices:
+            out[name] = choices, tuple(arm for arm in arms if isinstance(arm, type))
+    return out
+
+
+def check_choices(cls: type, values: Mapping[str, Any], where: str) -> None:
+    """Raise ValueError for a value of a ``Literal``-typed field of ``cls`` that is not one of its choices (nor of
+    the union's other types): what jsonargparse checks on the command line, for configs built in Python or read
+    from a checkpoint."""
+    for name, (choices, others) in _choices(cls).items():
+        if name in values and (value := values[name]) not in choices and not isinstance(value, others):
+            also = "".join(" or null" if t is type(None) else f" or {t.__name__}" for t in others)
+            raise ValueError(f"{where}: option {name} must be one of {choices}{also}, got {value!r}")
 
 
 @dataclass
@@ -26,7 +50,7 @@ class ModelConfig:
     """Number of attention heads; must divide d_model."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means n_heads."""
-    ffn: str = "gated"
+    ffn: Literal["gated", "plain"] = "gated"
     """FFN kind: 'gated' (SwiGLU) or 'plain' (GELU MLP)."""
     d_ff: int | None = None
     """Hidden width of the FFN; None means 4*d_model (plain) or 8/3*d_model rounded to 64 (gated)."""
@@ -44,6 +68,7 @@ class ModelConfig:
     """Standard deviation of the normal initialisation."""
 
     def __post_init__(self) -> None:
+        check_choices(ModelConfig, vars(self), "model")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -64,8 +89,6 @@ class ModelConfig:
             )
         if not isinstance(self.vocab_multiple, int) or self.vocab_multiple <= 0:
             raise ValueError(f"model.vocab_multiple must be a positive integer, got {self.vocab_multiple!r}")
-        if self.ffn not in FFN_KINDS:
-            raise ValueError(f"model.ffn={self.ffn!r} is unknown; expected one of {FFN_KINDS}")
         if self.d_ff is not None and self.d_ff <= 0:
             raise ValueError(f"model.d_ff must be positive or null, got {self.d_ff}")
         if not 0.0 <= self.dropout < 1.0:

@@ -3,8 +3,9 @@
 The names are imported on first use (PEP 562), so that reading the registry's table (``rlm plugins``) does
 not import torch.
 
-Core layer: imports nothing of rlm but rlm.model.config (for annotations only). The registry names the
-plugins as strings and imports one only when it is asked for, so no module of rlm/ imports rlm.plugins.
+Core layer: imports nothing of rlm but rlm.model.config (annotations, and make_config's check of choices). The
+registry names the plugins as strings and imports one only when it is asked for, so no module of rlm/ imports
+rlm.plugins.
 """
 
 from __future__ import annotations

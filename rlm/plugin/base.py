@@ -170,18 +170,24 @@ def config_fields(config_cls: type) -> list[str]:
 
 def make_config(plugin_cls: type[Plugin], args: Any) -> Any:
     """Build ``plugin_cls.Config`` from a dict (or take an instance), rejecting unknown keys with the list of accepted
-    ones; the Config checks its values itself (``rlm fit`` has typed them before)."""
-    if isinstance(args, plugin_cls.Config):
+    ones and values of ``Literal`` options that are not among their choices (``rlm fit`` has typed them before); the
+    Config checks the rest itself."""
+    from rlm.model.config import check_choices  # here: rlm.model imports this module
+
+    cls, where = plugin_cls.Config, f"plugin {plugin_cls.name!r}"
+    if isinstance(args, cls):
+        check_choices(cls, vars(args), where)
         return args
     args = dict(args or {})
-    known = config_fields(plugin_cls.Config)
+    known = config_fields(cls)
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise ValueError(
-            f"plugin {plugin_cls.name!r}: unknown option(s) {unknown}; accepted: {known} (a checkpoint or config of an "
+            f"{where}: unknown option(s) {unknown}; accepted: {known} (a checkpoint or config of an "
             f"older rlm may name an option since removed: `git log -S {unknown[0]}` says what became of it)"
         )
-    return plugin_cls.Config(**args)
+    check_choices(cls, args, where)
+    return cls(**args)
 
 
 def check_layers(name: str, layers: Sequence[int], n_layers: int) -> tuple[int, ...]:

@@ -120,7 +120,7 @@ def _pkm(c: Any, mc: ModelConfig, parts: Parts) -> None:
     tables *= 2 if c.values == "peer" else 1  # PEER: a down table beside each up table
     values = tables * c.slots * d
     parts.params += len(layers) * per_layer + values
-    if c.sparse in ("auto", "true"):  # one process (and DDP): the row optimizer owns the values
+    if c.sparse in ("auto", True):  # one process (and DDP): the row optimizer owns the values
         parts.row_adam += values
         parts.row_tables += tables
     hk = c.heads * c.topk

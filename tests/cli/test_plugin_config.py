@@ -101,7 +101,20 @@ def test_the_wandb_fragment_keeps_checkpoints_under_the_csv_logger():
         ("--model.plugins.pkm.colour=red", "model.plugins.pkm: unknown key 'colour'; accepted: ['layers', "),
         (
             "--model.plugins.pkm.query_norm=bad",
-            "pkm.query_norm='bad' is unknown; expected one of ('layernorm'",
+            "model.plugins.pkm.query_norm: must be one of 'layernorm', 'batchnorm', 'none', got 'bad'",
+        ),
+        (
+            "--model.plugins.pkm.sparse=maybe",
+            "model.plugins.pkm.sparse: must be a bool (true/false) or 'auto', got",
+        ),
+        (
+            "--model.plugins.retrieval.index_dim=wide",
+            "model.plugins.retrieval.index_dim: must be an integer or 'auto' or null, got 'wide'",
+        ),
+        ("--model.model.ffn=bad", "model.model.ffn: must be one of 'gated', 'plain', got 'bad'"),
+        (
+            "--data.tokenizer_model_type=bad",
+            "data.tokenizer_model_type: must be one of 'bpe', 'unigram', 'char',",
         ),
         ("--model.plugins.tokenid.rank=-1", "tokenid.rank must be a non-negative integer, got -1"),
         ("--model.optim.lr=abc", "model.optim.lr: must be a number, got 'abc'"),

@@ -203,7 +203,7 @@ def test_bf16_mixed_gathers_bf16_and_keeps_fp32_master_weights_and_gradients(two
 def _pkm_model() -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=64)
-    return Transformer(cfg, {"pkm": dict(layers=[0], n_keys=16, heads=2, topk=4, k_dim=16, sparse="false")})
+    return Transformer(cfg, {"pkm": dict(layers=[0], n_keys=16, heads=2, topk=4, k_dim=16, sparse=False)})
 
 
 def _pkm_mp_part(rank: int, tokens: torch.Tensor, out: dict) -> None:

@@ -127,7 +127,6 @@ def test_lsh_needs_a_power_of_the_slabs():
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(lookup="knn"), "lookup"),
         (dict(token_map="balanced"), "token_counts"),
         (dict(lsh_slabs=1), "lsh_slabs"),
         (dict(router_jitter=1.5), "router_jitter"),

@@ -107,7 +107,7 @@ def test_untied_model_has_separate_head():
     ("kwargs", "message"),
     [
         ({"d_model": 30, "n_heads": 4}, "must divide model.d_model=30"),
-        ({"ffn": "swish"}, "model.ffn='swish' is unknown"),
+        ({"ffn": "swish"}, r"model: option ffn must be one of \('gated', 'plain'\), got 'swish'"),
         ({"n_layers": 0}, "model.n_layers must be a positive integer"),
         ({"d_model": 12, "n_heads": 4}, "must be even for rotary"),
         ({"n_heads": 4, "n_kv_heads": 3}, "n_kv_heads=3"),

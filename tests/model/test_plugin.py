@@ -2,6 +2,7 @@
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
-from rlm.plugin import Claim, Context, Mode, Plugin, Slot, known_plugins, resolve
+from rlm.plugin import Claim, Context, Mode, Plugin, Slot, known_plugins, make_config, resolve
 from rlm.plugin.registry import validate_specs
 from rlm.train.module import LMModule
 
@@ -66,6 +67,33 @@ def test_unknown_option_lists_accepted_fields():
     assert problems[0].startswith(f"plugin 'tokenid': unknown option(s) ['rnak']; accepted: {accepted} (")
     assert "git log -S rnak" in problems[0]  # where an option an older rlm had went
     assert problems[1] == f"unknown plugin 'nope'; known plugins: {known_plugins()} (or give a class_path)"
+
+
+@dataclass
+class _ChoiceConfig:
+    kind: Literal["a", "b"] = "a"
+    auto: bool | Literal["auto"] = "auto"
+    maybe: Literal["x", "y"] | None = None
+
+
+class _Choices(_ReplaceFFN):
+    name = "choices"
+    Config = _ChoiceConfig
+
+
+def test_literal_options_outside_their_choices_are_refused_without_jsonargparse():
+    """make_config (checkpoints, Python users) checks what jsonargparse checks on the command line: a Literal option's
+    value, also in a union, from a dict or in an instance."""
+    assert make_config(_Choices, {"kind": "b", "auto": False, "maybe": "y"}) == _ChoiceConfig("b", False, "y")
+    for bad, message in [
+        ({"kind": "c"}, "option kind must be one of ('a', 'b'), got 'c'"),
+        ({"auto": "true"}, "option auto must be one of ('auto',) or bool, got 'true'"),
+        ({"maybe": "z"}, "option maybe must be one of ('x', 'y') or null, got 'z'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"plugin 'choices': {message}")):
+            make_config(_Choices, bad)
+    with pytest.raises(ValueError, match="option kind must be one of"):
+        make_config(_Choices, _ChoiceConfig(kind="c"))
 
 
 def test_layer_validation():
@@ -225,7 +253,7 @@ def test_synced_parameters_get_optimizer_groups_of_their_own_and_a_mixed_plugin_
     assert not any(p is keys for name, g in groups.items() if name != "decay/synced" for p in g["params"])
     assert groups["decay/synced"]["weight_decay"] == groups["decay"]["weight_decay"] > 0
     assert "decay/synced" not in {
-        g["name"] for g in LMModule(CFG, {"pkm": {**pkm, "sparse": "false"}}).parameter_groups()
+        g["name"] for g in LMModule(CFG, {"pkm": {**pkm, "sparse": False}}).parameter_groups()
     }
 
     def mixed(self):

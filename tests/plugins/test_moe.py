@@ -11,7 +11,7 @@ from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_r
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
-from rlm.plugin import Context
+from rlm.plugin import Context, make_config
 from rlm.plugins._lookup import balance_loss, z_loss
 from rlm.plugins.moe import MoEConfig, MoELayer, MoEPlugin
 
@@ -222,7 +222,7 @@ def test_token_id_routing_is_deterministic():
 )
 def test_bad_config_is_a_clear_error(kw, words):
     with pytest.raises(ValueError, match=words):
-        MoEConfig(**kw)
+        make_config(MoEPlugin, kw)
 
 
 def test_layer_list_is_checked():

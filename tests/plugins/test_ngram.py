@@ -9,7 +9,7 @@ from cli_helpers import CONFIGS, fit_args, fit_in_process
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
-from rlm.plugin import Context, KVCache
+from rlm.plugin import Context, KVCache, make_config
 from rlm.plugins.tokenid import NGramMemory, TokenIDConfig, TokenIDPlugin, ngram_multipliers
 from rlm.train.memory import estimate
 
@@ -121,7 +121,7 @@ def test_parameter_counts_match_the_estimate(placement):
         ({"ngram_orders": [0]}, "distinct integers >= 1"),
         ({"ngram_orders": [2], "rank": 2}, "needs rank 0"),
         ({"ngram_rows": 0}, "ngram_rows must be a positive integer, got 0"),
-        ({"placement": "attn"}, "placement='attn' is unknown"),
+        ({"placement": "attn"}, "option placement must be one of .* got 'attn'"),
         ({"placement": "embed"}, "needs ngram_orders"),
         ({"placement": "embed", "ngram_orders": [2]}, "ngram_gate .* set it false"),
         ({"ngram_host": True}, "ngram_host keeps the n-gram tables on the host; it needs ngram_orders"),
@@ -130,7 +130,7 @@ def test_parameter_counts_match_the_estimate(placement):
 )
 def test_bad_ngram_config_is_a_clear_error(kw, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
-        TokenIDConfig(**kw)
+        make_config(TokenIDPlugin, kw)
 
 
 @pytest.mark.parametrize("placement", ["ffn", "embed"])

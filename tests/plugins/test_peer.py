@@ -10,7 +10,7 @@ from cli_helpers import CONFIGS, fit_args, fit_in_process
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
-from rlm.plugin import Context
+from rlm.plugin import Context, make_config
 from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
 from rlm.train.memory import estimate
 
@@ -19,7 +19,7 @@ D = 32
 
 def peer_layer(**kw) -> tuple[PKMPlugin, PKMLayer]:
     """A PEER memory at layer 0 of a tiny model (d=32, n=8 -> 64 experts, 2 heads x top-4) in float64."""
-    args = dict(layers=[0], n_keys=8, heads=2, topk=4, k_dim=12, sparse="false", values="peer") | kw
+    args = dict(layers=[0], n_keys=8, heads=2, topk=4, k_dim=12, sparse=False, values="peer") | kw
     plugin = PKMPlugin(PKMConfig(**args), ModelConfig(vocab_size=50, d_model=D, n_layers=2, n_heads=2))
     layer = plugin.build(plugin.claims()[0], 0, None)
     return plugin.double(), layer.double()
@@ -71,7 +71,7 @@ def test_key_norm_scores_are_sums_of_two_cosines():
     assert float((raw.amax(-1) / raw.amin(-1)).max().detach()) > torch.e**4  # unnormalised, the scale shows
 
 
-@pytest.mark.parametrize("sparse", ["false", "true"])
+@pytest.mark.parametrize("sparse", [False, True])
 def test_peer_gradients_reach_u_v_and_the_sub_keys(sparse):
     plugin, layer = peer_layer(sparse=sparse, key_norm=True)
     plugin.resolve_sparse(distributed=False)
@@ -79,7 +79,7 @@ def test_peer_gradients_reach_u_v_and_the_sub_keys(sparse):
     x = torch.randn(2, 4, D, dtype=torch.float64, requires_grad=True)
     target = torch.randn(2, 4, D, dtype=torch.float64)
     (layer(x, Context(tokens=torch.zeros(2, 4, dtype=torch.long))) * target).sum().backward()
-    if sparse == "true":
+    if sparse:
         assert u.grad is None and v.grad is None
         got = {}
         for key, table in (("shared_down", u), ("shared", v)):
@@ -134,10 +134,10 @@ def test_peer_is_causal_through_a_transformer():
 
 
 def test_bad_peer_options_are_clear_errors():
-    with pytest.raises(ValueError, match="pkm.values='moe'.*'embedding', 'peer'"):
-        PKMConfig(values="moe")
-    with pytest.raises(ValueError, match="pkm.activation='tanh'.*'gelu'"):
-        PKMConfig(activation="tanh")
+    with pytest.raises(ValueError, match=r"option values must be one of \('embedding', 'peer'\), got 'moe'"):
+        make_config(PKMPlugin, {"values": "moe"})
+    with pytest.raises(ValueError, match=r"option activation must be one of \('gelu', .* got 'tanh'"):
+        make_config(PKMPlugin, {"activation": "tanh"})
 
 
 def test_two_step_fit_with_peer_values_trains():
@@ -165,7 +165,7 @@ def test_config_fragment_parses_and_builds_peer(rlm_main, tmp_path):
 
 def test_down_rows_train_below_a_frozen_network():
     """An input without a gradient (the layers below are frozen) still sends the down rows' reads to the row Adam."""
-    plugin, layer = peer_layer(sparse="true")
+    plugin, layer = peer_layer(sparse=True)
     plugin.resolve_sparse(distributed=False)
     x = torch.randn(2, 4, D, dtype=torch.float64)  # requires no gradient
     layer(x, Context(tokens=torch.zeros(2, 4, dtype=torch.long))).sum().backward()

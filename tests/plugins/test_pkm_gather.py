@@ -22,7 +22,7 @@ D = 32  # the tiny layers' width (test_pkm.small_layer, test_peer.peer_layer)
 BF16 = {"atol": 2e-2, "rtol": 2e-2}
 
 
-def _layer(values: str, sparse: str, seed: int = 0):
+def _layer(values: str, sparse: bool, seed: int = 0):
     """A float32 memory layer (gated embedding values, or PEER), built from the same seed on every call."""
     torch.manual_seed(seed)
     make = peer_layer if values == "peer" else small_layer
@@ -54,7 +54,7 @@ def _value_grad(plugin, key: str) -> torch.Tensor:
 
 
 def _forward_backward(
-    path: str, values: str, sparse: str, autocast: bool = False, device: str = "cpu"
+    path: str, values: str, sparse: bool, autocast: bool = False, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Output and every gradient (on the CPU) of one forward and backward on the ``path`` read on ``device``."""
     old, _pkm_ops.VALUE_READ = _pkm_ops.VALUE_READ, path
@@ -76,7 +76,7 @@ def _forward_backward(
 
 def _naive(values: str) -> dict[str, torch.Tensor]:
     """The same output and gradients through the per-token loops of test_pkm / test_peer (autograd)."""
-    plugin, layer = _layer(values, "false")
+    plugin, layer = _layer(values, False)
     x, ctx, target = _inputs()
     x.requires_grad_(True)
     tables = {k: t.detach().clone().requires_grad_(True) for k, t in plugin.values.items()}
@@ -95,7 +95,7 @@ def _assert_same(got: dict, want: dict, **tol) -> None:
         assert_close(got[name], want[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("sparse", ["true", "false"])
+@pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("values", ["embedding", "peer"])
 def test_gather_read_equals_the_bag_read_and_the_naive_loop(values, sparse):
     gather = _forward_backward("gather", values, sparse)
@@ -103,7 +103,7 @@ def test_gather_read_equals_the_bag_read_and_the_naive_loop(values, sparse):
     _assert_same(gather, _naive(values))
 
 
-@pytest.mark.parametrize("sparse", ["true", "false"])
+@pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("values", ["embedding", "peer"])
 def test_gathers_in_many_blocks_give_the_same_sums(values, sparse, monkeypatch):
     whole = _forward_backward("gather", values, sparse)
@@ -113,8 +113,8 @@ def test_gathers_in_many_blocks_give_the_same_sums(values, sparse, monkeypatch):
 
 @pytest.mark.parametrize("values", ["embedding", "peer"])
 def test_gather_read_under_bf16_autocast_is_close_to_the_bag_read(values):
-    gather = _forward_backward("gather", values, "true", autocast=True)
-    _assert_same(gather, _forward_backward("bag", values, "true", autocast=True), **BF16)
+    gather = _forward_backward("gather", values, True, autocast=True)
+    _assert_same(gather, _forward_backward("bag", values, True, autocast=True), **BF16)
 
 
 def test_gather_read_multiplies_in_autocasts_dtype_and_returns_the_tables():
@@ -145,7 +145,7 @@ def test_training_steps_on_the_gather_path_give_the_bag_paths_parameters(values,
     result = {}
     for path in ("bag", "gather"):
         monkeypatch.setattr(_pkm_ops, "VALUE_READ", path)
-        plugin, layer = _layer(values, "true")
+        plugin, layer = _layer(values, True)
         opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
         for step in range(3):
             x, ctx, target = _inputs(seed=10 + step)
@@ -205,7 +205,7 @@ def test_row_adam_on_the_gather_path_matches_torch_sparse_adam(rows, monkeypatch
 def _host_reads(path: str, values: str, monkeypatch) -> dict[str, int]:
     """Host reads (tests/host_reads.py) of one training step of a layer and its value rows on ``path``."""
     monkeypatch.setattr(_pkm_ops, "VALUE_READ", path)
-    plugin, layer = _layer(values, "true")
+    plugin, layer = _layer(values, True)
     x, ctx, target = _inputs()
     x.requires_grad_(True)
     count = _Count(set())
@@ -235,7 +235,7 @@ def test_a_training_step_on_the_gather_path_reads_the_host_never(values, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("sparse", ["true", "false"])
+@pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("values", ["embedding", "peer"])
 def test_cuda_reads_gathers_and_equals_the_cpu_bag_read(values, sparse):
     assert _pkm_ops.VALUE_READ == "auto" and _pkm_ops.gathers(torch.empty(0, device="cuda"))
@@ -248,7 +248,7 @@ def test_cuda_reads_gathers_and_equals_the_cpu_bag_read(values, sparse):
 @pytest.mark.parametrize("values", ["embedding", "peer"])
 def test_a_cuda_training_step_never_synchronises(values):
     torch.manual_seed(0)
-    plugin, layer = _layer(values, "true")
+    plugin, layer = _layer(values, True)
     plugin.cuda(), layer.cuda()
     x, ctx, target = _inputs()
     x, target, ctx = x.cuda(), target.cuda(), Context(tokens=ctx.tokens.cuda(), mask=ctx.mask.cuda())

@@ -266,7 +266,7 @@ FSDP_TOKENS = torch.randint(0, FSDP_VOCAB, (FSDP_STEPS, 4, 12), generator=torch.
 KEYS = "stack.blocks.0.ffn.keys"
 
 
-def _fsdp_model(sparse: str):
+def _fsdp_model(sparse: bool | str):
     from rlm.model import Transformer
 
     torch.manual_seed(0)
@@ -322,7 +322,7 @@ def _fsdp_part(rank: int, out: dict) -> None:
     from rlm.distributed.parallel import full_tensor, parallelize, synced_parameters
     from rlm.distributed.replicas import ReplicaSync
 
-    for sparse in ("auto", "false"):
+    for sparse in ("auto", False):
         model = _fsdp_model(sparse)
         plugin = model.plugins["pkm"]
         plugin.resolve_sparse(distributed=True, row_exchange=True)
@@ -336,7 +336,7 @@ def _fsdp_part(rank: int, out: dict) -> None:
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("sparse", ["auto", "false"])
+@pytest.mark.parametrize("sparse", ["auto", False])
 def test_fsdp2_two_processes_match_one_process_and_rows_replace_the_dense_value_gradient(two_ranks, sparse):
     model = _fsdp_model(sparse)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
