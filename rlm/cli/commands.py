@@ -289,16 +289,6 @@ def cmd_eval(
     return code
 
 
-def run_knnlm(command: str, args: list[str]) -> int:
-    """``rlm knnlm build|info``."""
-    from rlm.eval.knnlm_cli import main as knnlm_main
-    from rlm.eval.knnlm_cli import parser
-
-    if parser().parse_args(args).action == "build":  # --help and usage errors first, without torch
-        limit_threads()
-    return knnlm_main(args)
-
-
 def cmd_export(*, ckpt: str, out: str, force: bool = False) -> int:
     """Write a checkpoint as model.safetensors + config.json + tokenizer + README.md (and a retriever's index)
     that transformers' AutoModelForCausalLM loads after `import rlm.hf`.
@@ -362,7 +352,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
     "export": (cmd_export, "a checkpoint as a transformers folder (safetensors, config, tokenizer, card)"),
     "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
     "knnlm": (
-        run_knnlm,
+        "rlm.eval.knnlm_cli:COMMANDS",
         "build a kNN-LM datastore from a checkpoint (rlm eval / generate --datastore use it)",
     ),
     "experiment": (run_experiment, "run plugin comparisons and report them"),
@@ -371,7 +361,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
 """Each command: LightningCLI (run_lightning), a typed function whose signature and docstring are its parser, a
 dict of them (subcommands), or "module:NAME" naming either, imported when the command runs."""
 
-THREADED = ("rlm generate", "rlm eval")
+THREADED = ("rlm generate", "rlm eval", "rlm knnlm build")
 """Commands whose torch work runs in this process: limit_threads once their arguments are parsed."""
 
 

@@ -3,14 +3,9 @@ and ``rlm generate --datastore`` use them."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from typing import Any
-
-from rlm.outdir import FORCE_HELP
-
-DEVICE_HELP = "torch device, e.g. cpu or cuda:1 (default: cuda when torch sees a GPU, else cpu)"
+from typing import Any, Literal
 
 
 def default_device() -> str:
@@ -38,94 +33,84 @@ def device_arg(value: str | None) -> str:
     return value
 
 
-class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Help that ends each option with its default, unless there is none to show (None, a flag's False) or its
-    help already says what leaving it out means."""
+def cmd_build(
+    *,
+    ckpt: str,
+    out: str,
+    force: bool = False,
+    corpus: list[str] | None = None,
+    layer: Literal["final", "ffn_input", "attn_input"] = "final",
+    factory: str = "auto",
+    flat_below: int = 1_000_000,
+    k: int = 32,
+    target_recall: float = 0.9,
+    tune_tokens: int = 16384,
+    max_documents: int | None = None,
+    shard_keys: int | None = None,
+    batch_size: int | None = None,
+    device: str | None = None,
+) -> int:
+    """Build a datastore from a checkpoint's states over a corpus (Khandelwal et al. 2020).
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def parser() -> argparse.ArgumentParser:
-    """The ``rlm knnlm`` argument parser."""
-    p = argparse.ArgumentParser(prog="rlm knnlm", description="kNN-LM datastores (Khandelwal et al. 2020).")
-    sub = p.add_subparsers(dest="action", required=True)
-    b = sub.add_parser("build", help="build a datastore from a checkpoint's states over a corpus",
-                       formatter_class=ShowDefaults)  # fmt: skip
-    b.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
-    b.add_argument(
-        "--out",
-        required=True,
-        help="datastore directory to write: new, empty or an earlier datastore (replaced atomically)",
-    )
-    b.add_argument("--force", action="store_true", help=FORCE_HELP)
-    b.add_argument("--corpus", nargs="+", default=None,
-                   help="every document of this text, read with the checkpoint's tokenizer (default: the "
-                        "checkpoint's own training split)")  # fmt: skip
-    b.add_argument("--layer", default="final", choices=["final", "ffn_input", "attn_input"],
-                   help="keys: the final normed hidden state, the normed input of the last FFN (the paper's best), or the "
-                        "normed input of the last block's attention (what the knn_attention plugin searches)")  # fmt: skip
-    b.add_argument("--factory", default="auto",
-                   help="auto (exact SQfp16 below --flat-below keys, else IVF-PQ) or a faiss factory string")  # fmt: skip
-    b.add_argument(
-        "--flat-below", type=int, default=1_000_000, help="auto: exact search below this many keys"
-    )
-    b.add_argument("--k", type=int, default=32, help="neighbours per token")
-    b.add_argument("--target-recall", type=float, default=0.9,
-                   help="tune nprobe to this recall@k against exact search")  # fmt: skip
-    b.add_argument("--tune-tokens", type=int, default=16384,
-                   help="validation tokens lam and the temperature are tuned on (0: none)")  # fmt: skip
-    b.add_argument(
-        "--max-documents", type=int, default=None, help="only the first N documents (default: all)"
-    )
-    b.add_argument("--shard-keys", type=int, default=None,
-                   help="for big corpora: index shards index-000.faiss, ... of whole documents, about N keys each, "
-                        "filling copies of one index trained on a sample, each written once its keys are "
-                        "computed (memory holds one shard's keys); search merges their top-k (default: one index)")  # fmt: skip
-    b.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="windows per forward pass (default: the run's validation batch size)",
-    )
-    b.add_argument("--device", default=None, help=DEVICE_HELP)
-    i = sub.add_parser("info", help="print a datastore's metadata", formatter_class=ShowDefaults)
-    i.add_argument("path", help="a datastore directory written by `rlm knnlm build`")
-    return p
-
-
-def main(args: list[str]) -> int:
-    """Entry point of ``rlm knnlm``."""
-    a = parser().parse_args(args)
-    if a.action == "info":
-        from rlm.eval.datastore import read_datastore_meta
-
-        meta = read_datastore_meta(a.path)
-        meta = {k: v for k, v in meta.items() if k not in ("doc_ids", "doc_hashes", "sha256")}
-        print(json.dumps(meta, indent=1))
-        return 0
+    Args:
+        ckpt: checkpoint written by rlm fit
+        out: datastore directory to write: new, empty or an earlier datastore (replaced atomically)
+        force: replace --out even when it holds other files (never a folder holding --ckpt, nor the current
+            one)
+        corpus: every document of this text, read with the checkpoint's tokenizer (default: the checkpoint's
+            own training split)
+        layer: keys: the final normed hidden state, the normed input of the last FFN (the paper's best), or the
+            normed input of the last block's attention (what the knn_attention plugin searches)
+        factory: auto (exact SQfp16 below --flat-below keys, else IVF-PQ) or a faiss factory string
+        flat_below: auto: exact search below this many keys
+        k: neighbours per token
+        target_recall: tune nprobe to this recall@k against exact search
+        tune_tokens: validation tokens lam and the temperature are tuned on (0: none)
+        max_documents: only the first N documents (default: all)
+        shard_keys: for big corpora: index shards index-000.faiss, ... of whole documents, about N keys each,
+            filling copies of one index trained on a sample, each written once its keys are computed (memory
+            holds one shard's keys); search merges their top-k (default: one index)
+        batch_size: windows per forward pass (default: the run's validation batch size)
+        device: torch device, e.g. cpu or cuda:1 (default: cuda when torch sees a GPU, else cpu)
+    """
     from rlm.eval.knnlm import build
 
-    a.device = device_arg(a.device)
-    for name in ("k", "tune_tokens", "flat_below"):
-        if getattr(a, name) < (1 if name == "k" else 0):
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}; accepted: a positive integer")
-    if a.shard_keys is not None and a.shard_keys < 1:
-        raise ValueError(f"--shard-keys={a.shard_keys}; accepted: a positive integer (keys per index shard)")
-    meta = build(a.ckpt, a.out, corpus=a.corpus, layer=a.layer, factory=a.factory, k=a.k,
-                 target_recall=a.target_recall, flat_below=a.flat_below, tune_tokens=a.tune_tokens,
-                 batch_size=a.batch_size, device=a.device, progress=True,
-                 max_documents=a.max_documents, shard_keys=a.shard_keys, force=a.force)  # fmt: skip
+    device = device_arg(device)
+    for flag, value in (("k", k), ("tune-tokens", tune_tokens), ("flat-below", flat_below)):
+        if value < (1 if flag == "k" else 0):
+            raise ValueError(f"--{flag}={value}; accepted: a positive integer")
+    if shard_keys is not None and shard_keys < 1:
+        raise ValueError(f"--shard-keys={shard_keys}; accepted: a positive integer (keys per index shard)")
+    meta = build(ckpt, out, corpus=corpus, layer=layer, factory=factory, k=k, target_recall=target_recall,
+                 flat_below=flat_below, tune_tokens=tune_tokens, batch_size=batch_size, device=device,
+                 progress=True, max_documents=max_documents, shard_keys=shard_keys, force=force)  # fmt: skip
     tuned = meta.get("tuning") or {}
-    print(f"datastore {a.out}: {meta['entries']:,} keys, {meta['factory']} {meta['search_params']} "
+    print(f"datastore {out}: {meta['entries']:,} keys, {meta['factory']} {meta['search_params']} "
           f"(recall@{meta['k']} {meta['tuned_recall']}), {sum(meta['bytes'].values()) / meta['entries']:.1f} "
           f"bytes/key, built in {meta['seconds']['total']:.1f} s")  # fmt: skip
     if tuned:
         print(f"tuned on {tuned['tokens']} validation tokens: lam {tuned['lam']}, temperature "
               f"{tuned['temperature']:.4g}: loss {tuned['lm_loss']:.4f} -> {tuned['loss']:.4f}")  # fmt: skip
     return 0
+
+
+def cmd_info(path: str) -> int:
+    """Print a datastore's metadata.
+
+    Args:
+        path: a datastore directory written by `rlm knnlm build`
+    """
+    from rlm.eval.datastore import read_datastore_meta
+
+    meta = read_datastore_meta(path)
+    print(
+        json.dumps({k: v for k, v in meta.items() if k not in ("doc_ids", "doc_hashes", "sha256")}, indent=1)
+    )
+    return 0
+
+
+COMMANDS = {"build": cmd_build, "info": cmd_info}
+"""``rlm knnlm``'s subcommands (rlm.cli.commands builds their parsers from the signatures)."""
 
 
 def eval_main(a: Any) -> int:

@@ -148,7 +148,7 @@ def test_every_command_with_a_device_flag_checks_it(tmp_path, rlm_main, monkeypa
     for command, args in (
         ("generate", ["generate", "--ckpt", ckpt]),
         ("eval", ["eval", "--ckpt", ckpt]),
-        ("knnlm", ["knnlm", "build", "--ckpt", ckpt, "--out", tmp_path / "ds"]),
+        ("knnlm build", ["knnlm", "build", "--ckpt", ckpt, "--out", tmp_path / "ds"]),
     ):
         for device in ("cuda", "cuda:0", "foo", "meta"):
             proc = rlm_main([*args, "--device", device], tmp_path)
