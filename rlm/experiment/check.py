@@ -1,11 +1,7 @@
-"""Validating an experiment before anything trains, listing every problem at once.
-
-Four passes, each collecting messages rather than stopping at the first: the file's structure
-(:func:`~rlm.experiment.spec.parse_experiment`), each variant's plugin specs
-(:func:`rlm.plugin.registry.validate_specs`), each variant's merged config parsed by the real ``rlm fit``
-parser (jsonargparse reports one error per parse, so a failing variant is parsed again one override at a
-time to name each bad key), and each variant's model built on the meta device (layer ranges, slot
-conflicts, the model config's own checks), which also gives its parameter counts.
+"""Validating an experiment before anything trains, listing every problem at once: the file's structure, each
+variant's plugin specs, its merged config parsed by the real ``rlm fit`` parser (which reports one error per
+parse, so a failing variant is parsed again one override at a time to name each bad key), and its model built on
+the meta device, which also gives its parameter counts.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ from rlm.experiment.spec import (
 )
 from rlm.plugin.registry import validate_specs
 
-CHECK_DIR = Path(tempfile.gettempdir()) / "rlm-experiment-check"
-"""A run directory for configs that are only parsed (nothing is written there)."""
+CHECK_DIR = Path(tempfile.gettempdir()) / "rlm-experiment-check"  # the run directory of configs only parsed
 
 
 @dataclass
@@ -41,7 +36,6 @@ class ParamCounts:
     """A model's parameter counts."""
 
     total: int
-    """Distinct parameters."""
     added: int
     """Parameters the plugins add over the base model."""
     active: int

@@ -17,12 +17,8 @@ class Preempted(Exception):
     """The running rlm fit was stopped by SIGTERM: the experiment stops, its run stays unfinished."""
 
 
-_LIVE: set[subprocess.Popen] = set()
-"""The rlm subprocesses running now (several under ``jobs`` > 1): a SIGTERM to the runner goes to each."""
-
-
-_THREAD = threading.local()
-"""``env``: the environment a job thread adds to its subprocesses (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS)."""
+_LIVE: set[subprocess.Popen] = set()  # the rlm subprocesses running now: a SIGTERM to the runner goes to each
+_THREAD = threading.local()  # .env: what a job thread adds to its subprocesses' environment
 
 
 def _child_env() -> dict[str, str]:
@@ -31,9 +27,8 @@ def _child_env() -> dict[str, str]:
 
 @contextmanager
 def _forwarding_sigterm() -> Iterator[None]:
-    """While inside, a SIGTERM to this process is passed on to every live rlm subprocess (a scheduler that
-    signals only the runner still gets its training saved). Outside the main thread it does nothing: there the
-    main thread forwards."""
+    """While inside, a SIGTERM to this process is passed on to every live rlm subprocess, so a scheduler
+    that signals only the runner still gets its training saved; off the main thread, which forwards, nothing."""
     try:
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop_children(signum, wait_s=0))
     except ValueError:  # not the main thread
@@ -46,8 +41,7 @@ def _forwarding_sigterm() -> Iterator[None]:
 
 
 def stop_children(signum: int = signal.SIGTERM, wait_s: float = 0) -> None:
-    """Send ``signum`` to every live rlm subprocess and wait up to ``wait_s`` seconds for them to exit (rlm fit
-    saves last.ckpt and exits 143 on SIGTERM)."""
+    """Send ``signum`` to every live rlm subprocess and wait up to ``wait_s`` seconds for them to exit."""
     procs = list(_LIVE)
     for proc in procs:
         proc.send_signal(signum)
@@ -72,10 +66,8 @@ def _ignore_usr2() -> None:  # pragma: no cover - runs in the child between fork
 
 
 def _run_forwarding_sigterm(cmd: list[str], log: Any, env: dict[str, str]) -> int:
-    """Run ``cmd`` and return its exit code, passing a SIGTERM to this process on to it.
-
-    In a submitit job SLURM's warning signal (USR2) reaches every process of the job; the child ignores it,
-    so that it stops only by the job's checkpoint (rlm.experiment.submit), which sends it SIGTERM."""
+    """Run ``cmd`` and return its exit code, passing a SIGTERM to this process on to it. Under submitit
+    the child ignores SLURM's warning signal (USR2), so that only the job's checkpoint stops it (with SIGTERM)."""
     preexec = _ignore_usr2 if os.environ.get("SUBMITIT_EXECUTOR") else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
     _LIVE.add(proc)

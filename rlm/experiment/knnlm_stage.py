@@ -13,18 +13,13 @@ from rlm.experiment.children import Preempted, _child_env, _run_forwarding_sigte
 from rlm.experiment.runs import LAST_CKPT, Run
 from rlm.train.checkpoint import PREEMPTED
 
-KNNLM_JSON = "test_knnlm.json"
-"""``rlm eval --datastore`` of the last checkpoint on the test split (a variant with a ``knnlm`` stage)."""
-
-
-DATASTORE = "datastore"
-"""The kNN-LM stage's datastore directory; removed after evaluation unless the variant keeps it (its meta.json
-stays as datastore_meta.json)."""
+KNNLM_JSON = "test_knnlm.json"  # rlm eval --datastore of the last checkpoint on the test split
+DATASTORE = "datastore"  # removed after evaluation unless kept; its meta.json stays as datastore_meta.json
 
 
 def knnlm_stage(run: Run) -> bool:
-    """``rlm knnlm build`` over the run's training split, then ``rlm eval --datastore`` on the test split
-    (test_knnlm.json); whether both succeeded. The datastore is removed afterwards unless the variant keeps it."""
+    """``rlm knnlm build`` over the training split, then ``rlm eval --datastore`` on the test split;
+    whether both succeeded."""
     options, ckpt, ds = run.knnlm or {}, str(run.dir / LAST_CKPT), run.dir / DATASTORE
     build = [sys.executable, "-m", "rlm", "knnlm", "build", "--ckpt", ckpt, "--out", str(ds)]
     for key in ("layer", "factory", "k", "flat_below", "target_recall", "tune_tokens", "max_documents"):

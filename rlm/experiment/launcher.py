@@ -1,5 +1,5 @@
-"""Where an experiment's runs execute: the ``launcher`` mapping of an experiment file (and the ``rlm experiment
-run`` flags that override it), checked with every problem named, and SLURM's time formats."""
+"""Where an experiment's runs execute: the ``launcher`` mapping of an experiment file and the flags that
+override it, checked with every problem named, and SLURM's time formats."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from typing import Any
 LAUNCHER_DEFAULTS: dict[str, Any] = {"name": "local", "jobs": 1, "requeue": True, "signal_delay_s": 120}
 
 LAUNCHERS = ("local", "slurm", "submitit-local")
-"""``local``: runs on this machine (``jobs`` at once); ``slurm``: one SLURM job per run through submitit;
-``submitit-local``: the same jobs as ``slurm``, run on this machine by submitit's LocalExecutor (a dry run of
-the job path)."""
+"""local: this machine, ``jobs`` at once; slurm: a SLURM job per run through submitit; submitit-local:
+the same jobs on this machine (a dry run of the job path)."""
 
 
 LAUNCHER_OPTIONS: dict[str, tuple[type, str]] = {
@@ -31,7 +30,6 @@ LAUNCHER_OPTIONS: dict[str, tuple[type, str]] = {
     "constraint": (str, "a SLURM node constraint"),
     "setup": (list, "a list of shell lines run before each job, e.g. ['module load cuda']"),
 }
-"""An experiment's ``launcher`` mapping (``rlm experiment run`` flags override it): where its runs execute."""
 
 
 def time_minutes(value: Any) -> int | None:
@@ -93,8 +91,8 @@ def parse_launcher(value: Any, where: str, problems: list[str]) -> dict[str, Any
 
 
 def resolve_launcher(from_file: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
-    """The launcher options a run uses: defaults, the file's ``launcher`` mapping, then the command-line flags
-    (``--jobs 2`` is ``jobs``; None means not given). Raises ValueError naming every bad flag or combination."""
+    """The launcher options a run uses: defaults, the file's mapping, then the flags (None: not given).
+    ValueError naming every bad flag or combination."""
     problems: list[str] = []
     given = {k: v for k, v in flags.items() if v is not None}
     if isinstance(given.get("time"), str) and given["time"].strip().isdigit():

@@ -1,10 +1,9 @@
 """The experiment plots: validation loss against step and time, and final loss against added parameters.
 
-One colour per variant: its seeds' mean as a line and their spread (mean ± sd) as a band. Every variant stays
-visible: the baseline is drawn last, on top, black and dashed with hollow square markers, so a variant with the
-same losses shows through it; each variant has its own marker; points of the parameter plot that share an x are
-set apart sideways, so their error bars do not cover each other, and labels are placed where they overlap no
-other label or point; the parameter axis is symmetric-log when the sizes span two decades or more.
+One colour per variant, its seeds' mean as a line and mean ± sd as a band. The baseline is drawn last, black and
+dashed with hollow markers, so a variant with the same losses shows through it. In the parameter plot points that
+share an x are set apart sideways, labels are placed where they overlap nothing, and the axis is symmetric-log
+when the sizes span LOG_SPAN or more.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from rlm.experiment.results import VariantResult, val_curves
 from rlm.extras import require
 
 MARKERS = "o^vD<>PX*hp"
-LOG_SPAN = 100.0
-"""Largest over smallest non-zero |parameters over the baseline| from which the axis is logarithmic."""
+LOG_SPAN = 100.0  # largest over smallest non-zero |parameters over the baseline| for a log axis
 
 
 def _pyplot() -> Any:
@@ -150,8 +148,7 @@ def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
     return fig
 
 
-DODGE_POINTS = 9.0
-"""Sideways distance, in points, between markers that share an x in the parameter plot."""
+DODGE_POINTS = 9.0  # sideways distance, in points, between markers that share an x
 
 
 def dodge(xs: list[float]) -> list[float]:

@@ -1,7 +1,4 @@
-"""An experiment's finished runs as read back from its directory: per variant, and each run's validation curve.
-
-The report (tables) and the plots both read them from here.
-"""
+"""An experiment's finished runs read back from its directory, for the report and the plots."""
 
 from __future__ import annotations
 

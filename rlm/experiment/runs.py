@@ -1,5 +1,5 @@
-"""An experiment's runs and their files: the Run record, the plan of (variant, seed) runs, and the run directory's
-metrics.csv read back (with the history of earlier attempts stitched in front)."""
+"""An experiment's runs and their files: the Run record, the plan of (variant, seed) runs, and metrics.csv read
+back with earlier attempts stitched in front."""
 
 from __future__ import annotations
 
@@ -13,34 +13,19 @@ from typing import Any
 
 from rlm.experiment.spec import Experiment, config_hash, variant_config
 
-SUMMARY = "summary.json"
-"""The finished marker of a run, written last."""
-
-
+SUMMARY = "summary.json"  # a run's finished marker, written last
 METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
-
-
 LAST_CKPT = Path("ckpt") / "last.ckpt"
-
-
-TEST_JSON = "test.json"
-"""``rlm eval`` of the last checkpoint on the test split, written when training has finished."""
-
-
-FINGERPRINT = "fingerprint"
-"""The hash of the run's config and seed (:attr:`Run.fingerprint`), written when its training starts."""
-
-
+TEST_JSON = "test.json"  # rlm eval of the last checkpoint on the test split
+FINGERPRINT = "fingerprint"  # Run.fingerprint, written when training starts
+# Where a run executes and how it went (state: queued, running, done, failed, stopped; pid, host, job id, times,
+# the log to read on failure), for `rlm experiment status`
 JOB_JSON = "job.json"
-"""Where a run is executed and how it went: ``state`` (queued, running, done, failed, stopped), pid, host, job
-id, times, and the log to read on failure; ``rlm experiment status`` reads it."""
-
-
+# metrics.csv columns that are not plugin metrics
 CORE_METRICS = {
     "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
     "val/loss", "val/ppl", "time/train_s", "time/load",
 }  # fmt: skip
-"""metrics.csv columns that are not plugin metrics."""
 
 
 @dataclass
@@ -80,8 +65,8 @@ class Run:
         return summary is not None and (self.knnlm is None or bool(summary.get("knnlm")))
 
     def check_dir(self) -> None:
-        """ValueError when the run's folder holds files but is not one this runner wrote (it has neither a
-        fingerprint nor a job.json): training the run there would delete them."""
+        """ValueError when the run's folder holds files but neither a fingerprint nor a job.json: it is not one
+        this runner wrote, and training there would delete them."""
         names = sorted(p.name for p in self.dir.iterdir()) if self.dir.is_dir() else []
         if names and not {FINGERPRINT, JOB_JSON} & set(names):
             shown = ", ".join(map(repr, names[:3])) + (", ..." if len(names) > 3 else "")
@@ -132,10 +117,10 @@ def _last(rows: list[dict[str, float]], name: str) -> float | None:
 
 
 def run_metrics(run_dir: Path) -> list[dict[str, float]]:
-    """The run's metrics.csv rows with the history of earlier attempts stitched in front.
+    """The run's metrics.csv rows with earlier attempts stitched in front.
 
-    Each resume keeps the previous attempt's log as ``metrics.part-K.csv`` (the CSV logger would delete it);
-    rows of an earlier part at or after the first step of the next one were trained again and are dropped."""
+    Each resume keeps the previous log as ``metrics.part-K.csv`` (the CSV logger would delete it); rows of an
+    earlier part at or after the first step of the next one were trained again and are dropped."""
     current = run_dir / METRICS_CSV
     parts = sorted(current.parent.glob("metrics.part-*.csv"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
     chunks = [read_metrics(p) for p in [*parts, current]]

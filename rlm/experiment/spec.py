@@ -46,10 +46,8 @@ KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
         "knn_attention model searching the datastore inside its forward pass; layer attn_input)",
     ),
 }
-"""A variant's ``knnlm`` stage: the options of ``rlm knnlm build`` (``--layer`` ...), ``cache`` (``rlm eval
---knn-cache``), ``keep`` (keep the datastore directory; by default only its meta.json stays) and ``rule``: how
-the reported test loss mixes the neighbours in ('interpolate', kNN-LM; 'joint', plugins/token_memory.py's rule;
-'model', the model's own loss with its knn_attention plugin searching the datastore, which needs layer attn_input)."""
+"""A variant's ``knnlm`` stage: ``rlm knnlm build``'s options, ``cache`` (``rlm eval --knn-cache``), ``keep``
+(keep the datastore; else only its meta.json stays) and ``rule``, how the test loss mixes the neighbours in."""
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 """Variant and experiment names become directory names: letters, digits and ``_ . + -``."""
 DEFAULT_METRICS = ["val/*"]
@@ -78,8 +76,8 @@ class Variant:
     description: str = ""
     """One line for results.md."""
     knnlm: dict[str, Any] | None = None
-    """Options of the kNN-LM stage after training (KNNLM_OPTIONS), or None: no datastore. Not part of the run's
-    config: a variant that only adds it trains (or reuses) the same model as the variant without it."""
+    """The kNN-LM stage after training (KNNLM_OPTIONS), or None. Not in the run's config: a variant that only
+    adds it trains (or reuses) the same model as the one without it."""
 
 
 @dataclass
@@ -322,10 +320,7 @@ def load_experiment(path: str | Path) -> Experiment:
 
 
 def load_config(path: str | Path) -> Any:
-    """One YAML config file as an OmegaConf mapping; ValueError naming a file that is missing, not YAML, or not a
-    mapping."""
-    import yaml
-
+    """One YAML config file as an OmegaConf mapping; ValueError naming a file not YAML or not a mapping."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     try:
@@ -338,8 +333,8 @@ def load_config(path: str | Path) -> Any:
 
 
 def merge(files: list[Path], *mappings: dict[str, Any], skip_missing: bool = False) -> dict[str, Any]:
-    """Config files deep-merged in order, then the mappings (lists are replaced): the runner's own composition of a
-    variant, written out as one config file for its rlm fit."""
+    """Config files deep-merged in order, then the mappings (lists are replaced): a variant's config, written
+    out as one file for its rlm fit."""
     files = [p for p in files if p.is_file()] if skip_missing else files
     layers = [load_config(p) for p in files] + [OmegaConf.create(m) for m in mappings]
     return OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)  # type: ignore[return-value]
@@ -353,8 +348,7 @@ def variant_config(exp: Experiment, variant: Variant, skip_missing: bool = False
 LOGGERS_WITH_DIRS = ("CSVLogger", "TensorBoardLogger")
 CSV_LOGGER = "pytorch_lightning.loggers.CSVLogger"
 TB_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
-RUN_NAME_ARG = {"WandbLogger": "name", "MLFlowLogger": "run_name"}
-"""Loggers of a remote service, and their argument naming a run: each run is named VARIANT/seedK there."""
+RUN_NAME_ARG = {"WandbLogger": "name", "MLFlowLogger": "run_name"}  # each run is named VARIANT/seedK there
 CHECKPOINT = "pytorch_lightning.callbacks.ModelCheckpoint"
 CLOCK = "rlm.experiment.timing.TrainClock"
 

@@ -1,9 +1,5 @@
-"""``rlm experiment status DIR``: the state of every (variant, seed) of an experiment, read from its files.
-
-A run is ``done`` (summary.json, with the kNN-LM stage when its variant has one), ``failed`` (job.json says so;
-the end of its log is shown), ``running`` (job.json names a live process on this machine, or a job on another
-host), ``queued`` (submitted, not started), ``stopped`` (preempted or interrupted: the next run resumes it from
-ckpt/last.ckpt) or ``pending`` (nothing yet).
+"""``rlm experiment status DIR``: the state of every (variant, seed) of an experiment, read from its files:
+done, failed, running, queued, stopped (resumes from ckpt/last.ckpt next time) or pending.
 """
 
 from __future__ import annotations

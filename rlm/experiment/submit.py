@@ -1,14 +1,9 @@
 """An experiment's runs as submitit jobs: one SLURM job per run (``--launcher slurm``), or the same jobs on this
-machine through submitit's LocalExecutor (``--launcher submitit-local``).
+machine (``--launcher submitit-local``); each job calls :func:`rlm.experiment.runner.execute`.
 
-Each job calls :func:`rlm.experiment.runner.execute`, the local runner's per-run work (train, test evaluation,
-kNN-LM stage, summary.json). Preemption and the time limit: SLURM sends USR2 ``signal_delay_s`` seconds before
-it stops the job (sbatch ``--signal``); submitit then calls :meth:`RunJob.checkpoint`, which sends SIGTERM to
-the running ``rlm fit`` (it saves ckpt/last.ckpt and exits 143) and hands submitit the same call to requeue;
-the requeued job resumes the run from that checkpoint. Runs with equal configs and seeds share a job, so the
-later ones reuse the first (:func:`rlm.experiment.runner.groups`).
-
-Needs the ``slurm`` extra (submitit); imported only when such a launcher is asked for.
+Near the time limit SLURM sends USR2 (sbatch ``--signal``); submitit calls :meth:`RunJob.checkpoint`, which sends
+the running ``rlm fit`` SIGTERM (it saves last.ckpt and exits) and requeues the same call, so the requeued job
+resumes the run. Needs the ``slurm`` extra (submitit).
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ from rlm.experiment.runner import execute, groups, write_job
 from rlm.experiment.runs import JOB_JSON, Run, plan
 from rlm.experiment.spec import Experiment, write_atomic
 
-FOLDER = ".submitit"
-"""submitit's folder in the experiment directory: each job's pickles, batch script and logs."""
+FOLDER = ".submitit"  # submitit's folder in the experiment directory: pickles, batch scripts, logs
 
 
 class RunJob(submitit.helpers.Checkpointable):
@@ -44,8 +38,8 @@ class RunJob(submitit.helpers.Checkpointable):
         return [run.label for run in self.runs if execute(run, self.out, self.reuse_equal) is None]
 
     def checkpoint(self) -> submitit.helpers.DelayedSubmission | None:
-        """Preempted or near the time limit: stop ``rlm fit`` so that it saves last.ckpt, then requeue this same
-        call (None, without ``requeue``: the job ends, and the next ``rlm experiment run`` resumes the run)."""
+        """Preempted or near the time limit: stop ``rlm fit`` so that it saves last.ckpt, then requeue this
+        call (without ``requeue`` the job ends, and the next ``rlm experiment run`` resumes the run)."""
         stop_children(wait_s=self.stop_wait_s)
         return submitit.helpers.DelayedSubmission(self) if self.requeue else None
 
