@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 def sync_replicas(params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
     """All-reduce (sum) the gradients of ``params`` over ``group``, each times ``scale`` first (1/W: the mean).
     Expert parallelism sums the groups' copies of an expert, each already scaled by 1/P (``shard_experts``): the
-    gradient of the mean loss over all P processes, as DDP gives. Once per optimizer step, after gradient accumulation (a sum is not idempotent); one tensor at a time, since a
-    flat copy of every gradient would double their memory."""
+    gradient of the mean loss over all P processes, as DDP gives. Once per optimizer step, after gradient
+    accumulation (a sum is not idempotent); one tensor at a time: a flat copy would double the gradients' memory."""
     for p in params:
         if p.grad is not None:
             if scale != 1.0:

@@ -62,12 +62,6 @@ def checkpoint_roots(trainer_cfg: Any) -> list[Path]:
     return out
 
 
-def find_checkpoints(roots: list[Path]) -> list[Path]:
-    """The ``*.ckpt`` files under ``roots``, newest first."""
-    found = {p.resolve() for r in roots if r.is_dir() for p in r.rglob("*.ckpt") if p.is_file()}
-    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
-
-
 def newest_loadable(
     roots: list[Path], say: Any = None, remove_damaged: bool = False
 ) -> tuple[Path, dict[str, Any]]:
@@ -76,7 +70,8 @@ def newest_loadable(
     an old file the newest. ``remove_damaged`` deletes files that do not load (in folders rlm owns, where a
     damaged last.ckpt would block the name)."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
-    candidates = find_checkpoints(roots)
+    found = {p.resolve() for r in roots if r.is_dir() for p in r.rglob("*.ckpt") if p.is_file()}
+    candidates = sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
     best: tuple[int, Path, dict[str, Any]] | None = None
     for path in candidates:  # newest file first: the first of the highest step wins ties
         try:

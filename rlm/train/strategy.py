@@ -52,12 +52,6 @@ def strategy_name(strategy: Any) -> str:
     return name.removesuffix("strategy") or name
 
 
-def on_cpu(accelerator: Any) -> bool:
-    """Whether the trainer will run on the CPU ('cpu', or 'auto' with no CUDA device)."""
-    name = str(accelerator or "auto").lower()
-    return name == "cpu" or (name == "auto" and not torch.cuda.is_available())
-
-
 def check_strategy(strategy: Any) -> None:
     """Raise ValueError, naming the way out, for a strategy rlm cannot run here."""
     name = strategy_name(strategy)
@@ -75,10 +69,11 @@ def check_strategy(strategy: Any) -> None:
 
 def resolve_devices(strategy: Any, accelerator: Any, devices: Any) -> Any:
     """``devices`` with 'auto' resolved to CPU_PROCESSES on a CPU under a multi-process strategy, else unchanged."""
-    multi = strategy_name(strategy).startswith(MULTI_PROCESS)
-    if multi and str(devices).lower() == "auto" and on_cpu(accelerator):
-        return CPU_PROCESSES
-    return devices
+    if not strategy_name(strategy).startswith(MULTI_PROCESS) or str(devices).lower() != "auto":
+        return devices
+    accelerator = str(accelerator or "auto").lower()
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    return CPU_PROCESSES if on_cpu else devices
 
 
 def prepare_trainer(trainer: Any) -> None:
