@@ -1,14 +1,10 @@
 """kNN-LM datastores (Khandelwal et al. 2020): one entry per token of a collection, the key the LM's context
 state at position t, the value the token at t + 1; built from a checkpoint, tied to its weights.
 
-Keys: ``final``, the final normed hidden state (the LM head's input), or ``ffn_input``, the normed input of the
-last block's FFN, the paper's best (its table 5); read by a forward hook, so every plugin composes. A datastore
-directory holds index.faiss (rlm.index.knn: exact over float16 keys, or IVF-PQ re-ranked over them),
-values.npy, docs.npy (each document's entry range) and meta.json (the checkpoint's fingerprint, the index's
-tuned search parameters, lam / temperature once tuned, and the size and sha256 of every other file, checked on
-load as a retrieval index's are: rlm.checksums). It is written to a temporary name and renamed.
-Built with ``shard_keys``, it holds index-000.faiss, index-001.faiss, ... instead of index.faiss: consecutive runs
-of whole documents of about that many keys each, added to copies of one index trained once on a sample (shared
+A datastore directory holds index.faiss (rlm.index.knn), values.npy, docs.npy (each document's entry range) and
+meta.json (the checkpoint's fingerprint, the tuned search parameters and lam / temperature, and every other file's
+size and sha256: rlm.checksums); it is written to a temporary name and renamed. Built with ``shard_keys``, it holds
+index-000.faiss, ... instead: consecutive runs of whole documents added to copies of one trained index (shared
 centroids and codebooks), their entry offsets in meta.json's "shards"; a search merges their top-k by distance.
 """
 
@@ -36,12 +32,12 @@ from rlm.checksums import META_SHA, check_sealed, meta_digest, read_manifest, se
 from rlm.data.module import RLMDataModule
 from rlm.data.store import TokenStore
 from rlm.data.windows import IGNORE_INDEX, Windows, eval_loader
+from rlm.eval.evaluate import windows_of
 
 LAYERS = ("final", "ffn_input", "attn_input")
-"""Where keys are read: the LM head's input, the last block's normed FFN input (kNN-LM's best), or the last block's
-normed attention input (the query of the knn_attention plugin, which searches a datastore of these)."""
-FORMAT = 2
-"""meta.json's format; 2: it holds its files' checksums and its own."""
+"""Where keys are read: the LM head's input, the last block's normed FFN input (kNN-LM's best, its table 5), or
+the last block's normed attention input (the query of the knn_attention plugin)."""
+FORMAT = 2  # meta.json's format: it holds its files' checksums and its own
 META = "meta.json"
 WHAT = "kNN-LM datastore"
 REBUILD = "rebuild it with `rlm knnlm build --ckpt CKPT --out DIR`"
@@ -104,15 +100,13 @@ def read_datastore_meta(path: str | os.PathLike[str], verify: bool | None = None
 
 
 def doc_hash(tokens: np.ndarray) -> str:
+    """A document's identity by its tokens (a copy of a datastore document is excluded as the document is)."""
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:24]
 
 
 class Datastore:
-    """A built datastore directory: the faiss index, the values, the document table and meta.json.
-
-    Either layout loads: one index.faiss, or shards index-000.faiss, ... (``build_datastore(shard_keys=N)``),
-    each holding a consecutive entry range from its offset in meta.json's "shards"; ``search`` merges their
-    top-k by distance, the exclusion range applied in each shard in global entry ids."""
+    """A built datastore directory (either layout): the faiss index or shards, the values, the document table and
+    meta.json."""
 
     def __init__(self, path: str | os.PathLike[str], verify: bool | None = None) -> None:
         self.path = Path(path)
@@ -206,10 +200,8 @@ class Datastore:
         return np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
 
 
-LOG_EVERY = 30.0
-"""Seconds between the plain progress lines printed when stderr is not a terminal (a log file, a batch job)."""
-TRIAL_BATCHES = 3
-"""Batches timed with each thread count before key extraction keeps the faster one."""
+LOG_EVERY = 30.0  # seconds between the plain progress lines printed when stderr is not a terminal
+TRIAL_BATCHES = 3  # batches timed with each thread count before key extraction keeps the faster one
 
 
 class Progress:
@@ -225,6 +217,7 @@ class Progress:
         self.lines = enabled and not tty
 
     def update(self, n: int) -> None:
+        """Count n more done."""
         self.bar.update(n)
         self.done += n
         now = time.perf_counter()
@@ -233,6 +226,7 @@ class Progress:
             self.log(now)
 
     def log(self, now: float) -> None:
+        """Print the plain progress line."""
         rate = self.done / max(now - self.start, 1e-9)
         eta = (self.total - self.done) / rate if rate else float("inf")
         print(f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({self.done / max(self.total, 1):.0%}), "
@@ -245,6 +239,7 @@ class Progress:
             tqdm.write(f"{self.desc}: {message}", file=sys.stderr)
 
     def close(self) -> None:
+        """Close the bar."""
         self.bar.close()
 
 
@@ -266,9 +261,8 @@ def entries(
     """(keys (n, d) float16, values (n,), doc, first position) of every window, in order.
 
     Only the blocks run (``model.hidden``): no key needs the LM head. On a CPU the first batches alternate one
-    thread and torch's thread count, and the faster median is kept (at once, when one count is twice as fast in
-    every batch): on a shared machine a parallel region waits for its slowest thread, and one thread can be
-    several times faster. The keys are the same either way. Once timed, the phase's duration is estimated."""
+    thread and torch's thread count and the faster is kept: on a shared machine a parallel region waits for its
+    slowest thread, so one thread can be faster. The keys are the same either way."""
     threads = torch.get_num_threads()
     counts = (1, threads) if module.device.type == "cpu" and threads > 1 else (threads,)
     times: dict[int, list[float]] = {n: [] for n in counts}
@@ -315,10 +309,9 @@ def entries(
 
 
 def estimate(n_tokens: int, dim: int, factory: str, shard_tokens: int | None = None) -> dict[str, int]:
-    """Bytes a build needs: on disk (the float16 keys while building, then the index, values and table) and in
-    memory (the index while it is filled, and the k-means training sample); "files", the finished datastore's
-    (the index with its centroids and codebooks, and the values). Sharded (``shard_tokens``, the largest shard's
-    keys): no keys on disk, and in memory one shard's float16 keys and index, not the corpus's."""
+    """Bytes a build needs on disk (the float16 keys while building, then the index, values and table) and in memory
+    (the index while filled, the k-means sample); "files", the finished datastore's. Sharded (``shard_tokens``, the
+    largest shard's keys): no keys on disk, and in memory one shard's keys and index."""
     from rlm.index.knn import EXACT, bytes_per_key
 
     index = n_tokens * bytes_per_key(factory, dim)
@@ -353,6 +346,7 @@ def shard_docs(lengths: np.ndarray, shard_keys: int) -> list[slice]:
 
 
 def available_memory() -> int:
+    """Bytes of physical memory available now (unbounded where the system does not say)."""
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -363,25 +357,10 @@ def load_for_knn(
     ckpt_path: str, corpus: list[str] | None, device: str, progress: bool
 ) -> tuple[Any, RLMDataModule, TokenStore]:
     """The checkpoint's module and a data module over its own corpus (or ``corpus``, read with its tokenizer)."""
-    from rlm.eval.evaluate import data_settings, load_checkpoint, load_module, with_tokenizer
+    from rlm.eval.evaluate import checkpoint_data, load_module
 
-    ckpt = load_checkpoint(ckpt_path)
-    hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
-    if corpus:
-        hp.update(corpus=corpus, max_documents=None, val_fraction=0.0, test_fraction=0.0)
-    hp = with_tokenizer(hp, ckpt, ckpt_path, force=bool(corpus))
-    data = RLMDataModule(**hp)
-    data.prepare_data()
-    store = TokenStore(data.cache_path())
-    module = load_module(ckpt_path, device, store.tokenizer)
-    return module, data, store
-
-
-def windows_of(data: RLMDataModule, store: TokenStore, docs: np.ndarray) -> Any:
-    """Evaluation windows over ``docs`` (the ones rlm eval scores)."""
-    from rlm.eval.evaluate import _windows
-
-    return _windows(data, store, docs)
+    data, store = checkpoint_data(ckpt_path, corpus, progress, force=bool(corpus))
+    return load_module(ckpt_path, device, store.tokenizer), data, store
 
 
 def build_datastore(
@@ -404,12 +383,9 @@ def build_datastore(
 ) -> dict[str, Any]:
     """Build a datastore from a checkpoint over its own training split, or over every document of ``corpus``
     (read with the checkpoint's tokenizer); ``tuner`` (rlm.eval.knnlm.build's) then chooses lam and the
-    temperature, kept in meta.json. Returns meta.json's contents. The directory appears whole or not at all.
-
-    ``shard_keys``: index shards of whole documents, about this many keys each, each written as soon as its
-    keys are computed (memory holds one shard's keys, not the corpus's); see ``Datastore``.
-
-    ``out`` may be new, empty or an earlier datastore; anything else only with ``force`` (rlm.outdir)."""
+    temperature. Returns meta.json's contents. ``shard_keys``: index shards of whole documents of about this many
+    keys, each written as soon as its keys are computed. ``out`` may be new, empty or an earlier datastore;
+    anything else only with ``force``."""
     from rlm.index._faiss import faiss
     from rlm.index.knn import build_l2_index, choose_l2_factory
     from rlm.index.store import atomic_dir
@@ -461,18 +437,10 @@ def build_datastore(
             keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, dim))
             values = np.zeros(n, dtype=np.int32)
             ranges = np.zeros((len(docs), 2), dtype=np.int64)
-            pos, row = 0, {int(d): i for i, d in enumerate(docs)}
-            windows = windows_of(data, store, docs)
-            for kv, vv, doc, _ in entries(
-                module, windows, batch_size or data.val_batch_size, layer, progress
-            ):
-                i = row[doc]
-                if ranges[i, 1] == 0:
-                    ranges[i, 0] = pos
-                keys[pos : pos + len(kv)] = kv
-                values[pos : pos + len(vv)] = vv
-                pos += len(kv)
-                ranges[i, 1] = pos
+            found = entries(
+                module, windows_of(data, store, docs), batch_size or data.val_batch_size, layer, progress
+            )
+            pos = _fill(found, keys, values, ranges, {int(d): i for i, d in enumerate(docs)}, 0)
             assert pos == n, (pos, n)
             keys.flush()
             embed_s = time.perf_counter() - start
@@ -543,10 +511,10 @@ def _build_shards(
     progress: bool,
     bars: bool,
 ) -> tuple[Any, list[dict[str, Any]]]:
-    """Write values.npy, docs.npy and one index file per shard of ``docs`` into ``tmp``: the index is trained
-    once on a sample of keys (documents drawn at random until it is full), then each shard's keys are computed,
-    added to a copy of it and written before the next shard's are. nprobe is tuned on the first shard. Returns
-    (an L2Index with the factory, search parameters, tuned recall and seconds; the shards' meta.json entries)."""
+    """Write values.npy, docs.npy and one index file per shard of ``docs`` into ``tmp``: the index is trained once
+    on a sample of keys (random documents), then each shard's keys are computed, added to a copy of it and written
+    before the next shard's; nprobe is tuned on the first shard. Returns (an L2Index with the factory, search
+    parameters, tuned recall and seconds; the shards' meta.json entries)."""
     from rlm.index._faiss import faiss
     from rlm.index.knn import L2Index, add_l2, empty_l2_index, l2_train_size, train_l2_index, tune_l2
 
@@ -590,14 +558,8 @@ def _build_shards(
         windows = windows_of(data, store, docs[part]) if segments is None else Windows(
             segments, store.doc_offsets, docs[part], data.seq_len)  # fmt: skip
         segments = windows.segments
-        for kv, vv, doc, _ in entries(module, windows, batch_size, layer, progress, f"keys of shard {s}"):
-            i = row[doc]
-            if ranges[i, 1] == 0:
-                ranges[i, 0] = pos
-            keys[pos - offset : pos - offset + len(kv)] = kv
-            values[pos : pos + len(vv)] = vv
-            pos += len(kv)
-            ranges[i, 1] = pos
+        found = entries(module, windows, batch_size, layer, progress, f"keys of shard {s}")
+        pos = _fill(found, keys, values, ranges, row, pos, offset)
         assert pos - offset == len(keys), (pos - offset, len(keys))
         seconds["keys"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -623,6 +585,28 @@ def _build_shards(
     np.save(tmp / "docs.npy", ranges)
     built.index = None
     return built, shards
+
+
+def _fill(
+    found: Iterator[tuple],
+    keys: np.ndarray,
+    values: np.ndarray,
+    ranges: np.ndarray,
+    row: dict,
+    pos: int,
+    offset: int = 0,
+) -> int:
+    """Write the entries (keys, values, doc, _) from global entry ``pos`` on (keys[i - offset] is entry i) and each
+    document's [lo, hi) entry range into ranges[row[doc]]; returns the next entry."""
+    for kv, vv, doc, _ in found:
+        i = row[doc]
+        if ranges[i, 1] == 0:
+            ranges[i, 0] = pos
+        keys[pos - offset : pos - offset + len(kv)] = kv
+        values[pos : pos + len(vv)] = vv
+        pos += len(kv)
+        ranges[i, 1] = pos
+    return pos
 
 
 def first_docs(store: TokenStore, docs: np.ndarray, tokens: int) -> np.ndarray:

@@ -1,11 +1,8 @@
 """Evaluation with a checkpoint's own tokenizer: ``rlm eval``, and the settings ``rlm validate|test`` restore.
 
 A loss means something only under the token mapping the model was trained with, so evaluation never trains a
-tokenizer: it takes the one the checkpoint carries (``RLMDataModule.state_dict``), or, for checkpoints written
-before they carried one, the tokenizer of the cache entry they trained on; neither found is an error.
-
-``rlm eval --ckpt CKPT`` evaluates the checkpoint's own test (or validation) split; ``--corpus X`` evaluates
-every document of X. It reports the mean token loss, its perplexity and bits per byte,
+tokenizer: it takes the one the checkpoint carries (rlm.data.carried). It reports the mean token loss, its
+perplexity and bits per byte,
 
     bpb = sum_t NLL_t (nats) / (ln 2 * UTF-8 bytes of the evaluated text)        (as The Pile reports it, Gao et al. 2020)
 
@@ -81,12 +78,8 @@ def ckpt_path_arg(args: list[str]) -> str | None:
 
 def checkpoint_layer(layers: list[dict[str, Any]], args: list[str]) -> list[str]:
     """For ``rlm validate|test --ckpt_path CKPT``: ``args`` with the checkpoint's data settings as a config layer
-    after the given config files (``layers``, read from ``args``).
-
-    The checkpoint's data arguments come first, so no training config is needed; config files and
-    ``--data.*`` flags still override them (``--data.corpus X`` evaluates X's split). The tokenizer is always
-    the checkpoint's (see with_tokenizer), never one trained anew. LightningCLI itself restores the model's
-    settings from the checkpoint.
+    after the given config files (``layers``, read from ``args``), so no training config is needed; config files'
+    and ``--data.*`` flags' settings still win. The tokenizer is always the checkpoint's (with_tokenizer).
     """
     import yaml
 
@@ -111,7 +104,21 @@ def checkpoint_layer(layers: list[dict[str, Any]], args: list[str]) -> list[str]
     return [*configs, "--config", layer, *rest]
 
 
-def _windows(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:
+def checkpoint_data(
+    ckpt_path: str, corpus: list[str] | None, progress: bool, force: bool = False
+) -> tuple[RLMDataModule, TokenStore]:
+    """A prepared data module over the checkpoint's own corpus, or all of ``corpus``, read with its tokenizer
+    (``force``: see with_tokenizer), and its token store."""
+    ckpt = load_checkpoint(ckpt_path)
+    hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
+    if corpus:  # all of the new text: no document held out
+        hp.update(corpus=corpus, max_documents=None, val_fraction=0.0, test_fraction=0.0)
+    data = RLMDataModule(**with_tokenizer(hp, ckpt, ckpt_path, force))
+    data.prepare_data()
+    return data, TokenStore(data.cache_path())
+
+
+def windows_of(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:
     """Windows of seq_len over the given documents of a built store (no training-length check: any text)."""
     fp = hashlib.sha256(f"{store.root.name}/segment_len={data.segment_len}".encode()).hexdigest()[:20]
     segments = SegmentTable(store.tokens, store.doc_offsets, data.segment_len, store.tokenizer.pad_id, fp)
@@ -176,14 +183,7 @@ def evaluate(
     """Evaluate a checkpoint on its own split, or on all of ``corpus``, with its own tokenizer."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; accepted: {list(SPLITS)}")
-    ckpt = load_checkpoint(ckpt_path)
-    hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
-    if corpus:  # all of the new text: no document held out
-        hp.update(corpus=corpus, max_documents=None, val_fraction=0.0, test_fraction=0.0)
-    hp = with_tokenizer(hp, ckpt, ckpt_path)
-    data = RLMDataModule(**hp)
-    data.prepare_data()
-    store = TokenStore(data.cache_path())
+    data, store = checkpoint_data(ckpt_path, corpus, progress)
     docs = store.train_docs if corpus else getattr(store, f"{split}_docs")
     if not len(docs):
         raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
@@ -191,10 +191,10 @@ def evaluate(
     n_bytes = sum(len(texts[d].text.encode("utf-8")) for d in docs)
     module = load_module(ckpt_path, device, store.tokenizer)
     logged: dict[str, float] = {}
-    nll, tokens = nll_sum(module, _windows(data, store, docs), batch_size or data.val_batch_size, logged)
+    nll, tokens = nll_sum(module, windows_of(data, store, docs), batch_size or data.val_batch_size, logged)
     return {
         "checkpoint": str(ckpt_path),
-        "corpus": corpus if corpus else hp["corpus"],
+        "corpus": corpus if corpus else data.corpus,
         "split": "all" if corpus else split,
         "documents": int(len(docs)),
         "tokens": tokens,
@@ -220,6 +220,7 @@ def main(a: argparse.Namespace) -> int:
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:
+    """Write ``result`` as JSON to ``path`` (atomically), if a path is given."""
     if path:
         tmp = f"{path}.tmp{os.getpid()}"
         Path(tmp).write_text(json.dumps(result, indent=2) + "\n")

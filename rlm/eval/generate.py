@@ -1,14 +1,10 @@
 """Sampling text from a trained model, with a key/value cache (default) or by recomputing the window each step.
 
-Cached decoding keeps every self-attention layer's keys and values (and the plugins' per-window state, see
-rlm/plugin/cache.py), so each step runs the model over one new token. A cache holds one window of at most
-max_seq_len positions, rotary positions counted from the window's start. The full recompute slides its window
-by one token per step past max_seq_len (``ids[:, -max_seq_len:]``), which would move every cached position;
-the cache instead re-fills: when the next token would not fit, it restarts from the last max_seq_len // 2
-tokens (one forward over them) and continues. So up to max_seq_len tokens the two give the same logits; past
-it, step t of the cached path sees the tokens from its window's start w(t), where w starts at 0 and, whenever
-t - w(t) would exceed max_seq_len, becomes t - max_seq_len // 2 (``refill_start``): between max_seq_len // 2
-and max_seq_len tokens of context instead of always max_seq_len.
+The cache (rlm/plugin/cache.py) holds one window of at most max_seq_len positions, rotary positions counted from
+its start, so each step runs the model over one new token. The full recompute slides its window by one token per
+step past max_seq_len, which would move every cached position; the cache instead re-fills from the last
+max_seq_len // 2 tokens when the next token would not fit (``refill_start``). Up to max_seq_len tokens the two
+give the same logits; past it the cached path sees between max_seq_len // 2 and max_seq_len tokens of context.
 """
 
 from __future__ import annotations

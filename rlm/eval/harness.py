@@ -1,39 +1,19 @@
-"""EleutherAI's lm-evaluation-harness on rlm checkpoints: the ``rlm`` model type and ``rlm eval --tasks``.
-
-``rlm eval --ckpt C --tasks hellaswag,lambada_openai [--limit N] [--num-fewshot K]`` hands the tasks to
-``lm_eval.simple_evaluate`` with a :class:`Scorer` wrapped as an ``lm_eval.api.model.LM`` (registered as the
-model type ``rlm``; ``lm_eval`` is imported here only, when a task runs: ``pip install 'rlm[eval]'``).
+"""EleutherAI's lm-evaluation-harness on rlm checkpoints: the ``rlm`` model type and ``rlm eval --tasks``
+(docs/CLI.md). ``lm_eval`` is imported only when a task runs.
 
 How requests are scored, with the checkpoint's own tokenizer:
 
-- Every text is conditioned as the model saw documents in training, on the beginning-of-document token:
-  ``[bos] + encode(context + continuation)``. The continuation's tokens are those of the whole text after the
-  context's own encoding (trailing spaces of the context move to the continuation first), so a word is
-  scored as it is tokenized in running text.
-- ``loglikelihood``: sum over the continuation's tokens of log_softmax(logits), and whether each was the
-  argmax (greedy). A text longer than the model's max_seq_len loses its context from the left; a
-  continuation longer than max_seq_len is an error.
-- ``loglikelihood_rolling`` (perplexity tasks): the document ``[bos] + tokens`` in disjoint windows of
-  max_seq_len tokens (lm-eval's ``get_rolling_token_windows`` with context_len 1, then ``make_disjoint_window``):
-  every token is scored exactly once, a window reads only its own tokens (its first token sees only the one
-  before it), and a shorter last window reads the max_seq_len tokens before its end. This is lm-eval's choice
-  for Hugging Face models and close to rlm eval's own training windows, at one forward pass per max_seq_len
-  tokens; a sliding window would give each token a longer past at several times the cost.
-- ``generate_until``: greedy (or sampled with ``do_sample``) continuation by rlm.eval.generate.sample, the last
-  max_seq_len tokens as context, stopped at the first ``until`` string (cut there), at the end-of-document token
-  or after ``max_gen_toks`` tokens.
-- The model runs as it does for ``rlm generate``: every plugin takes part, the trained retriever searching its
-  saved index online. With a kNN-LM datastore (``--datastore``) every log-probability, greedy check and
-  generated token is of the kNN-LM mixture (rlm.eval.knnlm.Mixer); the evaluated text is not in the datastore,
-  so nothing is excluded from the search.
+- Every text is conditioned on the beginning-of-document token, as documents were in training:
+  ``[bos] + encode(context + continuation)``; the continuation's tokens are those of the whole text after the
+  context's own encoding (a context's trailing spaces move to the continuation), so a word is scored as it is
+  tokenized in running text. A text longer than max_seq_len loses its context from the left.
+- ``loglikelihood_rolling``: disjoint windows of max_seq_len tokens (lm-eval's ``get_rolling_token_windows`` with
+  context_len 1, as for Hugging Face models): every token scored once, at one forward per max_seq_len tokens.
+- ``generate_until``: rlm.eval.generate.sample, stopped at the first ``until`` string (cut there), at eos or after
+  ``max_gen_toks`` tokens.
+- Every plugin takes part, as in ``rlm generate``; with ``--datastore`` every distribution is the kNN-LM mixture.
 
-Requests are batched (longest first, right-padded: causal attention and causal routing keep a row's padding
-from reaching its scored positions).
-
-Downloads: every standard task (hellaswag, lambada_openai, wikitext, arc_easy, ...) reads its data set from
-the Hugging Face hub, so it needs the network once, or a Hugging Face cache already holding it
-(HF_DATASETS_OFFLINE=1 then reads only the cache). A task of your own in a folder (``--tasks-path DIR``, a
-YAML with ``dataset_path: json`` and ``dataset_kwargs: {data_files: ...}``) runs offline.
+Requests are batched longest first, right-padded: causal attention and routing keep padding from scored positions.
 """
 
 from __future__ import annotations
@@ -50,8 +30,7 @@ import torch
 
 from rlm.extras import require
 
-GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
-"""The generation arguments a task may pass (top_p only without do_sample, where greedy ignores it)."""
+GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")  # top_p: greedy only
 
 
 @dataclass
@@ -146,7 +125,7 @@ class Scorer:
 
     def generate_until(self, requests: list[tuple[str, dict[str, Any]]]) -> list[str]:
         """Each context's continuation, cut at the first of its ``until`` strings."""
-        from rlm.eval.generate import sample
+        from rlm.eval.generate import cut_at, sample, stop_at
 
         results = []
         for i, (context, kwargs) in enumerate(requests):
@@ -161,20 +140,13 @@ class Scorer:
             if do_sample and kwargs.get("top_p") not in (None, 1, 1.0):
                 raise ValueError(f"top_p={kwargs['top_p']} with do_sample; accepted: top_k sampling only")
             max_new = int(kwargs.get("max_gen_toks", 256))
-
-            def stop(ids: list[int], until: list[str] = until) -> bool:
-                text = self.tokenizer.decode(ids)
-                return any(u in text for u in until)
-
             ids = sample(
                 self.module, [self.tokenizer.bos_id, *self.tokenizer.encode(context)], max_new, temperature,
                 kwargs.get("top_k"), eos_id=self.tokenizer.eos_id,
                 generator=torch.Generator().manual_seed(self.seed + i), mixer=self.mixer,
-                stop=stop if until else None,
+                stop=stop_at(self.tokenizer.decode, until) if until else None,
             )  # fmt: skip
-            text = self.tokenizer.decode(ids)
-            cut = min((text.index(u) for u in until if u in text), default=len(text))
-            results.append(text[:cut])
+            results.append(cut_at(self.tokenizer.decode(ids), until))
         return results
 
 
@@ -257,7 +229,7 @@ def task_manager(tasks: list[str], tasks_path: str | None = None) -> Any:
     model_class()
     from lm_eval.tasks import TaskManager
 
-    # Indexing all ~15k of lm-eval's tasks takes ~10 s: only the folder's own when it holds every name.
+    # indexing all of lm-eval's tasks is slow: only the folder's own when it holds every name
     manager = TaskManager(include_path=tasks_path, include_defaults=False) if tasks_path else None
     broken = {}
     if manager is None or not set(tasks) <= set(manager.all_tasks):

@@ -6,19 +6,13 @@ value the token at t + 1. At evaluation, the state at t retrieves its k nearest 
     p_kNN(w) = sum_{i: v_i = w} exp(-d_i / T) / sum_i exp(-d_i / T)
     p(w)     = lam * p_kNN(w) + (1 - lam) * p_LM(w)                  (the paper's eq. 2, with a temperature T)
 
-Why an evaluation wrapper and not a plugin: it needs no training and no slot of the model, only a state the
-model computes anyway (a forward hook reads it) and the output distribution, which no slot exposes; as a
-wrapper it composes with every plugin, the trained retriever included, and the core stays unchanged.
+An evaluation wrapper, not a plugin: it needs no training and no slot, only a state the model computes anyway (a
+forward hook reads it) and the output distribution, which no slot exposes; so it composes with every plugin.
 
-Causality. A token never finds itself or anything later in its own document: when the evaluated document is
-in the datastore (the same cache entry and document id, or the same tokens: a copy of a training document),
-its whole entry range is excluded inside the search (a faiss ID selector), so what is found does not depend on
-that document at all. ``cache=True`` adds the document's own past, exactly: keys at s < t of the evaluated
-document (the continuous cache of the paper's sec. 6).
-
-Keys: ``final``, the final normed hidden state (the LM head's input), or ``ffn_input``, the normed input of the
-last block's FFN, the paper's best (its table 5). The datastore records the checkpoint's fingerprint and is
-refused under any other model.
+Causality: a token never finds itself or anything later in its own document: when the evaluated document is in
+the datastore (the same cache entry and document id, or the same tokens), its whole entry range is excluded inside
+the search (a faiss ID selector). ``cache=True`` adds the document's own past exactly: keys at s < t (the
+continuous cache of the paper's sec. 6).
 """
 
 from __future__ import annotations
@@ -44,13 +38,13 @@ from rlm.eval.datastore import (
     load_for_knn,
     reading_keys,
     window_targets,
-    windows_of,
 )
+from rlm.eval.evaluate import windows_of
 
-CACHE_TOKENS = 4096
-"""The continuous cache holds the document's most recent positions, at most this many before the window."""
-LAMBDAS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8)
-"""The interpolation weights tried when tuning on the validation split."""
+CACHE_TOKENS = (
+    4096  # the continuous cache holds at most this many of the document's positions before the window
+)
+LAMBDAS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8)  # tried when tuning
 
 
 @dataclass
@@ -123,8 +117,19 @@ def _temperatures(scored: Scored) -> list[float]:
     return [scale * f for f in (0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 4.0)]
 
 
-BIASES = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0)
-"""The memory biases b tried when tuning the joint rule."""
+BIASES = (
+    -8.0,
+    -6.0,
+    -4.0,
+    -3.0,
+    -2.0,
+    -1.0,
+    0.0,
+    1.0,
+    2.0,
+    3.0,
+    4.0,
+)  # memory biases b tried for the joint rule
 
 
 def tune_joint(scored: Scored, trained: tuple[float, float] | None = None) -> dict[str, float]:

@@ -1,10 +1,8 @@
 """``rlm validate|test --datastore DIR``: the kNN-LM's loss beside the model's own, in Lightning's loops.
 
 A callback, so the core loop stays as it is: after each evaluation batch it runs the batch's forward again without
-gradients (the model's own ``val/loss`` is untouched), reads the datastore's keys (rlm.eval.datastore.reading_keys),
-searches the datastore with each window's own document excluded (a copy of an indexed document included, as
-``rlm eval --datastore`` does: rlm.eval.knnlm._search_batch) and sums the negative log-likelihoods of kNN-LM's
-interpolation and, where the datastore was tuned for it, the token memory's joint rule. At the epoch's end it logs
+gradients, searches the datastore with each window's own document excluded (rlm.eval.knnlm.scored_batch) and sums
+the NLLs of kNN-LM's interpolation and, where tuned, the token memory's joint rule; at the epoch's end it logs
 ``<stage>/knnlm/loss`` and ``<stage>/joint/loss`` (token-weighted, summed over processes).
 """
 
@@ -31,7 +29,7 @@ class DatastoreEval(pl.Callback):
         self._sums: dict[str, list[float]] = {}
 
     def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # At the loop's start, after Lightning restored the checkpoint's weights (setup runs before that).
+        """Open the datastore, at the loop's start: after Lightning restored the checkpoint's weights."""
         from rlm.eval.datastore import Datastore
         from rlm.eval.knnlm import mixing
 
@@ -73,9 +71,11 @@ class DatastoreEval(pl.Callback):
     def on_validation_batch_end(
         self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
     ) -> None:
+        """Score a validation batch."""
         self._batch(trainer, pl_module, batch, "val")
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        """Score a test batch."""
         self._batch(trainer, pl_module, batch, "test")
 
     def _end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -88,7 +88,9 @@ class DatastoreEval(pl.Callback):
                 pl_module.log(f"{stage}/{name}/ppl", float(np.exp(min(loss, 20.0))), rank_zero_only=True)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the validation losses."""
         self._end(trainer, pl_module, "val")
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the test losses."""
         self._end(trainer, pl_module, "test")
