@@ -1,17 +1,11 @@
-"""``rlm export --ckpt CKPT --out DIR``: a checkpoint as a folder that plain transformers loads.
+"""``rlm export --ckpt CKPT --out DIR``: a checkpoint as a folder that plain transformers loads (docs/CLI.md).
 
-A model without plugins and with the gated FFN is written as transformers' own ``LlamaForCausalLM``
-(rlm.hf.llama): ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it anywhere, with transformers' cache.
-Any other model is written as rlm's transformers model (rlm.hf.model.RLMConfig, RLMForCausalLM: rlm's
-ModelConfig and every plugin's options in ``config.json``, the Transformer's parameters, plugins included, in
-``model.safetensors``), with rlm's own source in ``rlm_src/`` and ``modeling_rlm.py`` named by config.json's
-``auto_map``, so ``from_pretrained(DIR, trust_remote_code=True)`` loads it without rlm installed; a retriever's
-index goes in ``index/`` (its search needs faiss). Both also hold ``generation_config.json``, the tokenizer the
-checkpoint carries (``tokenizer.model``, sentencepiece; or the Hugging Face tokenizer files it trained with),
-``README.md``, a card with the training settings, data, steps and final losses, and ``manifest.json``, the
-checksums of the rest, which rlm's loader checks (rlm.hf.model). The folder is written under a temporary name and
-renamed; an existing non-empty DIR is refused unless ``force``, and the checkpoint's own folder always
-(rlm.outdir). kNN-LM datastores (rlm knnlm build) are not exported.
+A model without plugins and with the gated FFN is written as transformers' own ``LlamaForCausalLM`` (rlm.hf.llama).
+Any other is rlm's transformers model (rlm.hf.model: rlm's ModelConfig and every plugin's options in config.json),
+with rlm's own source in ``rlm_src/`` and ``modeling_rlm.py`` named by ``auto_map``, so
+``from_pretrained(DIR, trust_remote_code=True)`` loads it without rlm installed; a retriever's index goes in
+``index/``. Both hold the checkpoint's tokenizer, a model card and ``manifest.json`` (checksums of the rest). The
+folder is written under a temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -50,10 +44,8 @@ KNNLM_NOTE = (
 def write_tokenizer(ckpt: dict[str, Any], ckpt_path: Path, dest: Path) -> tuple[str, Any]:
     """Write the checkpoint's own tokenizer into ``dest``; returns (what was written, the loaded tokenizer).
 
-    The checkpoint's copy (or, in checkpoints written before they carried every tokenizer, the file its data
-    settings name): a sentencepiece model becomes ``tokenizer.model``; a Hugging Face tokenizer is copied with the
-    files beside it, plus a tokenizer_config.json when it had none, so that transformers' AutoTokenizer loads it."""
-    # ValueError: no data settings, or an old checkpoint whose tokenizer is gone
+    A sentencepiece model becomes ``tokenizer.model``; a Hugging Face tokenizer is copied with the files beside it,
+    plus a tokenizer_config.json when it had none, so that transformers' AutoTokenizer loads it."""
     source = Path(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
     if is_sentencepiece(source):
         shutil.copyfile(source, dest / SP_FILE)
@@ -157,6 +149,7 @@ def final_metrics(ckpt_path: Path, step: int) -> tuple[Path | None, dict[str, tu
 
 
 def _block(obj: Any) -> str:
+    """``obj`` as a fenced JSON block of the card."""
     return "```json\n" + json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n```"
 
 

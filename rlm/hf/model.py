@@ -1,23 +1,15 @@
 """rlm's Transformer, with its plugins, as a ``transformers`` causal LM (model_type 'rlm').
 
-:class:`RLMConfig` carries rlm's own ModelConfig (``rlm_model``) and every plugin's options (``plugins``, as
-``{label: {class_path, init_args}}``, the form ``model.plugins`` accepts); :class:`RLMForCausalLM` builds the
-very same :class:`~rlm.model.transformer.Transformer` from them, so the parameter names of ``model.safetensors``
-are the checkpoint's (``model.`` + the Transformer's). How it differs from rlm's own path (LMModule +
-rlm.eval.generate.sample): nothing in the numbers: a forward builds the Context as LMModule.make_context does and
-lets every plugin prepare it. ``generate`` decodes as ``rlm generate`` does: with ``use_cache`` (the default) over
-rlm's own KVCache (:class:`WindowCache`, every plugin's per-step state included), which re-fills the window past
-``max_seq_len`` by rlm.plugin.cache.refill_start; without it, by recomputing the last ``max_seq_len`` tokens at
-every step. Attention is causal with no padding mask (as in rlm's training): a right-padded batch scores exactly,
-a left-padded one does not; the mask reaches the plugins, and the cached path refuses it.
+:class:`RLMConfig` carries rlm's ModelConfig (``rlm_model``) and every plugin's options (``plugins``, as
+``{label: {class_path, init_args}}``); :class:`RLMForCausalLM` builds the very same Transformer from them, so the
+parameter names of ``model.safetensors`` are the checkpoint's. A forward builds the Context as
+LMModule.make_context does; ``generate`` decodes as ``rlm generate`` does, over rlm's own KVCache (:class:`WindowCache`,
+re-filled past ``max_seq_len`` by refill_start) or, with ``use_cache=False``, by recomputing the window. Attention is
+causal with no padding mask, as in training: a right-padded batch scores exactly, a left-padded one does not.
 
-A retriever's index is a folder beside the weights (``indices``: plugin label -> folder relative to the model
-directory); from_pretrained hands it to the plugin, which searches it online as ``rlm generate`` does.
-
-``manifest.json`` holds the size and sha256 of every other file of the folder (rlm.checksums), written by
-``rlm export`` and ``save_pretrained``; from_pretrained of a local folder checks it first, so a damaged
-model.safetensors is an error naming it rather than NaN logits. The indices are left out: each is sealed by its
-own meta.json, checked when the retriever loads it.
+A retriever's index is a folder beside the weights (``indices``), handed to the plugin by from_pretrained.
+``manifest.json`` holds the size and sha256 of every other file (the indices are sealed by their own meta.json);
+from_pretrained of a local folder checks it first, so a damaged model.safetensors is an error naming it.
 """
 
 from __future__ import annotations
@@ -183,9 +175,8 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
             self._keys_to_ignore_on_load_missing = [r"^model\.head\.weight$"]
         self.post_init()
 
-    # A plugin's non-tensor extra state (the retriever's index folder) travels in config.json (``indices``), not
-    # in the state dict, which transformers reads and writes as tensors only.
-
+    # a plugin's non-tensor extra state (the retriever's index folder) travels in config.json (``indices``): the
+    # state dict transformers reads and writes holds tensors only
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The parameters and persistent buffers (tensors only; see ``indices`` for the retrievers' index)."""
         full = super().state_dict(*args, **kwargs)
@@ -203,6 +194,7 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
+        """No: generate() carries rlm's own WindowCache."""
         return False
 
     @torch.no_grad()
@@ -214,9 +206,11 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
             module.reset_buffers()
 
     def get_input_embeddings(self) -> torch.nn.Module:
+        """The token embedding (transformers' name)."""
         return self.model.embed.main
 
     def get_output_embeddings(self) -> torch.nn.Module:
+        """The LM head (transformers' name)."""
         return self.model.head
 
     @classmethod

@@ -1,12 +1,9 @@
 """The code transformers runs for an exported rlm model with plugins, ``trust_remote_code=True`` (``rlm export``
-copies this file into the folder as ``modeling_rlm.py``, and config.json's ``auto_map`` names its classes).
+copies this file into the folder, and config.json's ``auto_map`` names its classes).
 
-The folder also carries rlm's own source (``rlm_src/``), the code that trained the weights. These two classes put
-it on the import path, unless rlm is imported already, and hand over to rlm.hf.model; so the model loads where
-rlm is not installed, with the dependencies its plugins need (torch; faiss for a retriever's index).
-
-This file imports nothing of rlm at its top: transformers checks that every package a remote file imports is
-installed before it runs it, and rlm need not be.
+These two classes put the folder's own copy of rlm's source (``rlm_src/``) on the import path, unless rlm is
+imported already, and hand over to rlm.hf.model. Nothing of rlm is imported at the top: transformers checks that
+every package a remote file imports is installed before it runs it, and rlm need not be.
 """
 
 from __future__ import annotations
@@ -38,27 +35,27 @@ def _rlm_hf(folder: str) -> Any:
     return importlib.import_module("rlm.hf.model")
 
 
-class RLMConfig(PretrainedConfig):
-    """Loads as rlm.hf.model.RLMConfig (rlm's ModelConfig and every plugin's options)."""
+def _handed_over(name: str) -> classmethod:
+    """A from_pretrained that loads the folder's rlm.hf.model.<name> instead."""
 
-    model_type = "rlm"
-
-    @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
     ):
         folder = _local(pretrained_model_name_or_path)
-        return _rlm_hf(folder).RLMConfig.from_pretrained(folder, *args, **kwargs)
+        return getattr(_rlm_hf(folder), name).from_pretrained(folder, *args, **kwargs)
+
+    return classmethod(from_pretrained)
+
+
+class RLMConfig(PretrainedConfig):
+    """Loads as rlm.hf.model.RLMConfig (rlm's ModelConfig and every plugin's options)."""
+
+    model_type = "rlm"
+    from_pretrained = _handed_over("RLMConfig")
 
 
 class RLMForCausalLM(PreTrainedModel, GenerationMixin):
     """Loads as rlm.hf.model.RLMForCausalLM (rlm's Transformer with its plugins; generate() over rlm's cache)."""
 
     config_class = RLMConfig
-
-    @classmethod
-    def from_pretrained(
-        cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
-    ):
-        folder = _local(pretrained_model_name_or_path)
-        return _rlm_hf(folder).RLMForCausalLM.from_pretrained(folder, *args, **kwargs)
+    from_pretrained = _handed_over("RLMForCausalLM")
