@@ -23,7 +23,7 @@ added to the loop. Warm-up steps (compilation, the first index) are left out; th
    Token-ID from configs/plugins/): goals PKM 1M <= 1.3x, retrieval k=2 <= 1.2x (its index built on the training
    text at the first step, then rebuilt as configured), kNN attention <= 1.1x, 64 experts <= 1.5x, AltUp K=2
    <= 1.3x.
-3. Peak memory (torch.cuda.max_memory_allocated) beside rlm/train/memory.py's estimate of the row's config.
+3. Peak memory (torch.cuda.max_memory_allocated) beside rlm/model/memory.py's estimate of the row's config.
 4. ``pytest -m gpu`` in a subprocess: its passed / skipped / failed counts.
 """
 
@@ -50,7 +50,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table  # noqa: E402
 
-from rlm.train.memory import estimate  # noqa: E402
+from rlm.model.memory import estimate  # noqa: E402
 from rlm.train.throughput import cpu_matmul_flops, gpu_peak_flops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.estimate:
         from rlm.experiment.spec import merge
-        from rlm.train.memory import format_estimate
+        from rlm.model.memory import format_estimate
 
         if not a.config:
             raise SystemExit("--estimate needs --config FILE (repeatable)")

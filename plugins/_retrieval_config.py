@@ -10,6 +10,8 @@ from typing import Literal
 from rlm.index.build import IndexConfig
 from rlm.index.projection import check_index_dim
 from rlm.index.rebuild import Schedule
+from rlm.model.config import ModelConfig
+from rlm.model.memory import Parts, chosen_layers, norm_bytes
 
 
 @dataclass
@@ -141,3 +143,26 @@ class RetrievalConfig:
             raise ValueError(f"retrieval.{err}") from None
         Schedule.parse(self.schedule)  # raises ValueError naming the accepted grammar
         IndexConfig(factory=self.index_factory, target_recall=self.target_recall, flat_below=self.flat_below)
+
+    def memory(self, mc: ModelConfig, parts: Parts) -> None:
+        """The cross-attention layers' parameters and saved bytes (rlm.model.memory), embedder 'tokens' only."""
+        if self.embedder != "tokens":
+            raise NotImplementedError(
+                f"retrieval.embedder={self.embedder!r}: the estimate covers embedder 'tokens' only (no parameters "
+                "of its own); the shared and separate embedders' blocks are not counted"
+            )
+        d, hd = mc.d_model, mc.head_dim
+        enc = 2 * d  # each token's embedding beside its predecessor's (TokenEncoder.dim)
+        layers = chosen_layers(self.layers, mc.n_layers, [-1])
+        per = d * d + enc + enc * 2 * hd + d * d + 1 + d  # q, kv norm, kv (one shared head), proj, beta, norm
+        parts.params += len(layers) * per
+        # Per token: its chunk's neighbours k x (1 + continuation) x segment tokens of width 2d (bf16), their keys
+        # and values, and the layer's queries and output, spread over a segment's tokens.
+        # Unlike the other plugins' terms, this one is not measured by a test (a step needs an index and segments).
+        parts.notes.append(
+            "retrieval: cross-attention activations by formula (not measured); the index not counted"
+        )
+        m = self.k * (2 if self.continuation else 1)
+        parts.act_per_token += len(layers) * (
+            norm_bytes(d) + 2 * d + m * (2 * enc + 4 * hd) + 2 * d + 4 * mc.n_heads
+        )

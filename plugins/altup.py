@@ -33,6 +33,7 @@ How this differs from the plain stack:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlm.model.config import ModelConfig
+from rlm.model.memory import Parts
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot
 
 
@@ -89,6 +92,24 @@ class AltUpConfig:
                 raise ValueError(f"altup.update='sum' needs k >= 2 (an extra embedding to add), got {self.k}")
         if self.init_std is not None and self.init_std < 0:
             raise ValueError(f"altup.init_std must be >= 0 or null, got {self.init_std}")
+
+    def memory(self, mc: ModelConfig, parts: Parts) -> None:
+        """The coefficients, extra embedding, router and reduction, and the K blocks' saved bytes
+        (rlm.model.memory)."""
+        d, k, L = mc.d_model, self.k, mc.n_layers
+        params = L * k * k + L * k  # p (L, K, K), g (L, K)
+        if self.embedding != "recycled" and k > 1:
+            width = self.extra_width if self.extra_width is not None else (k - 1) * d
+            params += mc.vocab_size * width
+            if self.extra_width is not None:
+                params += (k - 1) * math.ceil(self.extra_width / (k - 1)) * d
+        if self.router:
+            params += L * (k * k + k) * d
+        if self.reduce == "project":
+            params += k * d * d
+        parts.params += params
+        # Each layer's fp32 predict and correct over the K blocks (4 K d) and the computed block's input (4d).
+        parts.act_per_token += L * (4 * k + 4) * d
 
 
 class ExtraEmbedding(nn.Module):

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor, nn
 
+from rlm.model.config import ModelConfig
+from rlm.model.memory import Parts, chosen_layers, ffn_terms
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._expert_parallel import parallel_dispatch
 from rlm.plugins._experts import Experts, Plan, dispatch
@@ -100,6 +102,25 @@ class MoEConfig(LookupOptions):
             raise ValueError(
                 f"moe.overlap_chunks must be a positive integer (1: a blocking exchange), got {self.overlap_chunks!r}"
             )
+
+    def memory(self, mc: ModelConfig, parts: Parts) -> None:
+        """The experts and router in place of the dense FFNs, parameters and saved bytes (rlm.model.memory)."""
+        d = mc.d_model
+        layers = chosen_layers(self.layers, mc.n_layers, [1, 3])
+        expert_p, expert_a = ffn_terms(mc, self.expert_hidden or mc.hidden)
+        router = self.num_experts * d if self.lookup == "softmax" else 0
+        ffn_p, ffn_a = ffn_terms(mc)
+        k, n = self.top_k, self.num_experts
+        # Rows through the experts per token: its k assignments (grouped GEMM), or the capacity buffers (N, C, d)
+        # of the bmm path, capacity_factor x that (the dispatch 'auto' takes on CUDA in bf16 is the grouped one).
+        rows = k * (max(self.capacity_factor, 1.0) if self.dispatch == "bmm" else 1.0)
+        # Router: the fp32 input and its jittered copy 8d, three (N,) fp32 rows (softmax, the balance and z
+        # losses'), the chosen ids 8 k; per assignment: ids 8 + 8, gate 4, the expert output in fp32 and its gated
+        # copy 8d.
+        act = 8 * d + 12 * n + 8 * k + 12 + k * (20 + 8 * d) + int(rows * expert_a)
+        for _ in layers:
+            parts.params += n * expert_p + router - ffn_p
+            parts.act_per_token += act - ffn_a
 
 
 def _dropless(tokens: int) -> None:

@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlm.model.config import ModelConfig
+from rlm.model.memory import Parts, chosen_layers, ffn_terms
 from rlm.plugin import Claim, Context, Mode, ParamGroup, Plugin, Slot, check_layers
 from rlm.plugins._pkm_native import huge_page_empty
 from rlm.plugins._pkm_ops import (
@@ -121,6 +123,36 @@ class PKMConfig:
     def slots(self) -> int:
         """Number of memory slots n^2."""
         return self.n_keys * self.n_keys
+
+    def memory(self, mc: ModelConfig, parts: Parts) -> None:
+        """The memory layers' parameters and saved bytes (rlm.model.memory); the values under row-wise Adam."""
+        d = mc.d_model
+        layers = chosen_layers(self.layers, mc.n_layers, [mc.n_layers // 2])
+        ffn_p, ffn_a = ffn_terms(mc)
+        norm = {"layernorm": 2 * self.k_dim, "batchnorm": 2 * self.heads * self.k_dim}.get(self.query_norm, 0)
+        per_layer = d * self.heads * self.k_dim + norm + self.heads * 2 * self.n_keys * (self.k_dim // 2)
+        per_layer += 2 * d * d if self.gated else 0
+        tables = 1 if self.shared_values else len(layers)
+        tables *= 2 if self.values == "peer" else 1  # PEER: a down table beside each up table
+        values = tables * self.slots * d
+        parts.params += len(layers) * per_layer + values
+        if self.sparse in ("auto", True):  # one process (and DDP): the row optimizer owns the values
+            parts.row_adam += values
+            parts.row_tables += tables
+        hk = self.heads * self.topk
+        # Not counted: in backward the row-wise update records each read's (N, d) fp32 output gradient (4d per
+        # token and memory layer) until the step; under FSDP (sparse resolves to dense) the values get .grad and
+        # AdamW. Query input 2d (bf16); the layer norm's bf16 input 2 H k_dim and its mean and 1/std (8 H); the
+        # fp32 query 4 H k_dim; per head the top-k indices of both halves (2 x 8 k), the softmax weights (4 k), the
+        # slots (8 k).
+        act = 2 * d + 6 * self.heads * self.k_dim + 8 * self.heads + 28 * hk
+        if self.values == "peer":  # fp32: the input of u_i . x (4d), u_i . x, its activation, w_i act(.)
+            act += 4 * d + 12 * hk
+        for _ in layers:
+            if self.mode == "replace":
+                parts.params -= ffn_p
+                parts.act_per_token -= ffn_a
+            parts.act_per_token += act
 
 
 class PKMLayer(nn.Module):

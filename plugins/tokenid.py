@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlm.model.config import ModelConfig
+from rlm.model.memory import Parts, chosen_layers
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._experts import PartialEntries
 from rlm.plugins._host_table import Fetched, fetch
@@ -106,6 +108,29 @@ class TokenIDConfig:
             raise ValueError(
                 "tokenid.ngram_gate reads the hidden state, which placement 'embed' lacks; set it false"
             )
+
+    def memory(self, mc: ModelConfig, parts: Parts) -> None:
+        """The tables' parameters and saved bytes (rlm.model.memory); host tables are left out, with a note."""
+        layers = chosen_layers(self.layers, mc.n_layers, [0])
+        if self.ngram_orders:  # hashed n-gram tables (and a gate) per layer, or once at the embedding
+            heads = len(self.ngram_orders) * self.ngram_heads
+            modules = 1 if self.placement == "embed" else len(layers)
+            table = 0 if self.ngram_host else heads * self.ngram_rows * mc.d_model  # ngram_host: on the host
+            parts.params += modules * (table + (mc.d_model + 1 if self.ngram_gate else 0))
+            if self.ngram_host:
+                parts.notes.append("tokenid: the n-gram tables are in host memory (ngram_host), not counted")
+            # The EmbeddingBag's row ids (8 B a head), offsets, bag sizes and max indices (24); with the gate, its
+            # bf16 input 2d, its sigmoid in bf16 and fp32 (6) and the fp32 sum it scales 4d.
+            gate = 6 * mc.d_model + 6 if self.ngram_gate else 0
+            parts.act_per_token += modules * (8 * heads + 24 + gate)
+            return
+        per = mc.d_model * (1 if self.rank == 0 else 2 * self.rank) * mc.vocab_size
+        parts.params += len(layers) * per
+        if self.rank:  # rank 0 saves nothing: the ids are the batch's, the read a residual add
+            # The token's (d, r) and (r, d) entries and its input in bf16, relu's output (r); at r = 1 einsum keeps
+            # one more bf16 copy of the input (measured, tests/model/test_memory.py).
+            d, r = mc.d_model, self.rank
+            parts.act_per_token += len(layers) * (4 * d * r + 2 * d + 2 * r + (2 * d if r == 1 else 0))
 
 
 class TokenIDTable(nn.Module):

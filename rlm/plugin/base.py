@@ -97,7 +97,8 @@ class Plugin(nn.Module):
     name: ClassVar[str] = ""
     """Short name used in configs and the registry."""
     Config: ClassVar[type] = object
-    """A dataclass holding the plugin's options; it validates itself in ``__post_init__``."""
+    """A dataclass holding the plugin's options; it validates itself in ``__post_init__``. Its ``memory`` method,
+    where it has one (``rlm.model.memory.MemoryFormula``), gives the memory estimate the plugin's terms."""
     order: ClassVar[int] = 100
     """Plugins are built in ascending (order, name), whatever order the config lists them in."""
     conflicts_with: ClassVar[tuple[str, ...]] = ()

@@ -18,6 +18,7 @@ from rlm.data.windows import HOST, host_copy
 from rlm.distributed.parallel import mixed_precision_policy, parallelize, synced_parameters, unshard_root
 from rlm.distributed.replicas import clip_grad_norm_, mixes_dtensors
 from rlm.model.config import ModelConfig
+from rlm.model.memory import check_host_build
 from rlm.model.transformer import Transformer
 from rlm.plugin.base import ParamGroup, Plugin
 from rlm.plugin.cache import KVCache
@@ -25,7 +26,6 @@ from rlm.plugin.context import Context
 from rlm.plugin.registry import plugin_specs, plugins_config
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
 from rlm.train.diff import config_diff
-from rlm.train.memory import check_host_build
 from rlm.train.throughput import Throughput
 
 PluginsConfig = plugins_config()  # the type of LMModule's `plugins`, one optional field per registered plugin

@@ -1,4 +1,4 @@
-"""rlm/train/memory.py against the real models: parameter counts on the meta device, the optimizers' real state,
+"""rlm/model/memory.py against the real models: parameter counts on the meta device, the optimizers' real state,
 and the bytes autograd saves on CPU under bf16 autocast."""
 
 from pathlib import Path
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from rlm.experiment.spec import merge
 from rlm.model import Transformer
+from rlm.model.memory import LOSS_BYTES_PER_LOGIT, estimate, model_config
 from rlm.plugin import Context
-from rlm.train.memory import LOSS_BYTES_PER_LOGIT, estimate, model_config
 from rlm.train.module import LMModule
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -237,10 +237,10 @@ def test_a_layer_outside_the_model_is_named():
 def test_a_host_too_small_for_every_local_process_is_refused_before_the_model_is_built(monkeypatch):
     """docs/SCALE.md section 14's bound: 4 B x parameters x local processes against MemAvailable, checked in
     LMModule.__init__ before anything is allocated; the error names the need, the processes and the memory."""
-    import rlm.train.memory as memory
+    import rlm.model.memory as memory
     import rlm.train.module as module
     from rlm.model import ModelConfig
-    from rlm.train.memory import check_host_build, local_processes
+    from rlm.model.memory import check_host_build, local_processes
 
     mc = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4)
     params = sum(p.numel() for p in Transformer(mc).parameters())

@@ -9,9 +9,9 @@ from cli_helpers import CONFIGS, fit_args, fit_in_process
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
+from rlm.model.memory import estimate
 from rlm.plugin import Context, KVCache, make_config
 from rlm.plugins.tokenid import NGramMemory, TokenIDConfig, TokenIDPlugin, ngram_multipliers
-from rlm.train.memory import estimate
 
 V, D = 50, 32
 NGRAM = {"ngram_orders": [2, 3], "ngram_heads": 2, "ngram_rows": 16, "init_std": 0.5}

@@ -10,9 +10,9 @@ from cli_helpers import CONFIGS, fit_args, fit_in_process
 from torch.testing import assert_close
 
 from rlm.model import ModelConfig, Transformer
+from rlm.model.memory import estimate
 from rlm.plugin import Context, make_config
 from rlm.plugins.pkm import PKMConfig, PKMLayer, PKMPlugin
-from rlm.train.memory import estimate
 
 D = 32
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlm.experiment.spec import merge
-from rlm.train.memory import estimate
+from rlm.model.memory import estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,10 +5,10 @@ parameter and optimizer-state counts exactly, and the dense activations with the
 ``benchmarks/gpu.py`` sets the measured peak (``torch.cuda.max_memory_allocated``) against ``total_bytes``.
 
 Bytes, for bf16-mixed training as Lightning runs it (fp32 master weights, bf16 matmuls under autocast):
-- weights 4 B per parameter; gradients 4 B per parameter the main optimizer steps (PKM values updated row by
-  row have no ``.grad``, their reads' output gradients are recorded instead, see plugins/_pkm_rows.py);
-- AdamW: two fp32 moments, 8 B per parameter (``torch.optim.AdamW``); PKM's row-wise Adam keeps the same two
-  fp32 moments for every row of its tables (8 B per value parameter) plus a 4-byte step per table;
+- weights 4 B per parameter; gradients 4 B per parameter the main optimizer steps (a table a plugin updates
+  row by row, such as PKM's values, has no ``.grad``: ``Parts.row_adam``);
+- AdamW: two fp32 moments, 8 B per parameter (``torch.optim.AdamW``); a row-wise Adam keeps the same two fp32
+  moments for every row of its tables (8 B per parameter) plus a 4-byte step per table;
 - activations: what autograd saves for backward at the configured batch (B sequences of T tokens), counted per
   token for rlm's pre-norm block with flash attention (SDPA, ``is_causal``: no T x T matrix is stored), in the
   manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1,
@@ -25,25 +25,26 @@ Bytes, for bf16-mixed training as Lightning runs it (fp32 master weights, bf16 m
   their fp32 copy and fp32 log-probabilities, 10 V bytes (the end of the forward pass, when all of them and
   every layer's activations are held: the estimate's peak). tests/model/test_memory.py measures the per-layer and
   per-token terms with autograd's saved-tensor hooks on CPU under bf16 autocast. Besides, autocast keeps a bf16
-  copy of every matmul weight for the step, 2 B per parameter. Plugins replace or add terms (``_pkm``, ...).
+  copy of every matmul weight for the step, 2 B per parameter. A plugin replaces or adds terms through its Config's
+  ``memory`` method (:class:`MemoryFormula`), next to the options it reads.
 
-Not counted: the CUDA context and allocator fragmentation (~0.5-1 GB), torch.compile's workspace, retrieval's
-index and neighbour tensors (host memory or faiss's own GPU allocations), communication buffers.
+Not counted: the CUDA context and allocator fragmentation (~0.5-1 GB), torch.compile's workspace, what plugins
+keep outside the model (retrieval's index and neighbour tensors: host memory or faiss's own GPU allocations),
+communication buffers.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from rlm.model.config import ModelConfig
 from rlm.plugin.base import make_config
-from rlm.plugin.registry import parse_spec
+from rlm.plugin.registry import known_plugins, parse_spec, resolve
 
 ADAM_BYTES = 8
-"""Two fp32 moments per parameter (torch.optim.AdamW; PKM's RowAdam alike)."""
+"""Two fp32 moments per parameter (torch.optim.AdamW; the plugins' row-wise Adam alike)."""
 LOSS_BYTES_PER_LOGIT = 2 + 4 + 4
 """bf16 logits, their fp32 copy (``logits.float()``) and the fp32 log-softmax cross_entropy saves."""
 
@@ -55,12 +56,23 @@ class Parts:
     params: int = 0
     """Every parameter."""
     row_adam: int = 0
-    """Parameters updated by PKM's row-wise Adam (no .grad, not in AdamW)."""
+    """Parameters a plugin updates with a row-wise Adam (no .grad, not in AdamW): PKM's values."""
     row_tables: int = 0
     """Tables under row-wise Adam (a 4-byte step each)."""
     act_per_token: int = 0
     """Bytes autograd saves per token of the batch."""
     notes: list[str] = field(default_factory=list)
+    """What the estimate leaves out or guesses, a line each, printed under it."""
+
+
+@runtime_checkable
+class MemoryFormula(Protocol):
+    """A plugin's Config that knows the plugin's memory: the estimate asks it, and refuses a plugin whose Config
+    does not."""
+
+    def memory(self, mc: ModelConfig, parts: Parts) -> None:
+        """Add the plugin's parameters and saved bytes per token to ``parts``, taking out those of what it
+        replaces."""
 
 
 def norm_bytes(d: int) -> int:
@@ -78,7 +90,7 @@ def _attention(mc: ModelConfig) -> tuple[int, int]:
     return params, act
 
 
-def _ffn(mc: ModelConfig, hidden: int | None = None) -> tuple[int, int]:
+def ffn_terms(mc: ModelConfig, hidden: int | None = None) -> tuple[int, int]:
     """Parameters and saved bytes per token of one dense FFN (without its norm)."""
     d, f = mc.d_model, hidden or mc.hidden
     gated = mc.ffn == "gated"
@@ -88,9 +100,10 @@ def _ffn(mc: ModelConfig, hidden: int | None = None) -> tuple[int, int]:
 
 
 def _base(mc: ModelConfig) -> Parts:
+    """The dense model's parameters and saved bytes per token, without plugins."""
     d, V, L = mc.d_model, mc.padded_vocab, mc.n_layers
     attn_p, attn_a = _attention(mc)
-    ffn_p, ffn_a = _ffn(mc)
+    ffn_p, ffn_a = ffn_terms(mc)
     per_layer_p = attn_p + d + ffn_p  # + the FFN's norm
     per_layer_a = attn_a + norm_bytes(d) + ffn_a
     params = V * d + (0 if mc.tie_embeddings else V * d) + d + L * per_layer_p
@@ -98,7 +111,7 @@ def _base(mc: ModelConfig) -> Parts:
     return Parts(params=params, act_per_token=act)
 
 
-def _layers(layers: Sequence[int] | None, n_layers: int, default: Sequence[int]) -> list[int]:
+def chosen_layers(layers: Sequence[int] | None, n_layers: int, default: Sequence[int]) -> list[int]:
     """Distinct layer indices, negative ones counted from the end (as plugins' check_layers)."""
     chosen = default if layers is None else layers
     bad = [i for i in chosen if not -n_layers <= i < n_layers]
@@ -109,119 +122,9 @@ def _layers(layers: Sequence[int] | None, n_layers: int, default: Sequence[int])
     return sorted({i % n_layers for i in chosen})
 
 
-def _pkm(c: Any, mc: ModelConfig, parts: Parts) -> None:
-    d = mc.d_model
-    layers = _layers(c.layers, mc.n_layers, [mc.n_layers // 2])
-    ffn_p, ffn_a = _ffn(mc)
-    norm = {"layernorm": 2 * c.k_dim, "batchnorm": 2 * c.heads * c.k_dim}.get(c.query_norm, 0)
-    per_layer = d * c.heads * c.k_dim + norm + c.heads * 2 * c.n_keys * (c.k_dim // 2)
-    per_layer += 2 * d * d if c.gated else 0
-    tables = 1 if c.shared_values else len(layers)
-    tables *= 2 if c.values == "peer" else 1  # PEER: a down table beside each up table
-    values = tables * c.slots * d
-    parts.params += len(layers) * per_layer + values
-    if c.sparse in ("auto", True):  # one process (and DDP): the row optimizer owns the values
-        parts.row_adam += values
-        parts.row_tables += tables
-    hk = c.heads * c.topk
-    # Not counted: in backward the row-wise update records each read's (N, d) fp32 output gradient (4d per token
-    # and memory layer) until the step; under FSDP (sparse resolves to dense) the values get .grad and AdamW.
-    # Query input 2d (bf16); the layer norm's bf16 input 2 H k_dim and its mean and 1/std (8 H); the fp32 query
-    # 4 H k_dim; per head the top-k indices of both halves (2 x 8 k), the softmax weights (4 k), the slots (8 k).
-    act = 2 * d + 6 * c.heads * c.k_dim + 8 * c.heads + 28 * hk
-    if c.values == "peer":  # the fp32 input of u_i . x (4d); u_i . x, its activation and w_i act(.) in fp32
-        act += 4 * d + 12 * hk
-    for _ in layers:
-        if c.mode == "replace":
-            parts.params -= ffn_p
-            parts.act_per_token -= ffn_a
-        parts.act_per_token += act
-
-
-def _moe(c: Any, mc: ModelConfig, parts: Parts) -> None:
-    d = mc.d_model
-    layers = _layers(c.layers, mc.n_layers, [1, 3])
-    hidden = c.expert_hidden or mc.hidden
-    expert_p, expert_a = _ffn(mc, hidden)
-    router = c.num_experts * d if c.lookup == "softmax" else 0
-    ffn_p, ffn_a = _ffn(mc)
-    k, n = c.top_k, c.num_experts
-    # Rows through the experts per token: its k assignments (grouped GEMM), or the capacity buffers (N, C, d)
-    # of the bmm path, capacity_factor x that (the dispatch 'auto' takes on CUDA in bf16 is the grouped one).
-    rows = k * (max(c.capacity_factor, 1.0) if c.dispatch == "bmm" else 1.0)
-    # Router: the fp32 input and its jittered copy 8d, three (N,) fp32 rows (softmax, the balance and z losses'),
-    # the chosen ids 8 k; per assignment: ids 8 + 8, gate 4, the expert output in fp32 and its gated copy 8d.
-    act = 8 * d + 12 * n + 8 * k + 12 + k * (20 + 8 * d) + int(rows * expert_a)
-    for _ in layers:
-        parts.params += n * expert_p + router - ffn_p
-        parts.act_per_token += act - ffn_a
-
-
-def _altup(c: Any, mc: ModelConfig, parts: Parts) -> None:
-    d, k, L = mc.d_model, c.k, mc.n_layers
-    params = L * k * k + L * k  # p (L, K, K), g (L, K)
-    if c.embedding != "recycled" and k > 1:
-        width = c.extra_width if c.extra_width is not None else (k - 1) * d
-        params += mc.vocab_size * width
-        if c.extra_width is not None:
-            params += (k - 1) * math.ceil(c.extra_width / (k - 1)) * d
-    if c.router:
-        params += L * (k * k + k) * d
-    if c.reduce == "project":
-        params += k * d * d
-    parts.params += params
-    # Each layer's fp32 predict and correct over the K blocks (4 K d) and the computed block's input (4d).
-    parts.act_per_token += L * (4 * k + 4) * d
-
-
-def _tokenid(c: Any, mc: ModelConfig, parts: Parts) -> None:
-    layers = _layers(c.layers, mc.n_layers, [0])
-    if c.ngram_orders:  # hashed n-gram tables (and a gate) per layer, or once at the embedding
-        heads = len(c.ngram_orders) * c.ngram_heads
-        modules = 1 if c.placement == "embed" else len(layers)
-        table = 0 if c.ngram_host else heads * c.ngram_rows * mc.d_model  # ngram_host: in host memory
-        parts.params += modules * (table + (mc.d_model + 1 if c.ngram_gate else 0))
-        if c.ngram_host:
-            parts.notes.append("tokenid: the n-gram tables are in host memory (ngram_host), not counted")
-        # The EmbeddingBag's row ids (8 B a head), offsets, bag sizes and max indices (24); with the gate, its bf16
-        # input 2d, its sigmoid in bf16 and fp32 (6) and the fp32 sum it scales 4d.
-        gate = 6 * mc.d_model + 6 if c.ngram_gate else 0
-        parts.act_per_token += modules * (8 * heads + 24 + gate)
-        return
-    per = mc.d_model * (1 if c.rank == 0 else 2 * c.rank) * mc.vocab_size
-    parts.params += len(layers) * per
-    if c.rank:  # rank 0 saves nothing: the ids are the batch's, the read a residual add
-        # The token's (d, r) and (r, d) entries and its input in bf16, relu's output (r); at r = 1 einsum keeps
-        # one more bf16 copy of the input (measured, tests/model/test_memory.py).
-        d, r = mc.d_model, c.rank
-        parts.act_per_token += len(layers) * (4 * d * r + 2 * d + 2 * r + (2 * d if r == 1 else 0))
-
-
-def _retrieval(c: Any, mc: ModelConfig, parts: Parts) -> None:
-    if c.embedder != "tokens":
-        raise NotImplementedError(
-            f"retrieval.embedder={c.embedder!r}: the estimate covers embedder 'tokens' only (no parameters of its "
-            "own); the shared and separate embedders' blocks are not counted"
-        )
-    d, hd = mc.d_model, mc.head_dim
-    enc = 2 * d  # each token's embedding beside its predecessor's (TokenEncoder.dim)
-    layers = _layers(c.layers, mc.n_layers, [-1])
-    per = d * d + enc + enc * 2 * hd + d * d + 1 + d  # q, kv norm, kv (one shared head), proj, beta, norm
-    parts.params += len(layers) * per
-    # Per token: its chunk's neighbours k x (1 + continuation) x segment tokens of width 2d (bf16), their keys
-    # and values, and the layer's queries and output, spread over a segment's tokens.
-    # Unlike the other plugins' terms, this one is not measured by a test (a step needs an index and segments).
-    parts.notes.append(
-        "retrieval: cross-attention activations by formula (not measured); the index not counted"
-    )
-    m = c.k * (2 if c.continuation else 1)
-    parts.act_per_token += len(layers) * (
-        norm_bytes(d) + 2 * d + m * (2 * enc + 4 * hd) + 2 * d + 4 * mc.n_heads
-    )
-
-
-PLUGINS = {"pkm": _pkm, "moe": _moe, "altup": _altup, "tokenid": _tokenid, "retrieval": _retrieval}
-"""Plugins with a formula, by name (the registry's names)."""
+def _with_formula() -> list[str]:
+    """The plugins whose Config has a memory formula (imports every plugin: for the error message only)."""
+    return [name for name in known_plugins() if issubclass(resolve(name).Config, MemoryFormula)]
 
 
 def model_config(config: dict[str, Any], vocab_size: int | None = None) -> ModelConfig:
@@ -254,10 +157,9 @@ def estimate(config: dict[str, Any], vocab_size: int | None = None) -> dict[str,
         if parsed is None:
             continue
         cls, options = parsed
-        formula = PLUGINS.get(cls.name)
-        if formula is None:
-            raise ValueError(f"no memory formula for plugin {name!r}; plugins with one: {sorted(PLUGINS)}")
-        formula(make_config(cls, options), mc, parts)
+        if not issubclass(cls.Config, MemoryFormula):
+            raise ValueError(f"no memory formula for plugin {name!r}; plugins with one: {_with_formula()}")
+        make_config(cls, options).memory(mc, parts)
     dense = parts.params - parts.row_adam
     act = B * T * parts.act_per_token
     if not precision.startswith(("bf16", "16")):
