@@ -64,18 +64,12 @@ def check_fit(cfg: Any) -> None:
             raise ValueError(f"--trainer.{name} {value} trains nothing; give {what}")
     # Lightning rejects these with a traceback, or (a limit of 0) trains nothing and exits 0. jsonargparse may
     # read an integer of an int-or-float setting as a float, so only the sign is checked here.
-    limit = _get(trainer, "limit_train_batches")
-    if limit is not None and limit <= 0:
-        raise ValueError(
-            f"--trainer.limit_train_batches {limit:g} trains nothing; give a positive number of batches or a "
-            "fraction of the epoch in (0, 1]"
-        )
-    interval = _get(trainer, "val_check_interval")
-    if interval is not None and interval <= 0:
-        raise ValueError(
-            f"--trainer.val_check_interval {interval:g}; accepted: a number of batches >= 1, or a fraction of "
-            "the epoch in (0, 1]"
-        )
+    epoch = "a fraction of the epoch in (0, 1]"
+    for name, said in (("limit_train_batches", f" trains nothing; give a positive number of batches or {epoch}"),
+                       ("val_check_interval", f"; accepted: a number of batches >= 1, or {epoch}")):  # fmt: skip
+        value = _get(trainer, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--trainer.{name} {value:g}{said}")
     accumulate = _get(trainer, "accumulate_grad_batches")
     if accumulate is not None and accumulate < 1:
         raise ValueError(f"--trainer.accumulate_grad_batches {accumulate}; accepted: an integer >= 1")

@@ -3,6 +3,7 @@ override it, checked with every problem named, and SLURM's time formats."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 LAUNCHER_DEFAULTS: dict[str, Any] = {"name": "local", "jobs": 1, "requeue": True, "signal_delay_s": 120}
@@ -63,30 +64,42 @@ def parse_launcher(value: Any, where: str, problems: list[str]) -> dict[str, Any
     if not isinstance(value, dict):
         problems.append(f"{where}: expected a mapping of {list(LAUNCHER_OPTIONS)}, got {value!r}")
         return {}
+    return checked_options(value, LAUNCHER_OPTIONS, _launcher_ok, where, problems)
+
+
+def _launcher_ok(key: str, option: Any, kind: type) -> bool:
+    number = isinstance(option, (int, float)) and not isinstance(option, bool)
+    if key == "name":
+        return option in LAUNCHERS
+    if key == "time":
+        return time_minutes(option) is not None
+    if kind is int:
+        low = {"jobs": 1, "cpus_per_job": 1, "signal_delay_s": 10}.get(key, 0)
+        return number and isinstance(option, int) and option >= low
+    if kind is float:
+        return number and option > 0
+    if kind is list:
+        return isinstance(option, list) and all(isinstance(line, str) for line in option)
+    return isinstance(option, kind)
+
+
+def checked_options(
+    value: dict[str, Any],
+    table: dict[str, tuple[type, str]],
+    ok: Callable[[str, Any, type], bool],
+    where: str,
+    problems: list[str],
+) -> dict[str, Any]:
+    """The items of ``value`` named in ``table`` (key -> (type, what is accepted)) that ``ok(key, value, type)``
+    takes; every other item is a problem naming what is accepted."""
     out: dict[str, Any] = {}
     for key, option in value.items():
-        if key not in LAUNCHER_OPTIONS:
-            problems.append(f"{where}: unknown option {key!r}; accepted: {list(LAUNCHER_OPTIONS)}")
-            continue
-        kind, accepted = LAUNCHER_OPTIONS[key]
-        number = isinstance(option, (int, float)) and not isinstance(option, bool)
-        if key == "name":
-            ok = option in LAUNCHERS
-        elif key == "time":
-            ok = time_minutes(option) is not None
-        elif kind is int:
-            low = {"jobs": 1, "cpus_per_job": 1, "signal_delay_s": 10}.get(key, 0)
-            ok = number and isinstance(option, int) and option >= low
-        elif kind is float:
-            ok = number and option > 0
-        elif kind is list:
-            ok = isinstance(option, list) and all(isinstance(line, str) for line in option)
+        if key not in table:
+            problems.append(f"{where}: unknown option {key!r}; accepted: {list(table)}")
+        elif not ok(key, option, table[key][0]):
+            problems.append(f"{where}.{key}: got {option!r}; accepted: {table[key][1]}")
         else:
-            ok = isinstance(option, kind)
-        if not ok:
-            problems.append(f"{where}.{key}: got {option!r}; accepted: {accepted}")
-            continue
-        out[key] = option
+            out[key] = option
     return out
 
 

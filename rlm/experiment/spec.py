@@ -13,9 +13,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from rlm.experiment.launcher import (
-    parse_launcher,
-)
+from rlm.experiment.launcher import checked_options, parse_launcher
 
 TOP_KEYS = (
     "name",
@@ -164,6 +162,13 @@ def _mapping(value: Any, where: str, problems: list[str]) -> dict[str, Any]:
     return value
 
 
+def _text(value: Any, where: str, problems: list[str]) -> str:
+    if value and not isinstance(value, str):
+        problems.append(f"{where}: expected a string, got {value!r}")
+        return ""
+    return (value or "").strip()
+
+
 def _variant(name: Any, spec: Any, root: Path, problems: list[str]) -> Variant | None:
     where = f"variant {name!r}"
     if not isinstance(name, str) or not NAME_RE.match(name):
@@ -177,15 +182,11 @@ def _variant(name: Any, spec: Any, root: Path, problems: list[str]) -> Variant |
     unknown = sorted(set(spec) - set(VARIANT_KEYS))
     if unknown:
         problems.append(f"{where}: unknown key(s) {unknown}; accepted: {list(VARIANT_KEYS)}")
-    description = spec.get("description") or ""
-    if not isinstance(description, str):
-        problems.append(f"{where}.description: expected a string, got {description!r}")
-        description = ""
     return Variant(
         name=name,
         configs=_paths(spec.get("configs"), f"{where}.configs", root, problems),
         set=_mapping(spec.get("set"), f"{where}.set", problems),
-        description=description.strip(),
+        description=_text(spec.get("description"), f"{where}.description", problems),
         knnlm=_knnlm(spec.get("knnlm", None), f"{where}.knnlm", problems) if "knnlm" in spec else None,
     )
 
@@ -199,26 +200,20 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
     if not isinstance(value, dict):
         problems.append(f"{where}: expected true or a mapping of {list(KNNLM_OPTIONS)}, got {value!r}")
         return None
-    out = {}
-    for key, option in value.items():
-        if key not in KNNLM_OPTIONS:
-            problems.append(f"{where}: unknown option {key!r}; accepted: {list(KNNLM_OPTIONS)}")
-            continue
-        kind, accepted = KNNLM_OPTIONS[key]
-        ok = isinstance(option, kind) and not (kind is not bool and isinstance(option, bool))
-        if kind is float:
-            ok = isinstance(option, (int, float)) and not isinstance(option, bool) and 0 < option <= 1
-        elif kind is int and ok:
-            ok = option >= (1 if key in ("k", "max_documents") else 0)
-        elif key == "layer":
-            ok = option in ("final", "ffn_input", "attn_input")
-        elif key == "rule":
-            ok = option in ("interpolate", "joint", "model")
-        if not ok:
-            problems.append(f"{where}.{key}: got {option!r}; accepted: {accepted}")
-            continue
-        out[key] = option
-    return out
+    return checked_options(value, KNNLM_OPTIONS, _knnlm_ok, where, problems)
+
+
+def _knnlm_ok(key: str, option: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(option, (int, float)) and not isinstance(option, bool) and 0 < option <= 1
+    ok = isinstance(option, kind) and not (kind is not bool and isinstance(option, bool))
+    if kind is int and ok:
+        return option >= (1 if key in ("k", "max_documents") else 0)
+    if key == "layer":
+        return option in ("final", "ffn_input", "attn_input")
+    if key == "rule":
+        return option in ("interpolate", "joint", "model")
+    return ok
 
 
 def _seeds(value: Any, problems: list[str]) -> list[int]:
@@ -261,10 +256,6 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
     if not isinstance(name, str) or not NAME_RE.match(name):
         problems.append(f"name: {name!r} must be letters, digits and '_.+-' (it names the output directory)")
         name = path.stem
-    description = raw.get("description") or ""
-    if not isinstance(description, str):
-        problems.append(f"description: expected a string, got {description!r}")
-        description = ""
     base = _paths(raw.get("base"), "base", root, problems)
     if not raw.get("base"):
         problems.append("base: name at least one config file every run starts from, e.g. [../default.yaml]")
@@ -298,7 +289,7 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
     exp = Experiment(
         path=path,
         name=name,
-        description=description.strip(),
+        description=_text(raw.get("description"), "description", problems),
         base=base,
         common=common,
         seeds=seeds,
