@@ -69,9 +69,7 @@ class SegmentHashes:
         seg = self.ids[at]
         if not len(seg):
             return row, seg
-        real = (
-            np.arange(tokens.shape[-1]) < lengths[row][:, None]
-        )  # compare real tokens only: padding may differ
+        real = np.arange(tokens.shape[-1]) < lengths[row][:, None]  # compare real tokens: padding may differ
         same = (self.segments.length[seg] == lengths[row]) & (
             (self.segments.tokens(seg) == tokens[row]) | ~real
         ).all(1)

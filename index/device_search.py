@@ -19,9 +19,7 @@ from rlm.index.build import BuiltIndex, gpu_available, to_gpu
 from rlm.index.exact import TorchExactIndex, _is_gpu, flat_vectors
 
 DECODE_ROWS = 65536  # vectors decoded per faiss sa_decode call (bounds the host copy)
-HEADROOM = (
-    0.5  # a torch search may take this share of the device's free memory; the training step needs the rest
-)
+HEADROOM = 0.5  # a torch search may take this share of the device's free memory; training needs the rest
 
 
 def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
@@ -41,9 +39,8 @@ def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
     base = raw.vectors if isinstance(raw, TorchExactIndex) else flat_vectors(raw)
     need = None if base is None else base.shape[0] * base.shape[1] * 4
     if base is None and (ivf := plain_ivf(raw)) is not None:
-        need = (
-            int(ivf.ntotal) * (4 * ivf.d + 8) + int(ivf.nlist) * ivf.d * 4
-        )  # float32 vectors, int64 ids, centroids
+        # float32 vectors and int64 ids, centroids
+        need = int(ivf.ntotal) * (4 * ivf.d + 8) + int(ivf.nlist) * ivf.d * 4
     if need is None:
         return index, f"faiss-cpu ({name}: no torch search for this index type)"
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf

@@ -21,9 +21,9 @@ from rlm.index.build import ivf_of, make_faiss_index, set_search_params, tunable
 ADD_CHUNK = 65536  # keys converted to float32 and added per faiss call
 EXACT = "SQfp16"
 REFINE_FACTOR = 4  # a refined index re-ranks this many times k candidates of its quantised search exactly
-PLATEAU = (
-    0.005  # tuning stops doubling nprobe once recall gains less than this (a product quantiser's ceiling)
-)
+PLATEAU = 0.005  # tuning stops doubling nprobe once recall gains less (a product quantiser's ceiling)
+TRAIN_KEYS = 131072  # keys an index is trained on (more where an IVF needs 40 per list)
+TUNE_QUERIES = 256  # keys of the index searched as queries while nprobe is tuned
 
 
 @dataclass
@@ -95,26 +95,20 @@ def exact_l2(
 
 def build_l2_index(
     keys: np.ndarray,
-    factory: str = "auto",
+    factory: str,
     target_recall: float | None = 0.9,
     tune_k: int = 32,
-    tune_queries: int = 256,
-    train_size: int = 131072,
-    flat_below: int = 1_000_000,
-    seed: int = 0,
     progress: bool = False,
 ) -> L2Index:
     """Train, fill and tune an L2 index over ``keys`` (N, d), row i getting id i; ``keys`` may be a float16
     memmap: it is read ``ADD_CHUNK`` rows at a time."""
     n, dim = keys.shape
-    if factory == "auto":
-        factory = choose_l2_factory(n, dim, flat_below)
     index = empty_l2_index(dim, factory)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     if not index.is_trained:
-        sample = np.sort(rng.choice(n, size=min(n, l2_train_size(index, train_size)), replace=False))
+        sample = np.sort(rng.choice(n, size=min(n, l2_train_size(index)), replace=False))
         train_l2_index(index, factory, np.asarray(keys[sample], dtype=np.float32))
     seconds["train"] = time.perf_counter() - start
     start = time.perf_counter()
@@ -122,7 +116,7 @@ def build_l2_index(
     seconds["add"] = time.perf_counter() - start
     built = L2Index(index, factory, seconds=seconds)
     start = time.perf_counter()
-    tune_l2(built, keys, target_recall, tune_k, tune_queries, rng)
+    tune_l2(built, keys, target_recall, tune_k, rng)
     seconds["tune"] = time.perf_counter() - start
     return built
 
@@ -132,10 +126,10 @@ def empty_l2_index(dim: int, factory: str) -> Any:
     return make_faiss_index(factory, dim, faiss.METRIC_L2)
 
 
-def l2_train_size(index: Any, train_size: int = 131072) -> int:
-    """Keys to train ``index`` on: ``train_size``, or more where an IVF needs >= 39 per centroid."""
+def l2_train_size(index: Any) -> int:
+    """Keys to train ``index`` on: TRAIN_KEYS, or more where an IVF needs >= 39 per centroid."""
     ivf = ivf_of(index)
-    return max(train_size, 40 * ivf.nlist if ivf is not None else 0)
+    return max(TRAIN_KEYS, 40 * ivf.nlist if ivf is not None else 0)
 
 
 def train_l2_index(index: Any, factory: str, sample: np.ndarray) -> None:
@@ -164,7 +158,6 @@ def tune_l2(
     keys: np.ndarray,
     target_recall: float | None,
     tune_k: int = 32,
-    tune_queries: int = 256,
     rng: np.random.Generator | None = None,
 ) -> None:
     """Set a refinement's k_factor and tune nprobe (or the index's own knob) of ``built.index``, which holds
@@ -176,7 +169,7 @@ def tune_l2(
         built.search_params["k_factor"] = REFINE_FACTOR
     knob = tunable_param(index)
     if target_recall is not None and knob is not None:
-        qids = np.sort(rng.choice(n, size=min(n, tune_queries), replace=False))
+        qids = np.sort(rng.choice(n, size=min(n, TUNE_QUERIES), replace=False))
         queries = np.asarray(keys[qids], dtype=np.float32)
         # k + 1: each query is a key of the index and finds itself first; recall is measured without it
         _, exact = exact_l2(keys, queries, tune_k + 1)

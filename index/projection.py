@@ -19,9 +19,7 @@ import numpy as np
 import torch
 
 PROJECTION = "projection.npz"  # beside an index; absent: the index is full width
-SAMPLE = (
-    65_536  # vectors the PCA is fitted on: enough for a stable D x D covariance's top few hundred directions
-)
+SAMPLE = 65_536  # vectors the PCA is fitted on: a stable D x D covariance's top few hundred directions
 APPLY_CHUNK = 65_536  # rows narrowed at a time (bounds the centred full-width copy)
 AUTO_DIM = 256  # index_dim 'auto' narrows to this width (half the embedding width where that is smaller)
 

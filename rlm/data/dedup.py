@@ -17,6 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 NGRAM = 5  # words per shingle
+NUM_PERM = 128  # MinHash permutations
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd constant that mixes a shingle's word hashes (polynomial hash)
 _BLOCK_DOCS = 256  # documents hashed per step (a smooth progress bar)
 _CHUNK = 8192  # shingles per MinHash step: bounds the (chunk, num_perm) uint64 temporaries
@@ -72,17 +73,17 @@ def _band_rows(num_perm: int, threshold: float) -> int:
 
 
 def near_duplicate_groups(
-    texts: Sequence[str], threshold: float = 0.8, num_perm: int = 128, seed: int = 0, progress: bool = False
+    texts: Sequence[str], threshold: float = 0.8, seed: int = 0, progress: bool = False
 ) -> list[list[int]]:
     """Groups (sorted lists of indices, 2 or more each, ordered by first index) of near-duplicate texts: pairs
     with shingle Jaccard >= ``threshold``, joined transitively (union-find). Deterministic for a given seed."""
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold={threshold}; accepted: 0 < threshold <= 1")
     rng = np.random.default_rng(seed)
-    mul = rng.integers(0, 2**63, num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    add = rng.integers(0, 2**63, num_perm, dtype=np.uint64)
+    mul = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    add = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64)
     sets: list[np.ndarray] = []
-    sig = np.empty((len(texts), num_perm), dtype=np.uint64)
+    sig = np.empty((len(texts), NUM_PERM), dtype=np.uint64)
     cache: dict[str, int] = {}
     with tqdm(total=len(texts), desc="dedup: minhash", unit="doc", disable=not progress, leave=False) as bar:
         for first in range(0, len(texts), _BLOCK_DOCS):
@@ -108,9 +109,9 @@ def near_duplicate_groups(
     for i, s in enumerate(sets):
         union(reps.setdefault(hashlib.blake2b(s.tobytes(), digest_size=16).digest(), i), i)
     rep = np.array(sorted(reps.values()), dtype=np.int64)
-    r = _band_rows(num_perm, threshold)
+    r = _band_rows(NUM_PERM, threshold)
     candidates: set[tuple[int, int]] = set()
-    for band in range(0, num_perm, r):
+    for band in range(0, NUM_PERM, r):
         keys = np.ascontiguousarray(sig[rep, band : band + r]).view(np.dtype((np.void, 8 * r))).ravel()
         _, bucket = np.unique(keys, return_inverse=True)
         order = np.argsort(bucket, kind="stable")
@@ -125,9 +126,7 @@ def near_duplicate_groups(
     return [g for g in groups.values() if len(g) > 1]
 
 
-def removed_documents(
-    texts: Sequence[str], threshold: float = 0.8, num_perm: int = 128, seed: int = 0, progress: bool = False
-) -> np.ndarray:
+def removed_documents(texts: Sequence[str], threshold: float = 0.8, progress: bool = False) -> np.ndarray:
     """Sorted int64 indices to drop: all of each near-duplicate group but its lowest index."""
-    groups = near_duplicate_groups(texts, threshold, num_perm, seed, progress)
+    groups = near_duplicate_groups(texts, threshold, progress=progress)
     return np.array(sorted(i for g in groups for i in g[1:]), dtype=np.int64)

@@ -312,13 +312,13 @@ def estimate(n_tokens: int, dim: int, factory: str, shard_tokens: int | None = N
     """Bytes a build needs on disk (the float16 keys while building, then the index, values and table) and in memory
     (the index while filled, the k-means sample); "files", the finished datastore's. Sharded (``shard_tokens``, the
     largest shard's keys): no keys on disk, and in memory one shard's keys and index."""
-    from rlm.index.knn import EXACT, bytes_per_key
+    from rlm.index.knn import EXACT, TRAIN_KEYS, bytes_per_key
 
     index = n_tokens * bytes_per_key(factory, dim)
     ivf = re.match(r"IVF(\d+)", factory)
     if ivf:  # the coarse centroids (nlist, d) float32, and a product quantiser's 256-entry codebooks
         index += int(ivf[1]) * dim * 4 + (256 * dim * 4 if ",PQ" in factory else 0)
-    sample = min(n_tokens, 131072) * dim * 4
+    sample = min(n_tokens, TRAIN_KEYS) * dim * 4
     files = index + n_tokens * 4
     if shard_tokens is not None:
         shard = shard_tokens * (bytes_per_key(factory, dim) + 2 * dim)

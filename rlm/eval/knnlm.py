@@ -41,9 +41,7 @@ from rlm.eval.datastore import (
 )
 from rlm.eval.evaluate import windows_of
 
-CACHE_TOKENS = (
-    4096  # the continuous cache holds at most this many of the document's positions before the window
-)
+CACHE_TOKENS = 4096  # the continuous cache holds at most this many of the document's earlier positions
 LAMBDAS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8)  # tried when tuning
 
 
@@ -117,19 +115,7 @@ def _temperatures(scored: Scored) -> list[float]:
     return [scale * f for f in (0.03, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 4.0)]
 
 
-BIASES = (
-    -8.0,
-    -6.0,
-    -4.0,
-    -3.0,
-    -2.0,
-    -1.0,
-    0.0,
-    1.0,
-    2.0,
-    3.0,
-    4.0,
-)  # memory biases b tried for the joint rule
+BIASES = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0)  # memory biases b tried (joint rule)
 
 
 def tune_joint(scored: Scored, trained: tuple[float, float] | None = None) -> dict[str, float]:
