@@ -1,5 +1,5 @@
-"""The Lightning callback of host tables (plugins/_host_table.py), apart so that importing a plugin that has them
-does not import Lightning (``rlm plugins NAME`` stays light): the plugin imports it in ``callbacks()``."""
+"""The Lightning callback of row-wise Adam tables (host tables, PKM values), apart so that importing a plugin does
+not import Lightning (``rlm plugins NAME`` stays light): plugins import it in ``callbacks()``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rlm.plugins._pkm_rows import RowAdam
 
 
 class HostTableCallback(pl.Callback):
-    """Steps the row-wise Adam of host tables once per optimizer step and checkpoints its moments; refuses what it
+    """Steps a row-wise Adam once per optimizer step and checkpoints its moments; for host tables, refuses what it
     cannot train (several processes, fp16 loss scaling). ``option`` names the plugin's option in errors."""
 
     def __init__(self, optimizer: RowAdam, option: str, key: str) -> None:
@@ -28,11 +28,15 @@ class HostTableCallback(pl.Callback):
                 f"{self.option} trains on one process (got {trainer.world_size}); set it false to train the table "
                 "on the device under data parallelism"
             )
+        self.refuse_fp16(trainer)
+
+    def refuse_fp16(self, trainer: pl.Trainer, instead: str = "") -> None:
+        """Raise under fp16 loss scaling: the recorded gradients would carry the GradScaler's scale, which only the
+        main optimizer undoes."""
         if str(trainer.precision).startswith("16"):
-            # The recorded gradients would carry the GradScaler's scale, which only the main optimizer undoes.
             raise ValueError(
                 f"{self.option} with precision={trainer.precision!r} (fp16 loss scaling) is not supported; "
-                "use precision bf16-mixed or 32"
+                f"use precision bf16-mixed or 32{instead}"
             )
 
     def on_before_optimizer_step(

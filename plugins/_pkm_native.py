@@ -1,22 +1,12 @@
-"""CPU kernels of the PKM: the fused value update, the exact product-key search, and huge-page tables.
+"""CPU kernels of the PKM (plugins/_pkm_kernels.c, _pkm_search.c), compiled on first use and loaded with ctypes.
 
-The value update: per distinct row, reduce its gradient and apply Adam in place.
-
-For each distinct row u of the value table (rows sorted, its lookups e in [offsets[u], offsets[u+1])):
+The fused value update, per distinct row u (its lookups e in [offsets[u], offsets[u+1])):
     g = sum_e w[e] * grad[tok[e]]                       the sum-EmbeddingBag gradient of that row
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-which is torch.optim.Adam's update (Kingma & Ba, Alg. 1, bias-corrected) restricted to touched rows. One pass
-reads and writes each touched row of (p, m, v) once; nothing of size (rows, d) is allocated. A second kernel
-computes the per-sample-weight gradient of the value read, values[slots[t, j]] . grad[t], without gathering
-the rows. The search (``product_search``) selects, per token and head, the exact top-k of the n^2 sums of
-two halves' sub-key scores: per half a lower bound on the k-th score from group maxima, the few elements
-that reach it ranked by counting (branch-free), then the same over the ~k ln k candidate pairs; ~5x less
-CPU time than torch.topk over the rows. Work is split into contiguous ranges run on Python threads (ctypes
-releases the GIL), so no OpenMP runtime is involved. ``huge_page_empty`` allocates tables whose random rows
-would otherwise miss the TLB on nearly every access.
-
-The C source is compiled once with the system C compiler into the rlm cache and loaded with ctypes; when no
-compiler is found, ``load()`` returns None and the caller uses its PyTorch path (same numbers, slower).
+torch.optim.Adam's update (Kingma & Ba, Alg. 1) restricted to touched rows, one pass over each. Also the value
+read's per-sample-weight gradient and the exact product-key search (group-maxima bound, then counting ranks).
+Ranges run on Python threads (ctypes releases the GIL), so no OpenMP runtime is involved. Without a compiler
+``load()`` returns None and callers take their PyTorch path (same numbers, slower).
 """
 
 from __future__ import annotations
@@ -40,8 +30,7 @@ import torch
 from torch import Tensor
 
 _HERE = Path(__file__).resolve().parent
-# The C sources lie beside this file: the fused value update and the vectorised selection helpers, and the
-# exact product-key search written once for a scalar type and instantiated for float32 and float64.
+# The search is written once for scalar_t and instantiated for float32 and float64.
 SOURCE = (_HERE / "_pkm_kernels.c").read_text() + "".join(
     (_HERE / "_pkm_search.c").read_text().replace("scalar_t", ctype).replace("_SFX", suffix)
     for ctype, suffix in (("float", "_f32"), ("double", "_f64"))
@@ -80,11 +69,8 @@ def _compiler_version(cc: str | None) -> str:
 
 
 def cache_key(cc: str | None) -> str:
-    """The built library's name key: source, flags, machine architecture and compiler (its version string).
-
-    A cache directory shared between x86-64 and aarch64 nodes, or between compilers, then holds one library
-    per (architecture, compiler) instead of one that the other machines cannot load.
-    """
+    """The built library's name key: source, flags, architecture and compiler version, so a cache shared by
+    different machines holds one library per (architecture, compiler)."""
     parts = (SOURCE, " ".join(CFLAGS), platform.machine(), sys.platform, _compiler_version(cc))
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
 
@@ -151,10 +137,7 @@ def _parallel(total: int, run, min_per_thread: int) -> None:
 
 
 def bag_dot(values: Tensor, slots: Tensor, grad: Tensor) -> Tensor | None:
-    """out[t, j] = values[slots[t, j]] . grad[t], (N, m): the per-sample-weight gradient of a sum-EmbeddingBag.
-
-    None when the kernel is unavailable or the tensors do not fit it (float32, CPU, contiguous).
-    """
+    """values[slots[t, j]] . grad[t], (N, m); None unless the kernel runs on them (float32, CPU, contiguous)."""
     lib = load() if _fits((values, grad), (slots,)) else None
     if lib is None:
         return None
@@ -192,10 +175,9 @@ def product_search(
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """Exact top-k of s1[h][t, i] + s2[h][t, j] over all (i, j), per token t and head h: (scores, i, j), (N, H, k).
 
-    s1, s2: per head h, the (N, n) sub-key scores of each half (float32 or float64, CPU, contiguous). Scores
-    are sorted descending; equal scores are ordered by the rank of i in its half, then of j (a half ranks
-    by score descending, then id). None when the kernel is unavailable, the tensors do not fit it, or a
-    score is NaN.
+    s1, s2: per head, the (N, n) sub-key scores of each half (float32 or float64, CPU, contiguous). Sorted
+    descending; ties ordered by the rank of i in its half, then of j. None when the kernel does not run on them
+    or a score is NaN.
     """
     H, dtype = len(s1), s1[0].dtype
     if dtype not in (torch.float32, torch.float64) or len(s2) != H or s1[0].dim() != 2:
@@ -233,11 +215,9 @@ def _advise_huge_pages(address: int, length: int) -> bool:
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
     """An uninitialised contiguous CPU tensor on 2 MiB-aligned memory advised for transparent huge pages.
 
-    A memory table of a million rows is read and written at random rows: on 4 KiB pages nearly every row
-    access misses the TLB, on 2 MiB pages the whole table fits in it. Kernels with THP in 'madvise' mode (a
-    common default) only back advised ranges with huge pages, and only when advised before the first touch,
-    hence the advice here, before anything is written. Small tensors, and other default devices than the CPU,
-    get a plain ``torch.empty``.
+    Random rows of a large table miss the TLB on nearly every access with 4 KiB pages. THP in 'madvise' mode
+    backs only ranges advised before their first touch, hence the advice before anything is written. Small
+    tensors, and default devices other than the CPU, get a plain ``torch.empty``.
     """
     probe = torch.empty((), dtype=dtype)  # on torch's default device
     nbytes = math.prod(shape) * probe.element_size()

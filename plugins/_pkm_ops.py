@@ -1,12 +1,6 @@
-"""Numerical pieces of the product key memory (Lample et al. 2019, 'Large Memory Layers with Product Keys').
-
-Kept apart from ``plugins/pkm.py`` so the plugin file reads as the model: here are the exact product-key
-search (with a backward that touches only the selected sub-keys), the batch norm that ignores padding
-(synced over a process group handed in), the value read (EmbeddingBag, or gathers and index_add_ on CUDA: see
-VALUE_READ) whose backward is dense or hands the reads to the row-wise lazy Adam that updates only touched rows,
-and the usage/KL statistics. Nothing here builds a tensor of size n^2 (slots) except the dense value gradient of
-``pkm.sparse: false``.
-"""
+"""Numerics of the product key memory (Lample et al. 2019): exact product-key search, padding-aware batch norm,
+the value read and its sparse or dense backward, usage/KL statistics. Nothing here builds a tensor of n^2 (slots)
+except the dense value gradient of ``pkm.sparse: false``."""
 
 from __future__ import annotations
 
@@ -23,11 +17,9 @@ from torch import Tensor, nn
 from rlm.plugins import _pkm_native
 
 VALUE_READ: Literal["auto", "bag", "gather"] = "auto"
-"""How rows of the value and sub-key tables are read and their gradients reduced. 'bag': EmbeddingBag, a bag per
-token forward and a bag per distinct row backward (the CPU kernels are fast and the sums deterministic).
-'gather': index_select and a weighted sum forward, index_add_ backward. 'auto': gather on CUDA only, where
-EmbeddingBag reduces each bag in one warp, so every lookup of a hot sub-key or slot runs one after another there.
-Set by tests to run either path on any device."""
+"""How value and sub-key rows are read and their gradients reduced. 'bag': EmbeddingBag (fast, deterministic on
+CPU). 'gather': index_select forward, index_add_ backward. 'auto': gather on CUDA only, where EmbeddingBag reduces
+a bag in one warp and serialises every lookup of a hot row. Tests set it to run either path on any device."""
 
 
 def gathers(t: Tensor) -> bool:
@@ -36,8 +28,8 @@ def gathers(t: Tensor) -> bool:
 
 
 def _block(t: Tensor) -> int:
-    """Elements of one gathered block, which bounds the transient (E, d) gathers: 16 MB of float32 on a CPU (the
-    cache), 256 MB on a GPU, where each block's few kernels cost a launch each, so blocks must be few."""
+    """Elements of one gathered block, bounding the transient (E, d) gathers: small on a CPU (cache), large on a
+    GPU (each block costs kernel launches)."""
     return 1 << 26 if t.is_cuda else 1 << 22
 
 
@@ -71,10 +63,7 @@ def _candidate_pairs(k: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _search_torch(s1: Tensor, s2: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """product_search's result with torch ops, for devices and dtypes the native kernel does not take.
-
-    Same scores; equal scores may come in another order (torch.topk does not order ties).
-    """
+    """product_search with torch ops, where the native kernel does not run; ties may come in another order."""
     t1, i1 = grouped_topk(s1, k)  # (H, N, k), sorted descending
     t2, i2 = grouped_topk(s2, k)
     # With both halves sorted, the pair of ranks (a, b) is beaten by the (a+1)(b+1) pairs (<= a, <= b), so
@@ -91,11 +80,9 @@ def _subkey_grads(
     """Gradients of scores[t, h, e] = q[t, h, 0] . keys[h, 0, i[t, h, e]] + q[t, h, 1] . keys[h, 1, j[t, h, e]]
     for q (N, H, 2, dh) and keys (H, 2, n, dh), both halves at once.
 
-    The dense (N, H, n) score gradient of each half has k non-zeros per row, so instead of two dense matmuls
-    per half: dq = sum_e g_e C[i_e] (bag_sum over the sub-keys) and dC[i] = sum over selections of i of g q
-    (table_grad, the same reduction as the value rows'); nothing of size (N, H, n) is built. Each gradient is one
-    tensor in its input's layout: the keys' is zero-filled once (slicing the halves apart would make autograd
-    zero-fill a whole (H, 2, n, dh) tensor for each half and add them).
+    The (N, H, n) score gradient has k non-zeros a row, so dq = sum_e g_e C[i_e] (bag_sum) and dC[i] = sum of g q
+    over selections of i (table_grad) replace dense matmuls. One tensor per input: slicing the halves apart would
+    make autograd zero-fill a whole (H, 2, n, dh) tensor per half.
     """
     (N, H, _, dh), n, k = q.shape, keys.shape[2], i.shape[-1]
     # sub-key s of half c of head h is row (2h + c) n + s of the flat (H * 2 * n, dh) keys
@@ -115,10 +102,9 @@ _ONEDNN_LINEAR: list[Any] = []  # [op] once resolved; [None] when unavailable or
 
 
 def _onednn_linear() -> Any:
-    """oneDNN's fp32 linear (torch.ops.mkldnn._linear_pointwise, the op Inductor's CPU backend uses), or None.
+    """oneDNN's fp32 linear (torch.ops.mkldnn._linear_pointwise, Inductor's CPU op), or None.
 
-    A private op with no public equivalent at this speed: looking it up, like calling it (half_scores), falls
-    back to torch.bmm on any exception.
+    Private: looking it up, like calling it (half_scores), falls back to torch.bmm on any exception.
     """
     if not _ONEDNN_LINEAR:
         try:
@@ -132,8 +118,7 @@ def _onednn_linear() -> Any:
 def half_scores(q: Tensor, keys: Tensor) -> list[Tensor]:
     """Per head h, the (N, n) scores q[h] @ keys[h].T of one half; q (H, N, dh) contiguous, keys (H, n, dh).
 
-    On CPU float32 through oneDNN: the same fp32 arithmetic, but faster than torch.bmm, whose
-    MKL sgemm does not use the widest vector path on every CPU (e.g. AMD); torch.bmm elsewhere.
+    CPU float32 goes through oneDNN: MKL's sgemm behind torch.bmm misses the widest vector path on some CPUs.
     """
     op = _onednn_linear() if q.device.type == "cpu" and q.dtype == keys.dtype == torch.float32 else None
     if op is not None:
@@ -145,11 +130,9 @@ def half_scores(q: Tensor, keys: Tensor) -> list[Tensor]:
 
 
 class _ProductKeySearch(torch.autograd.Function):
-    """Scores q1.C_i + q2.C'_j of the exact top-k pairs (i, j), with a backward that touches only those sub-keys.
+    """Scores q1.C_i + q2.C'_j of the exact top-k pairs (i, j); the backward touches only C_i and C'_j.
 
-    Forward: the (N, n) scores of each half and head, then the native selection (plugins/_pkm_native.py) or
-    its torch equivalent. The selected score is s1[i] + s2[j], so its gradient reaches C_i and C'_j only.
-    Takes q (N, H, 2, dh) and keys (H, 2, n, dh) whole and returns their gradients whole (see _subkey_grads).
+    q (N, H, 2, dh), keys (H, 2, n, dh); returns scores, i, j (N, H, k).
     """
 
     @staticmethod
@@ -173,24 +156,18 @@ class _ProductKeySearch(torch.autograd.Function):
         return grad_q, grad_keys, None
 
 
-# Under torch.compile the two memory ops run eagerly behind a graph break each (torch.compiler.disable): the
-# search calls the native kernels through ctypes and picks its path from the build at run time, and the value
-# read's backward hands its gradient to the row optimizer (a Python side effect, not a graph op). Tracing
-# into them would break the graph at many points inside (15 breaks for one layer on torch 2.13); this way a
-# PKM layer has two break points, and the query network, batch norm, softmax and gating around them compile.
+# Under torch.compile the two memory ops run eagerly behind one graph break each: the search calls ctypes
+# kernels, and the value read's backward hands its gradient to the row optimizer (a side effect). Traced, they
+# would break the graph at many points; this way the query network, norm, softmax and gating around them compile.
 @torch.compiler.disable
 def product_key_topk(q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys; returns scores and slot ids i*n+j, (N, H, k).
 
     q: (N, H, 2, dh), the query's two halves; keys: (H, 2, n, dh), the sub-key sets C = keys[:, 0] and
-    C' = keys[:, 1].
-    Lample et al. Sec. 3.2: the best pair (i, j) has i in the top-k of C and j in the top-k of C' (else
-    k better pairs exist), so the k*k candidates hold the exact top-k; nothing of size n^2 is built.
+    C' = keys[:, 1]. Lample et al. Sec. 3.2: the best pair (i, j) has i in the top-k of C and j in the top-k of
+    C' (else k better pairs exist), so the k*k candidates hold the exact top-k.
 
-    The search runs in at least float32 whatever autocast says: under bf16 autocast the key-score bmm would
-    round the scores to bf16 (8 mantissa bits), enough to reorder close keys and change the slots read. So
-    the inputs are cast up and autocast is off for the device around the search (its backward's ops take
-    their dtypes from the saved fp32 tensors).
+    At least float32 whatever autocast says: bf16 scores would reorder close keys and change the slots read.
     """
     up = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, keys)]
     with torch.autocast(q.device.type, enabled=False):
@@ -199,22 +176,15 @@ def product_key_topk(q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def group_size(group: Any = None) -> int:
-    """Processes in ``group`` (None: the default group) when torch.distributed is initialised, else 1.
-
-    The memory's collectives (batch-norm statistics, validation slot statistics, the row exchange) run over a
-    group handed in from outside (``PKMPlugin.set_group``, called by its callback at setup; DESIGN: parallelism
-    is applied from outside); a group of one process runs the single-process code.
-    """
+    """Processes in ``group`` (None: the default group) when torch.distributed is initialised, else 1."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 class MaskedBatchNorm(nn.Module):
-    """BatchNorm1d over (N, C) rows where only rows with mask True count, synced across ``group`` when distributed.
+    """BatchNorm1d over (N, C) rows with mask True, synced across ``group`` (None: default) when distributed.
 
-    Statistics are per-feature sums over valid rows; under torch.distributed they are summed over the ranks of
-    ``group`` (None: the default group) with the differentiable all_reduce, which gives torch.nn.SyncBatchNorm's
-    semantics (the group's batch statistics, gradients through them) with padding left out. Eval uses running
-    statistics.
+    The differentiable all_reduce of the per-feature sums gives SyncBatchNorm's semantics with padding left out.
+    Eval uses running statistics.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, group: Any = None) -> None:
@@ -273,9 +243,8 @@ def sort_lookups(
 def row_gradients(offsets: Tensor, tok: Tensor, w: Tensor, grad: Tensor) -> Tensor:
     """Gradient of sum-EmbeddingBag w.r.t. each distinct row, (U, d): sum over its lookups of w * grad[tok].
 
-    This is itself an EmbeddingBag over ``grad`` with one bag per row, so nothing of size (E, d) is built. On
-    every device: the row exchange needs every rank to sum in the same order, which index_add_'s CUDA atomics do
-    not keep (the row-wise Adam's single-process gather path sums with scatter_rows instead).
+    An EmbeddingBag over ``grad``, one bag per row, on every device: the row exchange needs every rank to sum in
+    the same order, which index_add_'s CUDA atomics do not keep.
     """
     return F.embedding_bag(tok, grad, offsets[:-1], mode="sum", per_sample_weights=w.to(grad.dtype))
 
@@ -289,8 +258,7 @@ def coalesce_rows(slots: Tensor, weights: Tensor, grad: Tensor) -> tuple[Tensor,
 def scatter_rows(out: Tensor, index: Tensor, weights: Tensor, tok: Tensor, grad: Tensor) -> Tensor:
     """out[index[e]] += weights[e] * grad[tok[e]] for every lookup e (index, weights, tok (E,), grad (R, d)); out.
 
-    EmbeddingBag's backward as index_add_: on CUDA a hot row's lookups are spread over all threads (atomic adds,
-    in no fixed order) instead of looping in one warp.
+    On CUDA index_add_ spreads a hot row's lookups over all threads instead of one warp (in no fixed order).
     """
     block = max(1, _block(grad) // grad.shape[1])
     for e in range(0, index.numel(), block):
@@ -311,9 +279,7 @@ def table_grad(table: Tensor, slots: Tensor, weights: Tensor, grad: Tensor) -> T
 
 
 def _gathered(table: Tensor, slots: Tensor, dtype: torch.dtype) -> Iterator[tuple[slice, Tensor]]:
-    """Blocks of tokens with their rows: (tokens t:t+c, table[slots[t:t+c]] as (c, m, d) in dtype); slots (N, m).
-
-    A block holds ~_block elements, so nothing of size (N * m, d) is gathered at once."""
+    """Blocks of tokens with their rows, (t:t+c, table[slots[t:t+c]] (c, m, d) in dtype), ~_block elements each."""
     (N, m), d = slots.shape, table.shape[1]
     block = max(1, _block(table) // (m * d))
     for t in range(0, N, block):
@@ -322,11 +288,8 @@ def _gathered(table: Tensor, slots: Tensor, dtype: torch.dtype) -> Iterator[tupl
 
 
 def bag_sum(table: Tensor, slots: Tensor, weights: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """sum_j weights[t, j] * table[slots[t, j]], (N, d) in table's dtype, for slots and weights (N, m).
-
-    A sum-EmbeddingBag, or on the gather path (gathers) the gathered rows times the weights, multiplied in
-    ``dtype`` (default: the table's), e.g. autocast's.
-    """
+    """sum_j weights[t, j] * table[slots[t, j]], (N, d) in table's dtype, for slots and weights (N, m); the gather
+    path multiplies in ``dtype`` (default: the table's), e.g. autocast's."""
     if not gathers(table):
         return F.embedding_bag(slots, table, mode="sum", per_sample_weights=weights)
     dtype = dtype or table.dtype
@@ -356,9 +319,8 @@ class LookupSink(Protocol):
 class _ValueBag(torch.autograd.Function):
     """sum_j weights[t, j] * values[slots[t, j]] with a backward that never builds a dense (N*m, d) tensor.
 
-    Weights get bag_dot; the values get either a dense gradient (sparse: false, for DDP/FSDP to reduce) or, with
-    a sink, nothing: backward hands (slots, weights, output gradient) to the row optimizer instead. On the
-    gather path the weighted sum runs in autocast's dtype when autocast is on (the output stays in the values').
+    Weights get bag_dot; the values a dense gradient (for DDP/FSDP to reduce) or, with a sink, none: backward
+    hands (slots, weights, output gradient) to the row optimizer instead.
     """
 
     @staticmethod
@@ -388,20 +350,16 @@ class _ValueBag(torch.autograd.Function):
 def value_lookup(
     slots: Tensor, weights: Tensor, values: Tensor, sink: LookupSink | None = None, key: str = ""
 ) -> Tensor:
-    """sum_j weights[t, j] * values[slots[t, j]], (N, d); with a sink, the values' gradient goes there sparsely.
-
-    Without a sink the values get an ordinary dense gradient (what DDP/FSDP reduce); with one, backward hands
-    the reads and the output gradient to ``sink.add_lookups`` and the table gets no ``.grad``.
-    """
+    """sum_j weights[t, j] * values[slots[t, j]], (N, d); with a sink the values get no ``.grad``: their reads and
+    output gradient go to ``sink.add_lookups``."""
     return _ValueBag.apply(slots, weights, values, sink, key)
 
 
 class _ValueDot(torch.autograd.Function):
-    """values[slots[t, j]] . x[t], (N, m): PEER's down projections, read like the value bag and updated alike.
+    """values[slots[t, j]] . x[t], (N, m): PEER's down projections.
 
-    Backward: x gets bag_sum of the rows weighted by the output gradient; the table's row gradient is
-    sum over lookups of grad[t, j] * x[t], the value bag's with (weights, output gradient) = (grad, x), so it goes
-    to the same sink (or becomes the same dense gradient).
+    The table's row gradient, sum of grad[t, j] * x[t], is the value bag's with (weights, output gradient) =
+    (grad, x), so it goes to the same sink or dense gradient.
     """
 
     @staticmethod

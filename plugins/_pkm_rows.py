@@ -1,9 +1,5 @@
-"""PKM value rows under training: the lazy row-wise Adam that reads and writes only touched rows (RowAdam), and
-the exchange of the table's reads between data-parallel ranks (exchange_lookups: every rank's lookups and output
-gradients), which falls back to a dense all-reduce of the gradient when that moves fewer bytes.
-
-The lookups and their gradients come from the value read of _pkm_ops.py (value_lookup with a sink).
-"""
+"""Training PKM value rows: a lazy row-wise Adam (RowAdam) over the reads value_lookup hands it, and the exchange
+of those reads between data-parallel ranks (exchange_lookups), or a dense all-reduce when that moves fewer bytes."""
 
 from __future__ import annotations
 
@@ -21,14 +17,11 @@ from rlm.plugins._pkm_ops import gathers, row_gradients, scatter_rows, sort_look
 class RowAdam:
     """Lazy (row-wise) Adam for value tables: only rows with a gradient are read and written.
 
-    Like torch.optim.SparseAdam: moments of untouched rows are left as they are and the bias correction
-    uses the table's step count. Backward only records each memory read's (slots, weights, output gradient),
-    like ``.grad`` accumulates (several layers sharing a table, gradient accumulation); ``step`` groups the
-    reads by row and, on CPU float32, runs a fused kernel that reduces each row's gradient and updates
-    (value, m, v) in one pass (plugins/_pkm_native.py). Elsewhere it computes the row gradients with an
-    EmbeddingBag, gathers the touched rows into reused buffers, runs torch's fused Adam and writes them back; on
-    the gather path (_pkm_ops.gathers: CUDA) on one process, it does so with no host read (touched_rows), the
-    step count on the table's device.
+    As torch.optim.SparseAdam: untouched rows' moments stay, the bias correction uses the table's step count.
+    Backward records each read's (slots, weights, output gradient), accumulating as ``.grad`` would; ``step``
+    groups them by row and updates with the fused CPU kernel (plugins/_pkm_native.py), else gathers the touched
+    rows, runs torch's Adam on them and writes them back (on the gather path on one process with no host read:
+    touched_rows).
     """
 
     def __init__(
@@ -36,7 +29,7 @@ class RowAdam:
     ) -> None:
         self.lr, self.betas, self.eps = lr, betas, eps
         self.group: Any = None
-        """A torch.distributed process group: ``step`` then exchanges the reads (see exchange_lookups)."""
+        """A process group: ``step`` then exchanges the reads (exchange_lookups)."""
         self.sent_bytes = 0
         """Bytes this rank sent in the last step's row exchanges, all tables (0 on one process)."""
         self.tables: dict[str, Tensor] = {}
@@ -67,8 +60,7 @@ class RowAdam:
         reads = self.reads.get(key)
         if not reads:
             return None
-        # Several reads (layers sharing the table, accumulated micro-batches): one list of lookups into the
-        # concatenated output gradients.
+        # Several reads (layers sharing the table, micro-batches): one list of lookups into the joined gradients.
         tok, start = [], 0
         for sl, _, g in reads:
             tok.append((torch.arange(g.shape[0], device=sl.device) + start).repeat_interleave(sl.shape[1]))
@@ -163,11 +155,8 @@ class RowAdam:
             t.index_copy_(0, rows, rows_t)
 
     def _adam_rows(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> None:
-        """One Adam step in place on gathered rows p, m, v (U, d) with gradient g (U, d).
-
-        torch._fused_adam_ (private: one kernel for the whole update) where it runs; on any exception the same
-        update as torch.optim.Adam's single-tensor path, from public ops, for this table from then on.
-        """
+        """One Adam step in place on gathered rows p, m, v (U, d) with gradient g (U, d): the private
+        torch._fused_adam_, or after it raised once, torch.optim.Adam's single-tensor update from public ops."""
         if self.fused:
             try:
                 torch._fused_adam_(
@@ -206,10 +195,8 @@ def touched_rows(
 ) -> tuple[Tensor, Tensor]:
     """The distinct rows read and their gradients, (C,) and (C, d) for C = min(E, rows), with no host read.
 
-    slots, weights, tok (E,) and grad (R, d) as RowAdam._reads gives them: row slots[e] gets weights[e] *
-    grad[tok[e]]. The number U <= C of distinct rows is known on the device only, so entries U..C-1 repeat row
-    U-1 and its gradient: an elementwise update of all C rows written back with index_copy_ writes the same
-    numbers to that row more than once.
+    slots, weights, tok (E,) and grad (R, d) as RowAdam._reads gives them. The count U <= C of distinct rows
+    stays on the device, so entries U..C-1 repeat row U-1: index_copy_ writes the same numbers to it repeatedly.
     """
     s, order = slots.sort(stable=True)  # (E,) rows ascending, each row's lookups in read order
     new = torch.ones_like(s, dtype=torch.bool)
@@ -223,15 +210,13 @@ def touched_rows(
     return distinct.index_select(0, pick), g.index_select(0, pick)
 
 
-# The lookup exchange's reduction reads one gradient row per lookup on every rank; a byte read from memory is
-# counted as 1/REDUCE_READS_PER_BYTE of a byte received when choosing it over the dense all-reduce. 8: a CPU's
-# memory against loopback TCP, or HBM against NVLink, are 5-10x apart; HBM against InfiniBand ~60x (then the
-# count overstates the reduction, and the dense way is taken a little early).
+# Choosing lookups over the dense all-reduce, a byte the reduction reads from memory counts as 1/8 of a byte
+# received: memory is several times faster than the link (CPU vs loopback TCP, HBM vs NVLink).
 REDUCE_READS_PER_BYTE = 8
 
 
 def _all_gather(out: Tensor, inp: Tensor, group: Any) -> None:
-    """All-gather ``inp`` of every rank into ``out`` (rank-major); torch 2.13 renamed all_gather_into_tensor."""
+    """All-gather ``inp`` of every rank into ``out`` (rank-major), under either name torch gives the op."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)
 
@@ -241,24 +226,15 @@ def exchange_lookups(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """The data-parallel gradient of a (rows, d) table, from each rank's reads of it, as lookups by row.
 
-    Each rank passes its reads flat: lookup e reads row slots[e] (E,) with weight weights[e] for output
-    gradient grad[tok[e]] (grad (R, d)). Returns (rows (U,), offsets (U+1,), tok (E',), w (E',), grad (R', d),
-    bytes this rank sent): the gradient of row rows[u] is the sum over e in offsets[u]:offsets[u+1] of
-    w[e] * grad[tok[e]]. rows is the union of every rank's rows (ascending), and each row's gradient is the
-    sum over ranks divided by the world size W: what DDP's mean all-reduce of the dense (rows, d) gradient
-    gives, the gradient of the mean loss over the global batch. Every rank gets the same tensors, so the same
-    row-wise Adam (which does these sums as it reads each row) keeps the replicas equal.
+    Lookup e reads row slots[e] (E,) with weight weights[e] for output gradient grad[tok[e]] (grad (R, d)).
+    Returns (rows (U,), offsets (U+1,), tok (E',), w (E',), grad (R', d), bytes sent): row rows[u]'s gradient is
+    the sum over e in offsets[u]:offsets[u+1] of w[e] * grad[tok[e]], summed over ranks and divided by the world
+    size W, as DDP's mean all-reduce gives. Every rank gets the same tensors, so the replicas stay equal.
 
-    Two ways, chosen by a byte estimate (both after one small all-gather of every rank's (E, R)):
-    - lookups: every rank's reads themselves, all-gathered: per lookup its row and token (int32 each) and
-      weight, per token its output gradient (d values). Received: W x (max E x (8 + s) + max R x d x s) bytes
-      for element size s. This is independent of the table's size and, with 4 heads x top-32 = 128 reads per
-      token, ~1/10 of the touched rows' gradients (rows touched x (8 + d s)) at d = 64; its price is that every
-      rank sums every rank's lookups (sum E x d x s bytes read), counted at 1/REDUCE_READS_PER_BYTE a byte;
-    - dense: one all-reduce of the (rows, d + 1) gradient with a touched-row column, ~2 x rows x (d + 1) x s
-      bytes on a ring; cheaper when the global batch reads most of the table.
-    For W a power of two the lookups' sums are bitwise those of one process on the global batch when its loss
-    is the mean over it: the same lookups in the same order (ranks in rank order), with x / W exact.
+    The cheaper of two ways by a byte estimate (index size i, element size s): all-gather every rank's lookups,
+    W x (max E x (2 i + s) + max R x d x s) bytes whatever the table's size, plus the reduction's reads; or
+    all-reduce the dense (rows, d + 1) gradient with a touched-row column, ~2 x rows x (d + 1) x s. For W a
+    power of two the lookups' sums are bitwise one process's on the global batch (same order, x / W exact).
     """
     world = dist.get_world_size(group)
     d, size = grad.shape[1], grad.element_size()

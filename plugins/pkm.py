@@ -9,20 +9,11 @@ For a token x of width d, at each chosen layer (Lample et al. Sec. 3):
     m(x) = sum_h sum_{i in I_h} w_hi v_i  one EmbeddingBag (mode sum) over H*k rows of the value table
     y = m(x)                             or, gated (Berges et al. 2024, 'Memory Layers at Scale'):
     y = W_o (m(x) * silu(W_g x))
-Options from later memory layers: ``values: peer`` (He 2024, 'Mixture of A Million Experts') makes each slot a
-single-neuron expert with a down row u_i and an up row v_i, m(x) = sum_h sum_{i in I_h} w_hi act(u_i . x) v_i;
-``key_norm`` (Berges et al. 2025, 'Memory Layers at Scale', qk-norm) L2-normalises query halves and sub-keys.
-The layer replaces the dense FFN or runs beside it (mode 'add'). Value tables live on the plugin (one
-shared by every memory layer by default) so they are registered once. Values train with their own Adam
-group (lr 1e-3, constant, no decay); the plugin updates them itself with a row-wise lazy Adam that reads
-and writes only the touched rows (``sparse``). Under DDP and FSDP2 the value tables are replicated on every rank
-(FSDP2 leaves them out of its sharding: ``replicated_parameters``), the ranks all-gather their reads (each
-lookup's row, token and weight, each token's output gradient: bytes scale with the tokens, not the table), or
-all-reduce the dense table gradient when that moves fewer bytes (plugins/_pkm_rows.py exchange_lookups), and run
-the same update, so the replicas stay equal; under other distributed strategies the values get ordinary dense
-gradients for the strategy to reduce. Validation logs usage and KL to uniform per layer. The memory's own
-collectives (the row exchange, batch-norm statistics, validation slot statistics) run over the group handed in
-by ``set_group`` (``PKMCallback.setup``: the data-parallel ranks; nothing handed in: the default group).
+``values: peer`` (He 2024, PEER) makes each slot a single-neuron expert, m(x) = sum_h sum_i w_hi act(u_i . x) v_i;
+``key_norm`` (Memory+, Berges et al. 2025) L2-normalises query halves and sub-keys.
+The value tables live on the plugin, registered once, and are trained by a row-wise lazy Adam of their own
+(``sparse``); under DDP and FSDP2 they are replicated and the ranks exchange their reads (plugins/_pkm_rows.py).
+The memory's collectives run over the group ``set_group`` hands in (the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -159,9 +150,8 @@ class PKMLayer(nn.Module):
     """One memory layer: query network, product keys, and a read of the plugin's value table."""
 
     keep_fp32_params = True
-    """Under FSDP2 with a bf16 policy, ``parallelize`` makes this layer a unit of its own whose parameters are
-    gathered in fp32: the product-key search runs in fp32 (bf16 rounding reorders near scores), and sub-keys
-    gathered in bf16 would change the slots read before the search casts them back up."""
+    """Under FSDP2 with a bf16 policy this layer is a unit gathered in fp32: sub-keys rounded to bf16 would change
+    the slots the (fp32) search reads."""
 
     def __init__(self, config: PKMConfig, d: int, owner: PKMPlugin, table: str, layer: int) -> None:
         super().__init__()
@@ -187,9 +177,8 @@ class PKMLayer(nn.Module):
             self.out = nn.Linear(d, d, bias=False)
             nn.init.normal_(self.gate.weight, 0.0, d**-0.5)
             nn.init.normal_(self.out.weight, 0.0, d**-0.5)
-        # Summed read weight per slot over an evaluation epoch (usage / KL). Non-persistent and written only
-        # in eval mode under no_grad while the plugin's callback has armed it: it never enters checkpoints,
-        # gradients or the training forward, so it is not per-step state in the sense of the contract.
+        # Summed read weight per slot over an evaluation epoch (usage / KL): non-persistent, written only in eval
+        # under no_grad, so not per-step state in the sense of the contract.
         self.register_buffer("slot_weight", torch.zeros(0, dtype=torch.float64), persistent=False)
         self.collecting = False
         # A plain reference, not a submodule: the value table is registered on the plugin only.
@@ -224,7 +213,7 @@ class PKMLayer(nn.Module):
             u = self._owner.values[down]
             xd = xf.to(u.dtype)
             if sink is not None and not xd.requires_grad:
-                # The down rows' gradient is handed to the sink by the read's backward, which autograd runs only
+                # The sink gets the down rows' gradient from the read's backward, which autograd runs only
                 # when an input needs a gradient: not so below a frozen network.
                 xd = xd.detach().requires_grad_()
             w = w * self.act(value_dot(rows, xd, u, sink, down))
@@ -248,8 +237,7 @@ class PKMLayer(nn.Module):
         self.collecting = True
 
     def stop_stats(self, group: Any = None) -> Tensor:
-        """Stop accumulating; the summed weights (slots,), summed over the ranks of ``group`` (None: the default
-        group) when distributed."""
+        """Stop accumulating; the weights (slots,) summed over the ranks of ``group`` (None: default) if any."""
         self.collecting = False
         w = self.slot_weight
         if group_size(group) > 1:
@@ -283,16 +271,13 @@ class PKMPlugin(Plugin):
         self._sparse: bool | None = None  # resolved at setup (needs to know whether torch.distributed runs)
         self._exchange = False  # whether the row optimizer exchanges rows (sparse and distributed)
         self.group: Any = None
-        """The process group of the memory's collectives: batch-norm statistics, validation slot statistics and
-        the row exchange (None: torch.distributed's default group when initialised). Handed in by ``set_group``."""
+        """The process group of the memory's collectives (None: the default group); see ``set_group``."""
 
     @staticmethod
     def _init_values(slots: int, d: int) -> Tensor:
         """A (slots, d) table of normal(0, d^-1/2) values on huge pages (rows are read and updated at random)."""
         table = huge_page_empty((slots, d), torch.get_default_dtype())
-        return torch.randn(slots, d, out=table).mul_(
-            d**-0.5
-        )  # the numbers of torch.randn(slots, d) * d**-0.5
+        return torch.randn(slots, d, out=table).mul_(d**-0.5)  # torch.randn(slots, d) * d**-0.5's numbers
 
     def claims(self) -> list[Claim]:
         return [Claim(Slot.FFN, Mode(self.config.mode), self.layers)]
@@ -306,11 +291,8 @@ class PKMPlugin(Plugin):
         return memory
 
     def set_group(self, group: Any) -> None:
-        """Run the memory's collectives over ``group`` (the data-parallel ranks; None: the default group).
-
-        Called from outside (``PKMCallback.setup``, a test, a benchmark): a plugin's own collectives take their
-        group from whoever applies the parallelism (DESIGN, Scale), as the MoE's expert group does.
-        """
+        """Run the memory's collectives over ``group`` (the data-parallel ranks; None: the default group); called by
+        whoever applies the parallelism (``PKMCallback.setup``, a test, a benchmark)."""
         self.group = group
         for memory in self.memories.values():
             if isinstance(memory.norm, MaskedBatchNorm):
@@ -332,9 +314,8 @@ class PKMPlugin(Plugin):
     def resolve_sparse(self, distributed: bool | None = None, row_exchange: bool = True) -> bool:
         """Choose the sparse or dense value update from the config and whether training is distributed.
 
-        Distributed with ``row_exchange`` (DDP, which leaves parameters without gradients alone, or FSDP2, which
-        leaves ``replicated_parameters`` out of its sharding), the sparse update exchanges the touched rows between
-        ranks (``RowAdam.group``); other strategies get dense grads.
+        Distributed, sparse needs ``row_exchange`` (DDP, or FSDP2 leaving ``replicated_parameters`` whole);
+        other strategies get dense gradients.
         """
         if distributed is None:
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -359,9 +340,8 @@ class PKMPlugin(Plugin):
         return list(self.values.values()) if self._sparse else []
 
     def synced_parameters(self) -> list[nn.Parameter]:
-        # Sparse (so fully_shard can leave parameters out): the sub-keys too, 2 x sqrt(slots) rows a head, whose
-        # gathers, at a million slots, cost an FSDP2 step more than the layer itself grows.
-        # Dense, everything stays sharded as before.
+        # Sparse (fully_shard can leave parameters out): the small sub-keys too, whose FSDP2 gathers cost more than
+        # keeping them whole. Dense: everything stays sharded.
         return [layer.keys for _, layer in sorted(self.memories.items())] if self._sparse else []
 
     def param_groups(self) -> list[ParamGroup]:
