@@ -1,5 +1,5 @@
 """``rlm index build|search|eval|info``: build an index directory from a checkpoint, query it with text,
-measure its recall against exact search, and print its metadata. rlm/cli/commands.py dispatches here.
+measure its recall against exact search, and print its metadata. rlm/cli/commands.py builds the parsers.
 
 `build` embeds with the retriever's own embedder when the checkpoint's model has one (any plugin that
 implements the rebuild callback's MemoryOwner protocol), else with MeanPoolEmbedder: the mean-pooled hidden
@@ -8,17 +8,13 @@ state after one block of any trained checkpoint (``--layer`` picks the block, an
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
-import sys
 import time
+from json import dumps
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-
-from rlm.outdir import FORCE_HELP
 
 
 def _load_source(
@@ -84,8 +80,39 @@ def _embedder(module: Any, layer: int | None, step: int) -> Any:
     return MeanPoolEmbedder(module.model, layer, step=step)
 
 
-def cmd_build(a: argparse.Namespace) -> int:
-    """Embed every segment of the chosen split with the checkpoint's model and write the index directory."""
+def cmd_build(
+    *,
+    ckpt: str,
+    out: str,
+    config: str | None = None,
+    force: bool = False,
+    layer: int | None = None,
+    split: Literal["all", "train", "val"] = "all",
+    factory: str = "auto",
+    memory_budget_gb: float = 4.0,
+    target_recall: float = 0.95,
+    gpu: bool | None = None,
+    batch_size: int = 256,
+    quiet: bool = False,
+) -> int:
+    """Embed a corpus with a checkpoint and write an index directory.
+
+    Args:
+        ckpt: checkpoint written by rlm fit
+        out: index directory to write: new, empty or an earlier index (replaced atomically)
+        config: data YAML (configs/data/*.yaml); default: the checkpoint's data settings
+        force: replace --out even when it holds other files (never a folder holding --ckpt, nor the current
+            one)
+        layer: block whose mean-pooled output is the embedding (default: the retriever's embedder if the model
+            has one, else the last block)
+        split: documents to index
+        factory: 'auto', 'torch' or a faiss factory string
+        memory_budget_gb: memory the codes may take (auto)
+        target_recall: recall@10 nprobe/efSearch are tuned to
+        gpu: faiss on GPU (--no-gpu: on the CPU; default: on GPU when faiss has one)
+        batch_size: segments per embedding batch
+        quiet: no progress bar
+    """
     import torch
 
     from rlm.cli.check import check_writable
@@ -95,79 +122,86 @@ def cmd_build(a: argparse.Namespace) -> int:
     from rlm.index.store import META, build_index_dir
     from rlm.outdir import claim_out_dir
 
-    config = IndexConfig(
-        factory=a.factory, memory_budget_gb=a.memory_budget_gb, target_recall=a.target_recall, gpu=a.gpu
+    index_config = IndexConfig(
+        factory=factory, memory_budget_gb=memory_budget_gb, target_recall=target_recall, gpu=gpu
     )
     # before any embedding
-    reads = [a.ckpt, *([a.config] if a.config else [])]
-    dest = claim_out_dir(a.out, reads=reads, force=a.force, own=(META, "format_version"))
+    reads = [ckpt, *([config] if config else [])]
+    dest = claim_out_dir(out, reads=reads, force=force, own=(META, "format_version"))
     check_writable(dest.parent, "--out folder", "give --out in a folder you can write to")
-    module, data, step, data_hp = _load_source(a.ckpt, a.config)
+    module, data, step, data_hp = _load_source(ckpt, config)
     segs = data.segments
-    docs = {"all": None, "train": data.store.train_docs, "val": data.store.val_docs}[a.split]
+    docs = {"all": None, "train": data.store.train_docs, "val": data.store.val_docs}[split]
     rows = np.arange(len(segs), dtype=np.int64) if docs is None else segs.ids_of_docs(docs)
-    embedder = _embedder(module, a.layer, step)
+    embedder = _embedder(module, layer, step)
 
     def tokens_of(i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         ids = rows[i]
         mask = np.arange(segs.segment_len) < segs.length[ids][:, None]  # (b, L) real tokens
         return torch.from_numpy(segs.tokens(ids)), torch.from_numpy(mask)
 
-    vectors = embed_all(embedder, tokens_of, len(rows), a.batch_size, progress=not a.quiet)
-    source = {"ckpt": str(Path(a.ckpt).resolve()), "data": data_hp, "layer": a.layer, "split": a.split}
-    out = build_index_dir(
+    vectors = embed_all(embedder, tokens_of, len(rows), batch_size, progress=not quiet)
+    source = {"ckpt": str(Path(ckpt).resolve()), "data": data_hp, "layer": layer, "split": split}
+    built = build_index_dir(
         dest,
         vectors,
         SegmentTable(segs.doc[rows], segs.offset[rows]),
         segs.fingerprint,
         embedder.embedder_identity(),
-        config,
+        index_config,
         extra={"source": source, "segment_len": segs.segment_len},
         rows=rows,
-        progress=not a.quiet,
+        progress=not quiet,
     )
     print(
-        f"wrote {out.path}: {out.meta['count']} segments, {out.meta['factory']} {out.meta['search_params']}"
+        f"wrote {built.path}: {built.meta['count']} segments, {built.meta['factory']} {built.meta['search_params']}"
     )
     return 0
 
 
-def cmd_search(a: argparse.Namespace) -> int:
-    """Print the nearest segments of a text (embedded with the index's own checkpoint) or of a stored segment."""
+def cmd_search(dir: str, text: str | None = None, *, segment: int | None = None, k: int = 5) -> int:
+    """Show the nearest segments of a text, with scores (rlm index search DIR TEXT).
+
+    Args:
+        dir: index directory
+        text: query text (embedded with the index's checkpoint)
+        segment: query with the stored vector of this index row instead
+        k: neighbours to show
+    """
     from rlm.index.store import load_index_dir, read_meta
 
-    meta = read_meta(a.dir)
+    meta = read_meta(dir)
     source = meta.get("source")
     data = None
-    if a.segment is not None:
-        idx = load_index_dir(a.dir)
+    if segment is not None:
+        idx = load_index_dir(dir)
         if idx.vectors is None:
-            raise ValueError(f"{a.dir} stores no vectors, so --segment cannot look one up; query with text")
-        if not 0 <= a.segment < meta["count"]:
-            raise ValueError(f"--segment {a.segment} out of range [0, {meta['count']})")
-        query, qid = np.asarray(idx.vectors[a.segment : a.segment + 1]), np.array([a.segment])
+            raise ValueError(f"{dir} stores no vectors, so --segment cannot look one up; query with text")
+        if not 0 <= segment < meta["count"]:
+            raise ValueError(f"--segment {segment} out of range [0, {meta['count']})")
+        query, qid = np.asarray(idx.vectors[segment : segment + 1]), np.array([segment])
         if source is not None:
             _, data, _, _ = _load_source(source["ckpt"], None, source.get("data") or {})
     else:
-        if a.text is None:
+        if text is None:
             raise ValueError("give a query TEXT or --segment ID")
         if source is None:
             raise ValueError(
-                f"{a.dir} was not built by `rlm index build` (no checkpoint recorded): use --segment"
+                f"{dir} was not built by `rlm index build` (no checkpoint recorded): use --segment"
             )
         module, data, step, _ = _load_source(source["ckpt"], None, source.get("data") or {})
         embedder = _embedder(module, source["layer"], step)
         # refuse an index whose vectors this checkpoint and corpus did not produce
-        idx = load_index_dir(a.dir, data.fingerprint, embedder.embedder_identity())
+        idx = load_index_dir(dir, data.fingerprint, embedder.embedder_identity())
         import torch
 
-        ids = data.tokenizer.encode(a.text)[: module.model.config.max_seq_len]
+        ids = data.tokenizer.encode(text)[: module.model.config.max_seq_len]
         tokens = torch.tensor([ids or [data.tokenizer.unk_id]])
         query, qid = (
             embedder.embed_segments(tokens, torch.ones_like(tokens, dtype=torch.bool)).numpy(),
             np.array([-1]),
         )
-    found = idx.search(query, a.k, query_ids=qid, causal=False)
+    found = idx.search(query, k, query_ids=qid, causal=False)
     rows = idx.rows
     for rank, (row, score) in enumerate(zip(found.ids[0], found.scores[0])):
         if row < 0:
@@ -180,41 +214,53 @@ def cmd_search(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(a: argparse.Namespace) -> int:
-    """Recall@k of the index against exact search, and both searches' queries/s, on stored vectors."""
+def cmd_eval(dir: str, *, k: int = 10, queries: int = 1000, seed: int = 0) -> int:
+    """Recall@k against exact search, and both searches' queries/s, on stored vectors.
+
+    Args:
+        dir: index directory
+        k: neighbours per query
+        queries: stored vectors sampled as queries
+        seed: random seed of the sample
+    """
     from rlm.index.build import TorchExactIndex, recall_at_k
     from rlm.index.store import load_index_dir
 
-    idx = load_index_dir(a.dir)
+    idx = load_index_dir(dir)
     if idx.vectors is None:
-        raise ValueError(f"{a.dir} was written without its vectors (store_vectors=False); eval needs them")
+        raise ValueError(f"{dir} was written without its vectors (store_vectors=False); eval needs them")
     n = len(idx.vectors)
-    rng = np.random.default_rng(a.seed)
-    queries = np.asarray(idx.vectors[np.sort(rng.choice(n, size=min(a.queries, n), replace=False))])
+    rng = np.random.default_rng(seed)
+    sample = np.asarray(idx.vectors[np.sort(rng.choice(n, size=min(queries, n), replace=False))])
     exact = TorchExactIndex(idx.vectors)
     rows = []
     for name, index in (("exact (torch)", exact), (idx.meta["factory"], idx.index)):
         start = time.perf_counter()
-        _, ids = index.search(queries, a.k)
-        rows.append((name, len(queries) / (time.perf_counter() - start), ids))
+        _, ids = index.search(sample, k)
+        rows.append((name, len(sample) / (time.perf_counter() - start), ids))
     exact_qps, exact_ids = rows[0][1], rows[0][2]
-    print(f"| index | recall@{a.k} | queries/s | speed-up |")
+    print(f"| index | recall@{k} | queries/s | speed-up |")
     print("|---|---|---|---|")
     for name, qps, ids in rows:
-        print(f"| {name} | {recall_at_k(ids, exact_ids, a.k):.4f} | {qps:.0f} | {qps / exact_qps:.2f}x |")
+        print(f"| {name} | {recall_at_k(ids, exact_ids, k):.4f} | {qps:.0f} | {qps / exact_qps:.2f}x |")
     return 0
 
 
-def cmd_info(a: argparse.Namespace) -> int:
-    """Print the index directory's metadata."""
+def cmd_info(dir: str, *, json: bool = False) -> int:
+    """Print an index directory's metadata.
+
+    Args:
+        dir: index directory
+        json: the raw meta.json
+    """
     from rlm.index.store import read_meta
 
-    meta = read_meta(a.dir)
-    if a.json:
-        print(json.dumps(meta, indent=2))
+    meta = read_meta(dir)
+    if json:
+        print(dumps(meta, indent=2))
         return 0
     emb = meta["embedder"]
-    print(f"index     {a.dir}")
+    print(f"index     {dir}")
     print(f"vectors   {meta['count']} x {meta['dim']} ({meta['metric']}, L2-normalised)")
     print(
         f"factory   {meta['factory']}  search params {meta['search_params']}  tuned recall {meta['tuned_recall']}"
@@ -234,60 +280,4 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 COMMANDS = {"build": cmd_build, "search": cmd_search, "eval": cmd_eval, "info": cmd_info}
-
-
-def add_index_subcommands(subparsers: Any) -> None:
-    """Add build/search/eval/info parsers to an argparse subparsers object."""
-    p = subparsers.add_parser("build", help="embed a corpus with a checkpoint and write an index directory")
-    p.add_argument("--ckpt", required=True, help="checkpoint written by rlm fit")
-    p.add_argument(
-        "--config", help="data YAML (configs/data/*.yaml); default: the checkpoint's data settings"
-    )
-    p.add_argument("--out", required=True, help="index directory to write: new, empty or an earlier index "
-                   "(replaced atomically)")  # fmt: skip
-    p.add_argument("--force", action="store_true", help=FORCE_HELP)
-    p.add_argument(
-        "--layer",
-        type=int,
-        default=None,
-        help="block whose mean-pooled output is the embedding (default: the retriever's embedder if the model "
-        "has one, else the last block)",
-    )
-    p.add_argument("--split", choices=["all", "train", "val"], default="all", help="documents to index")
-    p.add_argument("--factory", default="auto", help="'auto', 'torch' or a faiss factory string")
-    p.add_argument("--memory-budget-gb", type=float, default=4.0, help="memory the codes may take (auto)")
-    p.add_argument("--target-recall", type=float, default=0.95, help="recall@10 nprobe/efSearch are tuned to")
-    p.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None, help="faiss on GPU")
-    p.add_argument("--batch-size", type=int, default=256, help="segments per embedding batch")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p = subparsers.add_parser("search", help="show the nearest segments of a text, with scores")
-    p.add_argument("dir", help="index directory")
-    p.add_argument("text", nargs="?", help="query text (embedded with the index's checkpoint)")
-    p.add_argument("--segment", type=int, help="query with the stored vector of this index row instead")
-    p.add_argument("-k", type=int, default=5, help="neighbours to show")
-    p = subparsers.add_parser("eval", help="recall@k against exact search, and queries/s")
-    p.add_argument("dir", help="index directory")
-    p.add_argument("-k", type=int, default=10)
-    p.add_argument("--queries", type=int, default=1000, help="stored vectors sampled as queries")
-    p.add_argument("--seed", type=int, default=0)
-    p = subparsers.add_parser("info", help="print an index directory's metadata")
-    p.add_argument("dir", help="index directory")
-    p.add_argument("--json", action="store_true", help="the raw meta.json")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``rlm index``."""
-    parser = argparse.ArgumentParser(
-        prog="rlm index", description="Build, search and inspect retrieval indices."
-    )
-    add_index_subcommands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    a = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return COMMANDS[a.command](a)
-    except (ValueError, OSError) as err:  # IndexNotFoundError is an OSError; OSError: disk full, unwritable
-        print(f"rlm index {a.command}: error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+"""``rlm index``'s subcommands (rlm.cli.commands builds their parsers from the signatures)."""

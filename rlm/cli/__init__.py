@@ -22,7 +22,6 @@ _COMMANDS = (
     "COMMANDS",
     "main",
     "run_experiment",
-    "run_index",
     "run_lightning",
     "usage",
     "version",

@@ -307,13 +307,6 @@ def cmd_export(*, ckpt: str, out: str, force: bool = False) -> int:
     return 0
 
 
-def run_index(command: str, args: list[str]) -> int:
-    """``rlm index build|search|eval|info``."""
-    from rlm.index.cli import main as index_main
-
-    return index_main(args) or 0
-
-
 def run_experiment(command: str, args: list[str]) -> int:
     """``rlm experiment run|report``."""
     from rlm.experiment import main as experiment_main
@@ -350,7 +343,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
     ),
     "generate": (cmd_generate, "sample text from a checkpoint"),
     "export": (cmd_export, "a checkpoint as a transformers folder (safetensors, config, tokenizer, card)"),
-    "index": (run_index, "build, search, evaluate and inspect retrieval indices"),
+    "index": ("rlm.index.cli:COMMANDS", "build, search, evaluate and inspect retrieval indices"),
     "knnlm": (
         "rlm.eval.knnlm_cli:COMMANDS",
         "build a kNN-LM datastore from a checkpoint (rlm eval / generate --datastore use it)",
@@ -413,12 +406,12 @@ def typed_argv(fn: Callable[..., int], args: list[str]) -> list[str]:
         name = name if name in params else FLAG_ALIASES.get(name, name)
         if name in optional:
             optional.remove(name)
-        if kinds.get(name) == "bool" or (name.startswith("no_") and kinds.get(name[3:]) == "bool"):
-            if not eq and rest and rest[0].lower() in ("true", "false"):
-                eq, value = "=", rest.pop(0)
+        if kinds.get(name) == "bool" or (name[:3] == "no_" and kinds.get(name[3:]) == "bool"):
+            if not eq:  # --force, --force false
+                eq, value = "=", rest.pop(0) if rest and rest[0].lower() in ("true", "false") else "true"
             if name not in params:  # --no-gpu
-                name, value = name[3:], str(value.lower() == "false" if eq else False)
-            out.append(f"--{name}={value if eq else 'true'}")
+                name, value = name[3:], str(value.lower() == "false")
+            out.append(f"--{name}={value}")
         elif kinds.get(name) == "list":
             values = [value] if eq else []
             while not eq and rest and (rest[0][:1] != "-" or rest[0][1:2].isdigit()):

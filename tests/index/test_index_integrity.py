@@ -11,8 +11,8 @@ import pytest
 import yaml
 from cli_helpers import CONFIGS, fit_args, run_rlm
 
+from rlm.cli import main
 from rlm.index.build import IndexConfig
-from rlm.index.cli import main
 from rlm.index.search import SegmentTable
 from rlm.index.store import IndexNotFoundError, build_index_dir, load_index_dir
 from rlm.index.synthetic import clustered_unit_vectors
@@ -50,7 +50,7 @@ def test_meta_json_edited_in_place_is_caught(tmp_path):
     (idx / "meta.json").write_text(json.dumps(edited, indent=2))
     with pytest.raises(IndexNotFoundError, match="meta.json was changed after it was written"):
         load_index_dir(idx)
-    assert main(["info", str(idx)]) == 2
+    assert main(["index", "info", str(idx)]) == 2
     older = {k: v for k, v in meta.items() if k != "meta_sha256"}
     (idx / "meta.json").write_text(json.dumps(older, indent=2))
     assert load_index_dir(idx).meta["count"] == 600
@@ -72,7 +72,9 @@ def test_debris_of_killed_writers_is_removed_and_live_ones_kept(tmp_path):
 def test_build_checks_the_output_folder_before_embedding(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["build", "--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(blocker / "idx")]) == 2
+    assert (
+        main(["index", "build", "--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(blocker / "idx")]) == 2
+    )
     err = capsys.readouterr().err
     assert f"--out folder '{blocker}' is not writable" in err  # named before the checkpoint is even read
 
@@ -89,9 +91,9 @@ def test_search_uses_the_data_settings_build_recorded(tmp_path, rlm_cache, monke
     out = tmp_path / "idx"
     ckpt = tmp_path / "runs/test/ckpt/last.ckpt"
     args = ["build", "--ckpt", str(ckpt), "--config", str(cfg), "--out", str(out), "--layer", "0", "--quiet"]
-    assert main([*args, "--factory", "Flat"]) == 0
+    assert main(["index", *args, "--factory", "Flat"]) == 0
     capsys.readouterr()
-    assert main(["search", str(out), "def __init__(self):", "-k", "2"]) == 0
+    assert main(["index", "search", str(out), "def __init__(self):", "-k", "2"]) == 0
     assert capsys.readouterr().out.count("score ") == 2
 
 
