@@ -1,13 +1,9 @@
-"""A (rows, d) table kept in host memory, its rows fetched to the device before the layer that reads them runs
-(Engram, DeepSeek 2026: a hashed n-gram table's addresses depend only on the token ids, so they are known as soon
-as the batch is, and the table can be far larger than the device's memory).
+"""A (rows, d) table in host memory whose rows are fetched to the device before their reader runs (Engram, DeepSeek
+2026: a hashed n-gram table's addresses depend on the token ids alone, so they are known with the batch).
 
-``fetch`` gathers the distinct rows a batch names on the host, into page-locked memory when the device is a GPU,
-and copies them to the device on a side CUDA stream, so the copy overlaps whatever the default stream runs before
-the reader asks for them (``Fetched.rows`` makes the reader's stream wait). In training the fetched rows are a leaf
-tensor; autograd sums each row's gradient over its reads, and a hook hands that (U, d) gradient to a row-wise
-optimizer on the host (``RowAdam.add_lookups``, one lookup per row): the table gets no ``.grad`` and the main
-optimizer never sees it. ``HostTableCallback`` (plugins/_host_table_callback.py) steps that optimizer in training.
+``fetch`` gathers the distinct rows on the host (page-locked for a GPU) and copies them on a side stream that the
+reader's stream waits for (``Fetched.rows``). The fetched rows are a leaf: a hook hands their (U, d) gradient to a
+host RowAdam, so the table gets no ``.grad`` and the main optimizer never sees it.
 """
 
 from __future__ import annotations
@@ -38,8 +34,8 @@ class Fetched:
 def fetch(
     table: Tensor, ids: Tensor, device: torch.device, stream: Any = None, sink: Any = None, key: str = ""
 ) -> Fetched:
-    """The rows of host ``table`` named by host ``ids`` (N, m), on ``device``; copied on ``stream`` (a CUDA stream)
-    when given. With ``sink`` and gradients enabled, the rows' gradient goes to ``sink.add_lookups(key, ...)``."""
+    """The rows of host ``table`` named by host ``ids`` (N, m), on ``device``, copied on ``stream`` if given; with a
+    ``sink`` under autograd their gradient goes to ``sink.add_lookups(key, ...)``."""
     rows, index = torch.unique(ids, return_inverse=True)  # (U,) ascending, (N, m)
     pinned = stream is not None
     buf = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype, pin_memory=pinned)
@@ -66,7 +62,7 @@ def fetch(
 
 def _to_sink(leaf: Tensor, sink: Any, key: str, rows: Tensor) -> None:
     """Hand the fetched rows' gradient (U, d) to the host optimizer as one unit-weight lookup per row, and drop it
-    from the leaf (a copy on the host is all the update needs)."""
+    from the leaf."""
     grad = leaf.grad.to("cpu", torch.float32)  # a GPU: waits for the backward up to this table's reader
     sink.add_lookups(key, rows.view(-1, 1), torch.ones(rows.numel(), 1), grad)
     leaf.grad = None

@@ -1,24 +1,15 @@
-"""Token-ID lookup tables (Baykal et al., 'The Power of External Memory in Increasing Predictive Model
-Capacity'): the lookup q(x, id) picks the table entry of the token's vocabulary id, so the table has one
-entry per vocabulary item and needs no router and no aux loss.
-
-Each entry is a partial expert added to the FFN of the chosen layers:
+"""Token-ID lookup tables (Baykal et al. 2023): the token's vocabulary id picks its entry, so there is no router
+and no aux loss. Each entry is a partial expert added to the FFN of the chosen layers:
     rank 0:  f_id(x) = b_id                       (a constant vector per token id)
     rank r:  f_id(x) = V_id relu(U_id^T x)        (U_id, V_id of shape d x r)
-Lookups are embedding gathers, never a dense matmul over the vocabulary; their gradient touches only
-the rows of the batch's tokens.
 
-With ``ngram_orders`` the tables are a hashed n-gram memory instead (Engram, DeepSeek 2026; Over-Tokenized
-Transformer, Huang et al. 2025): for each order n and hash head h, the n-gram ending at position t,
-tokens[t-n+1..t], is hashed by multiplicative-XOR into one of ``ngram_rows`` rows of the head's table,
+With ``ngram_orders`` they are a hashed n-gram memory instead (Engram, DeepSeek 2026; Over-Tokenized Transformer,
+Huang et al. 2025): per order n and hash head h, the n-gram ending at t is hashed into the head's table,
     bucket = (XOR_j (token_j * a_nhj mod 2^31)) mod rows        (a_nhj: fixed odd multipliers from ngram_seed)
     e(t) = sum_n sum_h E_nh[bucket_nh(t)]                        one EmbeddingBag over all heads and orders
-added to the FFN output of the chosen layers (Engram), scaled by a context gate sigmoid(w . x + b) of the FFN
-input x, or to the token embedding (placement 'embed', Over-Tokenized). Positions before the start of the
-window read a padding id (vocab_size), so no future token is read; with a KV cache the previous n-1 tokens come
-from the cache. With ``ngram_host`` the tables stay in host memory (Engram): ``prepare`` computes the batch's
-buckets on the host and starts copying the rows they name to the device (plugins/_host_table.py), and a row-wise
-lazy Adam on the host updates the rows a step read.
+beside the FFN, gated by sigmoid(w . x + b), or added to the token embedding. Positions before the window read
+a padding id (vocab_size), never a future token. ``ngram_host`` keeps the tables in host memory
+(plugins/_host_table.py).
 """
 
 from __future__ import annotations
@@ -184,8 +175,8 @@ def with_history(ctx: Context, k: int, pad: int, tokens: Tensor | None = None) -
 class NGramMemory(nn.Module):
     """Hashed n-gram tables: the summed rows of every order and hash head, gated by the FFN input if asked.
 
-    With ``ngram_host`` the table and the hash constants stay on the host whatever device or dtype the model is
-    moved to (``_apply``), and forward reads the rows the plugin's ``prepare`` fetched (or fetches them itself)."""
+    With ``ngram_host`` the table and the hash constants stay on the host whatever the model is moved to
+    (``_apply``), and forward reads the rows ``prepare`` fetched."""
 
     def __init__(self, vocab: int, d: int, c: TokenIDConfig) -> None:
         super().__init__()
@@ -217,7 +208,7 @@ class NGramMemory(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> NGramMemory:
         if not self.host:
             return super()._apply(fn, recurse)
-        # The host table, and the hash constants its ids are computed with on the host, keep their place and dtype.
+        # The host table, and the hash constants its ids are computed with, keep their place and dtype.
         params, buffers = self._parameters.pop("table"), {n: self._buffers.pop(n) for n in ("mult", "start")}
         try:
             return super()._apply(fn, recurse)
@@ -291,8 +282,7 @@ class TokenIDPlugin(Plugin):
 
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
         """ngram_host: hash the batch's n-grams on the host and start fetching each table's rows to the device, so
-        the copies overlap the layers before the first reader (the rows are read after the previous step's update:
-        fetching the next batch's rows before it would read stale ones)."""
+        the copies overlap the layers before the first reader (not earlier: the previous step's update comes first)."""
         if not self.memories:
             return
         from rlm.data.windows import host_array  # here: importing rlm.data imports Lightning
@@ -312,20 +302,16 @@ class TokenIDPlugin(Plugin):
     def added_parameters(self) -> int:
         """Parameters added per layer: vocab*d at rank 0, 2*rank*vocab*d at rank r; n-grams: orders*heads*rows*d
         and the gate's d+1."""
-        c = self.config
+        c, d = self.config, self.model_config.d_model
         if c.ngram_orders:
-            gate = self.model_config.d_model + 1 if c.ngram_gate else 0
-            return len(c.ngram_orders) * c.ngram_heads * c.ngram_rows * self.model_config.d_model + gate
-        per_bucket = self.model_config.d_model * (1 if self.config.rank == 0 else 2 * self.config.rank)
-        return per_bucket * self.model_config.vocab_size
+            return len(c.ngram_orders) * c.ngram_heads * c.ngram_rows * d + (d + 1 if c.ngram_gate else 0)
+        return d * (2 * c.rank if c.rank else 1) * self.model_config.vocab_size
 
     def inactive_parameters(self) -> int:
         # A token reads one row of each table: all other rows are inactive for it.
-        c = self.config
+        c, d = self.config, self.model_config.d_model
         if c.ngram_orders:
             modules = 1 if c.placement == "embed" else len(self.layers)
-            return (
-                modules * len(c.ngram_orders) * c.ngram_heads * (c.ngram_rows - 1) * self.model_config.d_model
-            )
+            return modules * len(c.ngram_orders) * c.ngram_heads * (c.ngram_rows - 1) * d
         vocab = self.model_config.vocab_size
         return len(self.layers) * self.added_parameters() * (vocab - 1) // vocab
