@@ -77,16 +77,13 @@ class IndexConfig:
 class BuiltIndex:
     """A searchable index and how it was made."""
 
-    index: Any
-    """A faiss.Index or a TorchExactIndex; both have search(x, k) -> (scores, ids) and ntotal."""
-    factory: str
-    """The resolved factory ('IVF1789,SQ8', 'Flat', 'torch'), never 'auto'."""
+    index: Any  # a faiss.Index or a TorchExactIndex; both have search(x, k) -> (scores, ids) and ntotal
+    factory: str  # the resolved factory ('IVF1789,SQ8', 'Flat', 'torch'), never 'auto'
     search_params: dict[str, int] = field(default_factory=dict)
     """Search-time parameters (nprobe, efSearch) to set on the index after loading."""
     tuned_recall: float | None = None
     """Recall@tune_k measured on the tuning sample with search_params, when tuned."""
-    on_gpu: bool = False
-    """Whether `index` lives on a GPU."""
+    on_gpu: bool = False  # whether `index` lives on a GPU
 
     @property
     def ntotal(self) -> int:

@@ -44,21 +44,16 @@ class RetrievalMemory:
 
     segments: Any
     """The data's segment table (rlm.data.SegmentTable: tokens(ids), doc, start, length, segment_len, pad_id)."""
-    rows: np.ndarray
-    """(R,) global segment id of each index row."""
-    index: Any
-    """Searchable index over the R rows (search(x, k) -> (scores, row ids))."""
-    index_segments: IndexSegments
-    """(document, offset) of each row, for the causal filter."""
+    rows: np.ndarray  # (R,) global segment id of each index row
+    index: Any  # searchable index over the R rows (search(x, k) -> (scores, row ids))
+    index_segments: IndexSegments  # (document, offset) of each row, for the causal filter
     neighbours: np.ndarray | None
     """(S, k) global neighbour ids of every global segment id (-1: none, or not a training segment); None when the
     rebuild made no table (the retriever's lookup 'search': each training step searches its own queries)."""
     identity: dict[str, Any]
     """The embedder identity that produced the vectors (with "projection": the projection's identity, or None)."""
-    step: int
-    """Training step of the rebuild."""
-    path: Path | None = None
-    """The index directory it was written to or loaded from."""
+    step: int  # training step of the rebuild
+    path: Path | None = None  # the index directory it was written to or loaded from
     recall: float | None = None
     """Recall@tune_k of the index against exact search (1.0 for an exact index; None when unmeasured)."""
     parts: list[str] | None = None

@@ -22,8 +22,7 @@ from rlm.index.build import as_unit_float32, max_k, search_index
 class SegmentTable:
     """Where each indexed segment comes from: segment id s is (doc[s], offset[s])."""
 
-    doc: np.ndarray
-    """Document id of each segment, (S,) int64."""
+    doc: np.ndarray  # document id of each segment, (S,) int64
     offset: np.ndarray
     """Token offset of each segment inside its document, (S,) int64 (orders segments within a document)."""
 
@@ -43,10 +42,8 @@ class SegmentTable:
 class Neighbours:
     """A neighbour table: row q holds query q's top-k allowed results, best first."""
 
-    ids: np.ndarray
-    """Segment ids, (Q, k) int64; -1 where fewer than k results were allowed."""
-    scores: np.ndarray
-    """Cosine similarities, (Q, k) float32; -inf where ids is -1."""
+    ids: np.ndarray  # segment ids, (Q, k) int64; -1 where fewer than k results were allowed
+    scores: np.ndarray  # cosine similarities, (Q, k) float32; -inf where ids is -1
     excluded: np.ndarray | None = None
     """(Q,) results the counted exclusions took from each query's top k (None: no exclusions were given)."""
 
@@ -55,14 +52,10 @@ class Neighbours:
 class Exclusions:
     """Row ranges some queries must not find: query[e] keeps no row r with lo[e] <= r < hi[e]."""
 
-    query: np.ndarray
-    """(E,) position of the query (a row of the queries array), int64."""
-    lo: np.ndarray
-    """(E,) first excluded row, int64."""
-    hi: np.ndarray
-    """(E,) end of the excluded rows (exclusive), int64."""
-    counted: np.ndarray
-    """(E,) bool: count the results this exclusion removes (Neighbours.excluded)."""
+    query: np.ndarray  # (E,) position of the query (a row of the queries array), int64
+    lo: np.ndarray  # (E,) first excluded row, int64
+    hi: np.ndarray  # (E,) end of the excluded rows (exclusive), int64
+    counted: np.ndarray  # (E,) bool: count the results this exclusion removes (Neighbours.excluded)
 
     def __post_init__(self) -> None:
         self.query, self.lo, self.hi = (

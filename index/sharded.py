@@ -98,10 +98,8 @@ class ShardedMemory(RetrievalMemory):
     """This rank's part of a sharded index (rows, index, index_segments, path: the part's) and the whole neighbour
     table; parts lists every rank's directory."""
 
-    rank: int = 0
-    """This process's rank in the default process group."""
-    world: int = 1
-    """Number of ranks (= parts)."""
+    rank: int = 0  # this process's rank in the default process group
+    world: int = 1  # number of ranks (= parts)
     indexed: np.ndarray | None = None
     """(S,) bool: which global segment ids are indexed by some part (queries of others are not filtered)."""
     collective: ClassVar[bool] = True

@@ -66,14 +66,10 @@ class IndexNotFoundError(FileNotFoundError):
 class IndexDir:
     """A loaded index directory."""
 
-    path: Path
-    """Where it was loaded from."""
-    meta: dict[str, Any]
-    """The parsed meta.json."""
-    index: Any
-    """faiss.Index or TorchExactIndex, search parameters already set."""
-    segments: SegmentTable
-    """The segment-id -> (document, offset) map."""
+    path: Path  # where it was loaded from
+    meta: dict[str, Any]  # the parsed meta.json
+    index: Any  # faiss.Index or TorchExactIndex, search parameters already set
+    segments: SegmentTable  # the segment-id -> (document, offset) map
     vectors: np.ndarray | None
     """The indexed vectors (memory-mapped), when the directory stores them (narrowed, with a projection)."""
     projection: Projection | None = None

@@ -19,21 +19,17 @@ class SegmentTable:
     ) -> None:
         if segment_len < 1:
             raise ValueError(f"segment_len={segment_len}; accepted: a positive integer")
-        self.segment_len = segment_len
-        """Tokens per segment."""
-        self.pad_id = pad_id
-        """Filler for the tail of a short last segment."""
+        self.segment_len = segment_len  # tokens per segment
+        self.pad_id = pad_id  # filler for the tail of a short last segment
         self.fingerprint = fingerprint
         """Identifies corpus + tokenizer + segment_len: neighbour tables and indices built on it match it."""
-        self.corpus_tokens = tokens
-        """The whole token array the segments index into (usually memory-mapped)."""
+        self.corpus_tokens = tokens  # the whole token array the segments index into (usually memory-mapped)
         doc_len = np.diff(doc_offsets)  # (n_docs,)
         n_seg = -(-doc_len // segment_len)  # ceil
         self.first = np.zeros(len(doc_len) + 1, dtype=np.int64)
         """(n_docs + 1,) first segment id of each document; document d owns ids first[d]:first[d + 1]."""
         np.cumsum(n_seg, out=self.first[1:])
-        self.doc = np.repeat(np.arange(len(doc_len), dtype=np.int64), n_seg)
-        """(S,) document of each segment."""
+        self.doc = np.repeat(np.arange(len(doc_len), dtype=np.int64), n_seg)  # (S,) document of each segment
         k = np.arange(len(self.doc), dtype=np.int64) - self.first[self.doc]  # index of the segment in its doc
         self.offset = k * segment_len
         """(S,) offset of each segment's first token inside its document (orders a document's segments)."""

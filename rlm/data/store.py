@@ -41,18 +41,12 @@ _ENCODE_BATCH = 64  # documents per sentencepiece call: big enough for its threa
 class CacheKey:
     """Everything the tokenizer and the token cache depend on."""
 
-    corpus: str
-    """sha256 of the documents' names and contents."""
-    vocab_size: int
-    """Requested sentencepiece vocabulary size."""
-    model_type: str
-    """sentencepiece model type."""
-    seed: int
-    """Seed of the document split and the tokenizer trainer."""
-    val_fraction: float
-    """Fraction of documents held out (the tokenizer never sees them)."""
-    max_tokenizer_chars: int
-    """Characters of training text the tokenizer trainer sees."""
+    corpus: str  # sha256 of the documents' names and contents
+    vocab_size: int  # requested sentencepiece vocabulary size
+    model_type: str  # sentencepiece model type
+    seed: int  # seed of the document split and the tokenizer trainer
+    val_fraction: float  # fraction of documents held out (the tokenizer never sees them)
+    max_tokenizer_chars: int  # characters of training text the tokenizer trainer sees
     test_fraction: float = 0.0
     """Fraction of documents held out for the test split (the tokenizer never sees them)."""
     tokenizer: str = TRAIN
@@ -227,10 +221,8 @@ class TokenStore:
         """All documents' tokens, concatenated (memory-mapped)."""
         self.doc_offsets: np.ndarray = np.load(self.root / "doc_offsets.npy")
         """(n_docs + 1,) int64 start of each document in `tokens`."""
-        self.train_docs: np.ndarray = np.load(self.root / "train_docs.npy")
-        """Sorted training document ids."""
-        self.val_docs: np.ndarray = np.load(self.root / "val_docs.npy")
-        """Sorted validation document ids."""
+        self.train_docs: np.ndarray = np.load(self.root / "train_docs.npy")  # sorted training document ids
+        self.val_docs: np.ndarray = np.load(self.root / "val_docs.npy")  # sorted validation document ids
         test = self.root / "test_docs.npy"
         self.test_docs: np.ndarray = np.load(test) if test.is_file() else np.zeros(0, dtype=np.int64)
         """Sorted test document ids."""

@@ -38,8 +38,7 @@ class Windows:
         n = np.diff(doc_offsets)[docs]  # (D,) tokens per document, bos/eos included (>= 2)
         n_win = (n - 2) // seq_len + 1  # ceil((n - 1) / seq_len): n - 1 targets per document
         first = np.concatenate([[0], np.cumsum(n_win)])
-        self.doc = np.repeat(docs, n_win).astype(np.int64)
-        """(W,) document of each window."""
+        self.doc = np.repeat(docs, n_win).astype(np.int64)  # (W,) document of each window
         self.start = (np.arange(first[-1]) - np.repeat(first[:-1], n_win)) * seq_len
         """(W,) offset of each window inside its document."""
 
@@ -157,12 +156,9 @@ class TrainLoader:
             )
         self.windows, self.batch_size, self.seed = windows, batch_size, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
-        self.epoch = epoch
-        """Epoch being (or last) drawn from."""
-        self.pin = pin
-        """Batches in page-locked memory (for a GPU)."""
-        self.position = 0
-        """Batches of `epoch` already handed out."""
+        self.epoch = epoch  # epoch being (or last) drawn from
+        self.pin = pin  # batches in page-locked memory (for a GPU)
+        self.position = 0  # batches of `epoch` already handed out
 
     def __len__(self) -> int:
         return len(self.windows) // (self.batch_size * self.world_size)

@@ -31,8 +31,7 @@ class CachedDecoder:
                 f"window={window}; accepted: 1..model.max_seq_len={module.model.config.max_seq_len}"
             )
         self.cache: KVCache | None = None
-        self.start = 0
-        """Position in ids of the cache's first token."""
+        self.start = 0  # position in ids of the cache's first token
 
     def __call__(self, ids: Tensor) -> Tensor:
         """(B, V) float logits after the whole of ``ids`` (B, N), which extends the ids of the previous call."""

@@ -68,8 +68,7 @@ class RLMConfig(PretrainedConfig):
 
     model_type = MODEL_TYPE
 
-    rlm_model: dict[str, Any] = field(default_factory=dict)
-    """rlm.model.ModelConfig's fields."""
+    rlm_model: dict[str, Any] = field(default_factory=dict)  # rlm.model.ModelConfig's fields
     plugins: dict[str, Any] = field(default_factory=dict)
     """Plugin label -> {class_path, init_args}: every option of every plugin, defaults included."""
     indices: dict[str, str | None] = field(default_factory=dict)
