@@ -1,34 +1,12 @@
-"""Expert parallelism for the routed experts (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021).
+"""Expert parallelism (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021).
 
-The P processes form P/W expert groups of W consecutive ranks (``moe.expert_group_size``; by default the
-processes of one node, so the exchange stays on the node's links). In a group each rank keeps N/W of a layer's
-N experts (group rank r: experts r*N/W .. (r+1)*N/W - 1) and tokens travel to their experts' rank and back
-with two ``all_to_all_single`` calls (dispatch, combine) whose backward is the same exchange in reverse, so an
-expert's gradient collects every group rank's tokens. The exchanges are asynchronous and a rank's experts run
-in chunks (``moe.overlap_chunks``): each chunk's tokens travel while the chunk before it computes, and its
-results while the next one computes, in forward and, mirrored, in backward (:func:`parallel_dispatch`). The
-groups' copies of an expert are kept equal by an all-reduce of their gradients over the replica group before
-each optimizer step (``rlm.distributed.replicas.sync_replicas``).
-
-Capacity is decided for the group's batch, exactly as one process would decide it: the routing (k expert ids
-per token, padding as id N; one byte each below 256 experts) is all-gathered first and every rank runs the same
-:func:`~rlm.plugins._experts.plan` over the ranks' sequences side by side (:func:`route_group`, vectorised: no
-loop over positions or ranks). So with capacity or dropless, outputs and gradients equal the one-process layer
-on the group's batch (with one group: the global batch); only the activations of kept assignments are
-exchanged, in the experts' compute dtype (autocast's bf16 under bf16-mixed). Every rank knows the whole plan,
-so the all_to_all split sizes come from one host read of a W x W x chunks tensor, with no exchange of counts.
-docs/SCALE.md has the costs at cluster scale.
-
-Data-parallel conventions (Lightning DDP): the other parameters' gradients are averaged over the P ranks, so
-each rank's local expert gradient, a sum over its group's losses, is scaled by 1/P by a hook and summed over
-the groups; the expert parameters are registered for DDP to ignore (no all-reduce, no broadcast from rank 0;
-checked once DDP has wrapped the module, :func:`check_ddp_ignores`); gradient-norm clipping uses the global
-norm (the local norms differ between ranks, and different clip factors would split the replicas).
-Checkpoints hold the full (N, ...) expert tensors and their optimizer moments, gathered from rank 0's group
-to rank 0's host memory on save (one tensor at a time); loading slices this rank's experts, so a checkpoint
-resumes under any W that divides N, or on one process.
-
-On one process (torch.distributed not initialised or world 1) nothing here runs: the layer is unchanged.
+The P processes form P/W expert groups of W consecutive ranks (``moe.expert_group_size``, a node by default);
+group rank r keeps experts r*N/W .. (r+1)*N/W - 1, and tokens travel to them and back by all_to_all, whose
+backward is the same exchange reversed. A rank's experts run in chunks (``moe.overlap_chunks``) so one chunk's
+tokens travel while another computes. Capacity is decided for the group's batch as one process would: the
+routing is all-gathered and every rank runs the same plan over it (:func:`route_group`), so outputs and
+gradients equal the one-process layer on the group's batch. Expert gradients are scaled by 1/P and kept out of
+DDP; the groups' copies are kept equal by an all-reduce over the replica group. On one process nothing here runs.
 """
 
 from __future__ import annotations
@@ -108,8 +86,8 @@ class _Wait(torch.autograd.Function):
 def launch(x: Tensor, send: list[int], recv: list[int], group: Any) -> tuple[Tensor, Exchange]:
     """Start sending x[sum(send[:j]) : sum(send[:j+1])] to rank j; the received rows are valid after :func:`wait`.
 
-    Differentiable: the backward of the pair is the same exchange in reverse, started by :func:`wait`'s
-    backward and finished by this one's, so it overlaps the backward compute between them as the forward does.
+    The pair's backward is the exchange reversed, started by :func:`wait`'s backward and finished by this one's,
+    so it overlaps the backward compute between them.
     """
     ex = Exchange(send, recv, group)
     return _Launch.apply(x, ex), ex
@@ -127,17 +105,6 @@ def gather_sizes(n: int, group: Any, device: torch.device) -> list[int]:
     counts = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(counts, mine, group=group)
     return torch.cat(counts).tolist()
-
-
-def all_gather_rows(t: Tensor, group: Any) -> list[Tensor]:
-    """Every rank's t (n_r, ...) with n_r varying by rank (counts first, then padded rows); no gradient."""
-    world = dist.get_world_size(group)
-    counts = gather_sizes(t.shape[0], group, t.device)
-    pad = t.new_zeros(max(counts), *t.shape[1:])
-    pad[: t.shape[0]] = t
-    parts = [torch.empty_like(pad) for _ in range(world)]
-    dist.all_gather(parts, pad.contiguous(), group=group)
-    return [p[:c] for p, c in zip(parts, counts)]
 
 
 @dataclass
@@ -203,13 +170,10 @@ def route_group(
 ) -> GroupRoute:
     """Plan the group's batch and this rank's part in it, with no loop over positions or ranks.
 
-    ``routed`` (W, S_max, k) holds every rank's expert ids (the expert count N = n_local * W for padding), rows
-    padded past ``sizes[r]``. Rank r's S_r = seq_len * B_r rows are position-major, and the group's batch is
-    the ranks' sequences side by side, position-major too: global row t * sum(B) + (B_0 + ... + B_{r-1}) + b
-    is rank r's row t * B_r + b. So queue places, and drops, are those of one process on that batch.
-
-    Each rank's experts form ``chunks`` runs of n_local / chunks (it must divide n_local), exchanged apart so
-    that one chunk's tokens travel while another's experts compute; the plan is the same whatever the chunks.
+    ``routed`` (W, S_max, k) holds every rank's expert ids (N = n_local * W for padding), rows padded past
+    ``sizes[r]``. Rank r's S_r = seq_len * B_r rows are position-major, and so is the group's batch of the ranks'
+    sequences side by side: global row t * sum(B) + (B_0 + ... + B_{r-1}) + b is rank r's row t * B_r + b, so
+    queue places and drops are one process's. ``chunks`` must divide n_local; the plan does not depend on it.
     """
     W, S_max, k = routed.shape
     n, device = n_local * W, routed.device
@@ -291,19 +255,10 @@ def parallel_dispatch(
 ) -> tuple[Tensor, Plan]:
     """:func:`~rlm.plugins._experts.dispatch` with this rank's N/W experts: x (S, d), index/weight (S, k).
 
-    Each rank's S = seq_len * B_r rows are position-major (all its sequences' token 0, then token 1, ...), as
-    MoELayer orders them; the group's batch is the ranks' sequences side by side, planned position-major too, so
-    queue places (and drops) equal the 1-process layer's on that batch. ``capacity(tokens)`` gives the
-    per-expert capacity for the group's token count. Returns y (S, d) and the group's plan (its ``dropped`` is
-    the group's fraction).
-
-    The rank's experts are exchanged and computed in ``chunks`` runs (:func:`overlap_chunks`: the largest
-    divisor of N/W not above it): every chunk's tokens are sent at once, and chunk c's experts compute while
-    later chunks' tokens, and earlier chunks' results, are in flight. The backward mirrors it (the autograd
-    engine runs later chunks first). 1: each exchange blocks.
-
-    Host syncs per call: two reads (every rank's row count, for the gather's padding and the capacity; the
-    split tensor) and the plan's compaction of kept assignments, as in :func:`dispatch`; none in backward.
+    Rows are position-major (S = seq_len * B_r), as MoELayer orders them; ``capacity(tokens)`` gives the
+    per-expert capacity for the group's token count. Returns y (S, d) and the group's plan. Chunk c's experts
+    compute while later chunks' tokens and earlier chunks' results are in flight; backward mirrors it.
+    Host syncs: two reads (the ranks' row counts, the split tensor) and the plan's compaction; none in backward.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     S, k = index.shape
@@ -363,12 +318,10 @@ class _ScaleGrad:
 
 
 def shard_experts(experts: Experts, rank: int, world: int, processes: int | None = None) -> None:
-    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` as its parameters (in place); W = ``world``,
-    the expert group's size, and ``rank`` this process's rank in it.
+    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` in place, W = ``world`` the expert group's size.
 
-    Gradients get the 1/P of data-parallel averaging over all P ``processes`` (default W), and loading a state
-    dict with all N experts takes this rank's slice (checkpoints hold full tensors, see
-    :class:`ExpertParallelCallback`).
+    Gradients get the 1/P of data-parallel averaging over all P ``processes`` (default W); loading a state dict
+    of all N experts (checkpoints hold full tensors) takes this rank's slice.
     """
     n = experts.up.shape[0]
     if n % world:
@@ -396,10 +349,9 @@ def shard_experts(experts: Experts, rank: int, world: int, processes: int | None
 
 def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
     """(expert group, replica group) of ``rank`` when ``world`` processes form world/size expert groups of
-    ``size`` consecutive ranks (a node's, with ranks numbered node by node): each group holds every expert
-    once; the replica group joins the ranks holding the same experts (one per expert group), None if one.
+    ``size`` consecutive ranks; the replica group joins the ranks holding the same experts (None: one group).
 
-    Every rank must call this with the same arguments (``dist.new_group`` is collective over all ranks).
+    Collective: every rank must call this with the same arguments (``dist.new_group``).
     """
     if size < 1 or world % size:
         raise ValueError(
@@ -413,14 +365,9 @@ def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
 
 
 def ignore_in_ddp(module: nn.Module, names: Iterable[str]) -> None:
-    """Have DDP wrapping ``module`` (and Lightning's state sync outside fit) leave these parameters alone: no
-    gradient all-reduce, no broadcast from rank 0.
-
-    torch has no public API for it (pytorch/pytorch#43690). ``DistributedDataParallel``'s static
-    ``_set_params_and_buffers_to_ignore_for_model`` is the one its own docstring prescribes: it sets the module
-    attribute DDP's constructor and Lightning's ``_sync_module_states`` read, and marks the parameters
-    ``_ddp_ignored`` for DDP's other readers (torch.compile's DDP bucketing among them). Names already listed
-    there are kept. :func:`check_ddp_ignores` verifies the outcome once DDP has wrapped the module."""
+    """Have DDP wrapping ``module`` (and Lightning's state sync) leave these parameters alone: no gradient
+    all-reduce, no broadcast from rank 0. torch has no public API for it; DDP's own docstring prescribes
+    ``_set_params_and_buffers_to_ignore_for_model``, and :func:`check_ddp_ignores` verifies the outcome."""
     from torch.nn.parallel import DistributedDataParallel
 
     listed = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -428,9 +375,8 @@ def ignore_in_ddp(module: nn.Module, names: Iterable[str]) -> None:
 
 
 def check_ddp_ignores(wrapped: nn.Module, names: Iterable[str]) -> None:
-    """Raise a RuntimeError unless ``wrapped`` (the strategy's model once fit has set it up), if a DDP wrapper,
-    leaves out every one of ``names``: its ``parameters_to_ignore``, which torch 2.6 to 2.13 skip in both the
-    reducer's parameters and the broadcast from rank 0."""
+    """Raise a RuntimeError unless ``wrapped`` (the strategy's model), if a DDP wrapper, leaves out every one of
+    ``names`` (its ``parameters_to_ignore``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(wrapped, DistributedDataParallel):

@@ -1,6 +1,5 @@
-"""Expert parallelism's Lightning callback (the exchange itself is plugins/_expert_parallel.py), kept apart so that
-reading MoE's options (``rlm plugins moe``, an experiment check) does not import Lightning: the plugin imports
-it in ``callbacks()``."""
+"""Expert parallelism's Lightning callback, apart from plugins/_expert_parallel.py so that reading MoE's options
+does not import Lightning: the plugin imports it in ``callbacks()``."""
 
 from __future__ import annotations
 
@@ -32,14 +31,11 @@ def _node_size(trainer: pl.Trainer, world: int) -> int:
 class ExpertParallelCallback(ArmedSync):
     """Shards the experts of ``layers()`` at setup when torch.distributed runs with several processes.
 
-    ``layers`` returns the modules holding an ``experts`` (:class:`Experts`) and an ``expert_group`` attribute,
-    which is set to the expert group (the layer then dispatches with :func:`parallel_dispatch`). With P
-    processes and an expert group of G (``group_size``; default a node's processes), each of the P/G groups
-    holds every expert once, N/G per rank; tokens travel only within their group (NVLink, not the network,
-    for a node), capacity is decided per group's batch, and the P/G copies of an expert are kept equal by an
-    all-reduce of their gradients over the replica group before each optimizer step, started for each expert
-    tensor as soon as the backward has its gradient (:class:`ReplicaSync`), so it travels while the backward
-    goes on through the layers below.
+    ``layers`` returns modules with ``experts`` (:class:`Experts`) and ``expert_group``, set here to the expert
+    group (``group_size``; default a node's processes). The copies of an expert in the other groups are kept
+    equal by an all-reduce of each gradient started as soon as backward has it (:class:`ReplicaSync`). Clips by
+    the global norm (ranks' local norms differ, and different clip factors would split the replicas) and
+    checkpoints full expert tensors, so a checkpoint resumes under any W that divides N.
     """
 
     def __init__(self, layers: Callable[[], list[nn.Module]], group_size: int | None = None) -> None:
@@ -119,10 +115,8 @@ class ExpertParallelCallback(ArmedSync):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Every rank runs this (Lightning dumps the checkpoint on all ranks, rank 0 alone writes it). So the full
-        # tensors are gathered to rank 0 only, one tensor at a time and straight to host memory: at OLMoE's size
-        # an all-gather of every expert tensor and both Adam moments would put every full tensor on every GPU;
-        # this peaks at one full tensor on rank 0's device. The other ranks keep their shards (never written).
+        # Every rank runs this, rank 0 alone writes: the full tensors are gathered to rank 0 only, one at a time
+        # and straight to host memory, so the peak is one full tensor on rank 0's device.
         group, world, rank = self.group, self.world, self.rank
 
         def full(t: Tensor) -> Tensor:

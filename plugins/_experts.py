@@ -1,12 +1,9 @@
-"""Expert computations shared by the routed plugins (moe, partial_experts, tokenid).
+"""Expert computations of the routed plugins (moe, partial_experts, tokenid).
 
-- :class:`Experts`: N FFN experts stored as stacked (N, d, h) / (N, h, d) weights, and :func:`dispatch`, which
-  groups (token, choice) assignments by expert with one stable sort and runs all experts at once, either as
-  one grouped matmul over the sorted tokens (``torch.nn.functional.grouped_mm``) or as a batched matmul over
-  (N, C, d) capacity buffers. There is no Python loop over tokens or experts, and no per-expert slicing of the
-  stacked weights (each slice's gradient would be a full-size tensor).
-- :class:`PartialEntries`: a table of partial experts V relu(U^T x) of rank r, or constant vectors at rank 0
-  (Baykal et al. 2023), read with embedding gathers so only the looked-up rows are touched.
+:class:`Experts` stacks N FFN experts as (N, d, h) / (N, h, d) weights; :func:`dispatch` sorts the assignments
+by expert once and runs every expert in one grouped GEMM or one bmm over (N, C, d) capacity buffers: no loop over
+experts, no per-expert weight slices (each slice's gradient would be full-size). :class:`PartialEntries` holds
+partial experts V relu(U^T x) or constant vectors (Baykal et al. 2023), read by embedding gathers.
 """
 
 from __future__ import annotations
@@ -24,11 +21,8 @@ _GROUPED_FAILED: set[tuple[str, torch.dtype]] = set()
 
 
 def grouped_mm_op() -> Callable[..., Tensor] | None:
-    """The grouped GEMM: public ``F.grouped_mm`` where torch has it, else ``torch._grouped_mm``, else None.
-
-    The private op is only a fallback for older torch; every call of either sits behind ``Experts._grouped``,
-    which falls back to bmm on any exception.
-    """
+    """``F.grouped_mm``, else the private ``torch._grouped_mm`` of older torch, else None; every call falls back to
+    bmm on any exception (``Experts._grouped``)."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -61,11 +55,9 @@ class Plan:
 def plan(index: Tensor, valid: Tensor, n: int, capacity: int | None) -> Plan:
     """Group the assignments index (S, k) by expert; padding (valid False) and assignments past capacity drop out.
 
-    Queue places are claimed token by token in row order, each token's k choices together (first choice
-    first): row s's places depend only on rows <= s, never on a later row. Callers pass the rows in the order
-    that makes this causal (moe: position-major, every sequence's token t before any token t + 1). GShard
-    (Lepikhin et al. 2020) instead lets every first choice claim capacity before any second choice, which lets
-    a later token's first choice displace an earlier token's second choice: not causal, so not used here.
+    Queue places are claimed row by row, each row's k choices together, so row s's places depend on rows <= s
+    only (causal when rows are position-major). GShard (Lepikhin et al. 2020) lets every first choice claim
+    before any second choice, so a later token could displace an earlier one: not causal.
     """
     S, k = index.shape
     expert = index.reshape(-1)  # (A0,) with A0 = S * k, token-major: a = s * k + j
@@ -112,11 +104,8 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.randn(n, hidden, d) * out_std)
 
     def grouped_ok(self, x: Tensor) -> bool:
-        """Whether 'auto' takes the grouped GEMM for x: 16-byte aligned rows, a device and dtype it is made for.
-
-        CPU: float32, bf16 or float16. CUDA: bf16 on sm80 or newer (autocast's dtype counts, see forward);
-        CUDA float32 has no grouped kernel and uses bmm.
-        """
+        """Whether 'auto' takes the grouped GEMM for x: 16-byte aligned rows, and CPU float32/bf16/float16 or
+        CUDA bf16 on sm80+ (CUDA float32 has no grouped kernel)."""
         if grouped_mm_op() is None or (x.device.type, x.dtype) in _GROUPED_FAILED:
             return False
         align = 16 // x.element_size()
@@ -166,9 +155,8 @@ class Experts(nn.Module):
     ) -> Tensor:
         """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d).
 
-        ``weights`` (up, down) hold the experts p numbers, a run of this module's (one chunk's of the expert
-        parallel exchange, split once so that their gradients are concatenated, not each a full-size tensor);
-        default all of them. ``capacity`` sizes bmm's buffers (None: the largest queue, read from p).
+        ``weights`` (up, down): a run of this module's experts, the ones p numbers (one chunk of the expert
+        parallel exchange); default all. ``capacity`` sizes bmm's buffers (None: the largest queue).
         """
         up, down = weights if weights is not None else (self.up, self.down)
         x = self.to_compute_dtype(x)
@@ -189,11 +177,8 @@ class Experts(nn.Module):
         return out.index_select(0, slot)  # (A, d)
 
 
-# Under torch.compile the whole dispatch runs eagerly behind one graph break (torch.compiler.disable): the plan
-# has data-dependent shapes (kept assignments per expert), which split the graph in many places and recompile
-# as the loads change, and the grouped GEMM's fake kernel takes only bf16 (torch 2.13). As an eager island
-# the router and the rest of the model compile, and the experts still run through the grouped GEMM
-# (benchmarks/compile.py: compiled this way the model with MoE beats eager; traced, it is slower than eager).
+# Under torch.compile the dispatch is an eager island behind one graph break: the plan's data-dependent shapes
+# would split the graph and recompile as the loads change; the router and the rest of the model still compile.
 @torch.compiler.disable
 def dispatch(
     x: Tensor, index: Tensor, weight: Tensor, valid: Tensor, experts: Experts, capacity: int | None, mode: str
@@ -223,7 +208,7 @@ class PartialEntries(nn.Module):
             nn.init.normal_(self.v.weight, 0.0, init_std) if init_std else nn.init.zeros_(self.v.weight)
 
     def num_parameters(self) -> int:
-        """Parameters of the table: n*d at rank 0, 2*rank*n*d at rank r."""
+        """n*d at rank 0, 2*rank*n*d at rank r."""
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, x: Tensor, index: Tensor, weight: Tensor | None = None) -> Tensor:

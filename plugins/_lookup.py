@@ -1,18 +1,11 @@
-"""Lookup functions shared by the routed plugins (moe, partial_experts): which entries a token reads.
+"""Lookups of the routed plugins (moe, partial_experts): which entries a token reads.
 
-Baykal et al., 'The Power of External Memory in Increasing Predictive Model Capacity' (2023), Sec. 3: a
-memory-augmented layer outputs L(x) + sum_{i in q(x, id)} w_i(x) f_i(x), with the lookup q one of
-
-- ``softmax``: a learned router, h(x) = W x, p = softmax(h), top-k entries weighted by p (Shazeer 2017;
-  Fedus 2021). Computed in float32 with multiplicative input jitter U(1-eps, 1+eps) while training.
-- ``token_id``: the token's vocabulary id picks the entry (weight 1). With fewer entries than the vocabulary,
-  a fixed table maps ids to entries: a seeded hash that gives every entry the same number of ids, or a
-  frequency-balanced table built from token counts (greedy largest-first into the lightest entry).
-- ``lsh``: hyperplane LSH of the token vector (weight 1). Random unit directions fixed at init; along each,
-  ``lsh_slabs - 1`` equispaced parallel hyperplanes cut the line into slabs; the cells of that grid are the
-  buckets, so buckets = lsh_slabs ** directions (lsh_slabs = 2 is sign hashing, Charikar 2002).
-
-Token-ID and LSH have no parameters to learn and need no aux loss.
+Baykal et al. 2023, Sec. 3: a memory-augmented layer outputs L(x) + sum_{i in q(x, id)} w_i(x) f_i(x), q one of
+- ``softmax``: h(x) = W x, p = softmax(h), the top-k entries weighted by p (Shazeer 2017; Fedus 2021);
+- ``token_id``: the vocabulary id picks the entry (weight 1), through a seeded equal-size hash or a
+  frequency-balanced map when there are fewer entries than ids;
+- ``lsh``: the cell of the token vector in a grid of ``lsh_slabs`` slabs along each of m random directions,
+  buckets = lsh_slabs ** m (2 slabs: sign hashing, Charikar 2002). Token-ID and LSH learn nothing.
 """
 
 from __future__ import annotations
@@ -195,9 +188,7 @@ class LSHLookup(nn.Module):
 
     def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:
         x = x.detach().float()  # buckets are fixed functions of x: no gradient through the hash
-        x = x * torch.rsqrt(
-            x.pow(2).mean(dim=-1, keepdim=True) + 1e-6
-        )  # so the cuts see projections of std ~1
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)  # projections of std ~1 meet the cuts
         slab = torch.bucketize(x @ self.directions, self.cuts)  # (S, m) in [0, s)
         index = (slab * self.radix).sum(dim=-1, keepdim=True)  # (S, 1) mixed-radix cell number
         return Routing(index, torch.ones(index.shape, device=x.device))
@@ -222,11 +213,8 @@ def z_loss(logits: Tensor, valid: Tensor) -> Tensor:
 def router_losses(
     ctx: Context, route: Routing, valid: Tensor, prefix: str, tag: str, balance_coef: float, z_coef: float
 ) -> None:
-    """Add '<prefix>_balance' (Switch eq. 4) and '<prefix>_z' (ST-MoE eq. 5) when their weight is non-zero.
-
-    Only a learned router has them (``route.logits`` set); both average over the valid tokens only, and each
-    layer's value is also logged as '<prefix>_balance/<tag>' and '<prefix>_z/<tag>'.
-    """
+    """Add '<prefix>_balance' (Switch eq. 4) and '<prefix>_z' (ST-MoE eq. 5), averaged over valid tokens, when
+    their weight is non-zero and the lookup is a learned router; each is also logged per layer ('/<tag>')."""
     if route.logits is None:
         return
     if balance_coef > 0:

@@ -2,13 +2,10 @@
 
     y = sum_{i in top-k} w_i(x) E_i(x)
 
-where the lookup (plugins/_lookup.py) is the learned softmax router (w = p, renormalised over the k or not),
-Token-ID or LSH hashing (w = 1, Roller et al. 2021 'Hash layers'). Each expert has capacity
-C = ceil(k * tokens / N * capacity_factor) assignments (k = 1 gives Switch's tokens/N * capacity_factor)
-in training; assignments past it are dropped, and a token with all its choices dropped passes by the
-residual unchanged. Queue places go token by token in position order (all of a token's choices before the
-next position's; plugins/_experts.py plan), so routing is causal. capacity_factor 0 is dropless, and so
-is evaluation and generation always (a sequence's loss never depends on the rest of the batch). Softmax routing adds, each when its coefficient is non-zero:
+with the softmax router (w = p), Token-ID or LSH hashing (w = 1, Roller et al. 2021) of plugins/_lookup.py. In
+training each expert takes C = ceil(k * tokens / N * capacity_factor) assignments (Switch's for k = 1); the rest
+drop and pass by the residual. Queue places go in position order, so routing is causal; evaluation is dropless,
+so a sequence's loss never depends on its batch. Softmax routing adds, when their coefficients are non-zero:
 
     moe_balance = N * sum_i f_i P_i          (Switch eq. 4; f_i: share of tokens whose argmax is i,
                                               P_i: mean router probability of i; weight balance_coef)
@@ -123,11 +120,6 @@ class MoEConfig(LookupOptions):
             parts.act_per_token += act - ffn_a
 
 
-def _dropless(tokens: int) -> None:
-    """No capacity limit (evaluation and generation)."""
-    return None
-
-
 class MoELayer(nn.Module):
     """One layer's experts and lookup; called as ``layer(x (B, T, d), ctx)``."""
 
@@ -137,43 +129,33 @@ class MoELayer(nn.Module):
         self.config, self.layer = c, layer
         hidden = c.expert_hidden or mc.hidden
         activation = "swiglu" if mc.ffn == "gated" else "gelu"
-        # Output projections get GPT-2's scaled init, as the dense FFN's do in the core.
-        self.experts = Experts(
-            c.num_experts,
-            mc.d_model,
-            hidden,
-            activation,
-            mc.init_std,
-            mc.init_std / math.sqrt(2 * mc.n_layers),
-        )
+        out_std = mc.init_std / math.sqrt(2 * mc.n_layers)  # GPT-2's scaled init, as the core's FFN has
+        self.experts = Experts(c.num_experts, mc.d_model, hidden, activation, mc.init_std, out_std)
         self.lookup = build_lookup(c, mc.d_model, c.num_experts, mc.vocab_size, mc.init_std)
         self.expert_group = None  # a process group once the experts are sharded (expert_parallel)
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments each expert takes: ceil(k * tokens / N * capacity_factor), None when dropless.
 
-        ``tokens`` counts every position of the batch, padding included (a static shape); padding itself never
-        takes a place in any expert's queue.
+        ``tokens`` counts padding too (a static shape); padding never takes a place in a queue.
         """
         c = self.config
         if c.capacity_factor == 0:
             return None
-        # In integers: the factor as the decimal fraction it was written as (1.1 = 11/10, not the binary
-        # double 1.1000000000000000888), so 100 tokens, 2 experts, 1.1 give exactly 55, not 56.
+        # In integers, the factor as the decimal it was written as: 100 tokens, 2 experts, 1.1 give 55, not 56.
         factor = Fraction(repr(float(c.capacity_factor)))
         num, den = c.top_k * tokens * factor.numerator, c.num_experts * factor.denominator
         return max(1, -(-num // den))
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         B, T, d = x.shape
-        # Rows position-major (all sequences' token 0, then all token 1, ...): plan() gives queue places in row
-        # order, so a token is never displaced by a later position of any sequence (causal in training).
+        # Rows position-major (every sequence's token 0, then token 1, ...): plan() gives queue places in row
+        # order, so no later position of any sequence displaces a token (causal in training).
         flat = x.transpose(0, 1).reshape(T * B, d)  # (S, d)
         valid = ctx.valid_mask().t().reshape(-1)  # (S,)
         route = self.lookup(flat, ctx.tokens.t().reshape(-1), ctx.training)
-        # Evaluation and generation are dropless (HF Switch / ST-MoE use a larger eval capacity for the same
-        # reason): a sequence's outputs then never depend on the rest of the batch.
-        capacity = self.capacity if ctx.training else _dropless
+        # Evaluation and generation are dropless: a sequence's outputs never depend on the rest of the batch.
+        capacity = self.capacity if ctx.training else (lambda tokens: None)
         if self.expert_group is not None:  # expert_parallel under torch.distributed: this rank's N/W experts
             y, p = parallel_dispatch(
                 flat, route.index, route.weight, valid, self.experts, capacity, self.config.dispatch,
@@ -190,8 +172,7 @@ class MoELayer(nn.Module):
         c, tag = self.config, f"l{self.layer}"
         router_losses(ctx, route, valid, "moe", tag, c.balance_coef, c.z_coef)
         with torch.no_grad():
-            # Share of the valid tokens whose first choice is each expert; static shapes (no boolean indexing),
-            # so this compiles without a graph break.
+            # Share of the valid tokens whose first choice is each expert; static shapes, so no graph break.
             first = route.index[:, 0]  # (S,)
             load = torch.zeros(c.num_experts, device=first.device).index_add_(0, first, valid.float())
             load = load / valid.sum().clamp(min=1)  # (N,)

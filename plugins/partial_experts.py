@@ -1,16 +1,9 @@
-"""Mixture of partial experts (Baykal et al. 2023, 'The Power of External Memory in Increasing Predictive Model
-Capacity'): the dense FFN always runs, and the looked-up partial experts are added to it,
+"""Mixture of partial experts (Baykal et al. 2023): the dense FFN always runs, and the looked-up entries are added,
 
     FFN(x) + sum_{i in q(x, id)} w_i(x) f_i(x),   f_i(x) = V_i relu(U_i^T x),  U_i, V_i of shape d x rank,
 
-with f_i(x) = b_i (a constant vector per bucket) at rank 0, and q one of the lookups of plugins/_lookup.py.
-
-Parameter count. At rank r >= 1 a layer adds exactly 2 * r * buckets * d table parameters, the paper's
-2 * max(rank, 1) * buckets * d. At rank 0 it adds buckets * d, half of that formula: a constant vector per bucket
-holds d numbers, and padding it to 2d would only add parameters that never change the output. So at rank 0 the
-formula reads as the budget of a rank-1 table; to compare rank 0 at an equal budget, give it twice the buckets.
-:meth:`PartialExpertsPlugin.added_parameters` returns the exact count (the softmax lookup's router, d * buckets
-per layer, is counted apart by :meth:`PartialExpertsPlugin.router_parameters`).
+with f_i(x) = b_i at rank 0 and q a lookup of plugins/_lookup.py. The paper counts 2 * max(rank, 1) * buckets * d
+parameters; rank 0 holds half that (a vector of d), so compare it at an equal budget with twice the buckets.
 """
 
 from __future__ import annotations
@@ -96,7 +89,7 @@ class PartialExpertsPlugin(Plugin):
         return PartialExpertsLayer(self.config, self.model_config, layer)
 
     def added_parameters(self) -> int:
-        """Table parameters one layer adds: 2 * rank * buckets * d, or buckets * d at rank 0 (see the module doc)."""
+        """Table parameters one layer adds: 2 * rank * buckets * d, or buckets * d at rank 0."""
         c = self.config
         return c.buckets * self.model_config.d_model * (2 * c.rank if c.rank else 1)
 
