@@ -203,9 +203,8 @@ def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool) 
         return index
     ivf = ivf_of(index)
     pq = getattr(faiss.downcast_index(ivf if ivf is not None else index), "pq", None)
-    need = max(
-        1, ivf.nlist if ivf is not None else 1, pq.ksub if pq is not None else 1
-    )  # IVF lists, PQ centroids
+    # IVF lists, PQ centroids
+    need = max(1, ivf.nlist if ivf is not None else 1, pq.ksub if pq is not None else 1)
     if len(train) < need:
         raise ValueError(
             f"too few vectors to train {factory!r}: got {len(train)}, it needs at least {need} "

@@ -83,9 +83,8 @@ class TorchIVFIndex:
         self.faiss_index, self.device, self.chunk_elems = ivf, torch.device(device), chunk_elems
         sizes, ids, codes = _lists(ivf)
         self.ntotal, self.d, self.nlist = int(ivf.ntotal), int(ivf.d), int(ivf.nlist)
-        self.centroids = torch.from_numpy(ivf.quantizer.reconstruct_n(0, self.nlist)).to(
-            self.device
-        )  # (nlist, d)
+        centroids = ivf.quantizer.reconstruct_n(0, self.nlist)
+        self.centroids = torch.from_numpy(centroids).to(self.device)  # (nlist, d)
         self.sizes = torch.from_numpy(sizes).to(self.device)  # (nlist,) vectors in each list
         self.starts = self.sizes.cumsum(0) - self.sizes  # (nlist,) each list's first row below
         self.ids = torch.from_numpy(ids).to(self.device)  # (n,) faiss id of each row, the rows list by list

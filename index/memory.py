@@ -63,9 +63,8 @@ class RetrievalMemory:
     row_of: np.ndarray = field(init=False)
     """(S,) index row of each global segment id, -1 when it is not indexed."""
     _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
-    _searched: tuple[torch.device, Any] | None = field(
-        default=None, init=False, repr=False
-    )  # by place_search
+    # set by place_search
+    _searched: tuple[torch.device, Any] | None = field(default=None, init=False, repr=False)
     collective: ClassVar[bool] = False
     """Whether search is a collective that every rank calls together (a sharded index)."""
 
@@ -223,17 +222,15 @@ def build_memory(
 def write_memory(path: Path, memory: RetrievalMemory, vectors: np.ndarray, extra: dict[str, Any]) -> None:
     """Write a memory (its index over `vectors`, table, rows, corpus reference, projection) to `path` atomically,
     and set memory.path."""
+    m = memory
     with atomic_dir(path) as tmp:
-        if memory.neighbours is not None:
-            _save_npy(tmp / NEIGHBOURS, memory.neighbours)
-        _save_npy(tmp / ROWS, memory.rows)
-        save_corpus_ref(tmp, memory.segments)
-        if memory.projection is not None:
-            memory.projection.save(tmp)
-        fingerprint = memory.segments.fingerprint
-        write_dir_contents(
-            tmp, memory.index, memory.index_segments, fingerprint, memory.identity, vectors, extra
-        )
+        if m.neighbours is not None:
+            _save_npy(tmp / NEIGHBOURS, m.neighbours)
+        _save_npy(tmp / ROWS, m.rows)
+        save_corpus_ref(tmp, m.segments)
+        if m.projection is not None:
+            m.projection.save(tmp)
+        write_dir_contents(tmp, m.index, m.index_segments, m.segments.fingerprint, m.identity, vectors, extra)
     memory.path = Path(path).resolve()
 
 

@@ -393,9 +393,8 @@ def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None
 def gather_shards(trainer: pl.Trainer, shard: np.ndarray, total: int) -> np.ndarray:
     """All ranks' contiguous shards, in rank order (all_gather through the strategy; shards padded to one size)."""
     world, dev = trainer.world_size, trainer.strategy.root_device
-    dims = trainer.strategy.all_gather(
-        torch.tensor(shard.shape[1] if len(shard) else 0, device=dev)
-    )  # (world,)
+    dim = torch.tensor(shard.shape[1] if len(shard) else 0, device=dev)
+    dims = trainer.strategy.all_gather(dim)  # (world,)
     counts = trainer.strategy.all_gather(torch.tensor(len(shard), device=dev))  # (world,)
     padded = torch.zeros(-(-total // world) + 1, int(dims.max()), dtype=torch.float32, device=dev)
     if len(shard):

@@ -181,7 +181,7 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 def write_dir_contents(
     tmp: Path,
-    built: BuiltIndex | None,
+    built: BuiltIndex,
     segments: SegmentTable,
     fingerprint: str,
     embedder: dict[str, Any],
@@ -189,13 +189,12 @@ def write_dir_contents(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Write an index directory's files into `tmp` (meta.json last); the caller renames `tmp` into place."""
-    count = built.ntotal if built is not None else len(vectors)
-    if len(segments) != count:
-        raise ValueError(f"segment table has {len(segments)} rows for {count} vectors")
+    if len(segments) != built.ntotal:
+        raise ValueError(f"segment table has {len(segments)} rows for {built.ntotal} vectors")
     missing = [key for key in EMBEDDER_KEYS if key not in embedder]
     if missing:
         raise ValueError(f"embedder identity lacks {missing}; expected keys {list(EMBEDDER_KEYS)}")
-    if built is not None and built.factory != TORCH:
+    if built.factory != TORCH:
         faiss.write_index(built.cpu_index(), str(tmp / INDEX))
     elif vectors is None:
         raise ValueError("the exact 'torch' index stores its vectors: pass them")
@@ -205,13 +204,13 @@ def write_dir_contents(
     _save_npy(tmp / SEG_OFFSET, segments.offset)
     meta = {
         "format_version": FORMAT_VERSION,
-        "count": int(count),
-        "dim": int(built.index.d if built is not None else vectors.shape[1]),
+        "count": int(built.ntotal),
+        "dim": int(built.index.d),
         "metric": "inner_product",
         "normalised": True,
-        "factory": built.factory if built is not None else TORCH,
-        "search_params": built.search_params if built is not None else {},
-        "tuned_recall": built.tuned_recall if built is not None else None,
+        "factory": built.factory,
+        "search_params": built.search_params,
+        "tuned_recall": built.tuned_recall,
         "fingerprint": fingerprint,
         "embedder": {key: embedder[key] for key in EMBEDDER_KEYS + (PROJECTION_KEY,) if key in embedder},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -111,9 +111,8 @@ def build_stream_store(
         pieces.clear(), lengths.clear()
         n_tokens = 0
 
-    stream = itertools.islice(
-        documents(), done, None
-    )  # resume: skip what the shards hold (read, not encoded)
+    # resume: skip what the shards hold (read, not encoded)
+    stream = itertools.islice(documents(), done, None)
     with tqdm(desc="encoding stream", unit="doc", initial=done, disable=not progress, leave=False) as bar:
         while batch := list(itertools.islice(stream, _ENCODE_BATCH)):
             for ids in tok.encode_batch([d.text for d in batch]):

@@ -137,9 +137,8 @@ def nll_sum(
     seen: dict[str, list[float]] = {}
     for batch in eval_loader(windows, batch_size):
         batch = {k: v.to(module.device) for k, v in batch.items()}
-        ctx = module.make_context(
-            batch, "test", segments=windows.segments
-        )  # the ids are of this text's table
+        # the segment ids are of this text's own table
+        ctx = module.make_context(batch, "test", segments=windows.segments)
         logits = module.model(batch["tokens"], ctx)  # (B, T, V)
         targets = batch["targets"]  # (B, T), IGNORE_INDEX past the document's end
         nll = F.cross_entropy(
