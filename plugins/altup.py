@@ -8,27 +8,12 @@ and computes only one selected block j* per layer. Around layer l (Algorithm 1 o
     compute:  x_tilde = L(x_hat^{j*})                          (the unchanged width-d block)
     correct:  x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})   (K trainable scalars, init 1)
 
-The block runs on the *predicted* block x_hat^{j*}, as in the paper's algorithm (and in Gemma 3n); with
-p = identity this is the stored x^{j*} itself, and the compute step reads L(x^{j*}). With g = 1 every block receives the layer's residual update, so
-at initialisation Recycled-AltUp is exactly the base model and K=1 is the base model for any variant.
-
-How this differs from the plain stack:
-- The K blocks live in one (K, B, T, d) tensor (block index first, so each block is a contiguous
-  (B*T*d) row). Per layer: x_hat^{j*} is one (K,) @ (K, B*T*d) product, and predict + correct of all K
-  blocks fold into x_new = (P - g p_{j*}^T) x + g x_tilde, one (K, K) @ (K, B*T*d) matmul plus a rank-1
-  update (see ``AltUpStack.correct``): O(K^2 d) per token, no Python loop over blocks or tokens, and a
-  backward made of matmuls (benchmarks/altup.py measures the step time against the base model).
-- Embedding (block 0 is always the model's own (V, d) embedding, so Token-ID input tables and the tied
-  head keep working): 'wide' adds a (V, (K-1)*d) table (AltUp), 'recycled' replicates the width-d
-  embedding K times (Recycled-AltUp, no embedding parameters), 'project' adds a (V, e) table for any
-  extra width e (not necessarily a multiple of d), divides it into K-1 pieces and projects each to d.
-- Before the final norm and head the K blocks are reduced to width d: 'mean' (default; the final
-  RMSNorm makes it the same as the sum), 'first' (block 0, the one fed by the model's own embedding),
-  or 'project' (a learned (K*d -> d) map initialised to the mean).
-- update 'sum' is the paper's Table 1 baseline: the extra embedding blocks are summed into the token
-  embedding and the stack is the ordinary one (same parameters as AltUp, the base model's compute).
-- router=True (beyond the paper; as in Gemma 3n): p and g become input dependent,
-  p(x) = P + tanh(W_p rms(x^{j*})), g = G + tanh(W_g rms(x_tilde)), with W zero-initialised.
+The block runs on the predicted x_hat^{j*}, as in Algorithm 1 (and Gemma 3n). With p = identity and g = 1 every
+block gets the layer's residual update, so Recycled-AltUp starts as the base model, and K=1 is the base model.
+The K blocks are one (K, B, T, d) tensor, and predict + correct fold into one (K, K) matmul plus a rank-1 update
+(``AltUpStack.correct``). Block 0 is the model's own embedding, so input tables and the tied head keep working.
+router=True (beyond the paper, as in Gemma 3n): p(x) = P + tanh(W_p rms(x^{j*})), g = G + tanh(W_g rms(x_tilde)),
+W zero-initialised.
 """
 
 from __future__ import annotations
@@ -184,8 +169,8 @@ class AltUpStack(nn.Module):
         return torch.cat((x.unsqueeze(0), self.extra(ctx.tokens).to(x.dtype)), dim=0)
 
     def predict(self, xs: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-        """The selected predicted block x_hat^{j*} = sum_j p_{j*j} x^j (B, T, d), and p: (K, K), or with a
-        router (B, T, K, K). Only row j* is computed here; the other rows are folded into ``correct``."""
+        """The selected predicted block x_hat^{j*} = sum_j p_{j*j} x^j (B, T, d), and p (K, K), or (B, T, K, K)
+        with a router; the other rows of the prediction are folded into ``correct``."""
         j = self.selected[layer]
         p = self.p[layer].to(xs.dtype)  # (K, K)
         if self.p_router is None:
@@ -198,8 +183,8 @@ class AltUpStack(nn.Module):
 
         Predict and correct fused: x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})
                                            = sum_k (p_ik - g_i p_{j*k}) x^k + g_i x_tilde,
-        one (K, K) @ (K, B*T*d) matmul plus a rank-1 update, whose backward is again matmuls (no
-        (K, B, T, d) temporaries from slicing x_hat). With K=1, p=1, g=1 it returns x_tilde exactly.
+        one (K, K) @ (K, B*T*d) matmul plus a rank-1 update, with no (K, B, T, d) temporaries. With K=1, p=1,
+        g=1 it returns x_tilde exactly.
         """
         j = self.selected[layer]
         g = self.g[layer].to(xs.dtype)  # (K,)
@@ -319,5 +304,3 @@ class AltUpPlugin(Plugin):
         vocab, width = extra.table.weight.shape
         return (vocab - 1) * width
 
-
-__all__ = ["AltUpConfig", "AltUpPlugin", "AltUpStack", "ExtraEmbedding", "SumEmbedding"]
