@@ -303,4 +303,3 @@ class AltUpPlugin(Plugin):
             return 0
         vocab, width = extra.table.weight.shape
         return (vocab - 1) * width
-
