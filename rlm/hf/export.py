@@ -207,21 +207,13 @@ def card(
             )
     lines += ["", "Model:", "", _block(hp.get("model") or {}), "", "Optimizer:", "",
               _block(hp.get("optim") or {}), "", "## Data", "", _block(data) if data else "(no data settings)", ""]  # fmt: skip
-    lines += ["## Plugins", ""]
-    if getattr(config, "plugins", None):
-        lines += [_block(config.plugins), ""]
-    else:
-        lines += ["None: the base transformer.", ""]
-    lines += ["## Retrieval", ""]
+    plugins = getattr(config, "plugins", None)
+    lines += ["## Plugins", "", _block(plugins) if plugins else "None: the base transformer.", "", "## Retrieval",
+              ""]  # fmt: skip
     for label, rel in indices.items():
-        if rel is None:
-            lines.append(
-                f"- plugin `{label}`: no index was exported (it had none); it runs without neighbours."
-            )
-        else:
-            lines.append(
-                f"- plugin `{label}`: its index is in `{rel}/`, searched online with rlm's faiss code."
-            )
+        found = f"its index is in `{rel}/`, searched online with rlm's faiss code."
+        lines.append(f"- plugin `{label}`: " + (found if rel else "no index was exported (it had none); it runs "
+                                                 "without neighbours."))  # fmt: skip
     if not indices:
         lines.append("- no retriever.")
     lines += [f"- {KNNLM_NOTE}", ""]
