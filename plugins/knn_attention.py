@@ -1,39 +1,18 @@
 """Token-grain retrieval inside the network: each position attends to the tokens that came next after its nearest
 contexts, found by the LM's own states (after kNN-LM, Khandelwal et al. 2020, and the kNN attention of Memorizing
-Transformers, Wu et al. 2022, here over other documents and with the neighbours' next tokens as values).
-
-What kNN-LM shows on rlm's corpora (RESULTS.md, "kNN-LM"): neighbours found by the LM's contextual states, and the
-token that followed each, carry a large signal with no training at all, while the
-MARGE retriever's mean token embeddings carry little of it outside code. This plugin puts that signal inside the
-model, where the LM loss learns how far to trust it.
-
-At block ``layer``, beside the self-attention (an ADD module on the same normed input y), position t with state y_t
-finds neighbours j, each an entry (key y_j, value v_j = the token after j), and computes
+Transformers, Wu et al. 2022, with the neighbours' next tokens as values), so the LM loss learns how far to trust
+them. At block ``layer``, beside the self-attention (an ADD module on its normed input y), position t finds
+neighbours j, each an entry (key y_j, value v_j = the token after j), and computes
 
     s_j = -||y_t - y_j||^2 / tau + b_src(j)          tau learned; b_src one learned bias per source
     a   = softmax_j(s)                               over the memory's k and the own past's own_k neighbours
     r_t = sum_j a_j E[v_j]                           E the (tied) token embedding, read without gradient
     out = sigmoid(g . y_t + c) * W_o r_t             W_o starts at zero: the model starts as the one without it
 
-so the LM loss trains the states (through the distances), W_o, tau, the biases and the gate. Keys are
-never trained through: they are states the model computed before (detached), as in a datastore.
-
-Where the neighbours come from, the same way at every stage (the training set plus the document's own past):
-- the document's own past, always: positions j < t of the same window (value x_{j+1}, at or before t);
-- in training and validation during fit: a queue of the last ``memory_tokens`` training states (detached), from
-  other documents than the query's; no forward pass of its own, every key is a state a step computed anyway;
-- at evaluation with a datastore (``rlm knnlm build --layer attn_input``, attached by ``rlm eval --datastore`` and
-  the experiment runner's ``knnlm: {rule: model}``): the k nearest of this model's states over its training split,
-  searched with the causal exclusion of kNN-LM (never the evaluated document's own entries, nor a copy's).
-What measured best in the short studies on both corpora (RESULTS.md, "kNN attention"): the own past alone (k 0, the
-default), a trained continuous cache (Grave et al. 2017's cache, here with the LM's states as keys and the weights
-learned): below the base model at equal time, for a small fraction of a base step more. A queue of other documents'
-states cost more per step and lost to the own past alone on both: at small scale its neighbours are noise the
-softmax must learn to ignore. The memory path stays for larger runs and for a
-datastore at evaluation.
-Why a slot and not an output rule: the neighbours' tokens enter the residual stream before the last block's FFN,
-so the model mixes them with its own prediction in its own way (the token memory, plugins/token_memory.py, mixes
-in probability space instead); the core needs no hook beyond the attention slot's ADD mode.
+Keys are detached states the model computed before, as in a datastore. Neighbours come from the window's own past
+(j < t, value x_{j+1}: a continuous cache, Grave et al. 2017, with learned weights), and with k > 0 from a queue of
+recent training states of other documents, or at evaluation from a datastore of this model's states over its
+training split (``rlm knnlm build --layer attn_input``), searched with kNN-LM's causal exclusion.
 """
 
 from __future__ import annotations
@@ -84,9 +63,8 @@ class KnnAttentionConfig:
 
 class NeighbourDistance(torch.autograd.Function):
     """d2 (N, n) = ||y_i - table[idx_ij]||^2, already computed by the search, given the gradient into y it has:
-    d d2_ij / d y_i = 2 (y_i - table[idx_ij]), so grad_y_i = 2 (y_i sum_j g_ij - sum_j g_ij table[idx_ij]), the second
-    term a weighted embedding bag over the (detached) keys. Never materialises the (N, n, d) neighbour keys that
-    gathering them and recomputing the distances under autograd would (a third of the plugin's step on CPU)."""
+    grad_y_i = 2 (y_i sum_j g_ij - sum_j g_ij table[idx_ij]), the second term a weighted embedding bag over the
+    detached keys, so the (N, n, d) neighbour keys are never gathered."""
 
     @staticmethod
     def forward(ctx, y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Tensor:  # type: ignore[override]
@@ -117,6 +95,19 @@ def sq_dist_mm(q: Tensor, keys: Tensor) -> Tensor:
         return torch.addmm(keys.square().sum(-1)[None], q, keys.transpose(0, 1).to(q.dtype), beta=1, alpha=-2)
 
 
+def _next_tokens(tokens: Tensor) -> Tensor:
+    """x_{j+1} of each position of tokens (B, T); -1 for the last."""
+    return torch.cat([tokens[:, 1:], tokens.new_full((tokens.shape[0], 1), -1)], 1)
+
+
+def _pad(dist: Tensor, vals: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Distances and values (..., kk) padded to k neighbours with absent ones (distance 0, value -1)."""
+    n = k - dist.shape[-1]
+    if n <= 0:
+        return dist, vals
+    return torch.cat([dist, dist.new_zeros(*dist.shape[:-1], n)], -1), F.pad(vals, (0, n), value=-1)
+
+
 class KnnAttention(nn.Module):
     """The module in the attention slot's ADD list: the neighbours' next tokens, weighted by distance, gated."""
 
@@ -144,9 +135,8 @@ class KnnAttention(nn.Module):
         found = (values >= 0).any(-1, keepdim=True)  # (B, T, 1): a position with no neighbour adds nothing
         a = torch.softmax(s.masked_fill(~found, 0.0), -1).masked_fill(values < 0, 0.0)
         E = p.embedding().detach()
-        # r = sum_j a_j E[v_j] as a weighted embedding bag: never materialises the (B, T, n, d) rows. E is read, not
-        # trained through here: its gradient through the bag costs several times the bag with E fixed (RESULTS.md,
-        # "kNN attention"), and the tied LM head already scores E[v] . h, which W_o learns to raise
+        # r = sum_j a_j E[v_j] as a weighted embedding bag: no (B, T, n, d) rows. E is not trained through here: its
+        # gradient through the bag is costly, and the tied LM head already scores E[v] . h, which W_o learns to raise
         r = F.embedding_bag(values.clamp_min(0).flatten(0, 1), E, per_sample_weights=a.flatten(0, 1).to(E.dtype),
                             mode="sum").view(B, T, d)  # fmt: skip
         g = torch.sigmoid(self.gate(y))
@@ -172,9 +162,8 @@ class KnnAttentionPlugin(Plugin):
         tau = config.temperature if config.temperature is not None else model_config.d_model / 8
         self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
         self.bias = nn.Parameter(torch.zeros(len(SOURCES)))
-        # The training queue, a ring of the latest memory_tokens entries: keys (M, d) detached, values (M,),
-        # documents (M,), written in place (no per-step concatenation). Checkpointed as extra state (not buffers, so
-        # its size may change and an empty queue needs no placeholder).
+        # The training queue, a ring of the latest memory_tokens entries written in place: keys (M, d) detached,
+        # values (M,), documents (M,). Checkpointed as extra state (its size may change; empty needs no placeholder).
         self._ring: tuple[Tensor, Tensor, Tensor] | None = None
         self._filled = 0
         self._next = 0
@@ -297,10 +286,8 @@ class KnnAttentionPlugin(Plugin):
         return torch.cat(parts_d, -1), torch.cat(parts_v, -1)
 
     def _docs(self, ctx: Context, B: int, device: torch.device) -> Tensor:
-        docs = (
-            ctx.doc_ids if ctx.doc_ids is not None else -1 - torch.arange(B)
-        )  # unnamed rows: their own docs
-        return docs.to(device)
+        # rows the batch does not name are each their own document
+        return (ctx.doc_ids if ctx.doc_ids is not None else -1 - torch.arange(B)).to(device)
 
     def _search_queue(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
         """The k nearest queue entries of other documents, exact: distances (B, T, k) with gradient into y, values
@@ -321,10 +308,7 @@ class KnnAttentionPlugin(Plugin):
             found = torch.isfinite(top)
             top = torch.where(found, (top + q.square().sum(-1, keepdim=True)).clamp_min(0), 0.0)
         vals = torch.where(found, qv[idx], -1)
-        dist = neighbour_distance(yf, qk, idx, top)
-        if kk < k:  # a queue still shorter than k
-            dist = torch.cat([dist, dist.new_zeros(B * T, k - kk)], 1)
-            vals = torch.cat([vals, vals.new_full((B * T, k - kk), -1)], 1)
+        dist, vals = _pad(neighbour_distance(yf, qk, idx, top), vals, k)  # a queue still shorter than k
         return dist.view(B, T, k), vals.view(B, T, k)
 
     def _search_datastore(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
@@ -366,7 +350,7 @@ class KnnAttentionPlugin(Plugin):
                 keys, tokens = torch.cat([past[0], keys], 1), torch.cat([past[1], tokens], 1)
                 real = torch.cat([real.new_ones(B, P), real], 1)
             ctx.cache.state[self.label] = (keys, tokens)
-        nxt = torch.cat([tokens[:, 1:], tokens.new_full((B, 1), -1)], 1)  # x_{j+1}; the last has none here
+        nxt = _next_tokens(tokens)  # x_{j+1}; the last has none here
         S = P + T
         with torch.no_grad():
             q = yf.detach()
@@ -386,18 +370,14 @@ class KnnAttentionPlugin(Plugin):
         vals = torch.where(found, nxt.gather(1, idx.flatten(1)).view(B, T, kk), -1)
         flat = (idx + S * torch.arange(B, device=y.device)[:, None, None]).view(B * T, kk)
         dist = neighbour_distance(yf.flatten(0, 1), keys.reshape(B * S, d), flat, top.view(B * T, kk))
-        dist = dist.view(B, T, kk)
-        if kk < k:
-            dist = torch.cat([dist, dist.new_zeros(B, T, k - kk)], -1)
-            vals = torch.cat([vals, vals.new_full((B, T, k - kk), -1)], -1)
-        return dist, vals
+        return _pad(dist.view(B, T, kk), vals, k)
 
     def remember(self, y: Tensor, ctx: Context) -> None:
         """In training, push the step's states (detached), next tokens and documents onto the queue."""
         if not ctx.training or not self.config.k or not self.config.memory_tokens:
             return
         B, T, d = y.shape
-        nxt = torch.cat([ctx.tokens[:, 1:], ctx.tokens.new_full((B, 1), -1)], 1)
+        nxt = _next_tokens(ctx.tokens)
         keep = nxt >= 0
         if ctx.mask is not None:
             keep = keep & ctx.mask & torch.cat([ctx.mask[:, 1:], ctx.mask.new_zeros(B, 1)], 1)

@@ -8,25 +8,14 @@ softmax (TRIME's eq. 1, with squared L2 similarity as the kNN-LM datastore measu
     s_j      = -||h_t - h_j||^2 / tau + b
     p(w | t) = ( exp(z_w) + sum_{j: y_j = w} exp(s_j) ) / ( sum_v exp(z_v) + sum_j exp(s_j) )
 
-where z = W h_t are the LM's logits and tau, b are learned scalars. Training with this loss pulls h_t towards the
-states of contexts that were followed by the same token: the geometry a kNN search over the LM's states needs,
-which the plain cross-entropy never asks for.
+where z = W h_t are the LM's logits and tau, b are learned scalars. The loss pulls h_t towards the states of
+contexts followed by the same token: the geometry a kNN search over the LM's states needs.
 
-Memory in training (no forward pass of its own: every key is a state the step computes anyway):
-- the window's own past: j < t (y_j = x_{j+1} is at or before t), TRIME's local memory;
-- the other windows of the batch, from other documents (with gradients through their keys), TRIME's in-batch
-  memory;
-- the last ``memory_batches`` training batches' states (detached; a queue, as MoCo's, He et al. 2020), from other
-  documents than the query's.
-At validation during fit the memory is the window's own past and the queue (never the batch's other windows: a
-sequence's loss does not depend on the rest of its batch); validation logs the mixed loss as
-``val/token_memory/loss`` beside the plain ``val/loss``, and with every value shuffled among the memory's entries as
-``val/token_memory_random/loss`` (the same keys and distances, unrelated next tokens).
-
-Memory at evaluation: a datastore of this model's states over its training split (``rlm knnlm build``), searched for
-the k nearest keys; ``rlm eval --datastore`` scores the mixture above with those k (``joint``) beside kNN-LM's
-interpolation. Why a plugin with an objective and not a slot: the mixture replaces the training loss and needs
-nothing inside the blocks; the core only hands the final states and logits to the plugin (Plugin.objective).
+The training memory: the window's own past (j < t, TRIME's local memory), the batch's other documents (in-batch,
+with gradients through their keys) and the last ``memory_batches`` batches' detached states (a queue, as MoCo's).
+Validation uses the own past and the queue only, so a sequence's loss does not depend on its batch; it logs the
+mixture's loss, and with the values shuffled (``token_memory_random``). At evaluation ``rlm eval --datastore``
+scores the mixture over a datastore's k nearest keys.
 """
 
 from __future__ import annotations
@@ -135,8 +124,8 @@ class TokenMemoryPlugin(Plugin):
         return -d2 / self.log_tau.exp() + self.bias
 
     def memory(self, ctx: Context, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """(s (N, M), values (M,)) of the N = B * T queries against the memory the stage allows (see the module
-        docstring); s is -inf where an entry is not in a query's memory."""
+        """(s (N, M), values (M,)) of the N = B * T queries against the memory the stage allows; s is -inf where an
+        entry is not in a query's memory."""
         B, T, _ = hidden.shape
         g = self.config.state_grad
         h = hidden.flatten(0, 1)
@@ -167,9 +156,7 @@ class TokenMemoryPlugin(Plugin):
                 doc = _position_docs(ctx, *targets.shape, hidden.device)[valid]
                 self._queue.append((hidden.flatten(0, 1).detach()[valid], y, doc))
                 del self._queue[: -self.config.memory_batches]
-            ce = F.cross_entropy(
-                z, y, reduction="none"
-            )  # once: the mixture's log Z and the added cross-entropy
+            ce = F.cross_entropy(z, y, reduction="none")  # once: the mixture's log Z and the added CE
             z_y = z.gather(1, y[:, None]).squeeze(1)
             loss = _mix(ce + z_y, z_y, s, vals, y).mean()
             if self.config.ce_weight:
@@ -181,8 +168,6 @@ class TokenMemoryPlugin(Plugin):
         ctx.log("token_memory_random/loss", joint_nll(z, y, s, shuffled).mean())
         ctx.log("token_memory/temperature", self.log_tau.detach().exp())
         ctx.log("token_memory/bias", self.bias.detach())
-        share = torch.sigmoid(
-            torch.logsumexp(s, -1) - torch.logsumexp(z, -1)
-        )  # the memory's share of the mass
+        share = torch.sigmoid(torch.logsumexp(s, -1) - torch.logsumexp(z, -1))  # the memory's share of mass
         ctx.log("token_memory/memory_share", share.mean())
         return None
