@@ -21,7 +21,6 @@ from typing import Any
 _COMMANDS = (
     "COMMANDS",
     "main",
-    "run_experiment",
     "run_lightning",
     "usage",
     "version",

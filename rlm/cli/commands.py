@@ -307,13 +307,6 @@ def cmd_export(*, ckpt: str, out: str, force: bool = False) -> int:
     return 0
 
 
-def run_experiment(command: str, args: list[str]) -> int:
-    """``rlm experiment run|report``."""
-    from rlm.experiment import main as experiment_main
-
-    return experiment_main(args) or 0
-
-
 def cmd_plugins(name: str | None = None) -> int:
     """List the plugins, or show one's options (rlm plugins NAME).
 
@@ -348,7 +341,7 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
         "rlm.eval.knnlm_cli:COMMANDS",
         "build a kNN-LM datastore from a checkpoint (rlm eval / generate --datastore use it)",
     ),
-    "experiment": (run_experiment, "run plugin comparisons and report them"),
+    "experiment": ("rlm.experiment.cli:COMMANDS", "run plugin comparisons and report them"),
     "plugins": (cmd_plugins, "list the plugins, or show one plugin's options"),
 }
 """Each command: LightningCLI (run_lightning), a typed function whose signature and docstring are its parser, a
@@ -472,7 +465,10 @@ def function_parser(prog: str, fn: Callable[..., int]) -> Any:
 
     doc = inspect.getdoc(fn) or ""
     parser = ArgumentParser(
-        prog=prog, description=doc.split("\n\n")[0], formatter_class=help_formatter(), exit_on_error=False
+        prog=prog,
+        description=doc.split("\nArgs:")[0].strip(),
+        formatter_class=help_formatter(),
+        exit_on_error=False,
     )
     parser.add_function_arguments(fn, as_group=False, as_positional=True)
     return parser

@@ -13,7 +13,6 @@ from typing import Any
 
 # Imported when asked for (PEP 562): `rlm experiment status` and `--help` import no torch or Lightning.
 _NAMES = {
-    "main": "rlm.experiment.cli",
     "Experiment": "rlm.experiment.spec",
     "ExperimentError": "rlm.experiment.spec",
     "Variant": "rlm.experiment.spec",
@@ -21,7 +20,7 @@ _NAMES = {
     "TrainClock": "rlm.experiment.timing",
 }
 
-__all__ = ["Experiment", "ExperimentError", "TrainClock", "Variant", "load_experiment", "main"]
+__all__ = ["Experiment", "ExperimentError", "TrainClock", "Variant", "load_experiment"]
 
 
 def __getattr__(name: str) -> Any:

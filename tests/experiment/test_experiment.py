@@ -94,14 +94,16 @@ def test_broken_experiment_lists_every_problem(tmp_path, capsys):
 
 
 def test_subcommand_table_is_pinned():
-    from rlm.experiment.cli import SUBCOMMANDS, parser
+    from rlm.cli.commands import function_parser, typed_argv
+    from rlm.experiment.cli import COMMANDS
 
-    assert list(SUBCOMMANDS) == ["run", "check", "report", "status"]
-    assert (
-        parser().parse_args(["check", "x.yaml", "--set", "a.b=1", "--seeds", "3"]).fn
-        is SUBCOMMANDS["check"][0]
+    assert list(COMMANDS) == ["run", "check", "report", "status"]
+    args = ["x.yaml", "--set", "a.b=1", "--seeds", "3", "4", "--set=c=[1, 2]", "--variants", "v"]
+    got = function_parser("rlm experiment check", COMMANDS["check"]).parse_args(
+        typed_argv(COMMANDS["check"], args)
     )
-    assert parser().parse_args(["status", "runs/x"]).fn is SUBCOMMANDS["status"][0]
+    assert got.as_dict() == {"file": "x.yaml", "out": None, "variants": ["v"], "seeds": [3, 4], "base": None,
+                             "set": ["a.b=1", "c=[1, 2]"]}  # fmt: skip
 
 
 def test_structure_errors_without_a_parser(tmp_path):
