@@ -3,9 +3,7 @@ Komatsuzaki 2020): the tokens of chunk j (segment S_{t+1}) attend to the tokens 
 
     logit(i, j in z) = q_i . k_j / sqrt(h) + beta * cos(e(S_t), e(z))      beta trainable, per layer
 
-One job: from the batch's RetrievalInputs, encode the neighbours once per forward (encode_neighbours: their
-states and the relevance cos(e(S_t), e(z)), shared by every cross-attention layer), and attend to them
-(RetrievalCrossAttention).
+The neighbours are encoded once per forward (encode_neighbours) and shared by every cross-attention layer.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ if TYPE_CHECKING:
     from rlm.plugins._retrieval_neighbours import RetrievalInputs
 
 BETA_INIT = 1.0
-"""Initial relevance-bias scale beta of each layer; beta trains from it (it ends near 1 on the default corpus,
-RESULTS.md), and a checkpoint loads its trained value."""
+"""Initial relevance-bias scale beta of each layer."""
 
 
 @dataclass
@@ -71,9 +68,8 @@ def encode_neighbours(
     once, as config.neighbour_grad says (a no-gradient pass in float32)."""
     B, n, k, M = inp.tokens.shape
     L = inp.query_tokens.shape[-1]
-    _, e_query = encoder(
-        inp.query_tokens.reshape(B * n, L), inp.query_mask.reshape(B * n, L)
-    )  # (B*n, D), with gradients: the embedder's path from the LM loss
+    # (B*n, D), with gradients: the embedder's path from the LM loss
+    _, e_query = encoder(inp.query_tokens.reshape(B * n, L), inp.query_mask.reshape(B * n, L))
     tokens, mask = inp.tokens.reshape(B * n * k, M), inp.mask.reshape(B * n * k, M)
     if inp.ids is not None:  # a neighbour's tokens follow from its id: encode each distinct one once
         ids = inp.ids.reshape(-1)
@@ -91,7 +87,7 @@ def encode_neighbours(
             vocab, rows = encoder.distinct(tokens)  # (V', d), (U, M)
             e_nb = masked_mean_unit(vocab[rows[:, :L]], mask[:, :L])  # (U, D), as TokenEncoder.forward
         return _encoded(inp, ctx, label, e_query, e_nb, index, None, L, vocab.float(), rows)
-    # float32 (autocast off), like the relevance bias: bfloat16 neighbour embeddings ranked worse (RESULTS.md)
+    # float32 (autocast off), like the relevance bias: bfloat16 neighbour embeddings rank worse
     with torch.set_grad_enabled(mode == "full"), torch.autocast(tokens.device.type, enabled=False):
         states, e_nb = encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
     states = states.float()
@@ -204,10 +200,9 @@ class RetrievalCrossAttention(nn.Module):
     def _keys_values(self, enc: Encoded) -> Tensor:
         """kv(kv_norm(states)), (U, M, 2 * kv_heads * head_dim).
 
-        With the token embedder a state s_j = [x_j, x_{j-1}] holds two token embeddings, so (RMSNorm's weight g
-        folded into kv's weight W = [A | B] along its input) kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j),
-        rms(s_j) = sqrt((|x_j|^2 + |x_{j-1}|^2) / 2d + eps): each distinct token id is projected once, not each
-        neighbour token (fewer rows than neighbour tokens whenever ids repeat), and rms is a sum of two norms."""
+        With the token embedder s_j = [x_j, x_{j-1}], so (RMSNorm's weight folded into kv's W = [A | B])
+        kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j), rms(s_j) = sqrt((|x_j|^2 + |x_{j-1}|^2) / 2d + eps):
+        each distinct token id is projected once, not each neighbour token."""
         if enc.states is not None:
             return self.kv(self.kv_norm(enc.states))
         x, rows = enc.vocab, enc.rows  # (V', d), (U, M)

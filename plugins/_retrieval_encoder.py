@@ -1,9 +1,7 @@
-"""Segment embedders of the retriever: the LM's own lower layers ("shared", as MARGE shares its encoder,
-Lewis et al. 2020) or a small separate encoder. Both return per-token states (the cross-attention's keys
-and values) and the mean-pooled, L2-normalised embedding e(.) of a segment's first ``pool_len`` tokens.
-
-The blocks are causal, so the states of a segment's first L tokens do not depend on the continuation
-appended after it: e(z) computed on [z, z+1] equals e(z) computed on z alone (what the index holds).
+"""Segment embedders of the retriever: the LM's token embeddings, its lower blocks ("shared", as MARGE shares its
+encoder) or a small separate encoder. Each returns per-token states (the cross-attention's keys and values) and
+e(.), the L2-normalised mean of a segment's first ``pool_len`` states. The blocks are causal, so e(z) computed on
+[z, z+1] equals e(z) on z alone (what the index holds).
 """
 
 from __future__ import annotations
@@ -57,6 +55,10 @@ class SegmentEncoder(nn.Module):
         """e(.) alone (N, D): what an index row or an online query needs."""
         return self(tokens, mask)[1]
 
+    def context(self, tokens: Tensor, mask: Tensor) -> Context:
+        """The Context the embedding slot and the blocks run with."""
+        return Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
+
 
 class SharedEncoder(SegmentEncoder):
     """The LM's embedding slot and its first ``n_layers`` blocks; gradients flow into the LM's weights.
@@ -80,17 +82,20 @@ class SharedEncoder(SegmentEncoder):
                 module.train(mode)
         return self
 
-    def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
-        return self._parts[0](tokens, ctx)
-
-    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
+    def bound(self) -> tuple[nn.Module, list[nn.Module]]:
+        """The model's embedding slot and lower blocks; an error before Plugin.attach."""
         if self._parts is None:
             raise RuntimeError(
-                "the shared retrieval encoder is not bound to a model yet (Plugin.attach not called)"
+                f"the retrieval encoder {type(self).__name__} is not bound to a model (Plugin.attach not called)"
             )
-        embed, blocks = self._parts
-        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
+        return self._parts
+
+    def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        return self._parts[0](tokens, self.context(tokens, mask))
+
+    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        embed, blocks = self.bound()
+        ctx = self.context(tokens, mask)
         x = embed(tokens, ctx)  # (N, M, d)
         for block in blocks:
             x = block(x, ctx)
@@ -105,12 +110,9 @@ class SharedEncoder(SegmentEncoder):
 class TokenEncoder(SharedEncoder):
     """The LM's token embeddings alone, no blocks (embedder 'tokens'): the cheapest embedder.
 
-    Each token's state is its embedding next to its predecessor's embedding (zeros before the first token), so
-    one cross-attention layer can copy: a key can match the token before the one its value carries, as an
-    induction head does (Olsson et al. 2022), without running any block over the neighbours. e(.) is the
-    L2-normalised mean of the segment's token embeddings (a bag of learned token vectors), so the relevance bias
-    trains the LM's embedding table. Every gradient path of MARGE's joint training is kept ('full' costs table
-    lookups, not block passes)."""
+    A token's state is its embedding beside its predecessor's (zeros before the first), so one cross-attention
+    layer can copy: a key can match the token before the one its value carries, as an induction head does
+    (Olsson et al. 2022). e(.) is the normalised mean of the token embeddings, which the relevance bias trains."""
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config, 0)
@@ -126,22 +128,14 @@ class TokenEncoder(SharedEncoder):
         return torch.cat([x, F.pad(x[:, :-1], (0, 0, 1, 0))], -1)  # (N, M, 2d): [x_j, x_{j-1}]
 
     def distinct(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """The embedding of each distinct token id in tokens (U, d), and each token's row in it (tokens.shape).
-
-        The embedding slot is a function of each token id alone (the token table and the ADD modules rlm ships:
-        Token-ID tables, AltUp's extra embedding), so each distinct id is embedded once."""
+        """The embedding of each distinct token id in tokens (U, d), and each token's row in it (tokens.shape);
+        valid because the embedding slot is a function of the token id alone (with the ADD modules rlm ships)."""
         ids, row = torch.unique(tokens, return_inverse=True)
         x = self.embed_tokens(ids[None], torch.ones_like(ids[None], dtype=torch.bool))[0]  # (U, d)
         return x, row
 
-    def _check_bound(self) -> None:
-        if self._parts is None:
-            raise RuntimeError(
-                "the token retrieval encoder is not bound to a model yet (Plugin.attach not called)"
-            )
-
     def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
-        self._check_bound()
+        self.bound()
         states = self.run(tokens, mask)
         p = pool_len or tokens.shape[1]
         d = self.dim // 2
@@ -149,7 +143,7 @@ class TokenEncoder(SharedEncoder):
 
     def pooled(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """e(.) from the distinct ids' embeddings, without the (N, M, 2d) states: each distinct id embedded once."""
-        self._check_bound()
+        self.bound()
         x, row = self.distinct(tokens)
         return masked_mean_unit(x[row], mask)
 
@@ -168,11 +162,10 @@ class SeparateEncoder(SegmentEncoder):
         self.norm = nn.RMSNorm(dim, eps=cfg.norm_eps)
 
     def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
-        return self.embed(tokens, ctx)
+        return self.embed(tokens, self.context(tokens, mask))
 
     def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        ctx = Context(tokens=tokens, mask=mask, stage="train" if self.training else "val")
+        ctx = self.context(tokens, mask)
         x = self.embed(tokens, ctx)  # (N, M, dim)
         for block in self.blocks:
             x = block(x, ctx)
@@ -208,11 +201,9 @@ def encoder_device(encoder: SegmentEncoder) -> torch.device:
 
 
 class FrozenEmbedder:
-    """A snapshot of an encoder (a deep copy in eval mode) that embeds segments for an index rebuild.
-
-    Implements rlm.index's Embedder protocol; safe to run in a background thread while the live
-    encoder keeps training, since it shares no tensors with it. It embeds in float32 whatever autocast the caller
-    runs under: bfloat16 embedded faster but ranked the index's segments worse (RESULTS.md, rebuild_dtype)."""
+    """A snapshot of an encoder (a deep copy in eval mode) that embeds segments for an index rebuild (rlm.index's
+    Embedder protocol); shares no tensors with the live encoder, so it runs in a background thread. Embeds in
+    float32 whatever the caller's autocast: bfloat16 ranks the index's segments worse."""
 
     def __init__(self, encoder: SegmentEncoder, identity: dict) -> None:
         # plain_copy: a deep copy with full, unsharded weights under FSDP, so the thread embeds on its own

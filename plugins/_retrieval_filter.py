@@ -1,25 +1,14 @@
-"""The retriever at evaluation (validation, test, rlm eval, generation): causal for any evaluated text, and with the
-evaluated document's own past, as in training.
+"""The retriever at evaluation: causal for any evaluated text, and with its own past, as in training.
 
-The rule (Komatsuzaki 2020, sec. 5.4, as the retriever applies it): segment S_t retrieves from the whole training set and from the past of its own document,
-never the target S_{t+1} nor anything after it. A training query is a segment of an indexed document and the
-index's causal filter knows it by id (rlm.index.search). An evaluated text is not indexed, and its segments may not
-even be of the index's table (``rlm eval --corpus X``, a generation prompt: the batch's own table, Context.segments),
-so three things are added here, at evaluation only (training retrieves as it always did):
-
-- copy_exclusions: when the text up to the end of S_t copies a run of L / 2 tokens of an indexed document (any L
-  copied tokens hold one: rlm.index.copies.TextRuns), the query is filtered as that document's own would be:
-  nothing of it from the position of S_t on (with continuations, nothing whose continuation reaches past S_t's
-  end). A copy of a training document, or a prompt cut from one at any offset, then retrieves like that document
-  itself: never its own continuation.
-- future_exclusions: an indexed segment that is an exact copy of a segment of the evaluated document at or after
-  the target S_{t+1} is not retrieved, and counted (RetrievalInputs.excluded). Unlike the rest, this filter reads
-  the evaluated text's future, as a leakage filter has to (RETRO's evaluation, Borgeaud et al. 2022, removes
-  neighbours by their overlap with the evaluated chunk): it only ever removes neighbours, and only where the
-  future has an exact copy in the index.
-- own past (score_candidates, merge_by_score): a document the index does not hold gets its own earlier segments
-  (strictly before S_t) as candidates, scored by the current embedder against S_t and merged with the index's
-  results by score, as an indexed training document finds its past in the index.
+S_t retrieves from the training set and its own document's past, never S_{t+1} or later (Komatsuzaki 2020, sec.
+5.4). The index's causal filter knows a training query by id; an evaluated text is not indexed, so here:
+- copy_exclusions: text up to S_t's end that copies L / 2 tokens of an indexed document is filtered as that
+  document's own query would be, so a copy (or a prompt cut from one) never retrieves its own continuation;
+- future_exclusions: indexed exact copies of the evaluated document's segments from S_{t+1} on are not retrieved
+  (and counted). This reads the evaluated future, as a leakage filter must (RETRO's evaluation, Borgeaud et al.
+  2022), and only ever removes neighbours;
+- score_candidates, merge_by_score: a document the index does not hold gets its own earlier segments, scored by
+  the current embedder and merged with the index's results.
 """
 
 from __future__ import annotations
@@ -59,6 +48,12 @@ def window_table(tokens: Tensor, mask: Tensor, L: int, pad_id: int) -> tuple[Seg
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     table = SegmentTable(flat, offsets, L, pad_id, None)  # no fingerprint: never the index's table
     return table, table.window_segments(np.arange(B), np.zeros(B, dtype=np.int64), -(-T // L))
+
+
+def segment_tensors(seg: Any, ids: np.ndarray, device: Any) -> tuple[Tensor, Tensor]:
+    """Tokens and real-token mask (N, L) of segments ``ids`` (N,) of table ``seg``, on ``device``."""
+    mask = np.arange(seg.segment_len) < seg.length[ids][:, None]
+    return torch.from_numpy(seg.tokens(ids)).to(device), torch.from_numpy(mask).to(device)
 
 
 def _spread(count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,13 +145,9 @@ def score_candidates(own: Any, cands: np.ndarray, e_q: Tensor, embed) -> np.ndar
     present = cands >= 0
     if not present.any():
         return score
-    L = own.segment_len
     ids, inverse = np.unique(cands[present], return_inverse=True)
     device = e_q.device
-    e_c = embed(
-        torch.from_numpy(own.tokens(ids)).to(device),
-        torch.from_numpy(np.arange(L) < own.length[ids][:, None]).to(device),
-    )  # (U, D)
+    e_c = embed(*segment_tensors(own, ids, device))  # (U, D)
     b, j, _ = np.nonzero(present)
     query = torch.from_numpy(b * n + j).to(device)  # (P,) the query of each present candidate
     cos = (e_q[query] * e_c[torch.from_numpy(inverse).to(device)]).sum(-1)  # (P,)

@@ -1,14 +1,6 @@
-"""Finding the retriever's neighbours for a batch: each chunk's query segment S_t and its k neighbours.
-
-One job: turn a batch of windows into RetrievalInputs (token ids, masks, neighbour ids). The neighbours come
-from the last rebuild's table (lookup 'table'), from an online search of the index with the current embedder
-(lookup 'search', validation, generation), or, until the first table lands, from the warm start: earlier
-segments of the query's own document (warm_candidates_of, most_similar). The random-neighbour ablation
-(random_neighbours) swaps them for segments of other documents. Causality: no neighbour, nor its continuation,
-is the target segment S_{t+1} or a later segment of the same document.
-
-The batch's segment ids index its own table (Context.segments): the memory's ids are used only when that is the
-memory's table. At evaluation the filters and the own-past candidates of _retrieval_filter.py apply.
+"""A batch's retrieval inputs: each chunk's query segment S_t and its k neighbours, from the last rebuild's table,
+an online search of the index, or the warm start (earlier segments of the query's own document). Causality: no
+neighbour, nor its continuation, is S_{t+1} or a later segment of the same document.
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ from rlm.plugins._retrieval_filter import (
     merge_by_score,
     same_table,
     score_candidates,
+    segment_tensors,
     window_table,
 )
 
@@ -81,17 +74,12 @@ def gather_inputs(
     exclude_copies: bool = True,
     background: bool = False,
 ) -> RetrievalInputs | PendingInputs:
-    """Query segments and their neighbours for each chunk of the batch (see RetrievalInputs): the first k - warm_k
-    from the memory's table (or searched online), the last warm_k from the query's own past (warm_neighbours).
+    """Query segments and their neighbours for each chunk of the batch: the first k - warm_k from the memory's
+    table (or searched online), the last warm_k from the query's own past.
 
-    segments: the table the batch's segment_ids index (Context.segments; required with segment ids). Queries use
-    the memory's ids only when it is the memory's table; the others are outside queries, which the index's causal
-    filter does not know. evaluation (validation, test, rlm eval, generation): the filters and own-past candidates
-    of _retrieval_filter (its copy filters only with exclude_copies); a batch without a table (generation) is its
-    own document there.
-
-    background: return at once a PendingInputs whose thread does the host half (search, tokens) while the caller
-    goes on; only for training steps on a memory of one process. The query embedding runs here either way."""
+    segments: the table the batch's segment_ids index (Context.segments); its ids are the memory's only when it is
+    the memory's table. evaluation: the filters and own-past candidates of _retrieval_filter apply. background:
+    return a PendingInputs whose thread does the host half (search, tokens); training on one process only."""
     if batch.get("segment_ids") is not None and segments is None:
         raise ValueError(
             "the batch has segment_ids but names no segment table (Context.segments): they cannot be read as ids "
@@ -127,8 +115,7 @@ def gather_inputs(
     prev = np.full(B, -1, dtype=np.int64)
     if seg_np is not None and starts is not None:
         prev = np.where((starts > 0) & (seg_np[:, 0] > 0), seg_np[:, 0] - 1, -1)
-    prev_tokens = torch.from_numpy(src.tokens(np.maximum(prev, 0))).to(device)  # (B, L)
-    prev_mask = torch.from_numpy(np.arange(L) < src.length[np.maximum(prev, 0)][:, None]).to(device)
+    prev_tokens, prev_mask = segment_tensors(src, np.maximum(prev, 0), device)  # (B, L)
     prev_mask &= torch.from_numpy(prev >= 0).to(device)[:, None]
     q_tokens = torch.cat([prev_tokens[:, None], chunks[:, :-1]], 1)  # (B, n, L)
     q_mask = torch.cat([prev_mask[:, None], chunk_mask[:, :-1]], 1)
@@ -246,14 +233,11 @@ class PendingInputs:
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            if uses is not None:
-                uses.record_stream(
-                    self._stream
-                )  # freed by the caller's stream only once the side stream is done
+            if uses is not None:  # freed by the caller's stream only once the side stream is done
+                uses.record_stream(self._stream)
         self._out: dict[str, Any] = {}
-        self._thread = threading.Thread(
-            target=self._run, args=(finish,), name="retrieval-search", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(finish,), name="retrieval-search")
+        self._thread.daemon = True
         self._thread.start()
 
     def _run(self, finish: Callable[[], RetrievalInputs]) -> None:
@@ -351,14 +335,10 @@ def most_similar(
     L = seg.segment_len
     ids, inverse = np.unique(np.maximum(cands, 0), return_inverse=True)
     device = q_tokens.device
-    e_c = embed(
-        torch.from_numpy(seg.tokens(ids)).to(device),
-        torch.from_numpy(np.arange(L) < seg.length[ids][:, None]).to(device),
-    )  # (U, D)
+    e_c = embed(*segment_tensors(seg, ids, device))  # (U, D)
     e_q = embed(q_tokens.reshape(B * n, L), q_mask.reshape(B * n, L)).view(B, n, 1, -1)  # (B, n, 1, D)
-    cos = (
-        (e_q * e_c[torch.from_numpy(inverse.reshape(-1)).to(device)].view(B, n, c, -1)).sum(-1).cpu().numpy()
-    )
+    e_c = e_c[torch.from_numpy(inverse.reshape(-1)).to(device)].view(B, n, c, -1)  # (B, n, c, D)
+    cos = (e_q * e_c).sum(-1).cpu().numpy()
     score = cos + 4.0 * (cands < window_first[:, None, None])  # before the window first (cos is in [-1, 1])
     score = np.where(cands >= 0, score, -np.inf)
     order = np.argsort(-score, axis=-1, kind="stable")[..., :k]
@@ -399,17 +379,13 @@ def source_groups(
     return {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}
 
 
+CHUNKED = ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc", "ids")
+"""The RetrievalInputs fields with a chunk dimension (dim 1)."""
+
+
 def chunk_slice(inp: RetrievalInputs, lo: int, hi: int) -> RetrievalInputs:
     """Chunks lo..hi-1 of every row (incremental decoding keeps each chunk's neighbours from the step it began)."""
-    return RetrievalInputs(
-        query_tokens=inp.query_tokens[:, lo:hi],
-        query_mask=inp.query_mask[:, lo:hi],
-        tokens=inp.tokens[:, lo:hi],
-        mask=inp.mask[:, lo:hi],
-        valid=inp.valid[:, lo:hi],
-        same_doc=inp.same_doc[:, lo:hi],
-        ids=inp.ids[:, lo:hi] if inp.ids is not None else None,
-    )
+    return RetrievalInputs(**{f: None if (t := getattr(inp, f)) is None else t[:, lo:hi] for f in CHUNKED})
 
 
 def chunk_cat(parts: list[RetrievalInputs]) -> RetrievalInputs:
@@ -417,9 +393,8 @@ def chunk_cat(parts: list[RetrievalInputs]) -> RetrievalInputs:
     if len(parts) == 1:
         return parts[0]
 
-    def cat(name: str) -> Tensor:
-        return torch.cat([getattr(p, name) for p in parts], dim=1)
+    def cat(name: str) -> Tensor | None:
+        ts = [getattr(p, name) for p in parts]
+        return None if any(t is None for t in ts) else torch.cat(ts, dim=1)
 
-    ids = None if any(p.ids is None for p in parts) else cat("ids")
-    fields = ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc")
-    return RetrievalInputs(**{name: cat(name) for name in fields}, ids=ids)
+    return RetrievalInputs(**{name: cat(name) for name in CHUNKED})

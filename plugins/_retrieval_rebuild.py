@@ -1,25 +1,10 @@
-"""The retriever's index rebuild callback: re-embed every training segment with the current embedder, rebuild the
-index (and with lookup 'table' the neighbour table) on the schedule (MARGE-style retrieval, Komatsuzaki 2020 section
-5.4: the embeddings go stale as the embedder trains, so the index is rebuilt every I steps). It reads the retriever's
-options (RetrievalConfig) and talks to its owner through rlm.index's MemoryOwner (snapshot an embedder, take a new
-memory); the index, its memory and the sharded parts are rlm.index's.
-
-Modes: 'blocking' (training waits) and 'background' (a frozen snapshot of the embedder embeds and indexes in a
-thread while training continues on the old table; the new one is swapped in at a step boundary with one reference
-assignment). In the background mode the first table is built the same way: the first steps train without
-retrieval until it lands. With a warm start no table is built at fit start; the first comes when the schedule is
-due. Under DDP each rank embeds its contiguous share of the segments, the shares are all-gathered, rank 0 builds
-and writes the index directory and every rank loads that same directory, so all ranks train on the same table. The
-state (last rebuild step, embedder identity, index path) is checkpointed; on resume the index is reused only if it
-is the one the checkpoint names. Sharded (more than one rank; 'auto': from shard_above indexed segments), no rank
-gathers the vectors: each keeps and writes its own part of the index, searches are collectives and the parts' top-k
-merge (index/sharded.py); in the background mode without a table each rank's whole build runs in its thread. With
-index_dim the vectors are narrowed by a PCA fitted at each rebuild on the vectors about to be indexed
-(index/projection.py; under DDP on a sample gathered from every rank, the same projection on every rank) before they
-are gathered, indexed or written; the projection is stored with the index and narrows every query.
-
-Kept apart from plugins/retrieval.py so that reading the plugin's options does not import Lightning: the plugin
-imports it in ``callbacks()``.
+"""The retriever's index rebuild callback: the embeddings go stale as the embedder trains, so every segment is
+re-embedded and the index (with lookup 'table', the neighbour table too) rebuilt on the schedule (Komatsuzaki 2020,
+sec. 5.4). 'background' embeds a frozen snapshot in a thread and swaps the new memory in at a step boundary with
+one reference assignment. Under DDP rank 0 builds from the gathered vectors and every rank loads its directory;
+sharded, each rank keeps its own part (index/sharded.py). The state is checkpointed, and on resume the index is
+reused only if it is the one the checkpoint names. Apart from plugins/retrieval.py so that reading the plugin's
+options does not import Lightning.
 """
 
 from __future__ import annotations
@@ -51,8 +36,7 @@ from rlm.index.store import IndexMismatchError, IndexNotFoundError
 from rlm.plugins._retrieval_config import RetrievalConfig
 
 EMBED_BATCH = 256
-"""Segments per embedder call during a rebuild: large enough that the per-call overhead vanishes, small enough that
-a shared embedder's activations ((256, L, d_model) per block) stay small beside training's."""
+"""Segments per embedder call during a rebuild: amortises the call, keeps a shared embedder's activations small."""
 KEEP = 2
 """Rebuild directories kept on disk: the one in use and the one before it (a checkpoint written before the last
 rebuild may still name it)."""
@@ -63,11 +47,7 @@ class RebuildCallback(pl.Callback):
     use_memory), with the plugin's own options and label."""
 
     def __init__(self, owner: MemoryOwner, config: RetrievalConfig, label: str = "retrieval") -> None:
-        self.owner, self.config, self.label = (
-            owner,
-            config,
-            label,
-        )  # the config is read where used, never copied
+        self.owner, self.config, self.label = owner, config, label  # config: read where used, never copied
         self.schedule = Schedule.parse(config.schedule)
         self.index_config = IndexConfig(
             factory=config.index_factory, target_recall=config.target_recall, flat_below=config.flat_below

@@ -1,30 +1,14 @@
-"""MARGE-style retrieval for causal LMs (Komatsuzaki 2020, section 5.4, after Lewis et al. 2020, MARGE).
+"""MARGE-style retrieval for causal LMs (Komatsuzaki 2020, sec. 5.4, after Lewis et al. 2020, MARGE).
 
-Documents are cut into segments of L tokens. The tokens of segment S_{t+1} cross-attend to the tokens
-of the k neighbours of S_t (and, optionally, each neighbour's continuation segment), found with the
-embedder e over the whole training set and the past of the document. The cross-attention logits get
-MARGE's relevance bias (Lewis et al. 2020, eq. 2, as adapted by Komatsuzaki 2020):
+Documents are cut into segments of L tokens; the tokens of S_{t+1} cross-attend to the k neighbours of S_t, found
+with the embedder e over the training set and the document's past, with MARGE's relevance bias (eq. 2):
 
     logit(i, j in z) = q_i . k_j / sqrt(h) + beta * cos(e(S_t), e(z))      beta trainable, per layer
 
-so the LM loss alone trains e through the bias. Causality: segment t+1 only sees neighbours chosen
-with S_t, and the neighbour tables never hold S_{t+1} or a later segment of the same document; the
-first segment of a window uses the neighbours of the document's previous segment, or none.
-
-Training reads neighbour ids from the table of the last rebuild (_retrieval_rebuild.py, the callback this
-plugin returns); validation and generation search the index online with the current embedder. Until the
-first table lands (it is built at the schedule's first due step), the warm start gives each segment earlier
-segments of its own document (Komatsuzaki 2020, sec. 5.4; RetrievalConfig.warm_start).
-
-A batch's segment ids are ids of its own segment table (Context.segments), which is the index's only for the
-training corpus; evaluated text (validation, test, rlm eval --corpus, generation) retrieves from the index and
-from its own document's past, kept causal by _retrieval_filter.py even where it copies a training document.
-
-This file holds the plugin (its options, RetrievalConfig, are in _retrieval_config.py), whose methods read as one step: prepare() finds
-the batch's neighbours (_retrieval_neighbours.py), encoded() embeds them once per forward for the
-cross-attention layers (_retrieval_attention.py), and the step logs its metrics and loss groups. The embedders
-are in _retrieval_encoder.py, the rebuild callback in _retrieval_rebuild.py; the index and its neighbour tables in
-rlm.index.
+so the LM loss alone trains e. Causality: S_{t+1} only sees neighbours chosen with S_t, never S_{t+1} or a later
+segment of its own document. A step: prepare() finds the neighbours (_retrieval_neighbours.py), encoded() embeds
+them once per forward for the cross-attention layers (_retrieval_attention.py); the index is rebuilt by the
+callback of _retrieval_rebuild.py.
 """
 
 from __future__ import annotations
@@ -40,9 +24,7 @@ from rlm.index.memory import RetrievalMemory
 from rlm.index.rebuild import load_memory_for_search
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._retrieval_attention import Encoded, RetrievalCrossAttention, encode_neighbours
-from rlm.plugins._retrieval_config import (
-    RetrievalConfig,
-)
+from rlm.plugins._retrieval_config import RetrievalConfig
 from rlm.plugins._retrieval_encoder import (
     FrozenEmbedder,
     SeparateEncoder,
@@ -173,10 +155,9 @@ class RetrievalPlugin(Plugin):
         self._declare_loss_groups(ctx, inputs, inputs.query_tokens.shape[-1])
 
     def _prepare_cached(self, ctx: Context, batch: dict[str, Any]) -> None:
-        """Incremental decoding: the neighbours of the chunks the new tokens fall in (chunks of L positions from
-        the cache's start, as a full forward over the cached window cuts them). A chunk's neighbours follow from
-        the text before it alone (the evaluation path is causal), so each chunk is searched once, at the step its
-        first token arrives, with the window so far, and kept in the cache (ctx.cache.state[label])."""
+        """Incremental decoding: the neighbours of the chunks (of L positions from the cache's start) the new tokens
+        fall in. A chunk's neighbours follow from the text before it alone, so each is searched once, when its
+        first token arrives, and kept in ctx.cache.state[label]."""
         if batch.get("segment_ids") is not None or batch.get("mask") is not None:
             raise ValueError(
                 "retrieval: incremental decoding (ctx.cache) takes plain tokens, without segment ids or a padding "
@@ -251,9 +232,8 @@ class RetrievalPlugin(Plugin):
         return state["encoded"]
 
     def no_retrieval(self, x: Tensor, layer: nn.Module) -> Tensor:
-        """Zeros like x; under autograd, still a function of x and of the layer's and encoder's parameters (times 0),
-        so every parameter gets a (zero) gradient and DDP, which expects all of them each step, keeps working
-        while training waits for the first table."""
+        """Zeros like x; under autograd times 0 of the layer's and encoder's parameters, so every parameter gets a
+        (zero) gradient, as DDP expects each step, while training waits for the first table."""
         if not torch.is_grad_enabled():
             return torch.zeros_like(x)
         params = [p for m in (layer, self.encoder) for p in m.parameters() if p.requires_grad]
