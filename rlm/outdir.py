@@ -13,11 +13,6 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-# The --force flag's help, the same for every command that takes it.
-FORCE_HELP = (
-    "replace --out even when it holds other files (never a folder holding --ckpt, nor the current one)"
-)
-
 
 def _holds(folder: Path, path: Path) -> bool:
     return path == folder or folder in path.parents

@@ -1,8 +1,9 @@
 """The ``rlm`` command: a small table of subcommands.
 
-``fit``, ``validate`` and ``test`` run LightningCLI on the stacked ``--config`` files; ``generate``
-samples from a checkpoint; ``index`` and ``experiment`` hand over to their own parsers; ``plugins`` lists the
-plugins and their options. torch and Lightning are imported inside the commands, not at module level.
+``fit``, ``validate`` and ``test`` run LightningCLI on the stacked ``--config`` files. Every other command is a
+typed function whose signature and docstring are its parser (jsonargparse; ``function_parser``), or a dict of
+them for subcommands (``rlm index build``). torch and Lightning are imported inside the commands, not at module
+level, so ``--help`` and bad arguments cost neither.
 """
 
 from __future__ import annotations
@@ -360,6 +361,10 @@ def command_target(command: str) -> Any:
     return target
 
 
+FLAG_ALIASES = {"ckpt_path": "ckpt"}
+"""Other names of options: rlm fit's spelling of a checkpoint."""
+
+
 def _flag_kind(hint: Any) -> str:
     """'bool' or 'list' for a parameter's type, None left out of an Optional; else ''."""
     parts = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
@@ -413,10 +418,6 @@ def typed_argv(fn: Callable[..., int], args: list[str]) -> list[str]:
         else:
             out += [f"--{name}={value}"] if eq or not rest else [f"--{name}", rest.pop(0)]
     return out
-
-
-FLAG_ALIASES = {"ckpt_path": "ckpt"}
-"""Other names of options: rlm fit's spelling of a checkpoint."""
 
 
 def help_formatter() -> type:
@@ -540,14 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             from rlm.cli.support import canonical_flags
 
             return run_lightning(command, canonical_flags(command, rest))
-        if not isinstance(target, dict) and not inspect.signature(target).parameters.get("command"):
-            return call(prog, target, rest)
-        if not isinstance(target, dict):
-            from rlm.cli.support import canonical_flags
-
-            return target(command, canonical_flags(command, rest))
-        while isinstance(target, dict) and rest and rest[0] in target:
-            prog, target = f"{prog} {rest[0]}", target[rest.pop(0)]
+        if isinstance(target, dict) and rest[:1] and rest[0] in target:  # a subcommand
+            prog, target, rest = f"{prog} {rest[0]}", target[rest[0]], rest[1:]
         if not isinstance(target, dict):
             return call(prog, target, rest)
         if rest[:1] in (["-h"], ["--help"]):
@@ -555,11 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         given = f"unknown command {rest[0]!r}" if rest else "a command is needed"
         raise ValueError(f"{given}; known commands: {', '.join(target)}")
-    except (
-        ValueError,
-        OSError,
-        MissingExtra,
-    ) as err:  # OSError: disk full, read-only folder (the path is named)
+    # OSError: disk full, read-only folder (the path is named)
+    except (ValueError, OSError, MissingExtra) as err:
         if os.environ.get("RLM_DEBUG"):
             raise
         print(f"{prog}: error: {err}", file=sys.stderr)

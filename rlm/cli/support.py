@@ -237,34 +237,16 @@ def quiet_known_noise() -> None:
         log.addFilter(_DropLine(LITLOGGER_TIP))
 
 
-LIGHTNING_COMMANDS = ("fit", "validate", "test")
-
-
 def canonical_flags(command: str, args: list[str]) -> list[str]:
-    """One flag style across subcommands, the other spellings kept as aliases.
-
-    rlm's own subcommands (eval, generate, export, index, knnlm, experiment) spell options with dashes
-    (``--batch-size``) and name a checkpoint ``--ckpt``; they also accept ``--batch_size`` and ``--ckpt_path``.
-    fit/validate/test keep LightningCLI's spelling (``--trainer.max_steps``, ``--ckpt_path``) and also accept
-    ``--ckpt``. Only option names change, never values (``--set trainer.max_steps=3`` stays as it is).
-    validate/test take ``--datastore DIR``: the kNN-LM callback (rlm.eval.knnlm_eval.DatastoreEval) on that
-    datastore, ``--trainer.callbacks+=...`` in LightningCLI's spelling."""
+    """rlm fit/validate/test's arguments in LightningCLI's spelling: ``--ckpt``, the name rlm's other commands give
+    a checkpoint, is ``--ckpt_path``; validate/test take ``--datastore DIR``: the kNN-LM callback
+    (rlm.eval.knnlm_eval.DatastoreEval) on that datastore, ``--trainer.callbacks+=...`` in LightningCLI's spelling.
+    Only option names change, never values; everything after ``--`` is left as it is."""
     if command in ("validate", "test"):
         args = _datastore_flag(args)
-    out = []
-    for i, arg in enumerate(args):
-        if arg == "--":  # everything after it is positional
-            return out + args[i:]
-        if not arg.startswith("--"):
-            out.append(arg)
-            continue
-        name, eq, value = arg.partition("=")
-        if command in LIGHTNING_COMMANDS:
-            name = "--ckpt_path" if name == "--ckpt" else name
-        elif "." not in name:
-            name = "--ckpt" if name == "--ckpt_path" else name.replace("_", "-")
-        out.append(name + eq + value)
-    return out
+    end = args.index("--") if "--" in args else len(args)
+    ckpt = [("--ckpt_path" + a[6:]) if a == "--ckpt" or a.startswith("--ckpt=") else a for a in args[:end]]
+    return ckpt + args[end:]
 
 
 def _datastore_flag(args: list[str]) -> list[str]:

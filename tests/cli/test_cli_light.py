@@ -102,16 +102,17 @@ def typed_commands() -> list[tuple[str, object]]:
     found = []
     for name in COMMANDS:
         target = command_target(name)
-        if target is run_lightning or (
-            callable(target) and "command" in inspect.signature(target).parameters
-        ):
+        if target is run_lightning:
             continue
         for sub, fn in target.items() if isinstance(target, dict) else [("", target)]:
             found.append((f"rlm {name} {sub}".strip(), fn))
     return found
 
 
-@pytest.mark.parametrize(("prog", "fn"), typed_commands(), ids=lambda x: x if isinstance(x, str) else "")
+TYPED = typed_commands()
+
+
+@pytest.mark.parametrize(("prog", "fn"), TYPED, ids=[prog for prog, _ in TYPED])
 def test_every_command_help_lists_every_parameter_of_its_function(prog, fn, capsys):
     """The table and the parsers cannot drift: each command's --help shows each parameter of its function, as a
     positional or as the flag users type, with the description its docstring gives."""
@@ -125,6 +126,22 @@ def test_every_command_help_lists_every_parameter_of_its_function(prog, fn, caps
         shown = name if positional else "--" + name.replace("_", "-")
         assert re.search(rf"(?<![\w-]){re.escape(shown)}(?![\w-])", out), (prog, shown)
         assert re.search(rf"^ +{name}: \S", doc, re.MULTILINE), f"{prog}: {name} has no description"
+
+
+def test_every_group_help_lists_its_subcommands(capsys):
+    from rlm.cli.commands import COMMANDS, command_target
+
+    groups = {name: command_target(name) for name in COMMANDS if isinstance(command_target(name), dict)}
+    assert sorted(groups) == ["experiment", "index", "knnlm"]
+    for name, group in groups.items():
+        assert main([name, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: rlm {name} COMMAND") and all(f"\n  {sub} " in out for sub in group)
+        assert main([name, "nope"]) == 2
+        assert (
+            f"rlm {name}: error: unknown command 'nope'; known commands: {', '.join(group)}"
+            in capsys.readouterr().err
+        )
 
 
 def test_a_device_left_out_is_the_gpu_when_torch_sees_one(monkeypatch):

@@ -200,14 +200,24 @@ def test_a_second_fit_in_the_same_root_is_refused_while_the_first_runs(tmp_path,
 
 
 def test_one_flag_style_with_the_other_spellings_as_aliases():
+    from rlm.cli.commands import typed_argv
     from rlm.cli.support import canonical_flags
+    from rlm.experiment.cli import cmd_run
+    from rlm.index.cli import cmd_build, cmd_search
 
-    assert canonical_flags("eval", ["--ckpt_path", "c", "--batch_size=4", "--knn-k", "8", "--", "--x_y"]) == [
-        "--ckpt", "c", "--batch-size=4", "--knn-k", "8", "--", "--x_y"
+    def eval_like(*, ckpt: str, batch_size: int | None = None, knn_k: int | None = None) -> int:
+        return 0
+
+    assert typed_argv(eval_like, ["--ckpt_path", "c", "--batch_size=4", "--knn-k", "8", "--", "--x_y"]) == [
+        "--ckpt", "c", "--batch_size=4", "--knn_k", "8", "--", "--x_y"
     ]  # fmt: skip
-    assert canonical_flags("experiment", ["run", "f.yaml", "--set", "trainer.max_steps=3", "--no_reuse"]) == [
-        "run", "f.yaml", "--set", "trainer.max_steps=3", "--no-reuse"
+    assert typed_argv(cmd_run, ["f.yaml", "--set", "trainer.max_steps=3", "--no_reuse", "--seeds", "0", "1"]) == [
+        "f.yaml", "--set+=trainer.max_steps=3", "--no_reuse=true", "--seeds+=0", "--seeds+=1"
     ]  # fmt: skip
-    assert canonical_flags("fit", ["--ckpt", "last", "--trainer.max_steps=3", "--ckpt_path=x"]) == [
-        "--ckpt_path", "last", "--trainer.max_steps=3", "--ckpt_path=x"
+    assert typed_argv(cmd_build, ["--no-gpu", "--quiet", "false", "--batch-size", "-1"]) == [
+        "--gpu=False", "--quiet=false", "--batch_size", "-1"
+    ]  # fmt: skip
+    assert typed_argv(cmd_search, ["idx", "a query", "-k", "2"]) == ["idx", "--text=a query", "--k", "2"]
+    assert canonical_flags("fit", ["--ckpt", "last", "--trainer.max_steps=3", "--ckpt_path=x", "--ckpt=y"]) == [
+        "--ckpt_path", "last", "--trainer.max_steps=3", "--ckpt_path=x", "--ckpt_path=y"
     ]  # fmt: skip
