@@ -53,8 +53,7 @@ class RebuildCallback(pl.Callback):
             factory=config.index_factory, target_recall=config.target_recall, flat_below=config.flat_below
         )
         self.table = config.lookup == "table"
-        """Each rebuild also finds every indexed segment's k neighbours (the table a training step reads); False:
-        index only, and the owner searches each step's queries online."""
+        """Each rebuild also finds every indexed segment's k neighbours (False: the owner searches online)."""
         self.parts: list[str] | None = None
         """The part directories of every rank when the table in use is from a sharded index."""
         self.last_step = -1
@@ -64,15 +63,13 @@ class RebuildCallback(pl.Callback):
         self.path: str | None = None
         """Index directory of the table in use."""
         self.history: list[tuple[int, str]] = []
-        """(step, 'built' | 'reused') of every table taken, in order (for logs and tests)."""
+        """(step, 'built' | 'reused') of every table taken, in order."""
         self.recall: float | None = None
         """Recall against exact search of the index in use (logged as train/<label>/index_recall)."""
         self.last_seconds = 0.0
         """Duration of the last rebuild (in the background: the thread's time)."""
         self.blocked_seconds = 0.0
-        """Seconds the last rebuild held up training: the whole of a blocking one; in the background, the part
-        that ran on the training thread (under DDP unsharded, the gather and rank 0's build; sharded without a
-        table, or one process: none)."""
+        """Seconds the last rebuild held up training (in the background: its part on the training thread)."""
         self._job: threading.Thread | None = None
         self._job_result: dict[str, Any] = {}
         self._step_start: float | None = None
@@ -85,12 +82,7 @@ class RebuildCallback(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # no k: the module's hyperparameters hold it (a resume refuses another), and so does the index's meta.json
-        return {
-            "last_step": self.last_step,
-            "identity": self.identity,
-            "index_dir": self.path,
-            "parts": self.parts,
-        }
+        return dict(last_step=self.last_step, identity=self.identity, index_dir=self.path, parts=self.parts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_step, self.identity, self.path = state["last_step"], state["identity"], state["index_dir"]
@@ -135,11 +127,8 @@ class RebuildCallback(pl.Callback):
 
     def _try_reuse(self) -> bool:
         """Load the index directory the checkpoint names, when it exists and matches; else False."""
-        if self.path is None or self.identity is None:
-            return False
-        if not self._same_width():
-            return False
-        if self.parts is not None:  # a sharded index, now resumed on one process: rebuild
+        # a sharded index (parts), now resumed on one process: rebuild
+        if self.path is None or self.identity is None or not self._same_width() or self.parts is not None:
             return False
         try:
             memory = load_memory(Path(self.path), self.segments, self.identity, self.config.k)
@@ -352,12 +341,11 @@ class RebuildCallback(pl.Callback):
             return
         self._job.join()
         self._job, result = None, self._job_result
-        if isinstance(result.get("error"), OSError):  # a full disk: the path is named, one error line
-            raise result["error"]
-        if "error" in result:
-            raise RuntimeError(f"background index rebuild of step {result['step']} failed") from result[
-                "error"
-            ]
+        err = result.get("error")
+        if isinstance(err, OSError):  # a full disk: the path is named, one error line
+            raise err
+        if err is not None:
+            raise RuntimeError(f"background index rebuild of step {result['step']} failed") from err
         memory, start = result.get("memory"), time.perf_counter()
         if memory is None and result.pop("then_alone", False):  # fit the projection here (a collective), then
             shard, identity, projection = self._narrow(
