@@ -243,8 +243,8 @@ class KnnAttentionPlugin(Plugin):
         self._filled = min(M, self._filled + n)
 
     def get_extra_state(self) -> dict[str, Any]:
-        """Checkpointed with the weights: the queue (memory_tokens x d floats, 4 MB as shipped), so that evaluating a
-        checkpoint (rlm test, rlm eval) searches the memory that validation during fit searched."""
+        """Checkpointed with the weights: the queue, so that evaluating a checkpoint searches the memory that
+        validation during fit searched."""
         # read without writing the pending entries into the ring: a state_dict taken between a step's forward and
         # its backward must not change the keys that backward reads
         parts = list(self._pending)
