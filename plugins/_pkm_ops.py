@@ -46,9 +46,8 @@ def grouped_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
         return scores.topk(k, dim=-1)
     G = n // g
     best = scores.unflatten(-1, (g, G)).amax(-2).topk(k, dim=-1, sorted=False)[1]  # (..., k) groups
-    idx = (best.unsqueeze(-2) + torch.arange(g, device=scores.device).unsqueeze(-1) * G).flatten(
-        -2
-    )  # (..., g*k)
+    offsets = torch.arange(g, device=scores.device).unsqueeze(-1) * G  # (g, 1): a group's elements
+    idx = (best.unsqueeze(-2) + offsets).flatten(-2)  # (..., g*k)
     top, j = scores.gather(-1, idx).topk(k, dim=-1)
     return top, idx.gather(-1, j)
 
@@ -57,9 +56,7 @@ def grouped_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def _candidate_pairs(k: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Pairs (a, b) of sorted half ranks with (a+1)(b+1) <= k: only they can reach the top-k (about k ln k)."""
     pairs = [(a, b) for a in range(k) for b in range(k // (a + 1))]
-    return torch.tensor([a for a, _ in pairs], device=device), torch.tensor(
-        [b for _, b in pairs], device=device
-    )
+    return torch.tensor(pairs, device=device).unbind(1)
 
 
 def _search_torch(s1: Tensor, s2: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
