@@ -305,9 +305,8 @@ def warm_candidates_of(
     continuation z + 1 <= S_t never reach the target segment S_{t+1}.
 
     With continuation (each neighbour brings z + 1), the segments before the window come every other one first,
-    before-2, before-4, ..., so the picks and their continuations cover before-1, before-2, before-3, ... once each
-    (the plain order would repeat before-1 as the second pick and bring the window's own first segment as the
-    first pick's continuation); the skipped before-1, before-3, ... follow, then the window.
+    before-2, before-4, ..., so picks and continuations cover before-1, before-2, ... once each (the plain order
+    would repeat before-1 and bring in the window's first segment); the skipped ones follow, then the window.
 
     q_ids (B, n) global query ids (-1: none); window_first (B,) the window's first segment; doc_first (B,) the
     document's first segment."""
