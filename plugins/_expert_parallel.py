@@ -7,6 +7,7 @@ tokens travel while another computes. Capacity is decided for the group's batch 
 routing is all-gathered and every rank runs the same plan over it (:func:`route_group`), so outputs and
 gradients equal the one-process layer on the group's batch. Expert gradients are scaled by 1/P and kept out of
 DDP; the groups' copies are kept equal by an all-reduce over the replica group. On one process nothing here runs.
+The costs at cluster scale are in docs/SCALE.md.
 """
 
 from __future__ import annotations
