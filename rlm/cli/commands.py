@@ -422,35 +422,20 @@ def typed_argv(fn: Callable[..., int], args: list[str]) -> list[str]:
 
 def help_formatter() -> type:
     """jsonargparse's help formatter showing options as users type them: ``--batch-size``, a bool option with no
-    value, a list option without its ``+`` form; an option's default at the end of its help, unless it is None,
-    False or empty, or the help already says what leaving it out means."""
+    value; an option's default at the end of its help, unless it is None, False or empty, or the help already
+    says what leaving it out means."""
     from jsonargparse import DefaultHelpFormatter
 
     class Help(DefaultHelpFormatter):
         def _get_help_string(self, action: argparse.Action) -> str:
-            text, default = action.help or "", action.default
-            if (
-                not action.option_strings
-                or default is None
-                or default is False
-                or default in ([], argparse.SUPPRESS)
-                or "default" in text
-            ):
-                return text
-            return f"{text} (default: {default})"
+            text, d = action.help or "", action.default
+            hide = d is None or d is False or d in ([], argparse.SUPPRESS) or "default" in text
+            return text if hide or not action.option_strings else f"{text} (default: {d})"
 
         def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
             if _flag_kind(getattr(action, "_typehint", None)) == "bool":
                 return ""
             return super()._format_args(action, default_metavar)
-
-        def _format_action_invocation(self, action: argparse.Action) -> str:
-            given = action.option_strings
-            action.option_strings = [s for s in given if not s.endswith("+")]  # --corpus+: typed_argv's
-            try:
-                return super()._format_action_invocation(action)
-            finally:
-                action.option_strings = given
 
         def format_help(self) -> str:
             text = re.sub(r"(?<![\w-])--\w+", lambda m: m[0].replace("_", "-"), super().format_help())
@@ -472,6 +457,10 @@ def function_parser(prog: str, fn: Callable[..., int]) -> Any:
         exit_on_error=False,
     )
     parser.add_function_arguments(fn, as_group=False, as_positional=True)
+    for (
+        action
+    ) in parser._actions:  # --corpus+ (typed_argv's way to give a list) still parses, but is not shown
+        action.option_strings = [s for s in action.option_strings if not s.endswith("+")]
     return parser
 
 
@@ -481,16 +470,14 @@ def call(prog: str, fn: Callable[..., int], args: list[str]) -> int:
 
     try:
         cfg = function_parser(prog, fn).parse_args(typed_argv(fn, args))
-    except argparse.ArgumentError as err:  # option names as flags: top_k -> --top-k
-        flags = [
-            n
-            for n, p in inspect.signature(fn).parameters.items()
-            if p.default is not p.empty or p.kind is p.KEYWORD_ONLY
-        ]
-        named = re.compile(rf"\b({'|'.join(flags)})\b(?=:|,|$)" if flags else "^$")
-        raise ValueError(
-            named.sub(lambda m: "--" + m[0].replace("_", "-"), plain_parse_error(str(err)))
-        ) from None
+    except argparse.ArgumentError as err:
+        message = plain_parse_error(str(err))
+        for name, p in inspect.signature(
+            fn
+        ).parameters.items():  # options as users type them: top_k -> --top-k
+            if p.default is not p.empty or p.kind is p.KEYWORD_ONLY:
+                message = re.sub(rf"(?<![\w-])(--)?{name}\b(?=:|,|$)", "--" + name.replace("_", "-"), message)
+        raise ValueError(message) from None
     if prog in THREADED:
         limit_threads()
     return fn(**cfg.as_dict())
