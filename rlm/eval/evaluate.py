@@ -205,7 +205,7 @@ def evaluate(
 
 
 def main(a: argparse.Namespace) -> int:
-    """``rlm eval`` without --tasks or --datastore: ``a`` from rlm.eval.knnlm_cli.eval_parser."""
+    """``rlm eval`` without --tasks or --datastore: ``a`` holds the options of rlm.cli.commands.cmd_eval."""
     if a.datastore:  # the kNN-LM path (rlm.eval.knnlm_cli.eval_main) is chosen by the command table
         raise ValueError("--datastore is handled by rlm.eval.knnlm_cli.eval_main")
     result = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=sys.stderr.isatty())

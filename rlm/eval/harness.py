@@ -325,7 +325,7 @@ def evaluate_tasks(
 
 
 def main(a: Any) -> int:
-    """``rlm eval --tasks``: the parsed arguments of rlm.eval.knnlm_cli.eval_parser; prints lm-eval's table."""
+    """``rlm eval --tasks``: the options of rlm.cli.commands.cmd_eval; prints lm-eval's table."""
     from rlm.eval.evaluate import write_json
 
     if a.corpus or a.knn_cache:
