@@ -310,6 +310,11 @@ _UNION = re.compile(
 )
 
 
+_NOISE = ("Parser key", "Subtypes:", "Errors:", "Expected a <class 'NoneType'>", "Problem with given class_path",
+          "Does not validate against", "Given value")  # fmt: skip
+"""Lines of jsonargparse's union report that frame the reason rather than give it."""
+
+
 def _accepted(expected: str) -> str:
     """One arm of a union in words: "typing.Literal['a', 'b']" -> "one of 'a', 'b'", "<class 'int'>" -> ..."""
     if m := re.fullmatch(r"typing\.Literal\[(.*)\]", expected):
@@ -324,17 +329,10 @@ def plain_parse_error(message: str) -> str:
     A plugin option's error arrives wrapped twice in "Does not validate against any of the Union subtypes"
     (``model.plugins`` and each plugin are optional dataclasses); what the user needs is at the bottom, e.g.
     ``Parser key "n_keys": Expected a <class 'int'>. Got value: abc`` becomes
-    ``model.plugins.pkm.n_keys: expected an integer, got 'abc'``."""
+    ``model.plugins.pkm.n_keys: must be an integer, got 'abc'``."""
     lines = [ln.strip() for ln in message.splitlines()]
     keys = [m.group(1) for ln in lines if (m := re.match(r'(?:- )?Parser key "([^"]+)"', ln))]
-    noise = (
-        "Expected a <class 'NoneType'>",
-        "Problem with given class_path",
-        "Does not validate against",
-        "Given value",
-    )
-    reasons = [ln.removeprefix("- ") for ln in lines if ln and not ln.startswith(("Parser key", "- Parser key",
-               "Subtypes:", "Errors:", *noise, "- " + noise[0], "- " + noise[1], "- " + noise[2]))]  # fmt: skip
+    reasons = [r for ln in lines if (r := ln.removeprefix("- ")) and not r.startswith(_NOISE)]
     if not reasons:
         return message.strip()
     if keys and (union := [m for m in _UNION.finditer(message) if m.group(1) == keys[-1]]):
