@@ -42,6 +42,7 @@ def _help_file(command: str) -> Path:
     the terminal's width, so any change to them writes it anew."""
     import hashlib
     import importlib.metadata
+    import importlib.util
     import shutil
 
     h = hashlib.sha256(f"{command};{shutil.get_terminal_size().columns};{sys.version}".encode())
@@ -50,17 +51,22 @@ def _help_file(command: str) -> Path:
             h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
         except importlib.metadata.PackageNotFoundError:
             pass
-    for path in sorted(
-        Path(__file__).resolve().parents[1].rglob("*.py")
-    ):  # rlm/: the model's and data's options
+    # the help lists the model's, data's and every plugin's options: rlm/ and the plugins' sources (a folder of
+    # their own in a source checkout), and the entry-point plugins' versions
+    roots = {Path(__file__).resolve().parents[1]}
+    spec = importlib.util.find_spec("rlm.plugins")
+    roots |= {Path(p) for p in (spec.submodule_search_locations or [])} if spec else set()
+    for path in sorted(p for root in roots for p in root.rglob("*.py")):
         st = path.stat()
         h.update(f"{path}:{st.st_mtime_ns}:{st.st_size};".encode())
+    for ep in importlib.metadata.entry_points(group="rlm.plugins"):
+        h.update(f"{ep.name}={ep.value}@{ep.dist.version if ep.dist else ''};".encode())
     cache = Path(os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm").expanduser()
     return cache / "help" / f"{command}-{h.hexdigest()[:16]}.txt"
 
 
 def run_lightning(command: str, args: list[str]) -> int:
-    """``rlm fit|validate|test``: merge the stacked configs, then run LightningCLI. A bare ``--help`` prints the
+    """``rlm fit|validate|test``: check the stacked configs, then run LightningCLI. A bare ``--help`` prints the
     text the last build of the same parser printed (building it imports Lightning, seconds before any output)."""
     if args in (["--help"], ["-h"]):
         saved = _help_file(command)
@@ -100,9 +106,7 @@ def run_lightning(command: str, args: list[str]) -> int:
 
     quiet_known_noise()
     limit_threads()
-    layers = config_layers(
-        args
-    )  # each --config file read as YAML, for the checks below (a clear error first)
+    layers = config_layers(args)  # each --config file as YAML, for the clear errors below
     refuse_optimizer_options(command, layers, args)
     check_plugin_names(layers, args)
     require_class_extras(layers, args)

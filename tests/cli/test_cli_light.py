@@ -259,6 +259,28 @@ def test_fit_help_is_built_once_and_then_printed_without_lightning(tmp_path, mon
     assert run.stdout == built and "HEAVY [] 0" in run.stderr
 
 
+def test_the_kept_fit_help_is_keyed_by_the_plugins_sources_too(tmp_path, monkeypatch):
+    """The help lists every plugin's options, and a source checkout keeps plugins/ beside rlm/: a change there
+    must write the help anew."""
+    import importlib.util
+    import types
+
+    from rlm.cli.commands import _help_file
+
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "p.py").write_text("x = 1\n")
+    real = importlib.util.find_spec
+    fake = types.SimpleNamespace(submodule_search_locations=[str(plugins)])
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: fake if name == "rlm.plugins" else real(name, *a)
+    )
+    before = _help_file("fit")
+    assert _help_file("fit") == before
+    (plugins / "p.py").write_text("x = 22\n")
+    assert _help_file("fit") != before
+
+
 # slow: a fresh interpreter checks a valid experiment file, every variant through the real rlm fit parser
 @pytest.mark.slow
 def test_experiment_check_says_what_it_checks_before_importing_lightning():
