@@ -112,11 +112,15 @@ def _encoded(inp, ctx, label, e_query, e_nb, index, states, L, vocab=None, rows=
     return Encoded(states, index, inp.mask.reshape(B * n, k * M), relevance, L, vocab, rows)
 
 
-def _beta_as_vector(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Checkpoints written before beta became shape (1,) hold it as a scalar: load those as (1,)."""
+def _refuse_scalar_beta(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A checkpoint whose beta is a scalar predates beta's shape (1,): refused with what changed."""
     beta = state_dict.get(prefix + "beta")
     if beta is not None and beta.ndim == 0:
-        state_dict[prefix + "beta"] = beta.reshape(1)
+        raise ValueError(
+            f"checkpoint: {prefix}beta is a scalar, from an rlm before the retriever's beta became shape (1,) (FSDP2 "
+            "shards every parameter along dim 0); such checkpoints no longer load (`git log -S _beta_as_vector` says "
+            "what changed): store beta reshaped to (1,)"
+        )
 
 
 class RetrievalCrossAttention(nn.Module):
@@ -140,7 +144,7 @@ class RetrievalCrossAttention(nn.Module):
             nn.init.normal_(self.proj.weight, 0.0, c.init_std / math.sqrt(2 * c.n_layers))
         # shape (1,), not a scalar: FSDP2 shards every parameter along dim 0 (and refuses 0-d ones)
         self.beta = nn.Parameter(torch.full((1,), BETA_INIT))
-        self.register_load_state_dict_pre_hook(_beta_as_vector)
+        self.register_load_state_dict_pre_hook(_refuse_scalar_beta)
         self.rope_base = c.rope_base
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:

@@ -577,6 +577,16 @@ def test_cross_attention_inside_the_shared_embedder_is_refused():
         tiny_model(layers=[0], embed_layers=1)
 
 
+def test_a_checkpoint_with_a_scalar_beta_is_refused_naming_the_change():
+    """beta is shape (1,); a checkpoint of the scalar beta rlm once wrote is refused with what changed."""
+    model = tiny_model()
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith("cross_attn.beta"))
+    state[key] = state[key].reshape(())
+    with pytest.raises(ValueError, match=r"beta is a scalar.*git log -S _beta_as_vector"):
+        model.load_state_dict(state)
+
+
 def test_no_memory_means_no_retrieval():
     """Before any index exists the cross-attention adds nothing (the model is the base model)."""
     model = tiny_model()
