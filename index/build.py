@@ -1,5 +1,5 @@
-"""Build a vector index over segment embeddings: faiss factory strings, an automatic choice, GPU placement, and
-nprobe/efSearch tuned to a target recall against exact search. Inner product on unit vectors (cosine)."""
+"""Build a vector index over unit vectors (inner product, i.e. cosine): faiss factory strings, an automatic choice,
+GPU placement, and nprobe/efSearch tuned to a target recall against exact search."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from rlm.index.exact import (
 TORCH = "torch"  # factory name of the exact torch search: the vectors themselves are the index
 ADD_CHUNK = 65536  # vectors added per faiss call
 MIN_POINTS_PER_CENTROID = 39  # faiss warns below this many training points per k-means centroid
+TUNE_K, TUNE_QUERIES = 10, 1000  # tuning measures recall@TUNE_K of this many indexed vectors as queries
+GPU_MAX_K = 2048  # faiss GPU indices return at most this many results per query
 
 
 @dataclass
@@ -37,15 +39,9 @@ class IndexConfig:
     flat_below: int = 32768
     """'auto' keeps exact flat search below this many vectors (IVF buys little there)."""
     target_recall: float | None = 0.95
-    """Tune nprobe/efSearch at build time until recall@tune_k on a held-out sample reaches this; None: no tuning."""
-    tune_k: int = 10
-    """k of the recall measured while tuning."""
-    tune_queries: int = 1000
-    """Vectors sampled from the data as tuning queries."""
+    """Tune nprobe/efSearch until recall@TUNE_K on a sample reaches this; None: no tuning."""
     gpu: bool | None = None
     """Train and search on GPU: None means whenever faiss sees a GPU; True requires one."""
-    seed: int = 0
-    """Seed of the tuning sample."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.factory, str) or not self.factory.strip():
@@ -58,19 +54,10 @@ class IndexConfig:
             raise ValueError(f"index.flat_below must be >= 0, got {self.flat_below}")
         if self.target_recall is not None and not 0.0 < self.target_recall <= 1.0:
             raise ValueError(f"index.target_recall must be in (0, 1] or null, got {self.target_recall}")
-        if self.tune_k <= 0 or self.tune_queries <= 0:
-            raise ValueError(
-                f"index.tune_k and tune_queries must be positive, got {self.tune_k}, {self.tune_queries}"
-            )
         if self.gpu and not gpu_available():
             raise ValueError(
                 "index.gpu=True but faiss sees no GPU (install faiss-gpu, or use gpu: null/false)"
             )
-
-    @property
-    def memory_budget_bytes(self) -> int:
-        """memory_budget_gb in bytes."""
-        return int(self.memory_budget_gb * 2**30)
 
 
 @dataclass
@@ -79,10 +66,8 @@ class BuiltIndex:
 
     index: Any  # a faiss.Index or a TorchExactIndex; both have search(x, k) -> (scores, ids) and ntotal
     factory: str  # the resolved factory ('IVF1789,SQ8', 'Flat', 'torch'), never 'auto'
-    search_params: dict[str, int] = field(default_factory=dict)
-    """Search-time parameters (nprobe, efSearch) to set on the index after loading."""
-    tuned_recall: float | None = None
-    """Recall@tune_k measured on the tuning sample with search_params, when tuned."""
+    search_params: dict[str, int] = field(default_factory=dict)  # nprobe/efSearch, set again after loading
+    tuned_recall: float | None = None  # recall@TUNE_K on the tuning sample with search_params, when tuned
     on_gpu: bool = False  # whether `index` lives on a GPU
 
     @property
@@ -107,27 +92,20 @@ def gpu_available() -> bool:
 _GPU_RESOURCES: dict[int, Any] = {}  # one faiss StandardGpuResources per GPU, reused
 
 
-def process_gpu() -> int | None:
-    """The GPU this process's faiss indices go to: under torch.distributed the rank's own (else every rank would
-    replicate its index over every GPU of the node); None for one process, which uses every visible GPU."""
+def cpu_to_gpu(index: Any) -> Any:
+    """A CPU faiss index copied to this rank's GPU under torch.distributed (not every GPU of the node, once per
+    rank), else to every visible GPU."""
     import torch
     import torch.distributed as dist
 
-    if (
+    if not (
         dist.is_available()
         and dist.is_initialized()
         and dist.get_world_size() > 1
         and torch.cuda.is_available()
     ):
-        return int(torch.cuda.current_device())
-    return None
-
-
-def cpu_to_gpu(index: Any) -> Any:
-    """A CPU faiss index copied to process_gpu(), or to every visible GPU when that is None."""
-    device = process_gpu()
-    if device is None:
         return faiss.index_cpu_to_all_gpus(index)
+    device = int(torch.cuda.current_device())
     if device not in _GPU_RESOURCES:
         _GPU_RESOURCES[device] = faiss.StandardGpuResources()
     return faiss.index_cpu_to_gpu(_GPU_RESOURCES[device], device, index)
@@ -144,9 +122,6 @@ def to_gpu(index: Any) -> tuple[Any, bool]:
         return index, False
 
 
-GPU_MAX_K = 2048  # faiss GPU indices return at most this many results per query
-
-
 def max_k(index: Any) -> int:
     """The largest k one search of this index may ask for."""
     on_gpu = index.on_gpu if isinstance(index, BuiltIndex) else _is_gpu(index)
@@ -159,9 +134,8 @@ def nlist_for(n: int) -> int:
 
 
 def choose_factory(n: int, dim: int, memory_budget_bytes: int, flat_below: int = 32768) -> str:
-    """The faiss factory 'auto' resolves to: exact flat search for small n, else IVF with nlist_for(n) lists and
-    the richest codes that fit the budget: float32, else SQ8 (4x smaller), else PQ with the most 1-byte
-    sub-quantisers that fit."""
+    """What 'auto' resolves to: flat for small n, else IVF with nlist_for(n) lists and the richest codes that fit
+    the budget: float32, SQ8 (4x smaller), else PQ with the most 1-byte sub-quantisers that fit."""
     if n <= 0 or dim <= 0:
         raise ValueError(f"need n > 0 vectors of dim > 0, got n={n}, dim={dim}")
     nlist = nlist_for(n)
@@ -203,8 +177,9 @@ def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool) 
         return index
     ivf = ivf_of(index)
     pq = getattr(faiss.downcast_index(ivf if ivf is not None else index), "pq", None)
-    # IVF lists, PQ centroids
-    need = max(1, ivf.nlist if ivf is not None else 1, pq.ksub if pq is not None else 1)
+    need = max(
+        1, ivf.nlist if ivf is not None else 1, pq.ksub if pq is not None else 1
+    )  # lists, PQ centroids
     if len(train) < need:
         raise ValueError(
             f"too few vectors to train {factory!r}: got {len(train)}, it needs at least {need} "
@@ -221,8 +196,8 @@ def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool) 
 
 
 def search_index(index: Any, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """index.search(queries, k); a batch of SCAN_QUERIES queries of a flat inner-product faiss index on the CPU
-    is scored by torch over its vectors instead (the same results)."""
+    """index.search(queries, k), but a batch of SCAN_QUERIES queries of a flat inner-product faiss index on the
+    CPU is scored by torch over its vectors (the same results, faster)."""
     if isinstance(index, BuiltIndex):
         index = index.index
     lo, hi = SCAN_QUERIES
@@ -265,23 +240,17 @@ def tune_search_params(
     exact_ids: np.ndarray,
     k: int,
     target: float,
-    knob: tuple[str, int] | None = None,
+    knob: tuple[str, int],
     plateau: float | None = None,
-    apply: Any = None,
+    apply: Any = set_search_params,
 ) -> tuple[dict[str, int], float]:
-    """Smallest nprobe/efSearch whose recall@k on the sample reaches `target` (or the best one, with a warning).
+    """Smallest value of `knob` (tunable_param of the CPU index) whose recall@k on the sample reaches `target`, or
+    the best one with a warning; set on `index` by `apply`.
 
-    `exact_ids` are the sample's exact top-(k+1) ids; each query's own id is dropped from both sides, as the
-    neighbour tables drop it. The sample are indexed vectors, which an HNSW graph links directly: held-out
-    queries see lower recall than tuned for. knob: tunable_param of the CPU index (a GPU index hides its
-    structure); plateau: stop doubling once recall gains less than this (a product quantiser caps recall);
-    apply: sets the parameter (default set_search_params).
+    exact_ids: the sample's exact top-(k+1); each query's own id is dropped from both, as the neighbour tables drop
+    it. plateau: stop doubling once recall gains less (a product quantiser caps recall).
     """
-    knob = knob or tunable_param(index)
-    if knob is None:
-        return {}, 1.0
     name, top = knob
-    apply = apply or set_search_params
 
     def recall(value: int) -> float:
         apply(index, {name: value})
@@ -333,7 +302,7 @@ def build_index(vectors: np.ndarray, config: IndexConfig | None = None, progress
     if factory == TORCH:
         return BuiltIndex(TorchExactIndex(x), TORCH)
     if factory == "auto":
-        factory = choose_factory(n, dim, config.memory_budget_bytes, config.flat_below)
+        factory = choose_factory(n, dim, int(config.memory_budget_gb * 2**30), config.flat_below)
     use_gpu = gpu_available() if config.gpu is None else config.gpu
     index = train_index(make_faiss_index(factory, dim), x, factory, use_gpu)
     knob = tunable_param(index)  # read on the CPU index, before a GPU copy hides its structure
@@ -346,10 +315,9 @@ def build_index(vectors: np.ndarray, config: IndexConfig | None = None, progress
             bar.update(len(x[lo : lo + ADD_CHUNK]))
     built = BuiltIndex(index, factory, on_gpu=on_gpu)
     if config.target_recall is not None and knob is not None:
-        rng = np.random.default_rng(config.seed)
-        sample_ids = np.sort(rng.choice(n, size=min(config.tune_queries, n), replace=False))
-        _, exact_ids = exact_search(x, x[sample_ids], config.tune_k + 1)
+        sample_ids = np.sort(np.random.default_rng(0).choice(n, size=min(TUNE_QUERIES, n), replace=False))
+        _, exact_ids = exact_search(x, x[sample_ids], TUNE_K + 1)
         built.search_params, built.tuned_recall = tune_search_params(
-            index, x[sample_ids], sample_ids, exact_ids, config.tune_k, config.target_recall, knob
+            index, x[sample_ids], sample_ids, exact_ids, TUNE_K, config.target_recall, knob
         )
     return built

@@ -120,7 +120,7 @@ THRESHOLDS = {
 @pytest.mark.parametrize("factory", list(THRESHOLDS))
 def test_index_recall_against_exact(data, factory):
     base, queries, exact_ids = data
-    built = build_index(base, IndexConfig(factory=factory, flat_below=1000, tune_queries=300))
+    built = build_index(base, IndexConfig(factory=factory, flat_below=1000))
     assert built.ntotal == N and built.factory != "auto"
     scores, ids = built.search(queries, K)
     assert recall_at_k(ids, exact_ids, K) >= THRESHOLDS[factory]
@@ -132,9 +132,7 @@ def test_index_recall_against_exact(data, factory):
 
 def test_auto_tunes_and_records_nprobe(data):
     base, _, _ = data
-    built = build_index(
-        base, IndexConfig(factory="auto", flat_below=1000, target_recall=0.9, tune_queries=200)
-    )
+    built = build_index(base, IndexConfig(factory="auto", flat_below=1000, target_recall=0.9))
     assert built.factory.startswith(f"IVF{nlist_for(N)},")
     assert built.search_params["nprobe"] >= 1 and built.tuned_recall >= 0.9
 

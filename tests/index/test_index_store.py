@@ -35,7 +35,7 @@ def vectors() -> np.ndarray:
 @pytest.mark.parametrize("factory", ["Flat", "IVF32,SQ8", "HNSW16", "torch"])
 def test_round_trip_keeps_results_and_metadata(tmp_path, vectors, factory):
     fp = "corpus-a"
-    config = IndexConfig(factory=factory, tune_queries=200)
+    config = IndexConfig(factory=factory)
     built = build_index_dir(tmp_path / "idx", vectors, segments(len(vectors)), fp, EMBEDDER, config)
     loaded = load_index_dir(tmp_path / "idx", expect_fingerprint=fp, expect_embedder=EMBEDDER)
     q = vectors[:50]
