@@ -1,12 +1,14 @@
-"""The Lightning callback of row-wise Adam tables (host tables, PKM values), apart so that importing a plugin does
-not import Lightning (``rlm plugins NAME`` stays light): plugins import it in ``callbacks()``."""
+"""Lightning callbacks of the row-wise Adam tables (tokenid's host tables, PKM's values), apart so that importing
+a plugin does not import Lightning: plugins import them in ``callbacks()``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 
+from rlm.distributed.layout import layout
 from rlm.plugins._pkm_rows import RowAdam
 
 
@@ -50,3 +52,49 @@ class HostTableCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+
+class PKMCallback(HostTableCallback):
+    """Resolves sparse/dense at setup, steps the row-wise value optimizer, logs usage and KL at validation."""
+
+    def __init__(self, plugin: Any) -> None:
+        super().__init__(plugin.row_optimizer, "pkm.sparse", "")
+        self.plugin = plugin  # the PKMPlugin (not imported here: plugins/pkm.py imports this module)
+
+    @property
+    def state_key(self) -> str:
+        return f"PKMCallback[{self.plugin.label}]"
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        run = layout(trainer)
+        if run.distributed and self.plugin.group is None:
+            # The data-parallel ranks: all of them under DDP and under rlm's FSDP2 (its mesh spans every rank, and
+            # the sparse values are whole on each). A group handed in before fit (set_group) is kept.
+            self.plugin.set_group(dist.group.WORLD)
+        # Under FSDP2, configure_model runs after this and keeps the sparse values out of fully_shard.
+        if self.plugin.resolve_sparse(run.distributed, row_exchange=run.can_replicate):
+            self.refuse_fp16(trainer, ", or pkm.sparse: false")
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self.plugin.sparse_active:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plugin.start_stats()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(pl_module, "val")
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plugin.start_stats()
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(pl_module, "test")
+
+    def _log(self, pl_module: pl.LightningModule, stage: str) -> None:
+        for layer, (usage, kl) in self.plugin.stop_stats().items():
+            prefix = f"{stage}/{self.plugin.label}/layer{layer}"
+            pl_module.log(f"{prefix}/usage", usage.float(), rank_zero_only=True)
+            pl_module.log(f"{prefix}/kl_uniform", kl.float(), rank_zero_only=True)

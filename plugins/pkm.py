@@ -360,7 +360,7 @@ class PKMPlugin(Plugin):
         ]
 
     def callbacks(self) -> list[pl.Callback]:
-        from rlm.plugins._pkm_callback import PKMCallback
+        from rlm.plugins._host_table_callback import PKMCallback
 
         return [PKMCallback(self)]
 

@@ -1,15 +1,12 @@
-"""Token-ID lookup tables (Baykal et al. 2023): the token's vocabulary id picks its entry, so there is no router
-and no aux loss. Each entry is a partial expert added to the FFN of the chosen layers:
-    rank 0:  f_id(x) = b_id                       (a constant vector per token id)
-    rank r:  f_id(x) = V_id relu(U_id^T x)        (U_id, V_id of shape d x r)
+"""Token-ID tables (Baykal et al. 2023): the token's id picks a partial expert added to the FFN,
+f_id(x) = b_id (rank 0) or V_id relu(U_id^T x) (rank r); no router, no aux loss.
 
-With ``ngram_orders`` they are a hashed n-gram memory instead (Engram, DeepSeek 2026; Over-Tokenized Transformer,
-Huang et al. 2025): per order n and hash head h, the n-gram ending at t is hashed into the head's table,
+With ``ngram_orders``, a hashed n-gram memory (Engram, DeepSeek 2026; Over-Tokenized Transformer, Huang et al.
+2025): per order n and hash head h, the n-gram ending at t is read from the head's table,
     bucket = (XOR_j (token_j * a_nhj mod 2^31)) mod rows        (a_nhj: fixed odd multipliers from ngram_seed)
     e(t) = sum_n sum_h E_nh[bucket_nh(t)]                        one EmbeddingBag over all heads and orders
-beside the FFN, gated by sigmoid(w . x + b), or added to the token embedding. Positions before the window read
-a padding id (vocab_size), never a future token. ``ngram_host`` keeps the tables in host memory
-(plugins/_host_table.py).
+beside the FFN (gated by sigmoid(w . x + b)) or added to the token embedding. Positions before the window read
+a padding id (vocab_size). ``ngram_host`` keeps the tables in host memory and fetches the rows a batch reads.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from rlm.model.config import ModelConfig
 from rlm.model.memory import Parts, chosen_layers
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._experts import PartialEntries
-from rlm.plugins._host_table import Fetched, fetch
 from rlm.plugins._pkm_rows import RowAdam
 
 if TYPE_CHECKING:  # Lightning is imported in callbacks() only, as pkm does
@@ -41,11 +37,9 @@ class TokenIDConfig:
     rank: int = 0
     """0: one constant vector per token id; r > 0: a rank-r partial expert V relu(U^T x) per token id."""
     init_std: float = 0.0
-    """Initial standard deviation of the tables (0: the constant vectors start at zero, so training starts from
-    the base model); the rank-r U table uses 1/sqrt(d) when this is 0. Also the n-gram tables' init."""
+    """Initial std of the tables (0: vectors start at zero, the base model; the rank-r U then uses 1/sqrt(d))."""
     ngram_orders: list[int] = field(default_factory=list)
-    """Hashed n-gram memory: the orders n looked up at each position, e.g. [2, 3] (the n-gram ending there);
-    empty: the per-id tables above. Needs rank 0."""
+    """Hashed n-gram memory: the n-gram orders read at each position, e.g. [2, 3]; empty: per-id tables."""
     ngram_heads: int = 4
     """Hash heads per order, each with its own multipliers and table; all heads' rows are summed."""
     ngram_rows: int = 65536
@@ -53,16 +47,12 @@ class TokenIDConfig:
     ngram_seed: int = 0
     """Seed of the hash multipliers (kept in the config, so a checkpoint keeps its buckets)."""
     ngram_gate: bool = True
-    """Scale the n-gram embedding by a per-position gate sigmoid(w . x + b) of the FFN input x (Engram's context
-    gate); placement 'ffn' only (the embedding slot has no hidden state)."""
+    """Scale the n-gram embedding by Engram's context gate sigmoid(w . x + b) of the FFN input (placement ffn)."""
     placement: Literal["ffn", "embed"] = "ffn"
-    """Where the n-gram embedding is added: 'ffn' (beside the FFN of ``layers``, Engram) or 'embed' (to the
-    token embedding, once; ``layers`` unused; Over-Tokenized Transformer)."""
+    """'ffn': beside the FFN of ``layers`` (Engram); 'embed': added to the token embedding once (Over-Tokenized)."""
     ngram_host: bool = False
-    """Keep the n-gram tables in host memory (Engram): each step gathers the rows its batch reads on the host and
-    copies them to the device (on a side stream on a GPU, started before the forward); the rows read are updated on
-    the host by a row-wise lazy Adam (``ngram_host_lr``, no weight decay, no schedule, not clipped) in place of the
-    main optimizer. One process only."""
+    """Keep the n-gram tables in host memory (Engram): the rows a batch reads are copied to the device (on a side
+    stream on a GPU) and updated on the host by a row-wise lazy Adam (``ngram_host_lr``). One process only."""
     ngram_host_lr: float = 1e-3
     """ngram_host: the constant learning rate of the host tables' row-wise Adam."""
 
@@ -110,8 +100,8 @@ class TokenIDConfig:
             parts.params += modules * (table + (mc.d_model + 1 if self.ngram_gate else 0))
             if self.ngram_host:
                 parts.notes.append("tokenid: the n-gram tables are in host memory (ngram_host), not counted")
-            # The EmbeddingBag's row ids (8 B a head), offsets, bag sizes and max indices (24); with the gate, its
-            # bf16 input 2d, its sigmoid in bf16 and fp32 (6) and the fp32 sum it scales 4d.
+            # EmbeddingBag ids (8 B a head), offsets, bag sizes, max indices (24); the gate's bf16 input 2d, its
+            # sigmoid in bf16 and fp32 (6), the fp32 sum it scales 4d.
             gate = 6 * mc.d_model + 6 if self.ngram_gate else 0
             parts.act_per_token += modules * (8 * heads + 24 + gate)
             return
@@ -161,15 +151,65 @@ def ngram_buckets(seq: Tensor, orders: list[int], mult: Tensor, rows: int) -> Te
 
 
 def with_history(ctx: Context, k: int, pad: int, tokens: Tensor | None = None) -> Tensor:
-    """The step's tokens (ctx.tokens, or their copy ``tokens`` on another device) after the k before them,
-    (B, k + T): from the KV cache while decoding, padding ids before the window's start (so a full recompute and
-    cached decoding read the same n-grams)."""
+    """ctx.tokens (or their copy ``tokens``) after the k before them, (B, k + T): from the KV cache while decoding,
+    padding ids before the window (a full recompute and cached decoding read the same n-grams)."""
     tokens = ctx.tokens if tokens is None else tokens
     prev = tokens[:, :0]
     if ctx.cache is not None:
         prev = ctx.cache.tokens[:, max(0, ctx.offset - k) : ctx.offset].to(tokens.device)
     fill = tokens.new_full((tokens.shape[0], k - prev.shape[1]), pad)
     return torch.cat([fill, prev, tokens], dim=1)
+
+
+@dataclass
+class Fetched:
+    """The rows one forward reads: ``index`` (N, m) on the device into the fetched rows (U, d)."""
+
+    index: Tensor
+    fetched: Tensor
+    ready: Any = None  # the side stream's CUDA event after the copy (None: the copy was synchronous)
+
+    def rows(self) -> Tensor:
+        """The fetched rows (U, d), once the current stream has waited for their copy."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.fetched.device).wait_event(self.ready)
+        return self.fetched
+
+
+def fetch(
+    table: Tensor, ids: Tensor, device: torch.device, stream: Any, sink: RowAdam | None, key: str
+) -> Fetched:
+    """The rows of host ``table`` named by host ``ids`` (N, m), on ``device``, copied on ``stream`` if given; under
+    autograd the fetched rows are a leaf whose gradient goes to ``sink.add_lookups(key, ...)``."""
+    rows, index = torch.unique(ids, return_inverse=True)  # (U,) ascending, (N, m)
+    pinned = stream is not None
+    buf = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype, pin_memory=pinned)
+    torch.index_select(table.detach(), 0, rows, out=buf)  # (U, d), the host's gather
+    ready = None
+    if pinned:
+        main = torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            # Page-locked sources: the copies are asynchronous, and the host allocator keeps buf until they end.
+            fetched = buf.to(device, non_blocking=True)
+            index = index.pin_memory().to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        # Allocated on the side stream, used on the main one: not reused before the main stream is done with them.
+        fetched.record_stream(main)
+        index.record_stream(main)
+    else:
+        fetched, index = buf.to(device), index.to(device)
+    if sink is not None and torch.is_grad_enabled():
+        fetched.requires_grad_(True)
+        fetched.register_post_accumulate_grad_hook(lambda leaf: _to_sink(leaf, sink, key, rows))
+    return Fetched(index, fetched, ready)
+
+
+def _to_sink(leaf: Tensor, sink: RowAdam, key: str, rows: Tensor) -> None:
+    """Hand the fetched rows' gradient (U, d) to the host optimizer, one unit-weight lookup per row."""
+    grad = leaf.grad.to("cpu", torch.float32)  # a GPU: waits for the backward up to this table's reader
+    sink.add_lookups(key, rows.view(-1, 1), torch.ones(rows.numel(), 1), grad)
+    leaf.grad = None
 
 
 class NGramMemory(nn.Module):
@@ -222,7 +262,7 @@ class NGramMemory(nn.Module):
         return ngram_buckets(seq, self.orders, self.mult, self.rows).view(seq.shape[0] * T, -1) + self.start
 
     def fetch(self, ids: Tensor, device: torch.device) -> Fetched:
-        """ngram_host: the rows host ``ids`` read, on their way to ``device`` (see plugins/_host_table.py)."""
+        """ngram_host: the rows host ``ids`` read, on their way to ``device``."""
         if device.type == "cuda" and self.stream is None:
             self.stream = torch.cuda.Stream(device)
         stream = self.stream if device.type == "cuda" else None
@@ -281,8 +321,8 @@ class TokenIDPlugin(Plugin):
         return TokenIDTable(c.vocab_size, c.d_model, self.config.rank, self.config.init_std)
 
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
-        """ngram_host: hash the batch's n-grams on the host and start fetching each table's rows to the device, so
-        the copies overlap the layers before the first reader (not earlier: the previous step's update comes first)."""
+        """ngram_host: hash the batch on the host and start fetching each table's rows, so the copies overlap the
+        layers before the first reader (not earlier: the previous step's update comes first)."""
         if not self.memories:
             return
         from rlm.data.windows import host_array  # here: importing rlm.data imports Lightning
@@ -300,8 +340,7 @@ class TokenIDPlugin(Plugin):
         return [HostTableCallback(self.row_optimizer, "tokenid.ngram_host", f"TokenIDHost[{self.label}]")]
 
     def added_parameters(self) -> int:
-        """Parameters added per layer: vocab*d at rank 0, 2*rank*vocab*d at rank r; n-grams: orders*heads*rows*d
-        and the gate's d+1."""
+        """Parameters added per layer: the table (vocab*d, 2*rank*vocab*d, or orders*heads*rows*d) and the gate."""
         c, d = self.config, self.model_config.d_model
         if c.ngram_orders:
             return len(c.ngram_orders) * c.ngram_heads * c.ngram_rows * d + (d + 1 if c.ngram_gate else 0)

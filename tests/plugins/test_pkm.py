@@ -463,7 +463,7 @@ def test_the_callback_exchanges_rows_under_ddp_and_fsdp2(strategy, sparse):
 
     from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 
-    from rlm.plugins._pkm_callback import PKMCallback
+    from rlm.plugins._host_table_callback import PKMCallback
 
     kind = {"ddp": DDPStrategy, "fsdp2": ModelParallelStrategy}.get(strategy)
     # setup reads the strategy's class only; 'another' stands for any other multi-process strategy
@@ -482,7 +482,7 @@ def test_the_group_handed_in_reaches_every_collective_and_the_callback_keeps_it(
 
     from pytorch_lightning.strategies import DDPStrategy
 
-    from rlm.plugins._pkm_callback import PKMCallback
+    from rlm.plugins._host_table_callback import PKMCallback
 
     group = object()  # stands for a process group: nothing here runs a collective
     plugin, layer = small_layer(sparse="auto", query_norm="batchnorm")
