@@ -1,13 +1,8 @@
-"""An index sharded across the ranks of a process group, as Atlas's distributed index (Izacard et al. 2022,
-'Efficient retriever fine-tuning'): no rank holds every vector and no shared filesystem is needed.
-
-Rank r embeds the contiguous share ``shard_range(R, r, world)`` of the R indexed segments, indexes that share only
-and writes it to ``<step dir>/rank-RRRRR-of-WWWWW``. A search is a collective: every rank's queries are
-all-gathered, each rank searches its part with the causal filter of search.py (the query's document and offset
-are known on every rank from the full segment table), and the per-part top-k are merged into the global top-k:
-the union of the parts' top-k allowed results holds the global top-k, so an exact index gives the 1-process
-result; equal scores are ordered by global id. A rebuild's neighbour table is the same collective over every
-indexed segment, in chunks; every rank keeps the whole (S, k) table.
+"""An index sharded across the ranks of a process group, as Atlas's distributed index (Izacard et al. 2022): no rank
+holds every vector and no shared filesystem is needed. Rank r indexes the share shard_range(R, r, world) of the R
+indexed segments and writes it to part_dir. A search is a collective: each part searches every rank's queries with
+search.py's causal filter and the parts' top-k are merged, which holds the global top-k (an exact index gives the
+1-process result; equal scores are ordered by global id). Every rank keeps the whole (S, k) neighbour table.
 """
 
 from __future__ import annotations
@@ -28,12 +23,7 @@ from rlm.index.projection import SAMPLE, Projection, fit_pca, sample_rows, with_
 from rlm.index.protocol import shard_range
 from rlm.index.search import Exclusions, Neighbours, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
-from rlm.index.store import (
-    IndexMismatchError,
-    IndexNotFoundError,
-    load_index_dir,
-    read_meta,
-)
+from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir, read_meta
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -77,9 +67,9 @@ def merge_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray,
 
 
 def route_to_askers(part: Neighbours, counts: list[int], k: int) -> Neighbours:
-    """Collective: send each rank the rows of this part's (sum Q_r, k) results that answer its queries, and receive
-    every part's answer to this rank's Q_me queries: (world, Q_me, k) ids and scores, (world, Q_me) exclusion
-    counts. One all_to_all_single of int64 rows (ids, the scores' float32 bits, the count)."""
+    """Collective: every part's answer to this rank's Q_me queries, from each part's (sum Q_r, k) results: (world,
+    Q_me, k) ids and scores, (world, Q_me) exclusion counts, as one all_to_all_single of int64 rows (ids, the
+    scores' float32 bits, the count)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
     bits = np.ascontiguousarray(part.scores, dtype=np.float32).view(np.int32).astype(np.int64)
     excluded = np.zeros(len(part.ids), dtype=np.int64) if part.excluded is None else part.excluded
@@ -98,17 +88,10 @@ class ShardedMemory(RetrievalMemory):
     """This rank's part of a sharded index (rows, index, index_segments, path: the part's) and the whole neighbour
     table; parts lists every rank's directory."""
 
-    rank: int = 0  # this process's rank in the default process group
-    world: int = 1  # number of ranks (= parts)
-    indexed: np.ndarray | None = None
-    """(S,) bool: which global segment ids are indexed by some part (queries of others are not filtered)."""
+    indexed: np.ndarray | None = (
+        None  # (S,) bool: the global ids some part holds (other queries are unfiltered)
+    )
     collective: ClassVar[bool] = True
-
-    @property
-    def dim(self) -> int:
-        """Dimension of the indexed vectors."""
-        index = self.index.index if isinstance(self.index, BuiltIndex) else self.index
-        return int(index.d)
 
     def indexed_mask(self) -> np.ndarray:
         """(S,) bool: which global segment ids some part of the index holds."""
@@ -136,67 +119,37 @@ class ShardedMemory(RetrievalMemory):
         found.ids = np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
         return found
 
-    def _gather_queries(
-        self,
-        queries: np.ndarray,
-        query_ids: np.ndarray,
-        exclusions: Exclusions | None,
-        projected: bool = False,
-    ) -> tuple[np.ndarray, list[np.ndarray], Exclusions | None]:
-        """Collective: every rank's queries (sum Q_r, d) in the index's width (full-width ones narrowed by the
-        projection first, unless `projected`), their ids by rank, and every rank's exclusions with their query
-        positions shifted to the gathered queries' (None when no rank passes any)."""
-        queries = np.asarray(queries, dtype=np.float32)
-        if len(queries) == 0:  # a rank with no query still joins in (its (0, ?) array may have any width)
-            queries = np.zeros((0, self.dim), dtype=np.float32)
-        elif not projected:
-            queries = self.project(queries)  # narrowed before the gather: what travels is m wide
-        all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
-        ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
-        if exclusions is not None:
-            ex = np.stack([exclusions.query, exclusions.lo, exclusions.hi, exclusions.counted], 1)
-            parts = all_gather_rows(ex.astype(np.int64))
-            starts = np.cumsum([0] + [len(x) for x in ids_by_rank])
-            ex = np.concatenate([p + [start, 0, 0, 0] for p, start in zip(parts, starts)])
-            exclusions = Exclusions(ex[:, 0], ex[:, 1], ex[:, 2], ex[:, 3].astype(bool))
-        return all_q, ids_by_rank, exclusions
-
-    def search_all(
+    def search_scored(
         self,
         queries: np.ndarray,
         query_ids: np.ndarray,
         k: int,
         exclusions: Exclusions | None = None,
         projected: bool = False,
-    ) -> tuple[list[np.ndarray], Neighbours]:
-        """Collective: (every rank's query ids, in rank order; the merged (sum Q_r, k) neighbours of all of them).
-
-        Neighbours.excluded sums the parts' counts: an upper bound of what the exclusions took from the merged
-        top k. projected: the queries are already in the index's width (a rebuild's table)."""
-        all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions, projected)
-        part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k) each
-        if len(all_q) == 0:
-            return ids_by_rank, part
-        all_scores = np.stack(all_gather_rows(part.scores))  # (world, sum Q_r, k)
-        all_found = np.stack(all_gather_rows(part.ids))
-        scores, found = merge_topk(all_scores, all_found, k)
-        excluded = None if part.excluded is None else np.sum(all_gather_rows(part.excluded), 0)
-        return ids_by_rank, Neighbours(found, scores, excluded)
-
-    def search_scored(
-        self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
     ) -> Neighbours:
-        """Collective: this rank's queries' neighbours (as RetrievalMemory.search_scored, over all parts).
-
-        As Atlas routes its results: every part scores every query, but sends each rank only the top-k of its own
-        queries (route_to_askers), so a rank receives W x Q_r x k results, 1/W of search_all's traffic."""
-        all_q, ids_by_rank, exclusions = self._gather_queries(queries, query_ids, exclusions)
+        """Collective: this rank's queries' neighbours over all parts (as RetrievalMemory.search_scored; projected:
+        the queries are already in the index's width). As Atlas routes its results: every part scores every rank's
+        queries, but sends each rank only the top-k of its own (route_to_askers)."""
+        queries = np.asarray(queries, dtype=np.float32)
+        if len(queries) == 0:  # a rank with no query still joins in (its (0, ?) array may have any width)
+            index = self.index.index if isinstance(self.index, BuiltIndex) else self.index
+            queries = np.zeros((0, index.d), dtype=np.float32)
+        elif not projected:
+            queries = self.project(queries)  # narrowed before the gather: what travels is m wide
+        all_q = np.concatenate(all_gather_rows(queries))  # (sum Q_r, d)
+        ids_by_rank = all_gather_rows(np.asarray(query_ids, dtype=np.int64))
+        if exclusions is not None:  # every rank's, their query positions shifted to the gathered queries'
+            ex = np.stack([exclusions.query, exclusions.lo, exclusions.hi, exclusions.counted], 1)
+            parts = all_gather_rows(ex.astype(np.int64))
+            starts = np.cumsum([0] + [len(x) for x in ids_by_rank])
+            ex = np.concatenate([p + [start, 0, 0, 0] for p, start in zip(parts, starts)])
+            exclusions = Exclusions(ex[:, 0], ex[:, 1], ex[:, 2], ex[:, 3].astype(bool))
         part = self.search_part(all_q, np.concatenate(ids_by_rank), k, exclusions)  # (sum Q_r, k)
         if len(all_q) == 0:
             return part
-        # (world, Q_me, k): every part's results for this rank's queries
-        mine = route_to_askers(part, [len(x) for x in ids_by_rank], k)
+        mine = route_to_askers(part, [len(x) for x in ids_by_rank], k)  # (world, Q_me, k)
         scores, found = merge_topk(mine.scores, mine.ids, k)
+        # the parts' counts summed: an upper bound of what the exclusions took from the merged top k
         excluded = None if mine.excluded is None else mine.excluded.sum(0)
         return Neighbours(found, scores, excluded)
 
@@ -213,9 +166,8 @@ def build_sharded_memory(
     table: bool = True,
     projection: Projection | None = None,
 ) -> ShardedMemory:
-    """Collective: index this rank's share of the rows' vectors (shard_range order), build the whole neighbour table
-    with every part (table=False: none), and write this rank's part to part_dir(step_dir, rank, world).
-    projection: the PCA every rank's share was already narrowed by (fit_projection_across_ranks)."""
+    """Collective: as build_memory, over this rank's share of the rows' vectors (shard_range order), writing this
+    rank's part to part_dir(step_dir, rank, world); every rank's share was narrowed by one projection."""
     rank, world = dist.get_rank(), dist.get_world_size()
     identity = with_projection(identity, projection)
     if len(rows) < world:
@@ -226,8 +178,6 @@ def build_sharded_memory(
     mine = rows[share.start : share.stop]  # the rows embed_rows gave this rank
     if len(shard) != len(mine):
         raise ValueError(f"rank {rank} embedded {len(shard)} vectors for its {len(mine)} rows")
-    indexed = np.zeros(len(segments), dtype=bool)
-    indexed[rows] = True
     built = build_index(shard, index_config)
     memory = ShardedMemory(
         segments,
@@ -238,16 +188,14 @@ def build_sharded_memory(
         identity,
         step,
         None,
-        rank=rank,
-        world=world,
-        indexed=indexed,
+        indexed=np.isin(np.arange(len(segments)), rows),
         projection=projection,
     )
     most = max(len(shard_range(len(rows), r, world)) for r in range(world)) if table else 0
     for lo in range(0, most, TABLE_CHUNK):  # the same number of rounds on every rank
-        chunk = shard[lo : lo + TABLE_CHUNK]
-        ids_by_rank, found = memory.search_all(chunk, mine[lo : lo + TABLE_CHUNK], k, projected=True)
-        memory.neighbours[np.concatenate(ids_by_rank)] = found.ids
+        ids = mine[lo : lo + TABLE_CHUNK]
+        found = memory.search_scored(shard[lo : lo + TABLE_CHUNK], ids, k, projected=True).ids
+        memory.neighbours[np.concatenate(all_gather_rows(ids))] = np.concatenate(all_gather_rows(found))
     if step_dir is not None:
         path = part_dir(step_dir, rank, world)
         shard_meta = {"rank": rank, "world": world, "rows_total": len(rows)}
@@ -260,8 +208,8 @@ def build_sharded_memory(
 def load_sharded_memory(
     parts: list[str], segments: Any, rows: np.ndarray, identity: dict[str, Any], k: int
 ) -> ShardedMemory:
-    """This rank's part of a written sharded index (not a collective); IndexMismatchError / IndexNotFoundError
-    when it is from another corpus, embedder, k, world size or share of the rows."""
+    """This rank's part of a written sharded index; IndexMismatchError when it is from another corpus, embedder, k,
+    world size or share of the rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(parts) != world:
         raise IndexMismatchError(f"the sharded index has {len(parts)} parts, this run has {world} ranks")
@@ -276,8 +224,6 @@ def load_sharded_memory(
     mine, share = np.load(path / ROWS), shard_range(len(rows), rank, world)
     if not np.array_equal(mine, rows[share.start : share.stop]):
         raise IndexMismatchError(f"index part at {path} indexes other rows than this rank's share")
-    indexed = np.zeros(len(segments), dtype=bool)
-    indexed[rows] = True
     return ShardedMemory(
         segments,
         mine,
@@ -287,9 +233,7 @@ def load_sharded_memory(
         identity,
         int(identity["step"]),
         path.resolve(),
-        rank=rank,
-        world=world,
-        indexed=indexed,
+        indexed=np.isin(np.arange(len(segments)), rows),
         parts=list(parts),
         projection=loaded.projection,
     )
@@ -316,8 +260,8 @@ class PartsIndex:
 
 
 def load_parts_for_search(path: str | Path) -> RetrievalMemory:
-    """A sharded index loaded whole in one process, from one part's directory and its sibling parts (validation and
-    generation outside training); IndexNotFoundError when a part is not reachable from here."""
+    """A sharded index loaded whole in one process (validation, generation), from one part's directory and its
+    siblings."""
     path = Path(path)
     world = read_meta(path)["shard"]["world"]
     parts = []
@@ -355,11 +299,9 @@ def load_parts_for_search(path: str | Path) -> RetrievalMemory:
 def fit_projection_across_ranks(
     shard: np.ndarray, m: int | Callable[[int], int], sample: int = SAMPLE
 ) -> Projection:
-    """Collective: the PCA of a sample of every rank's vectors, the same on every rank.
-
-    Each rank contributes sample / world evenly spaced rows of its (n_r, D) shard; rank 0 fits on the gathered
-    sample and broadcasts, so every part projects bit for bit alike. m: the width, or a function of the width D
-    (known to every rank after the gather, even one with an empty shard)."""
+    """Collective: the PCA of sample / world evenly spaced rows of every rank's (n_r, D) shard, fitted by rank 0
+    and broadcast, so every part projects bit for bit alike. m: the width, or a function of D (known to every rank
+    after the gather, even one with an empty shard)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
     width = max(int(w[0]) for w in all_gather_rows(np.array([shard.shape[1] if len(shard) else 0])))
     m = m(width) if callable(m) else m
@@ -376,8 +318,7 @@ def fit_projection_across_ranks(
 
 
 def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None:
-    """Raise unless every rank holds the same neighbour table (a checksum all-gather); with no table (lookup
-    'search'), the ranks must agree on that."""
+    """Raise unless every rank holds the same neighbour table, or none (lookup 'search'): a checksum all-gather."""
     if neighbours is None:
         neighbours = np.zeros(0, dtype=np.int64)
     checksum = zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
