@@ -1,10 +1,8 @@
-"""The retriever's index rebuild callback: the embeddings go stale as the embedder trains, so every segment is
-re-embedded and the index (with lookup 'table', the neighbour table too) rebuilt on the schedule (Komatsuzaki 2020,
-sec. 5.4). 'background' embeds a frozen snapshot in a thread and swaps the new memory in at a step boundary with
-one reference assignment. Under DDP rank 0 builds from the gathered vectors and every rank loads its directory;
-sharded, each rank keeps its own part (index/sharded.py). The state is checkpointed, and on resume the index is
-reused only if it is the one the checkpoint names. Apart from plugins/retrieval.py so that reading the plugin's
-options does not import Lightning.
+"""The retriever's index rebuild callback: the embeddings go stale as the embedder trains, so the index is rebuilt
+on the schedule (Komatsuzaki 2020, sec. 5.4); 'background' embeds a frozen snapshot in a thread and swaps the new
+memory in at a step boundary. Under DDP rank 0 builds from the gathered vectors, or sharded each rank keeps its own
+part (index/sharded.py). Apart from plugins/retrieval.py so that reading the plugin's options does not import
+Lightning.
 """
 
 from __future__ import annotations
@@ -35,16 +33,14 @@ from rlm.index.sharded import check_same_table, fit_projection_across_ranks, gat
 from rlm.index.store import IndexMismatchError, IndexNotFoundError
 from rlm.plugins._retrieval_config import RetrievalConfig
 
-EMBED_BATCH = 256
-"""Segments per embedder call during a rebuild: amortises the call, keeps a shared embedder's activations small."""
-KEEP = 2
-"""Rebuild directories kept on disk: the one in use and the one before it (a checkpoint written before the last
-rebuild may still name it)."""
+EMBED_BATCH = (
+    256  # segments per embedder call: amortises the call, keeps a shared embedder's activations small
+)
+KEEP = 2  # rebuild directories kept: the one in use, and the one before it that an older checkpoint may name
 
 
 class RebuildCallback(pl.Callback):
-    """Rebuilds the retriever's index on its schedule (see the module docstring) for `owner` (the plugin: snapshot,
-    use_memory), with the plugin's own options and label."""
+    """Rebuilds the index of `owner` (the plugin: snapshot, use_memory) on its schedule."""
 
     def __init__(self, owner: MemoryOwner, config: RetrievalConfig, label: str = "retrieval") -> None:
         self.owner, self.config, self.label = owner, config, label  # config: read where used, never copied
@@ -52,24 +48,16 @@ class RebuildCallback(pl.Callback):
         self.index_config = IndexConfig(
             factory=config.index_factory, target_recall=config.target_recall, flat_below=config.flat_below
         )
-        self.table = config.lookup == "table"
-        """Each rebuild also finds every indexed segment's k neighbours (False: the owner searches online)."""
+        self.table = config.lookup == "table"  # each rebuild also finds every indexed segment's k neighbours
+        # the index in use: every rank's part directories (sharded), rebuild step (-1: none), embedder, directory
         self.parts: list[str] | None = None
-        """The part directories of every rank when the table in use is from a sharded index."""
         self.last_step = -1
-        """Step of the rebuild whose table is in use (-1: none yet)."""
         self.identity: dict[str, Any] | None = None
-        """Identity of the embedder that produced the table in use."""
         self.path: str | None = None
-        """Index directory of the table in use."""
-        self.history: list[tuple[int, str]] = []
-        """(step, 'built' | 'reused') of every table taken, in order."""
-        self.recall: float | None = None
-        """Recall against exact search of the index in use (logged as train/<label>/index_recall)."""
-        self.last_seconds = 0.0
-        """Duration of the last rebuild (in the background: the thread's time)."""
-        self.blocked_seconds = 0.0
-        """Seconds the last rebuild held up training (in the background: its part on the training thread)."""
+        self.history: list[tuple[int, str]] = []  # (step, 'built' | 'reused') of every index taken
+        self.recall: float | None = None  # of the index in use against exact search
+        self.last_seconds = 0.0  # the last rebuild's duration (in the background: the thread's)
+        self.blocked_seconds = 0.0  # how long the last rebuild held up the training thread
         self._job: threading.Thread | None = None
         self._job_result: dict[str, Any] = {}
         self._step_start: float | None = None
@@ -78,8 +66,6 @@ class RebuildCallback(pl.Callback):
     def state_key(self) -> str:
         return f"RebuildCallback[{self.label}]"
 
-    # ----- checkpoint state -----
-
     def state_dict(self) -> dict[str, Any]:
         # no k: the module's hyperparameters hold it (a resume refuses another), and so does the index's meta.json
         return dict(last_step=self.last_step, identity=self.identity, index_dir=self.path, parts=self.parts)
@@ -87,8 +73,6 @@ class RebuildCallback(pl.Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_step, self.identity, self.path = state["last_step"], state["identity"], state["index_dir"]
         self.parts = state.get("parts")
-
-    # ----- hooks -----
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         root = self.config.index_dir or Path(trainer.default_root_dir) / "retrieval_index"
@@ -111,8 +95,8 @@ class RebuildCallback(pl.Callback):
         self._first_table(trainer)
 
     def _first_table(self, trainer: pl.Trainer) -> None:
-        """Reuse the checkpoint's table, else build one: blocking, or in the background, where training runs
-        without retrieval (the owner has no memory) until the first table is swapped in."""
+        """Reuse the checkpoint's index, else build one (in the background, training runs without retrieval until
+        it lands)."""
         if self._ready:
             return
         self._ready = True
@@ -120,10 +104,7 @@ class RebuildCallback(pl.Callback):
             return
         if self.config.warm_start != "none":  # the owner's warm start retrieves until the schedule is due
             return
-        if self.config.mode == "blocking":
-            self._rebuild_blocking(trainer, trainer.global_step)
-        else:
-            self._start_background(trainer, trainer.global_step)
+        self._rebuild(trainer, trainer.global_step)
 
     def _try_reuse(self) -> bool:
         """Load the index directory the checkpoint names, when it exists and matches; else False."""
@@ -143,12 +124,11 @@ class RebuildCallback(pl.Callback):
         return True
 
     def _width(self, width: int | None = None) -> int | None:
-        """The width the index narrows to at this corpus size (None: full width); `width` of the vectors if known."""
+        """The index's width at this corpus size (None: full width); `width` of the vectors if known."""
         return index_width(self.config.index_dim, width, len(self.rows), self.config.shard_above)
 
     def _same_width(self) -> bool:
-        """Whether the checkpoint's index was narrowed as index_dim asks now (else it is rebuilt, with a log line):
-        its projection identity against the width this configuration wants."""
+        """Whether the checkpoint's index was narrowed as index_dim asks now (else a log line)."""
         have = self.identity.get("projection")
         want = self._width(have["in_dim"] if have else None)
         if (have["dim"] if have else None) == want:
@@ -163,9 +143,8 @@ class RebuildCallback(pl.Callback):
     def _narrow(
         self, shard: np.ndarray, identity: dict[str, Any], collective: bool
     ) -> tuple[np.ndarray, dict[str, Any], Projection | None]:
-        """(this rank's vectors in the index's width, the identity that records the projection, the projection):
-        the PCA is fitted on the vectors about to be indexed (collective: on a sample of every rank's, the same on
-        every rank); none when the index stays full width."""
+        """(this rank's vectors in the index's width, the identity with the projection, the projection): a PCA of
+        the vectors about to be indexed (collective: of a sample of every rank's); None at full width."""
         if self._width() is None:
             return shard, with_projection(identity, None), None
         if collective:
@@ -204,10 +183,7 @@ class RebuildCallback(pl.Callback):
         if self._job is not None:
             self._collect(trainer, wait=False)
         if self._job is None and self.schedule.due(step, self.last_step):
-            if self.config.mode == "blocking":
-                self._rebuild_blocking(trainer, step)
-            else:
-                self._start_background(trainer, step)
+            self._rebuild(trainer, step)
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(
@@ -236,10 +212,11 @@ class RebuildCallback(pl.Callback):
             self._job.join()
             self._job = None
 
-    # ----- rebuilding -----
-
     def _path_for(self, step: int) -> Path:
         return self._root / f"step-{step:09d}"
+
+    def _rebuild(self, trainer: pl.Trainer, step: int) -> None:
+        (self._rebuild_blocking if self.config.mode == "blocking" else self._start_background)(trainer, step)
 
     def _rebuild_blocking(self, trainer: pl.Trainer, step: int) -> None:
         start = time.perf_counter()
@@ -253,8 +230,7 @@ class RebuildCallback(pl.Callback):
     def _finish(
         self, trainer: pl.Trainer, shard: np.ndarray, identity: dict[str, Any], step: int
     ) -> RetrievalMemory:
-        """Narrow the vectors (index_dim), gather the shards, build on rank 0, and give every rank the memory rank 0
-        wrote."""
+        """Narrow the vectors, then build: each rank its part (sharded), or rank 0 the whole for every rank."""
         path = self._path_for(step)
         shard, identity, projection = self._narrow(shard, identity, trainer.world_size > 1)
         args = (self.segments, self.rows, self.config.k, identity, step, self.index_config, path, self.table)
@@ -278,16 +254,14 @@ class RebuildCallback(pl.Callback):
         embedder = self.owner.snapshot(step)  # copied now, on the main thread, at a step boundary
         rank, world = trainer.global_rank, trainer.world_size
         result: dict[str, Any] = {"step": step, "start": time.perf_counter()}
-        # a sharded build without a table needs no collective: each rank indexes and writes its own part here; with
-        # a projection to fit (a collective under DDP) the thread embeds, the training thread fits (_collect), and a
-        # second thread indexes and writes
+        # a sharded build without a table needs no collective: each rank indexes and writes its part in the thread;
+        # a projection to fit (a collective) is fitted on the training thread (_collect) between two threads
         alone = self._sharded(trainer) and not self.table
         fit_first = alone and self._width() is not None
 
         def work() -> None:
             shard = embed_rows(embedder, self.segments, self.rows, EMBED_BATCH, rank, world, False)
             result["identity"] = embedder.embedder_identity()
-            # no collective is needed: the whole rebuild (one process) or this rank's part runs here
             if (alone or world == 1) and not fit_first:
                 shard, identity, projection = self._narrow(shard, result["identity"], collective=False)
                 self._build_alone(result, shard, identity, projection, alone)
@@ -305,8 +279,7 @@ class RebuildCallback(pl.Callback):
         projection: Projection | None,
         part: bool,
     ) -> None:
-        """The non-collective build of the thread: the whole index (one process) or this rank's part (sharded,
-        without a table), into result["memory"]."""
+        """The thread's build: the whole index (one process) or this rank's part (sharded, no table)."""
         from rlm.index.sharded import build_sharded_memory
 
         build = build_sharded_memory if part else build_memory
@@ -314,15 +287,14 @@ class RebuildCallback(pl.Callback):
         result["memory"] = build(shard, *args, self._path_for(result["step"]), self.table, projection)
 
     def _run_job(self, result: dict[str, Any], work: Any) -> None:
-        """Run work() in the rebuild thread, on a CUDA stream of its own; its error is reported on the training thread
-        (_collect)."""
+        """Run work() in the rebuild thread, on a CUDA stream of its own; its error is raised by _collect."""
         stream = rebuild_stream()
 
         def guarded() -> None:
             try:
                 with torch.cuda.stream(stream):  # None: no CUDA, nothing to switch
                     work()
-            except BaseException as err:  # reported on the main thread
+            except BaseException as err:
                 result["error"] = err
             result["end"] = time.perf_counter()
 

@@ -5,10 +5,9 @@ with the embedder e over the training set and the document's past, with MARGE's 
 
     logit(i, j in z) = q_i . k_j / sqrt(h) + beta * cos(e(S_t), e(z))      beta trainable, per layer
 
-so the LM loss alone trains e. Causality: S_{t+1} only sees neighbours chosen with S_t, never S_{t+1} or a later
-segment of its own document. A step: prepare() finds the neighbours (_retrieval_neighbours.py), encoded() embeds
-them once per forward for the cross-attention layers (_retrieval_attention.py); the index is rebuilt by the
-callback of _retrieval_rebuild.py.
+so the LM loss alone trains e. S_{t+1} never sees itself or a later segment of its own document. prepare() finds the
+neighbours (_retrieval_neighbours.py), encoded() embeds them once per forward (_retrieval_attention.py); the callback
+of _retrieval_rebuild.py rebuilds the index.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 BACKGROUND_DEVICES = ("cuda",)
-"""Device types whose training steps search in a thread beside the forward (gather_inputs' background); on the CPU
-the thread would take the cores the forward runs on."""
+"""Devices whose training steps search in a thread beside the forward; on the CPU it would take the forward's cores."""
 
 
 class RetrievalPlugin(Plugin):
@@ -78,10 +76,7 @@ class RetrievalPlugin(Plugin):
             )
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
         self._saved_index_dir: str | None = None  # from a checkpoint: loaded on first use outside training
-        self.prepare_seconds = 0.0
-        """Wall-clock time of the last prepare() (neighbour lookup or online search): a metric."""
-
-    # ----- the plugin contract -----
+        self.prepare_seconds = 0.0  # wall-clock time of the last neighbour lookup or search: a metric
 
     def claims(self) -> list[Claim]:
         return [Claim(Slot.CROSS_ATTN, Mode.REPLACE, self.layers)]
@@ -97,8 +92,6 @@ class RetrievalPlugin(Plugin):
         from rlm.plugins._retrieval_rebuild import RebuildCallback  # imports Lightning: only when training
 
         return [RebuildCallback(self, self.config, self.label)]
-
-    # ----- one step: the batch's neighbours (prepare), the cross-attention's view of them (encoded), metrics -----
 
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
         """Put the batch's query segments and neighbours (ids from the table, or searched online) in ctx.extras."""
@@ -124,13 +117,8 @@ class RetrievalPlugin(Plugin):
         if online and memory is not None:  # searched where the model runs (faiss-gpu or torch on a GPU)
             memory.place_search(device)
         # a training step's search runs in a thread while the forward reaches the first cross-attention (encoded)
-        background = (
-            online
-            and ctx.training
-            and memory is not None
-            and not memory.collective
-            and device.type in BACKGROUND_DEVICES
-        )
+        background = online and ctx.training and memory is not None and not memory.collective
+        background = background and device.type in BACKGROUND_DEVICES
         inputs = ctx.extras[self.label] = gather_inputs(
             memory,
             batch,
@@ -155,9 +143,8 @@ class RetrievalPlugin(Plugin):
         self._declare_loss_groups(ctx, inputs, inputs.query_tokens.shape[-1])
 
     def _prepare_cached(self, ctx: Context, batch: dict[str, Any]) -> None:
-        """Incremental decoding: the neighbours of the chunks (of L positions from the cache's start) the new tokens
-        fall in. A chunk's neighbours follow from the text before it alone, so each is searched once, when its
-        first token arrives, and kept in ctx.cache.state[label]."""
+        """Incremental decoding: each chunk's neighbours follow from the text before it alone, so each is searched
+        once, when its first token arrives, and kept in ctx.cache.state[label]."""
         if batch.get("segment_ids") is not None or batch.get("mask") is not None:
             raise ValueError(
                 "retrieval: incremental decoding (ctx.cache) takes plain tokens, without segment ids or a padding "
@@ -189,8 +176,7 @@ class RetrievalPlugin(Plugin):
 
     @torch.no_grad()
     def _embed_queries(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        """Online queries (validation, generation), embedded as the index rows were (FrozenEmbedder: eval mode,
-        float32)."""
+        """Online queries, embedded as the index rows were (FrozenEmbedder: eval mode, float32)."""
         was = self.encoder.training
         self.encoder.eval()
         try:
@@ -200,23 +186,17 @@ class RetrievalPlugin(Plugin):
             self.encoder.train(was)
 
     def encoded(self, ctx: Context) -> Encoded | None:
-        """Neighbour states, key mask, relevance and segment length, computed once per forward and shared by the
-        cross-attention layers."""
+        """The neighbours as the cross-attention layers read them, computed once per forward."""
         key = f"{self.label}/encoded"
         if key not in ctx.extras:
             inputs: RetrievalInputs | PendingInputs | None = ctx.extras.get(self.label)
-            if isinstance(inputs, PendingInputs):
-                inputs = ctx.extras[self.label] = self._wait(inputs, ctx)
+            if isinstance(inputs, PendingInputs):  # prepare_ms counts the forward's wait for the search
+                start = time.perf_counter()
+                inputs = ctx.extras[self.label] = inputs.result()
+                self.prepare_seconds += time.perf_counter() - start
+                ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
             ctx.extras[key] = None if inputs is None else self._encode(inputs, ctx)
         return ctx.extras[key]
-
-    def _wait(self, pending: PendingInputs, ctx: Context) -> RetrievalInputs:
-        """The inputs of a search prepare() left running; prepare_ms counts the time the forward waited for them."""
-        start = time.perf_counter()
-        inputs = pending.result()
-        self.prepare_seconds += time.perf_counter() - start
-        ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
-        return inputs
 
     def _encode(self, inputs: RetrievalInputs, ctx: Context) -> Encoded:
         """encode_neighbours; under incremental decoding once per span of chunks (a chunk's L steps share it)."""
@@ -232,8 +212,7 @@ class RetrievalPlugin(Plugin):
         return state["encoded"]
 
     def no_retrieval(self, x: Tensor, layer: nn.Module) -> Tensor:
-        """Zeros like x; under autograd times 0 of the layer's and encoder's parameters, so every parameter gets a
-        (zero) gradient, as DDP expects each step, while training waits for the first table."""
+        """Zeros like x, with a zero gradient for the layer's and encoder's parameters (DDP expects one each step)."""
         if not torch.is_grad_enabled():
             return torch.zeros_like(x)
         params = [p for m in (layer, self.encoder) for p in m.parameters() if p.requires_grad]
@@ -241,17 +220,14 @@ class RetrievalPlugin(Plugin):
         return x * 0.0 + 0.0 * sum(p.sum() for p in params).to(x.dtype)
 
     def _declare_loss_groups(self, ctx: Context, inputs: RetrievalInputs | None, L: int) -> None:
-        """At evaluation, the tokens of each chunk by where its neighbours come from (ctx.loss_groups, logged as
-        val/loss_by/<label>/<group>): own_doc (all from the row's document), other_doc (none from it), mixed, none."""
+        """At evaluation, the tokens of each chunk by where its neighbours come from (val/loss_by/<label>/<group>)."""
         if ctx.training or ctx.variant is not None:
             return
         for name, mask in source_groups(inputs, ctx.tokens.shape, L, ctx.tokens.device).items():
             ctx.loss_groups[f"{self.label}/{name}"] = mask
 
-    # ----- what the rebuild callback calls (rlm.index.memory.MemoryOwner) -----
-
     def use_memory(self, memory: RetrievalMemory | None) -> None:
-        """Swap in a new index and neighbour table (one reference assignment: atomic for the training loop)."""
+        """Swap in a new index (one reference assignment: atomic for the training loop)."""
         object.__setattr__(self, "memory", memory)
 
     def eval_variants(self) -> list[str]:
@@ -271,10 +247,8 @@ class RetrievalPlugin(Plugin):
             "step": int(step),
         }
 
-    # ----- checkpoint -----
-
     def get_extra_state(self) -> dict[str, Any]:
-        """Checkpointed with the weights: the index directory in use, so validation and generation can search it."""
+        """The index directory in use, checkpointed so that validation and generation can search it."""
         memory = self.memory
         return {
             "index_dir": str(memory.path) if memory is not None and memory.path else self._saved_index_dir
@@ -284,7 +258,7 @@ class RetrievalPlugin(Plugin):
         self._saved_index_dir = state.get("index_dir")
 
     def _load_saved_memory(self) -> None:
-        """Outside training (validate, generate) with no callback: load the checkpoint's index once, if it is there."""
+        """Outside training (no callback): load the checkpoint's index once, if it is there."""
         path, self._saved_index_dir = self._saved_index_dir, None
         try:
             self.use_memory(load_memory_for_search(path))
