@@ -1,11 +1,9 @@
-"""Lookups of the routed plugins (moe, partial_experts): which entries a token reads.
-
-Baykal et al. 2023, Sec. 3: a memory-augmented layer outputs L(x) + sum_{i in q(x, id)} w_i(x) f_i(x), q one of
-- ``softmax``: h(x) = W x, p = softmax(h), the top-k entries weighted by p (Shazeer 2017; Fedus 2021);
-- ``token_id``: the vocabulary id picks the entry (weight 1), through a seeded equal-size hash or a
-  frequency-balanced map when there are fewer entries than ids;
-- ``lsh``: the cell of the token vector in a grid of ``lsh_slabs`` slabs along each of m random directions,
-  buckets = lsh_slabs ** m (2 slabs: sign hashing, Charikar 2002). Token-ID and LSH learn nothing.
+"""Lookups of the routed plugins (moe, partial_experts): the entries q(x, id) a token reads in
+L(x) + sum_{i in q(x, id)} w_i(x) f_i(x) (Baykal et al. 2023, Sec. 3):
+- ``softmax``: the top-k of p = softmax(W x), weighted by p (Shazeer 2017; Fedus 2021);
+- ``token_id``: the vocabulary id (weight 1), through a seeded hash or a frequency-balanced map;
+- ``lsh``: the token's cell in a grid of ``lsh_slabs`` slabs along m random directions, lsh_slabs ** m cells
+  (2 slabs: sign hashing, Charikar 2002).
 """
 
 from __future__ import annotations
@@ -23,6 +21,9 @@ from torch import Tensor, nn
 
 from rlm.plugin import Context
 
+SEED = 0
+"""Seed of the fixed token_id hash and the LSH directions (fixed, so the buckets are reproducible)."""
+
 
 @dataclass
 class LookupOptions:
@@ -33,21 +34,17 @@ class LookupOptions:
     top_k: int = 1
     """Entries per token (softmax only; token_id and lsh pick exactly one)."""
     renormalize: bool = False
-    """Softmax top-k: divide the k gate values by their sum (with top_k 1 this would fix the gate at 1 and cut the
-    router off from the LM loss, so it is rejected)."""
+    """Softmax top-k: divide the k gate values by their sum (needs top_k >= 2: a gate fixed at 1 learns nothing)."""
     router_jitter: float = 0.01
     """Softmax: multiplicative jitter U(1-eps, 1+eps) on the router input while training (Switch); 0 disables."""
     token_map: Literal["hash", "balanced"] = "hash"
-    """token_id with fewer entries than the vocabulary: 'hash' (fixed seeded map, equal ids per entry) or
-    'balanced' (equal token frequency per entry; needs token_counts)."""
+    """token_id with fewer entries than ids: 'hash' (equal ids per entry) or 'balanced' (needs token_counts)."""
     token_counts: str | None = None
     """token_id 'balanced': path of a .npy array of per-id token counts, shape (vocab,)."""
     lsh_slabs: int = 2
     """lsh: slabs per random direction (2 = one hyperplane through the origin); entries must be a power of it."""
     lsh_width: float = 1.0
     """lsh: spacing of the parallel hyperplanes, in units of the rms-normalised token's projection (std ~1)."""
-    lookup_seed: int = 0
-    """Seed of the fixed token_id hash and the LSH directions (so the buckets are reproducible)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.top_k, int) or self.top_k < 1:
@@ -75,14 +72,12 @@ class LookupOptions:
 
 @dataclass
 class Routing:
-    """A lookup's answer for S tokens: k entries each, their weights, and the router's float32 logits."""
+    """A lookup's answer for S tokens: entries index (S, k), weights (S, k) float32, router logits (S, N) float32
+    (None without a router)."""
 
     index: Tensor
-    """Entry of each (token, choice), (S, k) long."""
     weight: Tensor
-    """Weight w_i(x) of each (token, choice), (S, k) float32."""
     logits: Tensor | None = None
-    """Router logits h(x), (S, N) float32; None for lookups without a router."""
 
 
 class SoftmaxRouter(nn.Module):
@@ -92,8 +87,6 @@ class SoftmaxRouter(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(n, d) * init_std)  # float32 whatever the model's dtype
         self.k, self.renormalize, self.jitter = options.top_k, options.renormalize, options.router_jitter
-        if self.k > n:
-            raise ValueError(f"top_k={self.k} exceeds the number of entries {n}")
 
     def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:
         # The router stays in float32, autocast or not (Fedus 2021, Sec. 2.4: 'selective precision').
@@ -152,7 +145,7 @@ class TokenIDLookup(nn.Module):
         if n == vocab:
             table = torch.arange(vocab)
         elif options.token_map == "hash":
-            table = hash_table(vocab, n, options.lookup_seed)
+            table = hash_table(vocab, n, SEED)
         else:
             table = balanced_table(load_counts(options.token_counts, vocab), n)
         self.register_buffer("table", table)  # (vocab,) long, checkpointed so buckets survive a resume
@@ -170,7 +163,7 @@ def lsh_directions(d: int, n: int, options: LookupOptions) -> tuple[Tensor, Tens
         raise ValueError(
             f"lsh lookup: {n} entries is not a power of lsh_slabs={s}; accepted: {[s**i for i in range(1, 8)]}"
         )
-    g = torch.Generator().manual_seed(options.lookup_seed)
+    g = torch.Generator().manual_seed(SEED)
     directions = F.normalize(torch.randn(d, m, generator=g), dim=0)
     cuts = (torch.arange(s - 1, dtype=torch.float32) - (s - 2) / 2) * options.lsh_width  # symmetric about 0
     return directions, cuts
@@ -213,8 +206,8 @@ def z_loss(logits: Tensor, valid: Tensor) -> Tensor:
 def router_losses(
     ctx: Context, route: Routing, valid: Tensor, prefix: str, tag: str, balance_coef: float, z_coef: float
 ) -> None:
-    """Add '<prefix>_balance' (Switch eq. 4) and '<prefix>_z' (ST-MoE eq. 5), averaged over valid tokens, when
-    their weight is non-zero and the lookup is a learned router; each is also logged per layer ('/<tag>')."""
+    """Add '<prefix>_balance' (Switch eq. 4) and '<prefix>_z' (ST-MoE eq. 5) over valid tokens for a learned router
+    when their weight is non-zero; each also logged per layer ('/<tag>')."""
     if route.logits is None:
         return
     if balance_coef > 0:

@@ -44,33 +44,25 @@ class MoEConfig(LookupOptions):
     num_experts: int = 8
     """Number of experts N."""
     expert_hidden: int | None = None
-    """Hidden width of each expert; None means the model's dense FFN width (each expert as wide as the FFN)."""
+    """Hidden width of each expert; None: the model's dense FFN width."""
     capacity_factor: float = 1.25
-    """Training expert capacity = k * tokens / N * capacity_factor; 0 means dropless (no token is ever dropped).
-    Evaluation and generation are always dropless, so a sequence's eval loss is independent of its batch."""
+    """Training expert capacity = k * tokens / N * capacity_factor; 0: dropless (evaluation always is)."""
     balance_coef: float = 0.01
     """alpha of the load-balancing loss alpha * N * sum_i f_i P_i (Switch: 1e-2); 0 skips it."""
     z_coef: float = 0.001
     """Weight of the router z-loss mean(logsumexp(h)^2) (ST-MoE: 1e-3); 0 skips it."""
     dispatch: Literal["auto", "grouped", "bmm"] = "auto"
-    """'grouped' (tokens sorted by expert, one grouped matmul), 'bmm' (capacity buffers (N, C, d) and a batched
-    matmul) or 'auto' (grouped where the grouped GEMM is made for the device: CPU, or CUDA in bf16, with 16-byte
-    aligned widths; else bmm). Where the grouped GEMM raises, both fall back to bmm with a warning."""
-    log_per_expert: bool = True
-    """Log every expert's load fraction (moe_load/l{layer}_e{i}); the max load is always logged."""
+    """'grouped' (one grouped GEMM over the tokens sorted by expert), 'bmm' (capacity buffers (N, C, d)) or 'auto'
+    (grouped on CPU, or CUDA in bf16, with 16-byte aligned widths). Where grouped raises: bmm, with a warning."""
     expert_parallel: bool = False
-    """Under torch.distributed with W processes, each keeps num_experts / W experts and tokens travel to them
-    with all_to_all (plugins/_expert_parallel.py); the same numbers as replicated experts. One process: no-op."""
+    """Under torch.distributed with W processes each keeps num_experts / W experts, tokens travel by all_to_all
+    (plugins/_expert_parallel.py); the same numbers as replicated experts."""
     expert_group_size: int | None = None
-    """Processes that share one copy of the experts under expert_parallel (num_experts / size each); tokens
-    travel only within the group, and capacity is decided for the group's batch. null: the processes of one
-    node (all of them on one machine), so the exchange stays on the node's links. It must divide the number
-    of processes; the groups' copies are kept equal by an all-reduce of their gradients. 1: no sharding."""
+    """expert_parallel: processes sharing one copy of the experts (a divisor of the processes; null: a node's);
+    tokens travel and capacity is decided within the group, the groups' copies kept equal. 1: no sharding."""
     overlap_chunks: int = 2
-    """Under expert_parallel, each rank's experts are exchanged and computed in this many runs: one run's tokens
-    travel while another's experts compute (forward and backward). 1: every all_to_all blocks. Where it does not
-    divide the rank's num_experts / expert_group_size experts, the largest divisor below it is used (1 expert
-    per rank: 1, no overlap). The outputs are the same whatever the value."""
+    """expert_parallel: a rank's experts are exchanged and computed in this many runs (the largest divisor of its
+    expert count not above it), one run's tokens travelling while another computes; 1 blocks. Same outputs."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,19 +78,14 @@ class MoEConfig(LookupOptions):
             raise ValueError(f"moe.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}")
         if self.balance_coef < 0 or self.z_coef < 0:
             raise ValueError(
-                f"moe loss coefficients must be >= 0, got balance_coef={self.balance_coef}, "
-                f"z_coef={self.z_coef}"
+                f"moe.balance_coef and z_coef must be >= 0, got {self.balance_coef}, {self.z_coef}"
             )
-        if self.expert_group_size is not None and (
-            not isinstance(self.expert_group_size, int) or self.expert_group_size < 1
-        ):
-            raise ValueError(
-                f"moe.expert_group_size must be a positive integer or null (a node), got {self.expert_group_size!r}"
-            )
-        if not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
-            raise ValueError(
-                f"moe.overlap_chunks must be a positive integer (1: a blocking exchange), got {self.overlap_chunks!r}"
-            )
+        for name in ("expert_group_size", "overlap_chunks"):
+            value = getattr(self, name)
+            if (value is not None or name == "overlap_chunks") and (not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"moe.{name} must be a positive integer (or null for expert_group_size), got {value!r}"
+                )
 
     def memory(self, mc: ModelConfig, parts: Parts) -> None:
         """The experts and router in place of the dense FFNs, parameters and saved bytes (rlm.model.memory)."""
@@ -108,12 +95,10 @@ class MoEConfig(LookupOptions):
         router = self.num_experts * d if self.lookup == "softmax" else 0
         ffn_p, ffn_a = ffn_terms(mc)
         k, n = self.top_k, self.num_experts
-        # Rows through the experts per token: its k assignments (grouped GEMM), or the capacity buffers (N, C, d)
-        # of the bmm path, capacity_factor x that (the dispatch 'auto' takes on CUDA in bf16 is the grouped one).
+        # Rows through the experts per token: its k assignments (grouped), or capacity_factor x that (bmm buffers).
         rows = k * (max(self.capacity_factor, 1.0) if self.dispatch == "bmm" else 1.0)
-        # Router: the fp32 input and its jittered copy 8d, three (N,) fp32 rows (softmax, the balance and z
-        # losses'), the chosen ids 8 k; per assignment: ids 8 + 8, gate 4, the expert output in fp32 and its gated
-        # copy 8d.
+        # Router: fp32 input and jittered copy 8d, three (N,) fp32 rows, ids 8k; per assignment: ids 8 + 8, gate 4,
+        # the fp32 expert output and its gated copy 8d.
         act = 8 * d + 12 * n + 8 * k + 12 + k * (20 + 8 * d) + int(rows * expert_a)
         for _ in layers:
             parts.params += n * expert_p + router - ffn_p
@@ -135,10 +120,8 @@ class MoELayer(nn.Module):
         self.expert_group = None  # a process group once the experts are sharded (expert_parallel)
 
     def capacity(self, tokens: int) -> int | None:
-        """Assignments each expert takes: ceil(k * tokens / N * capacity_factor), None when dropless.
-
-        ``tokens`` counts padding too (a static shape); padding never takes a place in a queue.
-        """
+        """Assignments each expert takes: ceil(k * tokens / N * capacity_factor) (tokens with padding), None when
+        dropless."""
         c = self.config
         if c.capacity_factor == 0:
             return None
@@ -178,9 +161,8 @@ class MoELayer(nn.Module):
             load = load / valid.sum().clamp(min=1)  # (N,)
             ctx.log(f"moe_load_max/{tag}", load.max())
             ctx.log(f"moe_dropped/{tag}", p.dropped)
-            if c.log_per_expert:
-                for i, value in enumerate(load.unbind()):
-                    ctx.log(f"moe_load/{tag}_e{i}", value)
+            for i, value in enumerate(load.unbind()):
+                ctx.log(f"moe_load/{tag}_e{i}", value)
 
 
 class MoEPlugin(Plugin):
@@ -220,6 +202,6 @@ class MoEPlugin(Plugin):
         return c.num_experts * per_expert
 
     def inactive_parameters(self) -> int:
-        # A token runs k of the N experts: the other (N - k) / N of the expert weights are unused for it.
+        # A token runs k of the N experts.
         c = self.config
         return len(self.layers) * self.expert_parameters() * (c.num_experts - c.top_k) // c.num_experts
