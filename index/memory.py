@@ -1,5 +1,5 @@
-"""A retrieval memory: an index over the training segments, its neighbour table and the rows it holds, as a
-rebuild writes it and a resumed run, validation or generation loads it. Its owner implements ``MemoryOwner``."""
+"""A retrieval memory: an index over the training segments, its neighbour table and rows, as a rebuild writes it
+and a resumed run, validation or generation loads it."""
 
 from __future__ import annotations
 
@@ -42,31 +42,23 @@ CORPUS, DOC_OFFSETS, CORPUS_TOKENS = "corpus.json", "doc_offsets.npy", "corpus_t
 class RetrievalMemory:
     """An index over the training segments and their precomputed neighbour table."""
 
-    segments: Any
-    """The data's segment table (rlm.data.SegmentTable: tokens(ids), doc, start, length, segment_len, pad_id)."""
+    segments: Any  # the data's rlm.data.SegmentTable
     rows: np.ndarray  # (R,) global segment id of each index row
     index: Any  # searchable index over the R rows (search(x, k) -> (scores, row ids))
     index_segments: IndexSegments  # (document, offset) of each row, for the causal filter
     neighbours: np.ndarray | None
-    """(S, k) global neighbour ids of every global segment id (-1: none, or not a training segment); None when the
-    rebuild made no table (the retriever's lookup 'search': each training step searches its own queries)."""
-    identity: dict[str, Any]
-    """The embedder identity that produced the vectors (with "projection": the projection's identity, or None)."""
+    """(S, k) global neighbour ids of every global segment id (-1: none); None when the rebuild made no table
+    (lookup 'search': each training step searches its own queries)."""
+    identity: dict[str, Any]  # the embedder identity of the vectors, with "projection" (with_projection)
     step: int  # training step of the rebuild
     path: Path | None = None  # the index directory it was written to or loaded from
-    recall: float | None = None
-    """Recall@tune_k of the index against exact search (1.0 for an exact index; None when unmeasured)."""
-    parts: list[str] | None = None
-    """A sharded index (index/sharded.py): every rank's part directory, in rank order; None otherwise."""
-    projection: Projection | None = None
-    """The PCA that narrowed the indexed vectors, and narrows every query; None: full width."""
-    row_of: np.ndarray = field(init=False)
-    """(S,) index row of each global segment id, -1 when it is not indexed."""
+    recall: float | None = None  # recall@TUNE_K against exact search (1.0 when exact; None when unmeasured)
+    parts: list[str] | None = None  # a sharded index's part directories, in rank order
+    projection: Projection | None = None  # the PCA that narrowed the vectors and narrows every query
+    row_of: np.ndarray = field(init=False)  # (S,) index row of each global segment id, -1 when not indexed
     _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
-    # set by place_search
-    _searched: tuple[torch.device, Any] | None = field(default=None, init=False, repr=False)
-    collective: ClassVar[bool] = False
-    """Whether search is a collective that every rank calls together (a sharded index)."""
+    _searched: tuple[torch.device, Any] | None = field(default=None, init=False, repr=False)  # place_search's
+    collective: ClassVar[bool] = False  # whether every rank calls search together (a sharded index)
 
     def __post_init__(self) -> None:
         if np.any(np.diff(self.rows) <= 0):
@@ -85,8 +77,8 @@ class RetrievalMemory:
         return self._copies["segments"]
 
     def text_copies(self) -> TextRuns:
-        """Runs of L // 2 tokens of the indexed documents every L // 2 tokens (L the segment length), to find where
-        a text copies one of them at any offset: any L copied tokens hold such a run (built on first use)."""
+        """Runs of L // 2 tokens of the indexed documents every L // 2 tokens (L the segment length): any L tokens
+        copied from them hold such a run (built on first use)."""
         if "text" not in self._copies:
             half = max(1, self.segments.segment_len // 2)
             docs = np.unique(self.segments.doc[self.indexed_mask()])
@@ -94,8 +86,8 @@ class RetrievalMemory:
         return self._copies["text"]
 
     def place_search(self, device: torch.device) -> None:
-        """Search on ``device`` from now on when it is one of SEARCH_DEVICES (device_index), saying how on stderr
-        once; a sharded memory keeps its parts' search."""
+        """Search on ``device`` from now on when it is one of SEARCH_DEVICES (device_index), saying how on stderr;
+        a sharded memory keeps its parts' search."""
         if self.collective or device.type not in SEARCH_DEVICES:
             return
         if self._searched is None or self._searched[0] != device:
@@ -114,8 +106,7 @@ class RetrievalMemory:
     def search_scored(
         self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
     ) -> Neighbours:
-        """As search, with the scores, excluding the given ranges of global ids (Exclusions over global ids
-        instead of rows). The queries are full width: the index's projection narrows them."""
+        """As search, with the scores, excluding the exclusions' ranges of global ids; full-width queries."""
         rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
         found = search_neighbours(
             self.index if self._searched is None else self._searched[1],
@@ -138,10 +129,9 @@ class RetrievalMemory:
 
 @runtime_checkable
 class MemoryOwner(Protocol):
-    """What the callback needs from the retriever (implemented by the retrieval plugin)."""
+    """What the rebuild callback needs from the retriever."""
 
-    prepare_seconds: float
-    """Time the owner spent on retrieval in the last step (for the retrieval-time fraction)."""
+    prepare_seconds: float  # time spent on retrieval in the last step (for the retrieval-time fraction)
 
     def snapshot(self, step: int) -> Embedder:
         """A frozen copy of the embedder, safe to run in another thread."""
@@ -189,8 +179,8 @@ def build_memory(
     table: bool = True,
     projection: Projection | None = None,
 ) -> RetrievalMemory:
-    """Index the rows' vectors, find every row's k causal neighbours (table=False: no table, the owner searches
-    online), and write it all to `path` atomically. projection: the PCA the vectors were already narrowed by."""
+    """Index the rows' vectors (already narrowed by `projection`), find every row's k causal neighbours (table=False:
+    none, the owner searches online), and write it all to `path` atomically."""
     identity = with_projection(identity, projection)
     built = build_index(vectors, index_config)
     recall = built.tuned_recall
@@ -220,8 +210,7 @@ def build_memory(
 
 
 def write_memory(path: Path, memory: RetrievalMemory, vectors: np.ndarray, extra: dict[str, Any]) -> None:
-    """Write a memory (its index over `vectors`, table, rows, corpus reference, projection) to `path` atomically,
-    and set memory.path."""
+    """Write a memory (its index over `vectors`, table, rows, corpus reference, projection) to `path` atomically."""
     m = memory
     with atomic_dir(path) as tmp:
         if m.neighbours is not None:
@@ -235,8 +224,8 @@ def write_memory(path: Path, memory: RetrievalMemory, vectors: np.ndarray, extra
 
 
 def save_corpus_ref(tmp: Path, segments: Any) -> None:
-    """Say where the segments' tokens are, so the memory loads without the data module (generation): a memmap (the
-    data cache) by its file, any other array copied."""
+    """Say where the segments' tokens are, so the memory loads without the data module: a memmap (the data cache)
+    by its file, any other array copied."""
     doc_offsets = np.append(segments.start[segments.first[:-1]], segments.start[-1] + segments.length[-1])
     _save_npy(tmp / DOC_OFFSETS, doc_offsets)
     tokens = segments.corpus_tokens
@@ -274,8 +263,8 @@ def load_corpus_ref(path: Path) -> SegmentTable:
 
 
 def copy_memory(src: str | Path, dst: Path) -> dict[str, Any]:
-    """Copy a verified memory to a new folder ``dst`` that stands alone: corpus tokens it references in a data cache
-    are copied in and its checksums rewritten. Returns its metadata. One part of a sharded index is refused."""
+    """Copy a verified, unsharded memory to a new folder ``dst`` that stands alone (corpus tokens it references in a
+    data cache copied in, checksums rewritten); returns its metadata."""
     src = Path(src)
     meta = read_meta(src, verify=True)
     if "shard" in meta:
@@ -302,7 +291,7 @@ def load_table(path: Path) -> np.ndarray | None:
 
 
 def load_part_memory(path: str | Path) -> RetrievalMemory:
-    """A written memory with its own segment table, as it is on disk (one part of a sharded index: that part)."""
+    """A written memory with its own segment table (one part of a sharded index: that part)."""
     path = Path(path)
     loaded = load_index_dir(path)
     return _memory_from(loaded, path, load_corpus_ref(path), loaded.meta["embedder"])
@@ -317,7 +306,7 @@ def load_memory(path: Path, segments: Any, identity: dict[str, Any], k: int) -> 
 
 
 def _memory_from(loaded: Any, path: Path, segments: Any, identity: dict[str, Any]) -> RetrievalMemory:
-    """The memory of a loaded index directory: its index, with the neighbour table and rows written beside it."""
+    """The memory of a loaded index directory, with the neighbour table and rows written beside it."""
     return RetrievalMemory(
         segments,
         np.load(path / ROWS),
