@@ -1,11 +1,9 @@
 """kNN-LM datastores (Khandelwal et al. 2020): one entry per token of a collection, the key the LM's context
 state at position t, the value the token at t + 1; built from a checkpoint, tied to its weights.
 
-A datastore directory holds index.faiss (rlm.index.knn), values.npy, docs.npy (each document's entry range) and
-meta.json (the checkpoint's fingerprint, the tuned search parameters and lam / temperature, and every other file's
-size and sha256: rlm.checksums); it is written to a temporary name and renamed. Built with ``shard_keys``, it holds
-index-000.faiss, ... instead: consecutive runs of whole documents added to copies of one trained index (shared
-centroids and codebooks), their entry offsets in meta.json's "shards"; a search merges their top-k by distance.
+A directory holds index.faiss (or, built with ``shard_keys``, index-000.faiss, ...: runs of whole documents added
+to copies of one trained index, their offsets in meta.json's "shards"), values.npy, docs.npy (each document's
+entry range) and meta.json (the checkpoint's fingerprint, the tuned parameters, every file's sha256).
 """
 
 from __future__ import annotations
@@ -47,9 +45,7 @@ def model_fingerprint(module: Any) -> str:
     """sha256 over the model's weights (names, shapes, dtypes and bytes): the identity a datastore is tied to."""
     h = hashlib.sha256()
     for name, t in sorted(module.model.state_dict().items()):
-        if not isinstance(
-            t, torch.Tensor
-        ):  # a plugin's extra state (the retriever's index path): not weights
+        if not isinstance(t, torch.Tensor):  # a plugin's extra state (the retriever's index path)
             continue
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
@@ -81,9 +77,8 @@ def reading_keys(module: Any, layer: str) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def read_datastore_meta(path: str | os.PathLike[str], verify: bool | None = None) -> dict[str, Any]:
-    """The meta.json of the datastore at ``path``, after checking that it is one (not a retrieval index) and that
-    meta.json and every file it lists are as written (sizes; checksums unless ``verify`` is False or
-    RLM_INDEX_VERIFY=0)."""
+    """The meta.json of the datastore at ``path``, checked against its files (checksums unless ``verify`` is False
+    or RLM_INDEX_VERIFY=0)."""
     path = Path(path)
     if not (path / META).is_file():
         raise FileNotFoundError(f"no {WHAT} at {path} ({META} missing); build one with "
@@ -105,29 +100,26 @@ def doc_hash(tokens: np.ndarray) -> str:
 
 
 class Datastore:
-    """A built datastore directory (either layout): the faiss index or shards, the values, the document table and
-    meta.json."""
+    """A built datastore directory (either layout)."""
 
     def __init__(self, path: str | os.PathLike[str], verify: bool | None = None) -> None:
         self.path = Path(path)
         self.meta: dict[str, Any] = read_datastore_meta(self.path, verify)
         shards = self.meta.get("shards") or [{"file": "index.faiss", "offset": 0}]
         self.indexes = [self._read_index(sh["file"]) for sh in shards]
-        self.offsets = [int(sh["offset"]) for sh in shards]
-        """The first global entry id of each shard (the single index: [0])."""
+        self.offsets = [int(sh["offset"]) for sh in shards]  # each shard's first global entry id
         self.values = np.load(self.path / "values.npy", mmap_mode="r")  # (N,) int32 next tokens
         docs = np.load(self.path / "docs.npy")  # (D, 2) int64 [lo, hi) entry range of each document
         self.ranges = {h: (int(lo), int(hi)) for h, (lo, hi) in zip(self.meta["doc_hashes"], docs)}
         self.doc_ids = {int(d): self.ranges[h] for d, h in zip(self.meta["doc_ids"], self.meta["doc_hashes"])}
-        self._hashes: dict[tuple[str, int], str] = {}
-        """(cache entry, document) -> the evaluated document's token hash."""
+        self._hashes: dict[tuple[str, int], str] = {}  # (cache entry, document) -> its doc_hash
         ends = [o + int(ix.ntotal) for o, ix in zip(self.offsets, self.indexes)]
         if self.offsets != [0, *ends[:-1]] or ends[-1] != len(self.values):
             raise ValueError(f"datastore {self.path}: its index shards hold entries {list(zip(self.offsets, ends))}, "
                              f"not the {len(self.values)} values in order")  # fmt: skip
 
     def _read_index(self, name: str) -> Any:
-        """One index file, a faiss error on a damaged one (checksums skipped) naming it and the datastore."""
+        """One index file; a damaged one (checksums skipped) is an error naming it."""
         from rlm.index._faiss import faiss
 
         try:
@@ -137,13 +129,6 @@ class Datastore:
             raise ValueError(
                 f"damaged {WHAT} at {self.path}: faiss cannot read {name} ({cause}); {REBUILD}"
             ) from None
-
-    @property
-    def index(self) -> Any:
-        """The faiss index of a single-index datastore (one shard)."""
-        if len(self.indexes) != 1:
-            raise AttributeError(f"datastore {self.path} has {len(self.indexes)} index shards; use .indexes")
-        return self.indexes[0]
 
     def check_model(self, module: Any) -> None:
         """Refuse a model other than the one whose states the keys are."""
@@ -182,8 +167,7 @@ class Datastore:
     def _search_shards(
         self, queries: np.ndarray, k: int, exclude: tuple[int, int] | None, params: dict[str, Any]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(distances, global ids) of the k nearest over every shard: each shard's top-k, merged by distance (ties
-        by entry id); the exclusion range, in global ids, clipped to each shard's own."""
+        """(distances, global ids) of the k nearest: each shard's top-k merged by distance (ties by entry id)."""
         from rlm.index.knn import search_l2
 
         ds, ids = [], []
@@ -205,8 +189,8 @@ TRIAL_BATCHES = 3  # batches timed with each thread count before key extraction 
 
 
 class Progress:
-    """Progress of one build phase: a tqdm bar on a terminal; elsewhere a plain stderr line every ``LOG_EVERY``
-    seconds and at the end (phase, done/total, rate, ETA), which a log file keeps readable."""
+    """A tqdm bar on a terminal; elsewhere (a log file) a plain stderr line every ``LOG_EVERY`` seconds and at
+    the end."""
 
     def __init__(self, desc: str, total: int, unit: str, enabled: bool = True) -> None:
         self.desc, self.total, self.unit, self.done = desc, total, unit, 0
@@ -221,12 +205,9 @@ class Progress:
         self.bar.update(n)
         self.done += n
         now = time.perf_counter()
-        if self.lines and (now - self.last >= LOG_EVERY or self.done >= self.total):
-            self.last = now
-            self.log(now)
-
-    def log(self, now: float) -> None:
-        """Print the plain progress line."""
+        if not self.lines or (now - self.last < LOG_EVERY and self.done < self.total):
+            return
+        self.last = now
         rate = self.done / max(now - self.start, 1e-9)
         eta = (self.total - self.done) / rate if rate else float("inf")
         print(f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({self.done / max(self.total, 1):.0%}), "
@@ -258,11 +239,10 @@ def phase(progress: bool, message: str) -> None:
 def entries(
     module: Any, windows: Any, batch_size: int, layer: str, progress: bool, desc: str = "datastore keys"
 ) -> Iterator[tuple]:
-    """(keys (n, d) float16, values (n,), doc, first position) of every window, in order.
+    """(keys (n, d) float16, values (n,), doc) of every window, in order (no LM head runs).
 
-    Only the blocks run (``model.hidden``): no key needs the LM head. On a CPU the first batches alternate one
-    thread and torch's thread count and the faster is kept: on a shared machine a parallel region waits for its
-    slowest thread, so one thread can be faster. The keys are the same either way."""
+    On a CPU the first batches alternate one thread and torch's thread count and the faster is kept: on a shared
+    machine a parallel region waits for its slowest thread. The keys are the same either way."""
     threads = torch.get_num_threads()
     counts = (1, threads) if module.device.type == "cpu" and threads > 1 else (threads,)
     times: dict[int, list[float]] = {n: [] for n in counts}
@@ -297,21 +277,16 @@ def entries(
                 real = (targets != IGNORE_INDEX).sum(1)  # (B,) targets of each window
                 bar.update(int(real.sum()))
                 for b in range(len(targets)):
-                    yield (
-                        keys[b, : real[b]],
-                        targets[b, : real[b]],
-                        int(batch["doc_ids"][b]),
-                        int(batch["starts"][b]),
-                    )
+                    yield keys[b, : real[b]], targets[b, : real[b]], int(batch["doc_ids"][b])
     finally:
         torch.set_num_threads(threads)
         bar.close()
 
 
 def estimate(n_tokens: int, dim: int, factory: str, shard_tokens: int | None = None) -> dict[str, int]:
-    """Bytes a build needs on disk (the float16 keys while building, then the index, values and table) and in memory
-    (the index while filled, the k-means sample); "files", the finished datastore's. Sharded (``shard_tokens``, the
-    largest shard's keys): no keys on disk, and in memory one shard's keys and index."""
+    """Bytes a build needs on disk (the float16 keys while building, then the files) and in memory (the index,
+    the k-means sample); sharded (``shard_tokens``, the largest shard's keys): no keys on disk, one shard's keys
+    and index in memory."""
     from rlm.index.knn import EXACT, TRAIN_KEYS, bytes_per_key
 
     index = n_tokens * bytes_per_key(factory, dim)
@@ -330,8 +305,8 @@ def estimate(n_tokens: int, dim: int, factory: str, shard_tokens: int | None = N
 
 
 def shard_docs(lengths: np.ndarray, shard_keys: int) -> list[slice]:
-    """Consecutive runs of whole documents (as slices of their order) of about ``shard_keys`` keys each: a
-    shard ends at the first document that brings it to ``shard_keys`` or more; ``lengths`` = keys per document."""
+    """Runs of whole documents (slices) that each end at the first document bringing them to ``shard_keys`` keys
+    (``lengths``: keys per document)."""
     if shard_keys < 1:
         raise ValueError(f"shard_keys={shard_keys}; accepted: a positive integer (keys per index shard)")
     out, lo, total = [], 0, 0
@@ -381,11 +356,8 @@ def build_datastore(
     shard_keys: int | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
-    """Build a datastore from a checkpoint over its own training split, or over every document of ``corpus``
-    (read with the checkpoint's tokenizer); ``tuner`` (rlm.eval.knnlm.build's) then chooses lam and the
-    temperature. Returns meta.json's contents. ``shard_keys``: index shards of whole documents of about this many
-    keys, each written as soon as its keys are computed. ``out`` may be new, empty or an earlier datastore;
-    anything else only with ``force``."""
+    """Build a datastore from a checkpoint over its own training split, or every document of ``corpus``;
+    ``tuner`` (rlm.eval.knnlm.build's) then chooses lam and the temperature. Returns meta.json's contents."""
     from rlm.index._faiss import faiss
     from rlm.index.knn import build_l2_index, choose_l2_factory
     from rlm.index.store import atomic_dir
@@ -431,25 +403,22 @@ def build_datastore(
     with atomic_dir(out) as tmp:
         if parts is not None:
             built, shards = _build_shards(tmp, module, data, store, docs, parts, resolved, layer,
-                                          batch_size or data.val_batch_size, target_recall, k, progress, bars)  # fmt: skip
+                                          batch_size or data.val_batch_size, target_recall, k, progress)  # fmt: skip
             embed_s = built.seconds.pop("keys")
         else:
             keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, dim))
             values = np.zeros(n, dtype=np.int32)
             ranges = np.zeros((len(docs), 2), dtype=np.int64)
-            found = entries(
-                module, windows_of(data, store, docs), batch_size or data.val_batch_size, layer, progress
-            )
+            windows = windows_of(data, store, docs)
+            found = entries(module, windows, batch_size or data.val_batch_size, layer, progress)
             pos = _fill(found, keys, values, ranges, {int(d): i for i, d in enumerate(docs)}, 0)
             assert pos == n, (pos, n)
             keys.flush()
             embed_s = time.perf_counter() - start
             phase(progress, f"index {resolved}: training, adding {n:,} keys and tuning")
             built = build_l2_index(keys, resolved, target_recall, tune_k=k, progress=bars)
-            phase(
-                progress,
-                f"index {resolved}: " + ", ".join(f"{name} {t:.1f} s" for name, t in built.seconds.items()),
-            )
+            times = ", ".join(f"{name} {t:.1f} s" for name, t in built.seconds.items())
+            phase(progress, f"index {resolved}: {times}")
             faiss.write_index(built.index, str(tmp / "index.faiss"))
             del keys
             (tmp / "keys.npy").unlink()
@@ -496,28 +465,16 @@ def build_datastore(
     return meta
 
 
-def _build_shards(
-    tmp: Path,
-    module: Any,
-    data: RLMDataModule,
-    store: TokenStore,
-    docs: np.ndarray,
-    parts: list[slice],
-    factory: str,
-    layer: str,
-    batch_size: int,
-    target_recall: float | None,
-    k: int,
-    progress: bool,
-    bars: bool,
-) -> tuple[Any, list[dict[str, Any]]]:
-    """Write values.npy, docs.npy and one index file per shard of ``docs`` into ``tmp``: the index is trained once
-    on a sample of keys (random documents), then each shard's keys are computed, added to a copy of it and written
-    before the next shard's; nprobe is tuned on the first shard. Returns (an L2Index with the factory, search
-    parameters, tuned recall and seconds; the shards' meta.json entries)."""
+def _build_shards(tmp: Path, module: Any, data: RLMDataModule, store: TokenStore, docs: np.ndarray,
+                  parts: list[slice], factory: str, layer: str, batch_size: int, target_recall: float | None, k: int,
+                  progress: bool) -> tuple[Any, list[dict[str, Any]]]:  # fmt: skip
+    """Write values.npy, docs.npy and one index file per shard into ``tmp``: the index is trained once on the keys
+    of random documents, then each shard's keys are added to a copy of it and written before the next shard's;
+    nprobe is tuned on the first. Returns (an L2Index without its index, the shards' meta.json entries)."""
     from rlm.index._faiss import faiss
     from rlm.index.knn import L2Index, add_l2, empty_l2_index, l2_train_size, train_l2_index, tune_l2
 
+    bars = progress and sys.stderr.isatty()
     lengths = store.doc_lengths[docs] - 1
     n, dim = int(lengths.sum()), module.model_config.d_model
     rng = np.random.default_rng(0)
@@ -538,10 +495,8 @@ def _build_shards(
         phase(progress, f"index {factory}: training on {len(rows):,} keys")
         train_l2_index(index, factory, np.asarray(sample[rows], dtype=np.float32))
         del sample
-        phase(
-            progress,
-            f"index {factory}: trained in {time.perf_counter() - start:.1f} s (sample keys included)",
-        )
+        took = time.perf_counter() - start
+        phase(progress, f"index {factory}: trained in {took:.1f} s (sample keys included)")
     seconds["train"] = time.perf_counter() - start
     trained = faiss.serialize_index(index)  # every shard starts from a copy: shared centroids and codebooks
     built = L2Index(index, factory, seconds=seconds)
@@ -587,18 +542,11 @@ def _build_shards(
     return built, shards
 
 
-def _fill(
-    found: Iterator[tuple],
-    keys: np.ndarray,
-    values: np.ndarray,
-    ranges: np.ndarray,
-    row: dict,
-    pos: int,
-    offset: int = 0,
-) -> int:
-    """Write the entries (keys, values, doc, _) from global entry ``pos`` on (keys[i - offset] is entry i) and each
-    document's [lo, hi) entry range into ranges[row[doc]]; returns the next entry."""
-    for kv, vv, doc, _ in found:
+def _fill(found: Iterator[tuple], keys: np.ndarray, values: np.ndarray, ranges: np.ndarray, row: dict, pos: int,
+          offset: int = 0) -> int:  # fmt: skip
+    """Write the entries from global entry ``pos`` on (keys[i - offset] is entry i) and each document's [lo, hi)
+    entry range into ranges[row[doc]]; returns the next entry."""
+    for kv, vv, doc in found:
         i = row[doc]
         if ranges[i, 1] == 0:
             ranges[i, 0] = pos

@@ -382,7 +382,8 @@ def test_a_sharded_datastore_finds_the_same_neighbours(tiny, sharded):
     assert smeta["doc_ids"] == meta["doc_ids"]
     one, many = Datastore(work / "ds"), Datastore(path)
     assert len(many.indexes) == len(shards) and many.offsets == [sh["offset"] for sh in shards]
-    keys = one.index.reconstruct_n(0, one.index.ntotal)  # the datastore's own keys (exact fp16) as queries
+    index = one.indexes[0]
+    keys = index.reconstruct_n(0, index.ntotal)  # the datastore's own keys (exact fp16) as queries
     rng = np.random.default_rng(0)
     for doc, (lo, hi) in one.doc_ids.items():
         q = keys[lo:hi][:: max(1, (hi - lo) // 40)] + rng.normal(0, 0.01, (1, keys.shape[1])).astype(
@@ -425,20 +426,18 @@ def test_rlm_eval_gives_the_same_knnlm_loss_with_a_sharded_datastore(tiny, shard
 
 # slow: reads what its module fixture trains (and builds) with real `rlm` subprocesses
 @pytest.mark.slow
-def test_a_single_index_datastore_still_loads(tiny, sharded):
+def test_a_single_index_datastore_still_loads(tiny):
     """The layout of datastores built before shards (index.faiss, no "shards" in meta.json) loads and searches
-    as one shard at offset 0; `.index` is that index, and names the shards of a sharded one."""
+    as one shard at offset 0."""
     from rlm.eval.datastore import Datastore
 
     work, _, meta = tiny
     assert (work / "ds" / "index.faiss").is_file() and "shards" not in meta
     assert not list((work / "ds").glob("index-*.faiss"))
     ds = Datastore(work / "ds")
-    assert ds.offsets == [0] and ds.index is ds.indexes[0] and ds.index.ntotal == meta["entries"]
+    assert ds.offsets == [0] and len(ds.indexes) == 1 and ds.indexes[0].ntotal == meta["entries"]
     d, v = ds.search(np.zeros((2, meta["dim"]), np.float32), 4, None)
     assert d.shape == (2, 4) and (v >= 0).all()
-    with pytest.raises(AttributeError, match="index shards"):
-        _ = Datastore(sharded[0]).index
 
 
 # slow: real `rlm` subprocesses (fit, then the commands that read its checkpoint), the path users take

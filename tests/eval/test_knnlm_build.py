@@ -81,8 +81,8 @@ def test_stored_keys_are_the_models_states_from_a_plain_forward_pass(ckpt, tmp_p
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
-    ds = Datastore(tmp_path / "ds")
-    stored = torch.from_numpy(ds.index.reconstruct_n(0, ds.index.ntotal))  # (N, d) float16 values as float32
+    index = Datastore(tmp_path / "ds").indexes[0]
+    stored = torch.from_numpy(index.reconstruct_n(0, index.ntotal))  # (N, d) float16 values as float32
     module, data, store = load_for_knn(str(ckpt), None, "cpu", False)
     windows = windows_of(data, store, np.asarray(meta["doc_ids"]))
     seen: list[torch.Tensor] = []
