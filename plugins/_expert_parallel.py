@@ -1,13 +1,10 @@
 """Expert parallelism (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021).
 
-The P processes form P/W expert groups of W consecutive ranks (``moe.expert_group_size``, a node by default);
-group rank r keeps experts r*N/W .. (r+1)*N/W - 1, and tokens travel to them and back by all_to_all, whose
-backward is the same exchange reversed. A rank's experts run in chunks (``moe.overlap_chunks``) so one chunk's
-tokens travel while another computes. Capacity is decided for the group's batch as one process would: the
-routing is all-gathered and every rank runs the same plan over it (:func:`route_group`), so outputs and
-gradients equal the one-process layer on the group's batch. Expert gradients are scaled by 1/P and kept out of
-DDP; the groups' copies are kept equal by an all-reduce over the replica group. On one process nothing here runs.
-The costs at cluster scale are in docs/SCALE.md.
+P processes form P/W expert groups of W consecutive ranks; group rank r keeps experts r*N/W .. (r+1)*N/W - 1,
+and tokens travel to them and back by all_to_all (its backward: the exchange reversed), in chunks so one chunk's
+tokens travel while another computes. Every rank plans the all-gathered routing of the group's batch
+(:func:`route_group`), so outputs and gradients equal one process's. Expert gradients are scaled by 1/P and kept
+out of DDP; the groups' copies are kept equal by an all-reduce over the replica group. Costs: docs/SCALE.md.
 """
 
 from __future__ import annotations
@@ -35,9 +32,10 @@ class Exchange:
 
     def __init__(self, send: list[int], recv: list[int], group: Any) -> None:
         self.send, self.recv, self.group = send, recv, group
-        self.work: Any = None  # the async work handle while in flight, else None
-        # kept alive until the wait: the collective reads and writes them
-        self.tensors: tuple[Tensor, ...] = ()
+        self.work: Any = None  # the async work handle while in flight
+        self.tensors: tuple[
+            Tensor, ...
+        ] = ()  # kept alive until the wait: the collective reads and writes them
 
     def start(self, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
         """Start sending x's rows by ``send`` sizes; returns the sum(recv) rows' buffer, valid after finish()."""
@@ -85,11 +83,8 @@ class _Wait(torch.autograd.Function):
 
 
 def launch(x: Tensor, send: list[int], recv: list[int], group: Any) -> tuple[Tensor, Exchange]:
-    """Start sending x[sum(send[:j]) : sum(send[:j+1])] to rank j; the received rows are valid after :func:`wait`.
-
-    The pair's backward is the exchange reversed, started by :func:`wait`'s backward and finished by this one's,
-    so it overlaps the backward compute between them.
-    """
+    """Start sending x[sum(send[:j]) : sum(send[:j+1])] to rank j; the received rows are valid after :func:`wait`,
+    whose backward starts the reverse exchange that this one's finishes."""
     ex = Exchange(send, recv, group)
     return _Launch.apply(x, ex), ex
 
@@ -99,39 +94,26 @@ def wait(out: Tensor, ex: Exchange) -> Tensor:
     return _Wait.apply(out, ex)
 
 
-def gather_sizes(n: int, group: Any, device: torch.device) -> list[int]:
-    """Every rank's n as host ints: one small all_gather and one device-to-host read (a sync)."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([n], dtype=torch.int64, device=device)  # NCCL: on the device
-    counts = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(counts, mine, group=group)
-    return torch.cat(counts).tolist()
-
-
 @dataclass
 class Chunk:
-    """One chunk of this rank's experts: its exchanges' split sizes and rows, and its experts' plan."""
+    """One run of this rank's experts (``experts``) and its plan (expert ids from 0), its rows of
+    ``GroupRoute.token`` / ``choice`` (``sent``) and of ``perm`` / ``local`` (``arrived``), and the assignments
+    to its experts this rank sends to (``send``) and receives from (``recv``) each rank."""
 
     experts: slice
-    """Its experts among this rank's."""
     plan: Plan
-    """The assignments to its experts, in plan order, expert ids from 0 at its first expert."""
     sent: slice
-    """Its rows of ``GroupRoute.token`` / ``choice`` (the assignments it sends, grouped by destination rank)."""
     arrived: slice
-    """Its rows of ``GroupRoute.perm`` and of ``GroupRoute.local`` (its arrivals and its plan rows)."""
     send: list[int]
-    """Assignments to its experts this rank sends to each rank."""
     recv: list[int]
-    """Assignments to its experts this rank receives from each rank."""
 
 
 @dataclass
 class GroupRoute:
-    """One rank's share of the plan made for the whole expert group's batch (:func:`route_group`)."""
+    """One rank's share of the plan of the expert group's batch (:func:`route_group`)."""
 
     plan: Plan
-    """The plan of the group's batch, its rows position-major over every rank's sequences (global token ids)."""
+    """The plan of the group's batch, rows position-major over every rank's sequences."""
     local: Plan
     """The assignments to this rank's experts, in plan order, with expert ids local to the rank."""
     token: Tensor
@@ -141,15 +123,13 @@ class GroupRoute:
     perm: Tensor
     """(A_e,) arrival i (by chunk, then source rank, then plan order) is ``local``'s row perm[i]."""
     send: list[int]
-    """Assignments this rank sends to each rank."""
+    """Assignments this rank sends to, and receives from, each rank."""
     recv: list[int]
-    """Assignments this rank receives from each rank."""
     chunks: list[Chunk]
-    """This rank's experts in runs of equal size, exchanged and computed one after another (one: all of them)."""
 
 
 def _sub_plan(p: Plan, rows: slice, experts: slice) -> Plan:
-    """The plan's rows ``rows`` (all the assignments to ``experts``, a run of them), expert ids from experts.start."""
+    """The plan's rows ``rows`` (the assignments to a run of ``experts``), expert ids from experts.start."""
     return Plan(
         assignment=p.assignment[rows],
         token=p.token[rows],
@@ -171,10 +151,10 @@ def route_group(
 ) -> GroupRoute:
     """Plan the group's batch and this rank's part in it, with no loop over positions or ranks.
 
-    ``routed`` (W, S_max, k) holds every rank's expert ids (N = n_local * W for padding), rows padded past
-    ``sizes[r]``. Rank r's S_r = seq_len * B_r rows are position-major, and so is the group's batch of the ranks'
-    sequences side by side: global row t * sum(B) + (B_0 + ... + B_{r-1}) + b is rank r's row t * B_r + b, so
-    queue places and drops are one process's. ``chunks`` must divide n_local; the plan does not depend on it.
+    ``routed`` (W, S_max, k): every rank's expert ids (N = n_local * W for padding), padded past ``sizes[r]``.
+    Rank r's S_r = seq_len * B_r rows are position-major, and so is the group's batch: global row
+    t * sum(B) + (B_0 + ... + B_{r-1}) + b is rank r's row t * B_r + b, so queue places are one process's.
+    ``chunks`` divides n_local.
     """
     W, S_max, k = routed.shape
     n, device = n_local * W, routed.device
@@ -191,18 +171,17 @@ def route_group(
     src = owner[p.token]  # (A,) rank owning each kept assignment's token
     part = torch.div(p.expert, per_chunk, rounding_mode="floor")  # (A,) dst * chunks + chunk, non-decreasing
     chunk = part % chunks  # (A,) its expert's chunk on the destination rank
-    # Split sizes need host ints: the W x W x chunks tensor of assignments from rank to rank's chunk, read once.
-    # Every rank plans the whole group's batch, so it knows what it sends and receives without another exchange.
+    # Split sizes need host ints: the W x W x chunks counts from rank to rank's chunk, read once; every rank plans
+    # the whole batch, so it knows what it sends and receives without another exchange.
     flat = torch.bincount(src * (W * chunks) + part, minlength=W * W * chunks).tolist()  # the one host read
     counts = [[flat[(s * W + d) * chunks : (s * W + d + 1) * chunks] for d in range(W)] for s in range(W)]
     send = [sum(counts[rank][d]) for d in range(W)]
     recv = [sum(counts[s][rank]) for s in range(W)]
-    # The plan is sorted by expert, hence by destination and chunk: this rank's experts own one contiguous
-    # range of it, and each chunk a contiguous range of that.
+    # Sorted by expert, so by destination and chunk: this rank's experts own one contiguous range, each chunk one.
     first = sum(sum(counts[s][d]) for s in range(W) for d in range(rank))
     here = slice(first, first + sum(recv))
-    # This rank's own assignments by chunk, each chunk in plan order (so grouped by destination), by a stable
-    # sort (no boolean indexing: that would read the count back to the host once more).
+    # This rank's own assignments by chunk, in plan order (so by destination): a stable sort, not a boolean
+    # index (that would read the count back to the host).
     key = torch.where(src == rank, chunk, chunks)
     mine = torch.argsort(key, stable=True)[: sum(send)]  # (A_r,)
     local = _sub_plan(p, here, slice(rank * n_local, (rank + 1) * n_local))
@@ -229,11 +208,6 @@ def route_group(
     return GroupRoute(p, local, row[p.token[mine]], p.assignment[mine] % k, perm, send, recv, parts)
 
 
-def _id_dtype(n: int) -> torch.dtype:
-    """The narrowest dtype both NCCL and gloo gather that holds expert ids 0..n (n: padding)."""
-    return torch.uint8 if n < 256 else torch.int32
-
-
 def overlap_chunks(n_local: int, wanted: int) -> int:
     """The chunks a rank's n_local experts are exchanged in: the largest divisor of n_local not above ``wanted``."""
     return max(c for c in range(1, min(wanted, n_local) + 1) if n_local % c == 0)
@@ -254,12 +228,11 @@ def parallel_dispatch(
     seq_len: int = 1,
     chunks: int = 1,
 ) -> tuple[Tensor, Plan]:
-    """:func:`~rlm.plugins._experts.dispatch` with this rank's N/W experts: x (S, d), index/weight (S, k).
+    """``dispatch`` (plugins/_experts.py) with this rank's N/W experts: x (S, d) position-major (S = seq_len * B_r),
+    index/weight (S, k); ``capacity(tokens)`` for the group's token count. Returns y (S, d) and the group's plan.
 
-    Rows are position-major (S = seq_len * B_r), as MoELayer orders them; ``capacity(tokens)`` gives the
-    per-expert capacity for the group's token count. Returns y (S, d) and the group's plan. Chunk c's experts
-    compute while later chunks' tokens and earlier chunks' results are in flight; backward mirrors it.
-    Host syncs: two reads (the ranks' row counts, the split tensor) and the plan's compaction; none in backward.
+    Chunk c's experts compute while other chunks' tokens and results are in flight; backward mirrors it. Host
+    syncs: the ranks' row counts, the split sizes and the plan's compaction; none in backward.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     S, k = index.shape
@@ -271,16 +244,20 @@ def parallel_dispatch(
             f"parallel_dispatch: {S} rows are not a whole number of positions of seq_len={seq_len}"
         )
     # 1. Every rank plans the group's batch: k expert ids per token (padding as expert n), all-gathered.
-    sizes = gather_sizes(S, group, index.device)  # host read 1
-    ids = torch.where(valid.reshape(-1, 1), index, n).to(_id_dtype(n))  # (S, k)
+    mine = torch.tensor([S], dtype=torch.int64, device=index.device)  # NCCL: on the device
+    counts = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(counts, mine, group=group)
+    sizes = torch.cat(counts).tolist()  # host read 1
+    # the narrowest dtype NCCL and gloo gather that holds ids 0..n
+    ids = torch.where(valid.reshape(-1, 1), index, n).to(torch.uint8 if n < 256 else torch.int32)  # (S, k)
     pad = ids.new_full((max(sizes), k), n)
     pad[:S] = ids
     parts = [torch.empty_like(pad) for _ in range(world)]
     dist.all_gather(parts, pad, group=group)
     cap = capacity(sum(sizes))
     r = route_group(torch.stack(parts), sizes, seq_len, rank, n_local, cap, chunks)  # host read 2
-    # 2. Dispatch in the dtype the experts compute in (autocast's), not the residual stream's float32. Every
-    # chunk's tokens leave at once; split (not sliced) so that their gradients are joined in one tensor.
+    # 2. Dispatch in the experts' compute dtype (autocast's); every chunk's tokens leave at once, split (not sliced)
+    # so that their gradients are joined in one tensor.
     sent = experts.to_compute_dtype(x.index_select(0, r.token))  # (A_r, d) by chunk, then destination
     pieces = sent.split([c.sent.stop - c.sent.start for c in r.chunks])
     flights = [launch(piece, c.send, c.recv, group) for piece, c in zip(pieces, r.chunks)]
@@ -291,8 +268,7 @@ def parallel_dispatch(
         cap = int(r.local.counts.max())
     per_chunk = n_local // len(r.chunks)
     ups, downs = experts.up.split(per_chunk), experts.down.split(per_chunk)
-    # 3. Per chunk: its tokens arrive, its experts run (in plan order), its results leave along the reversed
-    # splits while the next chunk computes.
+    # 3. Per chunk: its tokens arrive, its experts run, its results leave while the next chunk computes.
     results = []
     for c, (arrived, ex), up, down in zip(r.chunks, flights, ups, downs):
         arrived = wait(arrived, ex)  # (A_c, d) by source rank
@@ -319,11 +295,8 @@ class _ScaleGrad:
 
 
 def shard_experts(experts: Experts, rank: int, world: int, processes: int | None = None) -> None:
-    """Keep experts rank*N/W .. (rank+1)*N/W - 1 of ``experts`` in place, W = ``world`` the expert group's size.
-
-    Gradients get the 1/P of data-parallel averaging over all P ``processes`` (default W); loading a state dict
-    of all N experts (checkpoints hold full tensors) takes this rank's slice.
-    """
+    """Keep experts rank*N/W .. (rank+1)*N/W - 1 in place (W = ``world``, the expert group's size); gradients get
+    the 1/P of averaging over P ``processes`` (default W); a state dict of all N experts loads this rank's slice."""
     n = experts.up.shape[0]
     if n % world:
         raise ValueError(
@@ -349,11 +322,8 @@ def shard_experts(experts: Experts, rank: int, world: int, processes: int | None
 
 
 def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
-    """(expert group, replica group) of ``rank`` when ``world`` processes form world/size expert groups of
-    ``size`` consecutive ranks; the replica group joins the ranks holding the same experts (None: one group).
-
-    Collective: every rank must call this with the same arguments (``dist.new_group``).
-    """
+    """(expert group, replica group) of ``rank``: world/size groups of ``size`` consecutive ranks, and the ranks
+    holding the same experts (None: one group). Collective: every rank calls it with the same arguments."""
     if size < 1 or world % size:
         raise ValueError(
             f"moe.expert_group_size={size} must divide the {world} processes; accepted: a divisor of {world}"
@@ -366,9 +336,8 @@ def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
 
 
 def ignore_in_ddp(module: nn.Module, names: Iterable[str]) -> None:
-    """Have DDP wrapping ``module`` (and Lightning's state sync) leave these parameters alone: no gradient
-    all-reduce, no broadcast from rank 0. torch has no public API for it; DDP's own docstring prescribes
-    ``_set_params_and_buffers_to_ignore_for_model``, and :func:`check_ddp_ignores` verifies the outcome."""
+    """Have DDP (and Lightning's state sync) neither all-reduce nor broadcast these parameters: the private API
+    DDP's docstring prescribes, its outcome verified by :func:`check_ddp_ignores`."""
     from torch.nn.parallel import DistributedDataParallel
 
     listed = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -376,8 +345,7 @@ def ignore_in_ddp(module: nn.Module, names: Iterable[str]) -> None:
 
 
 def check_ddp_ignores(wrapped: nn.Module, names: Iterable[str]) -> None:
-    """Raise a RuntimeError unless ``wrapped`` (the strategy's model), if a DDP wrapper, leaves out every one of
-    ``names`` (its ``parameters_to_ignore``)."""
+    """Raise a RuntimeError unless ``wrapped``, if a DDP wrapper, leaves out every one of ``names``."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(wrapped, DistributedDataParallel):

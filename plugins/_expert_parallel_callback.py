@@ -1,5 +1,4 @@
-"""Expert parallelism's Lightning callback, apart from plugins/_expert_parallel.py so that reading MoE's options
-does not import Lightning: the plugin imports it in ``callbacks()``."""
+"""Expert parallelism's Lightning callback, apart so that importing moe does not import Lightning."""
 
 from __future__ import annotations
 
@@ -29,29 +28,24 @@ def _node_size(trainer: pl.Trainer, world: int) -> int:
 
 
 class ExpertParallelCallback(ArmedSync):
-    """Shards the experts of ``layers()`` at setup when torch.distributed runs with several processes.
+    """Shards the experts of ``layers()`` (modules with ``experts`` and ``expert_group``) over expert groups of
+    ``group_size`` processes (default a node's) at setup, when several processes run.
 
-    ``layers`` returns modules with ``experts`` (:class:`Experts`) and ``expert_group``, set here to the expert
-    group (``group_size``; default a node's processes). The copies of an expert in the other groups are kept
-    equal by an all-reduce of each gradient started as soon as backward has it (:class:`ReplicaSync`). Clips by
-    the global norm (ranks' local norms differ, and different clip factors would split the replicas) and
-    checkpoints full expert tensors, so a checkpoint resumes under any W that divides N.
+    The groups' copies of an expert are kept equal by an all-reduce of each gradient as backward has it
+    (:class:`ReplicaSync`). Clips by the global norm (per-rank factors would split the replicas) and checkpoints
+    full expert tensors, so a checkpoint resumes under any W that divides N.
     """
 
     def __init__(self, layers: Callable[[], list[nn.Module]], group_size: int | None = None) -> None:
         self.layers = layers
         self.group_size = group_size
         self.params: dict[str, nn.Parameter] = {}  # state-dict name -> expert parameter
-        self.world = 1  # processes the experts are sharded over: the expert group's size (1: not sharded)
-        self.rank = 0  # this process's rank in its expert group
+        self.world, self.rank = 1, 0  # the expert group's size (1: not sharded) and this process's rank in it
         self.group: Any = None  # the expert group
         self.replicas: Any = None  # the ranks holding the same experts in the other groups (None: one group)
         self.holds_file = True  # whether this rank's expert group gathers the checkpoint (rank 0's group)
         self.placed = False  # whether setup has sharded the experts (Lightning calls setup once per stage)
         self.clip: float | None = None
-        # the replica all-reduces started in the backward (replicas only)
-        self.sync: ReplicaSync | None = None
-        self.synced = False  # whether this step's expert gradients have been summed over the replicas
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         got = default_group()
@@ -103,8 +97,7 @@ class ExpertParallelCallback(ArmedSync):
         if same:
             sq[1] = torch.stack([g.double().pow(2).sum() for g in same]).sum()
         sq0 = sq[:1].clone()
-        # the experts' squares summed over one expert group (the copies in other groups are equal now); the
-        # replicated grads are equal on every rank
+        # the experts' squares summed over one expert group (the other groups' copies are equal now)
         dist.all_reduce(sq0, group=self.group if self.world > 1 else None)
         total = float((sq0[0] + sq[1]).sqrt())
         # torch.nn.utils.clip_grad_norm_'s factor, from the norm over every rank's experts and the shared rest.
@@ -115,8 +108,7 @@ class ExpertParallelCallback(ArmedSync):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        # Every rank runs this, rank 0 alone writes: the full tensors are gathered to rank 0 only, one at a time
-        # and straight to host memory, so the peak is one full tensor on rank 0's device.
+        # Rank 0 alone writes: each full tensor is gathered to it alone, one at a time, straight to host memory.
         group, world, rank = self.group, self.world, self.rank
 
         def full(t: Tensor) -> Tensor:
