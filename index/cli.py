@@ -1,10 +1,5 @@
-"""``rlm index build|search|eval|info``: build an index directory from a checkpoint, query it with text,
-measure its recall against exact search, and print its metadata. rlm/cli/commands.py builds the parsers.
-
-`build` embeds with the retriever's own embedder when the checkpoint's model has one (any plugin that
-implements the rebuild callback's MemoryOwner protocol), else with MeanPoolEmbedder: the mean-pooled hidden
-state after one block of any trained checkpoint (``--layer`` picks the block, and forces mean-pooling).
-"""
+"""``rlm index build|search|eval|info``: build an index directory from a checkpoint, query it with text, measure
+its recall against exact search, print its metadata. rlm/cli/commands.py builds the parsers from the signatures."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ import numpy as np
 def _load_source(
     ckpt: str, data_config: str | None, recorded: dict[str, Any] | None = None
 ) -> tuple[Any, Any, int, dict[str, Any]]:
-    """(LMModule, set-up RLMDataModule, global step, data settings) of a checkpoint; data from the YAML or the checkpoint."""
+    """(LMModule, set-up RLMDataModule, global step, data settings) of a checkpoint; data from the YAML or it."""
     import yaml
 
     from rlm.data.module import RLMDataModule
@@ -69,6 +64,7 @@ def _load_source(
 
 
 def _embedder(module: Any, layer: int | None, step: int) -> Any:
+    """The retriever's own embedder (a MemoryOwner plugin) unless `layer` is given, else MeanPoolEmbedder."""
     from rlm.index.memory import MemoryOwner
     from rlm.index.protocol import MeanPoolEmbedder
 
@@ -113,11 +109,9 @@ def cmd_build(
         batch_size: segments per embedding batch
         quiet: no progress bar
     """
-    import torch
-
     from rlm.cli.check import check_writable
     from rlm.index.build import IndexConfig
-    from rlm.index.protocol import embed_all
+    from rlm.index.memory import embed_rows
     from rlm.index.search import SegmentTable
     from rlm.index.store import META, build_index_dir
     from rlm.outdir import claim_out_dir
@@ -134,13 +128,7 @@ def cmd_build(
     docs = {"all": None, "train": data.store.train_docs, "val": data.store.val_docs}[split]
     rows = np.arange(len(segs), dtype=np.int64) if docs is None else segs.ids_of_docs(docs)
     embedder = _embedder(module, layer, step)
-
-    def tokens_of(i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = rows[i]
-        mask = np.arange(segs.segment_len) < segs.length[ids][:, None]  # (b, L) real tokens
-        return torch.from_numpy(segs.tokens(ids)), torch.from_numpy(mask)
-
-    vectors = embed_all(embedder, tokens_of, len(rows), batch_size, progress=not quiet)
+    vectors = embed_rows(embedder, segs, rows, batch_size, 0, 1, not quiet)
     source = {"ckpt": str(Path(ckpt).resolve()), "data": data_hp, "layer": layer, "split": split}
     built = build_index_dir(
         dest,
@@ -197,10 +185,8 @@ def cmd_search(dir: str, text: str | None = None, *, segment: int | None = None,
 
         ids = data.tokenizer.encode(text)[: module.model.config.max_seq_len]
         tokens = torch.tensor([ids or [data.tokenizer.unk_id]])
-        query, qid = (
-            embedder.embed_segments(tokens, torch.ones_like(tokens, dtype=torch.bool)).numpy(),
-            np.array([-1]),
-        )
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        query, qid = embedder.embed_segments(tokens, mask).numpy(), np.array([-1])
     found = idx.search(query, k, query_ids=qid, causal=False)
     rows = idx.rows
     for rank, (row, score) in enumerate(zip(found.ids[0], found.scores[0])):
