@@ -1,10 +1,9 @@
-"""Batched, filtered search of a whole table of queries: the retriever's neighbour tables.
+"""Batched, filtered search of a table of queries: the retriever's neighbour tables.
 
 Filters follow MARGE for causal LMs (Komatsuzaki 2020): the neighbours of segment S_t condition the prediction of
-S_{t+1}, so a query segment never retrieves itself, its target S_{t+1}, or any later segment of its document; its
-earlier segments and every other document are allowed. Over-fetch and filter, then refill: rows left with fewer than
-k allowed results are searched again with twice the fetch size, so the result equals filtering the full ranking.
-Exclusions add row ranges some queries must not find (the retriever's exact-copy filter, rlm.index.copies).
+S_{t+1}, so a query segment never retrieves itself, its target S_{t+1}, or any later segment of its document. Rows
+left with fewer than k allowed results are searched again with twice the fetch size, so the result equals filtering
+the full ranking. Exclusions add row ranges some queries must not find (the retriever's exact-copy filter).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from rlm.index.build import as_unit_float32, max_k, search_index
 
@@ -22,9 +20,8 @@ from rlm.index.build import as_unit_float32, max_k, search_index
 class SegmentTable:
     """Where each indexed segment comes from: segment id s is (doc[s], offset[s])."""
 
-    doc: np.ndarray  # document id of each segment, (S,) int64
-    offset: np.ndarray
-    """Token offset of each segment inside its document, (S,) int64 (orders segments within a document)."""
+    doc: np.ndarray  # (S,) int64 document id of each segment
+    offset: np.ndarray  # (S,) int64 token offset of each segment in its document (orders them within it)
 
     def __post_init__(self) -> None:
         self.doc = np.asarray(self.doc, dtype=np.int64)
@@ -44,8 +41,9 @@ class Neighbours:
 
     ids: np.ndarray  # segment ids, (Q, k) int64; -1 where fewer than k results were allowed
     scores: np.ndarray  # cosine similarities, (Q, k) float32; -inf where ids is -1
-    excluded: np.ndarray | None = None
-    """(Q,) results the counted exclusions took from each query's top k (None: no exclusions were given)."""
+    excluded: np.ndarray | None = (
+        None  # (Q,) results counted exclusions took from each top k (None: none given)
+    )
 
 
 @dataclass
@@ -71,8 +69,7 @@ class Exclusions:
         return len(self.query)
 
     def hits(self, rows: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(R, F) bool each: the candidates (R, F) of queries `rows` (ascending positions) inside an uncounted
-        exclusion, and inside a counted one."""
+        """(R, F) bool each: the candidates of queries `rows` (ascending) in an uncounted, a counted exclusion."""
         out = np.zeros((2, *cand.shape), dtype=bool)
         if len(self) and len(rows):
             pos = np.minimum(np.searchsorted(rows, self.query), len(rows) - 1)
@@ -85,11 +82,7 @@ class Exclusions:
 
 
 def allowed(
-    cand: np.ndarray,
-    query_ids: np.ndarray,
-    segments: SegmentTable | None,
-    exclude_self: bool,
-    causal: bool,
+    cand: np.ndarray, query_ids: np.ndarray, segments: SegmentTable | None, exclude_self: bool, causal: bool
 ) -> np.ndarray:
     """(Q, F) bool: which candidate ids (Q, F) query rows may keep; query id -1 means an outside query."""
     keep = cand >= 0
@@ -131,14 +124,12 @@ def search_neighbours(
     causal: bool = True,
     batch_size: int = 4096,
     fetch: int | None = None,
-    progress: bool = False,
     exclusions: Exclusions | None = None,
 ) -> Neighbours:
-    """Top-k neighbours of every query, filtered (see the module docstring).
+    """Filtered top-k neighbours of queries (Q, d) in `index` (search(x, k) -> (scores, ids), ntotal).
 
-    index: anything with search(x, k) -> (scores, ids) and ntotal. queries: (Q, d); query_ids: (Q,) segment id of
-    each query (-1: not a segment, no filter), None: query q is segment q. fetch: first fetch size per query
-    (default 2k + 8; short rows are refilled). exclusions: row ranges given queries must not find.
+    query_ids: (Q,) segment id of each query (-1: outside, not filtered); None: query q is segment q. fetch: the
+    first fetch size per query (default 2k + 8; short rows are refilled).
     """
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
@@ -160,7 +151,7 @@ def search_neighbours(
     limit = max_k(index)  # rows still short at this fetch size stay padded (only on GPU: k <= 2048)
     if limit == 0:  # an empty index: nothing to find
         return Neighbours(ids, scores, excluded)
-    for lo in tqdm(range(0, len(q), batch_size), desc="neighbours", disable=not progress, unit="batch"):
+    for lo in range(0, len(q), batch_size):
         rows = np.arange(lo, min(lo + batch_size, len(q)))
         size = min(first, limit)
         while len(rows):
