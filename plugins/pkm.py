@@ -1,19 +1,15 @@
 """Product key memory (Lample et al. 2019, 'Large Memory Layers with Product Keys'), in the FFN slot.
 
 For a token x of width d, at each chosen layer (Lample et al. Sec. 3):
-    q = norm(W_q x)                      query, (H, k_dim); the paper batch-norms it (raises key usage), or
-                                         LayerNorm per token and head (causal; see PKMConfig.query_norm)
+    q = norm(W_q x)                      query, (H, k_dim)
     per head h: q = (q1, q2); top-k of q1.C_h and of q2.C'_h (n sub-keys each), k*k candidate sums,
         exact top-k of those: slots I_h, scores s_h              (n^2 slots searched at O(n + k^2) cost)
-    w_h = softmax(s_h)                   over the k selected scores
-    m(x) = sum_h sum_{i in I_h} w_hi v_i  one EmbeddingBag (mode sum) over H*k rows of the value table
-    y = m(x)                             or, gated (Berges et al. 2024, 'Memory Layers at Scale'):
-    y = W_o (m(x) * silu(W_g x))
+    m(x) = sum_h sum_{i in I_h} softmax(s_h)_i v_i               one EmbeddingBag over H*k value rows
+    y = m(x)  or, gated (Berges et al. 2024):  y = W_o (m(x) * silu(W_g x))
 ``values: peer`` (He 2024, PEER) makes each slot a single-neuron expert, m(x) = sum_h sum_i w_hi act(u_i . x) v_i;
-``key_norm`` (Memory+, Berges et al. 2025) L2-normalises query halves and sub-keys.
-The value tables live on the plugin, registered once, and are trained by a row-wise lazy Adam of their own
-(``sparse``); under DDP and FSDP2 they are replicated and the ranks exchange their reads (plugins/_pkm_rows.py).
-The memory's collectives run over the group ``set_group`` hands in (the data-parallel ranks).
+``key_norm`` (Berges et al. 2025) L2-normalises query halves and sub-keys. The value tables live on the plugin
+and train by a row-wise lazy Adam (``sparse``); under DDP and FSDP2 they are replicated and the ranks exchange
+their reads (plugins/_pkm_rows.py) over the group ``set_group`` hands in.
 """
 
 from __future__ import annotations
@@ -45,8 +41,7 @@ if TYPE_CHECKING:  # the callback and Lightning are imported in callbacks(): `rl
     import pytorch_lightning as pl
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
-DOWN = "_down"
-"""Suffix of a PEER value table's down-projection table (``shared_down`` beside ``shared``)."""
+DOWN = "_down"  # suffix of a PEER table's down-projection table (``shared_down`` beside ``shared``)
 
 
 @dataclass
@@ -66,21 +61,14 @@ class PKMConfig:
     k_dim: int = 256
     """Query width per head; each half (sub-key width) is k_dim / 2."""
     query_norm: Literal["layernorm", "batchnorm", "none"] = "layernorm"
-    """Normalisation of the query (default chosen by measurement: configs/plugins/pkm.yaml):
-    'layernorm': per token, over each head's k_dim query (a learned scale and shift shared by the heads); causal, and a token's query
-    never depends on the rest of the batch.
-    'batchnorm': the paper's (Lample et al. Sec. 3.3: raises key usage), padding left out of its statistics.
-    Leaks at train time: the training batch's statistics include the later tokens of the same sequence (and
-    the other sequences), so a token's training output depends on its future; evaluation uses running
-    statistics and is exact.
-    'none': the raw query."""
+    """'layernorm': per token over each head's query (causal). 'batchnorm': the paper's (Sec. 3.3, raises key
+    usage), padding left out; its training statistics include later tokens, so training leaks the future
+    (evaluation uses running statistics). 'none': the raw query."""
     key_norm: bool = False
-    """L2-normalise each query half and each sub-key before their dot product (after query_norm): the qk
-    normalisation of Berges et al. 2025 ('Memory Layers at Scale'); a score is then a sum of two cosines."""
+    """L2-normalise each query half and sub-key (Berges et al. 2025): a score is a sum of two cosines."""
     values: Literal["embedding", "peer"] = "embedding"
-    """'embedding': a slot is a value row v_i (Lample et al.). 'peer': a slot is a single-neuron expert
-    act(u_i . x) v_i (He 2024, 'Mixture of A Million Experts'), its down rows u_i in a second table of the same
-    shape, trained like the values (row-wise Adam, values_lr)."""
+    """'embedding': a slot is a value row v_i. 'peer': a single-neuron expert act(u_i . x) v_i (He 2024), its
+    down rows u_i in a second table trained like the values."""
     activation: Literal["gelu", "relu", "silu"] = "gelu"
     """values 'peer': the experts' activation."""
     shared_values: bool = True
@@ -90,11 +78,10 @@ class PKMConfig:
     value_dropout: float = 0.0
     """Dropout on the memory output m(x) during training."""
     values_lr: float = 1e-3
-    """Constant Adam learning rate of the values (Lample et al.: 1e-3, higher than the rest), no weight decay."""
+    """Constant Adam learning rate of the values (Lample et al.: 1e-3), no weight decay."""
     sparse: bool | Literal["auto"] = "auto"
-    """Row-wise lazy Adam on the values: 'auto' (on one process, and under DDP and FSDP2 with a row exchange and
-    the values replicated; dense under other distributed strategies), true, or false (dense gradients,
-    all-reduced by DDP or reduce-scattered by FSDP2 with the values sharded)."""
+    """Row-wise lazy Adam on the values: 'auto' (one process, DDP and FSDP2, the values replicated; dense under
+    other strategies), true, or false (dense gradients, reduced by DDP or FSDP2 with the values sharded)."""
 
     def __post_init__(self) -> None:
         for name in ("n_keys", "heads", "topk", "k_dim"):
@@ -131,11 +118,9 @@ class PKMConfig:
             parts.row_adam += values
             parts.row_tables += tables
         hk = self.heads * self.topk
-        # Not counted: in backward the row-wise update records each read's (N, d) fp32 output gradient (4d per
-        # token and memory layer) until the step; under FSDP (sparse resolves to dense) the values get .grad and
-        # AdamW. Query input 2d (bf16); the layer norm's bf16 input 2 H k_dim and its mean and 1/std (8 H); the
-        # fp32 query 4 H k_dim; per head the top-k indices of both halves (2 x 8 k), the softmax weights (4 k), the
-        # slots (8 k).
+        # Not counted: the (N, d) fp32 output gradients the row update records until the step. Query input 2d;
+        # layer norm input 2 H k_dim, mean and 1/std 8 H; fp32 query 4 H k_dim; per head the top-k indices of
+        # both halves 16 k, softmax weights 4 k, slots 8 k.
         act = 2 * d + 6 * self.heads * self.k_dim + 8 * self.heads + 28 * hk
         if self.values == "peer":  # fp32: the input of u_i . x (4d), u_i . x, its activation, w_i act(.)
             act += 4 * d + 12 * hk
@@ -149,9 +134,7 @@ class PKMConfig:
 class PKMLayer(nn.Module):
     """One memory layer: query network, product keys, and a read of the plugin's value table."""
 
-    keep_fp32_params = True
-    """Under FSDP2 with a bf16 policy this layer is a unit gathered in fp32: sub-keys rounded to bf16 would change
-    the slots the (fp32) search reads."""
+    keep_fp32_params = True  # FSDP2 gathers it in fp32: bf16 sub-keys would change the slots the search reads
 
     def __init__(self, config: PKMConfig, d: int, owner: PKMPlugin, table: str, layer: int) -> None:
         super().__init__()
@@ -177,8 +160,7 @@ class PKMLayer(nn.Module):
             self.out = nn.Linear(d, d, bias=False)
             nn.init.normal_(self.gate.weight, 0.0, d**-0.5)
             nn.init.normal_(self.out.weight, 0.0, d**-0.5)
-        # Summed read weight per slot over an evaluation epoch (usage / KL): non-persistent, written only in eval
-        # under no_grad, so not per-step state in the sense of the contract.
+        # Summed read weight per slot over an evaluation epoch (usage / KL), written only in eval under no_grad.
         self.register_buffer("slot_weight", torch.zeros(0, dtype=torch.float64), persistent=False)
         self.collecting = False
         # A plain reference, not a submodule: the value table is registered on the plugin only.
@@ -213,8 +195,8 @@ class PKMLayer(nn.Module):
             u = self._owner.values[down]
             xd = xf.to(u.dtype)
             if sink is not None and not xd.requires_grad:
-                # The sink gets the down rows' gradient from the read's backward, which autograd runs only
-                # when an input needs a gradient: not so below a frozen network.
+                # The sink gets the down rows' gradient from the read's backward, which autograd runs only when
+                # an input needs a gradient (not so below a frozen network).
                 xd = xd.detach().requires_grad_()
             w = w * self.act(value_dot(rows, xd, u, sink, down))
         m = value_lookup(rows, w, values, sink, self.table)
@@ -223,13 +205,10 @@ class PKMLayer(nn.Module):
         if self.gate is not None:
             m = self.out(m.to(x.dtype) * F.silu(self.gate(xf)))
         if self.collecting and not self.training:
-            self._record(slots, weights, valid)
+            with torch.no_grad():
+                w = weights * valid.view(-1, 1, 1)  # padding reads nothing
+                self.slot_weight.index_add_(0, slots.reshape(-1), w.reshape(-1).double())
         return m.view(B, T, d).to(x.dtype)
-
-    @torch.no_grad()
-    def _record(self, slots: Tensor, weights: Tensor, valid: Tensor) -> None:
-        w = weights * valid.view(-1, 1, 1)  # padding reads nothing
-        self.slot_weight.index_add_(0, slots.reshape(-1), w.reshape(-1).double())
 
     def start_stats(self, slots: int) -> None:
         """Zero the per-slot weights and start accumulating them (eval mode only)."""
@@ -262,22 +241,19 @@ class PKMPlugin(Plugin):
         keys = ["shared"] if config.shared_values else [f"layer{i}" for i in self.layers]
         if config.values == "peer":
             keys += [k + DOWN for k in keys]
-        # Values: normal(0, d^-1/2) as in the paper's code. The only copy of each table is registered here.
-        self.values = nn.ParameterDict({k: nn.Parameter(self._init_values(config.slots, d)) for k in keys})
+        # Values normal(0, d^-1/2) as in the paper's code, on huge pages (rows are read and updated at random);
+        # the only copy of each table is registered here.
+        self.values = nn.ParameterDict({})
+        for k in keys:
+            table = huge_page_empty((config.slots, d), torch.get_default_dtype())
+            self.values[k] = nn.Parameter(torch.randn(config.slots, d, out=table).mul_(d**-0.5))
         self.row_optimizer = RowAdam(lr=config.values_lr)
         for k, table in self.values.items():
             self.row_optimizer.add_table(k, table)
         self.memories: dict[int, PKMLayer] = {}  # plain dict: the layers are registered in their blocks
         self._sparse: bool | None = None  # resolved at setup (needs to know whether torch.distributed runs)
         self._exchange = False  # whether the row optimizer exchanges rows (sparse and distributed)
-        self.group: Any = None
-        """The process group of the memory's collectives (None: the default group); see ``set_group``."""
-
-    @staticmethod
-    def _init_values(slots: int, d: int) -> Tensor:
-        """A (slots, d) table of normal(0, d^-1/2) values on huge pages (rows are read and updated at random)."""
-        table = huge_page_empty((slots, d), torch.get_default_dtype())
-        return torch.randn(slots, d, out=table).mul_(d**-0.5)  # torch.randn(slots, d) * d**-0.5's numbers
+        self.group: Any = None  # the process group of the memory's collectives (None: the default group)
 
     def claims(self) -> list[Claim]:
         return [Claim(Slot.FFN, Mode(self.config.mode), self.layers)]
@@ -291,8 +267,7 @@ class PKMPlugin(Plugin):
         return memory
 
     def set_group(self, group: Any) -> None:
-        """Run the memory's collectives over ``group`` (the data-parallel ranks; None: the default group); called by
-        whoever applies the parallelism (``PKMCallback.setup``, a test, a benchmark)."""
+        """Run the memory's collectives over ``group`` (the data-parallel ranks; None: the default group)."""
         self.group = group
         for memory in self.memories.values():
             if isinstance(memory.norm, MaskedBatchNorm):
@@ -300,23 +275,18 @@ class PKMPlugin(Plugin):
         self._place_exchange()
 
     def _place_exchange(self) -> None:
-        """Give the row optimizer its group when it exchanges rows (the handed-in group, else the default one)."""
+        """Give the row optimizer its group when it exchanges rows."""
         group = self.group if self.group is not None else dist.group.WORLD
         self.row_optimizer.group = group if self._exchange else None
 
-    # ----- values: sparse or dense -----
-
     @property
     def sparse_active(self) -> bool:
-        """Whether the values are being updated by the row-wise lazy Adam (resolved by ``resolve_sparse``)."""
+        """Whether the row-wise lazy Adam updates the values."""
         return bool(self._sparse)
 
     def resolve_sparse(self, distributed: bool | None = None, row_exchange: bool = True) -> bool:
-        """Choose the sparse or dense value update from the config and whether training is distributed.
-
-        Distributed, sparse needs ``row_exchange`` (DDP, or FSDP2 leaving ``replicated_parameters`` whole);
-        other strategies get dense gradients.
-        """
+        """Choose the sparse or dense value update; distributed, sparse needs ``row_exchange`` (DDP, or FSDP2
+        leaving ``replicated_parameters`` whole)."""
         if distributed is None:
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         choice = self.config.sparse
@@ -330,8 +300,7 @@ class PKMPlugin(Plugin):
         self._exchange = self._sparse and distributed
         self._place_exchange()
         for table in self.values.values():
-            # Sparse: the values are not handed to the main optimizer (the LMModule skips requires_grad=False)
-            # and, with no gradient, DDP does not all-reduce them.
+            # Sparse: neither the main optimizer nor DDP sees the values (requires_grad=False).
             table.requires_grad_(not self._sparse)
         return self._sparse
 
@@ -340,8 +309,7 @@ class PKMPlugin(Plugin):
         return list(self.values.values()) if self._sparse else []
 
     def synced_parameters(self) -> list[nn.Parameter]:
-        # Sparse (fully_shard can leave parameters out): the small sub-keys too, whose FSDP2 gathers cost more than
-        # keeping them whole. Dense: everything stays sharded.
+        # Sparse: the small sub-keys stay whole too (their FSDP2 gathers cost more). Dense: all sharded.
         return [layer.keys for _, layer in sorted(self.memories.items())] if self._sparse else []
 
     def param_groups(self) -> list[ParamGroup]:
@@ -369,8 +337,6 @@ class PKMPlugin(Plugin):
         d, c = self.model_config.d_model, self.config
         per_table = len(self.layers) if c.shared_values else 1
         return len(self.values) * max(c.slots - per_table * c.heads * c.topk, 0) * d
-
-    # ----- validation statistics -----
 
     def start_stats(self) -> None:
         """Start accumulating per-slot read weights in every memory layer."""
