@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.results import VariantResult, val_curves
+from rlm.experiment.runs import VariantResult, val_curves
 from rlm.extras import require
 
 MARKERS = "o^vD<>PX*hp"

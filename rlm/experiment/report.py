@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from rlm.cli.summary import val_subset
-from rlm.experiment.results import VariantResult, collect, val_curves
-from rlm.experiment.runs import SUMMARY
+from rlm.experiment.plots import plot
+from rlm.experiment.runs import SUMMARY, VariantResult, collect, val_curves
 from rlm.experiment.spec import flatten, write_atomic
 
 RUN_COLUMNS = [
@@ -257,13 +257,6 @@ def equal_time_losses(variants: list[VariantResult]) -> tuple[float | None, dict
         values = [x for x in values if x is not None]
         out[v.name] = statistics.fmean(values) if values else None
     return t, out
-
-
-def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:
-    """val_loss_vs_step.png, val_loss_vs_time.png and loss_vs_added_params.png (rlm/experiment/plots.py)."""
-    from rlm.experiment.plots import plot as plot_all
-
-    plot_all(out, info, variants)
 
 
 def write_report(out: Path) -> list[Path]:

@@ -12,7 +12,7 @@ from test_experiment import fake_run
 pytest.importorskip("matplotlib")
 
 from rlm.experiment.plots import curve_figure, label_box, legend_label, params_figure, styles  # noqa: E402
-from rlm.experiment.results import collect, val_curves  # noqa: E402
+from rlm.experiment.runs import collect, val_curves  # noqa: E402
 
 
 def _experiment(tmp_path, runs: dict[str, tuple[float, int]], seeds=(0,), spread: float = 0.0):
