@@ -1,16 +1,9 @@
 """The ``rlm`` command (console script ``rlm.cli:main``) and the LightningCLI plumbing behind ``rlm fit``.
 
-- ``commands``: the table of subcommands and ``main``;
-- ``support``, ``check``: checks of the arguments and of the parsed config;
-- ``lightning_cli``: ``RLMCLI``, LightningCLI with rlm's additions.
-- ``summary``: the block ``fit``, ``eval`` and ``experiment run`` print at their end (where the files went,
-  the next commands).
-
-``commands`` sits on top and may import anything, torch and Lightning only inside the commands. The plumbing
-may import rlm.train, rlm.eval, rlm.model, rlm.data, rlm.plugin and rlm.extras; rlm.experiment and
-rlm.index.cli use it to read configs as ``rlm fit`` does, so it never imports them, nor ``commands``.
-Nothing is imported here until a name is asked for (PEP 562): ``rlm --help`` imports neither torch nor
-Lightning, and importing ``rlm.cli.support`` does not load the command table.
+``commands`` holds the table of subcommands and ``main``; ``support`` and ``check`` check the arguments and the
+parsed config; ``lightning_cli`` is LightningCLI with rlm's additions; ``summary`` prints where a run's files went.
+The plumbing never imports ``commands``, rlm.experiment nor rlm.index.cli, which read configs through it. Names
+here are imported when asked for (PEP 562): ``rlm --help`` imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -18,19 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_COMMANDS = (
-    "COMMANDS",
-    "main",
-    "run_lightning",
-    "usage",
-    "version",
-)
-
 __all__ = ["COMMANDS", "RLMCLI", "main"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _COMMANDS:
+    if name in ("COMMANDS", "main"):
         return getattr(importlib.import_module("rlm.cli.commands"), name)
     if name == "RLMCLI":
         return importlib.import_module("rlm.cli.lightning_cli").RLMCLI

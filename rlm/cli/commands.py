@@ -1,9 +1,8 @@
 """The ``rlm`` command: a small table of subcommands.
 
-``fit``, ``validate`` and ``test`` run LightningCLI on the stacked ``--config`` files. Every other command is a
-typed function whose signature and docstring are its parser (jsonargparse; ``function_parser``), or a dict of
-them for subcommands (``rlm index build``). torch and Lightning are imported inside the commands, not at module
-level, so ``--help`` and bad arguments cost neither.
+``fit``, ``validate`` and ``test`` run LightningCLI on the stacked ``--config`` files; every other command is a
+typed function whose signature and docstring are its parser (``function_parser``), or a dict of them. torch and
+Lightning are imported inside the commands, so ``--help`` and bad arguments cost neither.
 """
 
 from __future__ import annotations
@@ -22,13 +21,10 @@ from typing import Any, Literal
 
 from rlm.extras import MissingExtra
 
-# torch and Lightning are imported inside the commands: `rlm --help` and `rlm plugins` stay fast.
-
 
 def limit_threads() -> None:
-    """torch's intra-op threads for a command's CPU work, unless OMP_NUM_THREADS says otherwise: half the cores
-    this process may use, at most 4. torch's default (every core) oversubscribes a machine shared with other
-    work, where small models' steps then wait on each other's threads."""
+    """torch's intra-op threads, unless OMP_NUM_THREADS says otherwise: half the cores this process may use, at
+    most 4 (torch's default, every core, oversubscribes a shared machine)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     import torch
@@ -38,8 +34,8 @@ def limit_threads() -> None:
 
 
 def _help_file(command: str) -> Path:
-    """Where ``rlm COMMAND --help``'s text is kept: keyed by the versions and the rlm sources it is built from, and
-    the terminal's width, so any change to them writes it anew."""
+    """Where ``rlm COMMAND --help``'s text is kept, keyed by the versions and sources it is built from and the
+    terminal's width."""
     import hashlib
     import importlib.metadata
     import importlib.util
@@ -51,8 +47,7 @@ def _help_file(command: str) -> Path:
             h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
         except importlib.metadata.PackageNotFoundError:
             pass
-    # the help lists the model's, data's and every plugin's options: rlm/ and the plugins' sources (a folder of
-    # their own in a source checkout), and the entry-point plugins' versions
+    # the help lists every plugin's options: the plugins' sources (their own folder in a source checkout) count
     roots = {Path(__file__).resolve().parents[1]}
     spec = importlib.util.find_spec("rlm.plugins")
     roots |= {Path(p) for p in (spec.submodule_search_locations or [])} if spec else set()
@@ -67,7 +62,7 @@ def _help_file(command: str) -> Path:
 
 def run_lightning(command: str, args: list[str]) -> int:
     """``rlm fit|validate|test``: check the stacked configs, then run LightningCLI. A bare ``--help`` prints the
-    text the last build of the same parser printed (building it imports Lightning, seconds before any output)."""
+    text kept from the last build of the parser (building it imports Lightning: seconds)."""
     if args in (["--help"], ["-h"]):
         saved = _help_file(command)
         if saved.is_file():
@@ -97,6 +92,7 @@ def run_lightning(command: str, args: list[str]) -> int:
         check_plugin_names,
         config_layers,
         help_formatter,
+        integer_batch_limits,
         quiet_known_noise,
         refuse_optimizer_options,
         require_class_extras,
@@ -106,10 +102,11 @@ def run_lightning(command: str, args: list[str]) -> int:
 
     quiet_known_noise()
     limit_threads()
-    layers = config_layers(args)  # each --config file as YAML, for the clear errors below
+    layers = config_layers(args)  # each --config file read once, for the clear errors below
     refuse_optimizer_options(command, layers, args)
     check_plugin_names(layers, args)
     require_class_extras(layers, args)
+    batch_limits = integer_batch_limits(args, layers)
     if command in ("validate", "test"):
         from rlm.eval.evaluate import checkpoint_layer
 
@@ -133,6 +130,7 @@ def run_lightning(command: str, args: list[str]) -> int:
             },
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
+            batch_limits=batch_limits,
         )
     except SIGTERMException:  # a SystemExit with code None: it would end a preempted run with exit code 0
         return PREEMPTED
@@ -289,7 +287,7 @@ def cmd_eval(
     code = eval_main(
         types.SimpleNamespace(**locals())
     )  # plain; kNN-LM with --datastore; lm-eval with --tasks
-    if code == 0:  # the results are printed above; then the checkpoint and what to run next
+    if code == 0:  # after the results: the checkpoint and what to run next
         print(eval_summary(ckpt, json))
     return code
 
@@ -349,11 +347,9 @@ COMMANDS: dict[str, tuple[Callable[..., int] | str | dict[str, Callable[..., int
     "experiment": ("rlm.experiment.cli:COMMANDS", "run plugin comparisons and report them"),
     "plugins": (cmd_plugins, "list the plugins, or show one plugin's options"),
 }
-"""Each command: LightningCLI (run_lightning), a typed function whose signature and docstring are its parser, a
-dict of them (subcommands), or "module:NAME" naming either, imported when the command runs."""
+"""Each command: run_lightning, a typed function, a dict of them (subcommands), or "module:NAME" naming either."""
 
-THREADED = ("rlm generate", "rlm eval", "rlm knnlm build")
-"""Commands whose torch work runs in this process: limit_threads once their arguments are parsed."""
+THREADED = ("rlm generate", "rlm eval", "rlm knnlm build")  # torch work in this process: limit_threads
 
 
 def command_target(command: str) -> Any:
@@ -365,8 +361,7 @@ def command_target(command: str) -> Any:
     return target
 
 
-FLAG_ALIASES = {"ckpt_path": "ckpt"}
-"""Other names of options: rlm fit's spelling of a checkpoint."""
+FLAG_ALIASES = {"ckpt_path": "ckpt"}  # rlm fit's spelling of a checkpoint
 
 
 def _flag_kind(hint: Any) -> str:
@@ -379,11 +374,10 @@ def _flag_kind(hint: Any) -> str:
 
 
 def typed_argv(fn: Callable[..., int], args: list[str]) -> list[str]:
-    """``args`` as ``fn``'s jsonargparse parser reads them, from the spellings rlm's argparse commands took: dashes
-    or underscores (``--batch-size``), ``--ckpt_path`` for ``--ckpt``; a bool option alone (``--force``) or
-    negated (``--no-gpu``); a list option's values one after another (``--corpus a b``) or repeated (``--set
-    x=1 --set y=2``); and the values of optional positional parameters (before ``*``, with a default) given as
-    positionals, like the required ones."""
+    """``args`` as ``fn``'s jsonargparse parser reads them, from the spellings users type: dashes or underscores
+    (``--batch-size``), ``--ckpt_path`` for ``--ckpt``; a bool option alone (``--force``) or negated
+    (``--no-gpu``); a list's values one after another (``--corpus a b``) or repeated (``--set x=1 --set y=2``);
+    optional positional parameters (before ``*``) given as positionals."""
     params = inspect.signature(fn).parameters
     kinds = {name: _flag_kind(hint) for name, hint in typing.get_type_hints(fn).items()}
     needed = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
@@ -425,9 +419,8 @@ def typed_argv(fn: Callable[..., int], args: list[str]) -> list[str]:
 
 
 def help_formatter() -> type:
-    """jsonargparse's help formatter showing options as users type them: ``--batch-size``, a bool option with no
-    value; an option's default at the end of its help, unless it is None, False or empty, or the help already
-    says what leaving it out means."""
+    """jsonargparse's help formatter showing options as users type them (``--batch-size``, a bool with no value),
+    and a default at the end of its help unless it is None, False or empty, or the help already says it."""
     from jsonargparse import DefaultHelpFormatter
 
     class Help(DefaultHelpFormatter):
@@ -449,8 +442,7 @@ def help_formatter() -> type:
 
 
 def function_parser(prog: str, fn: Callable[..., int]) -> Any:
-    """The jsonargparse parser of ``fn``: its parameters (required positional ones as positionals), their types,
-    defaults and docstring descriptions."""
+    """The jsonargparse parser of ``fn``: its parameters, types, defaults and docstring descriptions."""
     from jsonargparse import ArgumentParser
 
     doc = inspect.getdoc(fn) or ""
@@ -461,9 +453,7 @@ def function_parser(prog: str, fn: Callable[..., int]) -> Any:
         exit_on_error=False,
     )
     parser.add_function_arguments(fn, as_group=False, as_positional=True)
-    for (
-        action
-    ) in parser._actions:  # --corpus+ (typed_argv's way to give a list) still parses, but is not shown
+    for action in parser._actions:  # --corpus+ (typed_argv's way to give a list) parses, but is not shown
         action.option_strings = [s for s in action.option_strings if not s.endswith("+")]
     return parser
 
@@ -476,9 +466,7 @@ def call(prog: str, fn: Callable[..., int], args: list[str]) -> int:
         cfg = function_parser(prog, fn).parse_args(typed_argv(fn, args))
     except argparse.ArgumentError as err:
         message = plain_parse_error(str(err))
-        for name, p in inspect.signature(
-            fn
-        ).parameters.items():  # options as users type them: top_k -> --top-k
+        for name, p in inspect.signature(fn).parameters.items():  # as users type them: top_k -> --top-k
             if p.default is not p.empty or p.kind is p.KEYWORD_ONLY:
                 message = re.sub(rf"(?<![\w-])(--)?{name}\b(?=:|,|$)", "--" + name.replace("_", "-"), message)
         raise ValueError(message) from None
@@ -500,7 +488,7 @@ def usage(prog: str = "rlm", group: dict[str, Callable[..., int]] | None = None)
 
 
 def version() -> str:
-    """The installed distribution's version (the package's own when run from a source tree)."""
+    """The installed distribution's version, else the package's own."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as dist_version
 
@@ -541,8 +529,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         given = f"unknown command {rest[0]!r}" if rest else "a command is needed"
         raise ValueError(f"{given}; known commands: {', '.join(target)}")
-    # OSError: disk full, read-only folder (the path is named)
-    except (ValueError, OSError, MissingExtra) as err:
+    except (ValueError, OSError, MissingExtra) as err:  # OSError: disk full, read-only folder (path named)
         if os.environ.get("RLM_DEBUG"):
             raise
         print(f"{prog}: error: {err}", file=sys.stderr)

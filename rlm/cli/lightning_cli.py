@@ -17,11 +17,11 @@ class SaveConfig(SaveConfigCallback):
     """SaveConfigCallback whose config.yaml keeps integer ``limit_*_batches``: jsonargparse writes floats,
     and a rerun would take ``1.0`` for the whole set."""
 
+    path: Path | None = None  # the config.yaml it writes, if any
+
     def __init__(self, *args: Any, batch_limits: dict[str, int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_limits = batch_limits or {}
-
-    path: Path | None = None  # the config.yaml it writes, if any
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # trainer.log_dir is a broadcast under DDP: read on every rank, not in save_config, which only rank 0
@@ -43,13 +43,13 @@ class SaveConfig(SaveConfigCallback):
 
 class RLMCLI(LightningCLI):
     """LightningCLI with the data module's vocabulary copied into the model config, no optimizer flags (they would
-    drop the plugins' parameter groups), and --print_config printing what runs."""
+    drop the plugins' parameter groups and the schedule), and --print_config printing what runs."""
 
     _print_config: dict | None = None  # --print_config's dump options, taken out of the arguments
-    _batch_limits: dict[str, int] = {}  # integer limit_*_batches given (jsonargparse parses them as floats)
 
-    def __init__(self, *args, **kwargs) -> None:
-        # No --optimizer / --lr_scheduler: they would drop the plugins' parameter groups and the schedule.
+    def __init__(self, *args, batch_limits: dict[str, int] | None = None, **kwargs) -> None:
+        # batch_limits: the integer limit_*_batches given (integer_batch_limits), else read from the arguments
+        self._batch_limits = batch_limits
         kwargs.setdefault("auto_configure_optimizers", False)
         # omegaconf+ mode resolves the configs' ${trainer.default_root_dir} after every file and flag; read
         # relative to the subcommand's section (fit.trainer...), where the parser puts it
@@ -58,19 +58,16 @@ class RLMCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        from rlm.cli.check import check_fit
+        from rlm.cli.check import check_fit, lock_fit
         from rlm.cli.support import link_vocab
         from rlm.train.strategy import prepare_trainer
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        # Clear errors before anything is built: max_steps 0, unwritable output folders.
-        if self.subcommand == "fit":
+        if self.subcommand == "fit":  # max_steps 0, unwritable output folders: before anything is built
             check_fit(cfg)
         link_vocab(cfg)
         prepare_trainer(cfg.trainer)  # strategies rlm cannot run: a clear error; devices: auto on a CPU
         if self.subcommand == "fit":  # the last check: nothing is created in default_root_dir before it
-            from rlm.cli.check import lock_fit
-
             lock_fit(cfg)
 
     def instantiate_trainer(self, **kwargs):
@@ -135,7 +132,8 @@ class RLMCLI(LightningCLI):
             self.config = parser.parse_args(args)
         except ArgumentError as err:  # exit_on_error=False: the error reaches rlm's one-line report
             raise ValueError(plain_parse_error(str(err))) from None
-        self._batch_limits = integer_batch_limits(args)
+        if self._batch_limits is None:
+            self._batch_limits = integer_batch_limits(args)
 
     def instantiate_classes(self) -> None:
         # a plugin Config's own check (__post_init__) fails here, wrapped in jsonargparse's union report
@@ -157,10 +155,8 @@ class RLMCLI(LightningCLI):
         honoured = prepare_ckpt_path(self.config)
         super()._parse_ckpt_path()
         # the optim settings a resumed run may change (a new schedule horizon), over the checkpoint's
-        if honoured:
-            optim = self.config[self.config["subcommand"]].model.optim
-            for key, value in honoured.items():
-                optim[key] = value
+        for key, value in (honoured or {}).items():
+            self.config[self.config["subcommand"]].model.optim[key] = value
         if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
             from rlm.cli.support import link_vocab
 

@@ -1,17 +1,7 @@
-"""Checks and fixes around LightningCLI for ``rlm fit|validate|test`` (kept apart from rlm/cli/commands.py; no torch).
-
-- ``--optimizer`` / ``--lr_scheduler`` (LightningCLI's automatic optimizer options) would replace the model's
-  ``configure_optimizers`` and so silently drop the plugins' parameter groups (e.g. the PKM values' own Adam)
-  and the warmup + cosine schedule: they are refused, naming the options that do the job.
-- ``--print_config`` is printed after the model's vocabulary is linked to the data's, so it shows what runs.
-- ``--trainer.default_root_dir`` on the command line reaches the config's ``${trainer.default_root_dir}``
-  interpolations (the loggers' directories, hence the checkpoints').
-- Two lines of third-party noise a newcomer meets on every run are filtered, each by its exact message and
-  origin: Lightning's advertisement for its cloud logger, and torch's deprecation warning about
-  ``LeafSpec`` that Lightning 2.6's own pytree helper triggers mid progress bar (nothing rlm or a user can
-  act on).
-- ``limit_*_batches`` keep the integer the user wrote: Lightning types them ``Union[float, int]``, so
-  jsonargparse reads ``1`` as ``1.0``, which Lightning takes as 100% of the batches instead of one batch.
+"""Checks and fixes around LightningCLI for ``rlm fit|validate|test`` (no torch): refused optimizer options (they
+would drop the plugins' parameter groups and the schedule), ``--print_config`` printed after the vocabulary is
+linked, integer ``limit_*_batches`` kept integers, known third-party noise filtered, and jsonargparse's errors
+in one line.
 """
 
 from __future__ import annotations
@@ -32,15 +22,13 @@ PRINT_FLAGS = {
 }
 
 
-def flag_value(args: list[str], flag: str) -> str | None:
-    """The value of ``--flag VALUE`` or ``--flag=VALUE`` in ``args`` (the last one given), else None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
+def _config_values(args: list[str]) -> list[str]:
+    """Each ``--config`` / ``-c`` value of ``args``, in order."""
+    return [
+        a.split("=", 1)[1] if a.startswith("--config=") else args[i + 1]
+        for i, a in enumerate(args)
+        if a.startswith("--config=") or (a in ("--config", "-c") and i + 1 < len(args))
+    ]
 
 
 def config_layers(args: list[str]) -> list[dict[str, Any]]:
@@ -48,13 +36,8 @@ def config_layers(args: list[str]) -> list[dict[str, Any]]:
     file that is missing or not valid YAML, or does not hold a mapping."""
     import yaml
 
-    values = [
-        a.split("=", 1)[1] if a.startswith("--config=") else args[i + 1]
-        for i, a in enumerate(args)
-        if a.startswith("--config=") or (a in ("--config", "-c") and i + 1 < len(args))
-    ]
     layers = []
-    for value in values:
+    for value in _config_values(args):
         try:
             is_file = Path(value).is_file()
         except OSError:  # YAML text longer than a file name
@@ -89,9 +72,7 @@ def check_plugin_names(layers: list[dict[str, Any]], args: list[str]) -> None:
             except yaml.YAMLError as err:
                 raise ValueError(f"--model.plugins {value!r} is not valid YAML/JSON ({err})") from err
             named += list(given) if isinstance(given, dict) else []
-        elif (
-            key.startswith("--model.plugins.") and key.split(".")[2] != "help"
-        ):  # --model.plugins.help: jsonargparse's
+        elif key.startswith("--model.plugins.") and key.split(".")[2] != "help":  # jsonargparse's own flag
             named.append(key.split(".")[2])
     known = known_plugins()
     for name in named:
@@ -117,9 +98,8 @@ CLASS_EXTRAS = {"WandbLogger": ("wandb", "wandb")}
 
 
 def require_class_extras(layers: list[dict[str, Any]], args: list[str]) -> None:
-    """MissingExtra naming ``pip install 'rlm[extra]'`` when the config or the arguments name a class (e.g. a
-    logger) whose package is not installed; LightningCLI would bury that hint in a parser error about Union
-    subtypes."""
+    """MissingExtra naming ``pip install 'rlm[extra]'`` for a class the config names (e.g. a logger) whose package
+    is not installed; LightningCLI would bury that hint in a parser error about Union subtypes."""
 
     def class_paths(node: Any) -> list[str]:
         if isinstance(node, dict):
@@ -131,8 +111,7 @@ def require_class_extras(layers: list[dict[str, Any]], args: list[str]) -> None:
 
     for name in [*class_paths(layers), *(a.rsplit("=", 1)[-1] for a in args)]:
         if name.rsplit(".", 1)[-1] in CLASS_EXTRAS:
-            package, extra = CLASS_EXTRAS[name.rsplit(".", 1)[-1]]
-            require(package, extra, name)
+            require(*CLASS_EXTRAS[name.rsplit(".", 1)[-1]], name)
 
 
 def pop_print_config(args: list[str]) -> tuple[list[str], dict[str, Any] | None]:
@@ -151,9 +130,9 @@ def pop_print_config(args: list[str]) -> tuple[list[str], dict[str, Any] | None]
 
 
 def link_vocab(cfg: Any) -> None:
-    """Resolve the data module's vocabulary size (a given tokenizer's number of ids when unset) and copy it into
-    the model config (a parsed LightningCLI namespace)."""
-    # Not parser.link_arguments: jsonargparse 4.53 then rejects every field of the optional ModelConfig
+    """Resolve the data's vocabulary size (a given tokenizer's number of ids when unset) and copy it into the model
+    config (a parsed LightningCLI namespace)."""
+    # Not parser.link_arguments: jsonargparse then rejects every field of the optional ModelConfig
     # ("does not accept option 'model.model.d_model'"), so the copy is made after parsing instead.
     from rlm.data.pretrained import resolve_vocab_size
 
@@ -162,30 +141,22 @@ def link_vocab(cfg: Any) -> None:
         cfg.model.model.vocab_size = cfg.data.vocab_size
 
 
+# Trainer arguments where Lightning reads an int as a number of batches and a float as a fraction.
 BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
-"""Trainer arguments where Lightning reads an int as a number of batches and a float as a fraction."""
 
 
-def _yaml_trainer(value: str) -> dict[str, Any]:
-    """The ``trainer`` section of a ``--config`` value (a file's path or YAML text), or {} when it has none."""
-    try:
-        (data,) = config_layers(["--config", value])
-    except (OSError, ValueError):  # reported by config_layers before LightningCLI runs
-        return {}
-    trainer = data.get("trainer")
-    return trainer if isinstance(trainer, dict) else {}
-
-
-def integer_batch_limits(args: list[str]) -> dict[str, int]:
-    """The ``limit_*_batches`` that ``args`` (``--config`` files or YAML text, ``--trainer.X`` flags; the last
-    setting wins) give as integers, e.g. ``{"limit_val_batches": 1}`` for ``--trainer.limit_val_batches 1``."""
+def integer_batch_limits(args: list[str], layers: list[dict[str, Any]] | None = None) -> dict[str, int]:
+    """The ``limit_*_batches`` that ``args`` (``--config`` layers, ``--trainer.X`` flags; the last setting wins)
+    give as integers, e.g. ``{"limit_val_batches": 1}`` for ``--trainer.limit_val_batches 1``. ``layers``: the
+    ``--config`` values already read (config_layers), so that no file is read twice."""
+    layers = iter(config_layers(args) if layers is None else layers)
     found: dict[str, Any] = {}
     for i, arg in enumerate(args):
         value = args[i + 1] if i + 1 < len(args) else None
-        if arg == "--config" and value is not None:
-            found.update({k: v for k, v in _yaml_trainer(value).items() if k in BATCH_LIMITS})
-        elif arg.startswith("--config="):
-            found.update({k: v for k, v in _yaml_trainer(arg.split("=", 1)[1]).items() if k in BATCH_LIMITS})
+        if arg.startswith("--config=") or (arg in ("--config", "-c") and value is not None):
+            trainer = next(layers).get("trainer")
+            if isinstance(trainer, dict):
+                found.update({k: v for k, v in trainer.items() if k in BATCH_LIMITS})
         for key in BATCH_LIMITS:
             flag = f"--trainer.{key}"
             if arg == flag and value is not None:
@@ -201,30 +172,25 @@ def integer_batch_limits(args: list[str]) -> dict[str, int]:
     return ints
 
 
+# Lightning 2.6's advertisement for its cloud logger (INFO, rank zero, every run without LitLogger).
 LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
-"""The start of the line Lightning 2.6 logs (INFO, rank zero) on every run without its LitLogger."""
+# torch's FutureWarning that Lightning 2.6's own pytree helper triggers mid progress bar.
 PYTREE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-"""torch 2.13's FutureWarning that Lightning 2.6's pytorch_lightning/utilities/_pytree.py triggers."""
+# LMModule overrides the hook on purpose (it keeps the batch's host copy) and Lightning does use it.
 HOOK_NOTE = (
     r"You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a "
     r"`LightningDataModule`"
 )
-"""Lightning 2.6's note on every fit with a data module: LMModule overrides the hook on purpose (it keeps the
-batch's host copy, so plugins read host fields without a device sync) and Lightning does use it."""
 
 
 class _DropLine(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
+        return not str(record.msg).startswith(LITLOGGER_TIP)
 
 
 def quiet_known_noise() -> None:
-    """Filter the LitLogger tip, the LeafSpec deprecation warning and the note on LMModule's batch transfer hook, and
-    nothing else (idempotent)."""
+    """Filter the LitLogger tip, the LeafSpec deprecation warning and the note on LMModule's batch transfer hook,
+    and nothing else (idempotent)."""
     warnings.filterwarnings(
         "ignore",
         message=PYTREE_WARNING,
@@ -234,30 +200,19 @@ def quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=HOOK_NOTE, category=UserWarning)
     log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
     if not any(isinstance(f, _DropLine) for f in log.filters):
-        log.addFilter(_DropLine(LITLOGGER_TIP))
+        log.addFilter(_DropLine())
 
 
 def canonical_flags(command: str, args: list[str]) -> list[str]:
-    """rlm fit/validate/test's arguments in LightningCLI's spelling: ``--ckpt``, the name rlm's other commands give
-    a checkpoint, is ``--ckpt_path``; validate/test take ``--datastore DIR``: the kNN-LM callback
-    (rlm.eval.knnlm_eval.DatastoreEval) on that datastore, ``--trainer.callbacks+=...`` in LightningCLI's spelling.
-    Only option names change, never values; everything after ``--`` is left as it is."""
-    if command in ("validate", "test"):
-        args = _datastore_flag(args)
+    """rlm fit/validate/test's arguments in LightningCLI's spelling: ``--ckpt`` is ``--ckpt_path``; validate/test's
+    ``--datastore DIR`` is the kNN-LM callback (rlm.eval.knnlm_eval.DatastoreEval) on that datastore. Only option
+    names change, never values; everything after ``--`` is left as it is."""
     end = args.index("--") if "--" in args else len(args)
-    ckpt = [("--ckpt_path" + a[6:]) if a == "--ckpt" or a.startswith("--ckpt=") else a for a in args[:end]]
-    return ckpt + args[end:]
-
-
-def _datastore_flag(args: list[str]) -> list[str]:
-    """``--datastore DIR`` (or ``--datastore=DIR``) as the DatastoreEval callback's two LightningCLI flags."""
     out, i = [], 0
-    while i < len(args):
+    while i < end:
         arg = args[i]
-        if arg == "--":
-            return out + args[i:]
-        if arg == "--datastore" or arg.startswith("--datastore="):
-            value = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        if command in ("validate", "test") and (arg == "--datastore" or arg.startswith("--datastore=")):
+            value = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < end else "")
             if not value or value.startswith("--"):
                 raise ValueError("--datastore needs a directory: a datastore built by `rlm knnlm build`")
             out += [
@@ -266,9 +221,9 @@ def _datastore_flag(args: list[str]) -> list[str]:
             ]
             i += 1 if "=" in arg else 2
             continue
-        out.append(arg)
+        out.append(("--ckpt_path" + arg[6:]) if arg == "--ckpt" or arg.startswith("--ckpt=") else arg)
         i += 1
-    return out
+    return out + args[end:]
 
 
 _SPHINX_ROLE = re.compile(r":(?:paramref|class|func|meth|attr|obj|mod):`~?([\w.]+)`")
@@ -308,11 +263,9 @@ _UNION = re.compile(
     r'Parser key "([^"]+)":\s*Does not validate against any of the Union subtypes\s*Subtypes: .*\n\s*Errors:\n'
     r"((?:\s*- Expected a .*\n)+)\s*Given value type: .*\n\s*Given value: (.*)"
 )
-
-
+# Lines of jsonargparse's union report that frame the reason rather than give it.
 _NOISE = ("Parser key", "Subtypes:", "Errors:", "Expected a <class 'NoneType'>", "Problem with given class_path",
           "Does not validate against", "Given value")  # fmt: skip
-"""Lines of jsonargparse's union report that frame the reason rather than give it."""
 
 
 def _accepted(expected: str) -> str:
@@ -339,9 +292,10 @@ def plain_parse_error(message: str) -> str:
         arms = " or ".join(_accepted(a) for a in re.findall(r"Expected a (.*)", union[-1].group(2)))
         return f"{'.'.join(keys)}: must be {arms}, got {union[-1].group(3)!r}"
     reason = reasons[-1]
-    if m := re.match(r"Expected a <class '(\w+)'>\. Got value: (.*)", reason):
+    # a flag given last with no value reaches jsonargparse as "" (stripped here with the line's space)
+    if m := re.match(r"Expected a <class '(\w+)'>\. Got value:\s?(.*)", reason):
         reason = f"must be {_TYPE_WORDS.get(m.group(1), m.group(1))}, got {m.group(2)!r}"
-    elif m := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", reason):
+    elif m := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value:\s?(.*)", reason):
         reason = f"must be one of {m.group(1)}, got {m.group(2)!r}"
     elif (m := re.match(r"Option '(\w+)' is not accepted", reason)) and (cls := _section_class(keys)):
         import dataclasses

@@ -135,6 +135,17 @@ def test_generate_refuses_bad_values_by_name(tmp_path, capsys, flag, value, says
     assert f"rlm generate: error: {says}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "says"),
+    [("generate", "--top-k", "--top-k: must be an integer, got ''"),
+     ("generate", "--top-p", "--top-p: must be a number, got ''"),
+     ("eval", "--split", "--split: must be one of 'test', 'val', 'train', got ''")],
+)  # fmt: skip
+def test_a_flag_given_last_with_no_value_is_one_line(tmp_path, capsys, command, flag, says):
+    assert main([command, "--ckpt_path", str(tmp_path / "x.ckpt"), flag]) == 2
+    assert capsys.readouterr().err == f"rlm {command}: error: {says}\n"
+
+
 def test_every_command_with_a_device_flag_checks_it(tmp_path, rlm_main, monkeypatch):
     """rlm eval and rlm knnlm build handed --device to torch unchecked (a traceback on cuda without a GPU or on
     foo) and rlm generate took meta: each names the value and this machine's devices, before the checkpoint."""
