@@ -29,7 +29,13 @@ from rlm.index.memory import (
 )
 from rlm.index.projection import Projection, fit_projection, index_width, with_projection
 from rlm.index.rebuild import Schedule, rebuild_stream, shards
-from rlm.index.sharded import check_same_table, fit_projection_across_ranks, gather_shards
+from rlm.index.sharded import (
+    build_sharded_memory,
+    check_same_table,
+    fit_projection_across_ranks,
+    gather_shards,
+    load_sharded_memory,
+)
 from rlm.index.store import IndexMismatchError, IndexNotFoundError
 from rlm.plugins._retrieval_config import RetrievalConfig
 
@@ -100,25 +106,38 @@ class RebuildCallback(pl.Callback):
         if self._ready:
             return
         self._ready = True
-        if self._reuse_parts(trainer) if self._sharded(trainer) else self._try_reuse():
+        if self._try_reuse(trainer):
             return
         if self.config.warm_start != "none":  # the owner's warm start retrieves until the schedule is due
             return
         self._rebuild(trainer, trainer.global_step)
 
-    def _try_reuse(self) -> bool:
-        """Load the index directory the checkpoint names, when it exists and matches; else False."""
-        # a sharded index (parts), now resumed on one process: rebuild
-        if self.path is None or self.identity is None or not self._same_width() or self.parts is not None:
-            return False
-        try:
-            memory = load_memory(Path(self.path), self.segments, self.identity, self.config.k)
-            if self.table and memory.neighbours is None:
-                raise IndexMismatchError(
-                    f"index at {self.path} has no neighbour table (built for lookup 'search')"
-                )
-        except (IndexNotFoundError, IndexMismatchError, FileNotFoundError) as err:
-            print(f"rlm: not reusing the checkpoint's index ({err}); building a new one", file=sys.stderr)
+    def _try_reuse(self, trainer: pl.Trainer | None = None) -> bool:
+        """Load the index the checkpoint names when it exists and matches; sharded, each rank reloads its own part,
+        and all ranks reuse or all rebuild."""
+        sharded = trainer is not None and self._sharded(trainer)
+        memory = None
+        # a sharded index (parts) now resumed unsharded, or the other way round: rebuild
+        if self.path and self.identity and (self.parts is not None) == sharded and self._same_width():
+            try:
+                if sharded:
+                    memory = load_sharded_memory(
+                        self.parts, self.segments, self.rows, self.identity, self.config.k
+                    )
+                else:
+                    memory = load_memory(Path(self.path), self.segments, self.identity, self.config.k)
+                if self.table and memory.neighbours is None:
+                    raise IndexMismatchError(
+                        f"index at {self.path} has no neighbour table (built for lookup 'search')"
+                    )
+            except (IndexNotFoundError, IndexMismatchError, FileNotFoundError) as err:
+                print(f"rlm: not reusing the checkpoint's index ({err}); building a new one", file=sys.stderr)
+                memory = None
+        if sharded:
+            if not trainer.strategy.reduce_boolean_decision(memory is not None, all=True):
+                return False
+            check_same_table(trainer, memory.neighbours)
+        if memory is None:
             return False
         self._take(memory, "reused")
         return True
@@ -155,26 +174,6 @@ class RebuildCallback(pl.Callback):
 
     def _sharded(self, trainer: pl.Trainer) -> bool:
         return shards(self.config.sharded, trainer.world_size, len(self.rows), self.config.shard_above)
-
-    def _reuse_parts(self, trainer: pl.Trainer) -> bool:
-        """Each rank reloads its own part of the checkpoint's sharded index; all ranks reuse, or all rebuild."""
-        from rlm.index.sharded import load_sharded_memory
-
-        memory = None
-        if self.parts is not None and self.identity is not None and self._same_width():
-            try:
-                memory = load_sharded_memory(
-                    self.parts, self.segments, self.rows, self.identity, self.config.k
-                )
-            except (IndexNotFoundError, IndexMismatchError, FileNotFoundError):
-                memory = None
-            if memory is not None and self.table and memory.neighbours is None:
-                memory = None  # built without a table (lookup 'search'): rebuild
-        if not trainer.strategy.reduce_boolean_decision(memory is not None, all=True):
-            return False
-        check_same_table(trainer, memory.neighbours)
-        self._take(memory, "reused")
-        return True
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -235,8 +234,6 @@ class RebuildCallback(pl.Callback):
         shard, identity, projection = self._narrow(shard, identity, trainer.world_size > 1)
         args = (self.segments, self.rows, self.config.k, identity, step, self.index_config, path, self.table)
         if self._sharded(trainer):  # each rank keeps its part; the table is merged from every part
-            from rlm.index.sharded import build_sharded_memory
-
             memory = build_sharded_memory(shard, *args, projection)
             check_same_table(trainer, memory.neighbours)
             return memory
@@ -280,8 +277,6 @@ class RebuildCallback(pl.Callback):
         part: bool,
     ) -> None:
         """The thread's build: the whole index (one process) or this rank's part (sharded, no table)."""
-        from rlm.index.sharded import build_sharded_memory
-
         build = build_sharded_memory if part else build_memory
         args = (self.segments, self.rows, self.config.k, identity, result["step"], self.index_config)
         result["memory"] = build(shard, *args, self._path_for(result["step"]), self.table, projection)
