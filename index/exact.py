@@ -1,5 +1,5 @@
-"""Exact inner-product search over unit vectors in torch: the fallback index and the reference every index's recall
-is measured against; and the unit-vector input check every index shares."""
+"""Exact inner-product search over unit vectors in torch: an index, and the reference every index's recall is
+measured against; and the unit-vector input check every index shares."""
 
 from __future__ import annotations
 
@@ -30,25 +30,15 @@ def as_unit_float32(x: np.ndarray | torch.Tensor, name: str = "vectors") -> np.n
 
 
 class TorchExactIndex:
-    """Exact inner-product search in torch over (n, d) unit vectors; on CUDA when torch has it.
-
-    The vectors are copied to the device at the first search and kept there until ``vectors`` is assigned again, so
-    a search moves only its queries and results. A memmap searched on the CPU, or a base the device has no room
-    for, is read chunk by chunk at every search instead, so it never has to fit."""
+    """Exact inner-product search in torch over (n, d) unit vectors (may be a read-only memmap); on CUDA when torch
+    has it. The vectors are copied to the device at the first search and kept there, so a search moves only its
+    queries and results; a memmap searched on the CPU, or a base the device has no room for, is read chunk by chunk
+    at every search instead, so it never has to fit."""
 
     def __init__(self, vectors: np.ndarray, device: str | None = None, chunk_elems: int = 2**25) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.chunk_elems = chunk_elems  # bounds the (queries, base chunk) score matrix and each upload's copy
         self.vectors = vectors
-
-    @property
-    def vectors(self) -> np.ndarray:
-        """(n, d) float32 unit vectors; may be a read-only memmap."""
-        return self._vectors
-
-    @vectors.setter
-    def vectors(self, vectors: np.ndarray) -> None:
-        self._vectors = vectors
         self._resident: torch.Tensor | None = None  # (n, d) float32 on self.device, made by _upload
         self._streamed = isinstance(vectors, np.memmap) and self.device.type == "cpu"
 
@@ -59,12 +49,12 @@ class TorchExactIndex:
 
     @property
     def d(self) -> int:
-        """Dimension."""
+        """Dimension of the vectors."""
         return self.vectors.shape[1]
 
     def _upload(self) -> torch.Tensor:
         """The whole base as one (n, d) float32 tensor on the device, copied ``chunk_elems`` values at a time (a
-        memmap is read in pieces; a float32 array in memory is used as is on the CPU)."""
+        float32 array in memory is used as is on the CPU)."""
         x = self.vectors
         if self.device.type == "cpu" and not isinstance(x, np.memmap) and x.dtype == np.float32:
             if x.flags.writeable and x.flags.c_contiguous:
@@ -119,22 +109,19 @@ class TorchExactIndex:
         return scores, ids
 
 
+# search_index scores batches of this many queries (inclusive) of a flat faiss index on the CPU with torch: faster
+# than faiss's per-query path, slower than its blocked BLAS search on large batches
 SCAN_QUERIES = (16, 512)
-"""search_index scores batches of this many queries (inclusive) of a flat faiss index on the CPU with one torch
-matmul over its vectors: faster than faiss's per-query path, slower than its blocked BLAS search on large batches."""
 
 
 def flat_vectors(index: Any) -> np.ndarray | None:
-    """(n, d) float32 view, without a copy, of the vectors of an inner-product faiss IndexFlat on the CPU; None for
-    any other index (quantised, IVF, HNSW, GPU, TorchExactIndex) or an empty one."""
+    """(n, d) float32 view, without a copy, of the vectors of a non-empty inner-product faiss IndexFlat on the CPU;
+    None for any other index."""
     if not isinstance(index, faiss.Index) or _is_gpu(index):
         return None
     flat = faiss.downcast_index(index)
-    if (
-        not isinstance(flat, faiss.IndexFlat)
-        or flat.metric_type != faiss.METRIC_INNER_PRODUCT
-        or not flat.ntotal
-    ):
+    inner_product = isinstance(flat, faiss.IndexFlat) and flat.metric_type == faiss.METRIC_INNER_PRODUCT
+    if not inner_product or not flat.ntotal:
         return None
     return faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
 

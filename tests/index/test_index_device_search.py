@@ -44,7 +44,7 @@ def count_uploads(index: TorchExactIndex, monkeypatch) -> list[int]:
 @pytest.mark.parametrize("stored", ["float64", "read_only", "float32"])
 def test_exact_index_uploads_its_vectors_once_with_faiss_results(data, stored, monkeypatch):
     """Repeated searches reuse one device copy of the base (float64 and read-only arrays are copied once, in
-    chunks); assigning new vectors uploads those once; the ids are faiss IndexFlatIP's, the scores close."""
+    chunks); the ids are faiss IndexFlatIP's, the scores close."""
     base, queries = data
     vectors = base.astype(np.float64) if stored == "float64" else base.copy()
     vectors.flags.writeable = stored != "read_only"
@@ -60,11 +60,6 @@ def test_exact_index_uploads_its_vectors_once_with_faiss_results(data, stored, m
     assert resident.device.type == "cpu" and resident.dtype == torch.float32
     if stored == "float32":  # an in-memory float32 base is searched where it is, without a copy
         assert resident.data_ptr() == vectors.ctypes.data
-    index.vectors = base[::-1].copy()  # the index changed: uploaded again, once
-    index.search(queries, K)
-    _, ids = index.search(queries, K)
-    assert uploads == [1, 1]
-    np.testing.assert_array_equal(ids, N - 1 - ref_ids)
 
 
 def test_a_memmap_on_the_cpu_is_streamed_and_finds_the_same(data, tmp_path, monkeypatch):
