@@ -212,15 +212,9 @@ def load_scorer(
     module = load_module(ckpt_path, device, tokenizer)
     mixer = None
     if datastore is not None:
-        from rlm.eval.datastore import Datastore
-        from rlm.eval.knnlm import Mixer, mixing
+        from rlm.eval.knnlm import Mixer, open_datastore
 
-        ds = Datastore(datastore)
-        ds.check_model(module)
-        lam, temperature = mixing(ds, lam, temperature)
-        if k is not None and k < 1:
-            raise ValueError(f"--knn-k={k}; accepted: a positive integer")
-        mixer = Mixer(ds, lam, temperature, k or ds.meta["k"])
+        mixer = Mixer(*open_datastore(datastore, module, lam, temperature, k))
     return Scorer(module, tokenizer, batch_size, mixer)
 
 

@@ -1,17 +1,12 @@
-"""kNN-LM (Khandelwal et al., ICLR 2020): a trained LM interpolated with its nearest neighbours in a datastore.
-
-The datastore holds one entry per token of a collection: the key is the LM's context state at position t, the
-value the token at t + 1. At evaluation, the state at t retrieves its k nearest keys (squared L2) and
+"""kNN-LM (Khandelwal et al., ICLR 2020): a trained LM interpolated with its nearest neighbours in a datastore
+(rlm.eval.datastore). The state at t retrieves its k nearest keys (squared L2) and
 
     p_kNN(w) = sum_{i: v_i = w} exp(-d_i / T) / sum_i exp(-d_i / T)
     p(w)     = lam * p_kNN(w) + (1 - lam) * p_LM(w)                  (the paper's eq. 2, with a temperature T)
 
-An evaluation wrapper, not a plugin: it needs no training and no slot, only a state the model computes anyway (a
-forward hook reads it) and the output distribution, which no slot exposes; so it composes with every plugin.
-
-Causality: a token never finds itself or anything later in its own document: when the evaluated document is in
-the datastore (the same cache entry and document id, or the same tokens), its whole entry range is excluded inside
-the search (a faiss ID selector). ``cache=True`` adds the document's own past exactly: keys at s < t (the
+An evaluation wrapper, not a plugin: a forward hook reads the state, so it composes with every plugin. A token
+never finds its own document: when the evaluated document is in the datastore (same cache entry and id, or same
+tokens), its entry range is excluded inside the search. ``cache=True`` adds the document's own keys at s < t (the
 continuous cache of the paper's sec. 6).
 """
 
@@ -47,19 +42,15 @@ LAMBDAS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8)
 
 @dataclass
 class Scored:
-    """Per scored token: the LM's log-probability of the target, and the k neighbours' squared distances and
-    whether their value is the target (distance inf where fewer than k were found)."""
+    """Per scored token: the LM's log-probability of the target, the k neighbours' squared distances (inf where
+    fewer were found) and whether their value is the target."""
 
     lm_logp: np.ndarray  # (N,) float64
     dists: np.ndarray  # (N, k) float32
     match: np.ndarray  # (N, k) bool
-    seconds: dict[str, float] | None = None
-    """Wall-clock seconds of the forward passes ('forward') and of the datastore searches ('search')."""
-    lm_logz: np.ndarray | None = None
-    """(N,) log of the LM's softmax normaliser, logsumexp of the logits (the joint rule needs the logits' scale)."""
-    match_random: np.ndarray | None = None
-    """(N, k) bool: whether a random value of the datastore, drawn for each neighbour, is the target (the
-    random-neighbour ablation: the same distances, unrelated next tokens)."""
+    seconds: dict[str, float] | None = None  # of the forward passes, the searches and the cache
+    lm_logz: np.ndarray | None = None  # (N,) logsumexp of the logits: the joint rule needs their scale
+    match_random: np.ndarray | None = None  # (N, k): a random datastore value's match, the same distances
 
     def log_probs(self, lam: float, temperature: float) -> np.ndarray:
         """log p(target) of the interpolation (eq. 2); tokens with no neighbour keep the LM's."""
@@ -99,8 +90,7 @@ def joint_log_prob(
     bias: float,
 ) -> np.ndarray:
     """log p(target) (N,) of the token memory's mixture (plugins/token_memory.py, TRIME's eq. 1) over the k found
-    neighbours: (exp(z_y) + sum_{i: v_i = y} exp(s_i)) / (sum_v exp(z_v) + sum_i exp(s_i)), s_i = -d_i / T + b;
-    a token with no neighbour keeps the LM's."""
+    neighbours: (exp(z_y) + sum_{i: v_i = y} exp(s_i)) / (sum_v exp(z_v) + sum_i exp(s_i)), s_i = -d_i / T + b."""
     s = torch.from_numpy(-np.asarray(dists, dtype=np.float64) / temperature + bias)  # (N, k); -inf if missing
     logz, logp = torch.from_numpy(np.asarray(lm_logz, np.float64)), torch.from_numpy(np.asarray(lm_logp))
     hit = torch.logsumexp(s.masked_fill(~torch.from_numpy(match), float("-inf")), 1)
@@ -140,8 +130,7 @@ def trained_memory(module: Any) -> tuple[float, float] | None:
 
 
 def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, float]:
-    """The (lam, temperature) of lowest mean NLL on ``scored``; temperatures on a log grid around the median
-    nearest-neighbour distance (the scale of the distances depends on the model)."""
+    """The (lam, temperature) of lowest mean NLL on ``scored``."""
     temps = _temperatures(scored)
     best = {"loss": -float(scored.lm_logp.mean()), "lam": 0.0, "temperature": temps[0]}
     base = best["loss"]
@@ -157,8 +146,7 @@ def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, floa
 
 def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore, root: str) -> list[str]:
     """Hand a datastore of ``attn_input`` keys to the model's knn_attention plugins, which search it inside the
-    forward pass (the model's own prediction then retrieves from it); other datastores, and plugins that search no
-    memory (k 0), are only interpolated. The labels of the plugins that took it."""
+    forward pass; returns the labels of the plugins that took it."""
     if datastore is None or datastore.meta.get("layer") != "attn_input":
         return []
     taken = []
@@ -187,18 +175,15 @@ def score(
     lm, logzs, dists, match, rmatch = [], [], [], [], []
     rng = np.random.default_rng(0)
     seconds = {"forward": 0.0, "search": 0.0, "cache": 0.0}
-    past: dict[
-        int, tuple[list[torch.Tensor], list[torch.Tensor]]
-    ] = {}  # doc -> (keys, values) of earlier windows
-    root = str(Path(store.root).resolve())
-    attach_datastore(module, datastore, store, root)
+    past: dict[int, tuple[list, list]] = {}  # doc -> (keys, values) of its earlier windows
+    attach_datastore(module, datastore, store, str(Path(store.root).resolve()))
     bar = Progress("kNN-LM", window_targets(windows), "tokens", progress)
     with reading_keys(module, layer) as hooked:
         for batch in eval_loader(windows, batch_size):
             t0 = time.perf_counter()
             batch = {key: v.to(module.device) for key, v in batch.items()}
             rows, keys, t1 = scored_batch(
-                module, batch, hooked, datastore, store, root, k, "test", windows.segments, variant
+                module, batch, hooked, datastore, store, k, "test", windows.segments, variant
             )
             seconds["forward"] += t1 - t0
             seconds["search"] += time.perf_counter() - t1
@@ -230,21 +215,12 @@ def score(
                   np.concatenate(padr))  # fmt: skip
 
 
-def scored_batch(
-    module: Any,
-    batch: dict[str, Any],
-    hooked: dict[str, torch.Tensor],
-    datastore: Datastore | None,
-    store: TokenStore,
-    root: str,
-    k: int,
-    stage: str,
-    segments: Any = None,
-    variant: str | None = None,
-) -> tuple[list[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, np.ndarray]], torch.Tensor, float]:
+def scored_batch(module: Any, batch: dict[str, Any], hooked: dict[str, torch.Tensor], datastore: Datastore | None,
+                 store: TokenStore, k: int, stage: str, segments: Any = None, variant: str | None = None
+                 ) -> tuple[list[tuple], torch.Tensor, float]:  # fmt: skip
     """The forward pass of one evaluation batch (inside ``reading_keys``) and its datastore search: for each window
     (targets (n,), log p_LM(target) (n,), log Z (n,), distances (n, k), values (n, k)), the keys (B, T, d) on the
-    CPU, and the clock after the forward pass (the rest is the search)."""
+    CPU, and the clock after the forward pass. Windows that exclude the same entry range share one search."""
     ctx = module.make_context(batch, stage, variant, segments=segments)
     logits = module.model(batch["tokens"], ctx).float()  # (B, T, V)
     keys = hooked["keys"].float().cpu()  # (B, T, d)
@@ -254,7 +230,18 @@ def scored_batch(
     logz = logz.cpu().double()
     lengths = (targets != IGNORE_INDEX).sum(1).tolist()  # targets are a prefix of each window
     t1 = time.perf_counter()
-    found = _search_batch(datastore, keys, lengths, batch["doc_ids"].tolist(), store, root, k)
+    found = [(np.full((n, 0), np.inf, np.float32), np.zeros((n, 0), np.int64)) for n in lengths]
+    if datastore is not None:
+        root = str(Path(store.root).resolve())
+        groups: dict[tuple[int, int] | None, list[int]] = {}  # exclusion -> windows
+        for b, doc in enumerate(batch["doc_ids"].tolist()):
+            groups.setdefault(datastore.exclusion(root, doc, store.doc_tokens(doc)), []).append(b)
+        for excl, group in groups.items():
+            d, v = datastore.search(torch.cat([keys[b, : lengths[b]] for b in group]).numpy(), k, excl)
+            lo = 0
+            for b in group:
+                found[b] = (d[lo : lo + lengths[b]], v[lo : lo + lengths[b]])
+                lo += lengths[b]
     rows = []
     for b, n in enumerate(lengths):
         tgt = targets[b, :n]
@@ -262,39 +249,8 @@ def scored_batch(
     return rows, keys, t1
 
 
-def _search_batch(
-    datastore: Datastore | None,
-    keys: torch.Tensor,
-    lengths: list[int],
-    docs: list[int],
-    store: TokenStore,
-    root: str,
-    k: int,
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each window's (distances, values): one search for all windows that exclude the same entry range."""
-    if datastore is None:
-        return [(np.full((n, 0), np.inf, np.float32), np.zeros((n, 0), np.int64)) for n in lengths]
-    groups: dict[tuple[int, int] | None, list[int]] = {}
-    for b, doc in enumerate(docs):
-        groups.setdefault(datastore.exclusion(root, doc, store.doc_tokens(doc)), []).append(b)
-    out: list[Any] = [None] * len(lengths)
-    for excl, rows in groups.items():
-        q = torch.cat([keys[b, : lengths[b]] for b in rows]).numpy()
-        d, v = datastore.search(q, k, excl)
-        lo = 0
-        for b in rows:
-            out[b] = (d[lo : lo + lengths[b]], v[lo : lo + lengths[b]])
-            lo += lengths[b]
-    return out
-
-
 def _with_cache(
-    past: tuple[list[torch.Tensor], list[torch.Tensor]],
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    d: np.ndarray,
-    v: np.ndarray,
-    k: int,
+    past: tuple[list, list], keys: torch.Tensor, values: torch.Tensor, d: np.ndarray, v: np.ndarray, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Merge the datastore's neighbours with the k nearest of the document's own past: the keys of its earlier
     windows (the last CACHE_TOKENS) and, in this window, of positions s < t (whose values s + 1 <= t are seen)."""
@@ -328,8 +284,12 @@ def tune_on(module: Any, data: RLMDataModule, store: TokenStore, ds: Datastore, 
             "joint": tune_joint(scored, trained_memory(module))}  # fmt: skip
 
 
-def mixing(ds: Datastore, lam: float | None, temperature: float | None) -> tuple[float, float]:
-    """(lam, temperature): those given, else the ones tuned at build; ValueError when missing or out of range."""
+def open_datastore(path: str | os.PathLike[str], module: Any, lam: float | None, temperature: float | None,
+                   k: int | None) -> tuple[Datastore, float, float, int]:  # fmt: skip
+    """The datastore of ``module``'s own states at ``path``, with lam, temperature and k: those given, else the ones
+    of the build."""
+    ds = Datastore(path)
+    ds.check_model(module)
     tuned = ds.meta.get("tuning") or {}
     lam = tuned.get("lam") if lam is None else lam
     temperature = tuned.get("temperature") if temperature is None else temperature
@@ -338,7 +298,9 @@ def mixing(ds: Datastore, lam: float | None, temperature: float | None) -> tuple
                          "pass --lam and --temperature")  # fmt: skip
     if not 0.0 <= lam < 1.0 or not temperature > 0:
         raise ValueError(f"lam={lam}, temperature={temperature}; accepted: 0 <= lam < 1, temperature > 0")
-    return lam, temperature
+    if k is not None and k < 1:
+        raise ValueError(f"k={k} neighbours; accepted: a positive integer")
+    return ds, lam, temperature, k or ds.meta["k"]
 
 
 def evaluate_knn(
@@ -359,17 +321,15 @@ def evaluate_knn(
     from rlm.eval.evaluate import metrics
 
     module, data, store = load_for_knn(ckpt_path, corpus, device, progress)
-    ds = Datastore(datastore)
-    ds.check_model(module)
-    lam, temperature = mixing(ds, lam, temperature)
+    ds, lam, temperature, k = open_datastore(datastore, module, lam, temperature, k)
     docs = np.arange(store.n_docs) if corpus else getattr(store, f"{split}_docs")
     if not len(docs):
         raise ValueError(f"the {split} split of {ckpt_path!r}'s corpus is empty")
     texts = data.documents()
     n_bytes = sum(len(texts[d].text.encode("utf-8")) for d in docs)
     start = time.perf_counter()
-    scored = score(module, windows_of(data, store, docs), store, ds, k or ds.meta["k"], batch_size or data.val_batch_size,
-                   cache=cache, progress=progress)  # fmt: skip
+    windows, batch_size = windows_of(data, store, docs), batch_size or data.val_batch_size
+    scored = score(module, windows, store, ds, k, batch_size, cache=cache, progress=progress)
     lm_nll, knn_nll = -float(scored.lm_logp.sum()), -float(scored.log_probs(lam, temperature).sum())
     n = len(scored.lm_logp)
     rand_knn = -float(interpolate(scored.lm_logp, scored.dists, scored.match_random, lam, temperature).sum())
@@ -386,13 +346,14 @@ def evaluate_knn(
         random["joint"] = metrics(rnll, n, n_bytes)
     retrieving = attach_datastore(module, ds, store, str(Path(store.root).resolve()))
     if retrieving:  # the model searched the datastore itself: its loss again with random neighbours' tokens
-        rs = score(module, windows_of(data, store, docs), store, ds, k or ds.meta["k"],
-                   batch_size or data.val_batch_size, progress=progress, variant=f"{retrieving[0]}_random")  # fmt: skip
+        rs = score(
+            module, windows, store, ds, k, batch_size, progress=progress, variant=f"{retrieving[0]}_random"
+        )
         random["model"] = metrics(-float(rs.lm_logp.sum()), n, n_bytes)
     return {
         "checkpoint": str(ckpt_path), "datastore": str(ds.path), "corpus": corpus or data.corpus,
         "split": "all" if corpus else split, "documents": int(len(docs)), "tokens": n, "bytes": n_bytes,
-        "lam": lam, "temperature": temperature, "k": k or ds.meta["k"], "cache": cache,
+        "lam": lam, "temperature": temperature, "k": k, "cache": cache,
         "lm": metrics(lm_nll, n, n_bytes), "knnlm": metrics(knn_nll, n, n_bytes), "joint": joint,
         "random_neighbours": random,
         "target_in_neighbours": float(scored.match.any(axis=1).mean()) if n else 0.0,

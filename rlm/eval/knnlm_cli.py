@@ -130,8 +130,6 @@ def eval_main(a: Any) -> int:
     if not a.datastore:
         return main(a)
 
-    if a.knn_k is not None and a.knn_k < 1:
-        raise ValueError(f"--knn-k={a.knn_k}; accepted: a positive integer")
     r = evaluate_knn(a.ckpt, a.datastore, a.corpus, a.split, a.knn_k, a.lam, a.temperature, a.knn_cache,
                      a.batch_size, a.device, progress=sys.stderr.isatty())  # fmt: skip
     lm, knn = r["lm"], r["knnlm"]
