@@ -30,33 +30,24 @@ from rlm.plugins._retrieval_filter import (
 )
 
 WARM_CANDIDATES = 16
-"""Earlier same-document segments (the most recent) that warm start 'similar' scores, and at evaluation the own-past
-candidates of a document the index does not hold: each is embedded and scored, so more cost more; 16 reach four
-default windows (256 tokens, L 64) back."""
+"""The most recent earlier segments of a document that warm start 'similar' scores, and at evaluation those of a
+document the index does not hold (each one embedded): four default windows back."""
 
 
 @dataclass
 class RetrievalInputs:
     """The batch's neighbours (ctx.extras[label]): chunk j of a row holds segment j's queries and neighbours."""
 
-    query_tokens: Tensor
-    """(B, n, L) tokens of the query segment S_{j-1} of each chunk j."""
-    query_mask: Tensor
-    """(B, n, L) real tokens of the query segments."""
-    tokens: Tensor
-    """(B, n, k, M) neighbour tokens (M = L, or 2L with continuations)."""
-    mask: Tensor
-    """(B, n, k, M) real neighbour tokens (False for absent neighbours and continuations)."""
-    valid: Tensor
-    """(B, n, k) whether each neighbour exists."""
-    same_doc: Tensor
-    """(B, n, k) whether the neighbour is from the row's own document (False when unknown)."""
+    query_tokens: Tensor  # (B, n, L) the query segment S_{j-1} of each chunk j
+    query_mask: Tensor  # (B, n, L) its real tokens
+    tokens: Tensor  # (B, n, k, M) neighbour tokens (M = L, or 2L with continuations)
+    mask: Tensor  # (B, n, k, M) real neighbour tokens
+    valid: Tensor  # (B, n, k) whether each neighbour exists
+    same_doc: Tensor  # (B, n, k) whether it is from the row's own document (False when unknown)
     ids: Tensor | None = None
-    """(B, n, k) segment ids of the neighbours (-1: none): global ids of the memory's table (of the batch's own
-    table without a memory); an id i >= S, S the memory table's length, is segment i - S of the batch's own table
-    (the past of an evaluated document outside the memory's table)."""
-    excluded: int = 0
-    """Results the evaluation's future-copy filter took from the batch's top k (_retrieval_filter)."""
+    """(B, n, k) neighbour ids (-1: none) in the memory's table (the batch's own without a memory); i >= S, the
+    memory table's length, is segment i - S of the batch's own table (an evaluated document's past)."""
+    excluded: int = 0  # results the evaluation's future-copy filter took from the batch's top k
 
 
 def gather_inputs(
@@ -74,20 +65,16 @@ def gather_inputs(
     exclude_copies: bool = True,
     background: bool = False,
 ) -> RetrievalInputs | PendingInputs:
-    """Query segments and their neighbours for each chunk of the batch: the first k - warm_k from the memory's
-    table (or searched online), the last warm_k from the query's own past.
-
-    segments: the table the batch's segment_ids index (Context.segments); its ids are the memory's only when it is
-    the memory's table. evaluation: the filters and own-past candidates of _retrieval_filter apply. background:
-    return a PendingInputs whose thread does the host half (search, tokens); training on one process only."""
+    """Each chunk's query segment and neighbours: k - warm_k from the memory's table (or searched online), warm_k
+    from the query's own past. segments: the table the batch's segment_ids index (Context.segments). evaluation:
+    _retrieval_filter's filters apply. background: a PendingInputs whose thread does the host half."""
     if batch.get("segment_ids") is not None and segments is None:
         raise ValueError(
             "the batch has segment_ids but names no segment table (Context.segments): they cannot be read as ids "
             "of the retrieval memory's table; pass the table the ids index (LMModule.make_context(segments=...))"
         )
     own = segments
-    # the loader's host copies (host_array): the lookup runs in numpy, and copying the device's back would be a sync
-    # every step on a GPU
+    # the loader's host copies: reading the device's back would be a sync every step on a GPU
     seg_np, docs, starts = (host_array(batch, name) for name in ("segment_ids", "doc_ids", "starts"))
     real = host_array(batch, "mask")  # (B, T) or None
     ref = memory.segments if memory is not None else own
@@ -221,12 +208,9 @@ def gather_inputs(
 
 
 class PendingInputs:
-    """gather_inputs' host half (the queries read to the host, the index search, the neighbours' tokens) running in
-    a thread, so that the step's forward runs up to the first cross-attention meanwhile; result() waits for it.
-
-    On CUDA the thread works on a side stream that starts after everything queued so far (the batch, the query
-    embedding) and that the caller's stream waits for in result(): its reads never wait for the forward's
-    kernels, and the forward never reads its tensors early."""
+    """gather_inputs' host half (search, neighbour tokens) in a thread while the forward runs up to the first
+    cross-attention. On CUDA the thread's side stream starts after everything queued so far and the caller's
+    stream waits for it in result(), so neither waits for the other's kernels nor reads early."""
 
     def __init__(self, finish: Callable[[], RetrievalInputs], device: torch.device, uses: Tensor | None):
         self._stream = None
@@ -248,7 +232,7 @@ class PendingInputs:
             self._out["error"] = err
 
     def result(self) -> RetrievalInputs:
-        """The inputs, once the thread is done, ready for the caller's stream; its error if it failed."""
+        """The inputs, ready for the caller's stream; the thread's error if it failed."""
         self._thread.join()
         if "error" in self._out:
             raise self._out["error"]
@@ -262,8 +246,8 @@ class PendingInputs:
 
 
 def index_width(memory: RetrievalMemory, e: Tensor, host: np.ndarray | None = None) -> Tensor:
-    """(R, D) unit e(.) as the memory's index holds them: narrowed by its projection (rlm.index.projection), if any,
-    so a cosine to them is on the scale of the index's scores. host: e already read to the host (not read again)."""
+    """(R, D) unit e(.) narrowed by the memory's projection, if any, to compare with the index's scores. host: e
+    already read to the host."""
     if memory.projection is None:
         return e
     host = e.float().cpu().numpy() if host is None else host
@@ -271,8 +255,7 @@ def index_width(memory: RetrievalMemory, e: Tensor, host: np.ndarray | None = No
 
 
 def two_table_tokens(ref, own, off: int, nb: np.ndarray, continuation: bool) -> tuple[np.ndarray, np.ndarray]:
-    """neighbour_tokens of ids of the memory's table `ref` (< off) and of the batch's own table (>= off; off = 0:
-    one table)."""
+    """neighbour_tokens of ids in `ref` (< off) and in the batch's own table (>= off; off = 0: one table)."""
     if not off:
         return neighbour_tokens(ref, nb, continuation)
     mine = nb >= off
@@ -282,9 +265,8 @@ def two_table_tokens(ref, own, off: int, nb: np.ndarray, continuation: bool) -> 
 
 
 def random_neighbours(nb: np.ndarray, q_ids: np.ndarray, seg, pool: np.ndarray | None) -> np.ndarray:
-    """The ablation: every present neighbour (B, n, k) replaced by a random segment of the pool (None: all
-    segments) from another document than its query's (so never the query's future); seeded by the query ids,
-    so a batch always gets the same ones."""
+    """The ablation: every neighbour (B, n, k) replaced by a random segment of the pool (None: all) of another
+    document than its query's, seeded by the query ids (a batch always gets the same)."""
     rng = np.random.default_rng(np.abs(q_ids).ravel().tolist() or [0])
     pool = np.arange(len(seg)) if pool is None else pool
     q_doc = np.where(q_ids >= 0, seg.doc[np.maximum(q_ids, 0)], -1)[..., None]  # (B, n, 1)
@@ -300,16 +282,10 @@ def random_neighbours(nb: np.ndarray, q_ids: np.ndarray, seg, pool: np.ndarray |
 def warm_candidates_of(
     q_ids: np.ndarray, window_first: np.ndarray, doc_first: np.ndarray, c: int, continuation: bool = False
 ) -> np.ndarray:
-    """(B, n, c) earlier segments of each query's own document, best first (-1 pads): those before the attention
-    window, most recent first, then those inside it, most recent first. Every z < q (the query S_t), so z and its
-    continuation z + 1 <= S_t never reach the target segment S_{t+1}.
-
-    With continuation (each neighbour brings z + 1), the segments before the window come every other one first,
-    before-2, before-4, ..., so picks and continuations cover before-1, before-2, ... once each (the plain order
-    would repeat before-1 and bring in the window's first segment); the skipped ones follow, then the window.
-
-    q_ids (B, n) global query ids (-1: none); window_first (B,) the window's first segment; doc_first (B,) the
-    document's first segment."""
+    """(B, n, c) earlier segments of each query's own document (-1 pads): before the attention window, then inside
+    it, each most recent first. Every z < q (the query S_t), so z and z + 1 never reach the target S_{t+1}. With
+    continuation the ones before the window come every other one first (before-2, before-4, ...), so picks and
+    continuations cover before-1, before-2, ... once each. q_ids (B, n) (-1: none); window_first, doc_first (B,)."""
     q = q_ids[..., None]  # (B, n, 1)
     w0, d0 = window_first[:, None, None], doc_first[:, None, None]  # (B, 1, 1)
     r = np.arange(c)  # (c,) rank of the pick
@@ -328,8 +304,8 @@ def warm_candidates_of(
 def most_similar(
     seg, cands: np.ndarray, q_tokens: Tensor, q_mask: Tensor, k: int, embed, window_first: np.ndarray
 ) -> np.ndarray:
-    """(B, n, k) of the candidates (B, n, c): those before the window first, then by cosine to the query's e(S_t)
-    under the current embedder (embed: no-grad tokens, mask -> unit vectors), each distinct candidate embedded once."""
+    """(B, n, k) of the candidates (B, n, c): before the window first, then by cosine to the query's e(S_t) under
+    the current embedder, each distinct candidate embedded once."""
     B, n, c = cands.shape
     L = seg.segment_len
     ids, inverse = np.unique(np.maximum(cands, 0), return_inverse=True)
@@ -365,8 +341,8 @@ def neighbour_tokens(seg, nb: np.ndarray, continuation: bool) -> tuple[np.ndarra
 def source_groups(
     inputs: RetrievalInputs | None, shape: tuple[int, int], L: int, device: Any
 ) -> dict[str, Tensor]:
-    """The (B, T) tokens of each chunk by where its neighbours come from: own_doc (all from the row's document),
-    other_doc (none from it), mixed, none (no neighbour found)."""
+    """(B, T) masks of the chunks whose neighbours are all of the row's document (own_doc), none of it (other_doc),
+    mixed, or absent (none)."""
     B, T = shape
     if inputs is None:
         everything = torch.ones(B, T, dtype=torch.bool, device=device)
@@ -378,12 +354,19 @@ def source_groups(
     return {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}
 
 
-CHUNKED = ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc", "ids")
-"""The RetrievalInputs fields with a chunk dimension (dim 1)."""
+CHUNKED = (
+    "query_tokens",
+    "query_mask",
+    "tokens",
+    "mask",
+    "valid",
+    "same_doc",
+    "ids",
+)  # fields with a chunk dim 1
 
 
 def chunk_slice(inp: RetrievalInputs, lo: int, hi: int) -> RetrievalInputs:
-    """Chunks lo..hi-1 of every row (incremental decoding keeps each chunk's neighbours from the step it began)."""
+    """Chunks lo..hi-1 of every row."""
     return RetrievalInputs(**{f: None if (t := getattr(inp, f)) is None else t[:, lo:hi] for f in CHUNKED})
 
 
