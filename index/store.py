@@ -1,17 +1,13 @@
-"""Index directories on disk: the faiss file, the embeddings' metadata and the segment map.
+"""Index directories on disk, written under a temporary sibling name and renamed into place, so a crash mid-write
+never leaves a directory at DIR that loads. DIR holds:
 
-Layout of DIR:
-    meta.json           count, dim, metric, factory, search params, corpus fingerprint, embedder identity,
-                        and the byte size of every other file (checked on load); written last
+    meta.json           count, dim, factory, search params, corpus fingerprint, embedder identity, and the size and
+                        checksum of every other file; written last
     index.faiss         the faiss index (absent for the exact 'torch' index)
-    vectors.npy         the L2-normalised vectors (optional for faiss indices; needed by 'eval')
-    segment_doc.npy     (S,) document id of each segment id
-    segment_offset.npy  (S,) token offset of each segment in its document
+    vectors.npy         the L2-normalised vectors
+    segment_doc.npy     (S,) document id of each index row; segment_offset.npy: its token offset in the document
     rows.npy            (S,) the corpus's global segment id of each index row, when only some are indexed
     projection.npz      the PCA that narrowed the vectors (index/projection.py), when the index is narrowed
-
-A directory is written under a temporary sibling name and renamed into place, so a crash mid-write never leaves a
-directory at DIR that loads.
 """
 
 from __future__ import annotations
@@ -69,11 +65,13 @@ class IndexDir:
     path: Path  # where it was loaded from
     meta: dict[str, Any]  # the parsed meta.json
     index: Any  # faiss.Index or TorchExactIndex, search parameters already set
-    segments: SegmentTable  # the segment-id -> (document, offset) map
-    vectors: np.ndarray | None
-    """The indexed vectors (memory-mapped), when the directory stores them (narrowed, with a projection)."""
-    projection: Projection | None = None
-    """The projection that narrowed the vectors (None: full width); search() applies it to the queries."""
+    segments: SegmentTable  # the row -> (document, offset) map
+    vectors: (
+        np.ndarray | None
+    )  # the indexed (narrowed) vectors, memory-mapped, when the directory stores them
+    projection: Projection | None = (
+        None  # what narrowed the vectors (None: full width), applied to the queries
+    )
 
     @property
     def rows(self) -> np.ndarray:
@@ -83,8 +81,7 @@ class IndexDir:
         return np.arange(self.meta["count"], dtype=np.int64)
 
     def search(self, queries: np.ndarray, k: int, **filters: Any) -> Neighbours:
-        """Filtered top-k search of outside queries (query_ids=-1) or of segments (pass query_ids); full-width
-        queries, narrowed here by the index's projection."""
+        """Filtered top-k search of full-width outside queries, or of segments (pass query_ids)."""
         filters.setdefault("query_ids", np.full(len(queries), -1, dtype=np.int64))
         if self.projection is not None:
             queries = self.projection.apply(queries)
@@ -103,9 +100,9 @@ def process_alive(pid: int) -> bool:
 
 
 def recover_swap(path: str | os.PathLike) -> Path | None:
-    """Finish the directory swap of a writer killed between its two renames (``path`` moved aside to
-    ``.NAME.old-*``, the new ``.NAME.tmp-PID-*`` not yet moved in): the new one when it is complete (its
-    meta.json is written last), else the old one goes back. Returns what was restored, or None."""
+    """Finish the swap of a writer killed between its two renames (``path`` moved aside to ``.NAME.old-*``, the new
+    ``.NAME.tmp-PID-*`` not yet in): the new one when complete (meta.json is written last), else the old one goes
+    back. Returns what was restored, or None."""
     path = Path(path)
     if path.exists() or not path.parent.is_dir():
         return None
@@ -125,9 +122,7 @@ def recover_swap(path: str | os.PathLike) -> Path | None:
 
 
 def remove_stale_tmp(parent: str | os.PathLike) -> list[Path]:
-    """Delete the ``.NAME.tmp-PID-*`` / ``.NAME.old-*`` folders that killed writers left in ``parent``.
-
-    A folder whose writer (PID) is still alive, or is this process, is left alone."""
+    """Delete the `.NAME.tmp-PID-*` / `.NAME.old-*` folders that killed writers (not live ones) left in `parent`."""
     removed = []
     for p in Path(parent).glob(".*.*-*"):
         m = re.fullmatch(r"\..+\.(tmp-(\d+)-[0-9a-f]{8}|old-[0-9a-f]{8})", p.name)
@@ -185,7 +180,7 @@ def write_dir_contents(
     segments: SegmentTable,
     fingerprint: str,
     embedder: dict[str, Any],
-    vectors: np.ndarray | None,
+    vectors: np.ndarray,
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Write an index directory's files into `tmp` (meta.json last); the caller renames `tmp` into place."""
@@ -196,10 +191,7 @@ def write_dir_contents(
         raise ValueError(f"embedder identity lacks {missing}; expected keys {list(EMBEDDER_KEYS)}")
     if built.factory != TORCH:
         faiss.write_index(built.cpu_index(), str(tmp / INDEX))
-    elif vectors is None:
-        raise ValueError("the exact 'torch' index stores its vectors: pass them")
-    if vectors is not None:
-        _save_npy(tmp / VECTORS, vectors)
+    _save_npy(tmp / VECTORS, vectors)
     _save_npy(tmp / SEG_DOC, segments.doc)
     _save_npy(tmp / SEG_OFFSET, segments.offset)
     meta = {
@@ -227,20 +219,15 @@ def build_index_dir(
     fingerprint: str,
     embedder: dict[str, Any],
     config: IndexConfig | None = None,
-    store_vectors: bool = True,
     extra: dict[str, Any] | None = None,
     rows: np.ndarray | None = None,
     progress: bool = False,
 ) -> IndexDir:
-    """Build an index over `vectors` (row i = segment i of `segments`) and write it as a directory at `path`.
-
-    rows: the corpus-wide segment id of each row, when only part of the corpus is indexed (saved as rows.npy).
-    """
+    """Build an index over `vectors` (row i = segment i of `segments`) and write it as a directory at `path`; rows:
+    the corpus-wide segment id of each row, when only part of the corpus is indexed."""
     config = config or IndexConfig()
     built = build_index(vectors, config, progress=progress)
-    keep = built.index.vectors if built.factory == TORCH else None
-    if store_vectors and keep is None:
-        keep = as_unit_float32(vectors)
+    keep = built.index.vectors if built.factory == TORCH else as_unit_float32(vectors)
     with atomic_dir(path) as tmp:
         if rows is not None:
             if len(rows) != built.ntotal:
@@ -252,7 +239,7 @@ def build_index_dir(
 
 def read_meta(path: str | os.PathLike, verify: bool | None = None) -> dict[str, Any]:
     """The metadata of a complete index directory, after checking every listed file is there, full size, and
-    (``verify``; default :func:`rlm.checksums.verify_default`) has the checksum meta.json records."""
+    (``verify``; default rlm.checksums.verify_default) has the checksum meta.json records."""
     path = Path(path)
     recover_swap(path)
     meta = read_manifest(path, META, "index", IndexNotFoundError)
@@ -311,12 +298,9 @@ def load_index_dir(
     gpu: bool | None = None,
     verify: bool | None = None,
 ) -> IndexDir:
-    """Load and check an index directory.
-
-    expect_fingerprint / expect_embedder (a subset of {name, config_hash, weights_hash, step}) refuse an
-    index from another corpus or embedder with IndexMismatchError. mmap: memory-map the index (None: when
-    larger than MMAP_ABOVE); gpu: move it to the GPU (None: when faiss has one and it is not mapped).
-    """
+    """Load and check an index directory; IndexMismatchError when it is from another corpus or embedder than
+    expected (expect_embedder: a subset of the identity). mmap: memory-map the index (None: when larger than
+    MMAP_ABOVE); gpu: move it to the GPU (None: when faiss has one and it is not mapped)."""
     path = Path(path)
     meta = read_meta(path, verify)
     check_identity(meta, path, expect_fingerprint, expect_embedder)
