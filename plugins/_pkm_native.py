@@ -3,10 +3,9 @@
 The fused value update, per distinct row u (its lookups e in [offsets[u], offsets[u+1])):
     g = sum_e w[e] * grad[tok[e]]                       the sum-EmbeddingBag gradient of that row
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-torch.optim.Adam's update (Kingma & Ba, Alg. 1) restricted to touched rows, one pass over each. Also the value
-read's per-sample-weight gradient and the exact product-key search (group-maxima bound, then counting ranks).
-Ranges run on Python threads (ctypes releases the GIL), so no OpenMP runtime is involved. Without a compiler
-``load()`` returns None and callers take their PyTorch path (same numbers, slower).
+torch.optim.Adam's update (Kingma & Ba, Alg. 1) on touched rows; also the value read's per-sample-weight
+gradient and the exact product-key search. Ranges run on Python threads (ctypes releases the GIL). Without a
+compiler ``load()`` returns None and callers take their PyTorch path (same numbers, slower).
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ SOURCE = (_HERE / "_pkm_kernels.c").read_text() + "".join(
     for ctype, suffix in (("float", "_f32"), ("double", "_f64"))
 )
 
-# -fno-math-errno: sqrtf need not set errno, so the Adam update's loop vectorises; results are
-# the same, IEEE square roots being correctly rounded either way.
+# -fno-math-errno: sqrtf need not set errno, so the Adam loop vectorises (same results: IEEE sqrt is exact).
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC")
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most aarch64 kernels
 _MADV_HUGEPAGE = 14  # linux/mman.h
@@ -53,12 +51,12 @@ def _cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    """The C compiler: $CC, else cc, gcc or clang on PATH; None when there is none."""
+    """$CC, else cc, gcc or clang on PATH, else None."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def _compiler_version(cc: str | None) -> str:
-    """The first line of ``cc --version`` (names the compiler and its version), or '' when it cannot run."""
+    """The first line of ``cc --version``, or '' when it cannot run."""
     if cc is None:
         return ""
     try:
@@ -69,8 +67,7 @@ def _compiler_version(cc: str | None) -> str:
 
 
 def cache_key(cc: str | None) -> str:
-    """The built library's name key: source, flags, architecture and compiler version, so a cache shared by
-    different machines holds one library per (architecture, compiler)."""
+    """The built library's name key: source, flags, architecture and compiler (a cache shared by machines)."""
     parts = (SOURCE, " ".join(CFLAGS), platform.machine(), sys.platform, _compiler_version(cc))
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
 
@@ -152,16 +149,13 @@ def row_adam(
     p: Tensor, m: Tensor, v: Tensor, rows: Tensor, offsets: Tensor, tok: Tensor, w: Tensor, grad: Tensor,
     lr: float, betas: tuple[float, float], eps: float, step: int,
 ) -> bool:  # fmt: skip
-    """Run the fused update in place; False when the kernel is unavailable or the tensors do not fit it.
-
-    p, m, v: (S, d) float32 CPU contiguous; rows (U,) sorted distinct; offsets (U+1,); tok, w (E,) in row
-    order; grad (N, d).
-    """
+    """Run the fused update in place; False when the kernel is unavailable or the tensors do not fit it. p, m, v:
+    (S, d) float32 CPU contiguous; rows (U,) sorted distinct; offsets (U+1,); tok, w (E,) in row order; grad (N, d)."""
     lib = load() if _fits((p, m, v, w, grad), (rows, offsets, tok)) else None
     if lib is None:
         return False
     U, d = rows.numel(), p.shape[1]
-    # Every constant in double precision (Python floats), rounded to float32 once when passed.
+    # Constants in double precision, rounded to float32 once when passed.
     b1, b2 = float(betas[0]), float(betas[1])
     bc1, bc2_sqrt = 1.0 - b1**step, math.sqrt(1.0 - b2**step)
     ptrs = [t.data_ptr() for t in (p, m, v, rows, offsets, tok, w, grad)]
@@ -173,12 +167,9 @@ def row_adam(
 def product_search(
     s1: Sequence[Tensor], s2: Sequence[Tensor], k: int
 ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Exact top-k of s1[h][t, i] + s2[h][t, j] over all (i, j), per token t and head h: (scores, i, j), (N, H, k).
-
-    s1, s2: per head, the (N, n) sub-key scores of each half (float32 or float64, CPU, contiguous). Sorted
-    descending; ties ordered by the rank of i in its half, then of j. None when the kernel does not run on them
-    or a score is NaN.
-    """
+    """Exact top-k of s1[h][t, i] + s2[h][t, j] over all (i, j): (scores, i, j), (N, H, k), sorted descending
+    (ties by the rank of i, then j). s1, s2: per head, (N, n) float32 or float64 CPU contiguous scores. None when
+    the kernel does not run on them or a score is NaN."""
     H, dtype = len(s1), s1[0].dtype
     if dtype not in (torch.float32, torch.float64) or len(s2) != H or s1[0].dim() != 2:
         return None
@@ -201,7 +192,7 @@ def product_search(
 
 
 def _advise_huge_pages(address: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) a range; False where unsupported (not Linux, no libc, THP off: harmless)."""
+    """madvise(MADV_HUGEPAGE) a range; False where unsupported (harmless)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -213,12 +204,9 @@ def _advise_huge_pages(address: int, length: int) -> bool:
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
-    """An uninitialised contiguous CPU tensor on 2 MiB-aligned memory advised for transparent huge pages.
-
-    Random rows of a large table miss the TLB on nearly every access with 4 KiB pages. THP in 'madvise' mode
-    backs only ranges advised before their first touch, hence the advice before anything is written. Small
-    tensors, and default devices other than the CPU, get a plain ``torch.empty``.
-    """
+    """An uninitialised CPU tensor on 2 MiB-aligned memory advised for transparent huge pages (random rows of a
+    large table miss the TLB with 4 KiB pages), advised before the first touch as THP 'madvise' needs. Small
+    tensors and other default devices get a plain ``torch.empty``."""
     probe = torch.empty((), dtype=dtype)  # on torch's default device
     nbytes = math.prod(shape) * probe.element_size()
     if nbytes < 4 * HUGE_PAGE or probe.device.type != "cpu":

@@ -17,9 +17,8 @@ from torch import Tensor, nn
 from rlm.plugins import _pkm_native
 
 VALUE_READ: Literal["auto", "bag", "gather"] = "auto"
-"""How value and sub-key rows are read and their gradients reduced. 'bag': EmbeddingBag (fast, deterministic on
-CPU). 'gather': index_select forward, index_add_ backward. 'auto': gather on CUDA only, where EmbeddingBag reduces
-a bag in one warp and serialises every lookup of a hot row. Tests set it to run either path on any device."""
+"""How table rows are read and their gradients reduced: 'bag' (EmbeddingBag, deterministic on CPU), 'gather'
+(index_select, index_add_) or 'auto' (gather on CUDA, where EmbeddingBag serialises a hot row's lookups)."""
 
 
 def gathers(t: Tensor) -> bool:
@@ -28,17 +27,15 @@ def gathers(t: Tensor) -> bool:
 
 
 def _block(t: Tensor) -> int:
-    """Elements of one gathered block, bounding the transient (E, d) gathers: small on a CPU (cache), large on a
-    GPU (each block costs kernel launches)."""
+    """Elements of one transient gathered block: small on a CPU (cache), large on a GPU (kernel launches)."""
     return 1 << 26 if t.is_cuda else 1 << 22
 
 
 def grouped_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exact, sorted top-k over the last dim, reading most of a long row only once (for the amax).
 
-    The row is cut into G >= 4k strided groups {j, j+G, j+2G, ...}; every top-k element lies in a group whose
-    maximum is among the top-k group maxima (each such maximum is itself >= the k-th value), so the top-k of
-    those k groups' elements is the top-k of the row. Plain topk when the row is too short to gain.
+    Every top-k element lies in one of G >= 4k strided groups {j, j+G, ...} whose maximum is among the top-k group
+    maxima, so the top-k of those k groups is the row's. Plain topk when the row is too short to gain.
     """
     n = scores.shape[-1]
     g = n // (4 * k)  # elements per group
@@ -63,8 +60,6 @@ def _search_torch(s1: Tensor, s2: Tensor, k: int) -> tuple[Tensor, Tensor, Tenso
     """product_search with torch ops, where the native kernel does not run; ties may come in another order."""
     t1, i1 = grouped_topk(s1, k)  # (H, N, k), sorted descending
     t2, i2 = grouped_topk(s2, k)
-    # With both halves sorted, the pair of ranks (a, b) is beaten by the (a+1)(b+1) pairs (<= a, <= b), so
-    # only pairs with (a+1)(b+1) <= k are candidates: ~k ln k sums instead of k*k.
     a, b = _candidate_pairs(k, t1.device)
     scores, j = (t1[..., a] + t2[..., b]).topk(k, dim=-1)  # (H, N, k), sorted descending
     i, j = i1.gather(-1, a[j]), i2.gather(-1, b[j])
@@ -75,11 +70,8 @@ def _subkey_grads(
     q: Tensor, keys: Tensor, i: Tensor, j: Tensor, grad: Tensor, need_q: bool, need_keys: bool
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of scores[t, h, e] = q[t, h, 0] . keys[h, 0, i[t, h, e]] + q[t, h, 1] . keys[h, 1, j[t, h, e]]
-    for q (N, H, 2, dh) and keys (H, 2, n, dh), both halves at once.
-
-    The (N, H, n) score gradient has k non-zeros a row, so dq = sum_e g_e C[i_e] (bag_sum) and dC[i] = sum of g q
-    over selections of i (table_grad) replace dense matmuls. One tensor per input: slicing the halves apart would
-    make autograd zero-fill a whole (H, 2, n, dh) tensor per half.
+    for q (N, H, 2, dh) and keys (H, 2, n, dh): the score gradient has k non-zeros a row, so bag_sum and table_grad
+    replace dense matmuls (both halves in one tensor: slices would make autograd zero-fill one per half).
     """
     (N, H, _, dh), n, k = q.shape, keys.shape[2], i.shape[-1]
     # sub-key s of half c of head h is row (2h + c) n + s of the flat (H * 2 * n, dh) keys
@@ -99,10 +91,7 @@ _ONEDNN_LINEAR: list[Any] = []  # [op] once resolved; [None] when unavailable or
 
 
 def _onednn_linear() -> Any:
-    """oneDNN's fp32 linear (torch.ops.mkldnn._linear_pointwise, Inductor's CPU op), or None.
-
-    Private: looking it up, like calling it (half_scores), falls back to torch.bmm on any exception.
-    """
+    """oneDNN's fp32 linear (torch.ops.mkldnn._linear_pointwise, Inductor's CPU op, private), or None."""
     if not _ONEDNN_LINEAR:
         try:
             op = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
@@ -113,10 +102,8 @@ def _onednn_linear() -> Any:
 
 
 def half_scores(q: Tensor, keys: Tensor) -> list[Tensor]:
-    """Per head h, the (N, n) scores q[h] @ keys[h].T of one half; q (H, N, dh) contiguous, keys (H, n, dh).
-
-    CPU float32 goes through oneDNN: MKL's sgemm behind torch.bmm misses the widest vector path on some CPUs.
-    """
+    """Per head h, the (N, n) scores q[h] @ keys[h].T of one half; q (H, N, dh) contiguous, keys (H, n, dh). CPU
+    float32 goes through oneDNN (MKL's sgemm behind bmm misses the widest vector path on some CPUs)."""
     op = _onednn_linear() if q.device.type == "cpu" and q.dtype == keys.dtype == torch.float32 else None
     if op is not None:
         try:
@@ -127,10 +114,8 @@ def half_scores(q: Tensor, keys: Tensor) -> list[Tensor]:
 
 
 class _ProductKeySearch(torch.autograd.Function):
-    """Scores q1.C_i + q2.C'_j of the exact top-k pairs (i, j); the backward touches only C_i and C'_j.
-
-    q (N, H, 2, dh), keys (H, 2, n, dh); returns scores, i, j (N, H, k).
-    """
+    """Scores q1.C_i + q2.C'_j of the exact top-k pairs (i, j), (N, H, k) each, for q (N, H, 2, dh) and keys
+    (H, 2, n, dh); the backward touches only C_i and C'_j."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, ...]:
@@ -153,18 +138,15 @@ class _ProductKeySearch(torch.autograd.Function):
         return grad_q, grad_keys, None
 
 
-# Under torch.compile the two memory ops run eagerly behind one graph break each: the search calls ctypes
-# kernels, and the value read's backward hands its gradient to the row optimizer (a side effect). Traced, they
-# would break the graph at many points; this way the query network, norm, softmax and gating around them compile.
+# Under torch.compile the memory ops run eagerly behind one graph break each (ctypes kernels; the row
+# optimizer's side effect), so the query network, norm, softmax and gating around them compile.
 @torch.compiler.disable
 def product_key_topk(q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys; returns scores and slot ids i*n+j, (N, H, k).
+    """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys: scores and slot ids i*n+j, (N, H, k).
 
-    q: (N, H, 2, dh), the query's two halves; keys: (H, 2, n, dh), the sub-key sets C = keys[:, 0] and
-    C' = keys[:, 1]. Lample et al. Sec. 3.2: the best pair (i, j) has i in the top-k of C and j in the top-k of
-    C' (else k better pairs exist), so the k*k candidates hold the exact top-k.
-
-    At least float32 whatever autocast says: bf16 scores would reorder close keys and change the slots read.
+    q (N, H, 2, dh): the query's halves; keys (H, 2, n, dh): the sub-key sets C, C'. Lample et al. Sec. 3.2: the
+    best pairs come from the top-k of each half. At least float32 whatever autocast says: bf16 scores would
+    reorder close keys.
     """
     up = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, keys)]
     with torch.autocast(q.device.type, enabled=False):
@@ -178,17 +160,13 @@ def group_size(group: Any = None) -> int:
 
 
 class MaskedBatchNorm(nn.Module):
-    """BatchNorm1d over (N, C) rows with mask True, synced across ``group`` (None: default) when distributed.
-
-    The differentiable all_reduce of the per-feature sums gives SyncBatchNorm's semantics with padding left out.
-    Eval uses running statistics.
-    """
+    """BatchNorm1d over the (N, C) rows with mask True; distributed, SyncBatchNorm's semantics over ``group``
+    (None: default) by a differentiable all_reduce of the sums. Eval uses running statistics."""
 
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, group: Any = None) -> None:
         super().__init__()
         self.eps, self.momentum = eps, momentum
         self.group = group
-        """The process group the training statistics are summed over (None: the default group)."""
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
         self.register_buffer("running_mean", torch.zeros(dim))
@@ -223,9 +201,8 @@ def sort_lookups(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Group lookups by value row: (distinct rows (U,), offsets (U+1,), source row in grad (E,), weight (E,)).
 
-    slots, weights: (N, m), lookup (t, j) reads row slots[t, j] with weight weights[t, j] for grad row t; or
-    flat (E,) with the grad row of each lookup in ``tok``. Lookups of row rows[u] are positions
-    offsets[u]:offsets[u+1] of the returned (E,) tensors.
+    slots, weights (N, m): lookup (t, j) reads row slots[t, j] for grad row t; or flat (E,) with grad rows ``tok``.
+    Row rows[u]'s lookups are offsets[u]:offsets[u+1] of the returned (E,) tensors.
     """
     if tok is None:
         N, m = slots.shape
@@ -238,11 +215,8 @@ def sort_lookups(
 
 
 def row_gradients(offsets: Tensor, tok: Tensor, w: Tensor, grad: Tensor) -> Tensor:
-    """Gradient of sum-EmbeddingBag w.r.t. each distinct row, (U, d): sum over its lookups of w * grad[tok].
-
-    An EmbeddingBag over ``grad``, one bag per row, on every device: the row exchange needs every rank to sum in
-    the same order, which index_add_'s CUDA atomics do not keep.
-    """
+    """Gradient of sum-EmbeddingBag w.r.t. each distinct row, (U, d): sum over its lookups of w * grad[tok]. An
+    EmbeddingBag on every device: the row exchange needs one summation order (index_add_'s atomics have none)."""
     return F.embedding_bag(tok, grad, offsets[:-1], mode="sum", per_sample_weights=w.to(grad.dtype))
 
 
@@ -253,10 +227,7 @@ def coalesce_rows(slots: Tensor, weights: Tensor, grad: Tensor) -> tuple[Tensor,
 
 
 def scatter_rows(out: Tensor, index: Tensor, weights: Tensor, tok: Tensor, grad: Tensor) -> Tensor:
-    """out[index[e]] += weights[e] * grad[tok[e]] for every lookup e (index, weights, tok (E,), grad (R, d)); out.
-
-    On CUDA index_add_ spreads a hot row's lookups over all threads instead of one warp (in no fixed order).
-    """
+    """out[index[e]] += weights[e] * grad[tok[e]] for every lookup e (index, weights, tok (E,), grad (R, d))."""
     block = max(1, _block(grad) // grad.shape[1])
     for e in range(0, index.numel(), block):
         part = slice(e, e + block)
@@ -308,17 +279,14 @@ def bag_dot(values: Tensor, slots: Tensor, grad: Tensor) -> Tensor:
 
 
 class LookupSink(Protocol):
-    """Where value_lookup's backward hands the reads of a table (RowAdam of _pkm_rows.py)."""
+    """Where value_lookup's backward hands a table's reads (RowAdam)."""
 
     def add_lookups(self, key: str, slots: Tensor, weights: Tensor, grad: Tensor) -> None: ...
 
 
 class _ValueBag(torch.autograd.Function):
-    """sum_j weights[t, j] * values[slots[t, j]] with a backward that never builds a dense (N*m, d) tensor.
-
-    Weights get bag_dot; the values a dense gradient (for DDP/FSDP to reduce) or, with a sink, none: backward
-    hands (slots, weights, output gradient) to the row optimizer instead.
-    """
+    """sum_j weights[t, j] * values[slots[t, j]]; backward builds no (N*m, d) tensor: the values get a dense
+    gradient or, with a sink, none (the reads go to the row optimizer)."""
 
     @staticmethod
     def forward(
@@ -353,11 +321,8 @@ def value_lookup(
 
 
 class _ValueDot(torch.autograd.Function):
-    """values[slots[t, j]] . x[t], (N, m): PEER's down projections.
-
-    The table's row gradient, sum of grad[t, j] * x[t], is the value bag's with (weights, output gradient) =
-    (grad, x), so it goes to the same sink or dense gradient.
-    """
+    """values[slots[t, j]] . x[t], (N, m): PEER's down projections; the table's gradient is the value bag's with
+    (weights, output gradient) = (grad, x)."""
 
     @staticmethod
     def forward(
@@ -390,10 +355,8 @@ def value_dot(
 
 
 def slot_stats(weights: Tensor) -> tuple[Tensor, Tensor]:
-    """Memory usage (fraction of slots with non-zero summed weight) and KL(p || uniform) of p = weights / sum.
-
-    Lample et al. Sec. 4.5: KL = sum_i p_i log(p_i * S) = log S + sum_i p_i log p_i (0 log 0 = 0).
-    """
+    """Usage (fraction of slots read) and KL(p || uniform) = log S + sum_i p_i log p_i of p = weights / sum
+    (Lample et al. Sec. 4.5)."""
     w = weights.double()
     usage = (w > 0).double().mean()
     total = w.sum()

@@ -1,5 +1,5 @@
-"""Training PKM value rows: a lazy row-wise Adam (RowAdam) over the reads value_lookup hands it, and the exchange
-of those reads between data-parallel ranks (exchange_lookups), or a dense all-reduce when that moves fewer bytes."""
+"""A lazy row-wise Adam (RowAdam) over the reads value_lookup hands it, and their exchange between data-parallel
+ranks (exchange_lookups)."""
 
 from __future__ import annotations
 
@@ -15,34 +15,26 @@ from rlm.plugins._pkm_ops import gathers, row_gradients, scatter_rows, sort_look
 
 
 class RowAdam:
-    """Lazy (row-wise) Adam for value tables: only rows with a gradient are read and written.
-
-    As torch.optim.SparseAdam: untouched rows' moments stay, the bias correction uses the table's step count.
-    Backward records each read's (slots, weights, output gradient), accumulating as ``.grad`` would; ``step``
-    groups them by row and updates with the fused CPU kernel (plugins/_pkm_native.py), else gathers the touched
-    rows, runs torch's Adam on them and writes them back (on the gather path on one process with no host read:
-    touched_rows).
+    """Lazy (row-wise) Adam for value tables, as torch.optim.SparseAdam: only rows with a gradient are read and
+    written, the bias correction uses the table's step count. Backward records each read's (slots, weights,
+    output gradient); ``step`` groups them by row and runs the fused CPU kernel, else torch's Adam on the gathered
+    rows.
     """
 
     def __init__(
         self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
     ) -> None:
         self.lr, self.betas, self.eps = lr, betas, eps
-        self.group: Any = None
-        """A process group: ``step`` then exchanges the reads (exchange_lookups)."""
-        self.sent_bytes = 0
-        """Bytes this rank sent in the last step's row exchanges, all tables (0 on one process)."""
+        self.group: Any = None  # a process group: ``step`` then exchanges the reads
+        self.sent_bytes = 0  # bytes this rank sent in the last step's row exchanges
         self.tables: dict[str, Tensor] = {}
         self.state: dict[str, dict[str, Tensor]] = {}
         self.reads: dict[str, list[tuple[Tensor, Tensor, Tensor]]] = {}
-        self.native = True
-        """Use the fused CPU kernel when it can be built (False: always the PyTorch path)."""
-        self.fused = True
-        """PyTorch path: torch._fused_adam_ on the gathered rows (False after it raised: plain tensor ops)."""
+        self.native = True  # use the fused CPU kernel when it can be built
+        self.fused = True  # torch._fused_adam_ on the gathered rows (False after it raised: plain tensor ops)
         self._buffers: dict[str, list[Tensor]] = {}
 
     def add_table(self, key: str, table: Tensor) -> None:
-        """Register a (rows, d) table under ``key``."""
         self.tables[key] = table
 
     def add_lookups(self, key: str, slots: Tensor, weights: Tensor, grad: Tensor) -> None:
@@ -52,7 +44,6 @@ class RowAdam:
         )
 
     def zero_grad(self) -> None:
-        """Drop pending gradients."""
         self.reads.clear()
 
     def _reads(self, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
@@ -76,7 +67,7 @@ class RowAdam:
         return None if got is None else (*sort_lookups(*got[:3]), got[3])
 
     def pending(self, key: str) -> tuple[Tensor, Tensor] | None:
-        """The accumulated gradient of a table as (distinct rows (U,), row gradients (U, d)), or None."""
+        """A table's accumulated gradient as (distinct rows (U,), row gradients (U, d)), or None."""
         got = self._lookups(key)
         if got is None:
             return None
@@ -155,8 +146,8 @@ class RowAdam:
             t.index_copy_(0, rows, rows_t)
 
     def _adam_rows(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> None:
-        """One Adam step in place on gathered rows p, m, v (U, d) with gradient g (U, d): the private
-        torch._fused_adam_, or after it raised once, torch.optim.Adam's single-tensor update from public ops."""
+        """One Adam step in place on rows p, m, v (U, d) for gradient g: the private torch._fused_adam_, or after
+        it raised once, torch.optim.Adam's single-tensor update."""
         if self.fused:
             try:
                 torch._fused_adam_(
@@ -175,11 +166,10 @@ class RowAdam:
         p.addcdiv_(m, denom, value=-self.lr / (1 - b1**t))
 
     def state_dict(self) -> dict[str, Any]:
-        """Moments and step counts, for checkpoints."""
         return {"state": {k: dict(v) for k, v in self.state.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (moments are copied to each table's device and layout)."""
+        """Restore ``state_dict``'s moments, copied to each table's device and layout."""
         self.state = {
             k: {
                 name: self._moment(k, t) if name != "step" else t.to(self.tables[k].device)
@@ -193,11 +183,9 @@ class RowAdam:
 def touched_rows(
     slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, rows: int
 ) -> tuple[Tensor, Tensor]:
-    """The distinct rows read and their gradients, (C,) and (C, d) for C = min(E, rows), with no host read.
-
-    slots, weights, tok (E,) and grad (R, d) as RowAdam._reads gives them. The count U <= C of distinct rows
-    stays on the device, so entries U..C-1 repeat row U-1: index_copy_ writes the same numbers to it repeatedly.
-    """
+    """The distinct rows read and their gradients, (C,) and (C, d) for C = min(E, rows), with no host read: the
+    count U <= C stays on the device, entries U..C-1 repeat row U-1 (index_copy_ rewrites the same numbers).
+    slots, weights, tok (E,) and grad (R, d) as RowAdam._reads gives them."""
     s, order = slots.sort(stable=True)  # (E,) rows ascending, each row's lookups in read order
     new = torch.ones_like(s, dtype=torch.bool)
     new[1:] = s[1:] != s[:-1]
@@ -210,8 +198,8 @@ def touched_rows(
     return distinct.index_select(0, pick), g.index_select(0, pick)
 
 
-# Choosing lookups over the dense all-reduce, a byte the reduction reads from memory counts as 1/8 of a byte
-# received: memory is several times faster than the link (CPU vs loopback TCP, HBM vs NVLink).
+# Choosing lookups over the dense all-reduce, a byte the reduction reads counts as 1/8 of a byte received:
+# memory is several times faster than the link.
 REDUCE_READS_PER_BYTE = 8
 
 
@@ -224,17 +212,12 @@ def _all_gather(out: Tensor, inp: Tensor, group: Any) -> None:
 def exchange_lookups(
     slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, group: Any, rows: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """The data-parallel gradient of a (rows, d) table, from each rank's reads of it, as lookups by row.
+    """The data-parallel (mean) gradient of a (rows, d) table from each rank's reads, as lookups by row.
 
-    Lookup e reads row slots[e] (E,) with weight weights[e] for output gradient grad[tok[e]] (grad (R, d)).
-    Returns (rows (U,), offsets (U+1,), tok (E',), w (E',), grad (R', d), bytes sent): row rows[u]'s gradient is
-    the sum over e in offsets[u]:offsets[u+1] of w[e] * grad[tok[e]], summed over ranks and divided by the world
-    size W, as DDP's mean all-reduce gives. Every rank gets the same tensors, so the replicas stay equal.
-
-    The cheaper of two ways by a byte estimate (index size i, element size s): all-gather every rank's lookups,
-    W x (max E x (2 i + s) + max R x d x s) bytes whatever the table's size, plus the reduction's reads; or
-    all-reduce the dense (rows, d + 1) gradient with a touched-row column, ~2 x rows x (d + 1) x s. For W a
-    power of two the lookups' sums are bitwise one process's on the global batch (same order, x / W exact).
+    Lookup e reads row slots[e] with weight weights[e] for grad[tok[e]]. Returns (rows (U,), offsets (U+1,),
+    tok, w, grad, bytes sent) as sort_lookups groups them, the same on every rank. The cheaper way by bytes:
+    all-gather the lookups, W x (max E x (2 i + s) + max R x d x s) plus the reduction's reads (bitwise one
+    process's sums for W a power of two), or all-reduce the dense (rows, d + 1) gradient, ~2 x rows x (d + 1) x s.
     """
     world = dist.get_world_size(group)
     d, size = grad.shape[1], grad.element_size()
@@ -245,8 +228,7 @@ def exchange_lookups(
     counts = counts.tolist()
     most_e, most_r = max(c[0] for c in counts), max(c[1] for c in counts)
     total_e = sum(c[0] for c in counts)
-    if total_e == 0:
-        # No rank read the table this step (every rank sees the same counts): nothing to exchange.
+    if total_e == 0:  # no rank read the table this step: nothing to exchange
         none = torch.zeros(1, dtype=torch.int64, device=grad.device)
         empty = grad.new_empty(0, d)
         return none[:0], none, none[:0], empty[:, 0], empty, count.numel() * count.element_size()
@@ -276,16 +258,15 @@ def exchange_lookups(
     g_slots = all_ints[..., 0][valid].long()
     g_tok = (all_ints[..., 1].long() + (ranks * per_rank)[:, None])[valid]
     g_w = all_floats.view(world, per_rank * d)[:, most_r * d : most_r * d + most_e][valid] * (1.0 / world)
-    # sort_lookups' stable sort keeps each row's lookups in rank order, then token order: a fixed summation
-    # order, the same on every rank.
+    # sort_lookups' stable sort keeps each row's lookups in rank, then token order: the same on every rank.
     return (*sort_lookups(g_slots, g_w, g_tok), all_floats, sent)
 
 
 def _exchange_dense(
     slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, group: Any, rows: int, world: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """exchange_lookups's dense way: the local row gradients all-reduced as a (rows, d + 1) table, the last column
-    marking touched rows (a row touched by any rank is in the union, even at zero gradient)."""
+    """exchange_lookups's dense way: the row gradients all-reduced as a (rows, d + 1) table whose last column marks
+    the rows any rank touched."""
     d = grad.shape[1]
     mine, offsets, t, w = sort_lookups(slots, weights, tok)
     dense = grad.new_zeros(rows, d + 1)
