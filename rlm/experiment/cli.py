@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlm.cli.summary import experiment_summary
-from rlm.experiment.children import Preempted
 from rlm.experiment.report import write_report
 from rlm.experiment.runs import LAST_CKPT, SUMMARY, plan
 from rlm.experiment.spec import Experiment
@@ -143,6 +142,7 @@ def cmd_run(
             report DIR`)
     """
     from rlm.experiment.check import check_experiment
+    from rlm.experiment.runner import Preempted
     from rlm.train.checkpoint import PREEMPTED
 
     exp, counts = check_experiment(file, set, seeds, base)

@@ -1,6 +1,7 @@
 """Training an experiment's runs, each an ordinary ``rlm fit`` subprocess, resumably: one after another, or
 ``jobs`` at once on this machine (:func:`run_experiment`); :func:`execute` is one run's whole work, the same
-in a SLURM job (rlm.experiment.submit)."""
+in a SLURM job (rlm.experiment.submit). A SIGTERM to the runner is passed on to its rlm subprocesses (rlm fit
+saves last.ckpt and exits 143 on SIGTERM)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import shutil
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from pathlib import Path
 from queue import Queue
 from typing import Any
@@ -24,14 +28,6 @@ from tqdm import tqdm
 
 from rlm.cli.summary import val_subset
 from rlm.experiment.check import count_parameters
-from rlm.experiment.children import (
-    _THREAD,
-    Preempted,
-    _child_env,
-    _forwarding_sigterm,
-    _run_forwarding_sigterm,
-)
-from rlm.experiment.knnlm_stage import DATASTORE, KNNLM_JSON, knnlm_stage, with_knnlm, without_knnlm
 from rlm.experiment.runs import (
     CORE_METRICS,
     FINGERPRINT,
@@ -50,6 +46,84 @@ from rlm.experiment.runs import (
 from rlm.experiment.spec import Experiment, run_config, write_atomic
 from rlm.train.checkpoint import PREEMPTED, load_checkpoint_file
 from rlm.train.resume import newest_loadable
+
+KNNLM_JSON = "test_knnlm.json"  # rlm eval --datastore of the last checkpoint on the test split
+DATASTORE = "datastore"  # removed after evaluation unless kept; its meta.json stays as datastore_meta.json
+
+
+class Preempted(Exception):
+    """The running rlm subprocess was stopped by SIGTERM: the experiment stops, its run stays unfinished."""
+
+
+_LIVE: set[subprocess.Popen] = set()  # the rlm subprocesses running now: a SIGTERM to the runner goes to each
+_THREAD = threading.local()  # .env: what a job thread adds to its subprocesses' environment
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, **getattr(_THREAD, "env", {}), "PYTHONUNBUFFERED": "1"}
+
+
+@contextmanager
+def _forwarding_sigterm() -> Iterator[None]:
+    """While inside, a SIGTERM to this process is passed on to every live rlm subprocess, so a scheduler
+    that signals only the runner still gets its training saved; off the main thread, which forwards, nothing."""
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop_children(signum, wait_s=0))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_children(signum: int = signal.SIGTERM, wait_s: float = 0) -> None:
+    """Send ``signum`` to every live rlm subprocess and wait up to ``wait_s`` seconds for them to exit."""
+    procs = list(_LIVE)
+    for proc in procs:
+        proc.send_signal(signum)
+    deadline = time.monotonic() + wait_s
+    while not all(exited(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def exited(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` has ended, without reaping it: a signal handler may run in the thread that waits for it
+    (submitit's checkpoint does), holding Popen's wait lock, so Popen.wait and poll cannot tell."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
+def _ignore_usr2() -> None:  # pragma: no cover - runs in the child between fork and exec
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def _run_forwarding_sigterm(cmd: list[str], log: Any, env: dict[str, str]) -> int:
+    """Run ``cmd`` and return its exit code, passing a SIGTERM to this process on to it. Under submitit
+    the child ignores SLURM's warning signal (USR2), so that only the job's checkpoint stops it (with SIGTERM)."""
+    preexec = _ignore_usr2 if os.environ.get("SUBMITIT_EXECUTOR") else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
+    _LIVE.add(proc)
+    try:
+        with _forwarding_sigterm():
+            return proc.wait()
+    finally:
+        _LIVE.discard(proc)
+
+
+def _rlm(run: Run, args: list[str], log_name: str, what: str) -> bool:
+    """``python -m rlm ARGS`` appending to the run's log; whether it succeeded. :class:`Preempted` when SIGTERM
+    stopped it."""
+    with open(run.dir / log_name, "a") as log:
+        code = _run_forwarding_sigterm([sys.executable, "-m", "rlm", *args], log, _child_env())
+    if code in (PREEMPTED, -signal.SIGTERM):
+        raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; the next run repeats it")
+    return code == 0
 
 
 def _late_median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -180,14 +254,8 @@ def evaluate_test(run: Run) -> bool:
     Nothing to do when the config sets data.test_fraction to 0 (no test split)."""
     if (run.config.get("data") or {}).get("test_fraction", 1) == 0:
         return True
-    with open(run.dir / "fit.log", "a") as log:
-        code = _run_forwarding_sigterm(
-            [sys.executable, "-m", "rlm", "eval", "--ckpt", str(run.dir / LAST_CKPT), "--split", "test",
-             "--json", str(run.dir / TEST_JSON)], log, _child_env(),
-        )  # fmt: skip
-    if code in (PREEMPTED, -signal.SIGTERM):
-        raise Preempted(f"{run.label}: the test evaluation was stopped by SIGTERM; the next run repeats it")
-    return code == 0
+    args = ["eval", "--ckpt", str(run.dir / LAST_CKPT), "--split", "test", "--json", str(run.dir / TEST_JSON)]
+    return _rlm(run, args, "fit.log", "the test evaluation")
 
 
 def find_equal_run(run: Run, out: Path) -> Path | None:
@@ -329,6 +397,66 @@ def _execute(run: Run, out: Path, reuse_equal: bool, jobs: int) -> dict[str, Any
         + (f" in {summary['wall_s']:.0f}s" if summary.get("wall_s") is not None else "")
     )
     return summary
+
+
+def knnlm_stage(run: Run) -> bool:
+    """``rlm knnlm build`` over the training split, then ``rlm eval --datastore`` on the test split;
+    whether both succeeded."""
+    options, ckpt, ds = run.knnlm or {}, str(run.dir / LAST_CKPT), run.dir / DATASTORE
+    build = ["knnlm", "build", "--ckpt", ckpt, "--out", str(ds)]
+    for key in ("layer", "factory", "k", "flat_below", "target_recall", "tune_tokens", "max_documents"):
+        if key in options:
+            build += [f"--{key.replace('_', '-')}", str(options[key])]
+    evaluate = ["eval", "--ckpt", ckpt, "--split", "test", "--datastore", str(ds),
+                "--json", str(run.dir / KNNLM_JSON), *(["--knn-cache"] if options.get("cache") else [])]  # fmt: skip
+    for args in (build, evaluate):
+        if not _rlm(run, args, "knnlm.log", "the kNN-LM stage"):
+            return False
+    if not options.get("keep"):
+        shutil.copy2(ds / "meta.json", run.dir / "datastore_meta.json")
+        shutil.rmtree(ds)
+    return True
+
+
+def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
+    """The summary of a run with a kNN-LM stage: test_* are the kNN-LM's, lm_test the model's alone, and knnlm
+    says how (lam, temperature, k, the datastore's size and build time)."""
+    r = json.loads((run.dir / KNNLM_JSON).read_text())
+    meta_path = run.dir / DATASTORE / "meta.json"
+    meta = json.loads((meta_path if meta_path.is_file() else run.dir / "datastore_meta.json").read_text())
+    rule = (run.knnlm or {}).get("rule", "interpolate")
+    if rule == "joint" and not r.get("joint"):
+        raise ValueError(
+            f"{run.label}: rule 'joint' but the datastore was not tuned for it (no validation split)"
+        )
+    if rule == "model" and (meta.get("layer") != "attn_input"):
+        raise ValueError(f"{run.label}: rule 'model' scores a knn_attention model searching its own datastore; "
+                         f"give knnlm: {{layer: attn_input}} (this datastore's keys: {meta.get('layer')!r})")  # fmt: skip
+    scored = rule if rule in ("joint", "model") else "knnlm"  # evaluate_knn's name for the rule's scores
+    lm = r["lm"]  # under rule 'model' the model with its datastore: test_loss and lm_test are the same number
+    knn = lm if rule == "model" else r[scored]
+    random = (r.get("random_neighbours") or {}).get(scored)
+    out = dict(summary)
+    out["lm_test"] = {"loss": lm["loss"], "ppl": lm["ppl"], "bpb": lm["bpb"]}
+    out.update(test_loss=knn["loss"], test_ppl=knn["ppl"], test_bpb=knn["bpb"])
+    out["knnlm"] = {
+        "options": run.knnlm, "lam": r["lam"], "temperature": r["temperature"], "k": r["k"], "cache": r["cache"],
+        "keys": meta.get("entries"), "factory": meta.get("factory"), "build_s": sum((meta.get("seconds") or {}).values()) or None,
+        "eval_s": r.get("seconds"), "target_in_neighbours": r.get("target_in_neighbours"), "rule": rule,
+        "random_loss": random["loss"] if random else None, "bias": knn.get("bias"),
+    }  # fmt: skip
+    if rule == "joint":
+        out["knnlm"].update(temperature=knn["temperature"], lam=None, interpolate_loss=r["knnlm"]["loss"])
+    return out
+
+
+def without_knnlm(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary as the model alone scored it (for a run that reuses this one's training)."""
+    out = dict(summary)
+    if out.pop("knnlm", None) is not None:
+        lm = out.pop("lm_test")
+        out.update(test_loss=lm["loss"], test_ppl=lm["ppl"], test_bpb=lm["bpb"])
+    return out
 
 
 def groups(runs: list[Run]) -> list[list[Run]]:

@@ -17,8 +17,7 @@ from typing import Any
 import submitit
 from tqdm import tqdm
 
-from rlm.experiment.children import stop_children
-from rlm.experiment.runner import execute, groups, write_job
+from rlm.experiment.runner import execute, groups, stop_children, write_job
 from rlm.experiment.runs import JOB_JSON, Run, plan
 from rlm.experiment.spec import Experiment, write_atomic
 

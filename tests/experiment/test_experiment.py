@@ -512,7 +512,7 @@ def test_a_knnlm_variant_reuses_the_trained_model_and_reports_its_datastore(
 
 
 def test_a_run_reusing_a_knnlm_run_gets_the_models_own_test_loss():
-    from rlm.experiment.knnlm_stage import without_knnlm
+    from rlm.experiment.runner import without_knnlm
 
     knn = {"variant": "b", "test_loss": 3.0, "test_ppl": 20.0, "test_bpb": 1.0, "knnlm": {"lam": 0.2},
            "lm_test": {"loss": 3.5, "ppl": 33.1, "bpb": 1.2}}  # fmt: skip

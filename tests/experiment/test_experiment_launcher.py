@@ -19,7 +19,7 @@ from test_experiment import write_experiment
 
 from rlm.cli import main as rlm_main
 from rlm.experiment import ExperimentError, load_experiment
-from rlm.experiment.children import _child_env
+from rlm.experiment.runner import _child_env
 
 submitit = pytest.importorskip("submitit")
 
@@ -244,7 +244,7 @@ def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_pa
     """SLURM's warning (USR2) reaches every process of the job: the child ignores it, and submitit's checkpoint,
     a signal handler in the thread that waits for the child, stops it with SIGTERM (rlm fit then saves
     last.ckpt and exits 143) and returns the same call to requeue, without waiting out its time."""
-    from rlm.experiment import children
+    from rlm.experiment import runner
     from rlm.experiment.runs import Run
     from rlm.experiment.submit import RunJob
     from rlm.train.checkpoint import PREEMPTED
@@ -263,10 +263,10 @@ def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_pa
         deadline = time.monotonic() + 30
         while "ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
-        (child,) = children._LIVE
+        (child,) = runner._LIVE
         child.send_signal(signal.SIGUSR2)  # ignored: without that, the default action would kill it unsaved
         time.sleep(0.3)
-        seen["alive after USR2"] = not children.exited(child)
+        seen["alive after USR2"] = not runner.exited(child)
         os.kill(os.getpid(), signal.SIGUSR1)  # stands for the job process's USR2
 
     previous = signal.signal(signal.SIGUSR1, submitit_signal)
@@ -274,14 +274,14 @@ def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_pa
         with open(log, "w") as f:
             thread = threading.Thread(target=scheduler)
             thread.start()
-            code = children._run_forwarding_sigterm(
+            code = runner._run_forwarding_sigterm(
                 [sys.executable, "-c", CHILD, str(saved)], f, dict(os.environ)
             )
             thread.join(timeout=30)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert (
-        seen["alive after USR2"] and code == PREEMPTED and saved.read_text() == "saved" and not children._LIVE
+        seen["alive after USR2"] and code == PREEMPTED and saved.read_text() == "saved" and not runner._LIVE
     )
     assert seen["took"] < 10  # it returned once the child had exited, not after stop_wait_s
     assert isinstance(seen["delayed"], submitit.helpers.DelayedSubmission) and seen["delayed"].function is job

@@ -97,7 +97,7 @@ def test_sigterm_to_the_experiment_runner_leaves_the_run_unfinished_and_the_reru
 def test_the_runner_maps_a_sigterm_exit_to_preempted(tmp_path, monkeypatch):
     """An rlm fit that exits 143 (or dies by the signal) raises Preempted instead of counting as a result."""
     from rlm.experiment import runner
-    from rlm.experiment.children import Preempted
+    from rlm.experiment.runner import Preempted
     from rlm.experiment.runs import Run
 
     run = Run("base", 0, tmp_path / "base" / "seed0", {"trainer": {"max_steps": 3}})
