@@ -18,38 +18,25 @@ from torch import Tensor, nn
 
 from rlm.model.layers import RMSNorm, apply_rope, rope_cache
 from rlm.plugin import Context
-from rlm.plugins._retrieval_encoder import (
-    SegmentEncoder,
-    TokenEncoder,
-    masked_mean_unit,
-)
+from rlm.plugins._retrieval_encoder import SegmentEncoder, TokenEncoder, masked_mean_unit
 
 if TYPE_CHECKING:
     from rlm.plugins._retrieval_neighbours import RetrievalInputs
 
-BETA_INIT = 1.0
-"""Initial relevance-bias scale beta of each layer."""
+BETA_INIT = 1.0  # initial relevance-bias scale beta of each layer
 
 
 @dataclass
 class Encoded:
     """The batch's neighbours as the cross-attention layers read them (computed once per forward)."""
 
-    states: Tensor | None
-    """(U, M, De) embedder states of the batch's U distinct neighbours (each encoded once); None with the token
-    embedder, whose states the cross-attention projects from `vocab` and `rows` instead."""
-    index: Tensor
-    """(B*n*k,) row of `states` of each neighbour slot."""
-    key_valid: Tensor
-    """(B*n, k*M) real neighbour tokens of each chunk."""
-    relevance: Tensor
-    """(B*n, k) cos(e(S_t), e(z)) of each chunk's neighbours."""
-    segment_len: int
-    """L."""
-    vocab: Tensor | None = None
-    """Token embedder: (V', d) the embeddings of the distinct token ids among the neighbours."""
-    rows: Tensor | None = None
-    """Token embedder: (U, M) each neighbour token's row of `vocab`."""
+    states: Tensor | None  # (U, M, De) the U distinct neighbours' states; None with the token embedder
+    index: Tensor  # (B*n*k,) row of `states` of each neighbour slot
+    key_valid: Tensor  # (B*n, k*M) real neighbour tokens of each chunk
+    relevance: Tensor  # (B*n, k) cos(e(S_t), e(z)) of each chunk's neighbours
+    segment_len: int  # L
+    vocab: Tensor | None = None  # token embedder: (V', d) the embeddings of the distinct token ids
+    rows: Tensor | None = None  # token embedder: (U, M) each neighbour token's row of `vocab`
 
     @property
     def neighbours(self) -> int:
@@ -64,8 +51,7 @@ def encode_neighbours(
     label: str,
     config: Any,  # the plugin's RetrievalConfig (not imported: the plugin file imports this one)
 ) -> Encoded:
-    """The Encoded record of the batch's neighbours: e(S_t) with gradients, each distinct neighbour encoded
-    once, as config.neighbour_grad says (a no-gradient pass in float32)."""
+    """The batch's neighbours encoded, each distinct one once, as config.neighbour_grad says; e(S_t) with gradients."""
     B, n, k, M = inp.tokens.shape
     L = inp.query_tokens.shape[-1]
     # (B*n, D), with gradients: the embedder's path from the LM loss
@@ -193,7 +179,7 @@ class RetrievalCrossAttention(nn.Module):
         return self.proj(y)
 
     def _cached_keys_values(self, enc: Encoded, ctx: Context) -> Tensor:
-        """_keys_values, kept in the plugin's cache state while incremental decoding stays in the same chunks."""
+        """_keys_values, kept in the cache state while incremental decoding stays in the same chunks."""
         if ctx.cache is None:
             return self._keys_values(enc)
         kv = ctx.cache.state[self._plugin.label]["kv"]
@@ -202,11 +188,9 @@ class RetrievalCrossAttention(nn.Module):
         return kv[self.layer]
 
     def _keys_values(self, enc: Encoded) -> Tensor:
-        """kv(kv_norm(states)), (U, M, 2 * kv_heads * head_dim).
-
-        With the token embedder s_j = [x_j, x_{j-1}], so (RMSNorm's weight folded into kv's W = [A | B])
-        kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j), rms(s_j) = sqrt((|x_j|^2 + |x_{j-1}|^2) / 2d + eps):
-        each distinct token id is projected once, not each neighbour token."""
+        """kv(kv_norm(states)), (U, M, 2 * kv_heads * head_dim). With the token embedder s_j = [x_j, x_{j-1}], so
+        (RMSNorm's weight folded into kv's W = [A | B]) kv(kv_norm(s_j)) = (A x_j + B x_{j-1}) / rms(s_j),
+        rms(s_j) = sqrt((|x_j|^2 + |x_{j-1}|^2) / 2d + eps): each distinct token id is projected once."""
         if enc.states is not None:
             return self.kv(self.kv_norm(enc.states))
         x, rows = enc.vocab, enc.rows  # (V', d), (U, M)

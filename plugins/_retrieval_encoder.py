@@ -1,7 +1,5 @@
-"""Segment embedders of the retriever: the LM's token embeddings, its lower blocks ("shared", as MARGE shares its
-encoder) or a small separate encoder. Each returns per-token states (the cross-attention's keys and values) and
-e(.), the L2-normalised mean of a segment's first ``pool_len`` states. The blocks are causal, so e(z) computed on
-[z, z+1] equals e(z) on z alone (what the index holds).
+"""Segment embedders of the retriever: per-token states (the cross-attention's keys and values) and e(.), the
+L2-normalised mean of a segment's first ``pool_len`` states (causal blocks: e(z) on [z, z+1] is e(z) on z alone).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ class SegmentEncoder(nn.Module):
         raise NotImplementedError
 
     def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        """The token embeddings (N, M, D) the blocks start from (the residual stream's first term)."""
+        """The token embeddings (N, M, D) the blocks start from."""
         raise NotImplementedError
 
     def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
@@ -61,9 +59,7 @@ class SegmentEncoder(nn.Module):
 
 
 class SharedEncoder(SegmentEncoder):
-    """The LM's embedding slot and its first ``n_layers`` blocks; gradients flow into the LM's weights.
-
-    The LM's modules are held as unregistered references (they are registered once, in the model)."""
+    """The LM's embedding slot and first ``n_layers`` blocks (MARGE shares its encoder), held unregistered."""
 
     def __init__(self, model_config: ModelConfig, n_layers: int) -> None:
         super().__init__()
@@ -108,11 +104,8 @@ class SharedEncoder(SegmentEncoder):
 
 
 class TokenEncoder(SharedEncoder):
-    """The LM's token embeddings alone, no blocks (embedder 'tokens'): the cheapest embedder.
-
-    A token's state is its embedding beside its predecessor's (zeros before the first), so one cross-attention
-    layer can copy: a key can match the token before the one its value carries, as an induction head does
-    (Olsson et al. 2022). e(.) is the normalised mean of the token embeddings, which the relevance bias trains."""
+    """The LM's token embeddings alone (embedder 'tokens'). A token's state is its embedding beside its predecessor's,
+    so one cross-attention layer can copy as an induction head does (Olsson et al. 2022); e(.) pools the embeddings."""
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config, 0)
@@ -128,8 +121,8 @@ class TokenEncoder(SharedEncoder):
         return torch.cat([x, F.pad(x[:, :-1], (0, 0, 1, 0))], -1)  # (N, M, 2d): [x_j, x_{j-1}]
 
     def distinct(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """The embedding of each distinct token id in tokens (U, d), and each token's row in it (tokens.shape);
-        valid because the embedding slot is a function of the token id alone (with the ADD modules rlm ships)."""
+        """The embedding (U, d) of each distinct token id, and each token's row in it (the slot is a function of the
+        id alone)."""
         ids, row = torch.unique(tokens, return_inverse=True)
         x = self.embed_tokens(ids[None], torch.ones_like(ids[None], dtype=torch.bool))[0]  # (U, d)
         return x, row
@@ -142,7 +135,7 @@ class TokenEncoder(SharedEncoder):
         return states, masked_mean_unit(states[:, :p, :d], mask[:, :p])
 
     def pooled(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        """e(.) from the distinct ids' embeddings, without the (N, M, 2d) states: each distinct id embedded once."""
+        """e(.) from the distinct ids' embeddings, without the (N, M, 2d) states."""
         self.bound()
         x, row = self.distinct(tokens)
         return masked_mean_unit(x[row], mask)
@@ -193,17 +186,9 @@ def config_hash(*configs: object) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def encoder_device(encoder: SegmentEncoder) -> torch.device:
-    """Where the encoder's weights live (a shared encoder's are the LM's embedding)."""
-    if isinstance(encoder, SharedEncoder):
-        return encoder._parts[0].main.weight.device
-    return next(iter(encoder.parameters()), torch.empty(0)).device
-
-
 class FrozenEmbedder:
-    """A snapshot of an encoder (a deep copy in eval mode) that embeds segments for an index rebuild (rlm.index's
-    Embedder protocol); shares no tensors with the live encoder, so it runs in a background thread. Embeds in
-    float32 whatever the caller's autocast: bfloat16 ranks the index's segments worse."""
+    """A frozen deep copy of an encoder that embeds segments for a rebuild (rlm.index's Embedder), in a thread if
+    need be; in float32 whatever the autocast: bfloat16 ranks the index's segments worse."""
 
     def __init__(self, encoder: SegmentEncoder, identity: dict) -> None:
         # plain_copy: a deep copy with full, unsharded weights under FSDP, so the thread embeds on its own
@@ -213,7 +198,12 @@ class FrozenEmbedder:
     @torch.no_grad()
     def embed_segments(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """(S, L) tokens and mask -> (S, D) float32 unit vectors."""
-        device = encoder_device(self.encoder)
+        enc = self.encoder  # a shared encoder's weights are the LM's embedding
+        device = (
+            enc._parts[0].main.weight.device
+            if isinstance(enc, SharedEncoder)
+            else enc.embed.table.weight.device
+        )
         with torch.autocast(device.type, enabled=False):
             return self.encoder.pooled(tokens.to(device), mask.to(device)).float()
 

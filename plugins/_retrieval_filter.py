@@ -1,14 +1,8 @@
-"""The retriever at evaluation: causal for any evaluated text, and with its own past, as in training.
-
-S_t retrieves from the training set and its own document's past, never S_{t+1} or later (Komatsuzaki 2020, sec.
-5.4). The index's causal filter knows a training query by id; an evaluated text is not indexed, so here:
-- copy_exclusions: text up to S_t's end that copies L / 2 tokens of an indexed document is filtered as that
-  document's own query would be, so a copy (or a prompt cut from one) never retrieves its own continuation;
-- future_exclusions: indexed exact copies of the evaluated document's segments from S_{t+1} on are not retrieved
-  (and counted). This reads the evaluated future, as a leakage filter must (RETRO's evaluation, Borgeaud et al.
-  2022), and only ever removes neighbours;
-- score_candidates, merge_by_score: a document the index does not hold gets its own earlier segments, scored by
-  the current embedder and merged with the index's results.
+"""The retriever at evaluation, causal for any evaluated text (Komatsuzaki 2020, sec. 5.4): the index knows a
+training query by id, an evaluated text is not indexed, so a text copying L / 2 tokens of an indexed document is
+filtered as that document's query would be (copy_exclusions), indexed copies of the evaluated document's future are
+not retrieved (future_exclusions: a leakage filter reads the future, as RETRO's evaluation, Borgeaud et al. 2022),
+and a document the index does not hold gets its own past, scored and merged (score_candidates, merge_by_score).
 """
 
 from __future__ import annotations
@@ -25,8 +19,7 @@ from rlm.index.search import Exclusions
 
 
 def same_table(a: Any, b: Any) -> bool:
-    """Whether two segment tables are one: the same object, or the same corpus, tokenizer and segment length (their
-    fingerprints match)."""
+    """Whether two segment tables are one: the same object, or their fingerprints match."""
     if a is b:
         return True
     same = a.fingerprint is not None and a.fingerprint == b.fingerprint
@@ -39,8 +32,8 @@ def same_table(a: Any, b: Any) -> bool:
 
 
 def window_table(tokens: Tensor, mask: Tensor, L: int, pad_id: int) -> tuple[SegmentTable, np.ndarray]:
-    """For a batch that names no segments (generation): a table in which each row's real tokens (a prefix) are one
-    document, and the (B, n) ids of the row's segments in it."""
+    """For a batch that names no segments (generation): a table with each row's real tokens as one document, and the
+    (B, n) ids of the row's segments in it."""
     B, T = tokens.shape
     lengths = mask.sum(1).cpu().numpy().astype(np.int64)  # (B,)
     tok = tokens.cpu().numpy()
@@ -65,9 +58,8 @@ def _spread(count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def copy_exclusions(
     memory: RetrievalMemory, q_tokens: np.ndarray, q_mask: np.ndarray, continuation: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(query, lo, hi): the memory's global ids lo <= id < hi that query b * n + j may not find because its text
-    copies their document (see the module docstring); q_tokens, q_mask (B, n, L) the query segments, S_t of chunk
-    j being the text just before chunk j, so the text up to S_t's end is q_tokens[b, :j + 1]."""
+    """(query, lo, hi): the memory's ids lo <= id < hi that query b * n + j may not find because its text up to S_t's
+    end (q_tokens[b, :j + 1], of the (B, n, L) query segments) copies their document."""
     B, n, L = q_tokens.shape
     runs = memory.text_copies()
     g = runs.run
@@ -99,11 +91,9 @@ def copy_exclusions(
 def future_exclusions(
     memory: RetrievalMemory, own: Any, docs: np.ndarray, seg_ids: np.ndarray, continuation: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(query, lo, hi): the memory's indexed segments that are exact copies of a segment of the evaluated document
-    at or after chunk j's target (with continuations, also the segment whose continuation such a copy is).
-
-    own: the batch's table; docs (B,) each row's document in it; seg_ids (B, n) the window's segments in it, the
-    target of chunk j being seg_ids[:, j] (-1 past the document's end)."""
+    """(query, lo, hi): the memory's segments that copy a segment of the evaluated document at or after chunk j's
+    target (with continuations, also the one before such a copy). own: the batch's table; docs (B,) each row's
+    document in it; seg_ids (B, n) the window's segments, chunk j's target seg_ids[:, j] (-1 past the end)."""
     B, n = seg_ids.shape
     t0 = seg_ids[:, 0]  # chunk 0's target; chunk j's is t0 + j
     m, r = _spread(np.where(t0 >= 0, own.first[docs + 1] - t0, 0))
@@ -123,8 +113,7 @@ def future_exclusions(
 
 
 def as_exclusions(rows: np.ndarray, parts: list[tuple[tuple[np.ndarray, ...], bool]]) -> Exclusions:
-    """Exclusions of the searched queries `rows` (ascending positions among the B * n queries) from ranges
-    ((query, lo, hi), counted) over all B * n queries."""
+    """Exclusions of the searched queries `rows` (ascending among the B * n) from ((query, lo, hi), counted)."""
     query, lo, hi, counted = [], [], [], []
     for (q, a, b), count in parts:
         pos = np.minimum(np.searchsorted(rows, q), max(len(rows) - 1, 0))
@@ -137,9 +126,8 @@ def as_exclusions(rows: np.ndarray, parts: list[tuple[tuple[np.ndarray, ...], bo
 
 
 def score_candidates(own: Any, cands: np.ndarray, e_q: Tensor, embed) -> np.ndarray:
-    """(B, n, c) cosine of each candidate segment of the table `own` (-1: none, -inf) to its query's e(S_t)
-    (e_q (B * n, D), unit vectors) under the current embedder (embed: tokens, mask -> unit vectors); each distinct
-    candidate embedded once."""
+    """(B, n, c) cosine of each candidate segment of `own` (-1: none, -inf) to its query's e(S_t) (e_q (B * n, D))
+    under the current embedder, each distinct candidate embedded once."""
     B, n, c = cands.shape
     score = np.full(cands.shape, -np.inf, dtype=np.float32)
     present = cands >= 0
@@ -158,8 +146,7 @@ def score_candidates(own: Any, cands: np.ndarray, e_q: Tensor, embed) -> np.ndar
 def merge_by_score(
     ids: np.ndarray, scores: np.ndarray, more: np.ndarray, more_scores: np.ndarray, k: int
 ) -> np.ndarray:
-    """(..., k) ids of the k best of two candidate lists (..., a) and (..., c) by score (-1 / -inf: none); equal
-    scores keep the first list first."""
+    """(..., k) ids of the k best of two lists (..., a), (..., c) by score (-1 / -inf: none), ties to the first."""
     all_ids = np.concatenate([ids, more], -1)
     all_scores = np.where(all_ids >= 0, np.concatenate([scores, more_scores], -1), -np.inf)
     order = np.argsort(-all_scores, axis=-1, kind="stable")[..., :k]

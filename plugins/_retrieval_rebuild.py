@@ -19,14 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 from rlm.index.build import IndexConfig
-from rlm.index.memory import (
-    MemoryOwner,
-    RetrievalMemory,
-    build_memory,
-    embed_rows,
-    indexed_rows,
-    load_memory,
-)
+from rlm.index.memory import MemoryOwner, RetrievalMemory, build_memory, embed_rows, indexed_rows, load_memory
 from rlm.index.projection import Projection, fit_projection, index_width, with_projection
 from rlm.index.rebuild import Schedule, rebuild_stream, shards
 from rlm.index.sharded import (
