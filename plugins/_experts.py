@@ -1,9 +1,8 @@
 """Expert computations of the routed plugins (moe, partial_experts, tokenid).
 
-:class:`Experts` stacks N FFN experts as (N, d, h) / (N, h, d) weights; :func:`dispatch` sorts the assignments
-by expert once and runs every expert in one grouped GEMM or one bmm over (N, C, d) capacity buffers: no loop over
-experts, no per-expert weight slices (each slice's gradient would be full-size). :class:`PartialEntries` holds
-partial experts V relu(U^T x) or constant vectors (Baykal et al. 2023), read by embedding gathers.
+:func:`dispatch` sorts the assignments by expert once and runs the stacked :class:`Experts` in one grouped GEMM or
+one bmm over (N, C, d) capacity buffers: no loop over experts, no per-expert weight slices (each slice's gradient
+would be full-size). :class:`PartialEntries`: partial experts V relu(U^T x) or vectors (Baykal et al. 2023).
 """
 
 from __future__ import annotations
@@ -21,43 +20,29 @@ _GROUPED_FAILED: set[tuple[str, torch.dtype]] = set()
 
 
 def grouped_mm_op() -> Callable[..., Tensor] | None:
-    """``F.grouped_mm``, else the private ``torch._grouped_mm`` of older torch, else None; every call falls back to
-    bmm on any exception (``Experts._grouped``)."""
+    """``F.grouped_mm``, else the private ``torch._grouped_mm`` of older torch, else None."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def _grouped_ffn(
-    op: Callable[..., Tensor], x: Tensor, up: Tensor, down: Tensor, offs: Tensor, act: str
-) -> Tensor:
-    """Both expert matmuls as grouped GEMMs over x (A, d) sorted by expert; offs (N,) int32 ends of the groups."""
-    h = op(x, up, offs=offs)  # (A, [2]h)
-    return op(_activation(act, h), down, offs=offs)  # (A, d)
 
 
 @dataclass
 class Plan:
-    """Where each kept (token, choice) assignment goes, sorted by expert (row order within an expert)."""
+    """The kept (token, choice) assignments sorted by expert (row order within one), each (A,): its index s * k + j
+    in the (S, k) routing, token, expert and place in the expert's queue; the kept count per expert (N,), and the
+    fraction of valid assignments dropped over capacity (0-d)."""
 
     assignment: Tensor
-    """Kept assignments as indices into the token-major flattening of the (S, k) routing (s * k + j), (A,)."""
     token: Tensor
-    """Source token of each kept assignment, (A,)."""
     expert: Tensor
-    """Expert of each kept assignment (non-decreasing), (A,)."""
     position: Tensor
-    """Position of each kept assignment within its expert's queue, (A,)."""
     counts: Tensor
-    """Kept assignments per expert, (N,)."""
     dropped: Tensor
-    """Fraction of the valid assignments that went over capacity (0-d float)."""
 
 
 def plan(index: Tensor, valid: Tensor, n: int, capacity: int | None) -> Plan:
     """Group the assignments index (S, k) by expert; padding (valid False) and assignments past capacity drop out.
 
-    Queue places are claimed row by row, each row's k choices together, so row s's places depend on rows <= s
-    only (causal when rows are position-major). GShard (Lepikhin et al. 2020) lets every first choice claim
-    before any second choice, so a later token could displace an earlier one: not causal.
+    Queue places are claimed row by row, a row's k choices together, so row s's places depend on rows <= s only
+    (causal when rows are position-major; GShard's first-choices-first order is not).
     """
     S, k = index.shape
     expert = index.reshape(-1)  # (A0,) with A0 = S * k, token-major: a = s * k + j
@@ -104,8 +89,7 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.randn(n, hidden, d) * out_std)
 
     def grouped_ok(self, x: Tensor) -> bool:
-        """Whether 'auto' takes the grouped GEMM for x: 16-byte aligned rows, and CPU float32/bf16/float16 or
-        CUDA bf16 on sm80+ (CUDA float32 has no grouped kernel)."""
+        """Whether 'auto' takes the grouped GEMM for x: 16-byte aligned rows, and CPU or CUDA bf16 on sm80+."""
         if grouped_mm_op() is None or (x.device.type, x.dtype) in _GROUPED_FAILED:
             return False
         align = 16 // x.element_size()
@@ -121,9 +105,9 @@ class Experts(nn.Module):
         if op is None:
             return None
         offs = torch.cumsum(p.counts, 0).to(torch.int32)  # (N,) end of each expert's rows
-        args = (op, x, up.to(x.dtype), down.to(x.dtype), offs, self.activation)
         try:
-            return _grouped_ffn(*args)
+            h = op(x, up.to(x.dtype), offs=offs)  # (A, [2]h)
+            return op(_activation(self.activation, h), down.to(x.dtype), offs=offs)  # (A, d)
         except Exception as err:  # any failure of the kernel (device, dtype, layout, build): bmm from now on
             _GROUPED_FAILED.add((x.device.type, x.dtype))
             warnings.warn(
@@ -134,7 +118,7 @@ class Experts(nn.Module):
             return None
 
     def to_compute_dtype(self, x: Tensor) -> Tensor:
-        """x in the dtype autocast runs the matmuls in, made explicit: the grouped GEMM's choice and kernel see it."""
+        """x in autocast's matmul dtype, made explicit for the grouped GEMM's choice and kernel."""
         if torch.is_autocast_enabled(x.device.type):
             return x.to(torch.get_autocast_dtype(x.device.type))
         return x
@@ -153,11 +137,8 @@ class Experts(nn.Module):
         mode: str,
         weights: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d).
-
-        ``weights`` (up, down): a run of this module's experts, the ones p numbers (one chunk of the expert
-        parallel exchange); default all. ``capacity`` sizes bmm's buffers (None: the largest queue).
-        """
+        """Expert outputs for the planned assignments: x (A, d) sorted by expert -> (A, d). ``weights``: the (up,
+        down) of the experts p numbers (an expert parallel chunk; default all); ``capacity`` sizes bmm's buffers."""
         up, down = weights if weights is not None else (self.up, self.down)
         x = self.to_compute_dtype(x)
         mode = self.resolve(x, mode)
@@ -177,8 +158,7 @@ class Experts(nn.Module):
         return out.index_select(0, slot)  # (A, d)
 
 
-# Under torch.compile the dispatch is an eager island behind one graph break: the plan's data-dependent shapes
-# would split the graph and recompile as the loads change; the router and the rest of the model still compile.
+# An eager island under torch.compile: the plan's data-dependent shapes would split the graph and recompile.
 @torch.compiler.disable
 def dispatch(
     x: Tensor, index: Tensor, weight: Tensor, valid: Tensor, experts: Experts, capacity: int | None, mode: str
@@ -208,7 +188,6 @@ class PartialEntries(nn.Module):
             nn.init.normal_(self.v.weight, 0.0, init_std) if init_std else nn.init.zeros_(self.v.weight)
 
     def num_parameters(self) -> int:
-        """n*d at rank 0, 2*rank*n*d at rank r."""
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, x: Tensor, index: Tensor, weight: Tensor | None = None) -> Tensor:

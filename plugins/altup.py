@@ -1,19 +1,15 @@
-"""Alternating Updates (Baykal et al., 'Alternating Updates for Efficient Transformers', NeurIPS 2023;
-also section 5 of 'The Power of External Memory in Increasing Predictive Model Capacity').
+"""Alternating Updates (Baykal et al., 'Alternating Updates for Efficient Transformers', NeurIPS 2023).
 
-The token representation is widened to K blocks of width d; every transformer block still has width d
-and computes only one selected block j* per layer. Around layer l (Algorithm 1 of the AltUp paper):
+The token representation is widened to K blocks of width d; each width-d transformer block computes one
+selected block j* per layer (Algorithm 1):
 
     predict:  x_hat^i = sum_j p_ij x^j                         (K*K trainable scalars, init identity)
     compute:  x_tilde = L(x_hat^{j*})                          (the unchanged width-d block)
     correct:  x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})   (K trainable scalars, init 1)
 
-The block runs on the predicted x_hat^{j*}, as in Algorithm 1 (and Gemma 3n). With p = identity and g = 1 every
-block gets the layer's residual update, so Recycled-AltUp starts as the base model, and K=1 is the base model.
-The K blocks are one (K, B, T, d) tensor, and predict + correct fold into one (K, K) matmul plus a rank-1 update
-(``AltUpStack.correct``). Block 0 is the model's own embedding, so input tables and the tied head keep working.
-router=True (beyond the paper, as in Gemma 3n): p(x) = P + tanh(W_p rms(x^{j*})), g = G + tanh(W_g rms(x_tilde)),
-W zero-initialised.
+With p = identity and g = 1 Recycled-AltUp starts as the base model; K=1 is the base model. Block 0 is the
+model's own embedding. router=True (as in Gemma 3n): p(x) = P + tanh(W_p rms(x^{j*})), g = G + tanh(W_g
+rms(x_tilde)), W zero-initialised.
 """
 
 from __future__ import annotations
@@ -38,14 +34,13 @@ class AltUpConfig:
     k: int = 2
     """Number of width-d blocks of the widened representation (K; 1 gives back the base model)."""
     embedding: Literal["wide", "recycled", "project"] = "wide"
-    """How the K blocks are embedded: 'wide' (extra (V, (K-1)*d) table, AltUp), 'recycled' (the width-d
-    embedding replicated K times, Recycled-AltUp, no extra parameters) or 'project' (extra (V, extra_width)
-    table divided into K-1 pieces, each projected to d)."""
+    """'wide': an extra (V, (K-1)*d) table (AltUp); 'recycled': the embedding replicated K times; 'project': an
+    extra (V, extra_width) table in K-1 pieces, each projected to d."""
     extra_width: int | None = None
-    """Width e of the extra embedding for embedding='project' (any e >= K-1, not only multiples of d)."""
+    """Width e >= K-1 of the extra embedding for embedding='project'."""
     update: Literal["altup", "sum"] = "altup"
-    """'altup' (predict / compute / correct around every block) or 'sum' (Table 1 baseline: the extra
-    embedding is added to the token embedding, the stack is unchanged)."""
+    """'altup' (predict / compute / correct) or 'sum' (Table 1 baseline: the extra embedding added to the token
+    embedding, the stack unchanged)."""
     selection: Literal["alternating", "same"] = "alternating"
     """Which block layer l computes: 'alternating' (j* = l mod K) or 'same' (always block 0, SameUp)."""
     reduce: Literal["mean", "first", "project"] = "mean"
@@ -79,8 +74,7 @@ class AltUpConfig:
             raise ValueError(f"altup.init_std must be >= 0 or null, got {self.init_std}")
 
     def memory(self, mc: ModelConfig, parts: Parts) -> None:
-        """The coefficients, extra embedding, router and reduction, and the K blocks' saved bytes
-        (rlm.model.memory)."""
+        """Parameters and the K blocks' saved bytes (rlm.model.memory)."""
         d, k, L = mc.d_model, self.k, mc.n_layers
         params = L * k * k + L * k  # p (L, K, K), g (L, K)
         if self.embedding != "recycled" and k > 1:
@@ -109,8 +103,8 @@ class ExtraEmbedding(nn.Module):
         self.pieces: list[int] = []
         self.proj: nn.Parameter | None = None
         if extra_width is not None:
-            # Divide-and-project: K-1 pieces as even as possible, piece c (width w_c) projected to d by its
-            # own (w_c, d) map, stored as one (K-1, w_max, d) tensor whose rows past w_c stay zero.
+            # K-1 pieces as even as possible, piece c projected by its own (w_c, d) map, stored as one
+            # (K-1, w_max, d) tensor whose rows past w_c stay zero.
             base, rem = divmod(extra_width, k - 1)
             self.pieces = [base + (c < rem) for c in range(k - 1)]
             proj = torch.zeros(k - 1, self.pieces[0], d)
@@ -169,8 +163,7 @@ class AltUpStack(nn.Module):
         return torch.cat((x.unsqueeze(0), self.extra(ctx.tokens).to(x.dtype)), dim=0)
 
     def predict(self, xs: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-        """The selected predicted block x_hat^{j*} = sum_j p_{j*j} x^j (B, T, d), and p (K, K), or (B, T, K, K)
-        with a router; the other rows of the prediction are folded into ``correct``."""
+        """x_hat^{j*} = sum_j p_{j*j} x^j (B, T, d), and p (K, K), or (B, T, K, K) with a router."""
         j = self.selected[layer]
         p = self.p[layer].to(xs.dtype)  # (K, K)
         if self.p_router is None:
@@ -179,13 +172,8 @@ class AltUpStack(nn.Module):
         return torch.einsum("btj,jbtd->btd", p[..., j, :], xs), p
 
     def correct(self, xs: Tensor, p: Tensor, x_tilde: Tensor, layer: int) -> Tensor:
-        """All K corrected blocks (K, B, T, d) from the old blocks xs, p from ``predict`` and x_tilde.
-
-        Predict and correct fused: x_new^i = x_hat^i + g_i (x_tilde - x_hat^{j*})
-                                           = sum_k (p_ik - g_i p_{j*k}) x^k + g_i x_tilde,
-        one (K, K) @ (K, B*T*d) matmul plus a rank-1 update, with no (K, B, T, d) temporaries. With K=1, p=1,
-        g=1 it returns x_tilde exactly.
-        """
+        """The K corrected blocks (K, B, T, d), predict and correct fused with no (K, B, T, d) temporaries:
+        x_new^i = sum_k (p_ik - g_i p_{j*k}) x^k + g_i x_tilde, a (K, K) matmul plus a rank-1 update."""
         j = self.selected[layer]
         g = self.g[layer].to(xs.dtype)  # (K,)
         if self.g_router is None:
@@ -204,8 +192,7 @@ class AltUpStack(nn.Module):
         return torch.einsum("kbtd,kde->bte", xs, self.out_proj.to(xs.dtype))
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
-        # Predict and correct run outside autocast: under bf16 autocast their matmuls would round the K-block
-        # residual stream to bf16 at every layer, which the plain stack's fp32 residual adds never do.
+        # Predict and correct run outside autocast: bf16 matmuls would round the K-block residual stream.
         exact = torch.autocast(x.device.type, enabled=False)
         with exact:
             xs = self.widen(x, ctx)  # (K, B, T, d)
@@ -248,8 +235,7 @@ class AltUpPlugin(Plugin):
         super().__init__(config, model_config)
         c = model_config
         self.init_std = c.init_std if config.init_std is None else config.init_std
-        # The built module, for param_groups; a plain attribute, not a submodule, so the model's state dict
-        # holds its parameters once (under stack.* or embed.add.*), not again under plugins.altup.*.
+        # The built module, a plain attribute, not a submodule: the state dict holds its parameters once.
         object.__setattr__(self, "module", None)
 
     def claims(self) -> list[Claim]:
@@ -263,23 +249,18 @@ class AltUpPlugin(Plugin):
             extra = ExtraEmbedding(c.vocab_size, c.d_model, cfg.k, cfg.extra_width, self.init_std)
             module: nn.Module = SumEmbedding(extra)
         else:
-            module = AltUpStack(self._plain_blocks(current), cfg, c.vocab_size, c.d_model, self.init_std)
+            blocks = getattr(current, "blocks", None)
+            if not isinstance(blocks, nn.ModuleList):
+                raise ValueError(
+                    f"plugin {self.label!r} wraps the plain stack of blocks, but the stack slot holds "
+                    f"{type(current).__name__}; only one plugin may wrap the stack"
+                )
+            module = AltUpStack(blocks, cfg, c.vocab_size, c.d_model, self.init_std)
         object.__setattr__(self, "module", module)
         return module
 
-    def _plain_blocks(self, current: nn.Module | None) -> nn.ModuleList:
-        """The blocks of the plain stack this plugin wraps (another wrapper there is an error)."""
-        blocks = getattr(current, "blocks", None)
-        if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(
-                f"plugin {self.label!r} wraps the plain stack of blocks, but the stack slot holds "
-                f"{type(current).__name__}; only one plugin may wrap the stack"
-            )
-        return blocks
-
     def param_groups(self) -> list[ParamGroup]:
-        # The coefficients are scalars around the identity and the extra table is an embedding: weight
-        # decay would pull p towards 0 (not the identity) and shrink the table, so neither is decayed.
+        # Decay would pull p towards 0, not the identity, and shrink the extra table.
         m = self.module
         if m is None:
             return []
@@ -290,14 +271,14 @@ class AltUpPlugin(Plugin):
         return [ParamGroup("altup_no_decay", no_decay, weight_decay=0.0)] if no_decay else []
 
     def added_parameters(self) -> int:
-        """Parameters over the base model: extra embedding (and projection), coefficients, router, reduction."""
+        """Parameters over the base model."""
         if self.module is None:
             return 0
         block_params = set(self.module.blocks.parameters()) if isinstance(self.module, AltUpStack) else set()
         return sum(p.numel() for p in self.module.parameters() if p not in block_params)
 
     def inactive_parameters(self) -> int:
-        # A token reads one row of the extra table: the other V-1 rows are inactive for it.
+        # A token reads one row of the extra table.
         extra = getattr(self.module, "extra", None)
         if extra is None:
             return 0

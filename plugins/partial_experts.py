@@ -1,9 +1,5 @@
-"""Mixture of partial experts (Baykal et al. 2023): the dense FFN always runs, and the looked-up entries are added,
-
-    FFN(x) + sum_{i in q(x, id)} w_i(x) f_i(x),   f_i(x) = V_i relu(U_i^T x),  U_i, V_i of shape d x rank,
-
-with f_i(x) = b_i at rank 0 and q a lookup of plugins/_lookup.py. The paper counts 2 * max(rank, 1) * buckets * d
-parameters; rank 0 holds half that (a vector of d), so compare it at an equal budget with twice the buckets.
+"""Mixture of partial experts (Baykal et al. 2023): FFN(x) + sum_{i in q(x, id)} w_i(x) f_i(x), with
+f_i(x) = V_i relu(U_i^T x) (U_i, V_i of shape d x rank), f_i(x) = b_i at rank 0, q a lookup of plugins/_lookup.py.
 """
 
 from __future__ import annotations
@@ -46,8 +42,7 @@ class PartialExpertsConfig(LookupOptions):
             raise ValueError(f"partial_experts.init_std must be >= 0, got {self.init_std}")
         if self.balance_coef < 0 or self.z_coef < 0:
             raise ValueError(
-                f"partial_experts loss coefficients must be >= 0, got balance_coef={self.balance_coef}, "
-                f"z_coef={self.z_coef}"
+                f"partial_experts.balance_coef and z_coef must be >= 0, got {self.balance_coef}, {self.z_coef}"
             )
 
 
@@ -89,15 +84,15 @@ class PartialExpertsPlugin(Plugin):
         return PartialExpertsLayer(self.config, self.model_config, layer)
 
     def added_parameters(self) -> int:
-        """Table parameters one layer adds: 2 * rank * buckets * d, or buckets * d at rank 0."""
+        """Table parameters one layer adds: 2 * rank * buckets * d (the paper's count), or buckets * d at rank 0."""
         c = self.config
         return c.buckets * self.model_config.d_model * (2 * c.rank if c.rank else 1)
 
     def router_parameters(self) -> int:
-        """Parameters of one layer's softmax router (d * buckets), 0 for token_id and lsh."""
+        """Parameters of one layer's softmax router (d * buckets)."""
         return self.model_config.d_model * self.config.buckets if self.config.lookup == "softmax" else 0
 
     def inactive_parameters(self) -> int:
-        # A token reads top_k of the buckets' entries; the router is used by every token.
+        # A token reads top_k of the buckets' entries.
         c = self.config
         return len(self.layers) * self.added_parameters() * (c.buckets - c.top_k) // c.buckets
