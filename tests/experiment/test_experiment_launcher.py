@@ -289,8 +289,8 @@ def test_checkpoint_stops_rlm_fit_with_sigterm_and_requeues_the_same_call(tmp_pa
 
 
 def test_status_of_running_stopped_failed_and_pending_runs(tmp_path):
+    from rlm.experiment.cli import experiment_states, format_states
     from rlm.experiment.runner import write_job
-    from rlm.experiment.status import experiment_states, format_states
 
     exp = load_experiment(write_experiment(tmp_path / "e.yaml", seeds=[0, 1, 2, 3]))
     out = tmp_path / "out"
