@@ -1,11 +1,8 @@
 """``rlm export --ckpt CKPT --out DIR``: a checkpoint as a folder that plain transformers loads (docs/CLI.md).
 
-A model without plugins and with the gated FFN is written as transformers' own ``LlamaForCausalLM`` (rlm.hf.llama).
-Any other is rlm's transformers model (rlm.hf.model: rlm's ModelConfig and every plugin's options in config.json),
-with rlm's own source in ``rlm_src/`` and ``modeling_rlm.py`` named by ``auto_map``, so
-``from_pretrained(DIR, trust_remote_code=True)`` loads it without rlm installed; a retriever's index goes in
-``index/``. Both hold the checkpoint's tokenizer, a model card and ``manifest.json`` (checksums of the rest). The
-folder is written under a temporary name and renamed.
+A model without plugins and with the gated FFN is written as ``LlamaForCausalLM`` (rlm.hf.llama); any other as
+rlm.hf.model's, with rlm's source in ``rlm_src/`` for ``trust_remote_code=True`` and a retriever's index in
+``index/``. Both hold the checkpoint's tokenizer, a model card and ``manifest.json``.
 """
 
 from __future__ import annotations
@@ -42,10 +39,8 @@ KNNLM_NOTE = (
 
 
 def write_tokenizer(ckpt: dict[str, Any], ckpt_path: Path, dest: Path) -> tuple[str, Any]:
-    """Write the checkpoint's own tokenizer into ``dest``; returns (what was written, the loaded tokenizer).
-
-    A sentencepiece model becomes ``tokenizer.model``; a Hugging Face tokenizer is copied with the files beside it,
-    plus a tokenizer_config.json when it had none, so that transformers' AutoTokenizer loads it."""
+    """Write the checkpoint's own tokenizer into ``dest`` (a Hugging Face one with a tokenizer_config.json, which
+    AutoTokenizer needs); returns (what was written, the loaded tokenizer)."""
     source = Path(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
     if is_sentencepiece(source):
         shutil.copyfile(source, dest / SP_FILE)
@@ -69,8 +64,8 @@ def write_tokenizer(ckpt: dict[str, Any], ckpt_path: Path, dest: Path) -> tuple[
 
 
 def export_indices(model: Transformer, dest: Path, say: Callable[[str], None]) -> dict[str, str | None]:
-    """Copy every index a plugin's checkpointed state names (``{'index_dir': path}``) under ``dest``; returns
-    plugin label -> folder relative to ``dest``, or None for a plugin that has no index to export."""
+    """Copy every index a plugin's extra state names (``{'index_dir': path}``) under ``dest``; returns plugin
+    label -> folder relative to ``dest``, or None where there is none to export."""
     owners = {}
     for label, plugin in model.plugins.items():
         if type(plugin).get_extra_state is not nn.Module.get_extra_state:
@@ -128,8 +123,8 @@ def _check_rebuild(again: Transformer, model: Transformer) -> None:
 
 
 def final_metrics(ckpt_path: Path, step: int) -> tuple[Path | None, dict[str, tuple[int, float]]]:
-    """The run's metrics.csv (CSVLogger) beside the checkpoint, if any, and the last value up to ``step`` of
-    each loss column: name -> (step, value)."""
+    """The run's metrics.csv beside the checkpoint, if any, and each loss column's last (step, value) up to
+    ``step``."""
     run = ckpt_path.resolve().parent.parent
     versions = sorted(run.glob("version_*/metrics.csv"), key=lambda p: p.stat().st_mtime, reverse=True)
     candidates = [ckpt_path.resolve().parent / "metrics.csv", run / "metrics.csv", *versions]
@@ -220,21 +215,6 @@ def card(
     return "\n".join(lines)
 
 
-def write_llama(model: Transformer, tok: Any, dest: Path) -> Any:
-    """Write ``model`` (no plugins, gated FFN) into ``dest`` as transformers' LlamaForCausalLM; returns its
-    config."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    from rlm.hf.llama import llama_config, llama_state_dict
-
-    config = llama_config(model, tok.bos_id, tok.eos_id, tok.pad_id)
-    config.save_pretrained(dest)
-    GenerationConfig.from_model_config(config).save_pretrained(dest)
-    save_file(llama_state_dict(model), dest / "model.safetensors", metadata={"format": "pt"})
-    return config
-
-
 def write_source(dest: Path) -> None:
     """rlm's own source (its packages' .py and .c files) under ``dest/rlm_src/rlm``, and the remote-code entry
     ``dest/modeling_rlm.py`` (rlm.hf.modeling_rlm) that loads the model from it."""
@@ -259,8 +239,8 @@ def write_source(dest: Path) -> None:
 def write_rlm(
     model: Transformer, module: Any, tok: Any, dest: Path, say: Callable[[str], None]
 ) -> tuple[Any, dict[str, str | None]]:
-    """Write ``model`` into ``dest`` as rlm's own transformers model (rlm.hf.model), with its source and an
-    ``auto_map`` for ``trust_remote_code=True``, its indices and option files; returns (config, indices)."""
+    """Write ``model`` into ``dest`` as rlm.hf.model's, with its source, indices and option files; returns
+    (config, indices)."""
     from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs
 
     indices = export_indices(model, dest, say)
@@ -297,7 +277,10 @@ def export(
     """Write the exported folder of a checkpoint at ``out`` (see the module docstring)."""
     require("transformers", "hf-export", "rlm export")
     require("safetensors", "hf-export", "rlm export")
-    from rlm.hf.llama import llama_refusal
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    from rlm.hf.llama import llama_config, llama_refusal, llama_state_dict
     from rlm.hf.model import write_manifest
     from rlm.train.module import LMModule
 
@@ -315,8 +298,11 @@ def export(
             raise ValueError(
                 f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}"
             )
-        if llama is None:
-            config = write_llama(model, tok, tmp)
+        if llama is None:  # transformers' own LlamaForCausalLM
+            config = llama_config(model, tok.bos_id, tok.eos_id, tok.pad_id)
+            config.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            save_file(llama_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
             indices: dict[str, str | None] = {}
         else:
             config, indices = write_rlm(model, module, tok, tmp, say)

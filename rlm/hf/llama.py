@@ -1,14 +1,8 @@
-"""A model without plugins and with the gated FFN as transformers' own ``LlamaForCausalLM``: plain transformers
-loads and generates with it (its own key/value cache), no rlm and no remote code needed.
-
-The two decoders are the same function (pre-norm RMSNorm, rotary positions, SwiGLU, grouped-query attention, no
-biases); only names and two layouts differ:
-- rlm's fused ``qkv`` rows are [q heads | k heads | v heads] and Llama's q_proj, k_proj, v_proj hold them apart;
-- rlm's fused ``up`` rows are [gate | up] (``silu(gate) * up``, rlm.model.layers.FeedForward), Llama's
-  gate_proj and up_proj hold them apart.
-The rotary layouts agree: rlm rotates the pairs (x[i], x[i + hs/2]) (rlm.model.layers.apply_rope), as Llama's
-``rotate_half`` does, with the same frequencies base^(-2i/hs), so q and k rows need no permutation. The head's
-padded rows (model.vocab_multiple) are cut off: the export has the tokenizer's vocab_size rows.
+"""A model without plugins and with the gated FFN as transformers' own ``LlamaForCausalLM``: the same function
+(pre-norm RMSNorm, rotary, SwiGLU, grouped-query attention, no biases) under other names, with rlm's fused ``qkv``
+rows [q | k | v] and ``up`` rows [gate | up] split into Llama's projections. rlm rotates the pairs
+(x[i], x[i + hs/2]) as Llama's ``rotate_half`` does, so q and k rows need no permutation. The head's padded rows
+(model.vocab_multiple) are cut off.
 """
 
 from __future__ import annotations

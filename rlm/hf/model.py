@@ -1,15 +1,9 @@
 """rlm's Transformer, with its plugins, as a ``transformers`` causal LM (model_type 'rlm').
 
-:class:`RLMConfig` carries rlm's ModelConfig (``rlm_model``) and every plugin's options (``plugins``, as
-``{label: {class_path, init_args}}``); :class:`RLMForCausalLM` builds the very same Transformer from them, so the
-parameter names of ``model.safetensors`` are the checkpoint's. A forward builds the Context as
-LMModule.make_context does; ``generate`` decodes as ``rlm generate`` does, over rlm's own KVCache (:class:`WindowCache`,
-re-filled past ``max_seq_len`` by refill_start) or, with ``use_cache=False``, by recomputing the window. Attention is
-causal with no padding mask, as in training: a right-padded batch scores exactly, a left-padded one does not.
-
-A retriever's index is a folder beside the weights (``indices``), handed to the plugin by from_pretrained.
-``manifest.json`` holds the size and sha256 of every other file (the indices are sealed by their own meta.json);
-from_pretrained of a local folder checks it first, so a damaged model.safetensors is an error naming it.
+:class:`RLMConfig` carries rlm's ModelConfig and every plugin's options, from which :class:`RLMForCausalLM` builds
+the very same Transformer (the checkpoint's parameter names); ``generate`` decodes as ``rlm generate`` does. No
+padding mask, as in training: a right-padded batch scores exactly, a left-padded one does not. A retriever's index
+is a folder beside the weights (``indices``); ``manifest.json`` seals every other file.
 """
 
 from __future__ import annotations
@@ -69,21 +63,16 @@ class RLMConfig(PretrainedConfig):
     model_type = MODEL_TYPE
 
     rlm_model: dict[str, Any] = field(default_factory=dict)  # rlm.model.ModelConfig's fields
-    plugins: dict[str, Any] = field(default_factory=dict)
-    """Plugin label -> {class_path, init_args}: every option of every plugin, defaults included."""
-    indices: dict[str, str | None] = field(default_factory=dict)
-    """Plugin label -> its index folder, relative to the model directory (None: exported without one)."""
-    files: dict[str, list[str]] = field(default_factory=dict)
-    """Plugin label -> its options that name a file copied into the model directory (their values are relative
-    to it), for example a token_counts array."""
+    plugins: dict[str, Any] = field(default_factory=dict)  # label -> {class_path, init_args}, every option
+    indices: dict[str, str | None] = field(default_factory=dict)  # label -> its index folder, or None
+    files: dict[str, list[str]] = field(default_factory=dict)  # label -> its options naming a copied file
     vocab_size: int | None = None
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
     num_attention_heads: int | None = None
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
-    use_cache: bool = True
-    """generate() decodes over rlm's key/value cache (WindowCache); False: recompute the window at every step."""
+    use_cache: bool = True  # generate() over rlm's key/value cache (WindowCache); False: recompute the window
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -101,10 +90,6 @@ class RLMConfig(PretrainedConfig):
             self.max_position_embeddings = shape.max_seq_len
             self.tie_word_embeddings = shape.tie_embeddings
         super().__post_init__(**kwargs)
-
-    def model_config(self) -> ModelConfig:
-        """rlm's ModelConfig (validated)."""
-        return ModelConfig(**self.rlm_model)
 
 
 def _with_files(config: RLMConfig, root: str | None) -> dict[str, Any]:
@@ -164,7 +149,7 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         # from_pretrained sets name_or_path before building: the folder that files and indices are relative to
         root = config.name_or_path if config.name_or_path and os.path.isdir(config.name_or_path) else None
-        self.model = Transformer(config.model_config(), _with_files(config, root) or None)
+        self.model = Transformer(ModelConfig(**config.rlm_model), _with_files(config, root) or None)
         if root is not None:
             self.attach_indices(root)
         source = _tied_source(self.model)
@@ -174,10 +159,8 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
             self._keys_to_ignore_on_load_missing = [r"^model\.head\.weight$"]
         self.post_init()
 
-    # a plugin's non-tensor extra state (the retriever's index folder) travels in config.json (``indices``): the
-    # state dict transformers reads and writes holds tensors only
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The parameters and persistent buffers (tensors only; see ``indices`` for the retrievers' index)."""
+        """Tensors only: a retriever's index folder (its extra state) travels in config.json's ``indices``."""
         full = super().state_dict(*args, **kwargs)
         for key in [k for k, v in full.items() if not isinstance(v, Tensor)]:
             del full[key]
@@ -198,9 +181,7 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def _init_weights(self, module: torch.nn.Module) -> None:
-        """Weights come from model.safetensors (or rlm's own init in Transformer.__init__); only non-persistent
-        buffers computed from the options (the rotary tables, hash constants), which from_pretrained leaves empty,
-        are computed again, by the modules' own ``reset_buffers``."""
+        """Only the non-persistent buffers that from_pretrained leaves empty (rotary tables, hash constants)."""
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
 
@@ -216,8 +197,7 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
     ):
-        """transformers' from_pretrained (a local folder's files checked against its manifest first), then the
-        retrievers' index folders, found beside the weights."""
+        """transformers' from_pretrained (a local folder checked against its manifest first), then the indices."""
         if os.path.isdir(pretrained_model_name_or_path):
             check_manifest(Path(pretrained_model_name_or_path))
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
@@ -248,14 +228,6 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
             if rel is not None:
                 self.model.plugins[label].set_extra_state({"index_dir": str(Path(root, rel).resolve())})
 
-    def context(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Context:
-        """The per-step Context, filled by every plugin's prepare (as LMModule.make_context does)."""
-        mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-        ctx = Context(tokens=input_ids, mask=mask, stage="train" if self.training else "predict")
-        for plugin in self.model.plugins.values():
-            plugin.prepare(ctx, {"tokens": input_ids, "mask": mask})
-        return ctx
-
     def forward(
         self,
         input_ids: Tensor,
@@ -267,9 +239,11 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple[Tensor, ...]:
         """Logits (B, T, V); with ``labels`` (B, T) also the mean next-token loss (labels shifted here, -100
-        ignored), plus the plugins' weighted auxiliary losses in training mode (rlm's training objective). With
-        ``cache`` (from prepare_inputs_for_generation), ``input_ids`` are the tokens after the cached ones."""
-        ctx = self.context(input_ids, attention_mask)
+        ignored), plus the plugins' auxiliary losses in training. With ``cache``, ``input_ids`` follow its tokens."""
+        mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
+        ctx = Context(tokens=input_ids, mask=mask, stage="train" if self.training else "predict")
+        for plugin in self.model.plugins.values():  # as LMModule.make_context does
+            plugin.prepare(ctx, {"tokens": input_ids, "mask": mask})
         if cache is not None:
             ctx.cache, ctx.offset = cache, cache.length
         logits = self.model(input_ids, ctx)  # (B, T, V)
@@ -293,8 +267,7 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """The next forward's inputs, as rlm.eval.generate builds them: with the cache, the tokens it has not
-        seen (the prompt, one new token, or a re-filled window's last max_seq_len // 2 tokens); without it, the
-        last max_seq_len tokens."""
+        seen (re-filled past max_seq_len by refill_start); without it, the last max_seq_len tokens."""
         window = self.model.config.max_seq_len
         if use_cache is None:
             use_cache = self.config.use_cache
