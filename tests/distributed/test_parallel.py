@@ -98,17 +98,6 @@ def test_sharded_model_and_plain_copy_match_one_process(two_ranks):
         assert got[rank][4] == weights_hash(encoder.weights())
 
 
-def test_beta_loads_from_a_scalar_checkpoint():
-    """Checkpoints written when beta was a 0-d parameter still load (beta is (1,) now, for FSDP2)."""
-    model = _model()
-    state = model.state_dict()
-    key = next(k for k in state if k.endswith("cross_attn.beta"))
-    assert state[key].shape == (1,)
-    state[key] = torch.tensor(1.7)
-    model.load_state_dict(state)
-    assert_close(model.state_dict()[key], torch.tensor([1.7]))
-
-
 def test_mixed_precision_policy_follows_the_trainer_precision():
     from rlm.distributed.parallel import mixed_precision_policy
 
