@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rlm.cli.summary import experiment_summary, val_subset
 from rlm.experiment.report import write_report
 from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY, log_tail, plan
-from rlm.experiment.spec import Experiment
+from rlm.experiment.spec import Experiment, resolve_launcher
 from rlm.extras import MissingExtra
 
 if TYPE_CHECKING:
@@ -74,7 +74,6 @@ def _launch(
 ) -> list[str] | None:
     """Execute the runs where the launcher options (the file's, then the flags) say; the labels of the runs
     that failed, or None when the jobs were only submitted (--no-wait)."""
-    from rlm.experiment.launcher import resolve_launcher
     from rlm.experiment.runner import run_experiment
     from rlm.extras import require
 

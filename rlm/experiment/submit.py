@@ -44,7 +44,7 @@ class RunJob(submitit.helpers.Checkpointable):
 
 
 def executor(options: dict[str, Any], folder: Path) -> submitit.AutoExecutor:
-    """A submitit executor for the resolved launcher options (rlm.experiment.launcher.resolve_launcher)."""
+    """A submitit executor for the resolved launcher options (rlm.experiment.spec.resolve_launcher)."""
     slurm = options["name"] == "slurm"
     if slurm and shutil.which("sbatch") is None:
         raise ValueError(

@@ -351,7 +351,7 @@ def test_bad_launcher_options_are_named(tmp_path, monkeypatch, capsys):
 
 
 def test_time_limits_in_minutes():
-    from rlm.experiment.launcher import time_minutes
+    from rlm.experiment.spec import time_minutes
 
     cases = {90: 90, "90": 90, "90:00": 90, "90:30": 91, "1:30:00": 90, "1:30:01": 91, "2-00:00:00": 2880,
              "1-12": 2160, "1-12:30": 2190, "0:00": None, 0: None, "1:60": None, "1:60:00": None, "abc": None,
