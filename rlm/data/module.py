@@ -31,13 +31,10 @@ class RLMDataModule(pl.LightningDataModule):
             name, the path of one saved with save_to_disk, or of a data file); or a list of these.
         hf_split: Split of a Hugging Face dataset.
         hf_config: Configuration name of a Hugging Face dataset.
-        text_field: Field holding the text in .jsonl, .json and .parquet files (a document per row) and in hf:
-            datasets.
-        extensions: File name endings read from directories (add .jsonl, .json or .parquet to read those by
-            text_field).
+        text_field: Field holding the text in .jsonl, .json and .parquet files and in hf: datasets.
+        extensions: File name endings read from directories.
         max_documents: Keep only the first N documents (sorted order), for quick runs; None keeps all.
-        vocab_size: Number of token ids, special ids included; sizes the model's embedding. A trained tokenizer's
-            vocabulary size (None: 4096); with an existing ``tokenizer``, None takes its number of ids.
+        vocab_size: Number of token ids, special ids included (None: 4096, or a given tokenizer's).
         seq_len: Training window length in tokens; a multiple of segment_len.
         segment_len: Retrieval segment length in tokens.
         batch_size: Training batch size (per device).
@@ -50,12 +47,11 @@ class RLMDataModule(pl.LightningDataModule):
         tokenizer_model_type: sentencepiece model type: bpe, unigram, char or word.
         max_tokenizer_chars: Characters of training text the tokenizer trainer sees.
         progress: Show progress bars while reading, training the tokenizer and encoding.
-        tokenizer: "train" (None) trains a sentencepiece model on the training documents; or the path of an
-            existing sentencepiece .model file, or of a Hugging Face tokenizer.json or its directory (extra ``hf``).
-        streaming: Read hf: sources as a datasets IterableDataset and encode them on the fly into shards on
-            disk, never holding the corpus in memory (hf: sources only).
-        dedup_threshold: Remove near-duplicate documents before the split: of each group whose word 5-gram sets
-            have Jaccard >= this, only the first is kept. None removes none. Not applied with streaming.
+        tokenizer: "train" (None) trains a sentencepiece model on the training documents; or the path of a
+            sentencepiece .model file, or of a Hugging Face tokenizer.json or its directory (extra ``hf``).
+        streaming: Encode hf: sources on the fly into shards on disk, never holding the corpus in memory.
+        dedup_threshold: Of each group of documents whose word 5-gram sets have Jaccard >= this, keep only the
+            first (before the split; not with streaming). None removes none.
     """
 
     def __init__(
@@ -87,12 +83,8 @@ class RLMDataModule(pl.LightningDataModule):
         tokenizer = TRAIN if tokenizer is None else tokenizer
         # an existing tokenizer is opened now: a missing file or a disagreeing vocab_size fails before any work
         vocab_size = resolve_vocab_size(vocab_size, tokenizer)  # before save_hyperparameters: saved resolved
-        _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size)
-        _positive(max_tokenizer_chars=max_tokenizer_chars)
-        if max_documents is not None:
-            _positive(max_documents=max_documents)
-        if val_batch_size is not None:
-            _positive(val_batch_size=val_batch_size)
+        _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size,
+                  max_tokenizer_chars=max_tokenizer_chars, max_documents=max_documents, val_batch_size=val_batch_size)  # fmt: skip
         specs = [corpus] if isinstance(corpus, str) else list(corpus)
         if streaming and not all(isinstance(c, str) and c.startswith("hf:") for c in specs):
             raise ValueError(
@@ -116,21 +108,18 @@ class RLMDataModule(pl.LightningDataModule):
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers}; accepted: >= 0")
         self.save_hyperparameters()
-        self.corpus = corpus
+        self.corpus, self.specs, self.max_documents = corpus, specs, max_documents
         self.hf_split, self.hf_config, self.text_field = hf_split, hf_config, text_field
         self.extensions = list(extensions)
-        self.max_documents = max_documents
         self.vocab_size_requested = vocab_size
         self.seq_len, self.segment_len = seq_len, segment_len
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
-        self.val_fraction, self.seed = val_fraction, seed
-        self.test_fraction = test_fraction
+        self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed
         self.cache_dir = Path(
             cache_dir or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm"
         ).expanduser()
-        self.num_workers = num_workers
+        self.num_workers, self.progress = num_workers, progress
         self.tokenizer_model_type, self.max_tokenizer_chars = tokenizer_model_type, max_tokenizer_chars
-        self.progress = progress
         self.tokenizer_spec, self.streaming = tokenizer, streaming
         # as a float, so that 1 and 1.0 name one cache entry
         self.dedup_threshold = None if dedup_threshold is None else float(dedup_threshold)
@@ -140,7 +129,6 @@ class RLMDataModule(pl.LightningDataModule):
         self._segments: SegmentTable | None = None
         self._windows: dict[str, Windows] = {}
 
-    # ---- building and loading the cache ------------------------------------------------------------------
     def documents(self) -> list[Document]:
         """The corpus's documents (read once, then kept)."""
         if self._docs is None:
@@ -158,8 +146,10 @@ class RLMDataModule(pl.LightningDataModule):
     def cache_key(self) -> CacheKey:
         """What the cache entry depends on (reads the corpus to fingerprint it)."""
         if self._key is None:
+            from rlm.data.stream import stream_key
+
             self._key = CacheKey(
-                corpus=self._stream_key() if self.streaming else fingerprint(self.documents()),
+                corpus=stream_key(*self._stream_args()) if self.streaming else fingerprint(self.documents()),
                 vocab_size=self.vocab_size_requested,
                 model_type=self.tokenizer_model_type,
                 seed=self.seed,
@@ -187,21 +177,13 @@ class RLMDataModule(pl.LightningDataModule):
                 build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_spec)
 
     def _stream_args(self) -> tuple:
-        specs = [self.corpus] if isinstance(self.corpus, str) else list(self.corpus)
-        return specs, self.hf_split, self.hf_config, self.text_field, self.max_documents
-
-    def _stream_key(self) -> str:
-        from rlm.data.stream import stream_key
-
-        return stream_key(*self._stream_args())
+        return self.specs, self.hf_split, self.hf_config, self.text_field, self.max_documents
 
     def _build_streamed(self, root: Path) -> None:
         from rlm.data.stream import build_stream_store, stream_documents
 
-        args = self._stream_args()
-        stream_documents(*args)  # checks the sources before any work
-        prefix = f"{args[0][0]}/{self.hf_split}/" if len(args[0]) == 1 else "stream/"
-        docs = lambda: stream_documents(*args)  # noqa: E731
+        prefix = f"{self.specs[0]}/{self.hf_split}/" if len(self.specs) == 1 else "stream/"
+        docs = lambda: stream_documents(*self._stream_args())  # noqa: E731
         build_stream_store(root, docs, self.cache_key(), prefix, self.tokenizer_spec, self.progress)
 
     def setup(self, stage: str | None = None) -> None:
@@ -226,7 +208,6 @@ class RLMDataModule(pl.LightningDataModule):
         self._store, self._segments = store, segments
         self._docs = None  # the text lives in the cache now; text_of() decodes it
 
-    # ---- loaders ---------------------------------------------------------------------------------------
     def train_dataloader(self) -> TrainLoader:
         """Shuffled, sharded by the attached trainer's rank, resumable (see TrainLoader)."""
         trainer = self.trainer  # set by Lightning when attached
@@ -260,9 +241,8 @@ class RLMDataModule(pl.LightningDataModule):
         return eval_loader(windows, self.val_batch_size, self.num_workers, self._pin())
 
     def state_dict(self) -> dict[str, bytes | dict[str, bytes]]:
-        """The tokenizer's bytes, so that a checkpoint carries its own (``rlm eval``, ``generate``, ``export`` and
-        resuming read them, never data.tokenizer's path): ``tokenizer_model``, a sentencepiece model, or
-        ``tokenizer_files``, a Hugging Face tokenizer's files by name (tokenizer.json and the ones beside it)."""
+        """The tokenizer's bytes, so that a checkpoint carries its own (rlm.data.carried reads them):
+        ``tokenizer_model``, a sentencepiece model, or ``tokenizer_files``, a Hugging Face tokenizer's by name."""
         tok = self.tokenizer if self._store is not None else None
         if isinstance(tok, Tokenizer):
             return {"tokenizer_model": Path(tok.path).read_bytes()}
@@ -271,9 +251,8 @@ class RLMDataModule(pl.LightningDataModule):
         return {}
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
-        """Nothing to restore: the tokenizer comes from the cache entry (the bytes are for the readers above)."""
+        """Nothing to restore: the tokenizer comes from the cache entry."""
 
-    # ---- what the rest of rlm reads ----------------------------------------------------------------------
     def windows(self, split: str) -> Windows:
         """The 'train', 'val' or 'test' windows."""
         self._check_setup()
@@ -294,8 +273,7 @@ class RLMDataModule(pl.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids (sentencepiece gives exactly the requested size, and a given tokenizer sets it, so
-        this works before setup)."""
+        """Number of token ids, known before setup (a trained tokenizer has exactly the requested size)."""
         if self.tokenizer_spec != TRAIN:
             return self.vocab_size_requested
         return self._store.tokenizer.vocab_size if self._store is not None else self.vocab_size_requested
@@ -329,8 +307,8 @@ class RLMDataModule(pl.LightningDataModule):
             raise RuntimeError("RLMDataModule is not set up yet: call prepare_data() and setup() first")
 
 
-def _positive(**values: int) -> None:
-    """Raise ValueError naming the first value that is not a positive integer."""
+def _positive(**values: int | None) -> None:
+    """Raise ValueError naming the first value that is neither None nor a positive integer."""
     for name, value in values.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{name}={value}; accepted: a positive integer")

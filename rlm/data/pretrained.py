@@ -52,10 +52,10 @@ class HFTokenizer(SpecialIds):
                 f"tokenizer {self.path!r} has no beginning- or end-of-text token (looked for "
                 f"{_CANDIDATES['bos'] + _CANDIDATES['eos']} and special_tokens_map.json); documents need one"
             )
-        self._bos = ids.get("bos", ids.get("eos"))
-        self._eos = ids.get("eos", self._bos)
-        self._pad = ids.get("pad", self._eos)
-        self._unk = ids.get("unk", self._pad)
+        self.bos_id = ids.get("bos", ids.get("eos"))
+        self.eos_id = ids.get("eos", self.bos_id)
+        self.pad_id = ids.get("pad", self.eos_id)
+        self.unk_id = ids.get("unk", self.pad_id)
 
     @property
     def vocab_size(self) -> int:

@@ -15,13 +15,14 @@ The entry is built in a temporary directory and renamed into place, so a reader 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,13 +48,9 @@ class CacheKey:
     seed: int  # seed of the document split and the tokenizer trainer
     val_fraction: float  # fraction of documents held out (the tokenizer never sees them)
     max_tokenizer_chars: int  # characters of training text the tokenizer trainer sees
-    test_fraction: float = 0.0
-    """Fraction of documents held out for the test split (the tokenizer never sees them)."""
-    tokenizer: str = TRAIN
-    """'train', or the digest of the files of the existing tokenizer that data.tokenizer names."""
-    dedup_threshold: float | None = None
-    """Shingle Jaccard at which documents are near-duplicates and all but the first are removed before the
-    split; None: none removed."""
+    test_fraction: float = 0.0  # fraction held out for the test split (the tokenizer never sees them)
+    tokenizer: str = TRAIN  # 'train', or the digest of the files of the tokenizer data.tokenizer names
+    dedup_threshold: float | None = None  # shingle Jaccard of near-duplicates removed before the split
 
     def digest(self) -> str:
         """A short, stable name for this key (fields at their _OPTIONAL default are left out, so an entry keeps its
@@ -73,7 +70,7 @@ def split_train_val_test(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sorted (train, val, test) document ids from one seeded permutation: the first round(val_fraction * n)
     are validation, the next round(test_fraction * n) test, the rest training. A nonzero fraction holds out
-    at least one document while at least one stays for training; test_fraction 0 gives the two-way split."""
+    at least one document while at least one stays for training."""
     n_val, n_test = round(val_fraction * n_docs), round(test_fraction * n_docs)
     if val_fraction > 0 and n_docs > 1:
         n_val = min(max(n_val, 1), n_docs - 1)  # keep at least one document on each side
@@ -86,37 +83,14 @@ def split_train_val_test(
     return tuple(np.sort(p).astype(np.int64) for p in parts)  # type: ignore[return-value]
 
 
-def split_kept(
-    n_docs: int, removed: np.ndarray | None, key: CacheKey
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """split_train_val_test over the documents not in ``removed`` (the seeded permutation of the kept ones,
-    mapped back to corpus ids); with none removed, exactly split_train_val_test."""
-    kept = np.setdiff1d(np.arange(n_docs, dtype=np.int64), removed if removed is not None else [])
-    parts = split_train_val_test(len(kept), key.val_fraction, key.test_fraction, key.seed)
-    return tuple(kept[p] for p in parts)  # type: ignore[return-value]
-
-
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
     """The smallest unsigned type that holds every id."""
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def _encode_all(
-    tok: Tokenizer | HFTokenizer, docs: Sequence[Document], progress: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, doc_offsets) for every document, each as [bos] + ids + [eos]."""
-    dtype = token_dtype(tok.vocab_size)
-    pieces, lengths = [], np.zeros(len(docs), dtype=np.int64)
-    with tqdm(total=len(docs), desc="encoding corpus", unit="doc", disable=not progress, leave=False) as bar:
-        for first in range(0, len(docs), _ENCODE_BATCH):
-            batch = docs[first : first + _ENCODE_BATCH]
-            for i, ids in enumerate(tok.encode_batch([d.text for d in batch]), start=first):
-                pieces.append(np.array([tok.bos_id, *ids, tok.eos_id], dtype=dtype))
-                lengths[i] = len(ids) + 2
-            bar.update(len(batch))
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return np.concatenate(pieces), offsets
+def framed(tok: Tokenizer | HFTokenizer, texts: list[str], dtype: type) -> list[np.ndarray]:
+    """Each text's tokens as [bos] + ids + [eos]."""
+    return [np.array([tok.bos_id, *ids, tok.eos_id], dtype=dtype) for ids in tok.encode_batch(texts)]
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES}
@@ -145,38 +119,15 @@ def write_failure(path: str | os.PathLike[str], err: BaseException) -> OSError |
     return OSError(f"cannot write {str(path)!r}: {reason} ({free}; a full disk or an unwritable folder)")
 
 
-def build_store(
-    root: Path, docs: Sequence[Document], key: CacheKey, progress: bool = True, tokenizer: str = TRAIN
-) -> None:
-    """Remove near-duplicates (``key.dedup_threshold``), split the rest, train the tokenizer on the training
-    documents (or copy ``tokenizer``), encode everything; publish atomically at `root`."""
+@contextlib.contextmanager
+def new_entry(root: Path) -> Iterator[Path]:
+    """A temporary folder to fill, renamed to ``root`` at the end of the block (a concurrent builder's entry,
+    published first, is kept); a failed write is named with the free space."""
     tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        removed = None
-        if key.dedup_threshold is not None:
-            texts = [d.text for d in docs]
-            removed = removed_documents(texts, key.dedup_threshold, progress=progress)  # fixed MinHash seed
-            if progress:
-                tqdm.write(f"removed {len(removed)} of {len(docs)} documents as near-duplicates "
-                           f"(shingle Jaccard >= {key.dedup_threshold})")  # fmt: skip
-        train, val, test = split_kept(len(docs), removed, key)
-        tok = make_tokenizer(tmp, key, (docs[i].text for i in train), len(train), tokenizer, progress)
-        tokens, offsets = _encode_all(tok, docs, progress)
-        for name, array in [
-            ("tokens", tokens),
-            ("doc_offsets", offsets),
-            ("train_docs", train),
-            ("val_docs", val),
-            ("test_docs", test),
-            *([] if removed is None else [("removed_docs", removed)]),
-        ]:
-            np.save(tmp / f"{name}.npy", array)
-        meta = {"format": FORMAT_VERSION, "key": asdict(key), "names": [d.name for d in docs]}
-        if removed is not None:
-            meta.update(near_duplicates_removed=len(removed), dedup_threshold=key.dedup_threshold)
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        yield tmp
         try:
             os.replace(tmp, root)
         except OSError:
@@ -191,6 +142,44 @@ def build_store(
         raise failure from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_store(
+    root: Path, docs: Sequence[Document], key: CacheKey, progress: bool = True, tokenizer: str = TRAIN
+) -> None:
+    """Remove near-duplicates (``key.dedup_threshold``), split the rest, train the tokenizer on the training
+    documents (or copy ``tokenizer``), encode everything; publish atomically at `root`."""
+    with new_entry(root) as tmp:
+        removed = None
+        if key.dedup_threshold is not None:
+            removed = removed_documents([d.text for d in docs], key.dedup_threshold, progress=progress)
+            if progress:
+                tqdm.write(f"removed {len(removed)} of {len(docs)} documents as near-duplicates "
+                           f"(shingle Jaccard >= {key.dedup_threshold})")  # fmt: skip
+        # the seeded split of the kept documents, mapped back to corpus ids
+        kept = np.setdiff1d(np.arange(len(docs), dtype=np.int64), removed if removed is not None else [])
+        parts = split_train_val_test(len(kept), key.val_fraction, key.test_fraction, key.seed)
+        train, val, test = (kept[p] for p in parts)
+        tok = make_tokenizer(tmp, key, (docs[i].text for i in train), len(train), tokenizer, progress)
+        pieces = []
+        with tqdm(
+            total=len(docs), desc="encoding corpus", unit="doc", disable=not progress, leave=False
+        ) as bar:
+            for first in range(0, len(docs), _ENCODE_BATCH):
+                batch = [d.text for d in docs[first : first + _ENCODE_BATCH]]
+                pieces += framed(tok, batch, token_dtype(tok.vocab_size))
+                bar.update(len(batch))
+        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in pieces], out=offsets[1:])
+        arrays = {"tokens": np.concatenate(pieces), "doc_offsets": offsets, "train_docs": train,
+                  "val_docs": val, "test_docs": test, "removed_docs": removed}  # fmt: skip
+        for name, array in arrays.items():
+            if array is not None:
+                np.save(tmp / f"{name}.npy", array)
+        meta = {"format": FORMAT_VERSION, "key": asdict(key), "names": [d.name for d in docs]}
+        if removed is not None:
+            meta.update(near_duplicates_removed=len(removed), dedup_threshold=key.dedup_threshold)
+        (tmp / "meta.json").write_text(json.dumps(meta))
 
 
 def make_tokenizer(
@@ -212,33 +201,29 @@ def make_tokenizer(
     )
 
 
+def _load_or_empty(path: Path) -> np.ndarray:
+    return np.load(path) if path.is_file() else np.zeros(0, dtype=np.int64)
+
+
 class TokenStore:
     """A built cache entry, memory-mapped; pickles as its path (cheap to send to loader workers)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.tokens: np.ndarray = np.load(self.root / "tokens.npy", mmap_mode="r")
-        """All documents' tokens, concatenated (memory-mapped)."""
-        self.doc_offsets: np.ndarray = np.load(self.root / "doc_offsets.npy")
-        """(n_docs + 1,) int64 start of each document in `tokens`."""
-        self.train_docs: np.ndarray = np.load(self.root / "train_docs.npy")  # sorted training document ids
-        self.val_docs: np.ndarray = np.load(self.root / "val_docs.npy")  # sorted validation document ids
-        test = self.root / "test_docs.npy"
-        self.test_docs: np.ndarray = np.load(test) if test.is_file() else np.zeros(0, dtype=np.int64)
-        """Sorted test document ids."""
-        removed = self.root / "removed_docs.npy"
-        self.removed_docs: np.ndarray = np.load(removed) if removed.is_file() else np.zeros(0, dtype=np.int64)
-        """Sorted ids of near-duplicate documents, in no split."""
+        self.tokens: np.ndarray = np.load(
+            self.root / "tokens.npy", mmap_mode="r"
+        )  # all documents, concatenated
+        self.doc_offsets: np.ndarray = np.load(self.root / "doc_offsets.npy")  # (n_docs + 1,) int64
+        self.train_docs: np.ndarray = np.load(self.root / "train_docs.npy")  # sorted document ids, as below
+        self.val_docs: np.ndarray = np.load(self.root / "val_docs.npy")
+        self.test_docs = _load_or_empty(self.root / "test_docs.npy")
+        self.removed_docs = _load_or_empty(self.root / "removed_docs.npy")  # near-duplicates, in no split
         self.tokenizer = open_cached(self.root)
         meta = json.loads((self.root / "meta.json").read_text())
         self.names: Sequence[str] = (
             meta["names"] if "names" in meta else _Names(meta["name_prefix"], meta["n_docs"])
         )
-        """Document names, by id."""
-        self._verify(meta)
-
-    def _verify(self, meta: dict) -> None:
-        """Refuse an entry whose arrays disagree (a damaged or foreign cache), naming what to delete."""
+        # Refuse an entry whose arrays disagree (a damaged or foreign cache), naming what to delete.
         n = len(self.names)
         problems = [
             meta.get("format") != FORMAT_VERSION and f"format {meta.get('format')} != {FORMAT_VERSION}",
@@ -248,10 +233,10 @@ class TokenStore:
             len(self.train_docs) + len(self.val_docs) + len(self.test_docs) + len(self.removed_docs) != n
             and "the split and the removed near-duplicates do not cover every document",
         ]
-        problems = [p for p in problems if p]
-        if problems:
+        if any(problems):
             raise ValueError(
-                f"token cache {self.root} is inconsistent ({'; '.join(problems)}): delete it to rebuild"
+                f"token cache {self.root} is inconsistent ({'; '.join(p for p in problems if p)}): delete it to "
+                "rebuild"
             )
 
     def __getstate__(self) -> dict[str, str]:
@@ -267,7 +252,6 @@ class TokenStore:
 
     @property
     def n_docs(self) -> int:
-        """Number of documents."""
         return len(self.doc_offsets) - 1
 
     @property

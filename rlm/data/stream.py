@@ -1,12 +1,11 @@
 """Streaming ``hf:`` corpora into the token cache without holding them in memory (``data.streaming: true``).
 
-The source is read as a ``datasets.IterableDataset`` in two passes: the first trains the tokenizer on the training
-documents' first ``max_tokenizer_chars`` characters (unless ``data.tokenizer`` names one), the second encodes every
-document into shards of about ``SHARD_TOKENS`` tokens, each written (temp name, then renamed) before the next, so
-a build that stops resumes after its last complete shard. The shards are then copied into the entry layout of
-rlm/data/store.py. Unlike the in-memory build, the cache is keyed by the source's description (its content is not
-known before it is read), the validation split is a seeded hash of each document's index (their count is not
-known in advance), and near-duplicates are not removed (that needs every document before the split).
+Two passes over a ``datasets.IterableDataset``: the first trains the tokenizer on the training documents (unless
+``data.tokenizer`` names one), the second encodes every document into shards of about ``SHARD_TOKENS`` tokens,
+each published before the next, so a build that stops resumes after its last complete shard; the shards are then
+copied into rlm/data/store.py's layout. Unlike the in-memory build, the key is the source's description (its
+content is unknown before it is read), the validation split is a seeded hash of each document's index (their count
+is unknown in advance), and near-duplicates are not removed (that needs every document before the split).
 """
 
 from __future__ import annotations
@@ -25,7 +24,15 @@ from tqdm.auto import tqdm
 
 from rlm.data.corpus import Document, hf_dataset, named_read_errors
 from rlm.data.pretrained import TRAIN, open_cached
-from rlm.data.store import _ENCODE_BATCH, FORMAT_VERSION, CacheKey, make_tokenizer, token_dtype
+from rlm.data.store import (
+    _ENCODE_BATCH,
+    FORMAT_VERSION,
+    CacheKey,
+    framed,
+    make_tokenizer,
+    new_entry,
+    token_dtype,
+)
 
 SHARD_TOKENS = 1 << 24  # tokens per shard: the most the build holds in memory at once
 
@@ -43,11 +50,6 @@ def stream_documents(
     specs: Sequence[str], split: str, config: str | None, text_field: str, limit: int | None
 ) -> Iterator[Document]:
     """The documents of ``hf:`` sources, in order, read lazily; empty texts are skipped; at most ``limit``."""
-    bad = [s for s in specs if not s.startswith("hf:")]
-    if bad:
-        raise ValueError(
-            f"data.streaming reads hf: sources only, got {bad}; accepted: 'hf:NAME' or 'hf:PATH'"
-        )
     docs = itertools.chain.from_iterable(_stream_one(s[3:], split, config, text_field) for s in specs)
     return itertools.islice(docs, limit)
 
@@ -98,44 +100,31 @@ def build_stream_store(
     done = sum(len(np.load(s)["lengths"]) for s in shards)
     dtype = token_dtype(tok.vocab_size)
     pieces: list[np.ndarray] = []
-    lengths: list[int] = []
-    n_tokens = 0
 
     def flush() -> None:
-        nonlocal n_tokens
         path = work / f"shard_{len(shards):06d}.npz"
         tmp = work / f".shard.tmp{os.getpid()}.npz"
-        np.savez(tmp, tokens=np.concatenate(pieces), lengths=np.array(lengths, dtype=np.int64))
+        lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+        np.savez(tmp, tokens=np.concatenate(pieces), lengths=lengths)
         os.replace(tmp, path)
         shards.append(path)
-        pieces.clear(), lengths.clear()
-        n_tokens = 0
+        pieces.clear()
 
     # resume: skip what the shards hold (read, not encoded)
     stream = itertools.islice(documents(), done, None)
+    n_tokens = 0
     with tqdm(desc="encoding stream", unit="doc", initial=done, disable=not progress, leave=False) as bar:
         while batch := list(itertools.islice(stream, _ENCODE_BATCH)):
-            for ids in tok.encode_batch([d.text for d in batch]):
-                pieces.append(np.array([tok.bos_id, *ids, tok.eos_id], dtype=dtype))
-                lengths.append(len(ids) + 2)
-                n_tokens += len(ids) + 2
+            for piece in framed(tok, [d.text for d in batch], dtype):
+                pieces.append(piece)
+                n_tokens += len(piece)
                 if n_tokens >= SHARD_TOKENS:
                     flush()
+                    n_tokens = 0
             bar.update(len(batch))
     if pieces:
         flush()
-    _publish(root, work, shards, key, name_prefix, dtype)
-
-
-def _publish(
-    root: Path,
-    work: Path,
-    shards: list[Path],
-    key: CacheKey,
-    name_prefix: str,
-    dtype: type[np.unsignedinteger],
-) -> None:
-    """Copy the shards into one memory-mapped tokens.npy and publish the entry atomically; drop the shards."""
+    # the shards copied into one memory-mapped tokens.npy, published atomically
     lengths = np.concatenate([np.load(s)["lengths"] for s in shards]) if shards else np.zeros(0, np.int64)
     n = len(lengths)
     if n == 0:
@@ -148,10 +137,7 @@ def _publish(
         val[0] = False
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with new_entry(root) as tmp:
         tokens = np.lib.format.open_memmap(
             tmp / "tokens.npy", mode="w+", dtype=dtype, shape=(int(offsets[-1]),)
         )
@@ -168,11 +154,4 @@ def _publish(
         shutil.copytree(work / "tok", tmp, dirs_exist_ok=True)
         meta = {"format": FORMAT_VERSION, "key": asdict(key), "name_prefix": name_prefix, "n_docs": n}
         (tmp / "meta.json").write_text(json.dumps(meta))
-        try:
-            os.replace(tmp, root)
-        except OSError:
-            if not (root / "meta.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)

@@ -36,13 +36,14 @@ def _chunks(texts: Iterable[str], max_chars: int) -> Iterator[str]:
 
 
 class SpecialIds:
-    """The special ids and pickling both tokenizers share (this one and rlm.data.pretrained.HFTokenizer)."""
+    """The special ids and pickling both tokenizers share (this one and rlm.data.pretrained.HFTokenizer): a trained
+    model's pad, unk, bos and eos are 0, 1, 2, 3; another stands in for a tokenizer lacking one."""
 
     path: str
-    _pad: int
-    _unk: int
-    _bos: int
-    _eos: int
+    pad_id: int
+    unk_id: int  # never emitted by a byte-fallback model
+    bos_id: int  # begins each document
+    eos_id: int  # ends each document
 
     # The tokenizer is a native object: ship the path to worker processes and reopen there.
     def __getstate__(self) -> dict[str, str]:
@@ -50,26 +51,6 @@ class SpecialIds:
 
     def __setstate__(self, state: dict[str, str]) -> None:
         self.__init__(state["path"])
-
-    @property
-    def pad_id(self) -> int:
-        """Padding id (0 in a trained model; a stand-in where the tokenizer has none)."""
-        return self._pad
-
-    @property
-    def unk_id(self) -> int:
-        """Unknown-piece id (1 in a trained model, which never emits it: bytes fall back to byte pieces)."""
-        return self._unk
-
-    @property
-    def bos_id(self) -> int:
-        """Beginning-of-document id (2 in a trained model; the eos id where there is none)."""
-        return self._bos
-
-    @property
-    def eos_id(self) -> int:
-        """End-of-document id (3 in a trained model; the bos id where there is none)."""
-        return self._eos
 
 
 class Tokenizer(SpecialIds):
@@ -84,12 +65,12 @@ class Tokenizer(SpecialIds):
                 f"tokenizer {self.path!r} has neither a bos nor an eos piece (bos_id=eos_id=-1); documents are "
                 "framed as [bos] + ids + [eos] and need one: train it with bos_id or eos_id >= 0"
             )
-        self._bos = bos if bos >= 0 else eos
-        self._eos = eos if eos >= 0 else bos
+        self.bos_id = bos if bos >= 0 else eos
+        self.eos_id = eos if eos >= 0 else bos
         # Padding is never trained on (targets there are -100, mask False), so any valid id does; unk, which every
         # sentencepiece model has, is the one a byte-fallback model never emits.
-        self._unk = self._sp.unk_id()
-        self._pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self._unk
+        self.unk_id = self._sp.unk_id()
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.unk_id
 
     @property
     def vocab_size(self) -> int:
