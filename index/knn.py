@@ -1,8 +1,6 @@
-"""Indices over raw vectors by squared L2 distance, for token-level kNN-LM datastores (Khandelwal et al. 2020,
-who found L2 better than inner product). One key per token: keys stream from an on-disk float16 array in chunks,
-never all in memory as float32. 'SQfp16' is exact over float16 keys; 'IVF{nlist},PQ{m}' scans nprobe of nlist
-lists of m-byte codes, tuned to a target recall@k against exact search.
-"""
+"""Indices over raw vectors by squared L2 distance, for token-level kNN-LM datastores (Khandelwal et al. 2020, who
+found L2 better than inner product). Keys stream from an on-disk float16 array in chunks, never all in memory as
+float32. 'SQfp16' is exact; 'IVF{nlist},PQ{m}' is tuned to a target recall@k against exact search."""
 
 from __future__ import annotations
 
@@ -34,20 +32,15 @@ class L2Index:
     factory: str
     search_params: dict[str, int] = field(default_factory=dict)
     tuned_recall: float | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Wall-clock seconds of each build phase: train, add, tune."""
-
-    @property
-    def ntotal(self) -> int:
-        """Number of indexed keys."""
-        return int(self.index.ntotal)
+    seconds: dict[str, float] = field(
+        default_factory=dict
+    )  # wall-clock seconds of each phase: train, add, tune
 
 
 def choose_l2_factory(n: int, dim: int, flat_below: int = 1_000_000) -> str:
     """'SQfp16' (exact) below ``flat_below`` keys, else IVF-PQ with ~8 dims per code byte whose REFINE_FACTOR x k
-    candidates are re-ranked by exact float16 distances: the kNN distribution is a softmax of distances, and PQ's
-    approximate ones blur it. nlist ~ 2*sqrt(n), half of build.nlist_for's: k-means over millions of keys is slow.
-    """
+    candidates are re-ranked by exact float16 distances (the kNN distribution is a softmax of distances, which PQ's
+    blur); nlist ~ 2*sqrt(n), half of build.nlist_for's, as k-means over millions of keys is slow."""
     if n <= 0 or dim <= 0:
         raise ValueError(f"need n > 0 keys of dim > 0, got n={n}, dim={dim}")
     if n < flat_below:
@@ -154,16 +147,11 @@ def add_l2(index: Any, keys: np.ndarray, desc: str, progress: bool) -> None:
 
 
 def tune_l2(
-    built: L2Index,
-    keys: np.ndarray,
-    target_recall: float | None,
-    tune_k: int = 32,
-    rng: np.random.Generator | None = None,
+    built: L2Index, keys: np.ndarray, target_recall: float | None, tune_k: int, rng: np.random.Generator
 ) -> None:
     """Set a refinement's k_factor and tune nprobe (or the index's own knob) of ``built.index``, which holds
     exactly ``keys``, to ``target_recall`` @ ``tune_k`` against exact search; recorded in ``built``."""
     index, n = built.index, len(keys)
-    rng = rng if rng is not None else np.random.default_rng(0)
     if _refine(index) is not None:
         _refine(index).k_factor = REFINE_FACTOR
         built.search_params["k_factor"] = REFINE_FACTOR
@@ -202,9 +190,8 @@ def search_l2(
     exclude: tuple[int, int] | None = None,
     params: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(squared distances (Q, k), ids (Q, k), -1 padded) of float32 queries; ``exclude`` = [lo, hi) id range
-    that no query may find (a whole document of the datastore), applied inside the search, so what is found
-    never depends on the excluded keys."""
+    """(squared distances (Q, k), ids (Q, k), -1 padded) of float32 queries; ``exclude``: an [lo, hi) id range no
+    query may find (its own document), applied inside the search, so the excluded keys never change what is found."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     params = params or {}
     if exclude is None:
