@@ -118,9 +118,8 @@ class PKMConfig:
             parts.row_adam += values
             parts.row_tables += tables
         hk = self.heads * self.topk
-        # Not counted: the (N, d) fp32 output gradients the row update records until the step. Query input 2d;
-        # layer norm input 2 H k_dim, mean and 1/std 8 H; fp32 query 4 H k_dim; per head the top-k indices of
-        # both halves 16 k, softmax weights 4 k, slots 8 k.
+        # Not counted: the fp32 output gradients the row update records. Query input 2d; layer norm input
+        # 2 H k_dim, mean and 1/std 8 H; fp32 query 4 H k_dim; per head top-k ids 16 k, weights 4 k, slots 8 k.
         act = 2 * d + 6 * self.heads * self.k_dim + 8 * self.heads + 28 * hk
         if self.values == "peer":  # fp32: the input of u_i . x (4d), u_i . x, its activation, w_i act(.)
             act += 4 * d + 12 * hk
@@ -209,19 +208,6 @@ class PKMLayer(nn.Module):
                 w = weights * valid.view(-1, 1, 1)  # padding reads nothing
                 self.slot_weight.index_add_(0, slots.reshape(-1), w.reshape(-1).double())
         return m.view(B, T, d).to(x.dtype)
-
-    def start_stats(self, slots: int) -> None:
-        """Zero the per-slot weights and start accumulating them (eval mode only)."""
-        self.slot_weight = torch.zeros(slots, dtype=torch.float64, device=self.keys.device)
-        self.collecting = True
-
-    def stop_stats(self, group: Any = None) -> Tensor:
-        """Stop accumulating; the weights (slots,) summed over the ranks of ``group`` (None: default) if any."""
-        self.collecting = False
-        w = self.slot_weight
-        if group_size(group) > 1:
-            dist.all_reduce(w, group=group)
-        return w
 
 
 class PKMPlugin(Plugin):
@@ -339,13 +325,19 @@ class PKMPlugin(Plugin):
         return len(self.values) * max(c.slots - per_table * c.heads * c.topk, 0) * d
 
     def start_stats(self) -> None:
-        """Start accumulating per-slot read weights in every memory layer."""
+        """Zero the per-slot read weights of every memory layer and start accumulating them (in eval mode)."""
         for memory in self.memories.values():
-            memory.start_stats(self.config.slots)
+            memory.slot_weight = torch.zeros(
+                self.config.slots, dtype=torch.float64, device=memory.keys.device
+            )
+            memory.collecting = True
 
     def stop_stats(self) -> dict[int, tuple[Tensor, Tensor]]:
-        """Stop accumulating; (usage, KL to uniform) per memory layer."""
-        return {
-            layer: slot_stats(memory.stop_stats(self.group))
-            for layer, memory in sorted(self.memories.items())
-        }
+        """Stop accumulating; (usage, KL to uniform) per memory layer, of the weights summed over the group."""
+        stats = {}
+        for layer, memory in sorted(self.memories.items()):
+            memory.collecting = False
+            if group_size(self.group) > 1:
+                dist.all_reduce(memory.slot_weight, group=self.group)
+            stats[layer] = slot_stats(memory.slot_weight)
+        return stats
