@@ -64,14 +64,13 @@ def sample_batch(
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
 ) -> list[list[int]]:
-    """Continue each prompt token by token and return each one's new ids: with ``cache`` (default) incrementally
-    (see the module doc for the window past max_seq_len), else by a full recompute over the last max_seq_len
-    tokens at every step; ``mixer`` (rlm.eval.knnlm.Mixer) turns the last position's logits and key state into
-    kNN-LM log-probabilities; ``stop``, given a sequence's new ids after each token, ends that sequence when it
-    returns True, as ``eos_id`` does (which is kept as its last id). The next token: :func:`pick`.
+    """Continue each prompt token by token and return each one's new ids: with ``cache`` incrementally, else by a
+    full recompute over the last max_seq_len tokens; ``mixer`` (rlm.eval.knnlm.Mixer) makes the distribution
+    kNN-LM's; ``stop`` (given a sequence's new ids) ends a sequence as ``eos_id`` does, which is kept.
 
     Prompts of one length run as one batch, so no position is padding and each sequence gets the tokens it would
-    get alone under greedy decoding (sampling draws from one generator in batch order)."""
+    get alone under greedy decoding (sampling draws from one generator in batch order). A finished row keeps being
+    computed (the batch shares its shapes), its later tokens dropped."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not prompts:
@@ -86,55 +85,36 @@ def sample_batch(
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
         by_length.setdefault(len(ids), []).append(i)
-    for rows in by_length.values():
-        ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=module.device)  # (B, T)
-        news = _continue(module, ids, max_new_tokens, mixer, cache, eos_id, stop,
-                         lambda logits, seen: pick(logits, seen, temperature, top_k, top_p, repetition_penalty,
-                                                   generator))  # fmt: skip
-        for i, new in zip(rows, news, strict=True):
-            out[i] = new
-    return out
-
-
-def _continue(
-    module: LMModule,
-    ids: Tensor,
-    max_new_tokens: int,
-    mixer: Any,
-    cache: bool,
-    eos_id: int | None,
-    stop: Callable[[list[int]], bool] | None,
-    choose: Callable[[Tensor, Tensor], Tensor],
-) -> list[list[int]]:
-    """New ids of each row of ``ids`` (B, T); a finished row keeps being computed (the batch shares its shapes),
-    its later tokens dropped."""
-    prompt_len, window = ids.shape[1], module.model.config.max_seq_len
-    decoder = CachedDecoder(module) if cache else None
-    lengths: list[int | None] = [None] * ids.shape[0]  # new ids of each finished row
+    window = module.model.config.max_seq_len
     with contextlib.ExitStack() as stack:
         hooked = None
         if mixer is not None:
             from rlm.eval.datastore import reading_keys
 
             hooked = stack.enter_context(reading_keys(module, mixer.ds.meta["layer"]))
-        for step in range(max_new_tokens):
-            if decoder is not None:
-                logits = decoder(ids)  # (B, V)
-            else:
-                context = ids[:, -window:]
-                ctx = module.make_context({"tokens": context}, "predict")
-                logits = module.model(context, ctx)[:, -1, :].float()  # (B, V)
-            if hooked is not None:
-                logits = mixer(logits, hooked["keys"][:, -1])  # (B, V) log-probabilities
-            ids = torch.cat([ids, choose(logits, ids)], dim=1)
-            for row, new in enumerate(ids[:, prompt_len:].tolist()):
-                if lengths[row] is None and (
-                    (eos_id is not None and new[-1] == eos_id) or (stop is not None and stop(new))
-                ):
-                    lengths[row] = step + 1
-            if all(n is not None for n in lengths):
-                break
-    return [new[:n] for new, n in zip(ids[:, prompt_len:].tolist(), lengths, strict=True)]
+        for rows in by_length.values():
+            ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=module.device)  # (B, T)
+            prompt_len, decoder = ids.shape[1], CachedDecoder(module) if cache else None
+            lengths: list[int | None] = [None] * len(rows)  # new ids of each finished row
+            for step in range(max_new_tokens):
+                if decoder is not None:
+                    logits = decoder(ids)  # (B, V)
+                else:
+                    context = ids[:, -window:]
+                    ctx = module.make_context({"tokens": context}, "predict")
+                    logits = module.model(context, ctx)[:, -1, :].float()  # (B, V)
+                if hooked is not None:
+                    logits = mixer(logits, hooked["keys"][:, -1])  # (B, V) log-probabilities
+                picked = pick(logits, ids, temperature, top_k, top_p, repetition_penalty, generator)
+                ids = torch.cat([ids, picked], dim=1)
+                for row, new in enumerate(ids[:, prompt_len:].tolist()):
+                    if lengths[row] is None and (new[-1] == eos_id or (stop is not None and stop(new))):
+                        lengths[row] = step + 1
+                if all(n is not None for n in lengths):
+                    break
+            for i, new, n in zip(rows, ids[:, prompt_len:].tolist(), lengths, strict=True):
+                out[i] = new[:n]
+    return out
 
 
 def pick(
