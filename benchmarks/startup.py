@@ -41,7 +41,7 @@ def start_time(args: list[str], repeat: int, cache: Path | None = None) -> float
 
 def commands(experiment: str, work: Path) -> list[list[str]]:
     """The command lines timed; ``work`` receives an experiment directory for ``status`` and a bad file."""
-    from rlm.experiment import load_experiment
+    from rlm.experiment.spec import load_experiment
 
     (work / "out").mkdir()
     (work / "out" / "experiment.json").write_text(json.dumps(load_experiment(experiment).to_json()))

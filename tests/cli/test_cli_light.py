@@ -63,7 +63,7 @@ def test_subcommand_help_and_experiment_status_import_no_torch(tmp_path):
 def test_plugin_options_experiment_check_and_status_import_no_torch(tmp_path):
     # A fresh interpreter. A built-in plugin's options are read from its source: no torch. The structure pass of
     # `experiment check` needs neither Lightning nor what it pulls in (torchmetrics -> transformers), nor faiss.
-    from rlm.experiment import load_experiment
+    from rlm.experiment.spec import load_experiment
 
     (tmp_path / "e.yaml").write_text(
         json.dumps({"base": [str(p) for p in TINY], "variants": {"baseline": {}}})

@@ -14,10 +14,10 @@ import yaml
 from cli_helpers import CONFIGS, REPO, TINY
 
 from rlm.cli import main as rlm_main
-from rlm.experiment import ExperimentError, TrainClock, load_experiment
 from rlm.experiment.check import check_experiment
 from rlm.experiment.report import PLOTS, write_report
-from rlm.experiment.spec import run_config
+from rlm.experiment.spec import ExperimentError, load_experiment, run_config
+from rlm.experiment.timing import TrainClock
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -18,8 +18,8 @@ import pytest
 from test_experiment import write_experiment
 
 from rlm.cli import main as rlm_main
-from rlm.experiment import ExperimentError, load_experiment
 from rlm.experiment.runner import _child_env
+from rlm.experiment.spec import ExperimentError, load_experiment
 
 submitit = pytest.importorskip("submitit")
 
