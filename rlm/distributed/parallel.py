@@ -1,12 +1,7 @@
 """FSDP2 sharding applied from outside the model (torchtitan's habit), and plain copies of sharded parts.
 
-``parallelize`` shards a built Transformer with ``fully_shard``: each block is a unit (all-gathered just before its
-forward, freed after), and the root holds the rest (embedding and tied head, final norm, plugins' top-level
-parameters). Gradients are reduce-scattered, so each rank ends a step with its shard of the averaged gradient.
-
-Parameters a plugin updates itself (``Plugin.replicated_parameters``) stay out of every unit (``ignored_params``):
-whole on every rank, never gathered, gradients never reduced. So do small parameters whose gather would cost more
-than an all-reduce (``Plugin.synced_parameters``: PKM's sub-keys); rlm averages their gradients (replicas.py).
+Each block is a ``fully_shard`` unit and the root holds the rest. The plugins' replicated and synced parameters
+stay out of every unit (``ignored_params``): whole on every rank, never gathered (replicas.py reduces the synced).
 """
 
 from __future__ import annotations
@@ -28,10 +23,8 @@ DP, TP = "data_parallel", "tensor_parallel"
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP shards over: a 1-D mesh of every rank, or (nodes, devices) for HSDP.
-
-    ModelParallelStrategy's mesh is (data_parallel=nodes, tensor_parallel=devices per node). A size-1 dimension is
-    dropped; a 2-D mesh is HSDP: sharded within a node, replicated across nodes (all-gathers on the fast links)."""
+    """The mesh FSDP shards over: ModelParallelStrategy's (nodes, devices per node) mesh less its size-1
+    dimensions; a 2-D one is HSDP, sharded within a node and replicated across nodes."""
     if mesh.ndim == 1:
         return mesh
     names = mesh.mesh_dim_names or ()
@@ -48,13 +41,9 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def mixed_precision_policy(precision: Any) -> MixedPrecisionPolicy | None:
-    """FSDP2's mixed precision for the trainer's ``precision``: under 'bf16-mixed', parameters all-gathered
-    in bf16 and gradients reduce-scattered in fp32 (torchtitan's default); else None.
-
-    Lightning's bf16-mixed is autocast alone, so without a policy FSDP2 gathers fp32 parameters (twice the bytes)
-    for matmuls autocast runs in bf16 anyway. Block inputs are not cast, and :func:`parallelize` gathers the root
-    and ``keep_fp32_params`` modules in fp32, so the residual stream stays fp32 as under autocast alone.
-    """
+    """FSDP2's mixed precision for the trainer's ``precision``: under 'bf16-mixed', parameters all-gathered in bf16
+    (autocast runs the matmuls in bf16 anyway) and gradients reduce-scattered in fp32 (torchtitan's default); block
+    inputs are not cast, so the residual stream stays fp32 as under autocast alone."""
     if str(precision) in ("bf16-mixed", "bf16"):
         return MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
@@ -66,15 +55,14 @@ CAN_REPLICATE = "ignored_params" in inspect.signature(fully_shard).parameters  #
 
 
 def replicated_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The parameters the plugins in ``model`` keep whole on every rank (``Plugin.replicated_parameters``)."""
+    """The plugins' ``replicated_parameters``."""
     from rlm.plugin import Plugin
 
     return {p for m in model.modules() if isinstance(m, Plugin) for p in m.replicated_parameters()}
 
 
 def synced_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The plugins' ``synced_parameters``: whole on every rank, trained by the main optimizer, gradients
-    averaged by rlm; in the same order on every rank."""
+    """The plugins' ``synced_parameters``, in the same order on every rank."""
     from rlm.plugin import Plugin
 
     found = [p for m in model.modules() if isinstance(m, Plugin) for p in m.synced_parameters()]
@@ -88,12 +76,10 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Shard a Transformer in place with FSDP2: every block, then the root. A one-rank mesh and an already
-    sharded model are left alone (``configure_model`` may run twice). The plugins' replicated parameters stay
-    plain tensors (Lightning's ``model_to_device`` moves them)."""
+    sharded model are left alone (``configure_model`` may run twice)."""
     if isinstance(model, FSDPModule) or mesh.size() == 1:
         return model
     mesh = fsdp_mesh(mesh)
-    # what a plugin keeps whole on every rank stays out of every unit (a block's, a memory layer's, the root's)
     ignored = _ignored(model)
     mp = root_mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     if mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32):
@@ -135,20 +121,16 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def unshard_root(module: nn.Module) -> None:
-    """All-gather the root unit's parameters now (a no-op unless ``module`` is an FSDP unit).
-
-    Plugins' ``prepare`` may run model modules before the forward (retrieval embeds queries with the LM's
-    embedding), so they must be gathered first; the forward finds the all-gather done, so it costs nothing
-    extra. FSDP2 makes the first unit whose forward runs the root: lazy-init here, so a block a plugin runs first
-    does not claim it (FSDP would then refuse the real root's forward). The public ``unshard`` does not."""
+    """All-gather the root unit's parameters now (a no-op unless ``module`` is an FSDP unit): plugins' ``prepare``
+    may run model modules before the forward. FSDP2 makes the first unit whose forward runs the root: lazy-init
+    here, so a block a plugin runs first does not claim it."""
     if isinstance(module, FSDPModule):
         _lazy_init_root(module)
         module.unshard()
 
 
 def _lazy_init_root(module: FSDPModule) -> None:
-    """FSDP2's lazy init with ``module`` as the root, a private call (torch 2.6 to 2.13); a torch without it
-    is named here rather than failing later inside a plugin."""
+    """FSDP2's lazy init with ``module`` as the root, a private call; a torch without it is named here."""
     get_state = getattr(module, "_get_fsdp_state", None)
     lazy_init = getattr(get_state(), "_lazy_init", None) if callable(get_state) else None
     if not callable(lazy_init):
@@ -250,11 +232,8 @@ def _sharded_parts(obj: Any) -> tuple[list[nn.Module], list[DTensor]]:
 
 def plain_copy(obj: Any) -> Any:
     """``copy.deepcopy`` that one process can run alone: FSDP units come back as their own classes, sharded
-    parameters as full plain tensors. Under FSDP this all-gathers, so every rank calls it at the same point.
-
-    No class is patched (a background rebuild may deep-copy meanwhile): deepcopy's ``memo`` is filled beforehand
-    with each DTensor's full tensor and each unit's plain instance, so deepcopy never reaches FSDP's
-    ``__deepcopy__`` (which raises) or DTensor's (which copies the local shard)."""
+    parameters as full plain tensors (an all-gather: every rank calls it). deepcopy's ``memo`` is filled
+    beforehand, so it never reaches FSDP's ``__deepcopy__`` (which raises) or DTensor's (the local shard)."""
     units, dtensors = _sharded_parts(obj)
     if not units and not dtensors:
         return copy.deepcopy(obj)

@@ -1,11 +1,6 @@
-"""Parameters whole on every rank whose gradients rlm reduces itself, as DDP would: the replica all-reduce.
-
-Expert parallelism sums an expert's copies' gradients over the replica group (plugins/_expert_parallel.py). Under
-FSDP2, a plugin's ``synced_parameters`` stay out of ``fully_shard`` but the main optimizer trains them:
-:class:`SyncedGradients` averages their gradients with an all-reduce each, started in the backward (2 (W-1)/W of
-their bytes a step, where FSDP2's gathers and reduce-scatter move 3 (W-1)/W). torch's ``clip_grad_norm_`` and
-foreach kernels refuse such plain tensors beside DTensors, hence :func:`clip_grad_norm_` here and the synced
-parameters' own optimizer groups (rlm/train/module.py).
+"""Parameters whole on every rank whose gradients rlm reduces itself, as DDP would: the replica all-reduce (expert
+parallelism's copies of an expert; under FSDP2, the plugins' ``synced_parameters``), and a gradient clip over such
+plain tensors beside DTensors, which torch's refuses.
 """
 
 from __future__ import annotations
@@ -21,9 +16,7 @@ from torch.distributed.tensor import DTensor
 
 def sync_replicas(params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
     """All-reduce (sum) the gradients of ``params`` over ``group``, each times ``scale`` first (1/W: the mean).
-    Expert parallelism sums the groups' copies of an expert, each already scaled by 1/P (``shard_experts``): the
-    gradient of the mean loss over all P processes, as DDP gives. Once per optimizer step, after gradient
-    accumulation (a sum is not idempotent); one tensor at a time: a flat copy would double the gradients' memory."""
+    Once per optimizer step, after accumulation; one tensor at a time: a flat copy would double their memory."""
     for p in params:
         if p.grad is not None:
             if scale != 1.0:
@@ -32,13 +25,9 @@ def sync_replicas(params: list[nn.Parameter], group: Any, scale: float = 1.0) ->
 
 
 class ReplicaSync:
-    """sync_replicas overlapped with the backward: each gradient's all-reduce starts when the backward has
-    accumulated it (a post-accumulate-grad hook); ``finish`` waits for them all.
-
-    Only while ``armed`` (the last micro-batch before a step: partial accumulations must not be reduced).
-    ``finish`` reduces, blocking, any gradient no hook started (a parameter outside this backward), so each is
-    reduced exactly once; ``params`` must be in the same order on every rank.
-    """
+    """sync_replicas overlapped with the backward: each gradient's all-reduce starts once accumulated (while
+    ``armed``: the last micro-batch before a step), ``finish`` waits for them and reduces those no hook started.
+    ``params`` in the same order on every rank."""
 
     def __init__(self, params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
         self.params, self.group, self.scale = params, group, scale
@@ -101,9 +90,9 @@ def clip_grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
 
 
 class ArmedSync(pl.Callback):
-    """Runs a :class:`ReplicaSync` (``self.sync``, set by the subclass) with Lightning's gradient
-    accumulation: armed on the micro-batch that ends an accumulation, finished after its backward, before anything
-    reads the gradients; an epoch's last, partial window is reduced blocking before its optimizer step."""
+    """Runs a :class:`ReplicaSync` (``self.sync``, set by the subclass) with Lightning's gradient accumulation:
+    armed on the micro-batch that ends one, finished after its backward; an epoch's last, partial window is
+    reduced blocking before its optimizer step."""
 
     sync: ReplicaSync | None = None
     synced = False  # whether this step's gradients have been reduced

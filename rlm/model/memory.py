@@ -1,36 +1,22 @@
 """Memory of a training run estimated from its config alone: parameters, gradients, optimizer state, activations.
 
-Checkable without a GPU: ``tests/model/test_memory.py`` builds each model on the meta device and compares the
-parameter and optimizer-state counts exactly, and the dense activations with the bytes autograd saves on CPU;
-``benchmarks/gpu.py`` sets the measured peak (``torch.cuda.max_memory_allocated``) against ``total_bytes``.
+Bytes, for bf16-mixed training as Lightning runs it (fp32 master weights, bf16 matmuls under autocast): weights 4 B
+per parameter; gradients 4 B per parameter the main optimizer steps (``Parts.row_adam`` tables have no ``.grad``);
+AdamW's two fp32 moments 8 B per parameter (a row-wise Adam alike, plus a 4-byte step per table); autocast's bf16
+weight copies 2 B per parameter. Activations are what autograd saves for backward, per token and layer for rlm's
+pre-norm block with flash attention (no T x T matrix), in the manner of Korthikanti et al. 2022, Sec. 4.1; d the
+width, f the FFN hidden width, h the heads, fp32 residual stream, bf16 matmul inputs:
 
-Bytes, for bf16-mixed training as Lightning runs it (fp32 master weights, bf16 matmuls under autocast):
-- weights 4 B per parameter; gradients 4 B per parameter the main optimizer steps (a table a plugin updates
-  row by row, such as PKM's values, has no ``.grad``: ``Parts.row_adam``);
-- AdamW: two fp32 moments, 8 B per parameter (``torch.optim.AdamW``); a row-wise Adam keeps the same two fp32
-  moments for every row of its tables (8 B per parameter) plus a 4-byte step per table;
-- activations: what autograd saves for backward at the configured batch (B sequences of T tokens), counted per
-  token for rlm's pre-norm block with flash attention (SDPA, ``is_causal``: no T x T matrix is stored), in the
-  manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1,
-  whose GPT layer saves 34 B T d + 5 B h T^2 bytes in 16-bit with dropout and without flash). Per token and
-  layer, with d the width, f the FFN hidden width, h the heads, fp32 residual stream, bf16 matmul inputs:
+    RMSNorm    4d (input, fp32) + 4 (1/rms) + 4d (normalised input, for the weight's gradient) = 8d + 4
+    attention  norm + 2d (qkv input, bf16) + 6d (q, k, v) + 4d (rotated q, k) + 2d (attention output)
+               + 4h (log-sum-exp, fp32) + 2d (projection input)                          = 24d + 4h + 4
+    FFN        norm + 2d (up input) + 2f (GELU input) + 2f (down input)                     = 10d + 4f + 4
+               (SwiGLU: 2 x 2f up output + 2f silu + 2f product: 10d + 8f + 4)
 
-      RMSNorm    4d (input, fp32) + 4 (1/rms) + 4d (normalised input, for the weight's gradient) = 8d + 4
-      attention  norm + 2d (qkv input, bf16) + 6d (q, k, v) + 4d (rotated q, k) + 2d (attention output)
-                 + 4h (log-sum-exp, fp32) + 2d (projection input)                          = 24d + 4h + 4
-      FFN        norm + 2d (up input) + 2f (GELU input) + 2f (down input)                     = 10d + 4f + 4
-                 (SwiGLU: 2 x 2f up output + 2f silu + 2f product: 10d + 8f + 4)
-
-  plus, once per token: the ids (8), the final norm (8d + 4) and the head's input 2d, and the loss: bf16 logits,
-  their fp32 copy and fp32 log-probabilities, 10 V bytes (the end of the forward pass, when all of them and
-  every layer's activations are held: the estimate's peak). tests/model/test_memory.py measures the per-layer and
-  per-token terms with autograd's saved-tensor hooks on CPU under bf16 autocast. Besides, autocast keeps a bf16
-  copy of every matmul weight for the step, 2 B per parameter. A plugin replaces or adds terms through its Config's
-  ``memory`` method (:class:`MemoryFormula`), next to the options it reads.
-
-Not counted: the CUDA context and allocator fragmentation (~0.5-1 GB), torch.compile's workspace, what plugins
-keep outside the model (retrieval's index and neighbour tensors: host memory or faiss's own GPU allocations),
-communication buffers.
+plus, once per token: the ids (8), the final norm (8d + 4), the head's input 2d, and the loss's bf16 logits, their
+fp32 copy and fp32 log-probabilities, 10 V bytes. A plugin adds its terms through its Config's ``memory`` method
+(:class:`MemoryFormula`). Not counted: the CUDA context and allocator slack, torch.compile's workspace, what
+plugins keep outside the model (retrieval's index), communication buffers.
 """
 
 from __future__ import annotations
@@ -43,10 +29,8 @@ from rlm.model.config import ModelConfig
 from rlm.plugin.base import make_config
 from rlm.plugin.registry import known_plugins, parse_spec, resolve
 
-ADAM_BYTES = 8
-"""Two fp32 moments per parameter (torch.optim.AdamW; the plugins' row-wise Adam alike)."""
-LOSS_BYTES_PER_LOGIT = 2 + 4 + 4
-"""bf16 logits, their fp32 copy (``logits.float()``) and the fp32 log-softmax cross_entropy saves."""
+ADAM_BYTES = 8  # two fp32 moments per parameter (torch.optim.AdamW; the plugins' row-wise Adam alike)
+LOSS_BYTES_PER_LOGIT = 2 + 4 + 4  # bf16 logits, their fp32 copy and the fp32 log-softmax cross_entropy saves
 
 
 @dataclass
@@ -54,21 +38,17 @@ class Parts:
     """Parameter counts and per-token activation bytes, summed over the model's components."""
 
     params: int = 0
-    """Every parameter."""
-    row_adam: int = 0
-    """Parameters a plugin updates with a row-wise Adam (no .grad, not in AdamW): PKM's values."""
-    row_tables: int = 0
-    """Tables under row-wise Adam (a 4-byte step each)."""
-    act_per_token: int = 0
-    """Bytes autograd saves per token of the batch."""
-    notes: list[str] = field(default_factory=list)
-    """What the estimate leaves out or guesses, a line each, printed under it."""
+    row_adam: int = (
+        0  # parameters a plugin updates with a row-wise Adam (no .grad, not in AdamW): PKM's values
+    )
+    row_tables: int = 0  # tables under row-wise Adam (a 4-byte step each)
+    act_per_token: int = 0  # bytes autograd saves per token of the batch
+    notes: list[str] = field(default_factory=list)  # what the estimate leaves out or guesses, a line each
 
 
 @runtime_checkable
 class MemoryFormula(Protocol):
-    """A plugin's Config that knows the plugin's memory: the estimate asks it, and refuses a plugin whose Config
-    does not."""
+    """A plugin's Config that knows the plugin's memory; the estimate refuses a plugin whose Config does not."""
 
     def memory(self, mc: ModelConfig, parts: Parts) -> None:
         """Add the plugin's parameters and saved bytes per token to ``parts``, taking out those of what it
@@ -226,11 +206,9 @@ def available_host_bytes() -> int | None:
 def check_host_build(
     model: ModelConfig, plugins: dict[str, Any], processes: int | None = None, available: int | None = None
 ) -> None:
-    """Refuse, before anything is allocated, a model whose full fp32 copy in each local process does not fit the
-    host's available memory (every rank builds and initialises the whole model on the
-    host before FSDP2 shards it; an OLMoE-sized 6.9B model is 27.6 GB a process, 221 GB for 8 on a node). The
-    alternative is the kernel's OOM killer partway through eight processes' random init, which names nothing.
-    Plugins without a memory formula are counted as the base model (the check then errs towards building)."""
+    """Refuse, before anything is allocated, a model whose fp32 copy in each local process does not fit the host's
+    available memory (every rank builds the whole model before FSDP2 shards it), rather than meet the OOM killer
+    partway through the init. Plugins without a memory formula count as the base model."""
     processes = local_processes() if processes is None else processes
     available = available_host_bytes() if available is None else available
     if available is None:
@@ -239,9 +217,7 @@ def check_host_build(
     try:
         params = estimate({"model": {"model": asdict(model), "plugins": plugins}})["params"]
     except Exception:
-        # no formula for a plugin or one of its settings (NotImplementedError for retrieval's shared encoder), or
-        # options Transformer will refuse by name: an estimate that cannot be made must not stop a build that
-        # would succeed, and the base model is built all the same, so it is what is counted
+        # no formula for a plugin or a setting, or options Transformer will refuse by name: count the base model
         params = _base(model).params
     need = 4 * params * processes
     if need > available:

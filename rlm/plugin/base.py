@@ -1,11 +1,8 @@
 """The plugin contract: what a memory plugin declares and what the core asks of it.
 
-A plugin is one class with a typed ``Config`` dataclass. It claims slots at layers (``claims``), builds a module
-per claim (``build``), and may add optimizer groups, callbacks, per-batch preparation of the context and a count
-of parameters unused per token. Aux losses and metrics go into the :class:`~rlm.plugin.context.Context`.
-
-Under incremental decoding (``ctx.cache``) a forward sees only positions ``ctx.offset..ctx.offset + T - 1``: a
-module whose output there depends on earlier positions keeps what it needs in ``ctx.cache.state[label]``.
+A plugin is one class with a typed ``Config``; it claims slots at layers and builds a module per claim. Under
+incremental decoding (``ctx.cache``) a forward sees only positions ``ctx.offset..ctx.offset + T - 1``: a module
+that depends on earlier positions keeps what it needs in ``ctx.cache.state[label]``.
 """
 
 from __future__ import annotations
@@ -83,10 +80,8 @@ class ParamGroup:
     lr: float | None = None
     weight_decay: float | None = None
     betas: tuple[float, float] | None = None
-    schedule: bool = True
-    """Whether the warmup/cosine schedule scales this group's learning rate (False: constant lr)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Further optimizer options for the group."""
+    schedule: bool = True  # whether the warmup + cosine scales this group's learning rate
+    extra: dict[str, Any] = field(default_factory=dict)  # further optimizer options for the group
 
 
 class Plugin(nn.Module):
@@ -94,15 +89,14 @@ class Plugin(nn.Module):
     ``build``. An ``nn.Module`` owned by the model, so state shared across layers lives on it and is checkpointed.
     """
 
-    name: ClassVar[str] = ""
-    """Short name used in configs and the registry."""
+    name: ClassVar[str] = ""  # the short name in configs and the registry
+    # the options' dataclass, validating itself in __post_init__; a ``memory`` method (rlm.model.memory.MemoryFormula)
+    # gives the memory estimate the plugin's terms
     Config: ClassVar[type] = object
-    """A dataclass holding the plugin's options; it validates itself in ``__post_init__``. Its ``memory`` method,
-    where it has one (``rlm.model.memory.MemoryFormula``), gives the memory estimate the plugin's terms."""
-    order: ClassVar[int] = 100
-    """Plugins are built in ascending (order, name), whatever order the config lists them in."""
-    conflicts_with: ClassVar[tuple[str, ...]] = ()
-    """Names of plugins that cannot be used together with this one."""
+    order: ClassVar[int] = (
+        100  # plugins are built in ascending (order, name), whatever order configs list them
+    )
+    conflicts_with: ClassVar[tuple[str, ...]] = ()  # names of plugins that cannot be used with this one
 
     def __init__(self, config: Any, model_config: ModelConfig) -> None:
         super().__init__()
@@ -123,12 +117,12 @@ class Plugin(nn.Module):
     # Optional parts of the contract; defaults do nothing.
 
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
-        """Fill ``ctx.extras[self.name]`` from the batch before forward (for example the batch's neighbours)."""
+        """Fill ``ctx.extras[self.name]`` from the batch before forward."""
 
     def objective(self, ctx: Context, hidden: Tensor, logits: Tensor, targets: Tensor) -> Tensor | None:
         """The training loss in place of the LM's cross-entropy, from the final normed states (B, T, d), the
-        logits (B, T, V) and the targets (B, T; -100 ignored); None: cross-entropy. One plugin of a model at most.
-        Ignored outside training, so ``val/loss`` stays the plain cross-entropy and models stay comparable."""
+        logits (B, T, V) and the targets (B, T; -100 ignored); None: cross-entropy. One plugin at most. Ignored
+        outside training, so ``val/loss`` stays comparable."""
         return None
 
     def param_groups(self) -> list[ParamGroup]:
@@ -136,7 +130,7 @@ class Plugin(nn.Module):
         return []
 
     def callbacks(self) -> list[pl.Callback]:
-        """Lightning callbacks this plugin needs (index rebuilds, memory statistics, ...)."""
+        """Lightning callbacks this plugin needs."""
         return []
 
     def inactive_parameters(self) -> int:
@@ -144,35 +138,27 @@ class Plugin(nn.Module):
         return 0
 
     def replicated_parameters(self) -> list[nn.Parameter]:
-        """Parameters FSDP2 must leave whole on every rank, unsharded and unreduced, because the plugin updates
-        them itself and keeps the replicas equal (PKM's row-wise Adam). Asked when the model is sharded, after the
-        callbacks' ``setup``; DDP leaves parameters without ``requires_grad`` alone."""
+        """Parameters FSDP2 must leave whole and unreduced on every rank: the plugin updates them and keeps the
+        replicas equal itself (PKM's row-wise Adam). Asked when the model is sharded, after callbacks' ``setup``."""
         return []
 
     def synced_parameters(self) -> list[nn.Parameter]:
-        """Parameters the main optimizer trains that FSDP2 should also leave whole on every rank: small enough
-        that an all-reduce of their gradient beats FSDP2's gathers (PKM's sub-keys). rlm averages their gradients
-        (``rlm.distributed.replicas.SyncedGradients``) and gives them optimizer groups of their own."""
+        """Parameters the main optimizer trains that FSDP2 leaves whole on every rank, small enough that an
+        all-reduce of their gradient beats FSDP2's gathers (PKM's sub-keys); rlm averages their gradients."""
         return []
 
     def attach(self, model: nn.Module) -> None:
         """Called once after every plugin has been built, with the assembled model."""
 
     def eval_variants(self) -> list[str]:
-        """Extra evaluation passes: for each name, validation runs every batch again with ``ctx.variant`` set
-        to it and logs ``val/<name>/loss`` (an ablation, say)."""
+        """Extra evaluation passes: validation runs every batch again with ``ctx.variant`` set to each name and
+        logs ``val/<name>/loss``."""
         return []
 
 
-def config_fields(config_cls: type) -> list[str]:
-    """Names of the fields of a plugin's config dataclass."""
-    return [f.name for f in dataclasses.fields(config_cls)] if dataclasses.is_dataclass(config_cls) else []
-
-
 def make_config(plugin_cls: type[Plugin], args: Any) -> Any:
-    """Build ``plugin_cls.Config`` from a dict (or take an instance), rejecting unknown keys with the list of accepted
-    ones and values of ``Literal`` options that are not among their choices (``rlm fit`` has typed them before); the
-    Config checks the rest itself."""
+    """Build ``plugin_cls.Config`` from a dict (or take an instance), rejecting unknown keys and ``Literal`` options
+    outside their choices; the Config checks the rest itself."""
     from rlm.model.config import check_choices  # here: rlm.model imports this module
 
     cls, where = plugin_cls.Config, f"plugin {plugin_cls.name!r}"
@@ -180,7 +166,7 @@ def make_config(plugin_cls: type[Plugin], args: Any) -> Any:
         check_choices(cls, vars(args), where)
         return args
     args = dict(args or {})
-    known = config_fields(cls)
+    known = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise ValueError(

@@ -1,7 +1,5 @@
-"""The per-step context passed through forward: inputs plugins may read, and what they report back.
-
-Plugins never keep per-step values on modules (that breaks under activation checkpointing, DDP and torch.compile).
-"""
+"""The per-step context passed through forward: inputs plugins may read, and what they report back (never module
+state, which breaks under activation checkpointing, DDP and torch.compile)."""
 
 from __future__ import annotations
 
@@ -19,45 +17,32 @@ if TYPE_CHECKING:
 class Context:
     """Per-step values travelling with one forward pass."""
 
-    tokens: Tensor
-    """Input token ids, (B, T)."""
-    mask: Tensor | None = None
-    """True at real (non-padding) positions, (B, T); None means every position is real."""
-    stage: str = "train"
-    """One of 'train', 'val', 'test', 'predict'."""
-    segment_ids: Tensor | None = None
-    """Global ids of the fixed-length segments covered by each row, (B, T // segment_len); -1 for padding."""
-    doc_ids: Tensor | None = None
-    """Document id of each row, (B,)."""
+    tokens: Tensor  # input token ids (B, T)
+    mask: Tensor | None = None  # (B, T) True at real (non-padding) positions; None: every position is real
+    stage: str = "train"  # 'train', 'val', 'test' or 'predict'
+    segment_ids: Tensor | None = None  # (B, T // segment_len) global ids of each row's segments; -1: padding
+    doc_ids: Tensor | None = None  # (B,) document id of each row
+    # the segment table (rlm.data.SegmentTable) the ids index: the batch's own text; None in generation
     segments: Any = None
-    """The segment table (rlm.data.SegmentTable) segment_ids and doc_ids index: the batch's own text, not
-    necessarily the training corpus; None when the batch names no segments (generation)."""
-    offset: int = 0
-    """Position of tokens[:, 0] within its sequence (for incremental decoding)."""
+    offset: int = 0  # position of tokens[:, 0] in its sequence (incremental decoding)
+    # incremental decoding: keys, values and plugin state of positions 0..offset-1; None: the whole sequence
     cache: KVCache | None = None
-    """Incremental decoding: keys, values and plugin state of positions 0..offset-1; the forward appends its
-    own. None: the tokens are the whole sequence."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Per-step values owned by plugins, keyed by plugin name (for example the batch's neighbours)."""
+    extras: dict[str, Any] = field(default_factory=dict)  # per-step values owned by plugins, by plugin name
+    # auxiliary losses, name -> (value, weight), added to the LM loss as weight * value
     aux_losses: dict[str, tuple[Tensor, float]] = field(default_factory=dict)
-    """Auxiliary losses: name -> (value, weight). Added to the LM loss as weight * value."""
-    metrics: dict[str, Tensor] = field(default_factory=dict)
-    """Detached scalars to log, name -> value."""
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars to log, name -> value
+    # per-token groups of the evaluation loss, name -> bool mask (B, T), logged as val/loss_by/<name>; the same
+    # names on every batch (DDP reduces them by name)
     loss_groups: dict[str, Tensor] = field(default_factory=dict)
-    """Per-token groups of the evaluation loss, name -> bool mask (B, T): validation logs the token-weighted loss
-    of each as ``val/loss_by/<name>``. Declare the same names on every batch (DDP reduces them by name)."""
-    hidden: Tensor | None = None
-    """The final normed states (B, T, d) of the last forward, for Plugin.objective."""
-    variant: str | None = None
-    """The evaluation variant this forward computes (see Plugin.eval_variants); None for the model as it is."""
+    hidden: Tensor | None = None  # the last forward's final normed states (B, T, d), for Plugin.objective
+    variant: str | None = None  # the evaluation variant of this forward (Plugin.eval_variants)
 
     @property
     def training(self) -> bool:
-        """Whether this is a training step."""
         return self.stage == "train"
 
     def valid_mask(self) -> Tensor:
-        """The padding mask as a (B, T) bool tensor, all True when there is no padding."""
+        """The (B, T) bool padding mask, all True without padding."""
         if self.mask is None:
             return torch.ones_like(self.tokens, dtype=torch.bool)
         return self.mask
@@ -73,11 +58,9 @@ class Context:
 
     def log(self, name: str, value: Tensor | float) -> None:
         """Record a metric (detached)."""
-        if isinstance(value, Tensor):
-            value = value.detach().float()
-        else:
-            value = torch.tensor(float(value))
-        self.metrics[name] = value
+        self.metrics[name] = (
+            value.detach().float() if isinstance(value, Tensor) else torch.tensor(float(value))
+        )
 
     def total_aux_loss(self) -> Tensor | None:
         """Sum of weight * value over all auxiliary losses, or None when there are none."""

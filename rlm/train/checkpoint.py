@@ -1,9 +1,9 @@
 """Crash-safe checkpoint files: written beside their target, fsynced and renamed, so a reader sees the old file
-or the new one. Lightning's writer goes through ``$TMPDIR``; on another filesystem its move is a copy, and a kill
-or a full disk leaves a truncated ``last.ckpt`` under its real name."""
+or the new one (Lightning's writer goes through ``$TMPDIR``, whose move to another filesystem is a copy)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -15,22 +15,17 @@ import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-PREEMPTED = 143
-"""rlm fit's exit code after SIGTERM and a saved last.ckpt (128 + 15, as a shell reports it): resume it."""
+PREEMPTED = 143  # rlm fit's exit code after SIGTERM and a saved last.ckpt (128 + 15, as a shell reports it)
 TMP_PATTERN = re.compile(r"^\..+\.tmp-\d+$")  # atomic_save's temporary files: .last.ckpt.tmp-PID
 
 
 def _fsync_dir(directory: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems do not open directories; the rename is still atomic
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some filesystems do not open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
@@ -93,8 +88,7 @@ def remove_tmp_files(directory: str | Path) -> list[Path]:
 
 
 def remove_stale_tmp_files(root: str | Path) -> list[Path]:
-    """Delete, anywhere under ``root``, :func:`atomic_save`'s temporary files whose process is gone (a resume
-    logs to a new version_N and never looks in the old one's folder)."""
+    """Delete, anywhere under ``root``, :func:`atomic_save`'s temporary files whose process is gone."""
     from rlm.index.store import process_alive
 
     removed = []
@@ -109,8 +103,8 @@ def remove_stale_tmp_files(root: str | Path) -> list[Path]:
 
 
 class CheckpointHygiene(pl.Callback):
-    """Installs :class:`AtomicCheckpointIO`, clears what killed runs left in the checkpoint folders, and makes
-    ``last.ckpt`` hold the final weights when training ends between two of ModelCheckpoint's saves."""
+    """Installs :class:`AtomicCheckpointIO`, clears what killed runs left in the checkpoint folders, and saves
+    ``last.ckpt`` at the end of training and at SIGTERM."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
@@ -118,8 +112,7 @@ class CheckpointHygiene(pl.Callback):
             strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Save the final weights as last.ckpt when the run ended between two of ModelCheckpoint's saves (every
-        rank calls this: saving is collective under DDP and FSDP)."""
+        # every rank: saving is collective under DDP and FSDP
         for cb in trainer.checkpoint_callbacks:
             if not isinstance(cb, ModelCheckpoint) or not cb.save_last or not cb.dirpath:
                 continue
@@ -135,24 +128,21 @@ class CheckpointHygiene(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Preemption (SIGTERM, raised by Lightning at a batch boundary on every rank): save last.ckpt at the step
-        reached, so ``--ckpt_path last`` loses nothing; rlm fit then exits PREEMPTED, an unfinished run."""
+        """Preemption (SIGTERM, raised by Lightning at a batch boundary on every rank): save last.ckpt; rlm fit
+        then exits PREEMPTED."""
         from pytorch_lightning.utilities.exceptions import SIGTERMException
 
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
             return
-        paths = [
-            os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
-            for cb in trainer.checkpoint_callbacks
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath
-        ][:1]
-        for path in paths:  # every rank: saving is collective under DDP and FSDP
+        cbs = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        path = (
+            os.path.join(cbs[0].dirpath, cbs[0].CHECKPOINT_NAME_LAST + cbs[0].FILE_EXTENSION) if cbs else None
+        )
+        if path is not None:  # every rank: saving is collective under DDP and FSDP
             trainer.save_checkpoint(path)
         if trainer.is_global_zero:
             where = (
-                f"saved {paths[0]}; rerun with --ckpt_path last to resume"
-                if paths
-                else "no checkpoint callback"
+                f"saved {path}; rerun with --ckpt_path last to resume" if path else "no checkpoint callback"
             )
             print(f"rlm fit: stopped by SIGTERM at step {trainer.global_step} ({where})", file=sys.stderr)
 
@@ -187,11 +177,8 @@ class CheckpointHygiene(pl.Callback):
 
 def recount_resumed_batch(trainer: pl.Trainer) -> bool:
     """Undo Lightning's second count of the last batch on resuming a checkpoint saved after the count (SIGTERM's
-    last.ckpt) at a step where validation is due; returns whether it did.
-
-    Lightning assumes such a checkpoint ("restarted on last") was saved at the end of the step's validation,
-    before ``_batches_that_stepped`` counted the batch, and counts it again: every metric would be logged at
-    global_step + 1."""
+    last.ckpt) at a step where validation is due: Lightning assumes it was saved at the end of the validation,
+    before the count, and every metric would be logged at global_step + 1. Returns whether it did."""
     epoch_loop = trainer.fit_loop.epoch_loop
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is None or not (epoch_loop.restarting and epoch_loop.restarted_on_last):

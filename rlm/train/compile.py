@@ -1,11 +1,6 @@
-"""torch.compile per transformer block, applied in ``configure_model`` after FSDP2 has sharded the blocks.
-
-The unit FSDP2 all-gathers is the unit compiled: FSDP's hooks around a block run eagerly and a block's graph
-holds only its own compute. The embedding, the stack's loop, the head and the loss stay eager, where plugins'
-``prepare`` and the per-step context live; what plugins keep out of the graph (``torch.compiler.disable``) stays
-out behind its own graph breaks. In place (``nn.Module.compile``), so parameter names and checkpoints are the
-eager model's. Under DDP compilation is lazy: blocks are traced inside DDP's forward, as Dynamo's DDP optimizer
-expects.
+"""torch.compile per transformer block, in place after FSDP2 has sharded the blocks: the unit FSDP2 all-gathers is
+the unit compiled, FSDP's hooks run eagerly, and parameter names and checkpoints stay the eager model's. The
+embedding, the stack's loop, the head and the loss stay eager, where plugins' ``prepare`` and the context live.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ class CompileConfig:
     """How each transformer block is compiled (``torch.compile``'s backend and mode)."""
 
     backend: str = "inductor"
-    """A torch.compile backend: 'inductor', or 'aot_eager' / 'eager' (traced, no code generated: for tests,
-    and for telling a tracing problem from a code-generation one)."""
+    """A torch.compile backend: 'inductor', or 'aot_eager' / 'eager' (traced, no code generated)."""
     mode: str | None = None
     """Inductor's mode ('default', 'reduce-overhead', 'max-autotune', ...); None: Inductor's default."""
 
@@ -62,8 +56,7 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def compile_blocks(model: nn.Module, config: CompileConfig) -> None:
-    """Compile every block of a Transformer in place, skipping compiled ones (``configure_model`` may run
-    twice)."""
+    """Compile every block of a Transformer in place, skipping compiled ones (``configure_model`` may run twice)."""
     for block in model.blocks:
         if not is_compiled(block):
             block.compile(backend=config.backend, mode=config.mode)

@@ -1,11 +1,8 @@
 """Stopping a run at its first non-finite loss or gradient, before a checkpoint takes it in.
 
-Whether the loss (one process) and the gradients before each optimizer step (after DDP's all-reduce, the same on
-every process) are finite is recorded on the device, and read (one host sync) every ``every_n_steps`` optimizer
-steps, before every checkpoint and at the end of training; checkpoints' weights are checked too. So every
-checkpoint written is finite. On a CPU the read is every step and nothing non-finite reaches the weights; on a GPU
-a read drains the CUDA queue, so it comes every ``log_every_n_steps`` (when logging reads the loss anyway) and the
-weights may take up to ``every_n_steps - 1`` non-finite updates, in memory only.
+Whether the loss and the gradients are finite is recorded on the device and read (one host sync) every
+``every_n_steps`` optimizer steps, before every checkpoint and at the end of training, so every checkpoint written
+is finite. On a GPU a read drains the CUDA queue, so it comes when logging reads the loss anyway.
 """
 
 from __future__ import annotations
@@ -31,20 +28,14 @@ def _all_finite(t: Tensor) -> Tensor:
     return torch.isfinite(t).all()
 
 
-def _finite(t: Tensor) -> bool:
-    return bool(_all_finite(t))
-
-
 def _aux_losses(trainer: pl.Trainer) -> dict[str, float]:
     """The plugins' aux losses logged by the current training step (``train/aux/NAME``)."""
     out = {}
-    try:
-        results = trainer._results  # the values logged so far in this step; absent outside a fit loop
-        items = results.items() if results is not None else []
-    except AttributeError:
-        items = []
-    for key, value in items:
-        name = key.rsplit(".", 1)[-1] if "." in key else key
+    results = getattr(
+        trainer, "_results", None
+    )  # the values logged so far in this step; absent outside a fit
+    for key, value in results.items() if results is not None else []:
+        name = key.rsplit(".", 1)[-1]
         if "/aux/" in name:
             try:
                 out[name] = float(value.value)
@@ -73,10 +64,9 @@ class NonFiniteGuard(pl.Callback):
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps}; accepted: None or >= 1")
         self.every_n_steps = every_n_steps
+        # (2,) int64 on the device: the first step of a non-finite loss, of non-finite gradients; -1: none yet
         self._first: Tensor | None = None
-        """(2,) int64 on the device: the first step with a non-finite loss, with non-finite gradients; -1: none."""
-        self._loss: Tensor | None = None
-        """The first non-finite loss value (for the message)."""
+        self._loss: Tensor | None = None  # the first non-finite loss value, for the message
 
     def period(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         if self.every_n_steps is not None:
@@ -106,24 +96,22 @@ class NonFiniteGuard(pl.Callback):
             assert self._loss is not None
             self._fail(trainer, pl_module, f"non-finite loss ({float(self._loss):g})", loss_step)
         if grad_step >= 0:
-            bad = [n for n, p in pl_module.named_parameters() if p.grad is not None and not _finite(p.grad)]
-            shown = (
-                " in " + ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-                if bad
-                else ""
-            )
+            grads = ((n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None)
+            bad = [n for n, g in grads if not _all_finite(g)]
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            shown = f" in {', '.join(bad[:5])}{more}" if bad else ""
             self._fail(trainer, pl_module, f"non-finite gradients{shown}", grad_step)
 
     def _fail(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, what: str, step: int | None = None
     ) -> None:
         step = trainer.global_step if step is None else step
-        late = trainer.global_step - step
         optim = getattr(pl_module, "optim", None)
-        lrs = []
-        for opt in trainer.optimizers:
-            for i, g in enumerate(opt.param_groups):
-                lrs.append(f"{g.get('name', i)}={g['lr']:.3g}")
+        lrs = [
+            f"{g.get('name', i)}={g['lr']:.3g}"
+            for o in trainer.optimizers
+            for i, g in enumerate(o.param_groups)
+        ]
         suspects = [
             f"the learning rate (model.optim.lr={getattr(optim, 'lr', '?')}; at this step: {', '.join(lrs)})"
         ]
@@ -135,17 +123,12 @@ class NonFiniteGuard(pl.Callback):
             suspects.append(f"the plugins' aux losses ({shown}" + (f"; non-finite: {bad})" if bad else ")"))
         elif plugins:
             suspects.append(f"the plugins {plugins} (their aux losses and parameter groups)")
-        ckpt = last_checkpoint(trainer)
-        kept = (
-            f"the last finite checkpoint is kept: {ckpt}"
-            if ckpt
-            else "No checkpoint was written before it (lower the lr, or checkpoint more often)"
-        )
-        seen = (
-            f" (seen at step {trainer.global_step}: the guard reads its record every few steps)"
-            if late
-            else ""
-        )
+        kept = "No checkpoint was written before it (lower the lr, or checkpoint more often)"
+        if ckpt := last_checkpoint(trainer):
+            kept = f"the last finite checkpoint is kept: {ckpt}"
+        seen = ""
+        if trainer.global_step != step:
+            seen = f" (seen at step {trainer.global_step}: the guard reads its record every few steps)"
         raise NonFiniteError(
             f"{what} at step {step}; training stopped{seen}. Suspects: {'; '.join(suspects)}. {kept}"
         )
@@ -199,7 +182,9 @@ class NonFiniteGuard(pl.Callback):
     ) -> None:
         self._check(trainer, pl_module)  # a checkpoint only after every step so far was finite
         bad = [
-            k for k, v in checkpoint.get("state_dict", {}).items() if torch.is_tensor(v) and not _finite(v)
+            k
+            for k, v in checkpoint.get("state_dict", {}).items()
+            if torch.is_tensor(v) and not _all_finite(v)
         ]
         if bad:
             self._fail(trainer, pl_module, f"non-finite weights in {', '.join(bad[:5])}")

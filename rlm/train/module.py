@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from rlm.data.segments import SegmentSource
 from rlm.data.windows import HOST, host_copy
 from rlm.distributed.parallel import mixed_precision_policy, parallelize, synced_parameters, unshard_root
-from rlm.distributed.replicas import clip_grad_norm_, mixes_dtensors
+from rlm.distributed.replicas import SyncedGradients, clip_grad_norm_, mixes_dtensors
 from rlm.model.config import ModelConfig
 from rlm.model.memory import check_host_build
 from rlm.model.transformer import Transformer
@@ -24,8 +24,10 @@ from rlm.plugin.base import ParamGroup, Plugin
 from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
 from rlm.plugin.registry import plugin_specs, plugins_config
+from rlm.train.checkpoint import CheckpointHygiene
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
 from rlm.train.diff import config_diff
+from rlm.train.guard import NonFiniteGuard
 from rlm.train.throughput import Throughput
 
 PluginsConfig = plugins_config()  # the type of LMModule's `plugins`, one optional field per registered plugin
@@ -48,12 +50,11 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """The cosine decays to min_lr_ratio * lr at the schedule's last step (total_steps)."""
     total_steps: int | None = None
-    """Steps the warmup + cosine is laid out over; past it the rate stays at min_lr_ratio * lr. None: the
-    run's length on a fresh run, and on resume the horizon saved with the run (a larger max_steps continues at
-    the floor rather than stretching the cosine anew)."""
+    """Steps the warmup + cosine spans; past it the rate stays at min_lr_ratio * lr. None: the run's length,
+    and on resume the horizon saved with the run."""
     fused: bool | None = None
-    """torch's fused AdamW kernel (one pass over each tensor), the same update to rounding. None: fused where
-    torch has the kernel for every parameter (floating point, CPU or CUDA); true: an error where it has not."""
+    """torch's fused AdamW kernel (the same update to rounding). None: fused where torch has the kernel for
+    every parameter (floating point, CPU or CUDA)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -84,8 +85,7 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 
 class WarmupCosine:
-    """:func:`warmup_cosine` as an object, so LambdaLR's state_dict saves its horizon and a resume continues
-    the same schedule."""
+    """:func:`warmup_cosine` as an object, so LambdaLR's state_dict saves its horizon for a resume."""
 
     def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
@@ -123,8 +123,8 @@ class LMModule(pl.LightningModule):
             plugins: the memory plugins by name with their options, e.g. ``--model.plugins.pkm.n_keys 1024``;
                 ``null`` in a later config file disables one. ``rlm plugins NAME`` lists a plugin's options.
             optim: optimizer and schedule.
-            compile: torch.compile each transformer block after sharding (rlm/train/compile.py): true for
-                Inductor's defaults, or ``{backend, mode}``.
+            compile: torch.compile each transformer block after sharding: true for Inductor's defaults, or
+                ``{backend, mode}``.
             peak_flops: one device's peak FLOP/s, the denominator of train/mfu; None: a known GPU's dense peak
                 in the training precision, or on a CPU a measured fp32 matmul rate.
         """
@@ -137,12 +137,8 @@ class LMModule(pl.LightningModule):
         self.model_config, self.optim = model, optim
         check_host_build(model, plugins)  # a clear error, not the OOM killer mid-init
         self.model = Transformer(model, plugins)
-        # Applied in configure_model, after sharding; not a hyperparameter.
-        self.compile_config = compile_config(compile)
+        self.compile_config = compile_config(compile)  # applied in configure_model; not a hyperparameter
         self.peak_flops = peak_flops
-        self._val_sum = torch.zeros(())
-        self._val_count = torch.zeros(())
-        self._eval_sums: dict[str, Tensor] = {}
 
     # ----- forward -----
 
@@ -223,15 +219,8 @@ class LMModule(pl.LightningModule):
         return lm, (loss if aux is None else loss + aux), ctx, n_tokens
 
     def _log_context(self, ctx: Context, stage: str, on_step: bool) -> None:
-        for name, (value, _) in ctx.aux_losses.items():
-            self.log(
-                f"{stage}/aux/{name}",
-                value.detach().float(),
-                on_step=on_step,
-                on_epoch=not on_step,
-                sync_dist=not on_step,
-            )
-        for name, value in ctx.metrics.items():
+        aux = {f"aux/{name}": value.detach().float() for name, (value, _) in ctx.aux_losses.items()}
+        for name, value in (aux | ctx.metrics).items():
             self.log(f"{stage}/{name}", value, on_step=on_step, on_epoch=not on_step, sync_dist=not on_step)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -314,10 +303,9 @@ class LMModule(pl.LightningModule):
     # ----- optimisation -----
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: the plugins' first, then decayed and non-decayed ones, then the plugins' synced
-        parameters (``Plugin.synced_parameters``) in groups of their own: under FSDP2 they are plain tensors
-        among DTensors, which foreach and fused kernels refuse in one group. Grouped so on every strategy, so one
-        optimizer state fits one process, DDP and FSDP2 alike."""
+        """AdamW groups: the plugins', then decayed and non-decayed ones, then the synced parameters in groups of
+        their own (plain tensors among FSDP2's DTensors, which foreach and fused kernels refuse in one group), on
+        every strategy so one optimizer state fits one process, DDP and FSDP2 alike."""
         groups: list[dict[str, Any]] = []
         taken: set[int] = set()
         # asked first: a plugin may settle what it syncs here (PKM resolves its value path)
@@ -362,12 +350,9 @@ class LMModule(pl.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Lightning's clipping, with two cases it refuses or gets wrong.
-
-        - Fused AdamW unscales fp16 gradients in its own step, so Lightning refuses to clip for it (and under bf16
-          too). Unscale here where a scaler is on (GradScaler.step then passes no scale), and clip as usual.
-        - FSDP2's DTensor gradients beside plain ones (synced parameters) need one global norm, which torch's
-          ``clip_grad_norm_`` refuses in one call."""
+        """Lightning's clipping, also for fused AdamW (which Lightning refuses: unscale here where a scaler is
+        on, so GradScaler.step passes no scale) and for FSDP2's DTensor gradients beside plain ones (one global
+        norm, which torch's ``clip_grad_norm_`` refuses)."""
         if not gradient_clip_val:
             return
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
@@ -446,10 +431,6 @@ class LMModule(pl.LightningModule):
             )
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        from rlm.distributed.replicas import SyncedGradients
-        from rlm.train.checkpoint import CheckpointHygiene
-        from rlm.train.guard import NonFiniteGuard
-
         # synced gradients averaged (FSDP2 only) before the guard reads them; stop at NaN; crash-safe checkpoints
         core = [SyncedGradients(), NonFiniteGuard(), CheckpointHygiene()]
         plugin_callbacks = [cb for plugin in self.model.plugins.values() for cb in plugin.callbacks()]

@@ -1,7 +1,4 @@
-"""Checks and defaults for the trainer's strategy, applied to the parsed config before Lightning builds anything:
-``devices: auto`` under a multi-process strategy starts CPU_PROCESSES on a CPU (Lightning's would start one),
-strategies rlm cannot run are refused in one line, and Lightning's ModelParallelStrategy becomes rlm's.
-"""
+"""Checks and defaults for the trainer's strategy, applied to the parsed config before Lightning builds anything."""
 
 from __future__ import annotations
 
@@ -16,27 +13,15 @@ MULTI_PROCESS = ("ddp", "modelparallel", "fsdp", "deepspeed")  # name prefixes: 
 
 
 class ModelParallelStrategy(_LightningModelParallel):
-    """Lightning's ModelParallelStrategy with evaluation data sharded over every rank.
-
-    Lightning's hands its DistributedSampler the mesh's ``data_parallel`` dimension (the node count), assuming
-    ``tensor_parallel`` splits each layer so a node's GPUs see the same batch. rlm has no tensor parallelism: both
-    dimensions shard FSDP2 (:func:`rlm.distributed.parallel.fsdp_mesh`) and every rank is a replica, so each GPU
-    of a node would evaluate the same data. Lightning reads these kwargs for every evaluation loader (a user's
-    data module's too), so the fix lives here, not in the data module; training data is sharded by
-    ``TrainLoader`` itself.
-    """
+    """Lightning's ModelParallelStrategy with evaluation data sharded over every rank: Lightning's shards it over
+    the mesh's ``data_parallel`` dimension (nodes) only, assuming tensor parallelism within a node, which rlm has
+    not (both dimensions shard FSDP2), so each GPU of a node would evaluate the same data."""
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
 
-LIGHTNING_MODEL_PARALLEL = (
-    "pytorch_lightning.strategies.ModelParallelStrategy",
-    "pytorch_lightning.strategies.model_parallel.ModelParallelStrategy",
-    "lightning.pytorch.strategies.ModelParallelStrategy",
-    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy",
-)
 RLM_MODEL_PARALLEL = f"{__name__}.ModelParallelStrategy"
 
 
@@ -86,18 +71,15 @@ def prepare_trainer(trainer: Any) -> None:
 def use_rlm_model_parallel(strategy: Any) -> Any:
     """``strategy`` with Lightning's ModelParallelStrategy class path replaced by rlm's (same init_args)."""
     path = strategy.get("class_path") if hasattr(strategy, "get") and not isinstance(strategy, str) else None
-    if path in LIGHTNING_MODEL_PARALLEL:
+    lightning = ("pytorch_lightning.strategies.", "lightning.pytorch.strategies.")
+    if path in [f"{p}{m}ModelParallelStrategy" for p in lightning for m in ("", "model_parallel.")]:
         strategy["class_path"] = RLM_MODEL_PARALLEL
     return strategy
 
 
 def release_process_group() -> None:
-    """Destroy the default process group, if one is up, while the interpreter is still whole.
-
-    Lightning leaves it alive after fit/validate/test. A gloo worker thread freeing a finished collective's
-    tensors during interpreter finalization cannot take the GIL, is ended with pthread_exit across ``noexcept``
-    gloo code, and the finished run aborts (exit -6). Shutting the group down first joins those threads.
-    """
+    """Destroy the default process group Lightning leaves up, while the interpreter is still whole: a gloo thread
+    freeing a collective's tensors during finalization cannot take the GIL and aborts the finished run (exit -6)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
