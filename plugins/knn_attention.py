@@ -1,18 +1,16 @@
 """Token-grain retrieval inside the network: each position attends to the tokens that came next after its nearest
-contexts, found by the LM's own states (after kNN-LM, Khandelwal et al. 2020, and the kNN attention of Memorizing
-Transformers, Wu et al. 2022, with the neighbours' next tokens as values), so the LM loss learns how far to trust
-them. At block ``layer``, beside the self-attention (an ADD module on its normed input y), position t finds
-neighbours j, each an entry (key y_j, value v_j = the token after j), and computes
+contexts by the LM's own states (kNN-LM, Khandelwal et al. 2020; Memorizing Transformers, Wu et al. 2022). At block
+``layer``, beside the self-attention (an ADD module on its normed input y), position t finds neighbours j (key y_j,
+value v_j = the token after j) and computes
 
     s_j = -||y_t - y_j||^2 / tau + b_src(j)          tau learned; b_src one learned bias per source
     a   = softmax_j(s)                               over the memory's k and the own past's own_k neighbours
     r_t = sum_j a_j E[v_j]                           E the (tied) token embedding, read without gradient
     out = sigmoid(g . y_t + c) * W_o r_t             W_o starts at zero: the model starts as the one without it
 
-Keys are detached states the model computed before, as in a datastore. Neighbours come from the window's own past
-(j < t, value x_{j+1}: a continuous cache, Grave et al. 2017, with learned weights), and with k > 0 from a queue of
-recent training states of other documents, or at evaluation from a datastore of this model's states over its
-training split (``rlm knnlm build --layer attn_input``), searched with kNN-LM's causal exclusion.
+Keys are detached states. Neighbours come from the window's own past (j < t: a continuous cache, Grave et al. 2017,
+with learned weights) and, with k > 0, from a queue of recent training states of other documents, or at evaluation
+a datastore of this model's states (``rlm knnlm build --layer attn_input``) with kNN-LM's causal exclusion.
 """
 
 from __future__ import annotations
@@ -36,19 +34,18 @@ class KnnAttentionConfig:
     """Options of the kNN attention."""
 
     layer: int = -1
-    """The block whose self-attention input y is the query and beside which the module runs (-1: the last)."""
+    """The block whose self-attention input y is the query (-1: the last)."""
     k: int = 0
-    """Neighbours from the memory (the training queue, or a datastore at evaluation); 0 (the default): none, the
-    window's own past alone. In the short studies (RESULTS.md, "kNN attention") a queue of training states lost to
-    the own past alone on both corpora, at a higher step time."""
+    """Neighbours from the training queue (a datastore at evaluation); 0: the window's own past alone (RESULTS.md,
+    "kNN attention": the queue lost to it on both corpora)."""
     own_k: int = 8
     """Neighbours from the window's own past (the continuous cache); 0: none."""
     memory_tokens: int = 4096
-    """Training states kept in the queue (the latest steps'), searched exactly."""
+    """The latest training states kept in the queue, searched exactly."""
     temperature: float | None = None
     """Initial tau (None: d_model / 8, as the token memory)."""
     random_ablation: bool = True
-    """Validation also runs with every neighbour's value replaced by a random token (val/knn_attention_random/loss)."""
+    """Validation also runs with random tokens as the neighbours' values (val/knn_attention_random/loss)."""
 
     def __post_init__(self) -> None:
         for name in ("k", "own_k", "memory_tokens"):
@@ -62,9 +59,8 @@ class KnnAttentionConfig:
 
 
 class NeighbourDistance(torch.autograd.Function):
-    """d2 (N, n) = ||y_i - table[idx_ij]||^2, already computed by the search, given the gradient into y it has:
-    grad_y_i = 2 (y_i sum_j g_ij - sum_j g_ij table[idx_ij]), the second term a weighted embedding bag over the
-    detached keys, so the (N, n, d) neighbour keys are never gathered."""
+    """d2 (N, n) = ||y_i - table[idx_ij]||^2 as the search computed it, with its gradient into y,
+    2 (y_i sum_j g_ij - sum_j g_ij table[idx_ij]): an embedding bag, so the (N, n, d) keys are never gathered."""
 
     @staticmethod
     def forward(ctx, y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Tensor:  # type: ignore[override]
@@ -80,17 +76,15 @@ class NeighbourDistance(torch.autograd.Function):
 
 
 def neighbour_distance(y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Tensor:
-    """Squared distances (N, n) of rows y (N, d) to their neighbours table[idx] (idx (N, n)), the values d2 given
-    (searched without gradient), with the gradient into y of ||y - table[idx]||^2 (NeighbourDistance)."""
+    """d2 (N, n), searched without gradient, with the gradient into y (N, d) of ||y - table[idx]||^2."""
     if not (torch.is_grad_enabled() and y.requires_grad):
         return d2
     return NeighbourDistance.apply(y, table, idx, d2)
 
 
 def sq_dist_mm(q: Tensor, keys: Tensor) -> Tensor:
-    """||q_i - key_j||^2 - ||q_i||^2 (N, M) of rows q (N, d), keys (M, d) in one addmm: the same ordering per row
-    as the squared distance (the row's own norm added back only to the few kept). In float32 under autocast too:
-    in bfloat16 the cancellation in ||q||^2 - 2 q.k + ||k||^2 reorders the nearest neighbours."""
+    """||q_i - key_j||^2 - ||q_i||^2 (N, M) in one addmm (a row's order is the squared distance's), in float32: in
+    bfloat16 the cancellation in ||q||^2 - 2 q.k + ||k||^2 reorders the nearest neighbours."""
     with torch.autocast(q.device.type, enabled=False):
         return torch.addmm(keys.square().sum(-1)[None], q, keys.transpose(0, 1).to(q.dtype), beta=1, alpha=-2)
 
@@ -162,8 +156,8 @@ class KnnAttentionPlugin(Plugin):
         tau = config.temperature if config.temperature is not None else model_config.d_model / 8
         self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
         self.bias = nn.Parameter(torch.zeros(len(SOURCES)))
-        # The training queue, a ring of the latest memory_tokens entries written in place: keys (M, d) detached,
-        # values (M,), documents (M,). Checkpointed as extra state (its size may change; empty needs no placeholder).
+        # The training queue, a ring of the latest memory_tokens entries: keys (M, d) detached, values (M,),
+        # documents (M,); checkpointed as extra state.
         self._ring: tuple[Tensor, Tensor, Tensor] | None = None
         self._filled = 0
         self._next = 0
@@ -171,12 +165,9 @@ class KnnAttentionPlugin(Plugin):
         # step's own backward, which reads the neighbours' keys from it (NeighbourDistance)
         self._pending: list[tuple[Tensor, Tensor, Tensor]] = []
         object.__setattr__(self, "_embedding", None)
-        self.datastore: Any = None
-        """A kNN-LM datastore of this model's attn_input states (use_datastore); searched outside training."""
+        self.datastore: Any = None  # a kNN-LM datastore of attn_input states, searched outside training
         self._store: Any = None
         self._root: str = ""
-
-    # ----- the plugin contract -----
 
     def claims(self) -> list[Claim]:
         return [Claim(Slot.ATTN, Mode.ADD, [self.layer])]
@@ -195,9 +186,8 @@ class KnnAttentionPlugin(Plugin):
         return self._embedding.weight
 
     def use_datastore(self, datastore: Any, store: Any, root: str) -> bool:
-        """Search ``datastore`` (built with keys at ``attn_input``) outside training, excluding for each window the
-        entries of its own document (or a copy of it) in ``store`` (the evaluated text's token store at ``root``).
-        Whether it was taken: with k 0 the plugin searches no memory, so the datastore is only interpolated."""
+        """Search ``datastore`` (keys at ``attn_input``) outside training, excluding each window's own document (or a
+        copy) in ``store`` at ``root``. False with k 0: the datastore is then only interpolated."""
         if not self.config.k:
             return False
         layer = datastore.meta.get("layer")
@@ -210,11 +200,8 @@ class KnnAttentionPlugin(Plugin):
         self.datastore, self._store, self._root = datastore, store, root
         return True
 
-    # ----- the training queue -----
-
     def queue(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        """The queue's filled entries (keys (n, d), next tokens (n,), documents (n,)), the pending ones written first;
-        None if empty."""
+        """The queue's entries (keys (n, d), next tokens (n,), documents (n,)), pending ones written first; or None."""
         while self._pending:
             self.push(*self._pending.pop(0))
         if self._ring is None or not self._filled:
@@ -222,7 +209,7 @@ class KnnAttentionPlugin(Plugin):
         return tuple(x[: self._filled] for x in self._ring)  # type: ignore[return-value]
 
     def push(self, keys: Tensor, values: Tensor, docs: Tensor) -> None:
-        """Write entries into the ring over its oldest; only the latest memory_tokens of a larger push are kept."""
+        """Write entries into the ring over its oldest."""
         M = self.config.memory_tokens
         if not M:
             return
@@ -243,10 +230,8 @@ class KnnAttentionPlugin(Plugin):
         self._filled = min(M, self._filled + n)
 
     def get_extra_state(self) -> dict[str, Any]:
-        """Checkpointed with the weights: the queue, so that evaluating a checkpoint searches the memory that
-        validation during fit searched."""
-        # read without writing the pending entries into the ring: a state_dict taken between a step's forward and
-        # its backward must not change the keys that backward reads
+        """The queue, so that evaluating a checkpoint searches what validation during fit searched."""
+        # pending entries are not written into the ring: the step's backward may still read its keys
         parts = list(self._pending)
         if self._ring is not None and self._filled:
             oldest_first = (torch.roll(x, -self._next, 0) if self._filled == len(x) else x[: self._filled]
@@ -266,10 +251,8 @@ class KnnAttentionPlugin(Plugin):
     def clear_queue(self) -> None:
         self._ring, self._filled, self._next, self._pending = None, 0, 0, []
 
-    # ----- the neighbours -----
-
     def neighbours(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
-        """(squared distances (B, T, k + own_k) with gradient into y, values (B, T, k + own_k), -1 where none)."""
+        """(squared distances (B, T, k + own_k) with gradient into y, values (-1 where none))."""
         c = self.config
         parts_d, parts_v = [], []
         if c.k:
@@ -290,8 +273,7 @@ class KnnAttentionPlugin(Plugin):
         return (ctx.doc_ids if ctx.doc_ids is not None else -1 - torch.arange(B)).to(device)
 
     def _search_queue(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
-        """The k nearest queue entries of other documents, exact: distances (B, T, k) with gradient into y, values
-        (B, T, k) (-1 where the queue holds fewer than k of other documents)."""
+        """The k nearest queue entries of other documents: distances (B, T, k) with gradient into y, values."""
         B, T, d = y.shape
         k = self.config.k
         queue = self.queue()
@@ -312,8 +294,7 @@ class KnnAttentionPlugin(Plugin):
         return dist.view(B, T, k), vals.view(B, T, k)
 
     def _search_datastore(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
-        """The datastore's k nearest of other documents: distances (B, T, k), values (B, T, k), no gradient (only
-        outside training)."""
+        """The datastore's k nearest of other documents: distances, values (B, T, k), no gradient."""
         B, T, d = y.shape
         k = self.config.k
         q = y.detach().float().cpu()
@@ -335,9 +316,8 @@ class KnnAttentionPlugin(Plugin):
         return dist_t, torch.from_numpy(vals).to(y.device)
 
     def _own_past(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
-        """The own_k nearest earlier positions j < t of each window (value x_{j+1}): distances with gradient into
-        y_t (the key y_j detached), values (B, T, own_k). Under a KV cache (generation) the earlier positions'
-        keys and tokens travel in ``ctx.cache.state``, so a cached step sees the same past as the whole window."""
+        """The own_k nearest earlier positions j < t (value x_{j+1}): distances with gradient into y_t, values
+        (B, T, own_k). Under a KV cache the earlier keys and tokens travel in ``ctx.cache.state``."""
         B, T, d = y.shape
         k = self.config.own_k
         yf = y.float()

@@ -1,21 +1,13 @@
-"""A token-grain memory trained with the LM (TRIME: Zhong et al., EMNLP 2022, "Training Language Models with
-Memory Augmentation"): the LM's own final states are the retrieval keys, and what came next after a key is its value.
-
-An entry j of the memory is (h_j, y_j): the final normed hidden state at position j and the token that followed it.
-For the state h_t of the token being predicted, the output distribution mixes the LM head with the memory in one
-softmax (TRIME's eq. 1, with squared L2 similarity as the kNN-LM datastore measures it):
+"""A token-grain memory trained with the LM (TRIME: Zhong et al., EMNLP 2022): entry j is (h_j, y_j), the final
+normed state at position j and the token after it. The output mixes the LM head with the memory in one softmax
+(TRIME's eq. 1, with the squared L2 similarity of the kNN-LM datastore):
 
     s_j      = -||h_t - h_j||^2 / tau + b
     p(w | t) = ( exp(z_w) + sum_{j: y_j = w} exp(s_j) ) / ( sum_v exp(z_v) + sum_j exp(s_j) )
 
-where z = W h_t are the LM's logits and tau, b are learned scalars. The loss pulls h_t towards the states of
-contexts followed by the same token: the geometry a kNN search over the LM's states needs.
-
-The training memory: the window's own past (j < t, TRIME's local memory), the batch's other documents (in-batch,
-with gradients through their keys) and the last ``memory_batches`` batches' detached states (a queue, as MoCo's).
-Validation uses the own past and the queue only, so a sequence's loss does not depend on its batch; it logs the
-mixture's loss, and with the values shuffled (``token_memory_random``). At evaluation ``rlm eval --datastore``
-scores the mixture over a datastore's k nearest keys.
+with z = W h_t the LM's logits, tau and b learned. Training memory: the window's own past (j < t), the batch's
+other documents (with gradients through their keys) and the last ``memory_batches`` batches' detached states;
+validation uses the own past and the queue only. ``rlm eval --datastore`` scores the mixture over a datastore.
 """
 
 from __future__ import annotations
@@ -35,22 +27,20 @@ class TokenMemoryConfig:
     """Options of the token memory."""
 
     temperature: float | None = None
-    """Initial tau of s_j = -||h_t - h_j||^2 / tau + b (None: d_model / 8, so two states at the squared distance of
-    random unit-RMS vectors, 2 d, score -16)."""
+    """Initial tau (None: d_model / 8: two random unit-RMS states, at squared distance 2 d, score -16)."""
     bias: float = 0.0
     """Initial b."""
     learn: bool = True
     """Train tau and b (false: keep them at their initial values)."""
     in_batch: bool = True
-    """Training memory includes the batch's other windows (of other documents), with gradients through their keys."""
+    """Training memory includes the batch's other documents, with gradients through their keys."""
     memory_batches: int = 0
-    """Earlier training batches whose (detached) states stay in the memory; 0: none."""
+    """Earlier training batches whose detached states stay in the memory."""
     state_grad: float = 0.1
-    """Scale of the memory's gradient into the LM's states (queries and in-batch keys): 1 is TRIME's; smaller keeps
-    the squared-distance scores, whose gradients are large beside the LM head's, from swamping the LM's own
-    learning of the states."""
+    """Scale of the memory's gradient into the LM's states: 1 is TRIME's; smaller keeps the large gradients of the
+    squared distances from swamping the LM's own learning of the states."""
     ce_weight: float = 1.0
-    """The training loss is the mixture's NLL plus this times the LM's own cross-entropy (0: TRIME's loss alone)."""
+    """The training loss adds this times the LM's own cross-entropy to the mixture's NLL (0: TRIME's alone)."""
 
     def __post_init__(self) -> None:
         if self.temperature is not None and not self.temperature > 0:
@@ -68,8 +58,8 @@ class TokenMemoryConfig:
 
 
 def joint_nll(logits: Tensor, targets: Tensor, scores: Tensor, values: Tensor) -> Tensor:
-    """-log p(target) of the mixture, per query (N,): ``logits`` (N, V), ``targets`` (N,), ``scores`` (N, M) the
-    memory's s_j (-inf where an entry is not in a query's memory), ``values`` (N, M) or (M,) their next tokens."""
+    """-log p(target) (N,) of the mixture of ``logits`` (N, V) and the memory's ``scores`` (N, M) (-inf: not in a
+    query's memory) of next tokens ``values`` (N, M) or (M,)."""
     ce = F.cross_entropy(logits, targets, reduction="none")  # log Z - z_y, fused
     z_y = logits.gather(1, targets[:, None]).squeeze(1)
     return _mix(ce + z_y, z_y, scores, values, targets)
@@ -100,8 +90,8 @@ class TokenMemoryPlugin(Plugin):
         tau = config.temperature if config.temperature is not None else model_config.d_model / 8
         self.log_tau = nn.Parameter(torch.tensor(math.log(tau)), requires_grad=config.learn)
         self.bias = nn.Parameter(torch.tensor(float(config.bias)), requires_grad=config.learn)
-        # The queue of earlier training batches: (keys (M, d) detached, values (M,), docs (M,)). Not a buffer: a
-        # checkpoint does not carry it, a resumed run refills it within memory_batches steps.
+        # earlier training batches (keys (M, d) detached, values (M,), docs (M,)); not checkpointed: a resumed run
+        # refills it within memory_batches steps
         self._queue: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def claims(self) -> list[Claim]:
@@ -116,16 +106,14 @@ class TokenMemoryPlugin(Plugin):
         return float(self.log_tau.detach().exp())
 
     def scores(self, queries: Tensor, keys: Tensor) -> Tensor:
-        """s (N, M) = -||q - k||^2 / tau + b, in float32 (autocast would run q @ k.T in bfloat16, whose cancellation
-        in the expanded square reorders near keys)."""
+        """s (N, M) = -||q - k||^2 / tau + b, in float32 (in bfloat16 the expanded square reorders near keys)."""
         q, k = queries.float(), keys.float()
         with torch.autocast(q.device.type, enabled=False):
             d2 = (q.square().sum(-1, keepdim=True) + k.square().sum(-1)[None, :] - 2 * q @ k.T).clamp_min(0)
         return -d2 / self.log_tau.exp() + self.bias
 
     def memory(self, ctx: Context, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """(s (N, M), values (M,)) of the N = B * T queries against the memory the stage allows; s is -inf where an
-        entry is not in a query's memory."""
+        """(s (N, M), values (M,)) of the N = B * T queries; s is -inf where an entry is not in a query's memory."""
         B, T, _ = hidden.shape
         g = self.config.state_grad
         h = hidden.flatten(0, 1)
@@ -145,8 +133,8 @@ class TokenMemoryPlugin(Plugin):
         return s, torch.cat(values)
 
     def objective(self, ctx: Context, hidden: Tensor, logits: Tensor, targets: Tensor) -> Tensor | None:
-        """The mixture's mean NLL over the batch's targets in training (the step's loss); at validation, logs the
-        mixture's loss with the queue and own-past memory (and with shuffled values) and returns None."""
+        """The mixture's mean NLL in training (the step's loss); at validation it logs it (and with shuffled values)
+        and returns None."""
         s, vals = self.memory(ctx, hidden, targets)
         y = targets.flatten()
         valid = y != -100
