@@ -66,27 +66,6 @@ def _search_torch(s1: Tensor, s2: Tensor, k: int) -> tuple[Tensor, Tensor, Tenso
     return scores.transpose(0, 1).contiguous(), i.transpose(0, 1).contiguous(), j.transpose(0, 1).contiguous()
 
 
-def _subkey_grads(
-    q: Tensor, keys: Tensor, i: Tensor, j: Tensor, grad: Tensor, need_q: bool, need_keys: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of scores[t, h, e] = q[t, h, 0] . keys[h, 0, i[t, h, e]] + q[t, h, 1] . keys[h, 1, j[t, h, e]]
-    for q (N, H, 2, dh) and keys (H, 2, n, dh): the score gradient has k non-zeros a row, so bag_sum and table_grad
-    replace dense matmuls (both halves in one tensor: slices would make autograd zero-fill one per half).
-    """
-    (N, H, _, dh), n, k = q.shape, keys.shape[2], i.shape[-1]
-    # sub-key s of half c of head h is row (2h + c) n + s of the flat (H * 2 * n, dh) keys
-    base = torch.arange(2 * H, device=i.device).view(1, H, 2, 1) * n
-    rows = (torch.stack([i, j], dim=2) + base).reshape(N * H * 2, k)
-    flat_keys = keys.reshape(2 * H * n, dh)
-    w = grad.unsqueeze(2).expand(N, H, 2, k).reshape(N * H * 2, k).to(keys.dtype)  # one score, both halves
-    grad_q = grad_keys = None
-    if need_q:
-        grad_q = bag_sum(flat_keys, rows, w).view(N, H, 2, dh)
-    if need_keys:
-        grad_keys = table_grad(flat_keys, rows, w, q.reshape(N * H * 2, dh).to(keys.dtype)).view(H, 2, n, dh)
-    return grad_q, grad_keys
-
-
 _ONEDNN_LINEAR: list[Any] = []  # [op] once resolved; [None] when unavailable or failed
 
 
@@ -132,9 +111,23 @@ class _ProductKeySearch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        # The score gradient has k non-zeros a row: bag_sum and table_grad in place of dense matmuls, both halves
+        # in one tensor (slices would make autograd zero-fill one per half).
         q, keys, i, j = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        grad_q, grad_keys = _subkey_grads(q, keys, i, j, grad, need[0], need[1])
+        (N, H, _, dh), n, k = q.shape, keys.shape[2], i.shape[-1]
+        # sub-key s of half c of head h is row (2h + c) n + s of the flat (H * 2 * n, dh) keys
+        base = torch.arange(2 * H, device=i.device).view(1, H, 2, 1) * n
+        rows = (torch.stack([i, j], dim=2) + base).reshape(N * H * 2, k)
+        flat_keys = keys.reshape(2 * H * n, dh)
+        w = (
+            grad.unsqueeze(2).expand(N, H, 2, k).reshape(N * H * 2, k).to(keys.dtype)
+        )  # one score, both halves
+        grad_q = grad_keys = None
+        if ctx.needs_input_grad[0]:
+            grad_q = bag_sum(flat_keys, rows, w).view(N, H, 2, dh)
+        if ctx.needs_input_grad[1]:
+            q_rows = q.reshape(N * H * 2, dh).to(keys.dtype)
+            grad_keys = table_grad(flat_keys, rows, w, q_rows).view(H, 2, n, dh)
         return grad_q, grad_keys, None
 
 
