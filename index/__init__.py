@@ -1,4 +1,2 @@
-"""Retrieval indices (installed as rlm.index): build, search with causal filters, narrow (PCA), store, shard.
-
-It knows no plugin: embedders come in through the Embedder protocol (protocol.py).
-"""
+"""Retrieval indices (installed as rlm.index): build, search with causal filters, narrow, store, shard. It knows
+no plugin: embedders come in through the Embedder protocol (protocol.py)."""

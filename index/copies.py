@@ -1,10 +1,6 @@
-"""Exact copies of indexed text: which indexed segments hold exactly the given tokens (SegmentHashes), and where
-in the indexed documents a run of tokens occurs (TextRuns).
-
-A query from another text (an evaluation corpus, a prompt) has no segment id for the causal filter, yet may copy a
-training document at any offset; the retriever finds the copied place here and filters the query as that
-document's own. Every hash hit is checked token by token, so a collision never counts as a copy.
-"""
+"""Exact copies of indexed text: which indexed segments hold exactly the given tokens (SegmentHashes), and where in
+the indexed documents a run of tokens occurs (TextRuns), so the retriever filters a query from another text as the
+copied document's own. Every hash hit is checked token by token, so a collision never counts as a copy."""
 
 from __future__ import annotations
 
@@ -62,8 +58,7 @@ class SegmentHashes:
         self.ids = ids[order]  # the segment id of each hash
 
     def find(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(which row, segment id) of every segment holding exactly the tokens of a row (N, L) of the given lengths
-        (its padding aside); rows without a copy give none, rows with several give each."""
+        """(which row, segment id) of every segment holding exactly the real tokens of a row (N, L) of `lengths`."""
         tokens, lengths = np.asarray(tokens), np.asarray(lengths)
         row, at = _hits(self.hashes, row_hashes(tokens, lengths))
         seg = self.ids[at]
@@ -103,8 +98,7 @@ class TextRuns:
         )
 
     def find(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(which row, document, position in it) of every indexed run holding exactly the tokens of a row
-        (N, run)."""
+        """(which row, document, position in it) of every indexed run holding exactly a row (N, run) of tokens."""
         tokens = np.asarray(tokens, dtype=np.int64)
         row, at = _hits(self.hashes, row_hashes(tokens, np.full(len(tokens), self.run)))
         same = (self._tokens(at) == tokens[row]).all(1) if len(at) else np.zeros(0, dtype=bool)

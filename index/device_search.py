@@ -1,10 +1,8 @@
-"""Searching an index on the device: faiss-gpu when it is installed, else torch over the index's own data (the
-exact TorchExactIndex for a flat index, TorchIVFIndex for an IVF one) when it fits in the device's memory.
+"""Searching an index on the device: faiss-gpu when installed, else torch over the index's own data when it fits.
 
-TorchIVFIndex keeps faiss's centroids, inverted lists and nprobe, but decodes the lists' codes once (sa_decode) to
-float32 vectors on the device and scores each probed list exactly: faiss's lookup tables compute the same
-<q, centroid> + <q, decoded residual>, so results agree up to float rounding. Plain inner-product IVF only.
-"""
+TorchIVFIndex keeps faiss's centroids, inverted lists and nprobe, but decodes the codes once (sa_decode) to float32
+vectors on the device and scores each probed list exactly: faiss's lookup tables compute the same <q, centroid> +
+<q, decoded residual>, so results agree up to float rounding."""
 
 from __future__ import annotations
 
@@ -23,8 +21,8 @@ HEADROOM = 0.5  # a torch search may take this share of the device's free memory
 
 
 def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
-    """(what to search on ``device`` instead of ``index``, a phrase saying which search that is): faiss-gpu when it
-    is installed; else a torch search over the index's own data when it fits (HEADROOM); else ``index`` itself."""
+    """(what to search on ``device`` instead of ``index``, a phrase saying which search): faiss-gpu when installed,
+    else a torch search over the index's own data when it fits (HEADROOM), else ``index`` itself."""
     factory = index.factory if isinstance(index, BuiltIndex) else None
     raw = index.index if isinstance(index, BuiltIndex) else index
     name = factory or type(raw).__name__

@@ -1,11 +1,8 @@
-"""The narrow embedding: a PCA projection of the index's vectors, fitted at each rebuild, so the index holds m
-dims instead of d_model: y = normalise(V_m^T x), V_m the top-m eigenvectors of the second moments X^T X of a sample
-of the vectors (PCA without centring). Not centred, because the search ranks by inner products of unit vectors and
-x . y keeps the shared mean direction's part mu . y, which centring drops (benchmarks/narrow_embedding.py compares
-them). ``Projection.mean`` stays in the format (zero from this fit), so a centred projection still applies.
-
-The projection is stored in the index directory (PROJECTION) and recorded in the embedder identity of its metadata
-(``identity["projection"]``), so an index is searched only with its own projection.
+"""The narrow embedding: a PCA projection fitted at each rebuild, so the index holds m dims instead of d_model:
+y = normalise(V_m^T x), V_m the top-m eigenvectors of the second moments X^T X of a sample of the vectors. Not
+centred: the search ranks by inner products of unit vectors, and centring drops the shared mean direction's part of
+x . y (benchmarks/narrow_embedding.py compares them); ``Projection.mean`` stays in the format, zero from this fit.
+Stored in the index directory and recorded in its embedder identity, so an index is searched with its own.
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ AUTO_DIM = 256  # index_dim 'auto' narrows to this width (half the embedding wid
 class Projection:
     """A PCA projection (n, D) -> (n, m) unit vectors: normalise((x - mean) @ components.T)."""
 
-    mean: np.ndarray
-    """(D,) float32 mean of the fitted sample."""
-    components: np.ndarray
-    """(m, D) float32 orthonormal rows: the top-m principal directions, largest variance first."""
+    mean: np.ndarray  # (D,) float32 mean subtracted first
+    components: np.ndarray  # (m, D) float32 orthonormal rows: the top-m principal directions, largest first
 
     @property
     def in_dim(self) -> int:
@@ -60,13 +55,13 @@ class Projection:
         return y
 
     def identity(self) -> dict[str, Any]:
-        """{"in_dim", "dim", "sha"}: recorded in the index's embedder identity (the sha of mean and components)."""
+        """{"in_dim", "dim", "sha" of mean and components}: recorded in the index's embedder identity."""
         h = hashlib.sha256(np.ascontiguousarray(self.mean, np.float32).tobytes())
         h.update(np.ascontiguousarray(self.components, np.float32).tobytes())
         return {"in_dim": self.in_dim, "dim": self.dim, "sha": h.hexdigest()[:16]}
 
     def save(self, directory: Path) -> None:
-        """Write PROJECTION into `directory` (an index directory being written: the caller renames it into place)."""
+        """Write PROJECTION into `directory` (an index directory being written)."""
         with open(Path(directory) / PROJECTION, "wb") as f:  # a file object: numpy adds no suffix
             np.savez(f, mean=self.mean, components=self.components)
 
@@ -94,9 +89,8 @@ def check_index_dim(setting: int | str | None) -> None:
 
 
 def index_width(setting: int | str | None, width: int | None, rows: int, above: int) -> int | None:
-    """The width m the index narrows to (None: full width) for index_dim `setting`, vectors `width` wide (None:
-    not known yet), `rows` indexed segments and the sharding threshold `above`: an integer is that width; 'auto'
-    is min(AUTO_DIM, width // 2) from `above` rows, full width below."""
+    """The width m the index narrows to (None: full width) for index_dim `setting`, vectors `width` wide (None: not
+    known yet) and `rows` indexed segments: 'auto' is min(AUTO_DIM, width // 2) from `above` rows, else full width."""
     check_index_dim(setting)
     if setting is None or (setting == "auto" and rows < above):
         return None
@@ -114,8 +108,8 @@ def sample_rows(n: int, size: int) -> np.ndarray:
 
 
 def fit_pca(sample: np.ndarray, m: int) -> Projection:
-    """The top-m principal directions of a (n, D) sample without centring (eigenvectors of its second-moment matrix
-    in float64; each direction's sign fixed so its largest-magnitude entry is positive), with a zero mean."""
+    """The top-m principal directions of a (n, D) sample without centring, each signed so its largest-magnitude
+    entry is positive, with a zero mean."""
     x = torch.from_numpy(np.ascontiguousarray(sample, dtype=np.float32))
     n, D = x.shape
     if not 1 <= m < D:

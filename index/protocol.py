@@ -1,5 +1,4 @@
-"""The embedder protocol the retriever plugin implements, the batched embedding loop, and a mean-pool embedder over
-any core transformer."""
+"""The embedder protocol the retriever implements, the batched embedding loop, and a mean-pool embedder."""
 
 from __future__ import annotations
 
@@ -46,10 +45,8 @@ def embed_all(
     world_size: int = 1,
     progress: bool = True,
 ) -> np.ndarray:
-    """Embed this rank's shard_range of segment ids in batches: float32 (len(shard), D), row j = id shard[j].
-
-    segment_tokens_fn(ids) returns the (b, N) tokens and (b, N) mask of those segment ids.
-    """
+    """Embed this rank's shard_range of segment ids in batches: float32 (len(shard), D), row j = id shard[j];
+    segment_tokens_fn(ids) gives their (b, N) tokens and mask."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     shard = shard_range(n_segments, rank, world_size)
@@ -80,17 +77,14 @@ def weights_hash(module: nn.Module) -> str:
 
 
 class MeanPoolEmbedder:
-    """Mean over real tokens of the hidden state after block `layer` of a core Transformer, L2-normalised.
+    """Mean over real tokens of the hidden state after block `layer` of a core Transformer, L2-normalised: a forward
+    hook on blocks[layer] captures it (the plugins run as in training) and stops the pass there."""
 
-    A forward hook on blocks[layer] captures it, so the slots run exactly as in training whatever plugins fill
-    them, and stops the pass there, so later blocks and the head cost nothing.
-    """
-
-    def __init__(self, model: nn.Module, layer: int = -1, step: int = 0, name: str = "meanpool") -> None:
+    def __init__(self, model: nn.Module, layer: int = -1, step: int = 0) -> None:
         n = len(model.blocks)
         if not -n <= layer < n:
             raise ValueError(f"layer={layer} out of range for a model with {n} blocks (use 0..{n - 1} or -1)")
-        self.model, self.layer, self.step, self.name = model, layer % n, step, name
+        self.model, self.layer, self.step = model, layer % n, step
 
     @torch.no_grad()
     def embed_segments(self, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -128,7 +122,7 @@ class MeanPoolEmbedder:
             {"model": asdict(self.model.config), "layer": self.layer}, sort_keys=True, default=str
         )
         return {
-            "name": f"{self.name}@{self.layer}",
+            "name": f"meanpool@{self.layer}",
             "config_hash": hashlib.sha256(config.encode()).hexdigest()[:16],
             "weights_hash": weights_hash(self.model),
             "step": int(self.step),

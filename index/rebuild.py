@@ -1,7 +1,5 @@
-"""What schedules and serves the retriever's index rebuilds without knowing the retriever: the schedule grammar, whether
-a rebuild keeps one part per rank, the CUDA stream a background rebuild embeds on, and loading a written memory for
-online search. The callback itself is the retriever's (plugins/_retrieval_rebuild.py).
-"""
+"""What schedules and serves the retriever's index rebuilds (the callback is plugins/_retrieval_rebuild.py): the
+schedule grammar, sharding, the CUDA stream a background rebuild embeds on, loading a memory for online search."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from rlm.index.store import load_index_dir
 
 
 def shards(sharded: bool | str, world: int, rows: int, shard_above: int) -> bool:
-    """Whether a rebuild over `rows` indexed segments on `world` processes keeps one part per rank (index/sharded.py):
-    never with one process; sharded True or False decides; 'auto' from shard_above rows."""
+    """Whether a rebuild over `rows` segments on `world` processes keeps a part per rank ('auto': from shard_above)."""
     if world <= 1:
         return False
     return rows >= shard_above if sharded == "auto" else bool(sharded)
@@ -72,9 +69,8 @@ class Schedule:
 
 
 def rebuild_stream() -> torch.cuda.Stream | None:
-    """A CUDA stream for the background rebuild, so that its embedding neither queues behind the training step's
-    kernels nor makes the step's syncs wait for its own; it starts after the work queued so far (the snapshot's copy
-    of the weights). None without CUDA."""
+    """A CUDA stream for the background rebuild's embedding (None without CUDA), so it neither queues behind the
+    training step's kernels nor holds up its syncs; it starts after the work queued so far (the weights' copy)."""
     if not torch.cuda.is_available():
         return None
     stream = torch.cuda.Stream()

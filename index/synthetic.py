@@ -8,11 +8,8 @@ import numpy as np
 def clustered_unit_vectors(
     n: int, dim: int, n_clusters: int = 100, spread: float = 0.5, seed: int = 0
 ) -> np.ndarray:
-    """(n, dim) float32 L2-normalised gaussian blobs around random centres on the unit sphere.
-
-    ``spread`` is the noise norm relative to the unit centre (each coordinate has std spread/sqrt(dim)),
-    so neighbours inside a blob are meaningful but not trivially separated.
-    """
+    """(n, dim) float32 L2-normalised gaussian blobs around random unit centres; ``spread``: the noise's norm
+    relative to the centre's (std spread/sqrt(dim) per coordinate)."""
     if n <= 0 or dim <= 0 or n_clusters <= 0:
         raise ValueError(
             f"n, dim and n_clusters must be positive, got n={n}, dim={dim}, n_clusters={n_clusters}"
