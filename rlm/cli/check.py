@@ -1,7 +1,5 @@
-"""Checks of a parsed ``rlm fit`` config before anything is built, so that an unwritable folder or a run that
-trains nothing fails at once with a clear error, not after the data is prepared or with exit 0; and the run
-locks and the cleanup of a failed run's folders.
-"""
+"""Checks of a parsed ``rlm fit`` config before anything is built (an unwritable folder, a run that trains
+nothing), the run locks, and the cleanup of a failed run's folders."""
 
 from __future__ import annotations
 
@@ -16,20 +14,18 @@ from rlm.train.resume import _as_list, _get, _init_args
 
 
 def output_dirs(trainer_cfg: Any) -> dict[Path, str]:
-    """The folders a fit writes to (the root, each logger's save_dir/name, each checkpoint dirpath), each
-    with the setting that names it."""
+    """The folders a fit writes to (the root, each logger's save_dir/name, each checkpoint dirpath), each with the
+    setting that names it."""
     dirs = {Path(_get(trainer_cfg, "default_root_dir") or "."): "--trainer.default_root_dir"}
     loggers = _get(trainer_cfg, "logger")
     for lg in _as_list(loggers) if loggers not in (True, False) else []:
         args = _init_args(lg)
-        save_dir = _get(args, "save_dir")
-        if save_dir:
+        if save_dir := _get(args, "save_dir"):
             dirs.setdefault(
                 Path(save_dir) / str(_get(args, "name", "lightning_logs")), "logger save_dir or name"
             )
     for cb in _as_list(_get(trainer_cfg, "callbacks")):
-        dirpath = _get(_init_args(cb), "dirpath")
-        if dirpath:
+        if dirpath := _get(_init_args(cb), "dirpath"):
             dirs.setdefault(Path(dirpath), "ModelCheckpoint dirpath")
     return dirs
 
@@ -39,8 +35,8 @@ def check_writable(
     what: str = "output folder",
     hint: str = "give a folder you can write to (e.g. --trainer.default_root_dir)",
 ) -> None:
-    """Write and remove a probe file in ``directory``, or its nearest existing ancestor (creating nothing);
-    OSError naming the path when that fails."""
+    """Write and remove a probe file in ``directory``, or its nearest existing ancestor (creating nothing); OSError
+    naming the path when that fails."""
     directory = Path(directory)
     existing = directory.absolute()
     while not existing.exists() and existing != existing.parent:
@@ -55,7 +51,7 @@ def check_writable(
 
 
 def check_fit(cfg: Any) -> None:
-    """All checks of a parsed ``fit`` config (``cfg`` is the subcommand's namespace)."""
+    """All checks of a parsed ``fit`` config (the subcommand's namespace)."""
     trainer = _get(cfg, "trainer")
     for name, what in (("max_steps", "a positive number of steps (or -1: no limit)"),
                        ("max_epochs", "a positive number of epochs (or -1: no limit)")):  # fmt: skip
@@ -84,8 +80,8 @@ _quieted: list[Any] = []  # warning filters that last as long as the locks
 
 
 def lock_fit(cfg: Any) -> None:
-    """Hold the run lock of every folder a parsed ``fit`` config writes (on the first process of the first
-    node: the other ranks are this run's own)."""
+    """Hold the run lock of every folder a parsed ``fit`` config writes (on the first process of the first node:
+    the other ranks are this run's own)."""
     ranks = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID")
     if not all(int(os.environ.get(v, "0") or 0) == 0 for v in ranks):
         return
@@ -107,9 +103,8 @@ def lock_fit(cfg: Any) -> None:
 
 
 def hold_run_lock(root: Path, setting: str = "--trainer.default_root_dir") -> None:
-    """Lock ``root`` for this process (released when it ends, however it ends), or raise ValueError naming
-    the run holding it and the ``setting`` to change: two runs in one folder would share a logger version and
-    overwrite each other's checkpoints."""
+    """Lock ``root`` for this process (released when it ends, however it ends), or ValueError naming the run holding
+    it and the ``setting`` to change."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): no lock
@@ -149,7 +144,7 @@ def release_run_locks() -> None:
             created.rmdir()
 
 
-# What Lightning's loggers and the config callback write into a run's folder before the first training step
+# What Lightning's loggers and the config callback write into a run's folder before the first step
 STARTUP_FILES = ("config.yaml", "hparams.yaml", "events.out.tfevents.*")
 
 
@@ -172,9 +167,8 @@ def _startup_only(directory: Path) -> bool:
 
 
 def remove_unused_dirs(created: list[Path]) -> list[Path]:
-    """Remove the folders of ``created`` (:func:`new_dirs`) holding only what loggers write at a run's start,
-    so a fit failing before its first step leaves no empty ``version_N`` to push the next run's number on.
-    Returns the folders removed."""
+    """Remove the folders of ``created`` (new_dirs) holding only what loggers write at a run's start, so a fit
+    failing before its first step leaves no empty ``version_N`` to push the next run's number on; the ones removed."""
     removed = []
     for d in created:  # deepest first
         if not d.is_dir() or not _startup_only(d):

@@ -1,6 +1,5 @@
-"""The short block a run prints at its end: its final loss, where its files went (checkpoint, metrics CSV,
-TensorBoard, merged config), and the next commands with the real paths. Imports neither torch nor Lightning.
-"""
+"""The block a run prints at its end: its final loss, where its files went, and the next commands with the real
+paths. Imports neither torch nor Lightning."""
 
 from __future__ import annotations
 
@@ -21,27 +20,16 @@ def show(path: str | Path | None) -> str:
     return shlex.quote(text)
 
 
-def _logger_dir(trainer: Any, class_name: str) -> Path | None:
-    for lg in getattr(trainer, "loggers", []):
-        if type(lg).__name__ == class_name and lg.log_dir:
-            return Path(lg.log_dir)
-    return None
-
-
 def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None]:
-    """Where a finished fit wrote its checkpoint, metrics CSV, TensorBoard logs and merged config
-    (``config``, from the config callback: ``trainer.log_dir`` is a collective under DDP, and only rank 0 prints)."""
-    ckpt = None
-    for cb in getattr(trainer, "checkpoint_callbacks", []):
-        for name in ("last_model_path", "best_model_path"):
-            path = getattr(cb, name, "")
-            if path and Path(path).is_file():
-                ckpt = Path(path)
-                break
-        if ckpt:
-            break
-    csv = _logger_dir(trainer, "CSVLogger")
-    tb = _logger_dir(trainer, "TensorBoardLogger")
+    """Where a finished fit wrote its checkpoint, metrics CSV, TensorBoard logs and merged config (``config``, from
+    the config callback: ``trainer.log_dir`` is a collective under DDP, and only rank 0 prints)."""
+    cbs = getattr(trainer, "checkpoint_callbacks", [])
+    paths = [getattr(cb, name, "") for cb in cbs for name in ("last_model_path", "best_model_path")]
+    ckpt = next((Path(p) for p in paths if p and Path(p).is_file()), None)
+    logs = {
+        type(lg).__name__: Path(lg.log_dir) for lg in reversed(getattr(trainer, "loggers", [])) if lg.log_dir
+    }
+    csv, tb = logs.get("CSVLogger"), logs.get("TensorBoardLogger")
     return {
         "checkpoint": ckpt,
         "metrics": csv / "metrics.csv" if csv and (csv / "metrics.csv").is_file() else None,
@@ -53,8 +41,8 @@ def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None
 def next_commands(
     ckpt: Path | None, config: Path | None = None, step: int | None = None, horizon: int | None = None
 ) -> list[tuple[str, str]]:
-    """(what, command) pairs that continue from a checkpoint (``horizon``: the step the learning-rate
-    schedule ends at, which resuming keeps)."""
+    """(what, command) pairs that continue from a checkpoint (``horizon``: the step the learning-rate schedule ends
+    at, which resuming keeps)."""
     if ckpt is None:
         return []
     c = show(ckpt)
@@ -90,9 +78,8 @@ def block(title: str, facts: list[tuple[str, Any]], commands: list[tuple[str, st
 
 
 def val_subset(limit: float | None, total: int | None = None) -> str:
-    """What a validation loss was computed over when not the whole split: '' for the whole split, else '25
-    batches', '25 of 300 batches' or '10% of the batches'. ``limit``: trainer.limit_val_batches (or the batches
-    read), ``total``: the split's batches when known."""
+    """What a validation loss was computed over: '' for the whole split, else '25 batches', '25 of 300 batches' or
+    '10% of the batches'. ``limit``: trainer.limit_val_batches (or the batches read), ``total``: the split's."""
     whole = limit is None or limit == float("inf") or (isinstance(limit, float) and limit == 1.0)
     if whole or (total is not None and limit >= total):
         return ""
@@ -114,19 +101,14 @@ def _fit_val_subset(trainer: Any) -> str:
     return val_subset(used, total)
 
 
-def _loss(metrics: dict[str, Any], key: str) -> str | None:
-    value = metrics.get(key)
-    if value is None:
-        return None
-    return f"{float(value):.4f}"
-
-
 def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = None) -> str:
     """The block ``rlm fit`` prints when training ended normally."""
     metrics = dict(getattr(trainer, "callback_metrics", {}) or {})
     paths = fit_paths(trainer, config)
     step = int(trainer.global_step)
-    losses = [f"{k} {v}" for k in ("val/loss", "train/loss") if (v := _loss(metrics, k)) is not None]
+    losses = [
+        f"{k} {float(metrics[k]):.4f}" for k in ("val/loss", "train/loss") if metrics.get(k) is not None
+    ]
     # limit_val_batches: the loss of a subset, not of the whole split that `rlm eval --split val` reads
     if losses and losses[0].startswith("val/loss") and (subset := _fit_val_subset(trainer)):
         losses[0] += f" on {subset}"
@@ -145,8 +127,8 @@ def eval_summary(ckpt: str | Path, json_path: str | None) -> str:
 def experiment_summary(
     out: Path, runs: list[tuple[str, Path, Path, dict[str, Any]]], report: list[Path]
 ) -> str:
-    """The block ``rlm experiment run`` prints: each finished run's losses and folder (``runs``: label,
-    folder, checkpoint, summary.json), the report, and next commands on the run of the lowest validation loss."""
+    """The block ``rlm experiment run`` prints: each finished run's losses and folder (``runs``: label, folder,
+    checkpoint, summary.json), the report, and next commands on the run of the lowest validation loss."""
     facts: list[tuple[str, Any]] = []
     for label, run_dir, _, s in runs:
         losses = [f"{k} loss {s[f'{k}_loss']:.4f}" for k in ("val", "test") if s.get(f"{k}_loss") is not None]

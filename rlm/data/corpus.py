@@ -14,7 +14,7 @@ import os
 import sysconfig
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,8 +80,22 @@ def _no_files_message(spec: str, path: Path, extensions: list[str]) -> str:
     )
 
 
-def _jsonl_rows(path: Path) -> Iterator[Any]:
-    """The values of a JSON-lines file, one a line (blank lines skipped)."""
+def _json_rows(path: Path) -> Iterator[Any]:
+    """The values of a JSON-lines file, one a line (blank lines skipped), or the list a .json file holds (JSON
+    lines under a .json name are read as such, as datasets reads them)."""
+    if path.suffix.lower() == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            pass
+        else:
+            if not isinstance(rows, list):
+                raise ValueError(
+                    f"corpus file {str(path)!r} holds a JSON {type(rows).__name__}; accepted: a list of objects, "
+                    "or one object per line"
+                )
+            yield from rows
+            return
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
@@ -94,49 +108,30 @@ def _jsonl_rows(path: Path) -> Iterator[Any]:
                     ) from err
 
 
-def _json_rows(path: Path) -> Iterator[Any]:
-    """The objects of a .json file: a list of objects, or JSON lines under a .json name (as datasets reads it)."""
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        yield from _jsonl_rows(path)
-        return
-    if not isinstance(rows, list):
-        raise ValueError(
-            f"corpus file {str(path)!r} holds a JSON {type(rows).__name__}; accepted: a list of objects, "
-            "or one object per line"
-        )
-    yield from rows
-
-
-def _field_of_rows(rows: Callable[[Path], Iterator[Any]]) -> Callable[[Path, str], Iterator[Any]]:
-    """A reader of `text_field` from a reader of JSON rows; rows are objects, the first must hold the field."""
-
-    def read(path: Path, text_field: str) -> Iterator[Any]:
-        missing = 0
-        for i, row in enumerate(rows(path)):
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"row {i} of corpus file {str(path)!r} is a JSON {type(row).__name__}; accepted: objects "
-                    f"with a {text_field!r} field"
-                )
-            if text_field not in row:
-                if i == 0:  # a wrong field name: say so at once rather than skip every row
-                    raise ValueError(
-                        f"text_field={text_field!r} is not a field of corpus file {str(path)!r} (row 0); its "
-                        f"fields: {list(row)}. Set data.text_field to one of them"
-                    )
-                missing += 1
-            yield row.get(text_field)
-        if missing:
-            warnings.warn(
-                f"skipped {missing} row(s) of {str(path)!r} without a {text_field!r} field", stacklevel=4
+def _json_texts(path: Path, text_field: str) -> Iterator[Any]:
+    """`text_field` of each row of a .jsonl/.json file; rows are objects, the first must hold the field."""
+    missing = 0
+    for i, row in enumerate(_json_rows(path)):
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"row {i} of corpus file {str(path)!r} is a JSON {type(row).__name__}; accepted: objects "
+                f"with a {text_field!r} field"
             )
+        if text_field not in row:
+            if i == 0:  # a wrong field name: say so at once rather than skip every row
+                raise ValueError(
+                    f"text_field={text_field!r} is not a field of corpus file {str(path)!r} (row 0); its "
+                    f"fields: {list(row)}. Set data.text_field to one of them"
+                )
+            missing += 1
+        yield row.get(text_field)
+    if missing:
+        warnings.warn(
+            f"skipped {missing} row(s) of {str(path)!r} without a {text_field!r} field", stacklevel=4
+        )
 
-    return read
 
-
-def _read_parquet(path: Path, text_field: str) -> Iterator[Any]:
+def _parquet_texts(path: Path, text_field: str) -> Iterator[Any]:
     """The `text_field` column of a parquet file, in row order, read in batches (only that column)."""
     from rlm.extras import require
 
@@ -151,24 +146,8 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[Any]:
         yield from batch.column(0).to_pylist()
 
 
-READERS: dict[str, Callable[[Path, str], Iterator[Any]]] = {
-    ".jsonl": _field_of_rows(_jsonl_rows),
-    ".json": _field_of_rows(_json_rows),
-    ".parquet": _read_parquet,
-}
-"""Record formats, by file ending: a reader yields each row's `text_field` value (None where it is missing)."""
-
-
-def _read_records(path: Path, name: str, text_field: str) -> Iterator[Document]:
-    """One document per row of a record file, named ``NAME/ROW``; empty and null texts are skipped."""
-    for i, text in enumerate(READERS[path.suffix.lower()](path, text_field)):
-        if text is not None and not isinstance(text, str):
-            raise ValueError(
-                f"text_field={text_field!r} of corpus file {str(path)!r} row {i} is "
-                f"{type(text).__name__}, not text; set data.text_field to a text field"
-            )
-        if text:
-            yield Document(f"{name}/{i}", text)
+# Record formats, by file ending: a reader yields each row's `text_field` value (None where it is missing).
+READERS = {".jsonl": _json_texts, ".json": _json_texts, ".parquet": _parquet_texts}
 
 
 def _read_files(
@@ -179,24 +158,27 @@ def _read_files(
     warn: bool = True,
     text_field: str = "text",
 ) -> Iterator[Document]:
-    """Read UTF-8 files in order, skipping unreadable ones, stopping after `limit` non-empty documents.
-
-    Names are relative to `root` when given (a directory, or the stdlib), so the corpus fingerprint does
-    not depend on where the directory lives or how its path was spelled. Record files (READERS) give one
-    document per row; a malformed one is an error, not skipped: its rows were asked for by field.
-    """
+    """Read UTF-8 files in order, skipping unreadable ones, stopping after `limit` non-empty documents. Names are
+    relative to `root` when given, so the fingerprint does not depend on where the directory lives. A malformed
+    record file (READERS) is an error, not skipped: its rows were asked for by field."""
     skipped, kept = 0, 0
     for path in tqdm(paths, desc="reading corpus", unit="file", disable=not progress, leave=False):
         if limit is not None and kept >= limit:
             break
         name = str(path.relative_to(root)) if root else str(path)
-        if path.suffix.lower() in READERS:
+        if path.suffix.lower() in READERS:  # a document per row, named NAME/ROW
             try:
-                for doc in _read_records(path, name, text_field):
-                    if limit is not None and kept >= limit:
+                for i, text in enumerate(READERS[path.suffix.lower()](path, text_field)):
+                    if text is not None and not isinstance(text, str):
+                        raise ValueError(
+                            f"text_field={text_field!r} of corpus file {str(path)!r} row {i} is "
+                            f"{type(text).__name__}, not text; set data.text_field to a text field"
+                        )
+                    if text and limit is not None and kept >= limit:
                         break
-                    kept += 1
-                    yield doc
+                    if text:
+                        kept += 1
+                        yield Document(f"{name}/{i}", text)
             except UnicodeDecodeError as err:
                 raise ValueError(f"corpus file {str(path)!r} is not UTF-8 ({err})") from err
             continue
@@ -212,12 +194,6 @@ def _read_files(
         warnings.warn(f"skipped {skipped} unreadable or non-UTF-8 file(s) in the corpus", stacklevel=3)
 
 
-def is_saved_dataset(name: str) -> bool:
-    """Whether ``name`` is a folder written by ``save_to_disk`` (else a hub name or a folder of data files)."""
-    marks = ("dataset_info.json", "dataset_dict.json", "state.json")
-    return os.path.isdir(name) and any(os.path.isfile(os.path.join(name, m)) for m in marks)
-
-
 # datasets' builder for a single data file given as hf:PATH (load_dataset(PATH) takes folders and hub names only)
 _HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
                 ".txt": "text"}  # fmt: skip
@@ -229,7 +205,8 @@ def hf_dataset(name: str, split: str, config: str | None, streaming: bool = Fals
     from rlm.extras import require
 
     datasets = require("datasets", "hf", "an hf: corpus")  # slow import, only when asked for
-    if is_saved_dataset(name):  # memory-mapped Arrow files, read in order
+    marks = ("dataset_info.json", "dataset_dict.json", "state.json")  # a folder written by save_to_disk
+    if os.path.isdir(name) and any(os.path.isfile(os.path.join(name, m)) for m in marks):
         ds = datasets.load_from_disk(name)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
@@ -256,10 +233,7 @@ def hf_dataset(name: str, split: str, config: str | None, streaming: bool = Fals
 def _is_blank(path: str) -> bool:
     """Whether a file holds nothing but whitespace (read in chunks: a data file may be large)."""
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if chunk.strip():
-                return False
-    return True
+        return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
 
 
 def json_file_problem(path: Path) -> ValueError | None:
@@ -321,10 +295,7 @@ def read_corpus(
     text_field: str = "text",
     progress: bool = True,
 ) -> list[Document]:
-    """Read every source of `corpus` in order; empty documents are dropped; at most `max_documents` kept.
-
-    `text_field` is the field read from .jsonl/.json/.parquet files (a document per row) and hf: datasets.
-    """
+    """Read every source of `corpus` in order; empty documents are dropped; at most `max_documents` kept."""
     specs = [corpus] if isinstance(corpus, str) else list(corpus)
     if not specs:
         raise ValueError(f"corpus is an empty list; accepted: {ACCEPTED}")
