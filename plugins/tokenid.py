@@ -161,57 +161,6 @@ def with_history(ctx: Context, k: int, pad: int, tokens: Tensor | None = None) -
     return torch.cat([fill, prev, tokens], dim=1)
 
 
-@dataclass
-class Fetched:
-    """The rows one forward reads: ``index`` (N, m) on the device into the fetched rows (U, d)."""
-
-    index: Tensor
-    fetched: Tensor
-    ready: Any = None  # the side stream's CUDA event after the copy (None: the copy was synchronous)
-
-    def rows(self) -> Tensor:
-        """The fetched rows (U, d), once the current stream has waited for their copy."""
-        if self.ready is not None:
-            torch.cuda.current_stream(self.fetched.device).wait_event(self.ready)
-        return self.fetched
-
-
-def fetch(
-    table: Tensor, ids: Tensor, device: torch.device, stream: Any, sink: RowAdam | None, key: str
-) -> Fetched:
-    """The rows of host ``table`` named by host ``ids`` (N, m), on ``device``, copied on ``stream`` if given; under
-    autograd the fetched rows are a leaf whose gradient goes to ``sink.add_lookups(key, ...)``."""
-    rows, index = torch.unique(ids, return_inverse=True)  # (U,) ascending, (N, m)
-    pinned = stream is not None
-    buf = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype, pin_memory=pinned)
-    torch.index_select(table.detach(), 0, rows, out=buf)  # (U, d), the host's gather
-    ready = None
-    if pinned:
-        main = torch.cuda.current_stream(device)
-        with torch.cuda.stream(stream):
-            # Page-locked sources: the copies are asynchronous, and the host allocator keeps buf until they end.
-            fetched = buf.to(device, non_blocking=True)
-            index = index.pin_memory().to(device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        # Allocated on the side stream, used on the main one: not reused before the main stream is done with them.
-        fetched.record_stream(main)
-        index.record_stream(main)
-    else:
-        fetched, index = buf.to(device), index.to(device)
-    if sink is not None and torch.is_grad_enabled():
-        fetched.requires_grad_(True)
-        fetched.register_post_accumulate_grad_hook(lambda leaf: _to_sink(leaf, sink, key, rows))
-    return Fetched(index, fetched, ready)
-
-
-def _to_sink(leaf: Tensor, sink: RowAdam, key: str, rows: Tensor) -> None:
-    """Hand the fetched rows' gradient (U, d) to the host optimizer, one unit-weight lookup per row."""
-    grad = leaf.grad.to("cpu", torch.float32)  # a GPU: waits for the backward up to this table's reader
-    sink.add_lookups(key, rows.view(-1, 1), torch.ones(rows.numel(), 1), grad)
-    leaf.grad = None
-
-
 class NGramMemory(nn.Module):
     """Hashed n-gram tables: the summed rows of every order and hash head, gated by the FFN input if asked.
 
@@ -261,12 +210,40 @@ class NGramMemory(nn.Module):
         T = seq.shape[1] - (max(self.orders) - 1)
         return ngram_buckets(seq, self.orders, self.mult, self.rows).view(seq.shape[0] * T, -1) + self.start
 
-    def fetch(self, ids: Tensor, device: torch.device) -> Fetched:
-        """ngram_host: the rows host ``ids`` read, on their way to ``device``."""
-        if device.type == "cuda" and self.stream is None:
-            self.stream = torch.cuda.Stream(device)
-        stream = self.stream if device.type == "cuda" else None
-        return fetch(self.table, ids, device, stream, self.sink, self.key[1])
+    def fetch(self, ids: Tensor, device: torch.device) -> tuple[Tensor, Tensor, Any]:
+        """ngram_host: the distinct rows (U, d) host ``ids`` (N, m) read, on their way to ``device``: (index (N, m)
+        into them, the rows, the CUDA event of their copy on the side stream or None). Under autograd the rows are
+        a leaf whose gradient goes to the row optimizer."""
+        rows, index = torch.unique(ids, return_inverse=True)  # (U,) ascending, (N, m)
+        pinned = device.type == "cuda"
+        buf = torch.empty(rows.numel(), self.table.shape[1], dtype=self.table.dtype, pin_memory=pinned)
+        torch.index_select(self.table.detach(), 0, rows, out=buf)  # (U, d), the host's gather
+        ready = None
+        if pinned:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device)
+            main = torch.cuda.current_stream(device)
+            with torch.cuda.stream(self.stream):
+                # Page-locked sources: the copies are asynchronous, the host allocator keeps buf until they end.
+                fetched = buf.to(device, non_blocking=True)
+                index = index.pin_memory().to(device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            # Allocated on the side stream, used on the main one: not reused before the main stream is done.
+            fetched.record_stream(main)
+            index.record_stream(main)
+        else:
+            fetched, index = buf.to(device), index.to(device)
+        if self.sink is not None and torch.is_grad_enabled():
+            fetched.requires_grad_(True)
+            fetched.register_post_accumulate_grad_hook(lambda leaf: self._to_sink(leaf, rows))
+        return index, fetched, ready
+
+    def _to_sink(self, leaf: Tensor, rows: Tensor) -> None:
+        """Hand the fetched rows' gradient (U, d) to the host optimizer, one unit-weight lookup per row."""
+        grad = leaf.grad.to("cpu", torch.float32)  # a GPU: waits for the backward up to this table's reader
+        self.sink.add_lookups(self.key[1], rows.view(-1, 1), torch.ones(rows.numel(), 1), grad)
+        leaf.grad = None
 
     @torch.compiler.disable  # host tensors, a side stream and a hook: not traceable
     def _host_bag(self, ctx: Context) -> Tensor:
@@ -275,7 +252,10 @@ class NGramMemory(nn.Module):
         if got is None:  # a forward without prepare (a direct model call)
             ids = self.ids(with_history(ctx, max(self.orders) - 1, self.pad, ctx.tokens.cpu()))
             got = self.fetch(ids, ctx.tokens.device)
-        return F.embedding_bag(got.index, got.rows(), mode="sum")
+        index, fetched, ready = got
+        if ready is not None:
+            torch.cuda.current_stream(fetched.device).wait_event(ready)
+        return F.embedding_bag(index, fetched, mode="sum")
 
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         B, T = ctx.tokens.shape
