@@ -27,7 +27,8 @@ def masked_mean_unit(states: Tensor, mask: Tensor) -> Tensor:
 
 
 class SegmentEncoder(nn.Module):
-    """Common interface: tokens (N, M), mask (N, M) -> (states (N, M, D), e (N, D) over the first pool_len)."""
+    """tokens (N, M), mask (N, M) -> (states (N, M, dim), e (N, embed_dim) over the first pool_len): an embedding slot
+    and blocks (bound())."""
 
     dim: int
 
@@ -36,18 +37,27 @@ class SegmentEncoder(nn.Module):
         """Width of e(.), the vectors an index is built from."""
         return self.dim
 
-    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        """Per-token states (N, M, D)."""
+    def bound(self) -> tuple[nn.Module, list[nn.Module]]:
+        """The embedding slot and the blocks."""
         raise NotImplementedError
 
     def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """The token embeddings (N, M, D) the blocks start from."""
-        raise NotImplementedError
+        return self.bound()[0](tokens, self.context(tokens, mask))
+
+    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        """Per-token states (N, M, D)."""
+        embed, blocks = self.bound()
+        ctx = self.context(tokens, mask)
+        x = embed(tokens, ctx)  # (N, M, D)
+        for block in blocks:
+            x = block(x, ctx)
+        return x
 
     def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
         states = self.run(tokens, mask)  # (N, M, D)
         p = pool_len or tokens.shape[1]
-        return states, masked_mean_unit(states[:, :p], mask[:, :p])
+        return states, masked_mean_unit(states[:, :p, : self.embed_dim], mask[:, :p])
 
     def pooled(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """e(.) alone (N, D): what an index row or an online query needs."""
@@ -86,17 +96,6 @@ class SharedEncoder(SegmentEncoder):
             )
         return self._parts
 
-    def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        return self._parts[0](tokens, self.context(tokens, mask))
-
-    def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        embed, blocks = self.bound()
-        ctx = self.context(tokens, mask)
-        x = embed(tokens, ctx)  # (N, M, d)
-        for block in blocks:
-            x = block(x, ctx)
-        return x
-
     def weights(self) -> list[Tensor]:
         """The tensors that determine the embeddings (for the identity hash)."""
         embed, blocks = self._parts
@@ -127,16 +126,8 @@ class TokenEncoder(SharedEncoder):
         x = self.embed_tokens(ids[None], torch.ones_like(ids[None], dtype=torch.bool))[0]  # (U, d)
         return x, row
 
-    def forward(self, tokens: Tensor, mask: Tensor, pool_len: int | None = None) -> tuple[Tensor, Tensor]:
-        self.bound()
-        states = self.run(tokens, mask)
-        p = pool_len or tokens.shape[1]
-        d = self.dim // 2
-        return states, masked_mean_unit(states[:, :p, :d], mask[:, :p])
-
     def pooled(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """e(.) from the distinct ids' embeddings, without the (N, M, 2d) states."""
-        self.bound()
         x, row = self.distinct(tokens)
         return masked_mean_unit(x[row], mask)
 
@@ -154,15 +145,11 @@ class SeparateEncoder(SegmentEncoder):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(n_layers))
         self.norm = nn.RMSNorm(dim, eps=cfg.norm_eps)
 
-    def embed_tokens(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        return self.embed(tokens, self.context(tokens, mask))
+    def bound(self) -> tuple[nn.Module, list[nn.Module]]:
+        return self.embed, list(self.blocks)
 
     def run(self, tokens: Tensor, mask: Tensor) -> Tensor:
-        ctx = self.context(tokens, mask)
-        x = self.embed(tokens, ctx)  # (N, M, dim)
-        for block in self.blocks:
-            x = block(x, ctx)
-        return self.norm(x)
+        return self.norm(super().run(tokens, mask))
 
     def weights(self) -> list[Tensor]:
         """The tensors that determine the embeddings (for the identity hash)."""
