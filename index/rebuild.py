@@ -1,16 +1,11 @@
 """What schedules and serves the retriever's index rebuilds (the callback is plugins/_retrieval_rebuild.py): the
-schedule grammar, sharding, the CUDA stream a background rebuild embeds on, loading a memory for online search."""
+schedule grammar, sharding, the CUDA stream a background rebuild embeds on."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-from rlm.index.memory import RetrievalMemory, load_part_memory
-from rlm.index.sharded import load_parts_for_search
-from rlm.index.store import load_index_dir
 
 
 def shards(sharded: bool | str, world: int, rows: int, shard_above: int) -> bool:
@@ -76,12 +71,3 @@ def rebuild_stream() -> torch.cuda.Stream | None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     return stream
-
-
-def load_memory_for_search(path: str | Path) -> RetrievalMemory:
-    """Load a written memory with its own segment table, for online search (validation, generation); a part of
-    a sharded index is loaded with every other part."""
-    path = Path(path)
-    if "shard" in load_index_dir(path).meta:
-        return load_parts_for_search(path)
-    return load_part_memory(path)

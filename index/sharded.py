@@ -259,11 +259,14 @@ class PartsIndex:
         return merge_topk(scores, ids, k)
 
 
-def load_parts_for_search(path: str | Path) -> RetrievalMemory:
-    """A sharded index loaded whole in one process (validation, generation), from one part's directory and its
-    siblings."""
+def load_memory_for_search(path: str | Path) -> RetrievalMemory:
+    """A written memory with its own segment table, for online search (validation, generation); a part of a sharded
+    index is loaded with its sibling parts, searched as one."""
     path = Path(path)
-    world = read_meta(path)["shard"]["world"]
+    meta = read_meta(path)
+    if "shard" not in meta:
+        return load_part_memory(path)
+    world = meta["shard"]["world"]
     parts = []
     for rank in range(world):
         where = part_dir(path.parent, rank, world)

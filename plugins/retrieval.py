@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from rlm.index.memory import RetrievalMemory
-from rlm.index.rebuild import load_memory_for_search
+from rlm.index.sharded import load_memory_for_search
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._retrieval_attention import Encoded, RetrievalCrossAttention, encode_neighbours
 from rlm.plugins._retrieval_config import RetrievalConfig

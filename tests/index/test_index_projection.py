@@ -24,9 +24,9 @@ from rlm.index.projection import (
     index_width,
     load_projection,
 )
-from rlm.index.rebuild import load_memory_for_search
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.search import search_neighbours
+from rlm.index.sharded import load_memory_for_search
 from rlm.index.store import IndexMismatchError, read_meta
 from rlm.plugin import Context
 from rlm.plugins._retrieval_config import RetrievalConfig

@@ -14,9 +14,8 @@ from retrieval_helpers import make_segments, random_docs
 
 from rlm.index.build import IndexConfig
 from rlm.index.memory import build_memory, indexed_rows
-from rlm.index.rebuild import load_memory_for_search
 from rlm.index.search import Exclusions
-from rlm.index.sharded import merge_topk
+from rlm.index.sharded import load_memory_for_search, merge_topk
 from rlm.index.store import IndexNotFoundError
 
 K, DIM = 3, 16
