@@ -1,23 +1,18 @@
-"""Evaluation with a checkpoint's own tokenizer: ``rlm eval``, and the settings ``rlm validate|test`` restore.
+"""Evaluation with the tokenizer the checkpoint carries (a loss means something only under the model's own token
+mapping): ``rlm eval``, and the settings ``rlm validate|test`` restore. It reports the mean token loss, its
+perplexity and bits per byte, which compare across vocabularies (as The Pile reports it, Gao et al. 2020):
 
-A loss means something only under the token mapping the model was trained with, so evaluation never trains a
-tokenizer: it takes the one the checkpoint carries (rlm.data.carried). It reports the mean token loss, its
-perplexity and bits per byte,
+    bpb = sum_t NLL_t (nats) / (ln 2 * UTF-8 bytes of the evaluated text)
 
-    bpb = sum_t NLL_t (nats) / (ln 2 * UTF-8 bytes of the evaluated text)        (as The Pile reports it, Gao et al. 2020)
-
-which does not depend on the tokenizer, so models with different vocabularies compare. Every target counts:
-each document's tokens and its end-of-document token, scored in the training windows of seq_len tokens.
+Every target counts (each document's tokens and its end-of-document token), in the training windows of seq_len.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +25,9 @@ from rlm.data.pretrained import TRAIN
 from rlm.data.segments import SegmentTable
 from rlm.data.store import TokenStore
 from rlm.data.windows import IGNORE_INDEX, Windows, eval_loader
+from rlm.train.checkpoint import load_checkpoint_file
 
 SPLITS = ("test", "val", "train")
-
-
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint as a dict (on the CPU); a clear error when the file is missing."""
-    from rlm.train.checkpoint import load_checkpoint_file
-
-    return load_checkpoint_file(path)  # a truncated or damaged file is a ValueError that names it
 
 
 # Data arguments the token cache depends on: given on the command line, they change the entry after this check.
@@ -51,8 +40,8 @@ def with_tokenizer(
     data: dict[str, Any], ckpt: dict[str, Any], path: str | os.PathLike[str], force: bool = False
 ) -> dict[str, Any]:
     """Data arguments that read their tokens with the checkpoint's tokenizer: unchanged when their cache entry
-    already holds it (the training run's own entry: nothing is encoded again, and retrieval indices keyed by
-    it stay valid), else (or with ``force``) with ``tokenizer`` set to the checkpoint's model file."""
+    already holds it (nothing is encoded again, retrieval indices keyed by it stay valid), else (or with
+    ``force``) with ``tokenizer`` set to the checkpoint's model file."""
     model = tokenizer_file(ckpt, path, data_settings(ckpt, path))  # the training data's, not `data`'s
     if force or data.get("tokenizer") not in (None, TRAIN) or not Path(model).is_file():
         return {**data, "tokenizer": model}  # an existing tokenizer's copy: its cache key is the original's
@@ -66,27 +55,20 @@ def with_tokenizer(
     return {**data, "tokenizer": model}
 
 
-def ckpt_path_arg(args: list[str]) -> str | None:
-    """The value of ``--ckpt_path`` in LightningCLI arguments, if any."""
-    for i, arg in enumerate(args):
-        if arg == "--ckpt_path" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--ckpt_path="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def checkpoint_layer(layers: list[dict[str, Any]], args: list[str]) -> list[str]:
     """For ``rlm validate|test --ckpt_path CKPT``: ``args`` with the checkpoint's data settings as a config layer
     after the given config files (``layers``, read from ``args``), so no training config is needed; config files'
-    and ``--data.*`` flags' settings still win. The tokenizer is always the checkpoint's (with_tokenizer).
-    """
+    and ``--data.*`` flags' settings still win."""
     import yaml
 
-    path = ckpt_path_arg(args)
+    path = None
+    for i, arg in enumerate(args):  # the first --ckpt_path
+        if arg == "--ckpt_path" and i + 1 < len(args) or arg.startswith("--ckpt_path="):
+            path = args[i + 1] if arg == "--ckpt_path" else arg.split("=", 1)[1]
+            break
     if path is None:
         return args
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint_file(path)
     data = data_settings(ckpt, path)
     for layer in layers:
         data.update(layer.get("data") or {})
@@ -109,7 +91,7 @@ def checkpoint_data(
 ) -> tuple[RLMDataModule, TokenStore]:
     """A prepared data module over the checkpoint's own corpus, or all of ``corpus``, read with its tokenizer
     (``force``: see with_tokenizer), and its token store."""
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_checkpoint_file(ckpt_path)
     hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
     if corpus:  # all of the new text: no document held out
         hp.update(corpus=corpus, max_documents=None, val_fraction=0.0, test_fraction=0.0)
@@ -129,16 +111,15 @@ def windows_of(data: RLMDataModule, store: TokenStore, docs: Any) -> Windows:
 def nll_sum(
     module: Any, windows: Windows, batch_size: int, logged: dict[str, float] | None = None
 ) -> tuple[float, int]:
-    """(sum of the token NLLs in nats, in float64; number of scored tokens) over all windows; ``logged``, when
-    given, receives the mean over batches of every metric the plugins logged (for example retrieval/same_doc)."""
+    """(sum of the token NLLs in nats, in float64; number of scored tokens) over all windows; ``logged`` receives
+    the mean over batches of every metric the plugins logged."""
     module.eval()
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     seen: dict[str, list[float]] = {}
     for batch in eval_loader(windows, batch_size):
         batch = {k: v.to(module.device) for k, v in batch.items()}
-        # the segment ids are of this text's own table
-        ctx = module.make_context(batch, "test", segments=windows.segments)
+        ctx = module.make_context(batch, "test", segments=windows.segments)  # this text's own segment table
         logits = module.model(batch["tokens"], ctx)  # (B, T, V)
         targets = batch["targets"]  # (B, T), IGNORE_INDEX past the document's end
         nll = F.cross_entropy(
@@ -202,20 +183,6 @@ def evaluate(
         **metrics(nll, tokens, n_bytes),
         "plugin_metrics": logged,
     }
-
-
-def main(a: argparse.Namespace) -> int:
-    """``rlm eval`` without --tasks or --datastore: ``a`` holds the options of rlm.cli.commands.cmd_eval."""
-    if a.datastore:  # the kNN-LM path (rlm.eval.knnlm_cli.eval_main) is chosen by the command table
-        raise ValueError("--datastore is handled by rlm.eval.knnlm_cli.eval_main")
-    result = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=sys.stderr.isatty())
-    print(
-        f"{result['split']} of {result['corpus']}: {result['documents']} documents, {result['tokens']} tokens, "
-        f"{result['bytes']} bytes\nloss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
-        f"bits/byte {result['bpb']:.4f}"
-    )
-    write_json(a.json, result)
-    return 0
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:

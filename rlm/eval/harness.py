@@ -205,9 +205,10 @@ def load_scorer(
     lam and temperature unless given."""
     from rlm.data.carried import data_settings, tokenizer_file
     from rlm.data.pretrained import load_tokenizer
-    from rlm.eval.evaluate import load_checkpoint, load_module
+    from rlm.eval.evaluate import load_module
+    from rlm.train.checkpoint import load_checkpoint_file
 
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_checkpoint_file(ckpt_path)
     tokenizer = load_tokenizer(tokenizer_file(ckpt, ckpt_path, data_settings(ckpt, ckpt_path)))
     module = load_module(ckpt_path, device, tokenizer)
     mixer = None

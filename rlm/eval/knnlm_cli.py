@@ -117,7 +117,7 @@ def eval_main(a: Any) -> int:
     """``rlm eval`` on its options ``a`` (the parameters of rlm.cli.commands.cmd_eval): with ``--tasks``
     lm-evaluation-harness (rlm.eval.harness), with ``--datastore DIR`` the LM and kNN-LM from one pass, else plain
     rlm.eval.evaluate."""
-    from rlm.eval.evaluate import main, write_json
+    from rlm.eval.evaluate import evaluate, write_json
     from rlm.eval.knnlm import evaluate_knn
 
     a.device = device_arg(a.device)
@@ -128,7 +128,11 @@ def eval_main(a: Any) -> int:
 
         return harness_main(a)
     if not a.datastore:
-        return main(a)
+        r = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=sys.stderr.isatty())
+        print(f"{r['split']} of {r['corpus']}: {r['documents']} documents, {r['tokens']} tokens, {r['bytes']} bytes\n"
+              f"loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bits/byte {r['bpb']:.4f}")  # fmt: skip
+        write_json(a.json, r)
+        return 0
 
     r = evaluate_knn(a.ckpt, a.datastore, a.corpus, a.split, a.knn_k, a.lam, a.temperature, a.knn_cache,
                      a.batch_size, a.device, progress=sys.stderr.isatty())  # fmt: skip

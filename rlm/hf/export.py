@@ -20,7 +20,6 @@ from torch import nn
 
 from rlm.data.carried import data_settings, tokenizer_file
 from rlm.data.pretrained import HF_FILES, is_sentencepiece, load_tokenizer
-from rlm.eval.evaluate import load_checkpoint
 from rlm.extras import require
 from rlm.index.memory import copy_memory
 from rlm.index.store import atomic_dir
@@ -282,11 +281,12 @@ def export(
 
     from rlm.hf.llama import llama_config, llama_refusal, llama_state_dict
     from rlm.hf.model import write_manifest
+    from rlm.train.checkpoint import load_checkpoint_file
     from rlm.train.module import LMModule
 
     ckpt_path = Path(ckpt_path)
     dest = claim_out_dir(out, reads=[ckpt_path], force=force)  # before the checkpoint is read
-    ckpt = load_checkpoint(ckpt_path)  # a missing or damaged file is a one-line error naming it
+    ckpt = load_checkpoint_file(ckpt_path)  # a missing or damaged file is a one-line error naming it
     if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{str(ckpt_path)!r} is not a checkpoint of rlm fit (it holds no model settings)")
     module = LMModule.load_from_checkpoint(ckpt_path, map_location="cpu")
