@@ -9,6 +9,7 @@ out of DDP; the groups' copies are kept equal by an all-reduce over the replica 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +34,8 @@ class Exchange:
     def __init__(self, send: list[int], recv: list[int], group: Any) -> None:
         self.send, self.recv, self.group = send, recv, group
         self.work: Any = None  # the async work handle while in flight
-        self.tensors: tuple[
-            Tensor, ...
-        ] = ()  # kept alive until the wait: the collective reads and writes them
+        # kept alive until the wait: the collective reads and writes them
+        self.tensors: tuple[Tensor, ...] = ()
 
     def start(self, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
         """Start sending x's rows by ``send`` sizes; returns the sum(recv) rows' buffer, valid after finish()."""
@@ -83,15 +83,10 @@ class _Wait(torch.autograd.Function):
 
 
 def launch(x: Tensor, send: list[int], recv: list[int], group: Any) -> tuple[Tensor, Exchange]:
-    """Start sending x[sum(send[:j]) : sum(send[:j+1])] to rank j; the received rows are valid after :func:`wait`,
-    whose backward starts the reverse exchange that this one's finishes."""
+    """Start sending x[sum(send[:j]) : sum(send[:j+1])] to rank j; the received rows (by source rank) are valid
+    after ``_Wait.apply``, whose backward starts the reverse exchange that this one's finishes."""
     ex = Exchange(send, recv, group)
     return _Launch.apply(x, ex), ex
-
-
-def wait(out: Tensor, ex: Exchange) -> Tensor:
-    """The sum(recv) rows :func:`launch` receives, by source rank, once they have arrived."""
-    return _Wait.apply(out, ex)
 
 
 @dataclass
@@ -193,16 +188,8 @@ def route_group(
         c_recv = [counts[s][rank][c] for s in range(W)]
         experts = slice(c * per_chunk, (c + 1) * per_chunk)
         rows = slice(arrived, arrived + sum(c_recv))
-        parts.append(
-            Chunk(
-                experts=experts,
-                plan=_sub_plan(local, rows, experts),
-                sent=slice(sent, sent + sum(c_send)),
-                arrived=rows,
-                send=c_send,
-                recv=c_recv,
-            )
-        )
+        plan_c = _sub_plan(local, rows, experts)
+        parts.append(Chunk(experts, plan_c, slice(sent, sent + sum(c_send)), rows, c_send, c_recv))
         sent, arrived = sent + sum(c_send), arrived + sum(c_recv)
     # plan flattens token-major: assignment = token * k + choice
     return GroupRoute(p, local, row[p.token[mine]], p.assignment[mine] % k, perm, send, recv, parts)
@@ -271,27 +258,17 @@ def parallel_dispatch(
     # 3. Per chunk: its tokens arrive, its experts run, its results leave while the next chunk computes.
     results = []
     for c, (arrived, ex), up, down in zip(r.chunks, flights, ups, downs):
-        arrived = wait(arrived, ex)  # (A_c, d) by source rank
+        arrived = _Wait.apply(arrived, ex)  # (A_c, d) by source rank
         rows = inverse[c.arrived] - c.arrived.start  # the chunk's plan rows' arrivals
         out = experts(arrived.index_select(0, rows), c.plan, cap, mode, (up, down))  # (A_c, d) plan order
         results.append(
             launch(out.index_select(0, r.perm[c.arrived] - c.arrived.start), c.recv, c.send, group)
         )
     # 4. Combine: the gate-weighted sum per token, once every chunk's results are back.
-    back = torch.cat([wait(out, ex) for out, ex in results]).to(x.dtype)  # (A_r, d) send order
+    back = torch.cat([_Wait.apply(out, ex) for out, ex in results]).to(x.dtype)  # (A_r, d) send order
     gate = weight[r.token, r.choice].to(x.dtype)  # (A_r,)
     y = x.new_zeros(x.shape).index_add(0, r.token, back * gate.unsqueeze(-1))  # (S, d)
     return y, r.plan
-
-
-class _ScaleGrad:
-    """A gradient hook multiplying by a constant (picklable, unlike a lambda)."""
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-
-    def __call__(self, grad: Tensor) -> Tensor:
-        return grad * self.scale
 
 
 def shard_experts(experts: Experts, rank: int, world: int, processes: int | None = None) -> None:
@@ -308,7 +285,7 @@ def shard_experts(experts: Experts, rank: int, world: int, processes: int | None
     for name in ("up", "down"):
         full = getattr(experts, name)
         shard = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
-        shard.register_hook(_ScaleGrad(1.0 / (processes or world)))
+        shard.register_hook(functools.partial(torch.mul, other=1.0 / (processes or world)))  # picklable
         setattr(experts, name, shard)
     experts.shard = (rank, world, n)
 
