@@ -26,8 +26,6 @@ from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 
-SOURCES = ("memory", "own")
-
 
 @dataclass
 class KnnAttentionConfig:
@@ -42,10 +40,6 @@ class KnnAttentionConfig:
     """Neighbours from the window's own past (the continuous cache); 0: none."""
     memory_tokens: int = 4096
     """The latest training states kept in the queue, searched exactly."""
-    temperature: float | None = None
-    """Initial tau (None: d_model / 8, as the token memory)."""
-    random_ablation: bool = True
-    """Validation also runs with random tokens as the neighbours' values (val/knn_attention_random/loss)."""
 
     def __post_init__(self) -> None:
         for name in ("k", "own_k", "memory_tokens"):
@@ -54,8 +48,6 @@ class KnnAttentionConfig:
                 raise ValueError(f"knn_attention.{name} must be a non-negative integer, got {v!r}")
         if self.k + self.own_k == 0:
             raise ValueError("knn_attention: k and own_k are both 0, so nothing is retrieved; set either > 0")
-        if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(f"knn_attention.temperature must be > 0 or null, got {self.temperature!r}")
 
 
 class NeighbourDistance(torch.autograd.Function):
@@ -153,9 +145,10 @@ class KnnAttentionPlugin(Plugin):
     def __init__(self, config: KnnAttentionConfig, model_config) -> None:
         super().__init__(config, model_config)
         (self.layer,) = check_layers(self.name, [config.layer], model_config.n_layers)
-        tau = config.temperature if config.temperature is not None else model_config.d_model / 8
-        self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
-        self.bias = nn.Parameter(torch.zeros(len(SOURCES)))
+        self.log_tau = nn.Parameter(
+            torch.tensor(math.log(model_config.d_model / 8))
+        )  # tau as the token memory's
+        self.bias = nn.Parameter(torch.zeros(2))  # b_src of the memory and the own past
         # The training queue, a ring of the latest memory_tokens entries: keys (M, d) detached, values (M,),
         # documents (M,); checkpointed as extra state.
         self._ring: tuple[Tensor, Tensor, Tensor] | None = None
@@ -179,7 +172,8 @@ class KnnAttentionPlugin(Plugin):
         object.__setattr__(self, "_embedding", model.token_embedding)
 
     def eval_variants(self) -> list[str]:
-        return [f"{self.label}_random"] if self.config.random_ablation else []
+        """Validation also runs with random tokens as the neighbours' values (val/<label>_random/loss)."""
+        return [f"{self.label}_random"]
 
     def embedding(self) -> Tensor:
         """The token embedding table (V, d) the values are read from."""

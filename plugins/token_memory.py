@@ -21,6 +21,10 @@ from torch import Tensor, nn
 
 from rlm.plugin import Claim, Context, Plugin
 
+STATE_GRAD = 0.1
+"""Scale of the memory's gradient into the LM's states: 1 is TRIME's; smaller keeps the large gradients of the squared
+distances from swamping the LM's own learning of the states."""
+
 
 @dataclass
 class TokenMemoryConfig:
@@ -36,9 +40,6 @@ class TokenMemoryConfig:
     """Training memory includes the batch's other documents, with gradients through their keys."""
     memory_batches: int = 0
     """Earlier training batches whose detached states stay in the memory."""
-    state_grad: float = 0.1
-    """Scale of the memory's gradient into the LM's states: 1 is TRIME's; smaller keeps the large gradients of the
-    squared distances from swamping the LM's own learning of the states."""
     ce_weight: float = 1.0
     """The training loss adds this times the LM's own cross-entropy to the mixture's NLL (0: TRIME's alone)."""
 
@@ -49,8 +50,6 @@ class TokenMemoryConfig:
             raise ValueError(
                 f"token_memory.memory_batches must be a non-negative integer, got {self.memory_batches!r}"
             )
-        if not 0 <= self.state_grad <= 1:
-            raise ValueError(f"token_memory.state_grad must be in [0, 1], got {self.state_grad!r}")
         if not self.ce_weight >= 0:
             raise ValueError(f"token_memory.ce_weight must be >= 0, got {self.ce_weight!r}")
         if not math.isfinite(self.bias):
@@ -115,9 +114,8 @@ class TokenMemoryPlugin(Plugin):
     def memory(self, ctx: Context, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """(s (N, M), values (M,)) of the N = B * T queries; s is -inf where an entry is not in a query's memory."""
         B, T, _ = hidden.shape
-        g = self.config.state_grad
         h = hidden.flatten(0, 1)
-        h = h.detach() + g * (h - h.detach()) if g < 1 else h  # the same values, the gradient scaled by g
+        h = h.detach() + STATE_GRAD * (h - h.detach())  # the same values, the gradient scaled
         y = targets.flatten()  # (N, d), (N,)
         row = torch.arange(B, device=h.device).repeat_interleave(T)  # (N,)
         pos = torch.arange(T, device=h.device).repeat(B)

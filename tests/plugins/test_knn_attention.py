@@ -224,8 +224,6 @@ def test_bad_options_name_the_value():
         KnnAttentionConfig(own_k=-1)
     with pytest.raises(ValueError, match="both 0"):
         KnnAttentionConfig(k=0, own_k=0)
-    with pytest.raises(ValueError, match="temperature"):
-        KnnAttentionConfig(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
