@@ -4,6 +4,7 @@ back with earlier attempts stitched in front, and the finished runs collected fo
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.spec import Experiment, config_hash, variant_config
+from rlm.experiment.spec import Experiment, merge
 
 SUMMARY = "summary.json"  # a run's finished marker, written last
 METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
@@ -47,7 +48,9 @@ class Run:
 
     @property
     def fingerprint(self) -> str:
-        return config_hash({"config": self.config, "seed": self.seed})
+        """A short hash of the config and seed, not of where the run lives."""
+        text = json.dumps({"config": self.config, "seed": self.seed}, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def summary(self) -> dict[str, Any] | None:
         """The run's summary.json, or None when it is missing or damaged (the run is then not finished)."""
@@ -91,7 +94,7 @@ def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[
             name,
             seed,
             out / name / f"seed{seed}",
-            variant_config(exp, exp.variants[name]),
+            merge([*exp.base, *exp.variants[name].configs], exp.common, exp.variants[name].set),
             exp.variants[name].knnlm,
         )
         for name in names

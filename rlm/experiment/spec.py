@@ -3,11 +3,10 @@ them, and building each run's config."""
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,18 +14,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-TOP_KEYS = (
-    "name",
-    "description",
-    "base",
-    "common",
-    "seeds",
-    "baseline",
-    "output",
-    "report_metrics",
-    "variants",
-    "launcher",
-)
+TOP_KEYS = ("name", "description", "base", "common", "seeds", "baseline", "output", "report_metrics", "variants",
+            "launcher")  # fmt: skip
 VARIANT_KEYS = ("description", "configs", "set", "knnlm")
 KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
     "layer": (str, "'final', 'ffn_input' or 'attn_input'"),
@@ -38,24 +27,17 @@ KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
     "max_documents": (int, "a positive integer"),
     "cache": (bool, "true or false"),
     "keep": (bool, "true or false"),
-    "rule": (
-        str,
-        "'interpolate' (kNN-LM's eq. 2), 'joint' (the token memory's mixture) or 'model' (a "
-        "knn_attention model searching the datastore inside its forward pass; layer attn_input)",
-    ),
-}
+    "rule": (str, "'interpolate' (kNN-LM's eq. 2), 'joint' (the token memory's mixture) or 'model' (a "
+             "knn_attention model searching the datastore inside its forward pass; layer attn_input)"),
+}  # fmt: skip
 """A variant's ``knnlm`` stage: ``rlm knnlm build``'s options, ``cache`` (``rlm eval --knn-cache``), ``keep``
 (keep the datastore; else only its meta.json stays) and ``rule``, how the test loss mixes the neighbours in."""
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-"""Variant and experiment names become directory names: letters, digits and ``_ . + -``."""
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # names become directory names
 DEFAULT_METRICS = ["val/*"]
 LAUNCHER_DEFAULTS: dict[str, Any] = {"name": "local", "jobs": 1, "requeue": True, "signal_delay_s": 120}
-
 LAUNCHERS = ("local", "slurm", "submitit-local")
 """local: this machine, ``jobs`` at once; slurm: a SLURM job per run through submitit; submitit-local:
 the same jobs on this machine (a dry run of the job path)."""
-
-
 LAUNCHER_OPTIONS: dict[str, tuple[type, str]] = {
     "name": (str, f"one of {list(LAUNCHERS)}"),
     "jobs": (int, "a positive integer (local: runs at once)"),
@@ -63,17 +45,21 @@ LAUNCHER_OPTIONS: dict[str, tuple[type, str]] = {
     "gpus_per_job": (int, "an integer >= 0"),
     "cpus_per_job": (int, "a positive integer"),
     "mem_gb": (float, "a positive number of GB"),
-    "time": (
-        str,
-        "SLURM's formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 90 or '1-12:00:00'",
-    ),
+    "time": (str, "SLURM's formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 90 or "
+             "'1-12:00:00'"),
     "requeue": (bool, "true or false"),
     "signal_delay_s": (int, "an integer >= 10 (seconds before the time limit when rlm fit is stopped)"),
     "account": (str, "a SLURM account"),
     "qos": (str, "a SLURM quality of service"),
     "constraint": (str, "a SLURM node constraint"),
     "setup": (list, "a list of shell lines run before each job, e.g. ['module load cuda']"),
+}  # fmt: skip
+CHOICES = {
+    "name": LAUNCHERS,
+    "layer": ("final", "ffn_input", "attn_input"),
+    "rule": ("interpolate", "joint", "model"),
 }
+LOWEST = {"jobs": 1, "cpus_per_job": 1, "signal_delay_s": 10, "k": 1, "max_documents": 1}  # other integers: 0
 
 
 class ExperimentError(ValueError):
@@ -90,14 +76,10 @@ class ExperimentError(ValueError):
 class Variant:
     """One variant: config fragments stacked on the base, and a mapping merged last."""
 
-    name: str
-    """Its name in the file; also its directory name."""
-    configs: list[Path] = field(default_factory=list)
-    """Config fragments, absolute paths, stacked after the base files."""
-    set: dict[str, Any] = field(default_factory=dict)
-    """A config mapping deep-merged after everything else of the experiment."""
-    description: str = ""
-    """One line for results.md."""
+    name: str  # also its directory name
+    configs: list[Path] = field(default_factory=list)  # absolute, stacked after the base files
+    set: dict[str, Any] = field(default_factory=dict)  # deep-merged after everything else
+    description: str = ""  # one line for results.md
     knnlm: dict[str, Any] | None = None
     """The kNN-LM stage after training (KNNLM_OPTIONS), or None. Not in the run's config: a variant that only
     adds it trains (or reuses) the same model as the one without it."""
@@ -108,27 +90,17 @@ class Experiment:
     """A parsed experiment file."""
 
     path: Path
-    """The file it was read from."""
-    name: str
-    """Names the output directory."""
-    description: str
-    """What the experiment asks and what the paper found."""
-    base: list[Path]
-    """Config files every run starts from (absolute)."""
-    common: dict[str, Any]
-    """A mapping merged into every run after the variant's configs."""
+    name: str  # names the output directory
+    description: str  # what the experiment asks and what the paper found
+    base: list[Path]  # config files every run starts from (absolute)
+    common: dict[str, Any]  # merged into every run after the variant's configs
     seeds: list[int]
-    """Each run sets seed_everything to one of these."""
-    baseline: str
-    """The variant the others are compared with."""
-    variants: dict[str, Variant]
-    """Variants in the file's order."""
-    output: Path | None = None
-    """Output directory; None means runs/experiments/NAME under the working directory."""
+    baseline: str  # the variant the others are compared with
+    variants: dict[str, Variant]  # in the file's order
+    output: Path | None = None  # None: runs/experiments/NAME under the working directory
     report_metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
     """fnmatch patterns of the plugin metrics shown in results.md (results.csv has them all)."""
-    launcher: dict[str, Any] = field(default_factory=dict)
-    """Where the runs execute (LAUNCHER_OPTIONS); not part of any run's fingerprint."""
+    launcher: dict[str, Any] = field(default_factory=dict)  # LAUNCHER_OPTIONS; in no run's fingerprint
 
     def out_dir(self, override: str | Path | None = None) -> Path:
         """Where the runs and the report go."""
@@ -138,26 +110,23 @@ class Experiment:
 
     def to_json(self) -> dict[str, Any]:
         """What ``report`` needs to rebuild tables without the original file."""
-        return {
-            "path": str(self.path),
-            "name": self.name,
-            "description": self.description,
-            "base": [str(p) for p in self.base],
-            "common": self.common,
-            "seeds": self.seeds,
-            "baseline": self.baseline,
-            "report_metrics": self.report_metrics,
-            "launcher": self.launcher,
-            "variants": {
-                v.name: {
-                    "configs": [str(p) for p in v.configs],
-                    "set": v.set,
-                    "description": v.description,
-                    "knnlm": v.knnlm,
-                }
-                for v in self.variants.values()
-            },
+        keys = (
+            "path",
+            "name",
+            "description",
+            "base",
+            "common",
+            "seeds",
+            "baseline",
+            "report_metrics",
+            "launcher",
+        )
+        out = {key: getattr(self, key) for key in keys}
+        out["variants"] = {
+            v.name: {key: getattr(v, key) for key in ("configs", "set", "description", "knnlm")}
+            for v in self.variants.values()
         }
+        return json.loads(json.dumps(out, default=str))  # paths as strings
 
 
 def time_minutes(value: Any) -> int | None:
@@ -184,6 +153,38 @@ def time_minutes(value: Any) -> int | None:
     return total if total > 0 else None
 
 
+def _option_ok(key: str, option: Any, kind: type) -> bool:
+    """Whether ``option`` is a value of ``key`` of KNNLM_OPTIONS or LAUNCHER_OPTIONS, of type ``kind``."""
+    number = isinstance(option, (int, float)) and not isinstance(option, bool)
+    if key in CHOICES:
+        return option in CHOICES[key]
+    if key == "time":
+        return time_minutes(option) is not None
+    if kind is int:
+        return number and isinstance(option, int) and option >= LOWEST.get(key, 0)
+    if kind is float:  # target_recall is a fraction
+        return number and 0 < option <= (1 if key == "target_recall" else math.inf)
+    if kind is list:
+        return isinstance(option, list) and all(isinstance(line, str) for line in option)
+    return isinstance(option, kind)
+
+
+def checked_options(
+    value: dict[str, Any], table: dict[str, tuple[type, str]], where: str, problems: list[str]
+) -> dict[str, Any]:
+    """The items of ``value`` named in ``table`` (key -> (type, what is accepted)) with a good value; every other
+    item is a problem naming what is accepted."""
+    out: dict[str, Any] = {}
+    for key, option in value.items():
+        if key not in table:
+            problems.append(f"{where}: unknown option {key!r}; accepted: {list(table)}")
+        elif not _option_ok(key, option, table[key][0]):
+            problems.append(f"{where}.{key}: got {option!r}; accepted: {table[key][1]}")
+        else:
+            out[key] = option
+    return out
+
+
 def parse_launcher(value: Any, where: str, problems: list[str]) -> dict[str, Any]:
     """A ``launcher`` mapping checked against LAUNCHER_OPTIONS; every bad key or value is a problem."""
     if value is None:
@@ -191,43 +192,7 @@ def parse_launcher(value: Any, where: str, problems: list[str]) -> dict[str, Any
     if not isinstance(value, dict):
         problems.append(f"{where}: expected a mapping of {list(LAUNCHER_OPTIONS)}, got {value!r}")
         return {}
-    return checked_options(value, LAUNCHER_OPTIONS, _launcher_ok, where, problems)
-
-
-def _launcher_ok(key: str, option: Any, kind: type) -> bool:
-    number = isinstance(option, (int, float)) and not isinstance(option, bool)
-    if key == "name":
-        return option in LAUNCHERS
-    if key == "time":
-        return time_minutes(option) is not None
-    if kind is int:
-        low = {"jobs": 1, "cpus_per_job": 1, "signal_delay_s": 10}.get(key, 0)
-        return number and isinstance(option, int) and option >= low
-    if kind is float:
-        return number and option > 0
-    if kind is list:
-        return isinstance(option, list) and all(isinstance(line, str) for line in option)
-    return isinstance(option, kind)
-
-
-def checked_options(
-    value: dict[str, Any],
-    table: dict[str, tuple[type, str]],
-    ok: Callable[[str, Any, type], bool],
-    where: str,
-    problems: list[str],
-) -> dict[str, Any]:
-    """The items of ``value`` named in ``table`` (key -> (type, what is accepted)) that ``ok(key, value, type)``
-    takes; every other item is a problem naming what is accepted."""
-    out: dict[str, Any] = {}
-    for key, option in value.items():
-        if key not in table:
-            problems.append(f"{where}: unknown option {key!r}; accepted: {list(table)}")
-        elif not ok(key, option, table[key][0]):
-            problems.append(f"{where}.{key}: got {option!r}; accepted: {table[key][1]}")
-        else:
-            out[key] = option
-    return out
+    return checked_options(value, LAUNCHER_OPTIONS, where, problems)
 
 
 def resolve_launcher(from_file: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
@@ -276,12 +241,9 @@ def _paths(value: Any, where: str, root: Path, problems: list[str]) -> list[Path
 
 
 def _mapping(value: Any, where: str, problems: list[str]) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
+    if value is not None and not isinstance(value, dict):
         problems.append(f"{where}: expected a mapping of config keys, got {value!r}")
-        return {}
-    return value
+    return value if isinstance(value, dict) else {}
 
 
 def _text(value: Any, where: str, problems: list[str]) -> str:
@@ -296,8 +258,7 @@ def _variant(name: Any, spec: Any, root: Path, problems: list[str]) -> Variant |
     if not isinstance(name, str) or not NAME_RE.match(name):
         problems.append(f"{where}: names must be letters, digits and '_.+-' (they become directory names)")
         return None
-    if spec is None:
-        spec = {}
+    spec = {} if spec is None else spec
     if not isinstance(spec, dict):
         problems.append(f"{where}: expected a mapping with keys {list(VARIANT_KEYS)}, got {spec!r}")
         return None
@@ -322,20 +283,7 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
     if not isinstance(value, dict):
         problems.append(f"{where}: expected true or a mapping of {list(KNNLM_OPTIONS)}, got {value!r}")
         return None
-    return checked_options(value, KNNLM_OPTIONS, _knnlm_ok, where, problems)
-
-
-def _knnlm_ok(key: str, option: Any, kind: type) -> bool:
-    if kind is float:
-        return isinstance(option, (int, float)) and not isinstance(option, bool) and 0 < option <= 1
-    ok = isinstance(option, kind) and not (kind is not bool and isinstance(option, bool))
-    if kind is int and ok:
-        return option >= (1 if key in ("k", "max_documents") else 0)
-    if key == "layer":
-        return option in ("final", "ffn_input", "attn_input")
-    if key == "rule":
-        return option in ("interpolate", "joint", "model")
-    return ok
+    return checked_options(value, KNNLM_OPTIONS, where, problems)
 
 
 def _seeds(value: Any, problems: list[str]) -> list[int]:
@@ -343,12 +291,7 @@ def _seeds(value: Any, problems: list[str]) -> list[int]:
         return [0]
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
-    ok = (
-        isinstance(value, list)
-        and value
-        and all(isinstance(s, int) and not isinstance(s, bool) for s in value)
-    )
-    if not ok:
+    if not (isinstance(value, list) and value and all(type(s) is int for s in value)):
         problems.append(f"seeds: expected a non-empty list of integers such as [0, 1], got {value!r}")
         return [0]
     if len(set(value)) != len(value):
@@ -383,21 +326,15 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
         problems.append("base: name at least one config file every run starts from, e.g. [../default.yaml]")
     common = _mapping(raw.get("common"), "common", problems)
     seeds = _seeds(raw.get("seeds"), problems)
-    variants: dict[str, Variant] = {}
     raw_variants = raw.get("variants")
     if not isinstance(raw_variants, dict) or not raw_variants:
         problems.append(
             f"variants: expected a non-empty mapping of variant name -> spec, got {raw_variants!r}"
         )
-    else:
-        for vname, vspec in raw_variants.items():
-            v = _variant(vname, vspec, root, problems)
-            if v is not None:
-                variants[v.name] = v
-    baseline = raw.get(
-        "baseline", next(iter(raw_variants)) if isinstance(raw_variants, dict) and raw_variants else ""
-    )
-    if isinstance(raw_variants, dict) and raw_variants and baseline not in raw_variants:
+        raw_variants = {}
+    variants = [_variant(vname, vspec, root, problems) for vname, vspec in raw_variants.items()]
+    baseline = raw.get("baseline", next(iter(raw_variants), ""))
+    if raw_variants and baseline not in raw_variants:
         problems.append(f"baseline: {baseline!r} is not one of the variants {list(raw_variants)}")
     output = raw.get("output")
     if output is not None and not isinstance(output, str):
@@ -416,7 +353,7 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
         common=common,
         seeds=seeds,
         baseline=str(baseline),
-        variants=variants,
+        variants={v.name: v for v in variants if v is not None},
         output=(root / output).resolve() if output else None,
         report_metrics=metrics,
         launcher=launcher,
@@ -453,21 +390,15 @@ def merge(files: list[Path], *mappings: dict[str, Any], skip_missing: bool = Fal
     return OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)  # type: ignore[return-value]
 
 
-def variant_config(exp: Experiment, variant: Variant, skip_missing: bool = False) -> dict[str, Any]:
-    """The variant's merged config before the runner's own keys: base, configs, common, set."""
-    return merge([*exp.base, *variant.configs], exp.common, variant.set, skip_missing=skip_missing)
-
-
-LOGGERS_WITH_DIRS = ("CSVLogger", "TensorBoardLogger")
-CSV_LOGGER = "pytorch_lightning.loggers.CSVLogger"
-TB_LOGGER = "pytorch_lightning.loggers.TensorBoardLogger"
 RUN_NAME_ARG = {"WandbLogger": "name", "MLFlowLogger": "run_name"}  # each run is named VARIANT/seedK there
-CHECKPOINT = "pytorch_lightning.callbacks.ModelCheckpoint"
-CLOCK = "rlm.experiment.timing.TrainClock"
 
 
 def _class_name(entry: Any) -> str:
     return entry.get("class_path", "").rsplit(".", 1)[-1] if isinstance(entry, dict) else ""
+
+
+def _as_list(entries: Any) -> list[Any]:
+    return entries if isinstance(entries, list) else [entries] if isinstance(entries, dict) else []
 
 
 def run_config(cfg: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
@@ -482,37 +413,26 @@ def run_config(cfg: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
     trainer["enable_checkpointing"] = True  # the summary reads the model's hyperparameters from last.ckpt
     loggers = trainer.get("logger")
     if loggers is True:  # Lightning's default logger, made explicit so that it can be moved into the run
-        loggers = [{"class_path": TB_LOGGER}]
-    loggers = loggers if isinstance(loggers, list) else [loggers] if isinstance(loggers, dict) else []
+        loggers = [{"class_path": "pytorch_lightning.loggers.TensorBoardLogger"}]
+    loggers = _as_list(loggers)
     if not any(_class_name(lg) == "CSVLogger" for lg in loggers):
-        loggers.insert(0, {"class_path": CSV_LOGGER, "init_args": {}})
+        loggers.insert(0, {"class_path": "pytorch_lightning.loggers.CSVLogger", "init_args": {}})
     for lg in loggers:  # every configured logger is kept (W&B, MLflow, ...); the report reads the CSV one
         name = _class_name(lg)
-        if name in LOGGERS_WITH_DIRS:
+        if name in ("CSVLogger", "TensorBoardLogger"):
             lg.setdefault("init_args", {}).update(save_dir=str(run_dir), name="logs", version=0)
         elif name in RUN_NAME_ARG:
             init = lg.setdefault("init_args", {})
             init.setdefault(RUN_NAME_ARG[name], f"{run_dir.parent.name}/{run_dir.name}")
     trainer["logger"] = loggers
-    callbacks = trainer.get("callbacks")
-    callbacks = (
-        callbacks if isinstance(callbacks, list) else [callbacks] if isinstance(callbacks, dict) else []
-    )
-    callbacks = [cb for cb in callbacks if _class_name(cb) != "TrainClock"]
+    callbacks = [cb for cb in _as_list(trainer.get("callbacks")) if _class_name(cb) != "TrainClock"]
     if not any(_class_name(cb) == "ModelCheckpoint" for cb in callbacks):
-        callbacks.append({"class_path": CHECKPOINT, "init_args": {}})
+        callbacks.append({"class_path": "pytorch_lightning.callbacks.ModelCheckpoint", "init_args": {}})
     for cb in callbacks:
         if _class_name(cb) == "ModelCheckpoint":
             cb.setdefault("init_args", {}).update(dirpath=str(run_dir / "ckpt"), save_last=True)
-    callbacks.append({"class_path": CLOCK})
-    trainer["callbacks"] = callbacks
+    trainer["callbacks"] = [*callbacks, {"class_path": "rlm.experiment.timing.TrainClock"}]
     return cfg
-
-
-def config_hash(cfg: dict[str, Any]) -> str:
-    """A short fingerprint of a run config, ignoring where the run lives."""
-    text = json.dumps(cfg, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def flatten(mapping: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -544,11 +464,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def apply_overrides(
-    exp: Experiment,
-    sets: list[str],
-    seeds: list[int] | None,
-    problems: list[str],
-    base: list[str] | None = None,
+    exp: Experiment, sets: list[str], seeds: list[int] | None, problems: list[str], base: list[str] | None
 ) -> None:
     """Command-line ``--set a.b=VALUE`` (merged into ``common``, VALUE read as YAML), ``--seeds``, and
     ``--base FILE`` (config files appended to the file's ``base``, relative to the working directory)."""
