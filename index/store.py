@@ -261,27 +261,24 @@ def check_identity(
             f"index at {path} was built from corpus {meta['fingerprint']!r}, but the current corpus is "
             f"{expect_fingerprint!r}: rebuild it for this data (rlm index build)"
         )
+    have = meta["embedder"]
     if expect_embedder and PROJECTION_KEY in expect_embedder:
-        have, want = meta["embedder"].get(PROJECTION_KEY), expect_embedder[PROJECTION_KEY]
-        if have != want:
+        got, want = have.get(PROJECTION_KEY), expect_embedder[PROJECTION_KEY]
+        if got != want:
             raise IndexMismatchError(
-                f"index at {path} holds vectors {_width(have)}, but the search expects vectors {_width(want)} "
-                f"(index projection {have!r}, expected {want!r}): searched with another projection its results "
+                f"index at {path} holds vectors {_width(got)}, but the search expects vectors {_width(want)} "
+                f"(index projection {got!r}, expected {want!r}): searched with another projection its results "
                 "mean nothing; rebuild it"
             )
-    if expect_embedder:
-        diff = {
-            key: (meta["embedder"].get(key), value)
-            for key, value in expect_embedder.items()
-            if meta["embedder"].get(key) != value
-        }
-        if diff:
-            detail = ", ".join(
-                f"{key}: index has {have!r}, expected {want!r}" for key, (have, want) in diff.items()
-            )
-            raise IndexMismatchError(
-                f"index at {path} was built by another embedder ({detail}): its vectors are stale; rebuild it"
-            )
+    diff = [
+        f"{key}: index has {have.get(key)!r}, expected {want!r}"
+        for key, want in (expect_embedder or {}).items()
+        if have.get(key) != want
+    ]
+    if diff:
+        raise IndexMismatchError(
+            f"index at {path} was built by another embedder ({', '.join(diff)}): its vectors are stale; rebuild it"
+        )
 
 
 def _width(projection: dict[str, Any] | None) -> str:
