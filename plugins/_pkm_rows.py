@@ -141,29 +141,25 @@ class RowAdam:
         bufs = self._buffers.setdefault(key, [table.new_empty(0) for _ in range(3)])
         # resize_(0) keeps the storage, so index_select refills it without a new allocation.
         p, m, v = (torch.index_select(t, 0, rows, out=b.resize_(0)) for t, b in zip(full, bufs))  # (U, d)
-        self._adam_rows(p, g.to(p.dtype), m, v, st["step"])
-        for t, rows_t in zip(full, (p, m, v)):
-            t.index_copy_(0, rows, rows_t)
-
-    def _adam_rows(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor) -> None:
-        """One Adam step in place on rows p, m, v (U, d) for gradient g: the private torch._fused_adam_, or after
-        it raised once, torch.optim.Adam's single-tensor update."""
-        if self.fused:
+        g, step = g.to(p.dtype), st["step"]
+        if self.fused:  # the private torch._fused_adam_, until it raises once
             try:
                 torch._fused_adam_(
                     [p], [g], [m], [v], [], [step.to(p.device)],
                     lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=0.0, eps=self.eps,
                     amsgrad=False, maximize=False,
                 )  # fmt: skip
-                return
             except Exception:  # a torch without the op or its kernel for this device/dtype
                 self.fused = False
-        b1, b2 = self.betas
-        t = float(step)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(self.eps)
-        p.addcdiv_(m, denom, value=-self.lr / (1 - b1**t))
+        if not self.fused:  # torch.optim.Adam's single-tensor update
+            b1, b2 = self.betas
+            t = float(step)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / (1 - b1**t))
+        for t, rows_t in zip(full, (p, m, v)):
+            t.index_copy_(0, rows, rows_t)
 
     def state_dict(self) -> dict[str, Any]:
         return {"state": {k: dict(v) for k, v in self.state.items()}}
