@@ -1,5 +1,5 @@
 """The run's parallel layout, read from Lightning's strategy in this one place, so plugins never test strategy
-classes (tests/model/test_layering.py keeps Lightning's strategies out of plugins/)."""
+classes."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ Kind = Literal["ddp", "fsdp2", "other"]
 class Layout:
     """How the processes of a run share the model."""
 
-    kind: Kind
-    """ddp: a whole model per process (DDPStrategy and subclasses); fsdp2: rlm's FSDP2 sharding
-    (ModelParallelStrategy and subclasses); other: anything else, one device included."""
+    kind: Kind  # ddp: DDPStrategy and subclasses; fsdp2: ModelParallelStrategy and subclasses
     world_size: int
     strategy: str  # its class name, for messages
 
@@ -30,20 +28,14 @@ class Layout:
 
     @property
     def can_replicate(self) -> bool:
-        """Whether a plugin may keep parameters whole on every rank and keep the copies equal itself: DDP leaves
-        parameters without gradients alone, and FSDP2 leaves them out of its sharding
-        (``fully_shard(ignored_params=)``, torch >= 2.7)."""
+        """Whether a plugin may keep parameters whole on every rank and keep the copies equal itself."""
         return self.kind == "ddp" or (self.kind == "fsdp2" and CAN_REPLICATE)
 
 
 def layout(trainer: Any) -> Layout:
     """The layout of ``trainer``'s run (a Lightning Trainer, or anything with ``strategy`` and ``world_size``)."""
     strategy = trainer.strategy
-    kind: Kind
-    if isinstance(strategy, DDPStrategy):
-        kind = "ddp"
-    elif isinstance(strategy, ModelParallelStrategy):
-        kind = "fsdp2"
-    else:
-        kind = "other"
+    kind: Kind = "other"
+    if isinstance(strategy, DDPStrategy | ModelParallelStrategy):
+        kind = "ddp" if isinstance(strategy, DDPStrategy) else "fsdp2"
     return Layout(kind, int(trainer.world_size), type(strategy).__name__)

@@ -1,7 +1,5 @@
 """Applying plugins to a model while it is built: ordering, conflict checks, slot filling. Sees the model only
-as an ``nn.Module`` with slots (``embed``, ``stack``, ``blocks``, ``config``, ``plugins``): the import goes one way,
-transformer -> assemble.
-"""
+as an ``nn.Module`` with slots, so the import goes one way, transformer -> assemble."""
 
 from __future__ import annotations
 

@@ -22,9 +22,8 @@ def _choices(cls: type) -> dict[str, tuple[tuple[Any, ...], tuple[type, ...]]]:
 
 
 def check_choices(cls: type, values: Mapping[str, Any], where: str) -> None:
-    """Raise ValueError for a value of a ``Literal``-typed field of ``cls`` that is not one of its choices (nor of
-    the union's other types): what jsonargparse checks on the command line, for configs built in Python or read
-    from a checkpoint."""
+    """Raise ValueError for a value of a ``Literal``-typed field of ``cls`` outside its choices (and the union's other
+    types): jsonargparse's check, for configs built in Python or read from a checkpoint."""
     for name, (choices, others) in _choices(cls).items():
         if name in values and (value := values[name]) not in choices and not isinstance(value, others):
             also = "".join(" or null" if t is type(None) else f" or {t.__name__}" for t in others)
@@ -38,10 +37,8 @@ class ModelConfig:
     vocab_size: int = 4096
     """Size of the token vocabulary (linked from the data module's tokenizer)."""
     vocab_multiple: int = 1
-    """Pad the embedding table and the output head to a multiple of this many rows (128 on a GPU: the head's
-    GEMMs at an odd vocabulary such as GPT-2's 50,257 fall back to slow kernels). The logits are cut back to
-    vocab_size, so no loss, sampling, evaluation or export ever sees a padded id, and the padded rows get no
-    gradient."""
+    """Pad the embedding table and the output head to a multiple of this many rows (128 on a GPU: GEMMs at an odd
+    vocabulary are slow); the logits are cut back to vocab_size, so nothing ever sees a padded id."""
     d_model: int = 256
     """Width of the residual stream."""
     n_layers: int = 4

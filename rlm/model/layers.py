@@ -1,7 +1,5 @@
-"""Building blocks of the core transformer: RMSNorm, rotary positions, attention, FFN.
-
-Every slot module maps ``(x, ctx)`` to a tensor of x's shape, so plugins can replace, add to or wrap any of them.
-"""
+"""Building blocks of the core transformer: RMSNorm, rotary positions, attention, FFN. Every slot module maps
+``(x, ctx)`` to a tensor of x's shape, so plugins can replace, add to or wrap any of them."""
 
 from __future__ import annotations
 

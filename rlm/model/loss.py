@@ -1,9 +1,7 @@
-"""The LM head and its cross-entropy in one pass over row chunks, without the (N, V) float32 logits.
-
-The plain path keeps the logits (N, V) in the compute dtype and in float32 for backward. Here each chunk of rows
-makes its logits, loss and gradients (d logits = softmax - onehot) at once; only the gradients of the hidden states
-(N, d) and of the head (V, d) are kept, and backward scales them by the upstream gradient (the loss is linear in
-them). Matmuls run in the autocast dtype and the softmax in float32, as on the plain path.
+"""The LM head and its cross-entropy in one pass over row chunks, without the (N, V) float32 logits: each chunk
+makes its logits, loss and gradients (d logits = softmax - onehot) at once, and only the gradients of the hidden
+states (N, d) and of the head (V, d) are kept, for backward to scale. Matmuls run in the autocast dtype and the
+softmax in float32, as on the plain path.
 """
 
 from __future__ import annotations

@@ -107,7 +107,6 @@ class Transformer(nn.Module):
 
     @property
     def blocks(self) -> list[Block]:
-        """The transformer blocks in order."""
         return self._blocks
 
     @property
@@ -139,7 +138,6 @@ class Transformer(nn.Module):
         return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 
     def num_parameters(self) -> int:
-        """Total number of distinct parameters."""
         return sum(p.numel() for p in self.parameters())
 
     def added_parameters(self) -> int:

@@ -1,8 +1,5 @@
-"""The state of incremental decoding: every self-attention layer's keys and values, and the plugins' own state.
-
-One cache holds one window of a batch: positions 0..length-1, at most ``capacity``. It travels as ``ctx.cache``
-with ``ctx.offset`` at its length; a forward over the next T tokens attends to it and writes positions
-offset..offset+T-1. Plugins keep what they carry between steps in ``state[label]``, never on their modules.
+"""The state of incremental decoding: one window of a batch (positions 0..length-1, at most ``capacity``), as
+``ctx.cache`` with ``ctx.offset`` at its length; plugins keep what they carry between steps in ``state[label]``.
 """
 
 from __future__ import annotations
@@ -22,14 +19,11 @@ class KVCache:
         if not isinstance(batch, int) or batch < 1:
             raise ValueError(f"cache batch must be a positive integer, got {batch!r}")
         self.capacity, self.batch = capacity, batch
-        self.length = 0
-        """Positions filled so far (the offset of the next forward's first token)."""
-        self.tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        """(B, capacity) the token ids at the filled positions."""
+        self.length = 0  # positions filled so far: the offset of the next forward's first token
+        self.tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # (B, capacity)
+        # layer -> keys and values (B, n_kv_heads, capacity, head_dim), allocated at the layer's first write
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
-        """layer -> keys and values (B, n_kv_heads, capacity, head_dim), allocated at the layer's first write."""
-        self.state: dict[str, Any] = {}
-        """Plugin label -> whatever that plugin carries between steps (chunk neighbours, projected keys)."""
+        self.state: dict[str, Any] = {}  # plugin label -> what it carries between steps
 
     def check(self, offset: int, tokens: Tensor) -> None:
         """Refuse a forward that does not continue the cache exactly, or would overflow it."""

@@ -1,7 +1,5 @@
-"""Finding plugins: a small name table, the ``rlm.plugins`` entry-point group, or a ``class_path``.
-
-The core never imports a concrete plugin module except through this table's strings.
-"""
+"""Finding plugins: a small name table (the core imports no plugin but through its strings), the ``rlm.plugins``
+entry-point group, or a ``class_path``."""
 
 from __future__ import annotations
 
@@ -79,11 +77,8 @@ def resolve(name: str, class_path: str | None = None) -> type[Plugin]:
 
 
 def parse_spec(name: str, spec: Any) -> tuple[type[Plugin], dict[str, Any]] | None:
-    """Read one entry of ``model.plugins``. Returns None for a disabled plugin (``null`` or ``false``).
-
-    Accepted forms: ``{}`` / ``true`` (defaults), ``{field: value, ...}``, or
-    ``{class_path: pkg.mod.Class, init_args: {field: value}}``.
-    """
+    """One entry of ``model.plugins`` (``true``, ``{field: value}`` or ``{class_path, init_args}``) as its class
+    and options; None for a disabled plugin (``null`` or ``false``)."""
     if spec is None or spec is False:
         return None
     if spec is True:
@@ -119,9 +114,8 @@ def validate_specs(specs: dict[str, Any] | None) -> list[str]:
 
 @functools.cache
 def plugins_config() -> type:
-    """The type of ``model.plugins``: a dataclass with one optional field per known plugin, typed by its
-    Config (None: disabled), so jsonargparse merges stacked files key by key, types ``--model.plugins.NAME.OPTION``
-    and prints each option in ``rlm fit --help``. Building it imports every plugin."""
+    """The type of ``model.plugins``: a dataclass with one optional field per known plugin, typed by its Config
+    (None: disabled), so jsonargparse merges stacked files key by key and types every option. Imports every plugin."""
     fields = []
     for name in known_plugins():
         cls = resolve(name)
@@ -139,7 +133,7 @@ def plugins_config() -> type:
 
 
 def plain(value: Any) -> Any:
-    """``value`` with lists for tuples, so that hparams.yaml stays plain YAML and configs compare alike."""
+    """``value`` with lists for tuples, so hparams.yaml stays plain YAML and configs compare alike."""
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
     return [plain(v) for v in value] if isinstance(value, list | tuple) else value
@@ -154,10 +148,6 @@ def full_specs(specs: dict[str, Any] | None) -> dict[str, Any]:
     for name, spec in (specs or {}).items():
         try:
             parsed = parse_spec(name, spec)
-        except ValueError:
-            out[name] = spec
-            continue
-        try:
             out[name] = None if parsed is None else plain(dataclasses.asdict(make_config(*parsed)))
         except (ValueError, TypeError):
             out[name] = spec
@@ -165,8 +155,8 @@ def full_specs(specs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def plugin_specs(plugins: Any) -> dict[str, Any]:
-    """``model.plugins`` as name -> options mapping (what checkpoints store): from the typed dataclass (enabled
-    plugins only), or a mapping as it is."""
+    """``model.plugins`` as the name -> options mapping checkpoints store (of the typed dataclass, the enabled
+    plugins)."""
     if plugins is None:
         return {}
     if dataclasses.is_dataclass(plugins) and not isinstance(plugins, type):

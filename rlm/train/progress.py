@@ -1,8 +1,5 @@
-"""``rlm fit``'s progress bar: optimizer steps against ``trainer.max_steps``, how rlm runs are sized.
-
-Lightning's bars count the current epoch's batches: with ``max_steps`` set the epoch total prints as -2 and after
-a resume the index runs past it. tqdm, a dependency of rlm, whatever else is installed.
-"""
+"""``rlm fit``'s progress bar: optimizer steps against ``trainer.max_steps`` (Lightning's counts the epoch's
+batches, whose total prints as -2 with ``max_steps`` set)."""
 
 from __future__ import annotations
 
@@ -13,8 +10,8 @@ from pytorch_lightning.callbacks import TQDMProgressBar
 
 
 class StepProgressBar(TQDMProgressBar):
-    """TQDMProgressBar whose training bar reads ``Epoch E, step: N/max_steps`` (resumed runs start at their step);
-    a run bounded by ``max_epochs`` alone keeps Lightning's batches of the epoch."""
+    """TQDMProgressBar whose training bar reads ``Epoch E, step: N/max_steps``; a run bounded by ``max_epochs``
+    alone keeps Lightning's."""
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)

@@ -1,9 +1,5 @@
-"""``--ckpt_path``: finding a run's newest loadable checkpoint, and refusing one written by another model.
-
-Lightning looks for ``last`` only in the new run's folder (a new logger version each run) and otherwise trains
-from step 0; here ``last`` searches every folder the config writes checkpoints to, skips files that do not load
-(saying so), and is an error when none loads.
-"""
+"""``--ckpt_path``: finding a run's newest loadable checkpoint in every folder the config writes checkpoints to
+(Lightning looks only in the new run's logger version), and refusing one written by another model."""
 
 from __future__ import annotations
 
@@ -66,9 +62,8 @@ def newest_loadable(
     roots: list[Path], say: Any = None, remove_damaged: bool = False
 ) -> tuple[Path, dict[str, Any]]:
     """The checkpoint under ``roots`` of the highest training step that loads (the newest file among equal
-    steps), and its contents; ValueError when there is none. By step, not file time: a copy or a ``touch`` makes
-    an old file the newest. ``remove_damaged`` deletes files that do not load (in folders rlm owns, where a
-    damaged last.ckpt would block the name)."""
+    steps: a copy or a ``touch`` makes an old file the newest), and its contents; ValueError when there is none.
+    ``remove_damaged`` deletes files that do not load."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     found = {p.resolve() for r in roots if r.is_dir() for p in r.rglob("*.ckpt") if p.is_file()}
     candidates = sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
@@ -95,12 +90,8 @@ def newest_loadable(
 
 
 def prepare_ckpt_path(config: Any) -> dict[str, Any]:
-    """Resolve ``--ckpt_path last``, check the file loads, and refuse resuming ``fit`` under another model.
-
-    ``config`` is LightningCLI's parsed config; ``ckpt_path`` is replaced in place. Returns the ``model.optim``
-    settings a resume honours (``total_steps``), to put back after LightningCLI replaces the model config by the
-    checkpoint's.
-    """
+    """Resolve ``--ckpt_path last`` in LightningCLI's parsed ``config``, check the file loads, and refuse resuming
+    ``fit`` under another model. Returns the ``model.optim`` settings a resume honours (``total_steps``)."""
     from rlm.model.config import ModelConfig
     from rlm.train.module import OptimConfig
 
@@ -140,8 +131,7 @@ def prepare_ckpt_path(config: Any) -> dict[str, Any]:
     diffs = config_diff(saved, current)
     if diffs:
         raise ValueError(f"--ckpt_path {path} was written by a different config:\n  " + "\n  ".join(diffs))
-    # The optimizer and schedule state come from the checkpoint, so a changed optim setting would be dropped
-    # silently: warn. A new schedule horizon (total_steps) is returned for the caller to put back.
+    # The optimizer state comes from the checkpoint, so a changed optim setting would be dropped silently: warn
     optim = current.get("optim")
     optim = asdict(OptimConfig(**optim)) if isinstance(optim, dict) else asdict(OptimConfig())
     saved_optim = saved.get("optim") or {}

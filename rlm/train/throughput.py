@@ -1,13 +1,8 @@
 """Training FLOPs and model-FLOPs utilisation (MFU) in the logs.
 
-FLOPs of one training token follow PaLM (Chowdhery et al. 2022, App. B): 6 N + 12 L T d, with N the parameters a
-token multiplies with (active ones, less norms and the untied input embedding, a lookup), L layers, T the sequence
-length, d the width. 6 N is forward (2 N) plus backward (4 N); 12 L T d is attention's QK^T and AV over the full
-T x T (the causal mask is not credited, the usual convention). Plugins' lookups count their read rows as if
-multiplied; MoE counts its k active experts (``active_parameters``).
-
-MFU = achieved FLOP/s / peak FLOP/s per device: ``peak_flops``, else a known GPU's dense peak, else on a CPU the
-fp32 matmul rate measured when training starts.
+FLOPs of one training token follow PaLM (Chowdhery et al. 2022, App. B): 6 N + 12 L T d, with N the active
+parameters a token multiplies with (less norms and the untied input embedding, a lookup), L layers, T the sequence
+length, d the width; 12 L T d is attention's QK^T and AV over the full T x T (the causal mask not credited).
 """
 
 from __future__ import annotations
@@ -75,20 +70,12 @@ def cpu_matmul_flops(n: int = 1024, repeat: int = 3) -> float:
 
 def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
     precision = str(trainer.precision)
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float32
+    return {"bf": torch.bfloat16, "16": torch.float16}.get(precision[:2], torch.float32)
 
 
 class Throughput(pl.Callback):
-    """Logs train/tokens_per_s, flops_per_step, flops_per_s and mfu at the steps the loggers write.
-
-    Rates are over the steps since the last write, data loading included, validation not. On a GPU the window
-    ends with a device sync, at steps where the loggers read device values anyway. Tokens and FLOPs count the
-    global batch; MFU divides by world_size devices' peak.
-    """
+    """Logs train/tokens_per_s, flops_per_step, flops_per_s and mfu at the steps the loggers write, over the steps
+    since the last write (data loading included, validation not) and the global batch."""
 
     def __init__(self, peak_flops: float | None = None) -> None:
         self.peak_flops = peak_flops
@@ -98,15 +85,12 @@ class Throughput(pl.Callback):
         self._validating: float | None = None  # when the validation inside the window began
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.peak_flops is None:
-            root = pl_module.device
-            if root.type == "cuda":
-                self.peak_flops = gpu_peak_flops(root, _compute_dtype(trainer))
-                source = f"{torch.cuda.get_device_name(root)} dense {_compute_dtype(trainer)}"
-            else:
-                self.peak_flops, source = cpu_matmul_flops(), "measured fp32 1024^3 matmul"
-        else:
-            source = "model.peak_flops"
+        source = "model.peak_flops"
+        if self.peak_flops is None and pl_module.device.type == "cuda":
+            self.peak_flops = gpu_peak_flops(pl_module.device, _compute_dtype(trainer))
+            source = f"{torch.cuda.get_device_name(pl_module.device)} dense {_compute_dtype(trainer)}"
+        elif self.peak_flops is None:
+            self.peak_flops, source = cpu_matmul_flops(), "measured fp32 1024^3 matmul"
         if self.peak_flops:
             rank_zero_info(f"MFU against a peak of {self.peak_flops:.3g} FLOP/s per device ({source})")
 
@@ -120,7 +104,7 @@ class Throughput(pl.Callback):
         self._validating = time.perf_counter()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # the window's clock leaves out validation: its start moves forward by the validation's time
+        # validation's time is left out of the window
         if self._start is not None and self._validating is not None:
             self._start += time.perf_counter() - self._validating
         self._validating = None
