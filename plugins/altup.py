@@ -156,12 +156,6 @@ class AltUpStack(nn.Module):
         if cfg.reduce == "project":
             self.out_proj = nn.Parameter(torch.eye(d).repeat(cfg.k, 1, 1) / cfg.k)  # (K, d, d), init = mean
 
-    def widen(self, x: Tensor, ctx: Context) -> Tensor:
-        """The K blocks (K, B, T, d) from the embedding output x (B, T, d)."""
-        if self.extra is None:
-            return x.unsqueeze(0).expand(self.k, *x.shape).contiguous()  # Recycled-AltUp: replicate
-        return torch.cat((x.unsqueeze(0), self.extra(ctx.tokens).to(x.dtype)), dim=0)
-
     def predict(self, xs: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """x_hat^{j*} = sum_j p_{j*j} x^j (B, T, d), and p (K, K), or (B, T, K, K) with a router."""
         j = self.selected[layer]
@@ -183,19 +177,14 @@ class AltUpStack(nn.Module):
         m = p - g[..., :, None] * p[..., j, None, :]  # (B, T, K, K)
         return torch.einsum("btik,kbtd->ibtd", m, xs) + g.permute(2, 0, 1)[..., None] * x_tilde
 
-    def reduce(self, xs: Tensor) -> Tensor:
-        """The K blocks (K, B, T, d) as one width-d representation (B, T, d)."""
-        if self.cfg.reduce == "first":
-            return xs[0]
-        if self.cfg.reduce == "mean":
-            return xs.mean(0)
-        return torch.einsum("kbtd,kde->bte", xs, self.out_proj.to(xs.dtype))
-
     def forward(self, x: Tensor, ctx: Context) -> Tensor:
         # Predict and correct run outside autocast: bf16 matmuls would round the K-block residual stream.
         exact = torch.autocast(x.device.type, enabled=False)
         with exact:
-            xs = self.widen(x, ctx)  # (K, B, T, d)
+            if self.extra is None:  # Recycled-AltUp: the embedding replicated
+                xs = x.unsqueeze(0).expand(self.k, *x.shape).contiguous()  # (K, B, T, d)
+            else:
+                xs = torch.cat((x.unsqueeze(0), self.extra(ctx.tokens).to(x.dtype)), dim=0)
         for layer, block in enumerate(self.blocks):
             with exact:
                 x_sel, p = self.predict(xs, layer)  # (B, T, d)
@@ -203,14 +192,15 @@ class AltUpStack(nn.Module):
             with exact:
                 xs = self.correct(xs, p, x_tilde, layer)
         with exact:
-            self.log_coefficients(ctx)
-            return self.reduce(xs)
-
-    def log_coefficients(self, ctx: Context) -> None:
-        """How far the static coefficients moved from their initialisation (p = identity, g = 1)."""
-        eye = torch.eye(self.k, device=self.p.device)
-        ctx.log("altup_p_drift", (self.p.detach() - eye).abs().mean())
-        ctx.log("altup_g_mean", self.g.detach().mean())
+            # How far the static coefficients moved from their initialisation (p = identity, g = 1).
+            eye = torch.eye(self.k, device=self.p.device)
+            ctx.log("altup_p_drift", (self.p.detach() - eye).abs().mean())
+            ctx.log("altup_g_mean", self.g.detach().mean())
+            if self.cfg.reduce == "first":  # the K blocks as one width-d representation (B, T, d)
+                return xs[0]
+            if self.cfg.reduce == "mean":
+                return xs.mean(0)
+            return torch.einsum("kbtd,kde->bte", xs, self.out_proj.to(xs.dtype))
 
 
 class SumEmbedding(nn.Module):
