@@ -1,23 +1,14 @@
 """EleutherAI's lm-evaluation-harness on rlm checkpoints: the ``rlm`` model type and ``rlm eval --tasks``
-(docs/CLI.md). ``lm_eval`` is imported only when a task runs.
-
-How requests are scored, with the checkpoint's own tokenizer:
-
-- Every text is conditioned on the beginning-of-document token, as documents were in training:
-  ``[bos] + encode(context + continuation)``; the continuation's tokens are those of the whole text after the
-  context's own encoding (a context's trailing spaces move to the continuation), so a word is scored as it is
-  tokenized in running text. A text longer than max_seq_len loses its context from the left.
-- ``loglikelihood_rolling``: disjoint windows of max_seq_len tokens (lm-eval's ``get_rolling_token_windows`` with
-  context_len 1, as for Hugging Face models): every token scored once, at one forward per max_seq_len tokens.
-- ``generate_until``: rlm.eval.generate.sample, stopped at the first ``until`` string (cut there), at eos or after
-  ``max_gen_toks`` tokens.
-- Every plugin takes part, as in ``rlm generate``; with ``--datastore`` every distribution is the kNN-LM mixture.
-
-Requests are batched longest first, right-padded: causal attention and routing keep padding from scored positions.
+(docs/CLI.md), with the checkpoint's own tokenizer. Every text is ``[bos] + encode(context + continuation)``, as
+documents were in training, so a word is scored as it is tokenized in running text (a context's trailing spaces
+move to the continuation); a text longer than max_seq_len loses its context from the left. Rolling loglikelihoods
+use disjoint windows of max_seq_len (lm-eval's ``get_rolling_token_windows``, context_len 1). Requests are batched
+longest first, right-padded: causal attention keeps padding from scored positions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import os
@@ -35,8 +26,8 @@ GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top
 
 @dataclass
 class Scorer:
-    """Scores lm-eval's requests with an rlm model and its tokenizer (sentencepiece or Hugging Face); ``mixer``
-    (rlm.eval.knnlm.Mixer) makes every distribution the kNN-LM's."""
+    """Scores lm-eval's requests with an rlm model and its tokenizer; ``mixer`` (rlm.eval.knnlm.Mixer) makes every
+    distribution the kNN-LM's."""
 
     module: Any
     tokenizer: Any
@@ -50,21 +41,19 @@ class Scorer:
         self.max_len = int(self.module.model.config.max_seq_len)
         self.module.eval()
 
-    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """([bos] + the context's tokens, the continuation's tokens within the whole text's encoding)."""
-        spaces = len(context) - len(context.rstrip())
-        if spaces:  # "a word" is scored as " word": the space belongs to the continuation's first token
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.tokenizer.encode(context + continuation)
-        n_ctx = len(self.tokenizer.encode(context))
-        return [self.tokenizer.bos_id, *whole[:n_ctx]], whole[n_ctx:]
-
     def loglikelihood(self, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
         """(log p(continuation | context), greedy?) of every (context, continuation)."""
-        return self.score_tokens([self.encode_pair(c, x) for c, x in pairs])
+        encoded = []
+        for context, continuation in pairs:
+            spaces = len(context) - len(context.rstrip())
+            if spaces:  # "a word" is scored as " word": the space belongs to the continuation's first token
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole, n_ctx = self.tokenizer.encode(context + continuation), len(self.tokenizer.encode(context))
+            encoded.append(([self.tokenizer.bos_id, *whole[:n_ctx]], whole[n_ctx:]))
+        return self.score_tokens(encoded)
 
     def loglikelihood_rolling(self, texts: list[str]) -> list[float]:
-        """log p of every text, conditioned on bos, in windows of max_seq_len tokens (see the module docstring)."""
+        """log p of every text, conditioned on bos, in disjoint windows of max_seq_len tokens."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         windows, owner = [], []
@@ -81,10 +70,7 @@ class Scorer:
 
     @torch.no_grad()
     def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """(sum of log p, greedy?) of each continuation's tokens after its context's (the context truncated
-        from the left so that both fit max_seq_len)."""
-        import contextlib
-
+        """(sum of log p, greedy?) of each continuation's tokens after its context's (cut from the left to fit)."""
         from rlm.eval.datastore import reading_keys
 
         inputs: list[list[int]] = []
@@ -124,7 +110,7 @@ class Scorer:
         return out
 
     def generate_until(self, requests: list[tuple[str, dict[str, Any]]]) -> list[str]:
-        """Each context's continuation, cut at the first of its ``until`` strings."""
+        """Each context's continuation (rlm.eval.generate.sample), cut at the first of its ``until`` strings."""
         from rlm.eval.generate import cut_at, sample, stop_at
 
         results = []
@@ -160,8 +146,7 @@ def model_class() -> type:
     @register_model("rlm")
     class RLMHarnessLM(LM):
         """An rlm checkpoint (``ckpt=PATH``; kNN-LM with ``datastore=DIR``, ``lam``, ``temperature``, ``knn_k``)
-        or a ready :class:`Scorer`. After ``model_class()``, ``lm_eval.simple_evaluate(model="rlm",
-        model_args="ckpt=PATH")`` builds one (max_batch_size is unused: batches are of batch_size)."""
+        or a ready :class:`Scorer`; max_batch_size is unused."""
 
         def __init__(self, ckpt: str | None = None, scorer: Scorer | None = None, batch_size: int | str = 8,
                      device: str | None = None, datastore: str | None = None, lam: float | None = None,
@@ -201,8 +186,7 @@ def load_scorer(
     temperature: float | None = None,
     k: int | None = None,
 ) -> Scorer:
-    """A Scorer for a checkpoint and its own tokenizer; with ``datastore``, kNN-LM with the datastore's tuned
-    lam and temperature unless given."""
+    """A Scorer for a checkpoint and its own tokenizer; with ``datastore``, kNN-LM."""
     from rlm.data.carried import data_settings, tokenizer_file
     from rlm.data.pretrained import load_tokenizer
     from rlm.eval.evaluate import load_module
@@ -248,8 +232,8 @@ def task_manager(tasks: list[str], tasks_path: str | None = None) -> Any:
 
 
 def unreadable_task_files(tasks_path: str) -> dict[str, tuple[str, str]]:
-    """The .yaml files under ``tasks_path`` (where lm-eval looks) that are not valid YAML: path -> (text, problem).
-    Only the syntax is read (yaml.compose), so lm-eval's own tags such as ``!function`` pass."""
+    """The .yaml files under ``tasks_path`` that are not valid YAML: path -> (text, problem). Only the syntax is
+    read (yaml.compose), so lm-eval's own tags such as ``!function`` pass."""
     import yaml
 
     broken = {}
@@ -265,9 +249,8 @@ def unreadable_task_files(tasks_path: str) -> dict[str, tuple[str, str]]:
 
 
 def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
-    """lm-eval's Task (or Group) of each name, loaded one at a time: lm-eval reads the task's data then and puts
-    its first document through the templates, so a broken task fails here, before the model loads, naming the
-    task, its file and the problem (lm-eval's own traceback names none of them)."""
+    """lm-eval's Task (or Group) of each name, loaded one at a time (lm-eval reads its data and templates then),
+    so a broken task fails before the model loads, naming the task, its file and the problem."""
     loaded = []
     for name in tasks:
         try:
@@ -280,8 +263,8 @@ def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
 
 
 def task_problem(manager: Any, name: str, err: Exception) -> str:
-    """One line for a task that failed to load: its name, its YAML file and the problem, which for a data file
-    with a bad JSON line is that line (datasets says only "An error occurred while generating the dataset")."""
+    """One line for a task that failed to load: its name, its YAML file and the problem (a data file's bad JSON
+    line, which datasets does not name)."""
     from rlm.data.corpus import json_file_problem
 
     entry = manager.task_index.get(name)
@@ -306,8 +289,7 @@ def evaluate_tasks(
     log_samples: bool = False,
     manager: Any = None,
 ) -> dict[str, Any]:
-    """``lm_eval.simple_evaluate`` of ``tasks``: names known to lm-eval or defined under ``tasks_path``, or what
-    load_tasks made of them (with their ``manager``)."""
+    """``lm_eval.simple_evaluate`` of ``tasks``: names, or what load_tasks made of them (with their ``manager``)."""
     import lm_eval
 
     if all(isinstance(t, str) for t in tasks):
