@@ -99,24 +99,6 @@ class Experts(nn.Module):
             return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
         return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
-    def _grouped(self, x: Tensor, p: Plan, up: Tensor, down: Tensor) -> Tensor | None:
-        """Expert outputs through the grouped GEMM, (A, d); None (with a warning, once) where it raised."""
-        op = grouped_mm_op()
-        if op is None:
-            return None
-        offs = torch.cumsum(p.counts, 0).to(torch.int32)  # (N,) end of each expert's rows
-        try:
-            h = op(x, up.to(x.dtype), offs=offs)  # (A, [2]h)
-            return op(_activation(self.activation, h), down.to(x.dtype), offs=offs)  # (A, d)
-        except Exception as err:  # any failure of the kernel (device, dtype, layout, build): bmm from now on
-            _GROUPED_FAILED.add((x.device.type, x.dtype))
-            warnings.warn(
-                f"moe: grouped GEMM failed on {x.device.type} {x.dtype} ({type(err).__name__}: {err}); "
-                "using bmm there",
-                stacklevel=2,
-            )
-            return None
-
     def to_compute_dtype(self, x: Tensor) -> Tensor:
         """x in autocast's matmul dtype, made explicit for the grouped GEMM's choice and kernel."""
         if torch.is_autocast_enabled(x.device.type):
@@ -144,10 +126,21 @@ class Experts(nn.Module):
         mode = self.resolve(x, mode)
         if x.shape[0] == 0:
             return x.new_zeros(x.shape) + 0 * (up.sum() + down.sum())  # keep the weights in the graph
-        if mode == "grouped":
-            out = self._grouped(x, p, up, down)
-            if out is not None:
-                return out
+        op = grouped_mm_op() if mode == "grouped" else None
+        if op is not None:
+            offs = torch.cumsum(p.counts, 0).to(torch.int32)  # (N,) end of each expert's rows
+            try:
+                h = op(x, up.to(x.dtype), offs=offs)  # (A, [2]h)
+                return op(_activation(self.activation, h), down.to(x.dtype), offs=offs)  # (A, d)
+            except (
+                Exception
+            ) as err:  # any failure of the kernel (device, dtype, layout, build): bmm from now on
+                _GROUPED_FAILED.add((x.device.type, x.dtype))
+                warnings.warn(
+                    f"moe: grouped GEMM failed on {x.device.type} {x.dtype} ({type(err).__name__}: {err}); "
+                    "using bmm there",
+                    stacklevel=2,
+                )
         # Capacity buffers: slot e*C + position holds the assignment; empty slots compute zeros.
         n, d = up.shape[0], x.shape[-1]
         C = capacity if capacity is not None else int(p.counts.max())  # dropless: the largest queue
