@@ -35,6 +35,7 @@ from rlm.plugins._retrieval_config import RetrievalConfig
 EMBED_BATCH = (
     256  # segments per embedder call: amortises the call, keeps a shared embedder's activations small
 )
+Narrowed = tuple[np.ndarray, dict[str, Any], Projection | None]  # vectors, identity, projection
 KEEP = 2  # rebuild directories kept: the one in use, and the one before it that an older checkpoint may name
 
 
@@ -152,9 +153,7 @@ class RebuildCallback(pl.Callback):
         )
         return False
 
-    def _narrow(
-        self, shard: np.ndarray, identity: dict[str, Any], collective: bool
-    ) -> tuple[np.ndarray, dict[str, Any], Projection | None]:
+    def _narrow(self, shard: np.ndarray, identity: dict[str, Any], collective: bool) -> Narrowed:
         """(this rank's vectors in the index's width, the identity with the projection, the projection): a PCA of
         the vectors about to be indexed (collective: of a sample of every rank's); None at full width."""
         if self._width() is None:
@@ -215,64 +214,45 @@ class RebuildCallback(pl.Callback):
         embedder = self.owner.snapshot(step)
         rank, world = trainer.global_rank, trainer.world_size
         shard = embed_rows(embedder, self.segments, self.rows, EMBED_BATCH, rank, world, self.config.progress)
-        memory = self._finish(trainer, shard, embedder.embedder_identity(), step)
+        memory = self._build(trainer, self._narrow(shard, embedder.embedder_identity(), world > 1), step)
+        if world > 1:
+            check_same_table(trainer, memory.neighbours)
         self.last_seconds = self.blocked_seconds = time.perf_counter() - start
         self._take(memory, "built")
 
-    def _finish(
-        self, trainer: pl.Trainer, shard: np.ndarray, identity: dict[str, Any], step: int
-    ) -> RetrievalMemory:
-        """Narrow the vectors, then build: each rank its part (sharded), or rank 0 the whole for every rank."""
+    def _build(self, trainer: pl.Trainer, narrowed: Narrowed, step: int) -> RetrievalMemory:
+        """Each rank its part (sharded; a table is merged from every part), the whole (one process), or rank 0 the
+        whole from the gathered vectors for every rank to load."""
+        shard, identity, projection = narrowed
         path = self._path_for(step)
-        shard, identity, projection = self._narrow(shard, identity, trainer.world_size > 1)
         args = (self.segments, self.rows, self.config.k, identity, step, self.index_config, path, self.table)
-        if self._sharded(trainer):  # each rank keeps its part; the table is merged from every part
-            memory = build_sharded_memory(shard, *args, projection)
-            check_same_table(trainer, memory.neighbours)
-            return memory
+        if self._sharded(trainer):
+            return build_sharded_memory(shard, *args, projection)
         if trainer.world_size == 1:
             return build_memory(shard, *args, projection)
         vectors = gather_shards(trainer, shard, len(self.rows))  # narrowed first: m wide, not D
         if trainer.global_rank == 0:
             build_memory(vectors, *args, projection)
         trainer.strategy.barrier("retrieval-rebuild")
-        memory = load_memory(path, self.segments, identity, self.config.k)
-        check_same_table(trainer, memory.neighbours)
-        return memory
+        return load_memory(path, self.segments, identity, self.config.k)
 
     def _start_background(self, trainer: pl.Trainer, step: int) -> None:
         embedder = self.owner.snapshot(step)  # copied now, on the main thread, at a step boundary
         rank, world = trainer.global_rank, trainer.world_size
-        result: dict[str, Any] = {"step": step, "start": time.perf_counter()}
-        # a sharded build without a table needs no collective: each rank indexes and writes its part in the thread;
-        # a projection to fit (a collective) is fitted on the training thread (_collect) between two threads
-        alone = self._sharded(trainer) and not self.table
-        fit_first = alone and self._width() is not None
+        # the thread builds where that needs no collective: one process, or sharded without a table (each rank its
+        # part); a projection to fit under DDP (a collective) is fitted on the training thread between two threads
+        local = world == 1 or (self._sharded(trainer) and not self.table)
+        result: dict[str, Any] = {"step": step, "start": time.perf_counter(), "local": local}
 
         def work() -> None:
             shard = embed_rows(embedder, self.segments, self.rows, EMBED_BATCH, rank, world, False)
             result["identity"] = embedder.embedder_identity()
-            if (alone or world == 1) and not fit_first:
-                shard, identity, projection = self._narrow(shard, result["identity"], collective=False)
-                self._build_alone(result, shard, identity, projection, alone)
+            if local and (world == 1 or self._width() is None):
+                result["memory"] = self._build(trainer, self._narrow(shard, result["identity"], False), step)
             else:
                 result["shard"] = shard
-                result["then_alone"] = fit_first
 
         self._run_job(result, work)
-
-    def _build_alone(
-        self,
-        result: dict[str, Any],
-        shard: np.ndarray,
-        identity: dict[str, Any],
-        projection: Projection | None,
-        part: bool,
-    ) -> None:
-        """The thread's build: the whole index (one process) or this rank's part (sharded, no table)."""
-        build = build_sharded_memory if part else build_memory
-        args = (self.segments, self.rows, self.config.k, identity, result["step"], self.index_config)
-        result["memory"] = build(shard, *args, self._path_for(result["step"]), self.table, projection)
 
     def _run_job(self, result: dict[str, Any], work: Any) -> None:
         """Run work() in the rebuild thread, on a CUDA stream of its own; its error is raised by _collect."""
@@ -307,19 +287,20 @@ class RebuildCallback(pl.Callback):
         if err is not None:
             raise RuntimeError(f"background index rebuild of step {result['step']} failed") from err
         memory, start = result.get("memory"), time.perf_counter()
-        if memory is None and result.pop("then_alone", False):  # fit the projection here (a collective), then
-            shard, identity, projection = self._narrow(
-                result.pop("shard"), result["identity"], collective=True
-            )
+        # on the training thread: the narrowing (a collective under DDP), and a collective build
+        if memory is None:
+            narrowed = self._narrow(result.pop("shard"), result["identity"], trainer.world_size > 1)
+            if result["local"]:  # the part is indexed and written in a thread again; collected like any other
+                result["blocked"] = time.perf_counter() - start
+                self._run_job(
+                    result, lambda: result.update(memory=self._build(trainer, narrowed, result["step"]))
+                )
+                return
+            memory = self._build(trainer, narrowed, result["step"])
             result["blocked"] = time.perf_counter() - start
-            self._run_job(result, lambda: self._build_alone(result, shard, identity, projection, part=True))
-            return  # the part is indexed and written in the thread; collected like any other
-        if memory is None:  # the collective part, on the training thread
-            memory = self._finish(trainer, result["shard"], result["identity"], result["step"])
-        elif memory.collective:
-            check_same_table(trainer, memory.neighbours)  # the ranks agree: no table on any
-        blocked = time.perf_counter() - start if "shard" in result else 0.0
-        self.blocked_seconds = blocked + result.get("blocked", 0.0)
+        if trainer.world_size > 1:
+            check_same_table(trainer, memory.neighbours)
+        self.blocked_seconds = result.get("blocked", 0.0)
         self.last_seconds = result["end"] - result["start"]
         self._take(memory, "built")
 
