@@ -72,21 +72,6 @@ def cache_key(cc: str | None) -> str:
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
 
 
-def _build(target: Path, cc: str | None) -> None:
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / "pkm_row_adam.c", Path(tmp) / target.name
-        src.write_text(SOURCE)
-        subprocess.run(
-            [cc, *CFLAGS, "-o", str(out), str(src), "-lm"],
-            check=True,
-            capture_output=True,
-        )
-        os.replace(out, target)  # atomic: concurrent processes never load a half-written library
-
-
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None (with a warning) when it cannot be built."""
     global _LIB, _TRIED
@@ -99,7 +84,16 @@ def load() -> ctypes.CDLL | None:
     target = _cache_dir() / f"pkm_native_{cache_key(cc)}.so"
     try:
         if not target.exists():
-            _build(target, cc)
+            if cc is None:
+                raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src, out = Path(tmp) / "pkm_row_adam.c", Path(tmp) / target.name
+                src.write_text(SOURCE)
+                subprocess.run(
+                    [cc, *CFLAGS, "-o", str(out), str(src), "-lm"], check=True, capture_output=True
+                )
+                os.replace(out, target)  # atomic: concurrent processes never load a half-written library
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         warnings.warn(f"pkm: native kernels unavailable ({err}); using the PyTorch paths", stacklevel=2)
