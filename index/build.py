@@ -93,8 +93,7 @@ _GPU_RESOURCES: dict[int, Any] = {}  # one faiss StandardGpuResources per GPU, r
 
 
 def cpu_to_gpu(index: Any) -> Any:
-    """A CPU faiss index copied to this rank's GPU under torch.distributed (not every GPU of the node, once per
-    rank), else to every visible GPU."""
+    """A CPU faiss index copied to this rank's own GPU under torch.distributed, else to every visible GPU."""
     import torch
     import torch.distributed as dist
 

@@ -30,10 +30,9 @@ def as_unit_float32(x: np.ndarray | torch.Tensor, name: str = "vectors") -> np.n
 
 
 class TorchExactIndex:
-    """Exact inner-product search in torch over (n, d) unit vectors (may be a read-only memmap); on CUDA when torch
-    has it. The vectors are copied to the device at the first search and kept there, so a search moves only its
-    queries and results; a memmap searched on the CPU, or a base the device has no room for, is read chunk by chunk
-    at every search instead, so it never has to fit."""
+    """Exact inner-product search in torch over (n, d) unit vectors, on CUDA when torch has it: copied to the device
+    at the first search and kept there, except a memmap searched on the CPU, or a base the device has no room for,
+    which is read chunk by chunk at every search, so it never has to fit."""
 
     def __init__(self, vectors: np.ndarray, device: str | None = None, chunk_elems: int = 2**25) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -53,8 +52,7 @@ class TorchExactIndex:
         return self.vectors.shape[1]
 
     def _upload(self) -> torch.Tensor:
-        """The whole base as one (n, d) float32 tensor on the device, copied ``chunk_elems`` values at a time (a
-        float32 array in memory is used as is on the CPU)."""
+        """The whole base as one (n, d) float32 tensor on the device (on the CPU, a float32 array as it is)."""
         x = self.vectors
         if self.device.type == "cpu" and not isinstance(x, np.memmap) and x.dtype == np.float32:
             if x.flags.writeable and x.flags.c_contiguous:

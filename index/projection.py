@@ -116,14 +116,15 @@ def fit_pca(sample: np.ndarray, m: int) -> Projection:
         raise ValueError(f"a PCA to m={m} dims needs 1 <= m < {D}, the vectors' width")
     if n < 2:
         raise ValueError(f"a PCA needs at least 2 vectors, got {n}")
-    mean = torch.zeros(D)  # not centred: see the module docstring
     cov = (x.T @ x).double()  # (D, D) second moments: a float32 product, the eigensolver in float64
     _, vectors = torch.linalg.eigh(cov)  # ascending eigenvalues
     top = vectors[:, -m:].flip(1).T  # (m, D) largest first
     sign = torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))  # (m, 1)
-    return Projection(mean.numpy().astype(np.float32), (top * sign).float().numpy())
+    return Projection(
+        np.zeros(D, dtype=np.float32), (top * sign).float().numpy()
+    )  # not centred (module docstring)
 
 
-def fit_projection(vectors: np.ndarray, m: int, sample: int = SAMPLE) -> Projection:
-    """fit_pca on up to `sample` evenly spaced rows of (n, D) vectors (one process)."""
-    return fit_pca(vectors[sample_rows(len(vectors), sample)], m)
+def fit_projection(vectors: np.ndarray, m: int) -> Projection:
+    """fit_pca on up to SAMPLE evenly spaced rows of (n, D) vectors (one process)."""
+    return fit_pca(vectors[sample_rows(len(vectors), SAMPLE)], m)

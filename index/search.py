@@ -126,11 +126,8 @@ def search_neighbours(
     fetch: int | None = None,
     exclusions: Exclusions | None = None,
 ) -> Neighbours:
-    """Filtered top-k neighbours of queries (Q, d) in `index` (search(x, k) -> (scores, ids), ntotal).
-
-    query_ids: (Q,) segment id of each query (-1: outside, not filtered); None: query q is segment q. fetch: the
-    first fetch size per query (default 2k + 8; short rows are refilled).
-    """
+    """Filtered top-k neighbours of queries (Q, d) in `index` (search(x, k) -> (scores, ids), ntotal); query_ids:
+    (Q,) segment id of each (-1: outside, unfiltered; None: query q is segment q); fetch: the first fetch size."""
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
     q = as_unit_float32(queries, "queries")
