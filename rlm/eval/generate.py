@@ -1,10 +1,8 @@
 """Sampling text from a trained model, with a key/value cache (default) or by recomputing the window each step.
 
-The cache (rlm/plugin/cache.py) holds one window of at most max_seq_len positions, rotary positions counted from
-its start, so each step runs the model over one new token. The full recompute slides its window by one token per
-step past max_seq_len, which would move every cached position; the cache instead re-fills from the last
-max_seq_len // 2 tokens when the next token would not fit (``refill_start``). Up to max_seq_len tokens the two
-give the same logits; past it the cached path sees between max_seq_len // 2 and max_seq_len tokens of context.
+The cache (rlm/plugin/cache.py) holds one window of at most max_seq_len positions, so each step runs the model over
+one new token; where the next token would not fit it re-fills from the last max_seq_len // 2 tokens
+(``refill_start``), while the full recompute slides its window by one. Up to max_seq_len tokens the two agree.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ class CachedDecoder:
 
 @torch.no_grad()
 def sample(module: LMModule, prompt_ids: list[int], *args: Any, **kwargs: Any) -> list[int]:
-    """One prompt's new ids: :func:`sample_batch` with a batch of one (same arguments)."""
+    """One prompt's new ids (:func:`sample_batch`'s arguments)."""
     return sample_batch(module, [prompt_ids], *args, **kwargs)[0]
 
 
@@ -143,9 +141,8 @@ def pick(
 
 
 def penalize_repeats(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """CTRL's repetition penalty (Keskar et al. 2019, eq. 1 as used in its code): the logit of every id in
-    ``seen`` (B, N) is divided by ``penalty`` where positive and multiplied by it where negative, so a penalty
-    above 1 makes any repeat less likely, whatever the logit's sign."""
+    """CTRL's repetition penalty (Keskar et al. 2019, eq. 1 as in its code): the logit of every id in ``seen``
+    (B, N) divided by ``penalty`` where positive, multiplied where negative (any repeat less likely)."""
     prev = logits.gather(1, seen)  # (B, N)
     return logits.scatter(1, seen, torch.where(prev > 0, prev / penalty, prev * penalty))
 

@@ -60,8 +60,7 @@ class Scored:
 def knn_log_prob(dists: np.ndarray, match: np.ndarray, temperature: float) -> np.ndarray:
     """log p_kNN(target) (N,) from (N, k) distances and matches: -inf where no neighbour's value is the target,
     nan where no neighbour was found."""
-    d = torch.from_numpy(np.asarray(dists, dtype=np.float64))
-    logits = -d / temperature  # (N, k); -inf for missing neighbours
+    logits = -torch.from_numpy(np.asarray(dists, dtype=np.float64)) / temperature  # (N, k); -inf if missing
     norm = torch.logsumexp(logits, dim=1)  # (N,)
     hit = torch.logsumexp(logits.masked_fill(~torch.from_numpy(match), float("-inf")), dim=1)
     return (hit - norm).numpy()
@@ -109,17 +108,16 @@ BIASES = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0)  # memory
 
 
 def tune_joint(scored: Scored, trained: tuple[float, float] | None = None) -> dict[str, float]:
-    """The (temperature, bias) of the joint rule with the lowest mean NLL on ``scored``, over a grid and the
-    model's own trained pair (``trained``, a token-memory model's tau and b)."""
+    """The (temperature, bias) of the joint rule with the lowest mean NLL on ``scored``, over a grid and a
+    token-memory model's own trained (tau, b)."""
     grid = [(t, b) for t in _temperatures(scored) for b in BIASES] + ([trained] if trained else [])
     best = {"loss": math.inf, "temperature": 1.0, "bias": 0.0}
     for t, b in grid:
         loss = -float(joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match, t, b).mean())
         if loss < best["loss"]:
             best = {"loss": loss, "temperature": t, "bias": b}
-    if trained:
-        loss = -joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match, *trained).mean()
-        best["trained"] = {"temperature": trained[0], "bias": trained[1], "loss": float(loss)}
+    if trained:  # the grid's last pair
+        best["trained"] = {"temperature": trained[0], "bias": trained[1], "loss": loss}
     return best
 
 
@@ -129,7 +127,7 @@ def trained_memory(module: Any) -> tuple[float, float] | None:
     return (plugin.temperature, float(plugin.bias.detach())) if plugin is not None else None
 
 
-def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, float]:
+def tune(scored: Scored) -> dict[str, float]:
     """The (lam, temperature) of lowest mean NLL on ``scored``."""
     temps = _temperatures(scored)
     best = {"loss": -float(scored.lm_logp.mean()), "lam": 0.0, "temperature": temps[0]}
@@ -137,7 +135,7 @@ def tune(scored: Scored, lambdas: tuple[float, ...] = LAMBDAS) -> dict[str, floa
     found = np.isfinite(scored.dists).any(axis=1)
     for t in temps:
         knn = knn_log_prob(scored.dists, scored.match, t)  # once per temperature, for every lam
-        for lam in lambdas:
+        for lam in LAMBDAS:
             loss = -float(_mix(scored.lm_logp, knn, found, lam).mean())
             if loss < best["loss"]:
                 best = {"loss": loss, "lam": lam, "temperature": t}

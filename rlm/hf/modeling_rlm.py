@@ -1,9 +1,7 @@
 """The code transformers runs for an exported rlm model with plugins, ``trust_remote_code=True`` (``rlm export``
-copies this file into the folder, and config.json's ``auto_map`` names its classes).
-
-These two classes put the folder's own copy of rlm's source (``rlm_src/``) on the import path, unless rlm is
-imported already, and hand over to rlm.hf.model. Nothing of rlm is imported at the top: transformers checks that
-every package a remote file imports is installed before it runs it, and rlm need not be.
+copies this file into the folder): the folder's copy of rlm's source (``rlm_src/``) goes on the import path and
+rlm.hf.model takes over. Nothing of rlm is imported at the top: transformers checks that every package a remote
+file imports is installed, and rlm need not be.
 """
 
 from __future__ import annotations
