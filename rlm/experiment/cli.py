@@ -9,11 +9,11 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlm.cli.summary import experiment_summary, val_subset
 from rlm.experiment.report import write_report
-from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY, log_tail, plan
+from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY, log_tail, plan, read_json
 from rlm.experiment.spec import Experiment, resolve_launcher
 from rlm.extras import MissingExtra
 
@@ -69,32 +69,6 @@ def cmd_check(
     return 0
 
 
-def _launch(
-    exp: Experiment, out: Path, variants: list[str] | None, reuse: bool, flags: dict[str, Any], wait: bool
-) -> list[str] | None:
-    """Execute the runs where the launcher options (the file's, then the flags) say; the labels of the runs
-    that failed, or None when the jobs were only submitted (--no-wait)."""
-    from rlm.experiment.runner import run_experiment
-    from rlm.extras import require
-
-    launcher = resolve_launcher(exp.launcher, flags)
-    if not wait and launcher["name"] != "slurm":
-        raise ValueError(
-            f"--no-wait applies to --launcher slurm, not {launcher['name']} (its jobs end with this process)"
-        )
-    if launcher["name"] == "local":
-        return run_experiment(exp, out, variants, reuse_equal=reuse, jobs=launcher["jobs"])
-    require("submitit", "slurm", f"--launcher {launcher['name']}")
-    from rlm.experiment.submit import submit
-
-    ids, failed = submit(exp, out, launcher, variants, reuse, wait=wait)
-    if not wait:
-        print(f"submitted {len(ids)} job(s); follow them with `rlm experiment status {out}`, "
-              f"and write the report with `rlm experiment report {out}` once they are done")  # fmt: skip
-        return None
-    return failed
-
-
 def cmd_run(
     file: str,
     *,
@@ -144,7 +118,8 @@ def cmd_run(
             report DIR`)
     """
     from rlm.experiment.check import check_experiment
-    from rlm.experiment.runner import Preempted
+    from rlm.experiment.runner import Preempted, run_experiment
+    from rlm.extras import require
     from rlm.train.checkpoint import PREEMPTED
 
     exp, counts = check_experiment(file, set, seeds, base)
@@ -152,23 +127,35 @@ def cmd_run(
     _print_plan(exp, where, len(plan(exp, where, variants)), counts)
     flags = {"name": launcher, "jobs": jobs, "partition": partition, "gpus_per_job": gpus_per_job,
              "cpus_per_job": cpus_per_job, "mem_gb": mem_gb, "time": time, "account": account, "qos": qos}  # fmt: skip
+    options = resolve_launcher(exp.launcher, flags)
+    name = options["name"]
+    if no_wait and name != "slurm":
+        raise ValueError(
+            f"--no-wait applies to --launcher slurm, not {name} (its jobs end with this process)"
+        )
     try:
-        failed = _launch(exp, where, variants, not no_reuse, flags, wait=not no_wait)
-        if failed is None:  # submitted, not waited for
-            return 0
+        if name == "local":
+            failed = run_experiment(exp, where, variants, reuse_equal=not no_reuse, jobs=options["jobs"])
+        else:
+            require("submitit", "slurm", f"--launcher {name}")
+            from rlm.experiment.submit import submit
+
+            ids, failed = submit(exp, where, options, variants, not no_reuse, wait=not no_wait)
     except Preempted as stop:
         print(f"experiment stopped: {stop}", file=sys.stderr)
         return PREEMPTED
+    if no_wait:
+        print(f"submitted {len(ids)} job(s); follow them with `rlm experiment status {where}`, "
+              f"and write the report with `rlm experiment report {where}` once they are done")  # fmt: skip
+        return 0
     paths: list[Path] = []
     try:
         paths = write_report(where)
         print("wrote " + ", ".join(str(p) for p in paths))
     except (ValueError, MissingExtra) as err:
         print(f"no report: {err}")
-    finished = [r for r in plan(exp, where, variants) if r.finished()]
-    summaries = [
-        (r.label, r.dir, r.dir / LAST_CKPT, json.loads((r.dir / SUMMARY).read_text())) for r in finished
-    ]
+    runs = plan(exp, where, variants)
+    summaries = [(r.label, r.dir, r.dir / LAST_CKPT, r.summary()) for r in runs if r.finished()]
     print(experiment_summary(where, summaries, paths))
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their fit.log); rerun to retry them")
@@ -201,25 +188,17 @@ def _alive(pid: int) -> bool:
 
 def run_state(run_dir: Path, label: str, knnlm: bool) -> RunState:
     """The state of the run in ``run_dir`` from its summary.json and job.json."""
-    summary_path = run_dir / SUMMARY
-    if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        if not knnlm or summary.get("knnlm"):
-            loss, test = summary.get("val_loss"), summary.get("test_loss")
-            subset = val_subset(summary.get("val_batches"))
-            parts = [
-                f"val loss {loss:.4f}" + (f" on {subset}" if subset else "") if loss is not None else "",
-                f"test loss {test:.4f}" if test is not None else "",
-            ]
-            if summary.get("reused_from"):
-                parts.append(f"reused from {summary['reused_from']}")
-            return RunState(label, "done", ", ".join(p for p in parts if p))
-    job: dict[str, Any] = {}
-    if (run_dir / JOB_JSON).is_file():
-        try:
-            job = json.loads((run_dir / JOB_JSON).read_text())
-        except ValueError:
-            job = {}
+    summary = read_json(run_dir / SUMMARY)
+    if summary and (not knnlm or summary.get("knnlm")):
+        loss, test = summary.get("val_loss"), summary.get("test_loss")
+        subset = val_subset(summary.get("val_batches"))
+        parts = [
+            f"val loss {loss:.4f}" + (f" on {subset}" if subset else "") if loss is not None else "",
+            f"test loss {test:.4f}" if test is not None else "",
+            f"reused from {summary['reused_from']}" if summary.get("reused_from") else "",
+        ]
+        return RunState(label, "done", ", ".join(p for p in parts if p))
+    job = read_json(run_dir / JOB_JSON)
     state, job_id = job.get("state"), job.get("job_id")
     where = f" (job {job_id})" if job_id else ""
     resumes = "; resumes from ckpt/last.ckpt" if (run_dir / LAST_CKPT).is_file() else ""

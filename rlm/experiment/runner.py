@@ -40,6 +40,7 @@ from rlm.experiment.runs import (
     _last,
     log_tail,
     plan,
+    read_json,
     run_metrics,
     series,
 )
@@ -127,22 +128,19 @@ def _rlm(run: Run, args: list[str], log_name: str, what: str) -> bool:
 
 
 def _late_median(rows: list[dict[str, Any]], key: str) -> float | None:
-    """The median of a logged value over the second half of its steps: the first steps pay for warm-up,
-    allocation and caching."""
+    """The median over the second half of the steps: the first pay for warm-up, allocation and caching."""
     values = [v for _, v in series(rows, key)]
     return statistics.median(values[len(values) // 2 :]) if values else None
 
 
 def summarize(run: Run, wall_s: float, jobs: int = 1) -> dict[str, Any]:
-    """The per-run summary: final validation loss, parameter counts, speed with the machine's load while it was
-    measured (``jobs``: runs at once), time and plugin metrics."""
+    """The per-run summary: losses, parameter counts, speed with the machine's load (``jobs``: runs at once),
+    time and plugin metrics."""
     rows = run_metrics(run.dir)
     val_series = series(rows, "val/loss")
     val = [v for _, v in val_series]
-    hp = torch.load(run.dir / LAST_CKPT, map_location="cpu", weights_only=False, mmap=True)[
-        "hyper_parameters"
-    ]
-    counts = count_parameters(hp["model"], hp.get("plugins"))
+    ckpt = torch.load(run.dir / LAST_CKPT, map_location="cpu", weights_only=False, mmap=True)
+    counts = count_parameters(ckpt["hyper_parameters"]["model"], ckpt["hyper_parameters"].get("plugins"))
     plugin_metrics = sorted({k for r in rows for k in r} - CORE_METRICS)
     test = json.loads((run.dir / TEST_JSON).read_text()) if (run.dir / TEST_JSON).is_file() else {}
     return {
@@ -173,8 +171,7 @@ def summarize(run: Run, wall_s: float, jobs: int = 1) -> dict[str, Any]:
 
 
 def _reached_end(run: Run, ckpt: dict[str, Any]) -> bool:
-    """Whether ``ckpt`` was saved at the run's last step (trainer.max_steps): resuming it trains nothing, and
-    saves nothing either."""
+    """Whether ``ckpt`` was saved at trainer.max_steps: resuming it trains and saves nothing."""
     max_steps = (run.config.get("trainer") or {}).get("max_steps")
     return isinstance(max_steps, int) and 0 < max_steps <= int(ckpt.get("global_step", -1))
 
@@ -262,13 +259,8 @@ def find_equal_run(run: Run, out: Path) -> Path | None:
     """A finished run with the same fingerprint (merged config and seed) in a sibling experiment directory of
     ``out`` (e.g. runs/experiments/*): the base models of most experiment files are the same run."""
     for summary in sorted(out.parent.glob(f"*/*/seed{run.seed}/{SUMMARY}")):
-        if summary.parent.resolve() == run.dir.resolve():
-            continue
-        try:
-            stored = json.loads(summary.read_text())
-        except (OSError, ValueError):
-            continue
-        if stored.get("fingerprint") == run.fingerprint:
+        same = read_json(summary).get("fingerprint") == run.fingerprint
+        if same and summary.parent.resolve() != run.dir.resolve():
             return summary.parent
     return None
 
@@ -300,23 +292,16 @@ def reuse(run: Run, source: Path) -> dict[str, Any]:
 
 def write_job(run_dir: Path, **fields: Any) -> None:
     """Update the run's job.json with ``fields`` (and the time of this update)."""
-    path = run_dir / JOB_JSON
-    try:
-        job = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
-        job = {}
-    job.update(fields, updated=time.time())
-    write_atomic(path, json.dumps(job, indent=2) + "\n")
+    job = {**read_json(run_dir / JOB_JSON), **fields, "updated": time.time()}
+    write_atomic(run_dir / JOB_JSON, json.dumps(job, indent=2) + "\n")
 
 
 def execute(
     run: Run, out: Path, reuse_equal: bool = True, env: dict[str, str] | None = None, jobs: int = 1
 ) -> dict[str, Any] | None:
     """One run's whole work: train (or reuse an equal finished run), evaluate on the test split, the kNN-LM
-    stage when the variant has one, then summary.json. Returns the summary, or None if a step failed; a
-    finished run is skipped. ``env`` is added to the environment of its subprocesses; ``jobs`` runs train at
-    once on this machine (the summary records it beside the throughput). Raises
-    :class:`Preempted` when SIGTERM stopped it (the run stays unfinished and resumes next time)."""
+    stage when the variant has one, then summary.json; the summary, or None if a step failed. ``env`` is added
+    to its subprocesses' environment; ``jobs``: runs training at once here. :class:`Preempted` on SIGTERM."""
     run.check_dir()
     _THREAD.env = env or {}
     try:

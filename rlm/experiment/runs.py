@@ -54,11 +54,7 @@ class Run:
 
     def summary(self) -> dict[str, Any] | None:
         """The run's summary.json, or None when it is missing or damaged (the run is then not finished)."""
-        try:
-            summary = json.loads((self.dir / SUMMARY).read_text())
-        except (OSError, ValueError):
-            return None
-        return summary if isinstance(summary, dict) else None
+        return read_json(self.dir / SUMMARY) or None
 
     def finished(self) -> bool:
         return self.summary() is not None
@@ -79,6 +75,15 @@ class Run:
                 f"{FINGERPRINT!r} or {JOB_JSON!r}), and training {self.label} there would delete them; choose "
                 "another --out, or move them away"
             )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file; {} when it is missing, damaged or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[Run]:

@@ -18,7 +18,7 @@ import submitit
 from tqdm import tqdm
 
 from rlm.experiment.runner import execute, groups, stop_children, write_job
-from rlm.experiment.runs import JOB_JSON, Run, plan
+from rlm.experiment.runs import JOB_JSON, Run, plan, read_json
 from rlm.experiment.spec import Experiment, write_atomic
 
 FOLDER = ".submitit"  # submitit's folder in the experiment directory: pickles, batch scripts, logs
@@ -76,13 +76,6 @@ def executor(options: dict[str, Any], folder: Path) -> submitit.AutoExecutor:
     return ex
 
 
-def _state(run: Run) -> str | None:
-    try:
-        return json.loads((run.dir / JOB_JSON).read_text()).get("state")
-    except (OSError, ValueError):
-        return None
-
-
 def submit(
     exp: Experiment,
     out: Path,
@@ -122,7 +115,9 @@ def submit(
             for run in group:
                 if not run.complete():
                     failed.add(run.label)
-                    if _state(run) != "stopped":  # a stopped run keeps its state: the next run resumes it
+                    if (
+                        read_json(run.dir / JOB_JSON).get("state") != "stopped"
+                    ):  # a stopped run keeps its state: the next run resumes it
                         write_job(run.dir, state="failed", step="job", log=str(job.paths.stderr), ended=time.time())  # fmt: skip
             last = str(err).strip().splitlines()[-1:] or [type(err).__name__]
             tqdm.write(f"job {job.job_id} failed: {last[0]}; see {job.paths.stderr}")
