@@ -227,9 +227,7 @@ def parallel_dispatch(
     n = n_local * world
     chunks = overlap_chunks(n_local, chunks)
     if S % seq_len:
-        raise ValueError(
-            f"parallel_dispatch: {S} rows are not a whole number of positions of seq_len={seq_len}"
-        )
+        raise ValueError(f"parallel_dispatch: {S} rows are not whole positions of seq_len={seq_len}")
     # 1. Every rank plans the group's batch: k expert ids per token (padding as expert n), all-gathered.
     mine = torch.tensor([S], dtype=torch.int64, device=index.device)  # NCCL: on the device
     counts = [torch.zeros_like(mine) for _ in range(world)]
@@ -302,9 +300,7 @@ def expert_groups(rank: int, world: int, size: int) -> tuple[Any, Any]:
     """(expert group, replica group) of ``rank``: world/size groups of ``size`` consecutive ranks, and the ranks
     holding the same experts (None: one group). Collective: every rank calls it with the same arguments."""
     if size < 1 or world % size:
-        raise ValueError(
-            f"moe.expert_group_size={size} must divide the {world} processes; accepted: a divisor of {world}"
-        )
+        raise ValueError(f"moe.expert_group_size={size} must divide the {world} processes (a divisor of it)")
     groups = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
     replicas = [list(range(i, world, size)) for i in range(size)]
     made = [dist.group.WORLD if len(ranks) == world else dist.new_group(ranks) for ranks in groups]

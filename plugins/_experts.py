@@ -80,9 +80,7 @@ class Experts(nn.Module):
     def __init__(self, n: int, d: int, hidden: int, activation: str, init_std: float, out_std: float) -> None:
         super().__init__()
         if activation not in ("swiglu", "gelu", "relu"):
-            raise ValueError(
-                f"expert activation {activation!r} is unknown; expected 'swiglu', 'gelu' or 'relu'"
-            )
+            raise ValueError(f"expert activation {activation!r} is unknown; expected swiglu, gelu or relu")
         self.activation, self.hidden = activation, hidden
         width = 2 * hidden if activation == "swiglu" else hidden
         self.up = nn.Parameter(torch.randn(n, d, width) * init_std)

@@ -50,20 +50,13 @@ class LookupOptions:
         if not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
         if self.lookup != "softmax" and self.top_k != 1:
-            raise ValueError(
-                f"lookup={self.lookup!r} picks exactly one entry per token; top_k must be 1, got {self.top_k}"
-            )
+            raise ValueError(f"lookup={self.lookup!r} picks one entry; top_k must be 1, got {self.top_k}")
         if self.lookup == "softmax" and self.renormalize and self.top_k == 1:
-            raise ValueError(
-                "renormalize=True with top_k=1 makes every gate 1, so the router gets no LM gradient; "
-                "use renormalize=False (Switch) or top_k >= 2"
-            )
+            raise ValueError("renormalize needs top_k >= 2 (a lone gate is fixed at 1 and trains nothing)")
         if not 0.0 <= self.router_jitter < 1.0:
             raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
         if self.token_map == "balanced" and not self.token_counts:
-            raise ValueError(
-                "token_map='balanced' needs token_counts: a .npy file of per-id counts, shape (vocab,)"
-            )
+            raise ValueError("token_map='balanced' needs token_counts: a .npy file of per-id counts")
         if not isinstance(self.lsh_slabs, int) or self.lsh_slabs < 2:
             raise ValueError(f"lsh_slabs must be an integer >= 2, got {self.lsh_slabs!r}")
         if self.lsh_width <= 0:
@@ -127,9 +120,7 @@ def load_counts(path: str, vocab: int) -> np.ndarray:
         raise ValueError(f"token_counts file {path!r} does not exist")
     counts = np.load(path)
     if counts.shape != (vocab,) or (counts < 0).any():
-        raise ValueError(
-            f"token_counts {path!r} must hold {vocab} non-negative counts, got shape {counts.shape}"
-        )
+        raise ValueError(f"token_counts {path!r} must hold {vocab} non-negative counts, got {counts.shape}")
     return counts
 
 
@@ -139,9 +130,7 @@ class TokenIDLookup(nn.Module):
     def __init__(self, vocab: int, n: int, options: LookupOptions) -> None:
         super().__init__()
         if n > vocab:
-            raise ValueError(
-                f"token_id lookup: {n} entries but only {vocab} token ids; use at most {vocab} entries"
-            )
+            raise ValueError(f"token_id lookup: {n} entries but {vocab} token ids; use at most {vocab}")
         if n == vocab:
             table = torch.arange(vocab)
         elif options.token_map == "hash":

@@ -52,9 +52,7 @@ class AltUpConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise ValueError(
-                f"altup.k must be a positive integer (K >= 2 widens; 1 is the base model), got {self.k!r}"
-            )
+            raise ValueError(f"altup.k must be a positive integer (1 is the base model), got {self.k!r}")
         if self.embedding == "project":
             if not isinstance(self.extra_width, int) or self.extra_width < max(self.k - 1, 1):
                 raise ValueError(
@@ -65,9 +63,7 @@ class AltUpConfig:
             raise ValueError(f"altup.extra_width={self.extra_width} is only used with embedding='project'")
         if self.update == "sum":
             if self.embedding == "recycled":
-                raise ValueError(
-                    "altup.update='sum' needs an extra embedding; use embedding 'wide' or 'project'"
-                )
+                raise ValueError("altup.update='sum' needs an extra embedding: 'wide' or 'project'")
             if self.k < 2:
                 raise ValueError(f"altup.update='sum' needs k >= 2 (an extra embedding to add), got {self.k}")
         if self.init_std is not None and self.init_std < 0:

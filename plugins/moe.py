@@ -71,21 +71,15 @@ class MoEConfig(LookupOptions):
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
         if self.expert_hidden is not None and self.expert_hidden < 1:
-            raise ValueError(
-                f"moe.expert_hidden must be a positive integer or null, got {self.expert_hidden}"
-            )
+            raise ValueError(f"moe.expert_hidden must be positive or null, got {self.expert_hidden}")
         if self.capacity_factor < 0:
             raise ValueError(f"moe.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}")
         if self.balance_coef < 0 or self.z_coef < 0:
-            raise ValueError(
-                f"moe.balance_coef and z_coef must be >= 0, got {self.balance_coef}, {self.z_coef}"
-            )
+            raise ValueError(f"moe.*_coef must be >= 0, got {self.balance_coef}, {self.z_coef}")
         for name in ("expert_group_size", "overlap_chunks"):
             value = getattr(self, name)
             if (value is not None or name == "overlap_chunks") and (not isinstance(value, int) or value < 1):
-                raise ValueError(
-                    f"moe.{name} must be a positive integer (or null for expert_group_size), got {value!r}"
-                )
+                raise ValueError(f"moe.{name} must be a positive integer (1, 2, ...), got {value!r}")
 
     def memory(self, mc: ModelConfig, parts: Parts) -> None:
         """The experts and router in place of the dense FFNs, parameters and saved bytes (rlm.model.memory)."""

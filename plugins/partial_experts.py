@@ -41,9 +41,7 @@ class PartialExpertsConfig(LookupOptions):
         if self.init_std < 0:
             raise ValueError(f"partial_experts.init_std must be >= 0, got {self.init_std}")
         if self.balance_coef < 0 or self.z_coef < 0:
-            raise ValueError(
-                f"partial_experts.balance_coef and z_coef must be >= 0, got {self.balance_coef}, {self.z_coef}"
-            )
+            raise ValueError(f"partial_experts.*_coef must be >= 0, got {self.balance_coef}, {self.z_coef}")
 
 
 class PartialExpertsLayer(nn.Module):

@@ -64,31 +64,21 @@ class TokenIDConfig:
         orders = list(self.ngram_orders)
         bad = [n for n in orders if not isinstance(n, int) or isinstance(n, bool) or n < 1]
         if bad or len(set(orders)) < len(orders):
-            raise ValueError(
-                f"tokenid.ngram_orders must be distinct integers >= 1, got {self.ngram_orders!r}"
-            )
+            raise ValueError(f"tokenid.ngram_orders must be distinct integers >= 1, got {orders!r}")
         for name in ("ngram_heads", "ngram_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"tokenid.{name} must be a positive integer, got {value!r}")
         if orders and self.rank:
-            raise ValueError(
-                f"tokenid.ngram_orders {orders} needs rank 0 (n-gram rows are vectors), got {self.rank}"
-            )
+            raise ValueError(f"tokenid.ngram_orders needs rank 0 (rows are vectors), got {self.rank}")
         if self.placement == "embed" and not orders:
-            raise ValueError(
-                "tokenid.placement='embed' needs ngram_orders, e.g. [2, 3]; the per-id tables use 'ffn'"
-            )
+            raise ValueError("tokenid.placement='embed' needs ngram_orders, e.g. [2, 3]")
         if self.ngram_host and not orders:
-            raise ValueError(
-                "tokenid.ngram_host keeps the n-gram tables on the host; it needs ngram_orders, e.g. [2, 3]"
-            )
+            raise ValueError("tokenid.ngram_host keeps the n-gram tables on the host; it needs ngram_orders")
         if not self.ngram_host_lr > 0:
             raise ValueError(f"tokenid.ngram_host_lr must be > 0, got {self.ngram_host_lr!r}")
         if self.placement == "embed" and self.ngram_gate:
-            raise ValueError(
-                "tokenid.ngram_gate reads the hidden state, which placement 'embed' lacks; set it false"
-            )
+            raise ValueError("tokenid.ngram_gate reads the hidden state, which 'embed' lacks; set it false")
 
     def memory(self, mc: ModelConfig, parts: Parts) -> None:
         """The tables' parameters and saved bytes (rlm.model.memory); host tables are left out, with a note."""
