@@ -1,9 +1,6 @@
-"""The one rule for commands that write a whole output folder (``rlm index build``, ``rlm knnlm build``,
-``rlm export``) and rename it into place, replacing what stood at ``--out``.
-
-Taken: a new or empty folder, or this command's own earlier output. With ``--force``: a folder holding anything
-else. Never: a file, a folder holding something the command reads (``--out runs/X`` for
-``--ckpt runs/X/ckpt/last.ckpt``), the current folder or one above it, the home folder, the filesystem root.
+"""The one rule for commands that write a whole output folder and rename it into place at ``--out``: taken, a new
+or empty folder or this command's own earlier output; with ``--force``, a folder holding anything else; never, a
+file, a folder holding something the command reads, the current folder or one above it, home, or the root.
 """
 
 from __future__ import annotations
@@ -33,14 +30,13 @@ def claim_out_dir(
     reads: Iterable[str | os.PathLike],
     force: bool,
     own: tuple[str, str] | None = None,
-    flag: str = "--out",
 ) -> Path:
     """The resolved ``out`` when the command may replace it; else ValueError naming the path, why, and what
     to pass. ``reads``: what the command reads; ``own``: (file, key) marking its earlier output (a JSON object in
     ``file`` with ``key``), replaced without ``force``."""
     path = Path(out).expanduser().resolve()
-    said = f"{flag} {str(out)!r}" + (f" ({path})" if str(path) != str(out) else "")
-    new = f"choose a new {flag} folder"
+    said = f"--out {str(out)!r}" + (f" ({path})" if str(path) != str(out) else "")
+    new = "choose a new --out folder"
     if path.exists() and not path.is_dir():
         raise ValueError(f"{said} is a file; {new}")
     home, cwd = Path.home().resolve(), Path.cwd().resolve()

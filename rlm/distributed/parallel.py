@@ -7,6 +7,7 @@ stay out of every unit (``ignored_params``): whole on every rank, never gathered
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import types
 from typing import Any
@@ -70,17 +71,13 @@ def synced_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def parallelize(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
 ) -> nn.Module:
     """Shard a Transformer in place with FSDP2: every block, then the root. A one-rank mesh and an already
     sharded model are left alone (``configure_model`` may run twice)."""
     if isinstance(model, FSDPModule) or mesh.size() == 1:
         return model
-    mesh = fsdp_mesh(mesh)
-    ignored = _ignored(model)
+    shard = functools.partial(fully_shard, mesh=fsdp_mesh(mesh), **_ignored(model))
     mp = root_mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     if mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32):
         fp32 = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
@@ -88,16 +85,14 @@ def parallelize(
         # become units of their own before their blocks, gathered in fp32 (their inputs not cast either).
         for module in model.modules():
             if getattr(module, "keep_fp32_params", False):
-                fully_shard(
-                    module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32, **ignored
-                )
+                shard(module, reshard_after_forward=True, mp_policy=fp32)
         # The root gathered in fp32: a bf16 embedding would make the residual stream bf16 from the first block,
         # where autocast alone keeps it fp32; the head's matmul still runs in bf16 under autocast.
         root_mp = {"mp_policy": fp32}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp, **ignored)
+        shard(block, reshard_after_forward=True, **mp)
     # the root's parameters are all-gathered at its forward and stay so until its backward (FSDP2's root rule)
-    fully_shard(model, mesh=mesh, **root_mp, **ignored)
+    shard(model, **root_mp)
     return model
 
 
@@ -109,7 +104,7 @@ def _ignored(model: nn.Module) -> dict[str, Any]:
     if not CAN_REPLICATE:
         raise ValueError(
             f"a plugin keeps {len(ignored)} parameter(s) whole on every rank (PKM's values and sub-keys with "
-            "pkm.sparse), which needs fully_shard(ignored_params=), torch >= 2.7; this is torch {torch.__version__}: upgrade torch, "
+            f"pkm.sparse), which needs fully_shard(ignored_params=), torch >= 2.7; this is torch {torch.__version__}: upgrade torch, "
             "or set pkm.sparse: false (dense value gradients that FSDP reduces)"
         )
     return {"ignored_params": ignored}

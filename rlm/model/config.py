@@ -66,7 +66,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choices(ModelConfig, vars(self), "model")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "vocab_multiple"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
@@ -84,8 +84,6 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}"
             )
-        if not isinstance(self.vocab_multiple, int) or self.vocab_multiple <= 0:
-            raise ValueError(f"model.vocab_multiple must be a positive integer, got {self.vocab_multiple!r}")
         if self.d_ff is not None and self.d_ff <= 0:
             raise ValueError(f"model.d_ff must be positive or null, got {self.d_ff}")
         if not 0.0 <= self.dropout < 1.0:

@@ -102,11 +102,6 @@ def chosen_layers(layers: Sequence[int] | None, n_layers: int, default: Sequence
     return sorted({i % n_layers for i in chosen})
 
 
-def _with_formula() -> list[str]:
-    """The plugins whose Config has a memory formula (imports every plugin: for the error message only)."""
-    return [name for name in known_plugins() if issubclass(resolve(name).Config, MemoryFormula)]
-
-
 def model_config(config: dict[str, Any], vocab_size: int | None = None) -> ModelConfig:
     """The ModelConfig of a merged config: ``model.model``, its vocab from data (or ``vocab_size``)."""
     fields = dict((config.get("model") or {}).get("model") or {})
@@ -122,11 +117,7 @@ def model_config(config: dict[str, Any], vocab_size: int | None = None) -> Model
 
 
 def estimate(config: dict[str, Any], vocab_size: int | None = None) -> dict[str, Any]:
-    """Parameters, optimizer state and activations of a merged config (``model``, ``data``, ``trainer``) in bytes.
-
-    Keys: params, adamw_params, row_adam_params, param_bytes, grad_bytes, optimizer_bytes, activation_bytes,
-    autocast_weight_bytes, total_bytes, batch_size, seq_len, notes.
-    """
+    """Parameters, optimizer state and activations of a merged config (``model``, ``data``, ``trainer``) in bytes."""
     mc = model_config(config, vocab_size)
     data = config.get("data") or {}
     B, T = int(data.get("batch_size", 8)), int(data.get("seq_len", 256))
@@ -138,7 +129,8 @@ def estimate(config: dict[str, Any], vocab_size: int | None = None) -> dict[str,
             continue
         cls, options = parsed
         if not issubclass(cls.Config, MemoryFormula):
-            raise ValueError(f"no memory formula for plugin {name!r}; plugins with one: {_with_formula()}")
+            known = [n for n in known_plugins() if issubclass(resolve(n).Config, MemoryFormula)]
+            raise ValueError(f"no memory formula for plugin {name!r}; plugins with one: {known}")
         make_config(cls, options).memory(mc, parts)
     dense = parts.params - parts.row_adam
     act = B * T * parts.act_per_token
@@ -180,8 +172,7 @@ def format_estimate(est: dict[str, Any]) -> str:
 
 def local_processes() -> int:
     """Processes of this job on this machine, as the launcher says (torchrun's LOCAL_WORLD_SIZE, srun's
-    SLURM_NTASKS_PER_NODE such as '8' or '8(x2)'); 1 when none says (one process, or Lightning's own launcher,
-    whose later processes start after this one has built its model and so see its memory taken)."""
+    SLURM_NTASKS_PER_NODE such as '8(x2)'); 1 when none says."""
     import os
 
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):

@@ -51,11 +51,7 @@ def checkpoint_roots(trainer_cfg: Any) -> list[Path]:
     roots.append(Path(root_dir or "."))
     if root_dir is None:  # Lightning's default logger writes under ./lightning_logs
         roots = [r if r != Path(".") else Path("lightning_logs") for r in roots]
-    out: list[Path] = []
-    for r in roots:
-        if r not in out:
-            out.append(r)
-    return out
+    return list(dict.fromkeys(roots))  # in order, without repeats
 
 
 def newest_loadable(
