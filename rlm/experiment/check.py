@@ -1,7 +1,6 @@
 """Validating an experiment before anything trains, listing every problem at once: the file's structure, each
-variant's plugin specs, its merged config parsed by the real ``rlm fit`` parser (which reports one error per
-parse, so a failing variant is parsed again one override at a time to name each bad key), and its model built on
-the meta device, which also gives its parameter counts.
+variant's plugin specs, its merged config parsed by the ``rlm fit`` parser (one error per parse, so a failing
+variant is parsed again one override at a time), and its model built on the meta device for its parameter counts.
 """
 
 from __future__ import annotations
@@ -36,10 +35,8 @@ class ParamCounts:
     """A model's parameter counts."""
 
     total: int
-    added: int
-    """Parameters the plugins add over the base model."""
-    active: int
-    """Parameters a single token uses (total minus what the plugins report as unused per token)."""
+    added: int  # by the plugins, over the base model
+    active: int  # used by one token: total minus what the plugins report unused per token
 
 
 def count_parameters(model_cfg: dict[str, Any], plugins: dict[str, Any] | None) -> ParamCounts:
@@ -83,24 +80,19 @@ def _fit_parser() -> argparse.ArgumentParser:
     return cli.parser
 
 
-class ConfigParser:
-    """Parses merged run configs with the ``rlm fit`` parser; returns the namespace or the error."""
+def _parse(cfg: dict[str, Any]) -> tuple[Any, str | None]:
+    """A merged run config parsed by the ``rlm fit`` parser: the namespace, or the error."""
+    from rlm.cli.support import plain_parse_error
 
-    def __init__(self) -> None:
-        self.parser = _fit_parser()
-
-    def parse(self, cfg: dict[str, Any]) -> tuple[Any, str | None]:
-        from rlm.cli.support import plain_parse_error
-
-        fd, path = tempfile.mkstemp(prefix="rlm-experiment-", suffix=".yaml")
-        try:
-            with os.fdopen(fd, "w") as f:
-                yaml.safe_dump(cfg, f, sort_keys=False)
-            return self.parser.parse_args(["--config", path]), None
-        except (argparse.ArgumentError, ValueError, TypeError, KeyError) as err:
-            return None, plain_parse_error(str(err))
-        finally:
-            os.unlink(path)
+    fd, path = tempfile.mkstemp(prefix="rlm-experiment-", suffix=".yaml")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+        return _fit_parser().parse_args(["--config", path]), None
+    except (argparse.ArgumentError, ValueError, TypeError, KeyError) as err:
+        return None, plain_parse_error(str(err))
+    finally:
+        os.unlink(path)
 
 
 def _without(mapping: dict[str, Any], keys: set[str]) -> dict[str, Any]:
@@ -112,7 +104,7 @@ def _without(mapping: dict[str, Any], keys: set[str]) -> dict[str, Any]:
     return out
 
 
-def _blame(exp: Experiment, name: str, parser: ConfigParser) -> tuple[list[str], dict[str, set[str]]]:
+def _blame(exp: Experiment, name: str) -> tuple[list[str], dict[str, set[str]]]:
     """Which single overrides of a failing variant fail on their own: messages, and the bad keys per place."""
     files = [*exp.base, *exp.variants[name].configs]
     problems, bad = [], {"common": set(), "set": set()}
@@ -121,9 +113,7 @@ def _blame(exp: Experiment, name: str, parser: ConfigParser) -> tuple[list[str],
         ("set", f"variant {name!r}: set", exp.variants[name].set),
     ):
         for key, value in flatten(mapping):
-            _, err = parser.parse(
-                run_config(merge(files, unflatten(key, value), skip_missing=True), 0, CHECK_DIR)
-            )
+            _, err = _parse(run_config(merge(files, unflatten(key, value), skip_missing=True), 0, CHECK_DIR))
             if err:
                 problems.append(f"{where}.{key} = {value!r}: {err}")
                 bad[place].add(key)
@@ -149,14 +139,12 @@ def check_experiment(
     seeds: list[int] | None = None,
     base: list[str] | None = None,
 ) -> tuple[Experiment, dict[str, ParamCounts]]:
-    """Validate an experiment file (with command-line ``--set`` / ``--seeds`` applied); raise
-    :class:`ExperimentError` listing every problem; the experiment and each variant's parameter counts.
-    ``base`` files (``--base``) are stacked after the file's own base."""
+    """Validate an experiment file with the command line's ``--set``, ``--seeds`` and ``--base`` applied; the
+    experiment and each variant's parameter counts, or :class:`ExperimentError` listing every problem."""
     exp, problems = parse_experiment(path)
     if exp is None:
         raise ExperimentError(path, problems)
     apply_overrides(exp, sets or [], seeds, problems, base)
-    parser: ConfigParser | None = None
     counts: dict[str, ParamCounts] = {}
     for name, variant in exp.variants.items():
         files = [*exp.base, *variant.configs]
@@ -170,19 +158,16 @@ def check_experiment(
             validate_specs(plugins) if isinstance(plugins, dict) else ["model.plugins must be a mapping"]
         )
         problems += [f"variant {name!r}: {p}" for p in plugin_problems]
-        parser = parser or ConfigParser()
-        ns, err = parser.parse(run_config(cfg, exp.seeds[0], CHECK_DIR))
+        ns, err = _parse(run_config(cfg, exp.seeds[0], CHECK_DIR))
         if err:
             # Name each bad override, then go on without them to find the variant's other problems.
-            blamed, bad = _blame(exp, name, parser)
+            blamed, bad = _blame(exp, name)
             # a plugin problem already reported above is not reported again in the parser's words
             problems += [
                 p for p in blamed if p not in problems and not (plugin_problems and ".plugins." in p)
             ]
             common, overrides = _without(exp.common, bad["common"]), _without(variant.set, bad["set"])
-            ns, err = parser.parse(
-                run_config(merge(files, common, overrides, skip_missing=True), 0, CHECK_DIR)
-            )
+            ns, err = _parse(run_config(merge(files, common, overrides, skip_missing=True), 0, CHECK_DIR))
             if err:
                 problems.append(f"variant {name!r}: {err}")
                 continue

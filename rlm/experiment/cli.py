@@ -3,7 +3,6 @@ rlm.cli.commands."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from rlm.cli.summary import experiment_summary, val_subset
 from rlm.experiment.report import write_report
-from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY, log_tail, plan, read_json
+from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY, log_tail, plan, read_info, read_json
 from rlm.experiment.spec import Experiment, resolve_launcher
 from rlm.extras import MissingExtra
 
@@ -223,10 +222,7 @@ def run_state(run_dir: Path, label: str, knnlm: bool) -> RunState:
 
 def experiment_states(out: Path) -> list[RunState]:
     """Every run of the experiment whose resolved file (experiment.json) is in ``out``, in file order."""
-    info_path = out / "experiment.json"
-    if not info_path.is_file():
-        raise ValueError(f"{str(out)!r} is not an experiment directory: it has no experiment.json")
-    info = json.loads(info_path.read_text())
+    info = read_info(out)
     return [
         run_state(out / name / f"seed{seed}", f"{name}/seed{seed}", variant.get("knnlm") is not None)
         for name, variant in info["variants"].items()

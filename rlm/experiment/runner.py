@@ -38,8 +38,8 @@ from rlm.experiment.runs import (
     Run,
     _keep_metrics,
     _last,
+    begin,
     log_tail,
-    plan,
     read_json,
     run_metrics,
     series,
@@ -519,15 +519,9 @@ def _run_pool(runs: list[Run], out: Path, reuse_equal: bool, jobs: int, desc: st
 def run_experiment(
     exp: Experiment, out: Path, variants: list[str] | None = None, reuse_equal: bool = True, jobs: int = 1
 ) -> list[str]:
-    """Train every unfinished run, write each one's summary; returns the labels of the runs that failed.
-
-    With ``reuse_equal``, a run whose config and seed equal a finished run of a sibling experiment directory
-    is taken from there (hard links) instead of being trained again. ``jobs`` > 1 runs that many at once."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
-    runs = plan(exp, out, variants)
-    for run in runs:  # before the first run trains, not hours later
-        run.check_dir()
+    """Execute every unfinished run, ``jobs`` at once; the labels of the runs that failed. With ``reuse_equal``,
+    a run equal to a finished run of a sibling experiment directory is taken from there, not trained again."""
+    runs = begin(exp, out, variants)
     if jobs > 1:
         return _run_pool(runs, out, reuse_equal, jobs, desc=f"experiment {exp.name}")
     failed = []

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlm.experiment.spec import Experiment, merge
+from rlm.experiment.spec import Experiment, merge, write_atomic
 
 SUMMARY = "summary.json"  # a run's finished marker, written last
 METRICS_CSV = Path("logs") / "version_0" / "metrics.csv"
@@ -107,6 +107,23 @@ def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[
     ]
 
 
+def begin(exp: Experiment, out: Path, variants: list[str] | None) -> list[Run]:
+    """Write the resolved file (experiment.json) into ``out``; the runs to execute, their folders checked before
+    any run trains or job.json goes into a folder that is not a run's."""
+    write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
+    runs = plan(exp, out, variants)
+    for run in runs:
+        run.check_dir()
+    return runs
+
+
+def read_info(out: Path) -> dict[str, Any]:
+    """The experiment.json of an experiment's output directory."""
+    if not (out / "experiment.json").is_file():
+        raise ValueError(f"{str(out)!r} is not an experiment directory: it has no experiment.json")
+    return json.loads((out / "experiment.json").read_text())
+
+
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """metrics.csv rows with their non-empty cells as floats."""
     if not path.is_file():
@@ -177,12 +194,7 @@ class VariantResult:
 
 def collect(out: Path) -> tuple[dict[str, Any], list[VariantResult]]:
     """The experiment's description and its variants' finished runs, in the file's variant order."""
-    info_path = out / "experiment.json"
-    if not info_path.is_file():
-        raise FileNotFoundError(
-            f"{str(info_path)!r} does not exist: is {str(out)!r} an experiment directory?"
-        )
-    info = json.loads(info_path.read_text())
+    info = read_info(out)
     results: dict[str, VariantResult] = {name: VariantResult(name) for name in info["variants"]}
     for path in sorted(out.glob(f"*/seed*/{SUMMARY}")):
         summary = json.loads(path.read_text())

@@ -8,7 +8,6 @@ resumes the run. Needs the ``slurm`` extra (submitit).
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -18,8 +17,8 @@ import submitit
 from tqdm import tqdm
 
 from rlm.experiment.runner import execute, groups, stop_children, write_job
-from rlm.experiment.runs import JOB_JSON, Run, plan, read_json
-from rlm.experiment.spec import Experiment, write_atomic
+from rlm.experiment.runs import JOB_JSON, Run, begin, read_json
+from rlm.experiment.spec import Experiment
 
 FOLDER = ".submitit"  # submitit's folder in the experiment directory: pickles, batch scripts, logs
 
@@ -86,11 +85,7 @@ def submit(
 ) -> tuple[list[str], list[str]]:
     """Submit a job for every group of unfinished runs; with ``wait``, wait for them all. Returns (job ids,
     labels of the runs that failed; empty without ``wait``)."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "experiment.json", json.dumps(exp.to_json(), indent=2) + "\n")
-    runs = plan(exp, out, variants)
-    for run in runs:  # before job.json is written into a folder that is not a run's
-        run.check_dir()
+    runs = begin(exp, out, variants)
     ex = executor(options, out / FOLDER)
     # SLURM's warning comes signal_delay_s before the kill: leave rlm fit most of it to save last.ckpt
     stop_wait_s = max(5.0, options["signal_delay_s"] - 15.0)
