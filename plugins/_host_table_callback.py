@@ -1,5 +1,5 @@
 """Lightning callbacks of the row-wise Adam tables (tokenid's host tables, PKM's values), apart so that importing
-a plugin does not import Lightning: plugins import them in ``callbacks()``."""
+a plugin does not import Lightning."""
 
 from __future__ import annotations
 
@@ -84,11 +84,10 @@ class PKMCallback(HostTableCallback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.plugin.start_stats()
 
+    on_test_epoch_start = on_validation_epoch_start
+
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(pl_module, "val")
-
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.plugin.start_stats()
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(pl_module, "test")

@@ -114,16 +114,6 @@ def balanced_table(counts: np.ndarray, n: int) -> Tensor:
     return torch.from_numpy(table)
 
 
-def load_counts(path: str, vocab: int) -> np.ndarray:
-    """Per-id token counts from a .npy file, checked against the vocabulary size."""
-    if not Path(path).is_file():
-        raise ValueError(f"token_counts file {path!r} does not exist")
-    counts = np.load(path)
-    if counts.shape != (vocab,) or (counts < 0).any():
-        raise ValueError(f"token_counts {path!r} must hold {vocab} non-negative counts, got {counts.shape}")
-    return counts
-
-
 class TokenIDLookup(nn.Module):
     """The token's vocabulary id (mapped through a fixed table when there are fewer entries) picks one entry."""
 
@@ -136,7 +126,13 @@ class TokenIDLookup(nn.Module):
         elif options.token_map == "hash":
             table = hash_table(vocab, n, SEED)
         else:
-            table = balanced_table(load_counts(options.token_counts, vocab), n)
+            path = options.token_counts
+            if not Path(path).is_file():
+                raise ValueError(f"token_counts file {path!r} does not exist")
+            counts = np.load(path)  # per-id token counts
+            if counts.shape != (vocab,) or (counts < 0).any():
+                raise ValueError(f"token_counts {path!r} must hold {vocab} counts >= 0, got {counts.shape}")
+            table = balanced_table(counts, n)
         self.register_buffer("table", table)  # (vocab,) long, checkpointed so buckets survive a resume
 
     def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:

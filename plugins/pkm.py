@@ -230,12 +230,11 @@ class PKMPlugin(Plugin):
         # Values normal(0, d^-1/2) as in the paper's code, on huge pages (rows are read and updated at random);
         # the only copy of each table is registered here.
         self.values = nn.ParameterDict({})
+        self.row_optimizer = RowAdam(lr=config.values_lr)
         for k in keys:
             table = huge_page_empty((config.slots, d), torch.get_default_dtype())
             self.values[k] = nn.Parameter(torch.randn(config.slots, d, out=table).mul_(d**-0.5))
-        self.row_optimizer = RowAdam(lr=config.values_lr)
-        for k, table in self.values.items():
-            self.row_optimizer.add_table(k, table)
+            self.row_optimizer.add_table(k, self.values[k])
         self.memories: dict[int, PKMLayer] = {}  # plain dict: the layers are registered in their blocks
         self._sparse: bool | None = None  # resolved at setup (needs to know whether torch.distributed runs)
         self._exchange = False  # whether the row optimizer exchanges rows (sparse and distributed)

@@ -115,8 +115,7 @@ class TokenIDTable(nn.Module):
         return self.entries(x, ctx.tokens.unsqueeze(-1))  # (B, T, d): entry of each token's own id
 
 
-MASK = (1 << 31) - 1
-"""Hash arithmetic stays below 2^62: token ids and multipliers are < 2^31, products are masked to 31 bits."""
+MASK = (1 << 31) - 1  # hashing stays below 2^62: ids and multipliers < 2^31, products masked to 31 bits
 
 
 def ngram_multipliers(orders: list[int], heads: int, seed: int) -> Tensor:
