@@ -144,30 +144,19 @@ def summarize(run: Run, wall_s: float, jobs: int = 1) -> dict[str, Any]:
     plugin_metrics = sorted({k for r in rows for k in r} - CORE_METRICS)
     test = json.loads((run.dir / TEST_JSON).read_text()) if (run.dir / TEST_JSON).is_file() else {}
     return {
-        "variant": run.variant,
-        "seed": run.seed,
-        "fingerprint": run.fingerprint,
-        "val_loss": val[-1] if val else None,
+        "variant": run.variant, "seed": run.seed, "fingerprint": run.fingerprint, "val_loss": val[-1] if val else None,
         # batches each validation read (trainer.limit_val_batches; None: the whole split), for the loss's label
         "val_batches": (run.config.get("trainer") or {}).get("limit_val_batches"),
-        "val_ppl": _last(rows, "val/ppl"),
-        "best_val_loss": min(val) if val else None,
+        "val_ppl": _last(rows, "val/ppl"), "best_val_loss": min(val) if val else None,
         "val_step": int(val_series[-1][0]) + 1 if val_series else None,
-        "test_loss": test.get("loss"),
-        "test_ppl": test.get("ppl"),
-        "test_bpb": test.get("bpb"),
+        "test_loss": test.get("loss"), "test_ppl": test.get("ppl"), "test_bpb": test.get("bpb"),
         "steps": int(max((r["step"] for r in rows if "step" in r), default=-1)) + 1,
-        "params_total": counts.total,
-        "params_added": counts.added,
-        "params_active": counts.active,
+        "params_total": counts.total, "params_added": counts.added, "params_active": counts.active,
         "tokens_per_s": _late_median(rows, "train/tokens_per_s"),
         "load": _late_median(rows, "time/load"),  # the 1-minute load average at the same steps (TrainClock)
-        "cores": _cpu_count(),
-        "jobs": jobs,
-        "train_s": _last(rows, "time/train_s"),
-        "wall_s": wall_s,
+        "cores": _cpu_count(), "jobs": jobs, "train_s": _last(rows, "time/train_s"), "wall_s": wall_s,
         "metrics": {k: _last(rows, k) for k in plugin_metrics if not k.startswith("lr-")},
-    }
+    }  # fmt: skip
 
 
 def _reached_end(run: Run, ckpt: dict[str, Any]) -> bool:
@@ -325,6 +314,13 @@ def _loads(path: Path) -> bool:
     return True
 
 
+def _failed(run: Run, step: str, log_name: str, what: str) -> None:
+    """Record the failed step in job.json and print the end of its log."""
+    log = run.dir / log_name
+    write_job(run.dir, state="failed", step=step, log=str(log), ended=time.time())
+    tqdm.write(f"{run.label}: {what}; end of {log}:\n{log_tail(log)}")
+
+
 def _execute(run: Run, out: Path, reuse_equal: bool, jobs: int) -> dict[str, Any] | None:
     summary = run.summary()
     if summary is not None and not _loads(run.dir / LAST_CKPT):
@@ -336,11 +332,8 @@ def _execute(run: Run, out: Path, reuse_equal: bool, jobs: int) -> dict[str, Any
         summary = None
     if summary is not None:
         if run.knnlm is None or summary.get("knnlm"):
-            note = (
-                ""
-                if summary.get("fingerprint") == run.fingerprint
-                else " (its config has changed since: delete the directory to rerun)"
-            )
+            changed = summary.get("fingerprint") != run.fingerprint
+            note = " (its config has changed since: delete the directory to rerun)" if changed else ""
             tqdm.write(f"{run.label}: finished earlier, skipped{note}")
             return summary
     elif (source := find_equal_run(run, out) if reuse_equal else None) is not None:
@@ -355,21 +348,12 @@ def _execute(run: Run, out: Path, reuse_equal: bool, jobs: int) -> dict[str, Any
         if ok:  # validation during training; the test split once, at the end
             ok, step = evaluate_test(run), "rlm eval"
         if not ok:
-            write_job(run.dir, state="failed", step=step, log=str(run.dir / "fit.log"), ended=time.time())
-            tqdm.write(
-                f"{run.label}: {step} failed after {wall:.0f}s; end of {run.dir / 'fit.log'}:\n{log_tail(run.dir / 'fit.log')}"
-            )
-            return None
+            return _failed(run, step, "fit.log", f"{step} failed after {wall:.0f}s")
         summary = summarize(run, wall, jobs)
         write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if run.knnlm is not None:
         if not knnlm_stage(run):
-            write_job(
-                run.dir, state="failed", step="kNN-LM", log=str(run.dir / "knnlm.log"), ended=time.time()
-            )
-            tqdm.write(f"{run.label}: the kNN-LM stage failed; end of {run.dir / 'knnlm.log'}:\n"
-                       f"{log_tail(run.dir / 'knnlm.log')}")  # fmt: skip
-            return None
+            return _failed(run, "kNN-LM", "knnlm.log", "the kNN-LM stage failed")
         summary = with_knnlm(summary, run)
         write_atomic(run.dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     write_job(run.dir, state="done", ended=time.time())
@@ -445,9 +429,8 @@ def without_knnlm(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def groups(runs: list[Run]) -> list[list[Run]]:
-    """Runs to execute one after another within one job: those with the same fingerprint (config and seed)
-    share a job, so that the later ones reuse the first instead of training the same model at the same time.
-    Groups are in the order of their first run."""
+    """Runs of the same fingerprint (config and seed), to execute one after another in one job, so that the later
+    ones reuse the first instead of training the same model at the same time; in the order of their first run."""
     by_print: dict[str, list[Run]] = {}
     for run in runs:
         by_print.setdefault(run.fingerprint, []).append(run)
@@ -461,8 +444,6 @@ def _cpu_count() -> int:
 def local_slots(jobs: int) -> list[dict[str, str]]:
     """The environment of each of ``jobs`` concurrent runs on this machine: a GPU of its own
     (CUDA_VISIBLE_DEVICES) when there are GPUs, otherwise an equal share of the CPU cores (OMP_NUM_THREADS)."""
-    if jobs < 1:
-        raise ValueError(f"--jobs {jobs}: expected a positive number of runs at once")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         gpus = [d.strip() for d in visible.split(",") if d.strip()]
