@@ -1,6 +1,5 @@
-"""Folders that carry the size and sha256 of their files in a JSON manifest, checked on load (indices,
-datastores, exported models). The manifest ``{..., "files": {name: bytes}, "sha256": {name: hex}, "meta_sha256":
-hex}`` checksums itself too, so a value edited in place is caught like a changed file.
+"""Folders that carry the size and sha256 of their files in a JSON manifest ``{..., "files": {name: bytes},
+"sha256": {name: hex}, "meta_sha256": hex}``, checked on load; the manifest checksums itself too.
 """
 
 from __future__ import annotations

@@ -26,16 +26,11 @@ if TYPE_CHECKING:
 class Slot(str, enum.Enum):
     """Named places in the model that plugins fill."""
 
-    EMBED = "embed"
-    """Token embedding: tokens (B, T) -> (B, T, d). Whole model, no layer."""
-    ATTN = "attn"
-    """Self-attention of block i: (B, T, d) -> (B, T, d)."""
-    CROSS_ATTN = "cross_attn"
-    """Cross-attention of block i, absent by default: (B, T, d) -> (B, T, d), added to the residual."""
-    FFN = "ffn"
-    """FFN of block i: (B, T, d) -> (B, T, d)."""
-    STACK = "stack"
-    """The loop over blocks: (B, T, d) -> (B, T, d). Whole model, no layer."""
+    EMBED = "embed"  # token embedding, tokens (B, T) -> (B, T, d); whole model, no layer
+    ATTN = "attn"  # self-attention of block i, (B, T, d) -> (B, T, d)
+    CROSS_ATTN = "cross_attn"  # cross-attention of block i, absent by default, added to the residual
+    FFN = "ffn"  # FFN of block i, (B, T, d) -> (B, T, d)
+    STACK = "stack"  # the loop over blocks, (B, T, d) -> (B, T, d); whole model, no layer
 
 
 LAYERLESS = (Slot.EMBED, Slot.STACK)
@@ -44,12 +39,9 @@ LAYERLESS = (Slot.EMBED, Slot.STACK)
 class Mode(str, enum.Enum):
     """How a claim fills its slot."""
 
-    REPLACE = "replace"
-    """The plugin's module takes the slot's place; exclusive."""
-    ADD = "add"
-    """The plugin's module runs beside the slot's module on the same input; outputs are summed."""
-    WRAP = "wrap"
-    """The plugin's module receives the slot's current module and calls it itself."""
+    REPLACE = "replace"  # the plugin's module takes the slot's place; exclusive
+    ADD = "add"  # the plugin's module runs beside the slot's on the same input; outputs are summed
+    WRAP = "wrap"  # the plugin's module receives the slot's current module and calls it itself
 
 
 @dataclass(frozen=True)

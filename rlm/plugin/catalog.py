@@ -1,8 +1,6 @@
-"""What ``rlm plugins`` prints: the plugins one can name, and each one's options with their docstrings.
-
-Built-ins are read from source (``ast``), not imported, so listing them imports neither torch nor Lightning or
-faiss. Entry-point plugins are imported, as only their classes are known; so is a built-in whose source is not
-plain enough to read (a computed default).
+"""What ``rlm plugins`` prints: the plugins one can name, and each one's options with their docstrings. Built-ins
+are read from source (``ast``), so listing them imports no torch; entry points, and built-ins whose source is not
+plain enough (a computed default), are imported.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def _first_line(doc: str | None) -> str:
 
 
 def field_docs(config_cls: type) -> dict[str, str]:
-    """The attribute docstring under each field of a dataclass, inherited ones included (as jsonargparse
-    reads them)."""
+    """The attribute docstring under each field of a dataclass, inherited ones included (as jsonargparse reads)."""
     import docstring_parser
 
     docs: dict[str, str] = {}

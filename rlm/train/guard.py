@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from rlm.distributed.parallel import full_tensor
+
 
 class NonFiniteError(ValueError):
     """Training met a non-finite loss, gradient or weight."""
@@ -162,10 +164,7 @@ class NonFiniteGuard(pl.Callback):
             ):
                 if part:
                     norms = torch.stack([n.float() for n in torch._foreach_norm(part)])
-                    verdict = torch.isfinite(norms).all()
-                    # FSDP2's sharded gradients: every rank's shards, one verdict
-                    if isinstance(verdict, DTensor):
-                        verdict = verdict.full_tensor()
+                    verdict = full_tensor(torch.isfinite(norms).all())  # FSDP2's shards: one verdict for all
                     finite = finite & verdict.to(finite.device)
             for g in grads:
                 if g.is_sparse:

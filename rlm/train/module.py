@@ -24,9 +24,8 @@ from rlm.plugin.base import ParamGroup, Plugin
 from rlm.plugin.cache import KVCache
 from rlm.plugin.context import Context
 from rlm.plugin.registry import plugin_specs, plugins_config
-from rlm.train.checkpoint import CheckpointHygiene
+from rlm.train.checkpoint import CheckpointHygiene, config_diff
 from rlm.train.compile import CompileConfig, compile_blocks, compile_config
-from rlm.train.diff import config_diff
 from rlm.train.guard import NonFiniteGuard
 from rlm.train.throughput import Throughput
 

@@ -8,8 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rlm.train.checkpoint import load_checkpoint_file
-from rlm.train.diff import config_diff, dict_diff
+from rlm.train.checkpoint import config_diff, dict_diff, load_checkpoint_file
 
 
 def _get(ns: Any, key: str, default: Any = None) -> Any:

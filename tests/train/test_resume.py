@@ -15,8 +15,13 @@ from cli_helpers import column, fit_args, read_metrics, run_rlm
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
-from rlm.train.checkpoint import AtomicCheckpointIO, CheckpointHygiene, atomic_save, load_checkpoint_file
-from rlm.train.diff import dict_diff
+from rlm.train.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointHygiene,
+    atomic_save,
+    dict_diff,
+    load_checkpoint_file,
+)
 from rlm.train.guard import NonFiniteError, NonFiniteGuard
 from rlm.train.module import LMModule, WarmupCosine, warmup_cosine
 from rlm.train.resume import checkpoint_roots, newest_loadable
