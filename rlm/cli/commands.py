@@ -88,25 +88,13 @@ def run_lightning(command: str, args: list[str]) -> int:
     if args == ["--help", "--"]:
         args = ["--help"]
     from rlm.cli.lightning_cli import RLMCLI
-    from rlm.cli.support import (
-        check_plugin_names,
-        config_layers,
-        help_formatter,
-        integer_batch_limits,
-        quiet_known_noise,
-        refuse_optimizer_options,
-        require_class_extras,
-    )
+    from rlm.cli.support import check_configs, help_formatter, quiet_known_noise
     from rlm.data.module import RLMDataModule
     from rlm.train.module import LMModule
 
     quiet_known_noise()
     limit_threads()
-    layers = config_layers(args)  # each --config file read once, for the clear errors below
-    refuse_optimizer_options(command, layers, args)
-    check_plugin_names(layers, args)
-    require_class_extras(layers, args)
-    batch_limits = integer_batch_limits(args, layers)
+    layers, batch_limits = check_configs(command, args)
     if command in ("validate", "test"):
         from rlm.eval.evaluate import checkpoint_layer
 
@@ -284,9 +272,8 @@ def cmd_eval(
     from rlm.cli.summary import eval_summary
     from rlm.eval.knnlm_cli import eval_main
 
-    code = eval_main(
-        types.SimpleNamespace(**locals())
-    )  # plain; kNN-LM with --datastore; lm-eval with --tasks
+    # plain; kNN-LM with --datastore; lm-eval with --tasks
+    code = eval_main(types.SimpleNamespace(**locals()))
     if code == 0:  # after the results: the checkpoint and what to run next
         print(eval_summary(ckpt, json))
     return code
@@ -299,8 +286,7 @@ def cmd_export(*, ckpt: str, out: str, force: bool = False) -> int:
     Args:
         ckpt: checkpoint written by rlm fit
         out: the folder to write (new or empty)
-        force: replace --out even when it holds other files (never a folder holding --ckpt, nor the current
-            one)
+        force: replace --out even when it holds other files (never a folder holding --ckpt, nor the current one)
     """
     if not os.path.isfile(ckpt):
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
@@ -534,7 +520,3 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -55,6 +55,16 @@ def config_layers(args: list[str]) -> list[dict[str, Any]]:
     return layers
 
 
+def check_configs(command: str, args: list[str]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The ``--config`` layers of ``args``, each file read once, after the checks below, and their integer batch
+    limits (integer_batch_limits)."""
+    layers = config_layers(args)
+    refuse_optimizer_options(command, layers, args)
+    check_plugin_names(layers, args)
+    require_class_extras(layers, args)
+    return layers, integer_batch_limits(args, layers)
+
+
 def check_plugin_names(layers: list[dict[str, Any]], args: list[str]) -> None:
     """ValueError naming a plugin that no registry entry or entry point knows, in a config file or a
     ``--model.plugins`` flag (jsonargparse would drop an unknown key of the plugins' dataclass silently)."""

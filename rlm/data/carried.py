@@ -1,6 +1,5 @@
-"""What a checkpoint says about its data: the data module's settings it saved, and the tokenizer it carries (a
-sentencepiece model's bytes, or a Hugging Face tokenizer's files), written to disk for whoever reads it (rlm eval,
-generate, export, knnlm and index build, and a resumed fit)."""
+"""What a checkpoint says about its data: the data module's settings, and the tokenizer it carries, written to disk
+for whoever reads it (rlm eval, generate, export, knnlm and index build, and a resumed fit)."""
 
 from __future__ import annotations
 
@@ -56,8 +55,8 @@ def _unpack(files: dict[str, bytes], cache: Path) -> Path:
 
 
 def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[str, Any]) -> str:
-    """The checkpoint's own tokenizer on disk: a sentencepiece model file, or the folder of a Hugging Face
-    tokenizer's files, written from the copy the checkpoint carries; ValueError when it cannot be found."""
+    """The checkpoint's own tokenizer on disk (a sentencepiece model file, or a Hugging Face tokenizer's folder);
+    ValueError when it cannot be found."""
     state = ckpt.get(RLMDataModule.__qualname__) or {}
     if state.get("tokenizer_model"):
         # under data.tokenizer's file name: the token cache's key hashes it, so the copy finds the training entry

@@ -19,13 +19,11 @@ from tqdm.auto import tqdm
 NGRAM = 5  # words per shingle
 NUM_PERM = 128  # MinHash permutations
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd constant that mixes a shingle's word hashes (polynomial hash)
-_BLOCK_DOCS = 256  # documents hashed per step (a smooth progress bar)
 _CHUNK = 8192  # shingles per MinHash step: bounds the (chunk, num_perm) uint64 temporaries
 
 
 def shingles(text: str, cache: dict[str, int] | None = None) -> np.ndarray:
-    """Sorted unique uint64 hashes of the word 5-grams of ``text`` (of its words when it has fewer than 5).
-
+    """Sorted unique uint64 hashes of the word 5-grams of ``text`` (of its words when it has fewer than 5);
     ``cache`` (word -> hash) saves rehashing words seen in earlier documents."""
     cache = {} if cache is None else cache
     words = text.split()
@@ -82,15 +80,10 @@ def near_duplicate_groups(
     rng = np.random.default_rng(seed)
     mul = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
     add = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64)
-    sets: list[np.ndarray] = []
-    sig = np.empty((len(texts), NUM_PERM), dtype=np.uint64)
     cache: dict[str, int] = {}
-    with tqdm(total=len(texts), desc="dedup: minhash", unit="doc", disable=not progress, leave=False) as bar:
-        for first in range(0, len(texts), _BLOCK_DOCS):
-            block = [shingles(t, cache) for t in texts[first : first + _BLOCK_DOCS]]
-            sig[first : first + len(block)] = _minhash(block, mul, add)
-            sets.extend(block)
-            bar.update(len(block))
+    bar = tqdm(texts, desc="dedup: shingles", unit="doc", disable=not progress, leave=False)
+    sets = [shingles(t, cache) for t in bar]
+    sig = _minhash(sets, mul, add)  # (len(texts), NUM_PERM)
     parent = list(range(len(texts)))
 
     def root(i: int) -> int:

@@ -84,7 +84,8 @@ class RLMDataModule(pl.LightningDataModule):
         # an existing tokenizer is opened now: a missing file or a disagreeing vocab_size fails before any work
         vocab_size = resolve_vocab_size(vocab_size, tokenizer)  # before save_hyperparameters: saved resolved
         _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size,
-                  max_tokenizer_chars=max_tokenizer_chars, max_documents=max_documents, val_batch_size=val_batch_size)  # fmt: skip
+                  max_tokenizer_chars=max_tokenizer_chars, max_documents=max_documents,
+                  val_batch_size=val_batch_size)  # fmt: skip
         specs = [corpus] if isinstance(corpus, str) else list(corpus)
         if streaming and not all(isinstance(c, str) and c.startswith("hf:") for c in specs):
             raise ValueError(

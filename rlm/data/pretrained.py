@@ -1,8 +1,6 @@
-"""Existing tokenizers for ``data.tokenizer``: a sentencepiece model file, or a Hugging Face ``tokenizer.json``
-(or its directory). Special ids come from ``special_tokens_map.json`` / ``tokenizer_config.json`` beside it, else
-the usual names; documents are framed as [bos] + ids + [eos], so a tokenizer with only an end-of-text token (GPT-2)
-uses it for both, and for padding (masked out, so its id does not matter).
-"""
+"""Existing tokenizers for ``data.tokenizer``: a sentencepiece model file, or a Hugging Face ``tokenizer.json`` (or
+its directory), whose special ids come from the transformers files beside it, else the usual names. A tokenizer with
+only an end-of-text token (GPT-2) uses it for bos, eos and padding (masked out, so its id does not matter)."""
 
 from __future__ import annotations
 
@@ -63,15 +61,12 @@ class HFTokenizer(SpecialIds):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without special tokens."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:
-        """Token ids of several texts at once (the library's own threads)."""
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; special tokens are dropped."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
@@ -97,7 +92,7 @@ def _declared_specials(folder: Path) -> dict[str, str]:
 
 
 def is_sentencepiece(path: Path) -> bool:
-    """A file that is not JSON is taken for a sentencepiece model (its format is a binary protobuf)."""
+    """A file that is not JSON is taken for a sentencepiece model (a binary protobuf)."""
     return path.is_file() and path.suffix != ".json"
 
 
@@ -124,8 +119,8 @@ def load_tokenizer(spec: str) -> Tokenizer | HFTokenizer:
 
 
 def resolve_vocab_size(vocab_size: int | None, tokenizer: str | None = TRAIN) -> int:
-    """``data.vocab_size`` as the model is sized by it: a given tokenizer's number of ids, else ``vocab_size``
-    (DEFAULT_VOCAB when unset). A set ``vocab_size`` that disagrees with a given tokenizer is a ValueError."""
+    """``data.vocab_size`` as the model is sized by it: a given tokenizer's number of ids (ValueError when a set
+    ``vocab_size`` disagrees), else ``vocab_size`` (DEFAULT_VOCAB when unset)."""
     if tokenizer in (None, TRAIN):
         return DEFAULT_VOCAB if vocab_size is None else vocab_size
     n_ids = load_tokenizer(tokenizer).vocab_size
@@ -140,11 +135,10 @@ def resolve_vocab_size(vocab_size: int | None, tokenizer: str | None = TRAIN) ->
 def tokenizer_digest(spec: str) -> str:
     """sha256 of the tokenizer's files, for the cache key (the same file under another path shares a cache)."""
     path = Path(spec).expanduser()
-    files = (
-        [path]
-        if is_sentencepiece(path)
-        else [f for f in (_hf_file(path).parent / n for n in HF_FILES) if f.is_file()]
-    )
+    if is_sentencepiece(path):
+        files = [path]
+    else:
+        files = [f for f in (_hf_file(path).parent / n for n in HF_FILES) if f.is_file()]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -169,8 +163,5 @@ def copy_tokenizer(spec: str, dest: Path) -> Tokenizer | HFTokenizer:
 
 def open_cached(root: Path) -> Tokenizer | HFTokenizer:
     """The tokenizer of a cache entry."""
-    return (
-        HFTokenizer(root / "hf_tokenizer")
-        if (root / "hf_tokenizer").is_dir()
-        else Tokenizer(root / "tokenizer.model")
-    )
+    hf = root / "hf_tokenizer"
+    return HFTokenizer(hf) if hf.is_dir() else Tokenizer(root / "tokenizer.model")

@@ -8,11 +8,8 @@ import numpy as np
 
 
 class SegmentTable:
-    """Every document cut into segments of `segment_len` tokens; ids are global over all documents, in order.
-
-    Segment ids of document d are `doc_segments(d)`, a contiguous range; its k-th segment covers the
-    document's tokens [k * segment_len, (k + 1) * segment_len), the last one possibly shorter.
-    """
+    """Every document cut into segments of `segment_len` tokens, with ids global over all documents, in order: the
+    k-th of document d (ids `doc_segments(d)`) covers its tokens [k * segment_len, (k + 1) * segment_len)."""
 
     def __init__(
         self, tokens: np.ndarray, doc_offsets: np.ndarray, segment_len: int, pad_id: int, fingerprint: str
@@ -21,22 +18,17 @@ class SegmentTable:
             raise ValueError(f"segment_len={segment_len}; accepted: a positive integer")
         self.segment_len = segment_len  # tokens per segment
         self.pad_id = pad_id  # filler for the tail of a short last segment
-        self.fingerprint = fingerprint
-        """Identifies corpus + tokenizer + segment_len: neighbour tables and indices built on it match it."""
+        self.fingerprint = fingerprint  # corpus + tokenizer + segment_len, which indices built on it match
         self.corpus_tokens = tokens  # the whole token array the segments index into (usually memory-mapped)
         doc_len = np.diff(doc_offsets)  # (n_docs,)
         n_seg = -(-doc_len // segment_len)  # ceil
-        self.first = np.zeros(len(doc_len) + 1, dtype=np.int64)
-        """(n_docs + 1,) first segment id of each document; document d owns ids first[d]:first[d + 1]."""
+        self.first = np.zeros(len(doc_len) + 1, dtype=np.int64)  # (n_docs + 1,) d owns first[d]:first[d + 1]
         np.cumsum(n_seg, out=self.first[1:])
         self.doc = np.repeat(np.arange(len(doc_len), dtype=np.int64), n_seg)  # (S,) document of each segment
         k = np.arange(len(self.doc), dtype=np.int64) - self.first[self.doc]  # index of the segment in its doc
-        self.offset = k * segment_len
-        """(S,) offset of each segment's first token inside its document (orders a document's segments)."""
-        self.start = doc_offsets[self.doc] + self.offset
-        """(S,) absolute offset of each segment's first token in the token array."""
-        self.length = np.minimum(segment_len, doc_offsets[self.doc + 1] - self.start)
-        """(S,) real tokens in each segment (segment_len except maybe a document's last)."""
+        self.offset = k * segment_len  # (S,) offset of each segment's first token inside its document
+        self.start = doc_offsets[self.doc] + self.offset  # (S,) ... and in the token array
+        self.length = np.minimum(segment_len, doc_offsets[self.doc + 1] - self.start)  # (S,) real tokens
 
     def __len__(self) -> int:
         return len(self.doc)

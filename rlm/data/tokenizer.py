@@ -81,9 +81,8 @@ class Tokenizer(SpecialIds):
         """Token ids of `text`, without bos/eos."""
         return self._sp.encode(text)
 
-    def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:
-        """Token ids of several texts at once (sentencepiece's threads)."""
-        return self._sp.encode(texts, num_threads=num_threads)
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts, num_threads=-1)  # sentencepiece's threads
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; pad/bos/eos are dropped."""

@@ -18,11 +18,8 @@ HOST_FIELDS = ("tokens", "mask", "segment_ids", "doc_ids", "starts")  # what plu
 
 
 class Windows:
-    """The windows of some documents: inputs doc[s:s+T], targets doc[s+1:s+T+1], for s = 0, T, 2T, ...
-
-    Windows start at multiples of seq_len (hence of segment_len), so each covers whole segments. A
-    window exists while it has at least one target; the last of a document is padded.
-    """
+    """The windows of some documents: inputs doc[s:s+T], targets doc[s+1:s+T+1], for s = 0, T, 2T, ... (multiples
+    of segment_len: each covers whole segments) while a window has a target; the last of a document is padded."""
 
     def __init__(
         self, segments: SegmentTable, doc_offsets: np.ndarray, docs: np.ndarray, seq_len: int
@@ -32,15 +29,12 @@ class Windows:
                 f"seq_len={seq_len} is not a multiple of segment_len={segments.segment_len}; "
                 "windows must cover whole segments"
             )
-        self.segments = segments
-        self.seq_len = seq_len
-        self.doc_offsets = doc_offsets
+        self.segments, self.seq_len, self.doc_offsets = segments, seq_len, doc_offsets
         n = np.diff(doc_offsets)[docs]  # (D,) tokens per document, bos/eos included (>= 2)
         n_win = (n - 2) // seq_len + 1  # ceil((n - 1) / seq_len): n - 1 targets per document
         first = np.concatenate([[0], np.cumsum(n_win)])
         self.doc = np.repeat(docs, n_win).astype(np.int64)  # (W,) document of each window
-        self.start = (np.arange(first[-1]) - np.repeat(first[:-1], n_win)) * seq_len
-        """(W,) offset of each window inside its document."""
+        self.start = (np.arange(first[-1]) - np.repeat(first[:-1], n_win)) * seq_len  # (W,) offset in it
 
     def __len__(self) -> int:
         return len(self.doc)
@@ -66,9 +60,8 @@ class Windows:
 
 
 def host_copy(batch: dict[str, Any]) -> dict[str, Tensor]:
-    """The batch's HOST_FIELDS that are on the host, to keep as batch[HOST] when the batch moves to a device (the
-    batch's own host copy if it has one): reading them there (host_array) copies nothing back from the device, on a
-    GPU a sync that drains the launch queue."""
+    """The batch's HOST_FIELDS on the host (or its own host copy), kept as batch[HOST] when it moves to a device:
+    host_array reads them without a copy back from the device (on a GPU, a sync that drains the launch queue)."""
     if HOST in batch:
         return batch[HOST]
     fields = {name: batch.get(name) for name in HOST_FIELDS}
@@ -76,9 +69,8 @@ def host_copy(batch: dict[str, Any]) -> dict[str, Tensor]:
 
 
 def host_array(batch: dict[str, Any], name: str) -> np.ndarray | None:
-    """batch[name] as a numpy array (None if absent): from the host copy batch[HOST] when the batch has one, else
-    read from the tensor (a device-to-host copy when that is on a device). A field replaced after the move must have
-    its host copy replaced or dropped too."""
+    """batch[name] as a numpy array (None if absent), from the host copy batch[HOST] when there is one (a field
+    replaced after the move must have its host copy replaced or dropped too)."""
     x = batch.get(HOST, {}).get(name, batch.get(name))
     if x is None:
         return None
@@ -114,8 +106,7 @@ def pinned(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0, pin: bool = False) -> DataLoader:
-    """Validation/test batches in a fixed order (Lightning adds a DistributedSampler under DDP); ``pin`` when
-    the batches go to a GPU."""
+    """Validation/test batches in a fixed order (Lightning adds a DistributedSampler under DDP)."""
     return DataLoader(
         _Indices(len(windows)),
         batch_size=batch_size,
@@ -129,11 +120,10 @@ def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0, pin: bo
 class TrainLoader:
     """Shuffled training batches, deterministic in (seed, epoch), sharded by rank, resumable mid-epoch.
 
-    Not a DataLoader: Lightning would replace its sampler. Each epoch the windows are permuted with
-    rng(seed, epoch) and the first len(self) * batch_size * world_size are dealt round-robin to the ranks.
-    The loader counts its own epochs (one ends when all its batches are handed out): Lightning's epoch number
-    disagrees with the data after max_steps and under limit_train_batches. `state_dict()` counts the batches
-    handed out, which is what Lightning has trained on: it does not prefetch from a loader that has a length.
+    Not a DataLoader: Lightning would replace its sampler. Each epoch the windows are permuted with rng(seed, epoch)
+    and the first len(self) * batch_size * world_size dealt round-robin to the ranks. The loader counts its own
+    epochs (Lightning's disagrees with the data after max_steps and under limit_train_batches) and the batches
+    handed out, which Lightning has trained on: it does not prefetch from a loader with a length.
     """
 
     def __init__(
@@ -156,8 +146,10 @@ class TrainLoader:
             )
         self.windows, self.batch_size, self.seed = windows, batch_size, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
-        self.epoch = epoch  # epoch being (or last) drawn from
-        self.pin = pin  # batches in page-locked memory (for a GPU)
+        self.epoch, self.pin = (
+            epoch,
+            pin,
+        )  # the epoch being (or last) drawn from; page-locked batches (for a GPU)
         self.position = 0  # batches of `epoch` already handed out
 
     def __len__(self) -> int:
@@ -203,9 +195,8 @@ class TrainLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue where `state` left off; the data must be the one it was saved with. The process count may
-        change when the global batch G = batch_size x world_size does not: global batch i is windows
-        perm[i*G : (i+1)*G] of the epoch's permutation whatever the sharding."""
+        """Continue where `state` left off, on the same data. The process count may change while the global batch
+        G = batch_size x world_size does not: global batch i is windows perm[i*G : (i+1)*G] whatever the sharding."""
         for name in ("seed", "windows"):
             mine = len(self.windows) if name == "windows" else getattr(self, name)
             if state[name] != mine:
