@@ -16,9 +16,8 @@ def default_device() -> str:
 
 
 def device_arg(value: str | None) -> str:
-    """The device of a ``--device`` value (left out: default_device) when torch can run on it here; else ValueError
-    naming the value and this machine's devices. torch itself fails late with a traceback on ``cuda`` without a
-    GPU or on ``foo``, and takes ``meta``, a device that holds no data."""
+    """The device of a ``--device`` value (left out: default_device) when torch can run on it here (torch itself
+    fails late on ``cuda`` without a GPU, and takes ``meta``, which holds no data)."""
     import torch
 
     if value is None:
@@ -114,9 +113,8 @@ COMMANDS = {"build": cmd_build, "info": cmd_info}
 
 
 def eval_main(a: Any) -> int:
-    """``rlm eval`` on its options ``a`` (the parameters of rlm.cli.commands.cmd_eval): with ``--tasks``
-    lm-evaluation-harness (rlm.eval.harness), with ``--datastore DIR`` the LM and kNN-LM from one pass, else plain
-    rlm.eval.evaluate."""
+    """``rlm eval`` on the parameters of rlm.cli.commands.cmd_eval: lm-eval with ``--tasks``, the LM and kNN-LM
+    from one pass with ``--datastore``, else rlm.eval.evaluate."""
     from rlm.eval.evaluate import evaluate, write_json
     from rlm.eval.knnlm import evaluate_knn
 
@@ -127,18 +125,19 @@ def eval_main(a: Any) -> int:
         from rlm.eval.harness import main as harness_main
 
         return harness_main(a)
+    progress = sys.stderr.isatty()
     if not a.datastore:
-        r = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=sys.stderr.isatty())
-        print(f"{r['split']} of {r['corpus']}: {r['documents']} documents, {r['tokens']} tokens, {r['bytes']} bytes\n"
-              f"loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bits/byte {r['bpb']:.4f}")  # fmt: skip
+        r = evaluate(a.ckpt, a.corpus, a.split, a.batch_size, a.device, progress=progress)
+    else:
+        r = evaluate_knn(a.ckpt, a.datastore, a.corpus, a.split, a.knn_k, a.lam, a.temperature, a.knn_cache,
+                         a.batch_size, a.device, progress=progress)  # fmt: skip
+    print("{split} of {corpus}: {documents} documents, {tokens} tokens, {bytes} bytes".format(**r))
+    if not a.datastore:
+        print(f"loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bits/byte {r['bpb']:.4f}")
         write_json(a.json, r)
         return 0
-
-    r = evaluate_knn(a.ckpt, a.datastore, a.corpus, a.split, a.knn_k, a.lam, a.temperature, a.knn_cache,
-                     a.batch_size, a.device, progress=sys.stderr.isatty())  # fmt: skip
     lm, knn = r["lm"], r["knnlm"]
     print(
-        f"{r['split']} of {r['corpus']}: {r['documents']} documents, {r['tokens']} tokens, {r['bytes']} bytes\n"
         f"LM      loss {lm['loss']:.4f}  ppl {lm['ppl']:.2f}  bits/byte {lm['bpb']:.4f}\n"
         f"kNN-LM  loss {knn['loss']:.4f}  ppl {knn['ppl']:.2f}  bits/byte {knn['bpb']:.4f}  "
         f"(lam {r['lam']}, temperature {r['temperature']:.4g}, k {r['k']}{', with the cache' if r['cache'] else ''}; "

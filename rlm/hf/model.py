@@ -141,9 +141,6 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = RLMConfig
     base_model_prefix = "model"
-    main_input_name = "input_ids"
-    _supports_cache_class = False
-    _is_stateful = False
 
     def __init__(self, config: RLMConfig) -> None:
         super().__init__(config)
