@@ -1,10 +1,6 @@
-"""The experiment plots: validation loss against step and time, and final loss against added parameters.
-
-One colour per variant, its seeds' mean as a line and mean ± sd as a band. The baseline is drawn last, black and
-dashed with hollow markers, so a variant with the same losses shows through it. In the parameter plot points that
-share an x are set apart sideways, labels are placed where they overlap nothing, and the axis is symmetric-log
-when the sizes span LOG_SPAN or more.
-"""
+"""The experiment plots: validation loss against step and time (per variant the seeds' mean line and a mean ± sd
+band), and final loss against added parameters. The baseline is drawn last, black, dashed and hollow, so a variant
+with the same losses shows through it."""
 
 from __future__ import annotations
 
@@ -46,20 +42,14 @@ def legend_label(name: str, baseline: str) -> str:
     return f"{name} (baseline)" if name == baseline and "baseline" not in name else name
 
 
-def _title(ax: Any, text: str) -> None:
-    """A title wrapped to the axes' width, so it stays inside the figure."""
-    ax.set_title(textwrap.fill(text, 70), fontsize=10)
-
-
 def seed_mean(curves: list[tuple[list[float], list[float]]]) -> tuple[Any, Any, Any]:
     """(x, mean, sd) over the seeds' (x, loss) curves: point by point when they have the same validations, else
     on the first curve's x (the others interpolated, within their own range); sd is 0 for one seed."""
     import numpy as np
 
     if len({len(x) for x, _ in curves}) == 1:
-        xs = np.array([x for x, _ in curves], dtype=float)
+        x = np.array([x for x, _ in curves], dtype=float).mean(0)
         ys = np.array([y for _, y in curves], dtype=float)
-        x = xs.mean(0)
     else:
         x = np.asarray(curves[0][0], dtype=float)
         ys = np.array([np.interp(x, cx, cy, left=np.nan, right=np.nan) for cx, cy in curves], dtype=float)
@@ -72,8 +62,7 @@ def _baseline_last(info: dict[str, Any], variants: list[VariantResult]) -> list[
 
 
 def curve_figure(info: dict[str, Any], variants: list[VariantResult], index: int, xlabel: str) -> Any:
-    """Validation loss against step (index 0) or training seconds (index 1): per variant the seeds' mean line and
-    a mean ± sd band."""
+    """Validation loss against step (index 0) or training seconds (index 1)."""
     plt = _pyplot()
     style = styles(info, variants)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -96,13 +85,16 @@ def curve_figure(info: dict[str, Any], variants: list[VariantResult], index: int
     ax.legend([handles[n] for n in names], [legend_label(n, info["baseline"]) for n in names], fontsize=8)
     ax.set(xlabel=xlabel, ylabel="validation loss")
     spread = f"mean of {seeds} seeds, band ± sd" if seeds > 1 else "one seed"
-    _title(ax, f"{info['name']}: validation loss ({spread})")
+    ax.set_title(
+        textwrap.fill(f"{info['name']}: validation loss ({spread})", 70), fontsize=10
+    )  # inside the figure
     ax.grid(alpha=0.3)
     return fig
 
 
 def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
-    """Final validation loss (mean ± sd over seeds) against parameters over the baseline, labelled points."""
+    """Final validation loss (mean ± sd over seeds) against parameters over the baseline, labelled points; points
+    that share an x are set apart sideways, and the axis is symmetric-log when the sizes span LOG_SPAN or more."""
     plt = _pyplot()
     from matplotlib.transforms import ScaledTranslation
 
@@ -140,7 +132,8 @@ def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
         ax.set_xscale("symlog", linthresh=min(sizes))
         xlabel += ", symmetric log scale"
     ax.set(xlabel=xlabel, ylabel="final validation loss")
-    _title(ax, f"{info['name']}: final loss against added parameters (mean ± sd over seeds)")
+    ax.set_title(textwrap.fill(f"{info['name']}: final loss against added parameters (mean ± sd over seeds)", 70),
+                 fontsize=10)  # fmt: skip
     ax.grid(alpha=0.3)
     ax.margins(x=0.15, y=0.15)
     fig.tight_layout()
@@ -164,25 +157,22 @@ def dodge(xs: list[float]) -> list[float]:
 
 
 def place_labels(
-    ax: Any,
-    points: list[tuple[float, float]],
-    labels: list[str],
-    yerr: list[float] | None = None,
-    shifts: list[float] | None = None,
+    ax: Any, points: list[tuple[float, float]], labels: list[str], yerr: list[float], shifts: list[float]
 ) -> list[Any]:
     """Annotate each point, at the first of a ring of offsets where the label overlaps no label placed before
     it, no point or error bar, and stays inside the axes (greedy, adjustText-like; far offsets get a leader).
     ``shifts``: each marker's sideways shift in points (dodge), which its box and label follow."""
+    from matplotlib.transforms import Bbox
+
     renderer = ax.figure.canvas.get_renderer()
     pad = 5.0  # pixels around a point's marker
-    shifts = shifts or [0.0] * len(points)
     per_point = ax.figure.dpi / 72.0  # display pixels per point
     taken = []
-    for (x, y), err, shift in zip(points, yerr or [0.0] * len(points), shifts):
+    for (x, y), err, shift in zip(points, yerr, shifts):
         px, low = ax.transData.transform((x, y - err))
         _, high = ax.transData.transform((x, y + err))
         px += shift * per_point
-        taken.append(_box(px - pad, low - pad, px + pad, high + pad))
+        taken.append(Bbox([[px - pad, low - pad], [px + pad, high + pad]]))
     directions = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
     offsets = [(dx * r, dy * r) for r in (5, 14, 26, 40, 56, 75, 100) for dx, dy in directions]
     placed = []
@@ -227,12 +217,6 @@ def _annotate(ax: Any, label: str, xy: tuple[float, float], dx: float, dy: float
     return ann
 
 
-def _box(x0: float, y0: float, x1: float, y1: float) -> Any:
-    from matplotlib.transforms import Bbox
-
-    return Bbox([[x0, y0], [x1, y1]])
-
-
 def _save(fig: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -245,9 +229,6 @@ def _save(fig: Any, path: Path) -> None:
 
 def plot(out: Path, info: dict[str, Any], variants: list[VariantResult]) -> None:
     """val_loss_vs_step.png, val_loss_vs_time.png and loss_vs_added_params.png."""
-    for name, xlabel, index in (
-        ("val_loss_vs_step.png", "training step", 0),
-        ("val_loss_vs_time.png", "training time (s)", 1),
-    ):
-        _save(curve_figure(info, variants, index, xlabel), out / name)
+    _save(curve_figure(info, variants, 0, "training step"), out / "val_loss_vs_step.png")
+    _save(curve_figure(info, variants, 1, "training time (s)"), out / "val_loss_vs_time.png")
     _save(params_figure(info, variants), out / "loss_vs_added_params.png")
