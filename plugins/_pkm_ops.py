@@ -277,31 +277,39 @@ class LookupSink(Protocol):
     def add_lookups(self, key: str, slots: Tensor, weights: Tensor, grad: Tensor) -> None: ...
 
 
-class _ValueBag(torch.autograd.Function):
-    """sum_j weights[t, j] * values[slots[t, j]]; backward builds no (N*m, d) tensor: the values get a dense
-    gradient or, with a sink, none (the reads go to the row optimizer)."""
+class _ValueRead(torch.autograd.Function):
+    """A read of a value table: the bag sum_j a[t, j] * values[slots[t, j]], (N, d), for weights a (N, m), or with
+    ``dot`` values[slots[t, j]] . a[t], (N, m), for inputs a (N, d) (PEER's down projections). Each one's input
+    gradient is the other; the table's is the bag's for (weights, output gradient) = (a, grad), or (grad, a) with
+    ``dot``: a dense gradient or, with a sink, none (the reads go to the row optimizer). No (N*m, d) tensor."""
 
     @staticmethod
     def forward(
-        ctx: Any, slots: Tensor, weights: Tensor, values: Tensor, sink: LookupSink | None, key: str
+        ctx: Any, slots: Tensor, a: Tensor, values: Tensor, sink: LookupSink | None, key: str, dot: bool
     ) -> Tensor:
-        ctx.save_for_backward(slots, weights, values)
-        ctx.sink, ctx.key = sink, key
+        ctx.save_for_backward(slots, a, values)
+        ctx.sink, ctx.key, ctx.dot = sink, key, dot
+        if dot:
+            return bag_dot(values, slots, a)  # (N, m)
         device = values.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else values.dtype
-        return bag_sum(values, slots, weights, dtype)  # (N, d)
+        return bag_sum(values, slots, a, dtype)  # (N, d)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        slots, weights, values = ctx.saved_tensors
+        slots, a, values = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_w = bag_dot(values, slots, grad).to(weights.dtype) if ctx.needs_input_grad[1] else None
-        grad_values = None
+        grad_a = grad_values = None
+        if ctx.needs_input_grad[1] and ctx.dot:
+            grad_a = bag_sum(values, slots, grad.to(values.dtype))
+        elif ctx.needs_input_grad[1]:
+            grad_a = bag_dot(values, slots, grad).to(a.dtype)
+        w, g = (grad, a) if ctx.dot else (a, grad)
         if ctx.sink is not None:
-            ctx.sink.add_lookups(ctx.key, slots, weights.detach(), grad)
+            ctx.sink.add_lookups(ctx.key, slots, w.detach(), g.detach())
         elif ctx.needs_input_grad[2]:
-            grad_values = table_grad(values, slots, weights, grad)
-        return None, grad_w, grad_values, None, None
+            grad_values = table_grad(values, slots, w, g)
+        return None, grad_a, grad_values, None, None, None
 
 
 @torch.compiler.disable  # see product_key_topk: runs eagerly under torch.compile (one graph break)
@@ -310,33 +318,7 @@ def value_lookup(
 ) -> Tensor:
     """sum_j weights[t, j] * values[slots[t, j]], (N, d); with a sink the values get no ``.grad``: their reads and
     output gradient go to ``sink.add_lookups``."""
-    return _ValueBag.apply(slots, weights, values, sink, key)
-
-
-class _ValueDot(torch.autograd.Function):
-    """values[slots[t, j]] . x[t], (N, m): PEER's down projections; the table's gradient is the value bag's with
-    (weights, output gradient) = (grad, x)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, slots: Tensor, x: Tensor, values: Tensor, sink: LookupSink | None, key: str
-    ) -> Tensor:
-        ctx.save_for_backward(slots, x, values)
-        ctx.sink, ctx.key = sink, key
-        return bag_dot(values, slots, x)  # (N, m)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        slots, x, values = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = grad_values = None
-        if ctx.needs_input_grad[1]:
-            grad_x = bag_sum(values, slots, grad.to(values.dtype))
-        if ctx.sink is not None:
-            ctx.sink.add_lookups(ctx.key, slots, grad.detach(), x.detach())
-        elif ctx.needs_input_grad[2]:
-            grad_values = table_grad(values, slots, grad, x)
-        return None, grad_x, grad_values, None, None
+    return _ValueRead.apply(slots, weights, values, sink, key, False)
 
 
 @torch.compiler.disable  # as value_lookup
@@ -344,7 +326,7 @@ def value_dot(
     slots: Tensor, x: Tensor, values: Tensor, sink: LookupSink | None = None, key: str = ""
 ) -> Tensor:
     """values[slots[t, j]] . x[t], (N, m), for slots (N, m) and x (N, d); the table's gradient as in value_lookup."""
-    return _ValueDot.apply(slots, x, values, sink, key)
+    return _ValueRead.apply(slots, x, values, sink, key, True)
 
 
 def slot_stats(weights: Tensor) -> tuple[Tensor, Tensor]:

@@ -210,7 +210,7 @@ def _host_reads(path: str, values: str, monkeypatch) -> dict[str, int]:
     x.requires_grad_(True)
     count = _Count(set())
     # The autograd engine runs a backward with no torch-function mode: the memory's own backwards count again.
-    for op in (_pkm_ops._ProductKeySearch, _pkm_ops._ValueBag, _pkm_ops._ValueDot):
+    for op in (_pkm_ops._ProductKeySearch, _pkm_ops._ValueRead):
         monkeypatch.setattr(op, "backward", staticmethod(_counted(op.backward, count)))
     with count:
         (layer(x, ctx) * target).sum().backward()
