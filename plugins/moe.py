@@ -28,8 +28,8 @@ from rlm.model.config import ModelConfig
 from rlm.model.memory import Parts, chosen_layers, ffn_terms
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
 from rlm.plugins._expert_parallel import parallel_dispatch
-from rlm.plugins._experts import Experts, Plan, dispatch
-from rlm.plugins._lookup import LookupOptions, Routing, build_lookup, router_losses
+from rlm.plugins._experts import Experts, dispatch
+from rlm.plugins._lookup import LookupOptions, build_lookup, router_losses
 
 if TYPE_CHECKING:  # the callback and Lightning are imported in callbacks(): `rlm plugins moe` stays light
     import pytorch_lightning as pl
@@ -142,10 +142,6 @@ class MoELayer(nn.Module):
             y, p = dispatch(
                 flat, route.index, route.weight, valid, self.experts, capacity(B * T), self.config.dispatch
             )
-        self._report(ctx, route, valid, p)
-        return y.view(T, B, d).transpose(0, 1)
-
-    def _report(self, ctx: Context, route: Routing, valid: Tensor, p: Plan) -> None:
         c, tag = self.config, f"l{self.layer}"
         router_losses(ctx, route, valid, "moe", tag, c.balance_coef, c.z_coef)
         with torch.no_grad():
@@ -157,6 +153,7 @@ class MoELayer(nn.Module):
             ctx.log(f"moe_dropped/{tag}", p.dropped)
             for i, value in enumerate(load.unbind()):
                 ctx.log(f"moe_load/{tag}_e{i}", value)
+        return y.view(T, B, d).transpose(0, 1)
 
 
 class MoEPlugin(Plugin):
