@@ -3,8 +3,6 @@ so exported folders load without remote code. ``import rlm`` does not: importing
 seconds.
 """
 
-from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs, register
+from rlm.hf.model import RLMConfig, RLMForCausalLM
 
-register()
-
-__all__ = ["RLMConfig", "RLMForCausalLM", "plugin_specs", "register"]
+__all__ = ["RLMConfig", "RLMForCausalLM"]

@@ -25,6 +25,7 @@ from rlm.extras import require
 
 require("transformers", "hf-export", "rlm.hf (a transformers model of rlm checkpoints)")
 
+import transformers  # noqa: E402
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from transformers.utils import CONFIG_NAME  # noqa: E402
@@ -284,17 +285,6 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
         return {"input_ids": input_ids[:, start + cache.length :], "cache": cache}
 
 
-def register() -> None:
-    """Register model_type 'rlm' with AutoConfig and AutoModelForCausalLM (once)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        AutoConfig.register(MODEL_TYPE, RLMConfig)
-        AutoModelForCausalLM.register(RLMConfig, RLMForCausalLM)
-    except ValueError:  # already registered (a second import after a reload)
-        pass
-
-
 def plugin_specs(model: Transformer) -> dict[str, Any]:
     """Every plugin of a built model as ``{label: {class_path, init_args}}`` with all its options."""
     specs = {}
@@ -310,3 +300,8 @@ def plugin_specs(model: Transformer) -> dict[str, Any]:
             "init_args": asdict(plugin.config),
         }
     return specs
+
+
+# model_type 'rlm' for AutoConfig and AutoModelForCausalLM: exported folders load without remote code
+transformers.AutoConfig.register(MODEL_TYPE, RLMConfig, exist_ok=True)
+transformers.AutoModelForCausalLM.register(RLMConfig, RLMForCausalLM, exist_ok=True)
