@@ -1,17 +1,11 @@
-"""Mixture of experts (Shazeer et al. 2017; Switch, Fedus et al. 2021): the FFN of chosen layers becomes N experts.
+"""Mixture of experts (Shazeer et al. 2017; Switch, Fedus et al. 2021): the FFN of chosen layers becomes N experts,
+y = sum_{i in top-k} w_i(x) E_i(x), with the softmax router (w = p) or Token-ID / LSH hashing (w = 1, Roller et
+al. 2021) of plugins/_lookup.py. In training each expert takes C = ceil(k * tokens / N * capacity_factor)
+assignments, in position order (causal); the rest pass by the residual. Evaluation is dropless. Softmax routing
+adds, over non-padding tokens and summed over the layers:
 
-    y = sum_{i in top-k} w_i(x) E_i(x)
-
-with the softmax router (w = p), Token-ID or LSH hashing (w = 1, Roller et al. 2021) of plugins/_lookup.py. In
-training each expert takes C = ceil(k * tokens / N * capacity_factor) assignments (Switch's for k = 1); the rest
-drop and pass by the residual. Queue places go in position order, so routing is causal; evaluation is dropless,
-so a sequence's loss never depends on its batch. Softmax routing adds, when their coefficients are non-zero:
-
-    moe_balance = N * sum_i f_i P_i          (Switch eq. 4; f_i: share of tokens whose argmax is i,
-                                              P_i: mean router probability of i; weight balance_coef)
-    moe_z       = mean_x logsumexp(h(x))^2   (ST-MoE, Zoph et al. 2022, eq. 5; weight z_coef)
-
-both over non-padding tokens only, summed over the MoE layers.
+    moe_balance = N * sum_i f_i P_i          (Switch eq. 4; f_i: share of argmax i, P_i: mean probability of i)
+    moe_z       = mean_x logsumexp(h(x))^2   (ST-MoE, Zoph et al. 2022, eq. 5)
 """
 
 from __future__ import annotations
