@@ -186,6 +186,12 @@ def _knnlm_table(variants: list[VariantResult]) -> list[str]:
         gains = [r["test_loss"] - r["lm_test"]["loss"] for r in runs]
         sd = f" ± {statistics.stdev(gains):.3f}" if len(gains) > 1 else ""
         k = runs[0]["knnlm"]
+        # the loss change from real to random neighbours, by seed
+        costs = [
+            r["knnlm"]["random_loss"] - r["test_loss"]
+            for r in runs
+            if r["knnlm"].get("random_loss") is not None
+        ]
         rows.append([
             v.name, _fmt(statistics.fmean(lm)), _fmt(v.mean("test_loss")), f"{statistics.fmean(gains):+.3f}{sd}",
             ", ".join(f"{g:+.3f}" for g in gains), k.get("rule", "interpolate"),
@@ -193,7 +199,7 @@ def _knnlm_table(variants: list[VariantResult]) -> list[str]:
             "/".join(f"{r['knnlm']['temperature']:.3g}" for r in runs), _count(k.get("keys")),
             f"{k.get('factory')}" + (", cache" if k.get("cache") else ""),
             _seconds(statistics.fmean(r["knnlm"]["build_s"] or 0.0 for r in runs)),
-            _random_cost(runs),
+            ", ".join(f"{c:+.3f}" for c in costs) or "—",
         ])  # fmt: skip
     if not rows:
         return []
@@ -205,14 +211,6 @@ def _knnlm_table(variants: list[VariantResult]) -> list[str]:
              "the datastore. Random neighbours: the same distances with random values of the datastore, the loss "
              "change against the real neighbours.")  # fmt: skip
     return ["", intro, "", *_table(header, rows)]
-
-
-def _random_cost(runs: list[dict[str, Any]]) -> str:
-    """The loss change from real to random neighbours, by seed."""
-    costs = [
-        r["knnlm"]["random_loss"] - r["test_loss"] for r in runs if r["knnlm"].get("random_loss") is not None
-    ]
-    return ", ".join(f"{c:+.3f}" for c in costs) or "—"
 
 
 def _metrics_table(info: dict[str, Any], variants: list[VariantResult]) -> list[str]:

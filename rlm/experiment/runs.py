@@ -37,10 +37,8 @@ class Run:
     variant: str
     seed: int
     dir: Path
-    config: dict[str, Any]
-    """The merged config before the runner's own keys."""
-    knnlm: dict[str, Any] | None = None
-    """The variant's kNN-LM stage options (rlm.experiment.spec.KNNLM_OPTIONS), or None; not in the fingerprint."""
+    config: dict[str, Any]  # the merged config before the runner's own keys
+    knnlm: dict[str, Any] | None = None  # the variant's kNN-LM stage (KNNLM_OPTIONS); not in the fingerprint
 
     @property
     def label(self) -> str:
@@ -94,17 +92,12 @@ def plan(exp: Experiment, out: Path, variants: list[str] | None = None) -> list[
         if unknown:
             raise ValueError(f"unknown variant(s) {unknown}; the experiment has {names}")
         names = [n for n in names if n in variants]
-    return [
-        Run(
-            name,
-            seed,
-            out / name / f"seed{seed}",
-            merge([*exp.base, *exp.variants[name].configs], exp.common, exp.variants[name].set),
-            exp.variants[name].knnlm,
-        )
-        for name in names
-        for seed in exp.seeds
-    ]
+    runs = []
+    for name in names:
+        variant = exp.variants[name]
+        config = merge([*exp.base, *variant.configs], exp.common, variant.set)
+        runs += [Run(name, seed, out / name / f"seed{seed}", config, variant.knnlm) for seed in exp.seeds]
+    return runs
 
 
 def begin(exp: Experiment, out: Path, variants: list[str] | None) -> list[Run]:
@@ -143,10 +136,8 @@ def _last(rows: list[dict[str, float]], name: str) -> float | None:
 
 
 def run_metrics(run_dir: Path) -> list[dict[str, float]]:
-    """The run's metrics.csv rows with earlier attempts stitched in front.
-
-    Each resume keeps the previous log as ``metrics.part-K.csv`` (the CSV logger would delete it); rows of an
-    earlier part at or after the first step of the next one were trained again and are dropped."""
+    """The run's metrics.csv rows with earlier attempts (``metrics.part-K.csv``, kept at each resume) stitched in
+    front; rows of a part at or after the first step of the next one were trained again and are dropped."""
     current = run_dir / METRICS_CSV
     parts = sorted(current.parent.glob("metrics.part-*.csv"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
     chunks = [read_metrics(p) for p in [*parts, current]]

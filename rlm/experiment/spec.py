@@ -14,8 +14,9 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-TOP_KEYS = ("name", "description", "base", "common", "seeds", "baseline", "output", "report_metrics", "variants",
-            "launcher")  # fmt: skip
+TOP_KEYS = tuple(
+    "name description base common seeds baseline output report_metrics variants launcher".split()
+)
 VARIANT_KEYS = ("description", "configs", "set", "knnlm")
 KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
     "layer": (str, "'final', 'ffn_input' or 'attn_input'"),
@@ -110,17 +111,7 @@ class Experiment:
 
     def to_json(self) -> dict[str, Any]:
         """What ``report`` needs to rebuild tables without the original file."""
-        keys = (
-            "path",
-            "name",
-            "description",
-            "base",
-            "common",
-            "seeds",
-            "baseline",
-            "report_metrics",
-            "launcher",
-        )
+        keys = "path name description base common seeds baseline report_metrics launcher".split()
         out = {key: getattr(self, key) for key in keys}
         out["variants"] = {
             v.name: {key: getattr(v, key) for key in ("configs", "set", "description", "knnlm")}
