@@ -22,22 +22,18 @@ PRINT_FLAGS = {
 }
 
 
-def _config_values(args: list[str]) -> list[str]:
-    """Each ``--config`` / ``-c`` value of ``args``, in order."""
-    return [
-        a.split("=", 1)[1] if a.startswith("--config=") else args[i + 1]
-        for i, a in enumerate(args)
-        if a.startswith("--config=") or (a in ("--config", "-c") and i + 1 < len(args))
-    ]
-
-
 def config_layers(args: list[str]) -> list[dict[str, Any]]:
     """Each ``--config`` value of ``args`` (a file's path or YAML text) as a mapping, in order; ValueError naming a
     file that is missing or not valid YAML, or does not hold a mapping."""
     import yaml
 
+    values = [
+        a.split("=", 1)[1] if a.startswith("--config=") else args[i + 1]
+        for i, a in enumerate(args)
+        if a.startswith("--config=") or (a in ("--config", "-c") and i + 1 < len(args))
+    ]
     layers = []
-    for value in _config_values(args):
+    for value in values:
         try:
             is_file = Path(value).is_file()
         except OSError:  # YAML text longer than a file name

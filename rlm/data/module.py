@@ -172,20 +172,17 @@ class RLMDataModule(pl.LightningDataModule):
         root = self.cache_path()
         if not TokenStore.exists(root):
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            if self.streaming:
-                self._build_streamed(root)
-            else:
+            if not self.streaming:
                 build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_spec)
+                return
+            from rlm.data.stream import build_stream_store, stream_documents
+
+            prefix = f"{self.specs[0]}/{self.hf_split}/" if len(self.specs) == 1 else "stream/"
+            docs = lambda: stream_documents(*self._stream_args())  # noqa: E731
+            build_stream_store(root, docs, self.cache_key(), prefix, self.tokenizer_spec, self.progress)
 
     def _stream_args(self) -> tuple:
         return self.specs, self.hf_split, self.hf_config, self.text_field, self.max_documents
-
-    def _build_streamed(self, root: Path) -> None:
-        from rlm.data.stream import build_stream_store, stream_documents
-
-        prefix = f"{self.specs[0]}/{self.hf_split}/" if len(self.specs) == 1 else "stream/"
-        docs = lambda: stream_documents(*self._stream_args())  # noqa: E731
-        build_stream_store(root, docs, self.cache_key(), prefix, self.tokenizer_spec, self.progress)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the cache (building it first when prepare_data was not called), cut segments and windows."""
@@ -202,9 +199,8 @@ class RLMDataModule(pl.LightningDataModule):
         fp = hashlib.sha256(tag.encode()).hexdigest()[:20]
         segments = SegmentTable(store.tokens, store.doc_offsets, self.segment_len, store.tokenizer.pad_id, fp)
         self._windows = {
-            "train": Windows(segments, store.doc_offsets, store.train_docs, self.seq_len),
-            "val": Windows(segments, store.doc_offsets, store.val_docs, self.seq_len),
-            "test": Windows(segments, store.doc_offsets, store.test_docs, self.seq_len),
+            split: Windows(segments, store.doc_offsets, getattr(store, f"{split}_docs"), self.seq_len)
+            for split in ("train", "val", "test")
         }
         self._store, self._segments = store, segments
         self._docs = None  # the text lives in the cache now; text_of() decodes it
@@ -275,9 +271,9 @@ class RLMDataModule(pl.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """Number of token ids, known before setup (a trained tokenizer has exactly the requested size)."""
-        if self.tokenizer_spec != TRAIN:
-            return self.vocab_size_requested
-        return self._store.tokenizer.vocab_size if self._store is not None else self.vocab_size_requested
+        if self.tokenizer_spec == TRAIN and self._store is not None:
+            return self._store.tokenizer.vocab_size
+        return self.vocab_size_requested
 
     @property
     def segments(self) -> SegmentTable:
@@ -298,9 +294,7 @@ class RLMDataModule(pl.LightningDataModule):
 
     def decode(self, ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
         """Text of token ids (a list, array or tensor, any shape); special ids and -100 targets are dropped."""
-        flat = (
-            ids.detach().cpu().reshape(-1) if isinstance(ids, torch.Tensor) else np.asarray(ids).reshape(-1)
-        )
+        flat = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids).reshape(-1)
         return self.tokenizer.decode([i for i in flat.tolist() if i >= 0])
 
     def _check_setup(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from rlm.data.segments import SegmentTable
 
@@ -77,29 +77,6 @@ def host_array(batch: dict[str, Any], name: str) -> np.ndarray | None:
     return x.cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
-class _Batches(Dataset):
-    """Map-style view for worker processes: key = an array of window numbers, item = that batch."""
-
-    def __init__(self, windows: Windows) -> None:
-        self.windows = windows
-
-    def __getitem__(self, index: np.ndarray) -> dict[str, Tensor]:
-        return self.windows.collate(index)
-
-
-class _Indices(Dataset):
-    """Window numbers 0..n-1; the DataLoader's collate_fn turns a list of them into a batch."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
 def pinned(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch's tensors in page-locked memory, so that their copy to a GPU runs without blocking the host."""
     return {name: x.pin_memory() if isinstance(x, Tensor) else x for name, x in batch.items()}
@@ -108,7 +85,7 @@ def pinned(batch: dict[str, Any]) -> dict[str, Any]:
 def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0, pin: bool = False) -> DataLoader:
     """Validation/test batches in a fixed order (Lightning adds a DistributedSampler under DDP)."""
     return DataLoader(
-        _Indices(len(windows)),
+        range(len(windows)),  # window numbers; collate turns a list of them into a batch
         batch_size=batch_size,
         shuffle=False,
         collate_fn=windows.collate,
@@ -169,10 +146,11 @@ class TrainLoader:
             self.epoch, self.position = self.epoch + 1, 0
         order = self.epoch_batches(self.epoch)[self.position :]
         if self.num_workers > 0:
+            # each item an array of window numbers, collated in the workers
             batches = DataLoader(
-                _Batches(self.windows),
+                list(order),
                 batch_size=None,
-                sampler=list(order),
+                collate_fn=self.windows.collate,
                 num_workers=self.num_workers,
                 pin_memory=self.pin,
             )
