@@ -235,7 +235,16 @@ def exchange_lookups(
     as_lookups = world * (most_e * 2 * idx_size + per_rank * d * size)
     as_dense = 2 * rows * (d + 1) * size
     if as_dense < as_lookups + total_e * d * size / REDUCE_READS_PER_BYTE:
-        return _exchange_dense(slots, weights, tok, grad, group, rows, world)
+        # The row gradients all-reduced as a (rows, d + 1) table whose last column marks the rows any rank touched.
+        mine, offsets, t, w = sort_lookups(slots, weights, tok)
+        dense = grad.new_zeros(rows, d + 1)
+        dense[mine, :d] = row_gradients(offsets, t, w, grad)
+        dense[mine, d] = 1.0
+        dist.all_reduce(dense, group=group)
+        union = (dense[:, d] > 0).nonzero().squeeze(1)  # (U,) ascending, as torch.unique gives
+        ids = torch.arange(union.numel() + 1, device=union.device)  # one lookup per row
+        w = grad.new_full((union.numel(),), 1.0 / world)
+        return union, ids, ids[:-1], w, dense[union, :d], 2 * 8 + dense.numel() * size
     # Padded to the largest rank (all-gather wants equal sizes); the pads are never looked up, so never written.
     ints = torch.empty(most_e, 2, dtype=index, device=grad.device)
     ints[: slots.numel(), 0] = slots
@@ -256,20 +265,3 @@ def exchange_lookups(
     g_w = all_floats.view(world, per_rank * d)[:, most_r * d : most_r * d + most_e][valid] * (1.0 / world)
     # sort_lookups' stable sort keeps each row's lookups in rank, then token order: the same on every rank.
     return (*sort_lookups(g_slots, g_w, g_tok), all_floats, sent)
-
-
-def _exchange_dense(
-    slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, group: Any, rows: int, world: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """exchange_lookups's dense way: the row gradients all-reduced as a (rows, d + 1) table whose last column marks
-    the rows any rank touched."""
-    d = grad.shape[1]
-    mine, offsets, t, w = sort_lookups(slots, weights, tok)
-    dense = grad.new_zeros(rows, d + 1)
-    dense[mine, :d] = row_gradients(offsets, t, w, grad)
-    dense[mine, d] = 1.0
-    dist.all_reduce(dense, group=group)
-    union = (dense[:, d] > 0).nonzero().squeeze(1)  # (U,) ascending, as torch.unique gives
-    ids = torch.arange(union.numel() + 1, device=union.device)  # one lookup per row
-    w = grad.new_full((union.numel(),), 1.0 / world)
-    return union, ids, ids[:-1], w, dense[union, :d], 2 * 8 + dense.numel() * grad.element_size()
