@@ -145,9 +145,8 @@ class KnnAttentionPlugin(Plugin):
     def __init__(self, config: KnnAttentionConfig, model_config) -> None:
         super().__init__(config, model_config)
         (self.layer,) = check_layers(self.name, [config.layer], model_config.n_layers)
-        self.log_tau = nn.Parameter(
-            torch.tensor(math.log(model_config.d_model / 8))
-        )  # tau as the token memory's
+        tau = model_config.d_model / 8  # as the token memory's
+        self.log_tau = nn.Parameter(torch.tensor(math.log(tau)))
         self.bias = nn.Parameter(torch.zeros(2))  # b_src of the memory and the own past
         # The training queue, a ring of the latest memory_tokens entries: keys (M, d) detached, values (M,),
         # documents (M,); checkpointed as extra state.
@@ -209,11 +208,8 @@ class KnnAttentionPlugin(Plugin):
             return
         keys, values, docs = keys[-M:], values[-M:], docs[-M:]
         n = len(values)
-        if (
-            self._ring is None
-            or self._ring[0].device != keys.device
-            or self._ring[0].shape[1] != keys.shape[1]
-        ):
+        ring = self._ring
+        if ring is None or ring[0].shape[1] != keys.shape[1] or ring[0].device != keys.device:
             self._ring = (keys.new_zeros(M, keys.shape[1], dtype=torch.float32), values.new_zeros(M),
                           docs.new_zeros(M))  # fmt: skip
             self._filled = self._next = 0
@@ -247,20 +243,14 @@ class KnnAttentionPlugin(Plugin):
 
     def neighbours(self, y: Tensor, ctx: Context) -> tuple[Tensor, Tensor]:
         """(squared distances (B, T, k + own_k) with gradient into y, values (-1 where none))."""
-        c = self.config
-        parts_d, parts_v = [], []
-        if c.k:
-            if self.datastore is not None and not ctx.training:
-                dist, vals = self._search_datastore(y, ctx)
-            else:
-                dist, vals = self._search_queue(y, ctx)
-            parts_d.append(dist)
-            parts_v.append(vals)
-        if c.own_k:
-            od, ov = self._own_past(y, ctx)
-            parts_d.append(od)
-            parts_v.append(ov)
-        return torch.cat(parts_d, -1), torch.cat(parts_v, -1)
+        parts = []
+        if self.config.k:
+            datastore = self.datastore is not None and not ctx.training
+            parts.append((self._search_datastore if datastore else self._search_queue)(y, ctx))
+        if self.config.own_k:
+            parts.append(self._own_past(y, ctx))
+        dist, vals = zip(*parts)
+        return torch.cat(dist, -1), torch.cat(vals, -1)
 
     def _docs(self, ctx: Context, B: int, device: torch.device) -> Tensor:
         # rows the batch does not name are each their own document
