@@ -110,17 +110,6 @@ def export_files(specs: dict[str, Any], dest: Path, say: Callable[[str], None]) 
     return found
 
 
-def _check_rebuild(again: Transformer, model: Transformer) -> None:
-    """The model built from config.json alone has the checkpoint's parameters (names and shapes)."""
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    got = {k: tuple(v.shape) for k, v in again.state_dict().items() if isinstance(v, torch.Tensor)}
-    if want != got:
-        diff = sorted(set(want.items()) ^ set(got.items()))[:5]
-        raise ValueError(
-            f"the exported config does not rebuild the checkpoint's model; first differences: {diff}"
-        )
-
-
 def final_metrics(ckpt_path: Path, step: int) -> tuple[Path | None, dict[str, tuple[int, float]]]:
     """The run's metrics.csv beside the checkpoint, if any, and each loss column's last (step, value) up to
     ``step``."""
@@ -260,10 +249,16 @@ def write_rlm(
     )
     config.auto_map = {"AutoConfig": AUTO_CONFIG, "AutoModelForCausalLM": AUTO_MODEL}
     config.name_or_path = str(dest)  # where the copied files are (not written to config.json)
-    # a shell built from config.json alone (checked against the checkpoint); its Transformer goes in
+    # a shell built from config.json alone must have the checkpoint's parameters; its Transformer goes in
     with torch.device("meta"):
         hf = RLMForCausalLM(config)
-    _check_rebuild(hf.model, model)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    got = {k: tuple(v.shape) for k, v in hf.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))[:5]
+        raise ValueError(
+            f"the exported config does not rebuild the checkpoint's model; first differences: {diff}"
+        )
     hf.model = model
     hf.save_pretrained(dest)
     write_source(dest)
