@@ -1,7 +1,5 @@
-"""Training an experiment's runs, each an ordinary ``rlm fit`` subprocess, resumably: one after another, or
-``jobs`` at once on this machine (:func:`run_experiment`); :func:`execute` is one run's whole work, the same
-in a SLURM job (rlm.experiment.submit). A SIGTERM to the runner is passed on to its rlm subprocesses (rlm fit
-saves last.ckpt and exits 143 on SIGTERM)."""
+"""Training an experiment's runs resumably, each an ordinary ``rlm fit`` subprocess, here (:func:`run_experiment`)
+or in a SLURM job (:func:`execute`); a SIGTERM to the runner goes on to its subprocesses (rlm fit then saves)."""
 
 from __future__ import annotations
 
@@ -118,8 +116,7 @@ def _run_forwarding_sigterm(cmd: list[str], log: Any, env: dict[str, str]) -> in
 
 
 def _rlm(run: Run, args: list[str], log_name: str, what: str) -> bool:
-    """``python -m rlm ARGS`` appending to the run's log; whether it succeeded. :class:`Preempted` when SIGTERM
-    stopped it."""
+    """``python -m rlm ARGS`` into the run's log; whether it succeeded (:class:`Preempted` on SIGTERM)."""
     with open(run.dir / log_name, "a") as log:
         code = _run_forwarding_sigterm([sys.executable, "-m", "rlm", *args], log, _child_env())
     if code in (PREEMPTED, -signal.SIGTERM):
@@ -134,8 +131,7 @@ def _late_median(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def summarize(run: Run, wall_s: float, jobs: int = 1) -> dict[str, Any]:
-    """The per-run summary: losses, parameter counts, speed with the machine's load (``jobs``: runs at once),
-    time and plugin metrics."""
+    """The per-run summary: losses, parameter counts, speed beside the machine's load, times, plugin metrics."""
     rows = run_metrics(run.dir)
     val_series = series(rows, "val/loss")
     val = [v for _, v in val_series]
@@ -236,8 +232,7 @@ def train(run: Run) -> tuple[bool, float]:
 
 
 def evaluate_test(run: Run) -> bool:
-    """``rlm eval`` of the run's last checkpoint on the whole test split (test.json); whether it succeeded.
-    Nothing to do when the config sets data.test_fraction to 0 (no test split)."""
+    """``rlm eval`` of last.ckpt on the whole test split (test.json; none if data.test_fraction is 0); success."""
     if (run.config.get("data") or {}).get("test_fraction", 1) == 0:
         return True
     args = ["eval", "--ckpt", str(run.dir / LAST_CKPT), "--split", "test", "--json", str(run.dir / TEST_JSON)]
@@ -245,8 +240,8 @@ def evaluate_test(run: Run) -> bool:
 
 
 def find_equal_run(run: Run, out: Path) -> Path | None:
-    """A finished run with the same fingerprint (merged config and seed) in a sibling experiment directory of
-    ``out`` (e.g. runs/experiments/*): the base models of most experiment files are the same run."""
+    """A finished run of the same config and seed in a sibling directory of ``out`` (runs/experiments/*): the
+    base models of most experiment files are the same run."""
     for summary in sorted(out.parent.glob(f"*/*/seed{run.seed}/{SUMMARY}")):
         same = read_json(summary).get("fingerprint") == run.fingerprint
         if same and summary.parent.resolve() != run.dir.resolve():
@@ -369,8 +364,7 @@ def _execute(run: Run, out: Path, reuse_equal: bool, jobs: int) -> dict[str, Any
 
 
 def knnlm_stage(run: Run) -> bool:
-    """``rlm knnlm build`` over the training split, then ``rlm eval --datastore`` on the test split;
-    whether both succeeded."""
+    """``rlm knnlm build`` over the training split, ``rlm eval --datastore`` on the test split; success."""
     options, ckpt, ds = run.knnlm or {}, str(run.dir / LAST_CKPT), run.dir / DATASTORE
     build = ["knnlm", "build", "--ckpt", ckpt, "--out", str(ds)]
     for key in ("layer", "factory", "k", "flat_below", "target_recall", "tune_tokens", "max_documents"):

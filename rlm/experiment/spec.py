@@ -60,6 +60,7 @@ CHOICES = {
     "layer": ("final", "ffn_input", "attn_input"),
     "rule": ("interpolate", "joint", "model"),
 }
+TIME_RE = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")  # [D-]A[:B[:C]]
 LOWEST = {"jobs": 1, "cpus_per_job": 1, "signal_delay_s": 10, "k": 1, "max_documents": 1}  # other integers: 0
 
 
@@ -125,22 +126,19 @@ def time_minutes(value: Any) -> int | None:
     HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS; None if it is none of these or not positive."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value if value > 0 else None
-    if not isinstance(value, str):
+    match = TIME_RE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
         return None
-    days, dash, clock = value.strip().rpartition("-")
-    parts = clock.split(":")
-    if (dash and not days.isdigit()) or not all(p.isdigit() for p in parts) or len(parts) > 3:
-        return None
-    n = [int(p) for p in parts]
-    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
-        h, m, sec = n + [0] * (3 - len(n))
-    elif len(n) == 3:  # HH:MM:SS
-        h, m, sec = n
+    days, a, b, c = (None if g is None else int(g) for g in match.groups())
+    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, m, sec = a, b or 0, c or 0
+    elif c is not None:  # HH:MM:SS
+        h, m, sec = a, b, c
     else:  # MM or MM:SS
-        h, m, sec = 0, n[0], n[1] if len(n) == 2 else 0
-    if sec >= 60 or (m >= 60 and (days or len(n) == 3)):
+        h, m, sec = 0, a, b or 0
+    if sec >= 60 or (m >= 60 and (days is not None or c is not None)):
         return None
-    total = int(days or 0) * 1440 + h * 60 + m + (sec > 0)
+    total = (days or 0) * 1440 + h * 60 + m + (sec > 0)
     return total if total > 0 else None
 
 
