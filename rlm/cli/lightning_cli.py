@@ -48,11 +48,9 @@ class RLMCLI(LightningCLI):
     _print_config: dict | None = None  # --print_config's dump options, taken out of the arguments
 
     def __init__(self, *args, batch_limits: dict[str, int] | None = None, **kwargs) -> None:
-        # batch_limits: the integer limit_*_batches given (integer_batch_limits), else read from the arguments
-        self._batch_limits = batch_limits
+        self._batch_limits = batch_limits  # integer_batch_limits, else read from the arguments
         kwargs.setdefault("auto_configure_optimizers", False)
-        # omegaconf+ mode resolves the configs' ${trainer.default_root_dir} after every file and flag; read
-        # relative to the subcommand's section (fit.trainer...), where the parser puts it
+        # ${trainer.default_root_dir} in the configs is relative to the subcommand's section (fit.trainer...)
         set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
         kwargs.setdefault("save_config_callback", SaveConfig)
         super().__init__(*args, **kwargs)
@@ -80,8 +78,8 @@ class RLMCLI(LightningCLI):
         return super().instantiate_trainer(**ints, **kwargs)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
-        # rlm's bar (steps to max_steps) unless the config names a bar or turns it off: Lightning's own counts the
-        # epoch's batches and prints a negative epoch total under max_steps.
+        # rlm's bar (steps to max_steps) unless the config names a bar or turns it off: Lightning's own prints a
+        # negative epoch total under max_steps.
         from pytorch_lightning.callbacks import ProgressBar
 
         from rlm.train.progress import StepProgressBar
@@ -123,8 +121,8 @@ class RLMCLI(LightningCLI):
             print(fit_summary(self.trainer, saved[0] if saved else None, horizon), flush=True)
 
     def parse_arguments(self, parser, args) -> None:
-        # run_lightning always passes the whole command line as args, so LightningCLI's warning about args next
-        # to sys.argv is noise; --print_config is printed after the checkpoint and vocabulary are applied.
+        # without LightningCLI's warning about args next to sys.argv (run_lightning passes the whole command line);
+        # --print_config is printed after the checkpoint and vocabulary are applied (_parse_ckpt_path).
         from rlm.cli.support import integer_batch_limits, plain_parse_error, pop_print_config
 
         args, self._print_config = pop_print_config(list(args))
