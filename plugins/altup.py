@@ -251,9 +251,8 @@ class AltUpPlugin(Plugin):
         if m is None:
             return []
         no_decay = [] if isinstance(m, SumEmbedding) else [m.p, m.g]
-        extra = m.extra
-        if extra is not None:
-            no_decay.append(extra.table.weight)
+        if m.extra is not None:
+            no_decay.append(m.extra.table.weight)
         return [ParamGroup("altup_no_decay", no_decay, weight_decay=0.0)] if no_decay else []
 
     def added_parameters(self) -> int:

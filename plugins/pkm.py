@@ -135,11 +135,11 @@ class PKMLayer(nn.Module):
 
     keep_fp32_params = True  # FSDP2 gathers it in fp32: bf16 sub-keys would change the slots the search reads
 
-    def __init__(self, config: PKMConfig, d: int, owner: PKMPlugin, table: str, layer: int) -> None:
+    def __init__(self, config: PKMConfig, d: int, owner: PKMPlugin, table: str) -> None:
         super().__init__()
         c = config
         self.heads, self.topk, self.half = c.heads, c.topk, c.k_dim // 2
-        self.layer, self.table = layer, table
+        self.table = table
         self.value_dropout, self.key_norm = c.value_dropout, c.key_norm
         self.act = ACTIVATIONS[c.activation] if c.values == "peer" else None
         self.query = nn.Linear(d, c.heads * c.k_dim, bias=False)
@@ -245,7 +245,7 @@ class PKMPlugin(Plugin):
 
     def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
         table = "shared" if self.config.shared_values else f"layer{layer}"
-        memory = PKMLayer(self.config, self.model_config.d_model, self, table, layer)
+        memory = PKMLayer(self.config, self.model_config.d_model, self, table)
         if isinstance(memory.norm, MaskedBatchNorm):
             memory.norm.group = self.group
         self.memories[layer] = memory
