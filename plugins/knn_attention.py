@@ -81,6 +81,14 @@ def sq_dist_mm(q: Tensor, keys: Tensor) -> Tensor:
         return torch.addmm(keys.square().sum(-1)[None], q, keys.transpose(0, 1).to(q.dtype), beta=1, alpha=-2)
 
 
+def _nearest(d2: Tensor, q: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The k nearest of d2 (..., M) (sq_dist_mm's, inf where not allowed): their squared distances to q (0 where
+    none), indices and whether found."""
+    top, idx = torch.topk(d2, min(k, d2.shape[-1]), dim=-1, largest=False, sorted=False)
+    found = torch.isfinite(top)
+    return torch.where(found, (top + q.square().sum(-1, keepdim=True)).clamp_min(0), 0.0), idx, found
+
+
 def _next_tokens(tokens: Tensor) -> Tensor:
     """x_{j+1} of each position of tokens (B, T); -1 for the last."""
     return torch.cat([tokens[:, 1:], tokens.new_full((tokens.shape[0], 1), -1)], 1)
@@ -269,10 +277,7 @@ class KnnAttentionPlugin(Plugin):
             q = yf.detach()
             d2 = sq_dist_mm(q, qk).view(B, T, -1)  # (B, T, M) up to each row's ||q||^2
             d2.masked_fill_((self._docs(ctx, B, y.device)[:, None] == qd[None, :])[:, None, :], float("inf"))
-            kk = min(k, qk.shape[0])
-            top, idx = torch.topk(d2.view(B * T, -1), kk, dim=1, largest=False, sorted=False)
-            found = torch.isfinite(top)
-            top = torch.where(found, (top + q.square().sum(-1, keepdim=True)).clamp_min(0), 0.0)
+            top, idx, found = _nearest(d2.view(B * T, -1), q, k)
         vals = torch.where(found, qv[idx], -1)
         dist, vals = _pad(neighbour_distance(yf, qk, idx, top), vals, k)  # a queue still shorter than k
         return dist.view(B, T, k), vals.view(B, T, k)
@@ -327,10 +332,8 @@ class KnnAttentionPlugin(Plugin):
             )
             allowed = earlier[None] & ((nxt >= 0) & real)[:, None, :]
             d2.masked_fill_(~allowed, float("inf"))
-            kk = min(k, S)
-            top, idx = torch.topk(d2, kk, dim=-1, largest=False, sorted=False)  # (B, T, kk)
-            found = torch.isfinite(top)
-            top = torch.where(found, (top + q.square().sum(-1, keepdim=True)).clamp_min(0), 0.0)
+            top, idx, found = _nearest(d2, q, k)  # (B, T, kk)
+        kk = idx.shape[-1]
         vals = torch.where(found, nxt.gather(1, idx.flatten(1)).view(B, T, kk), -1)
         flat = (idx + S * torch.arange(B, device=y.device)[:, None, None]).view(B * T, kk)
         dist = neighbour_distance(yf.flatten(0, 1), keys.reshape(B * S, d), flat, top.view(B * T, kk))
