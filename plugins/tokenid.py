@@ -124,21 +124,6 @@ def ngram_multipliers(orders: list[int], heads: int, seed: int) -> Tensor:
     return torch.randint(0, 1 << 30, (len(orders), heads, max(orders)), generator=g) * 2 + 1
 
 
-def ngram_buckets(seq: Tensor, orders: list[int], mult: Tensor, rows: int) -> Tensor:
-    """Bucket of each position's n-grams, (B, T, O, H): seq (B, P + T) holds P = max order - 1 earlier tokens
-    (or padding ids) before the T positions; position t's n-gram is seq[P+t-n+1 .. P+t]."""
-    P = mult.shape[-1] - 1
-    T = seq.shape[1] - P
-    out = []
-    for o, n in enumerate(orders):
-        h = seq.new_zeros(seq.shape[0], T, mult.shape[1])  # (B, T, H)
-        for j in range(n):
-            tok = seq[:, P - n + 1 + j : P - n + 1 + j + T, None]  # (B, T, 1): the n-gram's j-th token
-            h = h ^ ((tok * mult[o, :, j]) & MASK)
-        out.append(h % rows)
-    return torch.stack(out, dim=2)
-
-
 def with_history(ctx: Context, k: int, pad: int, tokens: Tensor | None = None) -> Tensor:
     """ctx.tokens (or their copy ``tokens``) after the k before them, (B, k + T): from the KV cache while decoding,
     padding ids before the window (a full recompute and cached decoding read the same n-grams)."""
@@ -195,9 +180,18 @@ class NGramMemory(nn.Module):
             self._buffers.update(buffers)
 
     def ids(self, seq: Tensor) -> Tensor:
-        """Row ids of each position's n-grams in the stacked table, (B*T, O*H), for seq (B, max order - 1 + T)."""
-        T = seq.shape[1] - (max(self.orders) - 1)
-        return ngram_buckets(seq, self.orders, self.mult, self.rows).view(seq.shape[0] * T, -1) + self.start
+        """Row ids of each position's n-grams in the stacked table, (B*T, O*H): seq (B, P + T) holds the
+        P = max order - 1 tokens (or padding ids) before the T positions; t's n-gram is seq[P+t-n+1 .. P+t]."""
+        P = max(self.orders) - 1
+        T = seq.shape[1] - P
+        out = []
+        for o, n in enumerate(self.orders):
+            h = seq.new_zeros(seq.shape[0], T, self.heads)  # (B, T, H)
+            for j in range(n):
+                tok = seq[:, P - n + 1 + j : P - n + 1 + j + T, None]  # (B, T, 1): the n-gram's j-th token
+                h = h ^ ((tok * self.mult[o, :, j]) & MASK)
+            out.append(h % self.rows)
+        return torch.stack(out, dim=2).view(seq.shape[0] * T, -1) + self.start  # (B, T, O, H) as (B*T, O*H)
 
     def fetch(self, ids: Tensor, device: torch.device) -> tuple[Tensor, Tensor, Any]:
         """ngram_host: the distinct rows (U, d) host ``ids`` (N, m) read, on their way to ``device``: (index (N, m)
