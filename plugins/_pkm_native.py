@@ -185,18 +185,6 @@ def product_search(
     return None if any(failed) else (scores, i, j)
 
 
-def _advise_huge_pages(address: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) a range; False where unsupported (harmless)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
-
-
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
     """An uninitialised CPU tensor on 2 MiB-aligned memory advised for transparent huge pages (random rows of a
     large table miss the TLB with 4 KiB pages), advised before the first touch as THP 'madvise' needs. Small
@@ -208,5 +196,13 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # over-allocate, then take the aligned part
     start = -raw.data_ptr() % HUGE_PAGE
     out = raw[start : start + nbytes].view(dtype).view(shape)  # keeps raw's storage alive
-    _advise_huge_pages(out.data_ptr(), nbytes)
+    if sys.platform.startswith(
+        "linux"
+    ):  # elsewhere, or without libc or THP, the advice is skipped (harmless)
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise(ctypes.c_void_p(out.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+        except OSError:
+            pass
     return out
