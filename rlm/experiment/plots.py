@@ -121,11 +121,9 @@ def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
                 artist.set_transform(
                     artist.get_transform() + ScaledTranslation(shift / 72, 0, fig.dpi_scale_trans)
                 )
-    xlabel = (
-        f"parameters over the baseline {info['baseline']!r} (millions)"
-        if base is not None
-        else "added parameters (millions)"
-    )
+    xlabel = "added parameters (millions)"
+    if base is not None:
+        xlabel = f"parameters over the baseline {info['baseline']!r} (millions)"
     sizes = [abs(x) for x, _ in points if x != 0]
     if sizes and max(sizes) / min(sizes) >= LOG_SPAN:
         # symlog: linear within the smallest size of zero (the baseline sits at 0; a smaller shape is < 0).

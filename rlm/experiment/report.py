@@ -88,12 +88,10 @@ def markdown(info: dict[str, Any], variants: list[VariantResult]) -> str:
     # Validation reads trainer.limit_val_batches batches, not the whole split (`rlm eval --split val` does).
     subsets = sorted({val_subset(r.get("val_batches")) for v in variants for r in v.runs} - {""})
     val_name = f"val loss ({' / '.join(subsets)})" if subsets else "val loss"
-    over = (
-        f", over the first {' / '.join(subsets)} of the validation split (trainer.limit_val_batches; "
-        "`rlm eval --split val` reads the whole split), as are val ppl and the loss at equal time"
-        if subsets
-        else ""
-    )
+    over = ""
+    if subsets:
+        over = (f", over the first {' / '.join(subsets)} of the validation split (trainer.limit_val_batches; "
+                "`rlm eval --split val` reads the whole split), as are val ppl and the loss at equal time")  # fmt: skip
     steps = sorted({r["steps"] for v in variants for r in v.runs})
     lines = [f"# Experiment `{info['name']}`", ""]
     lines += [

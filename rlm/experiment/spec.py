@@ -14,9 +14,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-TOP_KEYS = tuple(
-    "name description base common seeds baseline output report_metrics variants launcher".split()
-)
+TOP_KEYS = "name description base common seeds baseline output report_metrics variants launcher".split()
 VARIANT_KEYS = ("description", "configs", "set", "knnlm")
 KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
     "layer": (str, "'final', 'ffn_input' or 'attn_input'"),
