@@ -79,9 +79,9 @@ class RowAdam:
         table = self.tables[key]
         if table.device.type == "cpu":
             out = _pkm_native.huge_page_empty(tuple(table.shape), table.dtype)
-            return out.copy_(like) if like is not None else out.zero_()
-        out = torch.zeros_like(table, memory_format=torch.contiguous_format)
-        return out.copy_(like) if like is not None else out
+        else:
+            out = torch.empty_like(table, memory_format=torch.contiguous_format)
+        return out.copy_(like) if like is not None else out.zero_()
 
     def _state(self, key: str) -> dict[str, Tensor]:
         table = self.tables[key]
