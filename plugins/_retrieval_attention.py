@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from rlm.model.layers import RMSNorm, apply_rope, rope_cache
 from rlm.plugin import Context
-from rlm.plugins._retrieval_encoder import SegmentEncoder, TokenEncoder, masked_mean_unit
+from rlm.plugins._retrieval_encoder import TokenEncoder, masked_mean_unit
 
 if TYPE_CHECKING:
     from rlm.plugins._retrieval_neighbours import RetrievalInputs
@@ -44,14 +44,9 @@ class Encoded:
         return self.rows.shape[0] if self.states is None else self.states.shape[0]
 
 
-def encode_neighbours(
-    encoder: SegmentEncoder,
-    inp: RetrievalInputs,
-    ctx: Context,
-    label: str,
-    config: Any,  # the plugin's RetrievalConfig (not imported: the plugin file imports this one)
-) -> Encoded:
-    """The batch's neighbours encoded, each distinct one once, as config.neighbour_grad says; e(S_t) with gradients."""
+def encode_neighbours(plugin: Any, inp: RetrievalInputs, ctx: Context) -> Encoded:
+    """The batch's neighbours encoded, each distinct one once, as neighbour_grad says; e(S_t) with gradients."""
+    encoder, label = plugin.encoder, plugin.label
     B, n, k, M = inp.tokens.shape
     L = inp.query_tokens.shape[-1]
     # (B*n, D), with gradients: the embedder's path from the LM loss
@@ -65,7 +60,7 @@ def encode_neighbours(
         tokens, mask = tokens[first], mask[first]
     else:
         index = torch.arange(B * n * k, device=tokens.device)
-    mode = config.neighbour_grad if torch.is_grad_enabled() else "none"
+    mode = plugin.config.neighbour_grad if torch.is_grad_enabled() else "none"
     if isinstance(encoder, TokenEncoder):
         # no blocks: each distinct token id embedded once; the cross-attention projects from these
         # ('embedding' is 'full' here: the token embeddings are the whole encoder)

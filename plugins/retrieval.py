@@ -201,13 +201,13 @@ class RetrievalPlugin(Plugin):
     def _encode(self, inputs: RetrievalInputs, ctx: Context) -> Encoded:
         """encode_neighbours; under incremental decoding once per span of chunks (a chunk's L steps share it)."""
         if ctx.cache is None:
-            return encode_neighbours(self.encoder, inputs, ctx, self.label, self.config)
+            return encode_neighbours(self, inputs, ctx)
         L = self.memory.segments.segment_len
         span = (ctx.offset // L, (ctx.offset + ctx.tokens.shape[1] - 1) // L)
         state = ctx.cache.state[self.label]
         if state.get("span") != span:
             state["span"] = span
-            state["encoded"] = encode_neighbours(self.encoder, inputs, ctx, self.label, self.config)
+            state["encoded"] = encode_neighbours(self, inputs, ctx)
             state["kv"] = {}  # each cross-attention layer's keys and values of these neighbours
         return state["encoded"]
 
