@@ -117,14 +117,6 @@ def read_info(out: Path) -> dict[str, Any]:
     return json.loads((out / "experiment.json").read_text())
 
 
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    """metrics.csv rows with their non-empty cells as floats."""
-    if not path.is_file():
-        return []
-    with open(path) as f:
-        return [{k: float(v) for k, v in row.items() if v not in (None, "")} for row in csv.DictReader(f)]
-
-
 def series(rows: list[dict[str, float]], name: str) -> list[tuple[float, float]]:
     """(step, value) of one metric, in logging order."""
     return [(r.get("step", float("nan")), r[name]) for r in rows if name in r]
@@ -140,7 +132,12 @@ def run_metrics(run_dir: Path) -> list[dict[str, float]]:
     front; rows of a part at or after the first step of the next one were trained again and are dropped."""
     current = run_dir / METRICS_CSV
     parts = sorted(current.parent.glob("metrics.part-*.csv"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-    chunks = [read_metrics(p) for p in [*parts, current]]
+    chunks = []
+    for path in (p for p in [*parts, current] if p.is_file()):
+        with open(path) as f:  # the non-empty cells as floats
+            chunks.append(
+                [{k: float(v) for k, v in row.items() if v not in (None, "")} for row in csv.DictReader(f)]
+            )
     rows: list[dict[str, float]] = []
     for i, chunk in enumerate(chunks):
         later = [r["step"] for c in chunks[i + 1 :] for r in c if "step" in r]

@@ -80,9 +80,9 @@ class Variant:
     configs: list[Path] = field(default_factory=list)  # absolute, stacked after the base files
     set: dict[str, Any] = field(default_factory=dict)  # deep-merged after everything else
     description: str = ""  # one line for results.md
+    # The kNN-LM stage after training (KNNLM_OPTIONS), or None; not in the run's config, so a variant that only
+    # adds it trains (or reuses) the same model as the one without it.
     knnlm: dict[str, Any] | None = None
-    """The kNN-LM stage after training (KNNLM_OPTIONS), or None. Not in the run's config: a variant that only
-    adds it trains (or reuses) the same model as the one without it."""
 
 
 @dataclass
@@ -98,8 +98,7 @@ class Experiment:
     baseline: str  # the variant the others are compared with
     variants: dict[str, Variant]  # in the file's order
     output: Path | None = None  # None: runs/experiments/NAME under the working directory
-    report_metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))
-    """fnmatch patterns of the plugin metrics shown in results.md (results.csv has them all)."""
+    report_metrics: list[str] = field(default_factory=lambda: list(DEFAULT_METRICS))  # shown in results.md
     launcher: dict[str, Any] = field(default_factory=dict)  # LAUNCHER_OPTIONS; in no run's fingerprint
 
     def out_dir(self, override: str | Path | None = None) -> Path:
@@ -159,8 +158,7 @@ def _option_ok(key: str, option: Any, kind: type) -> bool:
 def checked_options(
     value: dict[str, Any], table: dict[str, tuple[type, str]], where: str, problems: list[str]
 ) -> dict[str, Any]:
-    """The items of ``value`` named in ``table`` (key -> (type, what is accepted)) with a good value; every other
-    item is a problem naming what is accepted."""
+    """The items of ``value`` that ``table`` (key -> (type, what is accepted)) takes; the others are problems."""
     out: dict[str, Any] = {}
     for key, option in value.items():
         if key not in table:
@@ -370,8 +368,7 @@ def load_config(path: str | Path) -> Any:
 
 
 def merge(files: list[Path], *mappings: dict[str, Any], skip_missing: bool = False) -> dict[str, Any]:
-    """Config files deep-merged in order, then the mappings (lists are replaced): a variant's config, written
-    out as one file for its rlm fit."""
+    """Config files deep-merged in order, then the mappings (lists are replaced)."""
     files = [p for p in files if p.is_file()] if skip_missing else files
     layers = [load_config(p) for p in files] + [OmegaConf.create(m) for m in mappings]
     return OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True)  # type: ignore[return-value]
