@@ -123,7 +123,8 @@ def cmd_run(
 
     exp, counts = check_experiment(file, set, seeds, base)
     where = exp.out_dir(out)
-    _print_plan(exp, where, len(plan(exp, where, variants)), counts)
+    runs = plan(exp, where, variants)
+    _print_plan(exp, where, len(runs), counts)
     flags = {"name": launcher, "jobs": jobs, "partition": partition, "gpus_per_job": gpus_per_job,
              "cpus_per_job": cpus_per_job, "mem_gb": mem_gb, "time": time, "account": account, "qos": qos}  # fmt: skip
     options = resolve_launcher(exp.launcher, flags)
@@ -153,7 +154,6 @@ def cmd_run(
         print("wrote " + ", ".join(str(p) for p in paths))
     except (ValueError, MissingExtra) as err:
         print(f"no report: {err}")
-    runs = plan(exp, where, variants)
     summaries = [(r.label, r.dir, r.dir / LAST_CKPT, r.summary()) for r in runs if r.finished()]
     print(experiment_summary(where, summaries, paths))
     if failed:
