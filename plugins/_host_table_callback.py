@@ -3,6 +3,7 @@ a plugin does not import Lightning."""
 
 from __future__ import annotations
 
+from functools import partialmethod
 from typing import Any
 
 import pytorch_lightning as pl
@@ -86,14 +87,11 @@ class PKMCallback(HostTableCallback):
 
     on_test_epoch_start = on_validation_epoch_start
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, "val")
-
-    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, "test")
-
-    def _log(self, pl_module: pl.LightningModule, stage: str) -> None:
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for layer, (usage, kl) in self.plugin.stop_stats().items():
             prefix = f"{stage}/{self.plugin.label}/layer{layer}"
             pl_module.log(f"{prefix}/usage", usage.float(), rank_zero_only=True)
             pl_module.log(f"{prefix}/kl_uniform", kl.float(), rank_zero_only=True)
+
+    on_validation_epoch_end = partialmethod(_log, stage="val")
+    on_test_epoch_end = partialmethod(_log, stage="test")
