@@ -203,9 +203,6 @@ class RebuildCallback(pl.Callback):
             self._job.join()
             self._job = None
 
-    def _path_for(self, step: int) -> Path:
-        return self._root / f"step-{step:09d}"
-
     def _rebuild(self, trainer: pl.Trainer, step: int) -> None:
         (self._rebuild_blocking if self.config.mode == "blocking" else self._start_background)(trainer, step)
 
@@ -224,7 +221,7 @@ class RebuildCallback(pl.Callback):
         """Each rank its part (sharded; a table is merged from every part), the whole (one process), or rank 0 the
         whole from the gathered vectors for every rank to load."""
         shard, identity, projection = narrowed
-        path = self._path_for(step)
+        path = self._root / f"step-{step:09d}"
         args = (self.segments, self.rows, self.config.k, identity, step, self.index_config, path, self.table)
         if self._sharded(trainer):
             return build_sharded_memory(shard, *args, projection)

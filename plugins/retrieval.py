@@ -1,13 +1,7 @@
-"""MARGE-style retrieval for causal LMs (Komatsuzaki 2020, sec. 5.4, after Lewis et al. 2020, MARGE).
-
-Documents are cut into segments of L tokens; the tokens of S_{t+1} cross-attend to the k neighbours of S_t, found
-with the embedder e over the training set and the document's past, with MARGE's relevance bias (eq. 2):
-
-    logit(i, j in z) = q_i . k_j / sqrt(h) + beta * cos(e(S_t), e(z))      beta trainable, per layer
-
-so the LM loss alone trains e. S_{t+1} never sees itself or a later segment of its own document. prepare() finds the
-neighbours (_retrieval_neighbours.py), encoded() embeds them once per forward (_retrieval_attention.py); the callback
-of _retrieval_rebuild.py rebuilds the index.
+"""MARGE-style retrieval for causal LMs (Komatsuzaki 2020, sec. 5.4, after Lewis et al. 2020): the tokens of segment
+S_{t+1} cross-attend to the k neighbours of S_t, found by the embedder e over the training set and the document's
+past, with MARGE's relevance bias (_retrieval_attention.py), so the LM loss alone trains e. prepare() finds the
+neighbours (_retrieval_neighbours.py); the callback of _retrieval_rebuild.py rebuilds the index.
 """
 
 from __future__ import annotations
@@ -95,8 +89,14 @@ class RetrievalPlugin(Plugin):
 
     def prepare(self, ctx: Context, batch: dict[str, Any]) -> None:
         """Put the batch's query segments and neighbours (ids from the table, or searched online) in ctx.extras."""
+        # outside training no callback sets the memory: the checkpoint's index, loaded once
         if self.memory is None and self._saved_index_dir and not ctx.training:
-            self._load_saved_memory()
+            path, self._saved_index_dir = self._saved_index_dir, None
+            try:
+                self.use_memory(load_memory_for_search(path))
+            except (FileNotFoundError, ValueError) as err:
+                msg = f"retrieval: cannot load the index {path} named by the checkpoint ({err}); no retrieval"
+                warnings.warn(msg, stacklevel=2)
         memory = self.memory
         c = self.config
         warm = c.warm_start if c.warm_start != "none" else ("recent" if c.same_doc_k else "none")
@@ -256,14 +256,3 @@ class RetrievalPlugin(Plugin):
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self._saved_index_dir = state.get("index_dir")
-
-    def _load_saved_memory(self) -> None:
-        """Outside training (no callback): load the checkpoint's index once, if it is there."""
-        path, self._saved_index_dir = self._saved_index_dir, None
-        try:
-            self.use_memory(load_memory_for_search(path))
-        except (FileNotFoundError, ValueError) as err:
-            warnings.warn(
-                f"retrieval: cannot load the index {path} named by the checkpoint ({err}); no retrieval",
-                stacklevel=2,
-            )
