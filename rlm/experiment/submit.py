@@ -54,13 +54,15 @@ def executor(options: dict[str, Any], folder: Path) -> submitit.AutoExecutor:
         cluster="slurm" if slurm else "local",
         slurm_max_num_timeout=100 if options["requeue"] else 0,
     )
+    gpus = options.get("gpus_per_job", 1 if slurm else 0)
+    # submitit's LocalExecutor stops a job after 2 minutes unless told otherwise
+    timeout_min = options.get("time_min") or (7 * 24 * 60)
     params: dict[str, Any] = {
         "nodes": 1,
         "tasks_per_node": 1,
-        "gpus_per_node": options.get("gpus_per_job", 1 if slurm else 0),
+        "gpus_per_node": gpus,
+        "timeout_min": timeout_min,
     }
-    # submitit's LocalExecutor stops a job after 2 minutes unless told otherwise
-    params["timeout_min"] = options.get("time_min") or (7 * 24 * 60)
     for key, name in (("cpus_per_job", "cpus_per_task"), ("mem_gb", "mem_gb")):
         if key in options:
             params[name] = options[key]
@@ -110,9 +112,8 @@ def submit(
             for run in group:
                 if not run.complete():
                     failed.add(run.label)
-                    if (
-                        read_json(run.dir / JOB_JSON).get("state") != "stopped"
-                    ):  # a stopped run keeps its state: the next run resumes it
+                    # a stopped run keeps its state: the next run resumes it
+                    if read_json(run.dir / JOB_JSON).get("state") != "stopped":
                         write_job(run.dir, state="failed", step="job", log=str(job.paths.stderr), ended=time.time())  # fmt: skip
             last = str(err).strip().splitlines()[-1:] or [type(err).__name__]
             tqdm.write(f"job {job.job_id} failed: {last[0]}; see {job.paths.stderr}")
