@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,16 +185,8 @@ def gather_inputs(
             same = (nb >= 0) & (ref.doc[np.maximum(nb, 0)] == docs[:, None, None])
         else:
             same = np.zeros_like(nb, dtype=bool)
-        return RetrievalInputs(
-            query_tokens=q_tokens,
-            query_mask=q_mask,
-            tokens=torch.from_numpy(nb_tokens).to(device),
-            mask=torch.from_numpy(nb_mask).to(device),
-            valid=torch.from_numpy(nb >= 0).to(device),
-            same_doc=torch.from_numpy(same).to(device),
-            ids=torch.from_numpy(nb).to(device),
-            excluded=excluded,
-        )
+        arrays = (nb_tokens, nb_mask, nb >= 0, same, nb)  # tokens, mask, valid, same_doc, ids
+        return RetrievalInputs(q_tokens, q_mask, *(torch.from_numpy(x).to(device) for x in arrays), excluded)
 
     if not background:
         return finish()
@@ -220,13 +211,14 @@ class PendingInputs:
             if uses is not None:  # freed by the caller's stream only once the side stream is done
                 uses.record_stream(self._stream)
         self._out: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, args=(finish,), name="retrieval-search")
-        self._thread.daemon = True
+        self._thread = threading.Thread(
+            target=self._run, args=(finish,), name="retrieval-search", daemon=True
+        )
         self._thread.start()
 
     def _run(self, finish: Callable[[], RetrievalInputs]) -> None:
         try:
-            with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            with torch.cuda.stream(self._stream):  # None: no CUDA, nothing to switch
                 self._out["inputs"] = finish()
         except BaseException as err:  # raised again on the caller's thread, in result()
             self._out["error"] = err
