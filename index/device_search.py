@@ -36,17 +36,14 @@ def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
             return moved, f"faiss-gpu ({name})"
     base = raw.vectors if isinstance(raw, TorchExactIndex) else flat_vectors(raw)
     need = None if base is None else base.shape[0] * base.shape[1] * 4
-    if base is None and (ivf := plain_ivf(raw)) is not None:
-        # float32 vectors and int64 ids, centroids
+    if base is None and (ivf := plain_ivf(raw)) is not None:  # float32 vectors and int64 ids, centroids
         need = int(ivf.ntotal) * (4 * ivf.d + 8) + int(ivf.nlist) * ivf.d * 4
     if need is None:
         return index, f"faiss-cpu ({name}: no torch search for this index type)"
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
     if need > HEADROOM * free:
-        return (
-            index,
-            f"faiss-cpu ({name} needs {need / 2**30:.2f} GiB, {device} has {free / 2**30:.2f} GiB free)",
-        )
+        room = f"{name} needs {need / 2**30:.2f} GiB, {device} has {free / 2**30:.2f} GiB free"
+        return index, f"faiss-cpu ({room})"
     if base is not None:
         return TorchExactIndex(base, device=str(device)), f"exact torch search on {device} ({name})"
     ivf = TorchIVFIndex(raw, device, name)

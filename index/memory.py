@@ -108,13 +108,9 @@ class RetrievalMemory:
     ) -> Neighbours:
         """As search, with the scores, excluding the exclusions' ranges of global ids; full-width queries."""
         rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
+        index = self.index if self._searched is None else self._searched[1]
         found = search_neighbours(
-            self.index if self._searched is None else self._searched[1],
-            self.project(queries),
-            k,
-            rows,
-            self.index_segments,
-            exclusions=self._as_rows(exclusions),
+            index, self.project(queries), k, rows, self.index_segments, exclusions=self._as_rows(exclusions)
         )
         found.ids = np.where(found.ids >= 0, self.rows[np.maximum(found.ids, 0)], -1)
         return found
