@@ -61,26 +61,24 @@ def encode_neighbours(plugin: Any, inp: RetrievalInputs, ctx: Context) -> Encode
     else:
         index = torch.arange(B * n * k, device=tokens.device)
     mode = plugin.config.neighbour_grad if torch.is_grad_enabled() else "none"
+    vocab = rows = states = None
     if isinstance(encoder, TokenEncoder):
         # no blocks: each distinct token id embedded once; the cross-attention projects from these
         # ('embedding' is 'full' here: the token embeddings are the whole encoder)
         with torch.set_grad_enabled(mode != "none"):
             vocab, rows = encoder.distinct(tokens)  # (V', d), (U, M)
             e_nb = masked_mean_unit(vocab[rows[:, :L]], mask[:, :L])  # (U, D), as TokenEncoder.forward
-        return _encoded(inp, ctx, label, e_query, e_nb, index, None, L, vocab.float(), rows)
-    # float32 (autocast off), like the relevance bias: bfloat16 neighbour embeddings rank worse
-    with torch.set_grad_enabled(mode == "full"), torch.autocast(tokens.device.type, enabled=False):
-        states, e_nb = encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
-    states = states.float()
-    if mode == "embedding":  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
-        x0 = encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
-        states = states + (x0 - x0.detach())
-    return _encoded(inp, ctx, label, e_query, e_nb, index, states, L)
-
-
-def _encoded(inp, ctx, label, e_query, e_nb, index, states, L, vocab=None, rows=None) -> Encoded:
-    """Relevance cos(e(S_t), e(z)) of each chunk's neighbours, the coverage logs, and the Encoded record."""
-    B, n, k, M = inp.tokens.shape
+        vocab = vocab.float()
+    else:
+        # float32 (autocast off), like the relevance bias: bfloat16 neighbour embeddings rank worse
+        with torch.set_grad_enabled(mode == "full"), torch.autocast(tokens.device.type, enabled=False):
+            states, e_nb = encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
+        states = states.float()
+        if (
+            mode == "embedding"
+        ):  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
+            x0 = encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
+            states = states + (x0 - x0.detach())
     e_nb = e_nb[index]  # (B*n*k, D)
     relevance = (e_query.unsqueeze(1) * e_nb.view(B * n, k, -1)).sum(-1)  # (B*n, k) cosine
     valid = inp.valid.reshape(B * n, k).float()
