@@ -292,11 +292,8 @@ class KnnAttentionPlugin(Plugin):
         vals = np.full((B, T, k), -1, np.int64)
         groups: dict[Any, list[int]] = {}
         for b, doc in enumerate(docs):
-            excl = (
-                None
-                if doc is None
-                else self.datastore.exclusion(self._root, doc, self._store.doc_tokens(doc))
-            )
+            own = None if doc is None else self._store.doc_tokens(doc)
+            excl = None if doc is None else self.datastore.exclusion(self._root, doc, own)
             groups.setdefault(excl, []).append(b)
         for excl, rows in groups.items():
             dd, vv = self.datastore.search(q[rows].flatten(0, 1).numpy(), k, excl)
@@ -327,9 +324,8 @@ class KnnAttentionPlugin(Plugin):
                 d2 = torch.baddbmm(
                     keys.square().sum(-1)[:, None, :], q, keys.transpose(1, 2).to(q.dtype), alpha=-2
                 )  # (B, T, S)
-            earlier = (
-                torch.arange(S, device=y.device)[None, :] < (P + torch.arange(T, device=y.device))[:, None]
-            )
+            j = torch.arange(S, device=y.device)
+            earlier = j[None, :] < (P + j[:T])[:, None]  # (T, S)
             allowed = earlier[None] & ((nxt >= 0) & real)[:, None, :]
             d2.masked_fill_(~allowed, float("inf"))
             top, idx, found = _nearest(d2, q, k)  # (B, T, kk)
