@@ -33,27 +33,23 @@ class RetrievalConfig:
     encoder_dim: int = 64
     """Width of the separate encoder (embedder 'separate' only)."""
     neighbour_grad: Literal["full", "embedding", "none"] = "none"
-    """How the LM loss reaches the embedder through the neighbours. 'full' (MARGE): through the embedder with
-    gradients; 'embedding': the blocks without gradients, the token embeddings through the residual path; 'none':
-    only through the query's e(S_t). The forward values are the same in all three."""
+    """How the LM loss reaches the embedder through the neighbours: 'full' (MARGE); 'embedding': the token embeddings
+    through the residual path, not the blocks; 'none': only through the query's e(S_t). The same forward values."""
     zero_init: bool = True
-    """Start each cross-attention's output projection at zero: the model starts as the one without retrieval (the
-    role of Flamingo's zero-initialised gates, Alayrac et al. 2022)."""
+    """Start each cross-attention's output at zero, as the model without it (Flamingo's gates, Alayrac et al. 2022)."""
     schedule: str = "0-2000:150,2000-1000000000:2000"
     """When to rebuild: 'every N', piecewise 'a-b:N,...' (every N steps while a <= step < b) or 'never'."""
     mode: Literal["background", "blocking"] = "background"
     """'background': a snapshot embeds in a thread, swapped in atomically when done; 'blocking': training waits."""
     warm_start: Literal["recent", "similar", "none"] = "recent"
-    """Neighbours until the first table lands, from earlier segments of the query's own document (Komatsuzaki 2020,
-    sec. 5.4: poorly initialised neighbours make learning slow), before the attention window first. 'recent': the
-    most recent first; 'similar': the closest to S_t by the current embedder among the 16 most recent; 'none': no
-    retrieval until then. With a warm start the first table is built at the schedule's first due step."""
+    """Neighbours until the first table (built at the schedule's first due step), from the query's own document's
+    past before the attention window first (Komatsuzaki 2020, sec. 5.4). 'recent': the most recent first; 'similar':
+    the closest to S_t by the current embedder among the 16 most recent; 'none': no retrieval until then."""
     same_doc_k: int = 0
     """After the first table: this many of the k neighbours are warm-start picks from the query's own past."""
     exclude_copies: bool = True
-    """At evaluation, a text that copies an indexed document never retrieves that document from its position on,
-    and indexed copies of the evaluated document's future are not retrieved (_retrieval_filter.py). False only for
-    synthetic tasks whose evaluated continuation is in the index by design."""
+    """At evaluation, keep exact copies of the evaluated text's continuation out of reach (_retrieval_filter.py);
+    false only for synthetic tasks whose evaluated continuation is in the index by design."""
     eval_ablation: bool = False
     """Validation also runs with every neighbour swapped for a random segment of another document
     (val/<label>_random/loss): how much the model uses what it retrieves."""
@@ -69,15 +65,13 @@ class RetrievalConfig:
     index_dir: str | None = None
     """Where rebuilt indices are written; None: <trainer.default_root_dir>/retrieval_index."""
     sharded: bool | Literal["auto"] = "auto"
-    """With more than one process: true, each rank embeds, indexes and writes only its share (rlm.index.sharded);
-    false, rank 0 builds the whole index from the gathered vectors and every rank loads it (a shared filesystem);
-    'auto': true from shard_above indexed segments."""
+    """With more than one process: true, each rank indexes only its share (rlm.index.sharded); false, rank 0 builds
+    the whole from the gathered vectors for every rank (a shared filesystem); 'auto': true from shard_above."""
     shard_above: int = 1_048_576
     """sharded 'auto' shards from this many indexed segments (2^20 gathered whole: 3 GiB of fp32 at d 768)."""
     index_dim: int | Literal["auto"] | None = "auto"
-    """Width of the indexed vectors: e(.) narrowed by a PCA fitted at each rebuild (rlm.index.projection). null:
-    full width; an integer: that width, below e(.)'s; 'auto': min(256, half the width) from shard_above indexed
-    segments, full width below."""
+    """Width of the indexed vectors, e(.) narrowed by a PCA (rlm.index.projection): null, full; an integer below
+    e(.)'s; 'auto': min(256, half the width) from shard_above indexed segments, full below."""
     progress: bool = True
     """Show a progress bar while embedding the corpus."""
 

@@ -100,11 +100,9 @@ class RebuildCallback(pl.Callback):
         if self._ready:
             return
         self._ready = True
-        if self._try_reuse(trainer):
-            return
-        if self.config.warm_start != "none":  # the owner's warm start retrieves until the schedule is due
-            return
-        self._rebuild(trainer, trainer.global_step)
+        # with a warm start the owner retrieves from the document's past until the schedule is due
+        if not self._try_reuse(trainer) and self.config.warm_start == "none":
+            self._rebuild(trainer, trainer.global_step)
 
     def _try_reuse(self, trainer: pl.Trainer | None = None) -> bool:
         """Load the index the checkpoint names when it exists and matches; sharded, each rank reloads its own part,
