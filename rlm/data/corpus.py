@@ -50,33 +50,26 @@ def stdlib_paths() -> list[Path]:
 def _expand_path(spec: str, extensions: Sequence[str]) -> list[Path]:
     """Files named by one path spec: a file, a directory (recursively, by extension) or a glob."""
     if _GLOB_CHARS.intersection(spec):
-        matches = sorted(Path(p) for p in glob.glob(spec, recursive=True))
-        files = [p for p in matches if p.is_file()]
+        files = [p for p in sorted(Path(p) for p in glob.glob(spec, recursive=True)) if p.is_file()]
         if not files:
             raise FileNotFoundError(f"corpus glob {spec!r} matched no files; accepted: {ACCEPTED}")
         return files
     path = Path(spec).expanduser()
     if path.is_file():
         return [path]
-    if path.is_dir():
-        exts = tuple(extensions)
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts))
-        if not files:
-            raise ValueError(_no_files_message(spec, path, list(exts)))
+    if not path.is_dir():
+        raise FileNotFoundError(f"corpus path {spec!r} does not exist; accepted: {ACCEPTED}")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(tuple(extensions)))
+    if files:
         return files
-    raise FileNotFoundError(f"corpus path {spec!r} does not exist; accepted: {ACCEPTED}")
-
-
-def _no_files_message(spec: str, path: Path, extensions: list[str]) -> str:
-    """Why a directory gave no files: the data.extensions it was read with, and the endings it does hold."""
+    # none: name the data.extensions it was read with, and the endings the folder does hold
     found = Counter(p.suffix or p.name for p in path.rglob("*") if p.is_file())
     if not found:
-        return f"corpus directory {spec!r} holds no files; accepted: {ACCEPTED}"
+        raise ValueError(f"corpus directory {spec!r} holds no files; accepted: {ACCEPTED}")
     listed = ", ".join(f"{ext} ({n})" for ext, n in found.most_common(10))
-    top = found.most_common(1)[0][0]
-    return (
-        f"corpus directory {spec!r} has no files ending in data.extensions={extensions}; it holds {listed}. "
-        f"Set data.extensions to the endings to read, e.g. --data.extensions='[{top}]'"
+    raise ValueError(
+        f"corpus directory {spec!r} has no files ending in data.extensions={list(extensions)}; it holds {listed}. "
+        f"Set data.extensions to the endings to read, e.g. --data.extensions='[{found.most_common(1)[0][0]}]'"
     )
 
 
