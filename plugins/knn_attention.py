@@ -128,7 +128,7 @@ class KnnAttention(nn.Module):
         s = s.masked_fill(values < 0, float("-inf"))
         found = (values >= 0).any(-1, keepdim=True)  # (B, T, 1): a position with no neighbour adds nothing
         a = torch.softmax(s.masked_fill(~found, 0.0), -1).masked_fill(values < 0, 0.0)
-        E = p.embedding().detach()
+        E = p._embedding.weight.detach()  # (V, d) the token embedding table
         # r = sum_j a_j E[v_j] as a weighted embedding bag: no (B, T, n, d) rows. E is not trained through here: its
         # gradient through the bag is costly, and the tied LM head already scores E[v] . h, which W_o learns to raise
         r = F.embedding_bag(values.clamp_min(0).flatten(0, 1), E, per_sample_weights=a.flatten(0, 1).to(E.dtype),
@@ -181,10 +181,6 @@ class KnnAttentionPlugin(Plugin):
     def eval_variants(self) -> list[str]:
         """Validation also runs with random tokens as the neighbours' values (val/<label>_random/loss)."""
         return [f"{self.label}_random"]
-
-    def embedding(self) -> Tensor:
-        """The token embedding table (V, d) the values are read from."""
-        return self._embedding.weight
 
     def use_datastore(self, datastore: Any, store: Any, root: str) -> bool:
         """Search ``datastore`` (keys at ``attn_input``) outside training, excluding each window's own document (or a
