@@ -27,6 +27,14 @@ def test_integer_batch_limits_are_read_from_flags_and_configs_the_last_one_winni
     assert integer_batch_limits(later) == {"limit_test_batches": 2}
 
 
+def test_integer_batch_limits_read_no_config_file_again(tmp_path):
+    """rlm fit reads each --config file once: the limits come from the layers config_layers read."""
+    gone = tmp_path / "gone.yaml"  # read before, deleted since
+    layers = [{"trainer": {"limit_val_batches": 1}}, {}]
+    args = ["--config", str(gone), "--config=x: 1", "--trainer.limit_test_batches=2"]
+    assert integer_batch_limits(args, layers) == {"limit_val_batches": 1, "limit_test_batches": 2}
+
+
 def test_limit_val_batches_1_is_one_batch_and_1_0_the_whole_set(tmp_path, monkeypatch):
     """jsonargparse reads Lightning's Union[float, int] `1` as 1.0, which Lightning takes for 100% of the batches
     (issue 24: `--trainer.limit_val_batches 1` validated on the whole set)."""
