@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from rlm.distributed.parallel import full_tensor, is_sharded, synced_parameters
+
 
 def sync_replicas(params: list[nn.Parameter], group: Any, scale: float = 1.0) -> None:
     """All-reduce (sum) the gradients of ``params`` over ``group``, each times ``scale`` first (1/W: the mean).
@@ -61,8 +63,7 @@ class ReplicaSync:
 
 def mixes_dtensors(tensors: list[Tensor]) -> bool:
     """Whether ``tensors`` holds both DTensors and plain tensors (which foreach kernels refuse in one call)."""
-    kinds = {isinstance(t, DTensor) for t in tensors}
-    return len(kinds) == 2
+    return len({isinstance(t, DTensor) for t in tensors}) == 2
 
 
 def clip_grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
@@ -76,8 +77,7 @@ def clip_grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
     squares = []
     for part in (sharded, plain):
         if part:
-            norm = torch.nn.utils.get_total_norm(part)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            norm = full_tensor(torch.nn.utils.get_total_norm(part))
             squares.append(norm.double().square())
     total = torch.stack(squares).sum().sqrt()
     # torch's factor: max_norm / (norm + 1e-6), never above 1
@@ -121,8 +121,6 @@ class SyncedGradients(ArmedSync):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the first hook after the strategy's setup: configure_model has sharded the model by now
-        from rlm.distributed.parallel import is_sharded, synced_parameters
-
         model = getattr(pl_module, "model", None)
         if self.sync is None and model is not None and is_sharded(model) and trainer.world_size > 1:
             params = synced_parameters(model)

@@ -7,27 +7,11 @@ from typing import Any
 
 from torch import nn
 
+from rlm.model.layers import RMSNorm
 from rlm.plugin.base import LAYERLESS, Claim, Mode, Plugin, Slot, make_config
 from rlm.plugin.registry import parse_spec
 
 _MODE_ORDER = {Mode.REPLACE: 0, Mode.ADD: 1, Mode.WRAP: 2}
-
-
-def instantiate_plugins(specs: dict[str, Any], config) -> dict[str, Plugin]:
-    """Build the enabled plugins in their declared order (ascending ``order``, then name)."""
-    entries = []
-    for name, spec in specs.items():
-        parsed = parse_spec(name, spec)
-        if parsed is not None:
-            cls, args = parsed
-            entries.append((cls.order, name, cls, make_config(cls, args)))
-    entries.sort(key=lambda e: (e[0], e[1]))  # independent of the order the config files listed them
-    plugins = {}
-    for _, name, cls, cfg in entries:
-        plugin = cls(cfg, config)
-        plugin.label = name
-        plugins[name] = plugin
-    return plugins
 
 
 def check_conflicts(plugins: dict[str, Plugin], n_layers: int) -> list[tuple[Plugin, Claim]]:
@@ -90,16 +74,24 @@ def _set(model: nn.Module, slot: Slot, layer: int | None, mode: Mode, module: nn
         return
     setattr(holder, attr, module)
     if slot is Slot.CROSS_ATTN and mode is Mode.REPLACE and holder.cross_norm is None:
-        from rlm.model.layers import RMSNorm
-
         holder.cross_norm = RMSNorm(model.config.d_model, model.config.norm_eps)
 
 
 def apply_plugins(model: nn.Module, specs: dict[str, Any]) -> None:
-    """Instantiate the plugins named in ``specs`` and fill the model's slots with their modules."""
-    plugins = instantiate_plugins(specs, model.config)
-    for name, plugin in plugins.items():
-        model.plugins[name] = plugin
+    """Instantiate the plugins named in ``specs`` in ascending (``order``, name), whatever order the config files
+    listed them in, and fill the model's slots with their modules."""
+    entries = []
+    for name, spec in specs.items():
+        parsed = parse_spec(name, spec)
+        if parsed is not None:
+            cls, args = parsed
+            entries.append((cls.order, name, cls, make_config(cls, args)))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    plugins: dict[str, Plugin] = {}
+    for _, name, cls, cfg in entries:
+        plugin = cls(cfg, model.config)
+        plugin.label = name
+        plugins[name] = model.plugins[name] = plugin
     for plugin, claim in check_conflicts(plugins, model.config.n_layers):
         for layer in claim.layers or (None,):
             current = _get(model, claim.slot, layer)

@@ -328,15 +328,12 @@ class LMModule(pl.LightningModule):
                     group[key] = getattr(g, key)
             groups.append(group)
         no_decay = _no_decay_ids(self.model)
-        seen: set[int] = set()
         rest: dict[tuple[bool, bool], list[nn.Parameter]] = {
             (s, d): [] for s in (False, True) for d in (True, False)
         }
-        for p in self.model.parameters():
-            if not p.requires_grad or id(p) in taken or id(p) in seen:
-                continue
-            seen.add(id(p))
-            rest[(id(p) in synced, id(p) not in no_decay)].append(p)
+        for p in self.model.parameters():  # each shared parameter once
+            if p.requires_grad and id(p) not in taken:
+                rest[(id(p) in synced, id(p) not in no_decay)].append(p)
         for (is_synced, decays), params in rest.items():
             name = ("decay" if decays else "no_decay") + ("/synced" if is_synced else "")
             decay = self.optim.weight_decay if decays else 0.0
