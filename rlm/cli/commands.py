@@ -156,8 +156,7 @@ def cmd_generate(
         temperature: softmax temperature; 0 is greedy
         top_k: sample among the k most likely tokens; 0: all
         top_p: sample among the most likely tokens whose probabilities sum to p (nucleus); 1: all
-        repetition_penalty: divide the positive logits of tokens already in the text by this, multiply the
-            negative ones (CTRL's rule); 1: none
+        repetition_penalty: tokens already in the text: positive logits / this, negative ones * this; 1: none
         stop: end a sequence once its text contains this string, which is cut; repeatable
         seed: random seed of the sampling
         device: torch device, e.g. cpu or cuda:1 (default: cuda when torch sees a GPU, else cpu)
@@ -247,8 +246,8 @@ def cmd_eval(
     temperature: float | None = None,
     knn_cache: bool = False,
 ) -> int:
-    """Loss, perplexity and bits per byte of a checkpoint, with its own tokenizer: on its corpus's test (or
-    validation) split, or on all of any text (--corpus); or lm-evaluation-harness tasks (--tasks).
+    """Loss, perplexity and bits per byte of a checkpoint with its own tokenizer, on its corpus's split or any text;
+    or lm-evaluation-harness tasks (--tasks).
 
     Args:
         ckpt: checkpoint written by rlm fit
@@ -257,8 +256,7 @@ def cmd_eval(
         batch_size: windows per batch (default: the run's); with --tasks, requests per batch (default 8)
         device: torch device, e.g. cpu or cuda:1 (default: cuda when torch sees a GPU, else cpu)
         json: also write the results to this JSON file
-        tasks: lm-eval (pip install 'rlm[eval]'): comma-separated tasks, e.g. hellaswag,lambada_openai (hub data
-            sets: they need the network or a filled Hugging Face cache)
+        tasks: lm-eval (pip install 'rlm[eval]'): comma-separated tasks, e.g. hellaswag,lambada_openai
         limit: lm-eval: examples per task (below 1: a fraction)
         num_fewshot: lm-eval: few-shot examples (default: the task's)
         tasks_path: lm-eval: a folder of your own task YAML files
@@ -280,8 +278,7 @@ def cmd_eval(
 
 
 def cmd_export(*, ckpt: str, out: str, force: bool = False) -> int:
-    """Write a checkpoint as model.safetensors + config.json + tokenizer + README.md (and a retriever's index)
-    that transformers' AutoModelForCausalLM loads after `import rlm.hf`.
+    """Write a checkpoint as a folder transformers' AutoModelForCausalLM loads after `import rlm.hf`.
 
     Args:
         ckpt: checkpoint written by rlm fit
