@@ -38,9 +38,8 @@ class Parts:
     """Parameter counts and per-token activation bytes, summed over the model's components."""
 
     params: int = 0
-    row_adam: int = (
-        0  # parameters a plugin updates with a row-wise Adam (no .grad, not in AdamW): PKM's values
-    )
+    # parameters a plugin updates with a row-wise Adam (no .grad, not in AdamW): PKM's values
+    row_adam: int = 0
     row_tables: int = 0  # tables under row-wise Adam (a 4-byte step each)
     act_per_token: int = 0  # bytes autograd saves per token of the batch
     notes: list[str] = field(default_factory=list)  # what the estimate leaves out or guesses, a line each

@@ -85,9 +85,8 @@ class Plugin(nn.Module):
     # the options' dataclass, validating itself in __post_init__; a ``memory`` method (rlm.model.memory.MemoryFormula)
     # gives the memory estimate the plugin's terms
     Config: ClassVar[type] = object
-    order: ClassVar[int] = (
-        100  # plugins are built in ascending (order, name), whatever order configs list them
-    )
+    # plugins are built in ascending (order, name), whatever order configs list them in
+    order: ClassVar[int] = 100
     conflicts_with: ClassVar[tuple[str, ...]] = ()  # names of plugins that cannot be used with this one
 
     def __init__(self, config: Any, model_config: ModelConfig) -> None:

@@ -170,16 +170,14 @@ class CheckpointHygiene(pl.Callback):
 
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
             return
-        cbs = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-        path = (
-            os.path.join(cbs[0].dirpath, cbs[0].CHECKPOINT_NAME_LAST + cbs[0].FILE_EXTENSION) if cbs else None
-        )
-        if path is not None:  # every rank: saving is collective under DDP and FSDP
-            trainer.save_checkpoint(path)
+        where = "no checkpoint callback"
+        for cb in trainer.checkpoint_callbacks:  # the first that writes; on every rank: saving is collective
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+                path = os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+                trainer.save_checkpoint(path)
+                where = f"saved {path}; rerun with --ckpt_path last to resume"
+                break
         if trainer.is_global_zero:
-            where = (
-                f"saved {path}; rerun with --ckpt_path last to resume" if path else "no checkpoint callback"
-            )
             print(f"rlm fit: stopped by SIGTERM at step {trainer.global_step} ({where})", file=sys.stderr)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -33,9 +33,8 @@ def _all_finite(t: Tensor) -> Tensor:
 def _aux_losses(trainer: pl.Trainer) -> dict[str, float]:
     """The plugins' aux losses logged by the current training step (``train/aux/NAME``)."""
     out = {}
-    results = getattr(
-        trainer, "_results", None
-    )  # the values logged so far in this step; absent outside a fit
+    # the values logged so far in this step; absent outside a fit loop
+    results = getattr(trainer, "_results", None)
     for key, value in results.items() if results is not None else []:
         name = key.rsplit(".", 1)[-1]
         if "/aux/" in name:
@@ -180,10 +179,7 @@ class NonFiniteGuard(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._check(trainer, pl_module)  # a checkpoint only after every step so far was finite
-        bad = [
-            k
-            for k, v in checkpoint.get("state_dict", {}).items()
-            if torch.is_tensor(v) and not _all_finite(v)
-        ]
+        state = checkpoint.get("state_dict", {})
+        bad = [k for k, v in state.items() if torch.is_tensor(v) and not _all_finite(v)]
         if bad:
             self._fail(trainer, pl_module, f"non-finite weights in {', '.join(bad[:5])}")
