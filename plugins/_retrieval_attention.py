@@ -74,9 +74,8 @@ def encode_neighbours(plugin: Any, inp: RetrievalInputs, ctx: Context) -> Encode
         with torch.set_grad_enabled(mode == "full"), torch.autocast(tokens.device.type, enabled=False):
             states, e_nb = encoder(tokens, mask, pool_len=L)  # (U, M, De), (U, D)
         states = states.float()
-        if (
-            mode == "embedding"
-        ):  # + 0 in value; d states / d embeddings taken as the blocks' residual identity
+        # + 0 in value; d states / d embeddings taken as the blocks' residual identity
+        if mode == "embedding":
             x0 = encoder.embed_tokens(tokens, mask)  # (U, M, De) with gradients: a table lookup
             states = states + (x0 - x0.detach())
     e_nb = e_nb[index]  # (B*n*k, D)

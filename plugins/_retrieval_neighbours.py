@@ -346,15 +346,8 @@ def source_groups(
     return {name: m.repeat_interleave(L, dim=1)[:, :T] for name, m in chunk.items()}
 
 
-CHUNKED = (
-    "query_tokens",
-    "query_mask",
-    "tokens",
-    "mask",
-    "valid",
-    "same_doc",
-    "ids",
-)  # fields with a chunk dim 1
+# the RetrievalInputs fields with a chunk dimension (dim 1)
+CHUNKED = ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc", "ids")
 
 
 def chunk_slice(inp: RetrievalInputs, lo: int, hi: int) -> RetrievalInputs:

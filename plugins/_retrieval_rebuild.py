@@ -32,9 +32,7 @@ from rlm.index.sharded import (
 from rlm.index.store import IndexMismatchError, IndexNotFoundError
 from rlm.plugins._retrieval_config import RetrievalConfig
 
-EMBED_BATCH = (
-    256  # segments per embedder call: amortises the call, keeps a shared embedder's activations small
-)
+EMBED_BATCH = 256  # segments per embedder call: amortises it, keeps a shared embedder's activations small
 Narrowed = tuple[np.ndarray, dict[str, Any], Projection | None]  # vectors, identity, projection
 KEEP = 2  # rebuild directories kept: the one in use, and the one before it that an older checkpoint may name
 
