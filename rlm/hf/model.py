@@ -195,15 +195,13 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
     ):
-        """transformers' from_pretrained (a local folder checked against its manifest first), then the indices."""
+        """transformers' from_pretrained, a local folder checked against its manifest first."""
         if os.path.isdir(pretrained_model_name_or_path):
             check_manifest(Path(pretrained_model_name_or_path))
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        if not any(rel is not None for rel in (model.config.indices or {}).values()):
-            return model
-        if os.path.isdir(pretrained_model_name_or_path):
-            model.attach_indices(pretrained_model_name_or_path)
-        else:
+        # __init__ attached a local folder's indices: from_pretrained sets name_or_path before building
+        indexed = any(rel is not None for rel in (model.config.indices or {}).values())
+        if indexed and not os.path.isdir(pretrained_model_name_or_path):
             warnings.warn(
                 f"{pretrained_model_name_or_path!r} is not a local folder, so its retrieval index "
                 f"{model.config.indices} is not loaded and the retriever runs without neighbours; download the "
