@@ -33,7 +33,6 @@ class Scorer:
     tokenizer: Any
     batch_size: int = 8
     mixer: Any = None
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -129,7 +128,7 @@ class Scorer:
             ids = sample(
                 self.module, [self.tokenizer.bos_id, *self.tokenizer.encode(context)], max_new, temperature,
                 kwargs.get("top_k"), eos_id=self.tokenizer.eos_id,
-                generator=torch.Generator().manual_seed(self.seed + i), mixer=self.mixer,
+                generator=torch.Generator().manual_seed(i), mixer=self.mixer,
                 stop=stop_at(self.tokenizer.decode, until) if until else None,
             )  # fmt: skip
             results.append(cut_at(self.tokenizer.decode(ids), until))
