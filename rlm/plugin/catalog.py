@@ -110,14 +110,9 @@ def _fields(module: str, name: str) -> list[tuple[str, str, Any, str]]:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if "ClassVar" in ast.unparse(node.annotation):
                 continue
-            nxt = body[i + 1] if i + 1 < len(body) else None
-            doc = ""
-            if (
-                isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                doc = " ".join(nxt.value.value.split())
+            nxt = body[i + 1].value if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) else None
+            plain = isinstance(nxt, ast.Constant) and isinstance(nxt.value, str)
+            doc = " ".join(nxt.value.split()) if plain else ""
             annotation = ast.unparse(node.annotation)  # as ``from __future__ import annotations`` keeps it
             out[node.target.id] = (node.target.id, annotation, _value(node.value), doc)
     return list(out.values())

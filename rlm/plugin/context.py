@@ -43,9 +43,7 @@ class Context:
 
     def valid_mask(self) -> Tensor:
         """The (B, T) bool padding mask, all True without padding."""
-        if self.mask is None:
-            return torch.ones_like(self.tokens, dtype=torch.bool)
-        return self.mask
+        return torch.ones_like(self.tokens, dtype=torch.bool) if self.mask is None else self.mask
 
     def add_loss(self, name: str, value: Tensor, weight: float = 1.0) -> None:
         """Add an auxiliary loss; values under one name (for example one per layer) are summed."""
