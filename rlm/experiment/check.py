@@ -69,15 +69,10 @@ def _fit_parser() -> argparse.ArgumentParser:
         def instantiate_classes(self) -> None:
             pass
 
-    cli = ParseOnly(
-        LMModule,
-        RLMDataModule,
-        args=[],
-        run=False,
-        parser_kwargs={"parser_mode": "omegaconf", "exit_on_error": False},
-        seed_everything_default=False,
-    )
-    return cli.parser
+    kwargs = {"parser_mode": "omegaconf", "exit_on_error": False}
+    return ParseOnly(
+        LMModule, RLMDataModule, args=[], run=False, parser_kwargs=kwargs, seed_everything_default=False
+    ).parser
 
 
 def _parse(cfg: dict[str, Any]) -> tuple[Any, str | None]:

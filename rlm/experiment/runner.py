@@ -48,6 +48,8 @@ from rlm.train.resume import newest_loadable
 
 KNNLM_JSON = "test_knnlm.json"  # rlm eval --datastore of the last checkpoint on the test split
 DATASTORE = "datastore"  # removed after evaluation unless kept; its meta.json stays as datastore_meta.json
+# a run's own files, not taken over when an equal run is reused
+NOT_REUSED = (SUMMARY, KNNLM_JSON, DATASTORE, "datastore_meta.json", "knnlm.log", JOB_JSON)
 
 
 class Preempted(Exception):
@@ -262,10 +264,7 @@ def reuse(run: Run, source: Path) -> dict[str, Any]:
     summary.update(variant=run.variant, reused_from=summary.get("reused_from") or str(source.resolve()))
     tmp = run.dir.with_name(run.dir.name + ".reuse-tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    ignore = shutil.ignore_patterns(
-        SUMMARY, KNNLM_JSON, DATASTORE, "datastore_meta.json", "knnlm.log", JOB_JSON
-    )
-    shutil.copytree(source, tmp, copy_function=_link_or_copy, ignore=ignore)
+    shutil.copytree(source, tmp, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(*NOT_REUSED))
     write_atomic(tmp / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if run.dir.exists():
         shutil.rmtree(run.dir)
