@@ -21,6 +21,7 @@ plugins keep outside the model (retrieval's index), communication buffers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -172,8 +173,6 @@ def format_estimate(est: dict[str, Any]) -> str:
 def local_processes() -> int:
     """Processes of this job on this machine, as the launcher says (torchrun's LOCAL_WORLD_SIZE, srun's
     SLURM_NTASKS_PER_NODE such as '8(x2)'); 1 when none says."""
-    import os
-
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         value = os.environ.get(name, "").split("(")[0].split(",")[0]
         if value.isdigit() and int(value) > 0:

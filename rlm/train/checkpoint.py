@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from rlm.plugin.registry import full_specs, plain
 
@@ -166,8 +167,6 @@ class CheckpointHygiene(pl.Callback):
     ) -> None:
         """Preemption (SIGTERM, raised by Lightning at a batch boundary on every rank): save last.ckpt; rlm fit
         then exits PREEMPTED."""
-        from pytorch_lightning.utilities.exceptions import SIGTERMException
-
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
             return
         where = "no checkpoint callback"

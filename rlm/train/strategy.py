@@ -6,6 +6,7 @@ import importlib.util
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallel
 
 CPU_PROCESSES = 2  # what ``devices: auto`` starts on a CPU under a multi-process strategy
@@ -80,7 +81,5 @@ def use_rlm_model_parallel(strategy: Any) -> Any:
 def release_process_group() -> None:
     """Destroy the default process group Lightning leaves up, while the interpreter is still whole: a gloo thread
     freeing a collective's tensors during finalization cannot take the GIL and aborts the finished run (exit -6)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
