@@ -216,12 +216,10 @@ def _annotate(ax: Any, label: str, xy: tuple[float, float], dx: float, dy: float
 
 
 def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
     fig.tight_layout()
     fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     os.replace(tmp, path)
 
 
