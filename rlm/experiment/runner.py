@@ -437,11 +437,8 @@ def _cpu_count() -> int:
 def local_slots(jobs: int) -> list[dict[str, str]]:
     """The environment of each of ``jobs`` concurrent runs on this machine: a GPU of its own
     (CUDA_VISIBLE_DEVICES) when there are GPUs, otherwise an equal share of the CPU cores (OMP_NUM_THREADS)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        gpus = [d.strip() for d in visible.split(",") if d.strip()]
-    else:
-        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+    gpus = [d.strip() for d in visible.split(",") if d.strip()]
     if gpus:
         if jobs > len(gpus):
             raise ValueError(
