@@ -154,7 +154,7 @@ def cmd_run(
         print("wrote " + ", ".join(str(p) for p in paths))
     except (ValueError, MissingExtra) as err:
         print(f"no report: {err}")
-    summaries = [(r.label, r.dir, r.dir / LAST_CKPT, r.summary()) for r in runs if r.finished()]
+    summaries = [(r.label, r.dir, r.dir / LAST_CKPT, r.summary()) for r in runs if r.summary()]
     print(experiment_summary(where, summaries, paths))
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)} (see their fit.log); rerun to retry them")

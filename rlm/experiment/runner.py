@@ -290,7 +290,7 @@ def execute(
     try:
         return _execute(run, out, reuse_equal, jobs)
     except BaseException as err:
-        if run.dir.is_dir() and not run.finished():
+        if run.dir.is_dir() and run.summary() is None:
             # Preempted, a submitit checkpoint's exit or Ctrl-C leave a resumable run; anything else is a bug
             stopped = isinstance(err, (Preempted, SystemExit, KeyboardInterrupt))
             write_job(run.dir, state="stopped" if stopped else "failed", ended=time.time(),

@@ -54,9 +54,6 @@ class Run:
         """The run's summary.json, or None when it is missing or damaged (the run is then not finished)."""
         return read_json(self.dir / SUMMARY) or None
 
-    def finished(self) -> bool:
-        return self.summary() is not None
-
     def complete(self) -> bool:
         """Finished, with the kNN-LM stage too when the variant has one: nothing left to do."""
         summary = self.summary()
