@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),  # fmt: skip
     ("subcommands", ("rlm.experiment", "rlm.index.cli")),
-    ("entry points", ("rlm.__main__", "rlm.cli", "rlm.cli.commands", "rlm.cli.__main__")),
+    ("entry points", ("rlm.__main__", "rlm.cli", "rlm.cli.commands")),
 ]
 
 # None left: index/rebuild.py and index/sharded.py imported each other until the memory moved to index/memory.py.
