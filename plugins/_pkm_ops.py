@@ -189,22 +189,33 @@ class MaskedBatchNorm(nn.Module):
         return y.to(x.dtype)
 
 
+def group_slots(slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Lookups grouped by value row: (distinct rows (U,), offsets (U+1,), order (E,)); row rows[u]'s lookups are
+    order[offsets[u]:offsets[u+1]] of the flat slots (E,), in their original order."""
+    flat = slots.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # stable: a deterministic summation order per row
+    # index_select, not flat[order]: advanced indexing is several times slower on CPU
+    rows, counts = torch.unique_consecutive(flat.index_select(0, order), return_counts=True)  # (U,)
+    return rows, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), order
+
+
 def sort_lookups(
-    slots: Tensor, weights: Tensor, tok: Tensor | None = None
+    slots: Tensor,
+    weights: Tensor,
+    tok: Tensor | None = None,
+    grouped: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Group lookups by value row: (distinct rows (U,), offsets (U+1,), source row in grad (E,), weight (E,)).
 
     slots, weights (N, m): lookup (t, j) reads row slots[t, j] for grad row t; or flat (E,) with grad rows ``tok``.
-    Row rows[u]'s lookups are offsets[u]:offsets[u+1] of the returned (E,) tensors.
+    Row rows[u]'s lookups are offsets[u]:offsets[u+1] of the returned (E,) tensors. ``grouped``: group_slots(slots)
+    when the caller has it.
     """
     if tok is None:
         N, m = slots.shape
         tok = torch.arange(N, device=slots.device).repeat_interleave(m)  # (N * m,)
-    flat = slots.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # stable: a deterministic summation order per row
-    rows, counts = torch.unique_consecutive(flat[order], return_counts=True)  # (U,)
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return rows, offsets, tok[order], weights.reshape(-1)[order]
+    rows, offsets, order = grouped or group_slots(slots)
+    return rows, offsets, tok.index_select(0, order), weights.reshape(-1).index_select(0, order)
 
 
 def row_gradients(offsets: Tensor, tok: Tensor, w: Tensor, grad: Tensor) -> Tensor:

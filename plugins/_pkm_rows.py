@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlm.plugins import _pkm_native
-from rlm.plugins._pkm_ops import gathers, row_gradients, scatter_rows, sort_lookups
+from rlm.plugins._pkm_ops import gathers, group_slots, row_gradients, scatter_rows, sort_lookups
 
 
 class RowAdam:
@@ -61,14 +61,22 @@ class RowAdam:
         grad = reads[0][2].contiguous() if len(reads) == 1 else torch.cat([g for _, _, g in reads])
         return slots, weights, torch.cat(tok), grad
 
-    def _lookups(self, key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
-        """Every pending read of a table grouped by row: rows, offsets, tok, w (see sort_lookups) and grad."""
+    def _lookups(self, key: str, seen: list[tuple[Tensor, tuple]]) -> tuple[Tensor, ...] | None:
+        """Every pending read of a table grouped by row: rows, offsets, tok, w (see sort_lookups) and grad. ``seen``:
+        (slots, group_slots(slots)) of the tables grouped before in this step, reused for equal slots (PEER reads
+        its down and up tables at the same slots)."""
         got = self._reads(key)
-        return None if got is None else (*sort_lookups(*got[:3]), got[3])
+        if got is None:
+            return None
+        grouped = next((g for s, g in seen if torch.equal(s, got[0])), None)
+        if grouped is None:
+            grouped = group_slots(got[0])
+            seen.append((got[0], grouped))
+        return (*sort_lookups(*got[:3], grouped=grouped), got[3])
 
     def pending(self, key: str) -> tuple[Tensor, Tensor] | None:
         """A table's accumulated gradient as (distinct rows (U,), row gradients (U, d)), or None."""
-        got = self._lookups(key)
+        got = self._lookups(key, [])
         if got is None:
             return None
         rows, offsets, tok, w, grad = got
@@ -100,6 +108,7 @@ class RowAdam:
     def step(self) -> None:
         """Apply one Adam step to the touched rows of every table, then clear the gradients."""
         self.sent_bytes = 0
+        seen: list[tuple[Tensor, tuple]] = []  # see _lookups
         for key, table in self.tables.items():
             if self.group is None and gathers(table):
                 got = self._reads(key)
@@ -120,7 +129,7 @@ class RowAdam:
                 )
                 self.sent_bytes += sent
             else:
-                got = self._lookups(key)
+                got = self._lookups(key, seen)
             if got is None or got[0].numel() == 0:
                 continue
             rows, offsets, tok, w, grad = got

@@ -278,6 +278,24 @@ def test_row_adam_matches_torch_sparse_adam(native):
     assert not opt.reads
 
 
+def test_row_adam_shares_a_grouping_of_reads_only_between_equal_slots():
+    """PEER's down and up tables are read at equal slots and share one grouping of their reads: each table still
+    ends as a RowAdam holding it alone leaves it, and so does a table read at other slots of the same shape."""
+    together, want = RowAdam(lr=0.01), {}
+    slots = torch.randint(0, 50, (12, 4))
+    for key, sl in (("up", slots), ("down", slots.clone()), ("other", torch.randint(0, 50, (12, 4)))):
+        table, weights, grad = torch.randn(50, 8), torch.rand(12, 4), torch.rand(12, 8)
+        alone, want[key] = RowAdam(lr=0.01), table.clone()
+        alone.add_table(key, want[key])
+        alone.add_lookups(key, sl, weights, grad)
+        alone.step()
+        together.add_table(key, table)
+        together.add_lookups(key, sl, weights, grad)
+    together.step()
+    for key, table in together.tables.items():
+        assert torch.equal(table, want[key]), key
+
+
 @pytest.mark.parametrize("query_norm", ["none", "layernorm", "batchnorm"])
 def test_query_norm_causality_in_training(query_norm):
     """layernorm and none: a token's training output never depends on later tokens (or the rest of the batch).
