@@ -20,12 +20,16 @@
 
 #define ADAM_AHEAD 4 /* rows of (p, m, v) prefetched ahead of the update: their reads are random */
 
+/* Rows are prefetched into L2 (prefetcht1), not L1: a row is 16+ cache lines, and L1 prefetches of several rows
+   take the few L1 miss buffers that the loads of the row being computed need. */
+#define PREFETCH_LOCALITY 2
+
 static inline void prefetch_row(const float *row, int64_t d) {
-    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
+    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 0, PREFETCH_LOCALITY);
 }
 
 static inline void prefetch_row_for_write(float *row, int64_t d) {
-    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 1);
+    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 1, PREFETCH_LOCALITY);
 }
 
 CLONES void pkm_row_adam(float *p, float *m, float *v, const int64_t *rows, const int64_t *offsets,
