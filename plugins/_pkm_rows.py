@@ -61,22 +61,22 @@ class RowAdam:
         grad = reads[0][2].contiguous() if len(reads) == 1 else torch.cat([g for _, _, g in reads])
         return slots, weights, torch.cat(tok), grad
 
-    def _lookups(self, key: str, seen: list[tuple[Tensor, tuple]]) -> tuple[Tensor, ...] | None:
+    def _lookups(self, key: str, seen: dict[tuple, tuple]) -> tuple[Tensor, ...] | None:
         """Every pending read of a table grouped by row: rows, offsets, tok, w (see sort_lookups) and grad. ``seen``:
-        (slots, group_slots(slots)) of the tables grouped before in this step, reused for equal slots (PEER reads
-        its down and up tables at the same slots)."""
+        group_slots of the tables grouped before in this step, by the storage of their reads' slots: PEER reads its
+        down and up tables at one slots tensor, so one grouping serves both (keyed by storage, not by value: a
+        device compare would sync the host)."""
         got = self._reads(key)
         if got is None:
             return None
-        grouped = next((g for s, g in seen if torch.equal(s, got[0])), None)
-        if grouped is None:
-            grouped = group_slots(got[0])
-            seen.append((got[0], grouped))
-        return (*sort_lookups(*got[:3], grouped=grouped), got[3])
+        same = tuple((sl.data_ptr(), sl.shape, sl.stride()) for sl, _, _ in self.reads[key])
+        if same not in seen:
+            seen[same] = group_slots(got[0])
+        return (*sort_lookups(*got[:3], grouped=seen[same]), got[3])
 
     def pending(self, key: str) -> tuple[Tensor, Tensor] | None:
         """A table's accumulated gradient as (distinct rows (U,), row gradients (U, d)), or None."""
-        got = self._lookups(key, [])
+        got = self._lookups(key, {})
         if got is None:
             return None
         rows, offsets, tok, w, grad = got
@@ -108,7 +108,7 @@ class RowAdam:
     def step(self) -> None:
         """Apply one Adam step to the touched rows of every table, then clear the gradients."""
         self.sent_bytes = 0
-        seen: list[tuple[Tensor, tuple]] = []  # see _lookups
+        seen: dict[tuple, tuple] = {}  # see _lookups
         for key, table in self.tables.items():
             if self.group is None and gathers(table):
                 got = self._reads(key)

@@ -13,11 +13,12 @@ from torch.testing import assert_close
 from rlm.distributed.parallel import CAN_REPLICATE
 from rlm.model import ModelConfig, Transformer
 from rlm.plugin import Context, make_config
-from rlm.plugins import _pkm_native, _pkm_ops
+from rlm.plugins import _pkm_native, _pkm_ops, _pkm_rows
 from rlm.plugins._pkm_ops import (
     MaskedBatchNorm,
     bag_dot,
     coalesce_rows,
+    group_slots,
     product_key_topk,
     slot_stats,
 )
@@ -278,12 +279,21 @@ def test_row_adam_matches_torch_sparse_adam(native):
     assert not opt.reads
 
 
-def test_row_adam_shares_a_grouping_of_reads_only_between_equal_slots():
-    """PEER's down and up tables are read at equal slots and share one grouping of their reads: each table still
-    ends as a RowAdam holding it alone leaves it, and so does a table read at other slots of the same shape."""
+def test_row_adam_shares_a_grouping_of_reads_only_between_reads_of_one_slots_tensor(monkeypatch):
+    """PEER's down and up tables are read at one slots tensor and share one grouping of their reads: each table
+    still ends as a RowAdam holding it alone leaves it, and so do a table read at a copy of those slots and one read
+    at other slots of the same shape (each grouped anew)."""
+    calls = []
+    monkeypatch.setattr(_pkm_rows, "group_slots", lambda slots: calls.append(slots) or group_slots(slots))
     together, want = RowAdam(lr=0.01), {}
     slots = torch.randint(0, 50, (12, 4))
-    for key, sl in (("up", slots), ("down", slots.clone()), ("other", torch.randint(0, 50, (12, 4)))):
+    reads = (
+        ("up", slots),
+        ("down", slots),
+        ("copy", slots.clone()),
+        ("other", torch.randint(0, 50, (12, 4))),
+    )
+    for key, sl in reads:
         table, weights, grad = torch.randn(50, 8), torch.rand(12, 4), torch.rand(12, 8)
         alone, want[key] = RowAdam(lr=0.01), table.clone()
         alone.add_table(key, want[key])
@@ -291,9 +301,11 @@ def test_row_adam_shares_a_grouping_of_reads_only_between_equal_slots():
         alone.step()
         together.add_table(key, table)
         together.add_lookups(key, sl, weights, grad)
+    calls.clear()
     together.step()
     for key, table in together.tables.items():
         assert torch.equal(table, want[key]), key
+    assert len(calls) == 3  # up and down share one; the copy and the other slots are grouped alone
 
 
 @pytest.mark.parametrize("query_norm", ["none", "layernorm", "batchnorm"])
