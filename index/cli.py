@@ -214,7 +214,9 @@ def cmd_eval(dir: str, *, k: int = 10, queries: int = 1000, seed: int = 0) -> in
 
     idx = load_index_dir(dir)
     if idx.vectors is None:
-        raise ValueError(f"{dir} was written without its vectors (store_vectors=False); eval needs them")
+        raise ValueError(
+            f"{dir} holds no vectors (an older rlm could write an index without them); eval needs them: rebuild it"
+        )
     n = len(idx.vectors)
     rng = np.random.default_rng(seed)
     sample = np.asarray(idx.vectors[np.sort(rng.choice(n, size=min(queries, n), replace=False))])
