@@ -1,20 +1,18 @@
 """Lookups of the routed plugins (moe, partial_experts): the entries q(x, id) a token reads in
 L(x) + sum_{i in q(x, id)} w_i(x) f_i(x) (Baykal et al. 2023, Sec. 3):
 - ``softmax``: the top-k of p = softmax(W x), weighted by p (Shazeer 2017; Fedus 2021);
-- ``token_id``: the vocabulary id (weight 1), through a seeded hash or a frequency-balanced map;
+- ``token_id``: the vocabulary id (weight 1), through a seeded hash when there are fewer entries than ids
+  (Roller et al. 2021, 'Hash layers');
 - ``lsh``: the token's cell in a grid of ``lsh_slabs`` slabs along m random directions, lsh_slabs ** m cells
   (2 slabs: sign hashing, Charikar 2002).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,10 +35,6 @@ class LookupOptions:
     """Softmax top-k: divide the k gate values by their sum (needs top_k >= 2: a gate fixed at 1 learns nothing)."""
     router_jitter: float = 0.01
     """Softmax: multiplicative jitter U(1-eps, 1+eps) on the router input while training (Switch); 0 disables."""
-    token_map: Literal["hash", "balanced"] = "hash"
-    """token_id with fewer entries than ids: 'hash' (equal ids per entry) or 'balanced' (needs token_counts)."""
-    token_counts: str | None = None
-    """token_id 'balanced': path of a .npy array of per-id token counts, shape (vocab,)."""
     lsh_slabs: int = 2
     """lsh: slabs per random direction (2 = one hyperplane through the origin); entries must be a power of it."""
     lsh_width: float = 1.0
@@ -55,8 +49,6 @@ class LookupOptions:
             raise ValueError("renormalize needs top_k >= 2 (a lone gate is fixed at 1 and trains nothing)")
         if not 0.0 <= self.router_jitter < 1.0:
             raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
-        if self.token_map == "balanced" and not self.token_counts:
-            raise ValueError("token_map='balanced' needs token_counts: a .npy file of per-id counts")
         if not isinstance(self.lsh_slabs, int) or self.lsh_slabs < 2:
             raise ValueError(f"lsh_slabs must be an integer >= 2, got {self.lsh_slabs!r}")
         if self.lsh_width <= 0:
@@ -103,36 +95,14 @@ def hash_table(vocab: int, n: int, seed: int) -> Tensor:
     return table
 
 
-def balanced_table(counts: np.ndarray, n: int) -> Tensor:
-    """An id -> entry map equalising token frequency: ids by decreasing count into the lightest entry (LPT)."""
-    heap = [(0, e) for e in range(n)]  # (load, entry)
-    table = np.empty(len(counts), dtype=np.int64)
-    for i in np.argsort(-counts, kind="stable"):
-        load, e = heapq.heappop(heap)
-        table[i] = e
-        heapq.heappush(heap, (load + int(counts[i]), e))
-    return torch.from_numpy(table)
-
-
 class TokenIDLookup(nn.Module):
-    """The token's vocabulary id (mapped through a fixed table when there are fewer entries) picks one entry."""
+    """The token's vocabulary id (through a fixed seeded hash when there are fewer entries) picks one entry."""
 
     def __init__(self, vocab: int, n: int, options: LookupOptions) -> None:
         super().__init__()
         if n > vocab:
             raise ValueError(f"token_id lookup: {n} entries but {vocab} token ids; use at most {vocab}")
-        if n == vocab:
-            table = torch.arange(vocab)
-        elif options.token_map == "hash":
-            table = hash_table(vocab, n, SEED)
-        else:
-            path = options.token_counts
-            if not Path(path).is_file():
-                raise ValueError(f"token_counts file {path!r} does not exist")
-            counts = np.load(path)  # per-id token counts
-            if counts.shape != (vocab,) or (counts < 0).any():
-                raise ValueError(f"token_counts {path!r} must hold {vocab} counts >= 0, got {counts.shape}")
-            table = balanced_table(counts, n)
+        table = torch.arange(vocab) if n == vocab else hash_table(vocab, n, SEED)
         self.register_buffer("table", table)  # (vocab,) long, checkpointed so buckets survive a resume
 
     def forward(self, x: Tensor, tokens: Tensor, training: bool) -> Routing:

@@ -94,22 +94,6 @@ def export_indices(model: Transformer, dest: Path, say: Callable[[str], None]) -
     return found
 
 
-def export_files(specs: dict[str, Any], dest: Path, say: Callable[[str], None]) -> dict[str, list[str]]:
-    """Copy the files that plugin options name (a token_counts array, say) into ``dest/files`` and point the
-    options there, relative to ``dest``; returns plugin label -> the options rewritten."""
-    found: dict[str, list[str]] = {}
-    for label, spec in specs.items():
-        for option, value in spec["init_args"].items():
-            if isinstance(value, str) and value and Path(value).is_file():
-                rel = f"files/{label}.{option}{Path(value).suffix}"
-                (dest / "files").mkdir(exist_ok=True)
-                shutil.copyfile(value, dest / rel)
-                spec["init_args"][option] = rel
-                found.setdefault(label, []).append(option)
-                say(f"plugin {label!r}: copied {option}={value} to {rel}")
-    return found
-
-
 def final_metrics(ckpt_path: Path, step: int) -> tuple[Path | None, dict[str, tuple[int, float]]]:
     """The run's metrics.csv beside the checkpoint, if any, and each loss column's last (step, value) up to
     ``step``."""
@@ -227,8 +211,7 @@ def write_source(dest: Path) -> None:
 def write_rlm(
     model: Transformer, module: Any, tok: Any, dest: Path, say: Callable[[str], None]
 ) -> tuple[Any, dict[str, str | None]]:
-    """Write ``model`` into ``dest`` as rlm.hf.model's, with its source, indices and option files; returns
-    (config, indices)."""
+    """Write ``model`` into ``dest`` as rlm.hf.model's, with its source and indices; returns (config, indices)."""
     from rlm.hf.model import RLMConfig, RLMForCausalLM, plugin_specs
 
     indices = export_indices(model, dest, say)
@@ -237,18 +220,16 @@ def write_rlm(
     for label in indices:
         if "index_dir" in specs[label]["init_args"]:
             specs[label]["init_args"]["index_dir"] = None
-    files = export_files(specs, dest, say)
     config = RLMConfig(
         rlm_model=asdict(module.model_config),
         plugins=specs,
         indices=indices,
-        files=files,
         bos_token_id=tok.bos_id,
         eos_token_id=tok.eos_id,
         pad_token_id=tok.pad_id,
     )
     config.auto_map = {"AutoConfig": AUTO_CONFIG, "AutoModelForCausalLM": AUTO_MODEL}
-    config.name_or_path = str(dest)  # where the copied files are (not written to config.json)
+    config.name_or_path = str(dest)  # where the copied indices are (not written to config.json)
     # a shell built from config.json alone must have the checkpoint's parameters; its Transformer goes in
     with torch.device("meta"):
         hf = RLMForCausalLM(config)

@@ -66,7 +66,6 @@ class RLMConfig(PretrainedConfig):
     rlm_model: dict[str, Any] = field(default_factory=dict)  # rlm.model.ModelConfig's fields
     plugins: dict[str, Any] = field(default_factory=dict)  # label -> {class_path, init_args}, every option
     indices: dict[str, str | None] = field(default_factory=dict)  # label -> its index folder, or None
-    files: dict[str, list[str]] = field(default_factory=dict)  # label -> its options naming a copied file
     vocab_size: int | None = None
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
@@ -91,24 +90,6 @@ class RLMConfig(PretrainedConfig):
             self.max_position_embeddings = shape.max_seq_len
             self.tie_word_embeddings = shape.tie_embeddings
         super().__post_init__(**kwargs)
-
-
-def _with_files(config: RLMConfig, root: str | None) -> dict[str, Any]:
-    """The plugin specs with the options naming exported files resolved against the model folder ``root``."""
-    specs = {
-        label: {**spec, "init_args": dict(spec["init_args"])}
-        for label, spec in (config.plugins or {}).items()
-    }
-    for label, options in (config.files or {}).items():
-        for option in options:
-            rel = specs[label]["init_args"][option]
-            if root is None:
-                raise ValueError(
-                    f"plugin {label!r}: option {option}={rel!r} names a file of the exported folder; load the model "
-                    "from a local folder (from_pretrained(DIR)), where that file is"
-                )
-            specs[label]["init_args"][option] = str(Path(root, rel))
-    return specs
 
 
 def _tied_source(model: Transformer) -> str | None:
@@ -145,9 +126,9 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: RLMConfig) -> None:
         super().__init__(config)
-        # from_pretrained sets name_or_path before building: the folder that files and indices are relative to
+        # from_pretrained sets name_or_path before building: the folder that indices are relative to
         root = config.name_or_path if config.name_or_path and os.path.isdir(config.name_or_path) else None
-        self.model = Transformer(ModelConfig(**config.rlm_model), _with_files(config, root) or None)
+        self.model = Transformer(ModelConfig(**config.rlm_model), config.plugins or None)
         if root is not None:
             self.attach_indices(root)
         source = _tied_source(self.model)

@@ -422,30 +422,6 @@ def test_a_hugging_face_tokenizer_is_exported_for_auto_tokenizer(tmp_path):
     assert "tokenizer.json" in (out / "README.md").read_text()
 
 
-def test_a_file_a_plugin_option_names_is_copied_into_the_folder(tmp_path, sp_model):
-    """token_map 'balanced' reads its token_counts array when the model is built: the array travels in files/,
-    config.json names it relative to the folder, and the original can go."""
-    from transformers import AutoModelForCausalLM
-
-    counts = tmp_path / "counts.npy"
-    np.save(counts, np.random.default_rng(0).integers(1, 100, size=VOCAB))
-    options = {"layers": [1], "buckets": 8, "rank": 2, "lookup": "token_id", "token_map": "balanced"}
-    ckpt = make_checkpoint(tmp_path, {"partial_experts": {**options, "token_counts": str(counts)}}, sp_model)
-    tokens = _tokens()
-    want = reference_logits(ckpt, tokens)
-    export(ckpt, tmp_path / "hf", say=lambda _: None)
-    counts.unlink()
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (
-        config["plugins"]["partial_experts"]["init_args"]["token_counts"]
-        == "files/partial_experts.token_counts.npy"
-    )
-    assert config["files"] == {"partial_experts": ["token_counts"]}
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    with torch.no_grad():
-        assert_close(model(tokens).logits, want, rtol=1e-5, atol=1e-5)
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, sp_model) -> Path:
     """A Token-ID model exported once (rlm's own model class, whose loader checks the manifest); tests damage

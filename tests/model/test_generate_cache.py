@@ -27,7 +27,7 @@ PLUGINS = {
     "base": {},
     "moe": {"moe": {"layers": [1], "num_experts": 4}},
     "moe_top2": {"moe": {"layers": [0, 1], "num_experts": 4, "top_k": 2, "renormalize": True}},
-    "moe_hash": {"moe": {"layers": [1], "num_experts": 4, "lookup": "token_id", "token_map": "hash"}},
+    "moe_hash": {"moe": {"layers": [1], "num_experts": 4, "lookup": "token_id"}},
     "partial_experts": {"partial_experts": {"layers": [1], "lookup": "lsh", "buckets": 16, "rank": 2}},
     "pkm": {"pkm": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16}},
     "pkm_batchnorm": {"pkm": {"layers": [1], "n_keys": 8, "heads": 2, "topk": 4, "k_dim": 16, "query_norm": "batchnorm"}},

@@ -1,16 +1,15 @@
-"""Lookup functions: softmax router, Token-ID tables (hash / frequency-balanced), hyperplane LSH."""
+"""Lookup functions: softmax router, Token-ID hash table, hyperplane LSH."""
 
-import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
 from rlm.plugins._lookup import (
+    SEED,
     LookupOptions,
     LSHLookup,
     SoftmaxRouter,
     TokenIDLookup,
-    balanced_table,
     hash_table,
     lsh_directions,
 )
@@ -47,33 +46,14 @@ def test_hash_table_is_fixed_and_balanced():
     assert counts.max() - counts.min() <= 1  # every entry gets floor/ceil(100/8) ids
 
 
-def test_balanced_table_equalises_frequency():
-    counts = np.array([50, 30, 20, 10, 10, 5, 5, 5, 3, 2])
-    table = balanced_table(counts, 3)
-    loads = np.bincount(table.numpy(), weights=counts, minlength=3)
-    # LPT by hand: 50 | 30, 10, 5, 2 ... ; the heaviest entry carries the single 50-count id.
-    assert loads.max() == 50 and loads.sum() == counts.sum()
-    assert loads.min() >= 40
-
-
-def test_token_id_lookup_maps_ids(tmp_path):
+def test_token_id_lookup_maps_ids():
     opts = LookupOptions(lookup="token_id")
     ident = TokenIDLookup(16, 16, opts)
     tokens = torch.randint(0, 16, (3, 5))
     assert torch.equal(ident(torch.randn(15, D), tokens, False).index.view(3, 5), tokens)
     with pytest.raises(ValueError, match="at most 16"):
         TokenIDLookup(16, 32, opts)
-    counts = np.arange(16)[::-1].copy()
-    np.save(tmp_path / "counts.npy", counts)
-    bal = TokenIDLookup(
-        16,
-        4,
-        LookupOptions(lookup="token_id", token_map="balanced", token_counts=str(tmp_path / "counts.npy")),
-    )
-    loads = np.bincount(bal.table.numpy(), weights=counts, minlength=4)
-    assert loads.max() - loads.min() <= 2
-    with pytest.raises(ValueError, match="does not exist"):
-        TokenIDLookup(16, 4, LookupOptions(lookup="token_id", token_map="balanced", token_counts="nope.npy"))
+    assert torch.equal(TokenIDLookup(16, 4, opts).table, hash_table(16, 4, SEED))  # fewer entries: the hash
 
 
 def naive_lsh(x: torch.Tensor, directions: torch.Tensor, cuts: torch.Tensor, slabs: int) -> list[int]:
@@ -127,7 +107,6 @@ def test_lsh_needs_a_power_of_the_slabs():
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(token_map="balanced"), "token_counts"),
         (dict(lsh_slabs=1), "lsh_slabs"),
         (dict(router_jitter=1.5), "router_jitter"),
         (dict(lookup="token_id", top_k=2), "top_k"),
