@@ -161,6 +161,14 @@ class TrainLoader:
             self.position += 1
             yield batch
 
+    def upcoming(self) -> dict[str, Tensor]:
+        """The batch the next next() hands out, made again on the host: a training step may start work for the
+        step after it (the retriever searches its neighbours a step ahead). Lightning fetches nothing ahead from a
+        loader with a length, so the loader says it."""
+        epoch, position = (self.epoch, self.position) if self.position < len(self) else (self.epoch + 1, 0)
+        batch = self.windows.collate(self.epoch_batches(epoch)[position])
+        return pinned(batch) if self.pin else batch
+
     def state_dict(self) -> dict[str, int]:
         """Where the loader is (epoch, batches handed out in it) and what must match to resume exactly."""
         return {

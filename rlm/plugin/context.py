@@ -3,6 +3,7 @@ state, which breaks under activation checkpointing, DDP and torch.compile)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ class Context:
     loss_groups: dict[str, Tensor] = field(default_factory=dict)
     hidden: Tensor | None = None  # the last forward's final normed states (B, T, d), for Plugin.objective
     variant: str | None = None  # the evaluation variant of this forward (Plugin.eval_variants)
+    # training: makes the next step's batch on the host (rlm's loader), for work a plugin starts a step ahead
+    upcoming: Callable[[], dict[str, Any]] | None = None
 
     @property
     def training(self) -> bool:

@@ -213,6 +213,23 @@ def test_train_loader_shards_evenly_and_reshuffles(dm):
         TrainLoader(w, 1000)
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_upcoming_is_the_batch_the_loader_hands_out_next(dm, num_workers):
+    """Across an epoch's end, and after a resume from the loader's state."""
+    loader = TrainLoader(dm.windows("train"), 4, seed=0, num_workers=num_workers)
+    epochs = iter(loader), iter(loader)  # generators: the second starts once the first is used up
+    for i in range(len(loader) + 2):
+        ahead = loader.upcoming()
+        batch = next(epochs[i // len(loader)])
+        assert batch.keys() == ahead.keys()
+        for name, x in batch.items():
+            torch.testing.assert_close(ahead[name], x, rtol=0, atol=0, msg=name)
+    assert loader.epoch == 1
+    resumed = TrainLoader(dm.windows("train"), 4, seed=0)
+    resumed.load_state_dict(loader.state_dict())
+    torch.testing.assert_close(resumed.upcoming()["tokens"], next(iter(loader))["tokens"], rtol=0, atol=0)
+
+
 def test_datamodule_shards_by_the_attached_trainer(dm, monkeypatch):
     per_rank = []
     for rank in range(3):
