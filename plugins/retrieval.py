@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from rlm.data.windows import HOST, host_array, host_copy
 from rlm.index.memory import RetrievalMemory
 from rlm.index.sharded import load_memory_for_search
 from rlm.plugin import Claim, Context, Mode, Plugin, Slot, check_layers
@@ -40,6 +41,14 @@ if TYPE_CHECKING:
 
 BACKGROUND_DEVICES = ("cuda",)
 """Devices whose training steps search in a thread beside the forward; on the CPU it would take the forward's cores."""
+
+
+def _batch_key(batch: dict[str, Any]) -> tuple:
+    """What tells two training batches apart, read from the host copies (no device read)."""
+    return tuple(
+        None if (a := host_array(batch, n)) is None else a.tobytes()
+        for n in ("tokens", "segment_ids", "starts")
+    )
 
 
 class RetrievalPlugin(Plugin):
@@ -71,6 +80,7 @@ class RetrievalPlugin(Plugin):
         object.__setattr__(self, "memory", None)  # RetrievalMemory set by the rebuild callback
         self._saved_index_dir: str | None = None  # from a checkpoint: loaded on first use outside training
         self.prepare_seconds = 0.0  # wall-clock time of the last neighbour lookup or search: a metric
+        self._ahead: tuple[tuple, RetrievalMemory, PendingInputs] | None = None  # the next step's search
 
     def claims(self) -> list[Claim]:
         return [Claim(Slot.CROSS_ATTN, Mode.REPLACE, self.layers)]
@@ -116,31 +126,64 @@ class RetrievalPlugin(Plugin):
         device = batch["tokens"].device
         if online and memory is not None:  # searched where the model runs (faiss-gpu or torch on a GPU)
             memory.place_search(device)
-        # a training step's search runs in a thread while the forward reaches the first cross-attention (encoded)
+        # a training step's search runs in a thread: beside the step before it when the loader says the next batch
+        # (ctx.upcoming), else beside its own forward up to the first cross-attention (encoded)
         background = online and ctx.training and memory is not None and not memory.collective
         background = background and device.type in BACKGROUND_DEVICES
-        inputs = ctx.extras[self.label] = gather_inputs(
-            memory,
-            batch,
-            c.k,
-            c.continuation,
-            online=online,
-            embed=self._embed_queries,
-            segments=ctx.segments,
-            warm_k=(c.k if memory is None else c.same_doc_k) if warm != "none" else 0,
-            warm=warm,
-            randomise=ctx.variant == f"{self.label}_random",
-            evaluation=not ctx.training,
-            exclude_copies=c.exclude_copies,
-            background=background,
-        )
+
+        def gather(b: dict[str, Any]) -> RetrievalInputs | PendingInputs:
+            return gather_inputs(
+                memory,
+                b,
+                c.k,
+                c.continuation,
+                online=online,
+                embed=self._embed_queries,
+                segments=ctx.segments,
+                warm_k=(c.k if memory is None else c.same_doc_k) if warm != "none" else 0,
+                warm=warm,
+                randomise=ctx.variant == f"{self.label}_random",
+                evaluation=not ctx.training,
+                exclude_copies=c.exclude_copies,
+                background=background,
+            )
+
+        if background and ctx.upcoming is not None:
+            inputs = self._take_ahead(batch, memory)
+            ctx.log(f"{self.label}/searched_ahead", float(inputs is not None))
+            if inputs is None:  # the first step, and the first after an index swap, wait for their own search
+                inputs = gather(batch).result()
+            ctx.extras[self.label] = inputs
+            self._search_ahead(ctx.upcoming(), memory, device, gather)
+        else:
+            inputs = ctx.extras[self.label] = gather(batch)
         self.prepare_seconds = time.perf_counter() - start
-        if background:
+        if isinstance(inputs, PendingInputs):
             return  # prepare_ms is logged once the forward has waited for the search (encoded)
         ctx.log(f"{self.label}/prepare_ms", 1000.0 * self.prepare_seconds)
         if not ctx.training and memory is not None and c.exclude_copies:  # the evaluated future's copies
             ctx.log(f"{self.label}/duplicates_excluded", float(inputs.excluded))
         self._declare_loss_groups(ctx, inputs, inputs.query_tokens.shape[-1])
+
+    def _take_ahead(self, batch: dict[str, Any], memory: RetrievalMemory) -> RetrievalInputs | None:
+        """The neighbours searched during the last step for this batch in this index, or None (not searched, or
+        searched for another batch or index: then dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        key, searched, pending = ahead
+        found = pending.result()  # normally done: it ran beside the whole last step
+        return found if searched is memory and key == _batch_key(batch) else None
+
+    def _search_ahead(self, upcoming: dict[str, Any], memory: RetrievalMemory, device, gather) -> None:
+        """Start the search for the next step's batch (on the host, from the loader): its queries are embedded
+        now, by the weights before this step's update, one step older than its own step's; the index is older
+        still (the last rebuild's), and the cross-attention scores the neighbours with the current embedder."""
+        moved = {
+            n: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x for n, x in upcoming.items()
+        }
+        moved[HOST] = host_copy(upcoming)
+        self._ahead = (_batch_key(upcoming), memory, gather(moved))
 
     def _prepare_cached(self, ctx: Context, batch: dict[str, Any]) -> None:
         """Incremental decoding: each chunk's neighbours follow from the text before it alone, so each is searched

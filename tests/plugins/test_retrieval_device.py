@@ -16,6 +16,7 @@ from rlm.index.build import IndexConfig, set_search_params
 from rlm.index.device_search import TorchIVFIndex
 from rlm.index.exact import TorchExactIndex
 from rlm.index.memory import build_memory, embed_rows, indexed_rows
+from rlm.plugin.context import Context
 from rlm.plugins import retrieval as retrieval_module
 from rlm.plugins._retrieval_neighbours import PendingInputs, gather_inputs
 
@@ -98,6 +99,46 @@ def test_a_training_steps_search_in_the_background_equals_the_synchronous_one(de
     assert ctx.metrics["retrieval/prepare_ms"] > 0
     # evaluation stays synchronous (its host half embeds again)
     assert not isinstance(context(model, batch, "val").extras["retrieval"], PendingInputs)
+
+
+def test_the_next_steps_neighbours_are_searched_during_the_step_before(monkeypatch):
+    """With the loader's next batch (Context.upcoming) a step searches the next step's neighbours by its own
+    weights: the next step reads them (searched_ahead 1) though an update since would find others; a batch or an
+    index other than the one searched for gets its own search (searched_ahead 0)."""
+    windows = Windows(CORPUS_SEGMENTS, CORPUS_OFFSETS, np.arange(10), 32)
+    first, second = windows.collate(np.arange(0, 6)), windows.collate(np.arange(6, 12))
+    model, memory = with_memory("Flat")
+    plugin = model.plugins["retrieval"]
+    monkeypatch.setattr(retrieval_module, "BACKGROUND_DEVICES", ("cuda", "cpu"))
+
+    def step(batch, upcoming):
+        """(neighbour ids, searched_ahead) of a training step on `batch`, with its forward."""
+        ctx = Context(batch["tokens"], batch["mask"], "train", batch["segment_ids"], batch["doc_ids"],
+                      CORPUS_SEGMENTS, upcoming=lambda: upcoming)  # fmt: skip
+        plugin.prepare(ctx, batch)
+        model(batch["tokens"], ctx)
+        return ctx.extras["retrieval"].ids, float(ctx.metrics["retrieval/searched_ahead"])
+
+    def searched(batch):
+        return context(model, batch, "train").extras["retrieval"].result().ids
+
+    want_first, want_second = searched(first), searched(second)
+    ids, ahead = step(first, second)
+    assert ahead == 0.0
+    torch.testing.assert_close(ids, want_first, rtol=0, atol=0)
+    with torch.no_grad():  # an update: the second batch's own search would now find other neighbours
+        for p in model.parameters():  # the shared embedder: the LM's own lower blocks
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    now_second = searched(second)
+    assert not torch.equal(now_second, want_second)
+    ids, ahead = step(second, first)
+    assert ahead == 1.0
+    torch.testing.assert_close(ids, want_second, rtol=0, atol=0)
+    ids, ahead = step(second, first)  # the search ahead was for the first batch
+    assert ahead == 0.0
+    torch.testing.assert_close(ids, now_second, rtol=0, atol=0)
+    plugin.use_memory(with_memory("Flat")[1])  # a rebuild's new index
+    assert step(first, second)[1] == 0.0
 
 
 def test_an_error_of_the_background_search_is_raised_by_the_forward(monkeypatch):

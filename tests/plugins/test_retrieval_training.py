@@ -491,3 +491,22 @@ def test_fit_moves_each_batch_with_its_host_copy(tmp_path):
     trainer(tmp_path, 1, callbacks=[Watch()]).fit(module, datamodule=small_data())
     assert set(seen[0]["host"]) == {"tokens", "mask", "segment_ids", "doc_ids", "starts"}
     assert seen[0]["host"]["segment_ids"] is seen[0]["segment_ids"]  # on the CPU the move is the identity
+
+
+def test_fit_searches_each_steps_neighbours_during_the_step_before(tmp_path, monkeypatch):
+    """Through the Trainer the loader's ``upcoming`` is the batch Lightning hands out next: every step reads the
+    neighbours searched during the step before it, except the first and the first after each rebuild's new index."""
+    from rlm.plugins import retrieval as retrieval_module
+
+    monkeypatch.setattr(retrieval_module, "BACKGROUND_DEVICES", ("cuda", "cpu"))
+    ahead, memories = [], []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ahead.append(float(trainer.callback_metrics["train/retrieval/searched_ahead"]))
+            memories.append(pl_module.model.plugins["retrieval"].memory)
+
+    module = make_module({"k": 2, "lookup": "search", "schedule": "every 3", "index_factory": "Flat"})
+    trainer(tmp_path, 7, callbacks=[Watch()]).fit(module, datamodule=small_data())
+    same = [0.0] + [float(a is b) for a, b in zip(memories, memories[1:])]
+    assert len(ahead) == 7 and ahead == same and sum(same) >= 4
