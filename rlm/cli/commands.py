@@ -94,7 +94,7 @@ def run_lightning(command: str, args: list[str]) -> int:
 
     quiet_known_noise()
     limit_threads()
-    layers, batch_limits = check_configs(command, args)
+    layers = check_configs(command, args)
     if command in ("validate", "test"):
         from rlm.eval.evaluate import checkpoint_layer
 
@@ -118,7 +118,6 @@ def run_lightning(command: str, args: list[str]) -> int:
             },
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
-            batch_limits=batch_limits,
         )
     except SIGTERMException:  # a SystemExit with code None: it would end a preempted run with exit code 0
         return PREEMPTED

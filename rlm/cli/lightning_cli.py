@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 from argparse import ArgumentError
 from pathlib import Path
@@ -14,31 +12,15 @@ from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 
 class SaveConfig(SaveConfigCallback):
-    """SaveConfigCallback whose config.yaml keeps integer ``limit_*_batches``: jsonargparse writes floats,
-    and a rerun would take ``1.0`` for the whole set."""
+    """SaveConfigCallback that remembers where it writes config.yaml, for the summary after fit."""
 
     path: Path | None = None  # the config.yaml it writes, if any
 
-    def __init__(self, *args: Any, batch_limits: dict[str, int] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.batch_limits = batch_limits or {}
-
     def setup(self, trainer, pl_module, stage: str) -> None:
-        # trainer.log_dir is a broadcast under DDP: read on every rank, not in save_config, which only rank 0
+        # trainer.log_dir is a broadcast under DDP: read on every rank, not in after_fit, which only rank 0
         # runs (the ranks would wait for each other forever)
         self.path = Path(trainer.log_dir or "") / self.config_filename if self.save_to_log_dir else None
         super().setup(trainer, pl_module, stage)
-
-    def save_config(self, trainer, pl_module, stage: str) -> None:  # rank 0, after config.yaml is written
-        path = self.path
-        if not self.batch_limits or path is None or not path.is_file():
-            return
-        text = path.read_text()
-        for key, value in self.batch_limits.items():
-            text = re.sub(rf"^(\s*{key}:) [0-9.]+[ \t]*$", rf"\g<1> {value}", text, flags=re.M)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
 
 
 class RLMCLI(LightningCLI):
@@ -47,8 +29,7 @@ class RLMCLI(LightningCLI):
 
     _print_config: dict | None = None  # --print_config's dump options, taken out of the arguments
 
-    def __init__(self, *args, batch_limits: dict[str, int] | None = None, **kwargs) -> None:
-        self._batch_limits = batch_limits  # integer_batch_limits, else read from the arguments
+    def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("auto_configure_optimizers", False)
         # ${trainer.default_root_dir} in the configs is relative to the subcommand's section (fit.trainer...)
         set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
@@ -67,15 +48,6 @@ class RLMCLI(LightningCLI):
         prepare_trainer(cfg.trainer)  # strategies rlm cannot run: a clear error; devices: auto on a CPU
         if self.subcommand == "fit":  # the last check: nothing is created in default_root_dir before it
             lock_fit(cfg)
-
-    def instantiate_trainer(self, **kwargs):
-        # Lightning types limit_*_batches Union[float, int], so jsonargparse reads `limit_val_batches: 1` as 1.0,
-        # which Lightning takes for 100% of the batches: pass the integers the user wrote.
-        trainer_cfg = self._get(self.config_init, "trainer", default={})
-        ints = {k: v for k, v in self._batch_limits.items() if trainer_cfg.get(k) == v and k not in kwargs}
-        if self.save_config_callback is SaveConfig:
-            self.save_config_kwargs["batch_limits"] = ints
-        return super().instantiate_trainer(**ints, **kwargs)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         # rlm's bar (steps to max_steps) unless the config names a bar or turns it off: Lightning's own prints a
@@ -123,15 +95,13 @@ class RLMCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # without LightningCLI's warning about args next to sys.argv (run_lightning passes the whole command line);
         # --print_config is printed after the checkpoint and vocabulary are applied (_parse_ckpt_path).
-        from rlm.cli.support import integer_batch_limits, plain_parse_error, pop_print_config
+        from rlm.cli.support import plain_parse_error, pop_print_config
 
         args, self._print_config = pop_print_config(list(args))
         try:
             self.config = parser.parse_args(args)
         except ArgumentError as err:  # exit_on_error=False: the error reaches rlm's one-line report
             raise ValueError(plain_parse_error(str(err))) from None
-        if self._batch_limits is None:
-            self._batch_limits = integer_batch_limits(args)
 
     def instantiate_classes(self) -> None:
         # a plugin Config's own check (__post_init__) fails here, wrapped in jsonargparse's union report

@@ -1,7 +1,6 @@
 """Checks and fixes around LightningCLI for ``rlm fit|validate|test`` (no torch): refused optimizer options (they
 would drop the plugins' parameter groups and the schedule), ``--print_config`` printed after the vocabulary is
-linked, integer ``limit_*_batches`` kept integers, known third-party noise filtered, and jsonargparse's errors
-in one line.
+linked, known third-party noise filtered, and jsonargparse's errors in one line.
 """
 
 from __future__ import annotations
@@ -51,14 +50,13 @@ def config_layers(args: list[str]) -> list[dict[str, Any]]:
     return layers
 
 
-def check_configs(command: str, args: list[str]) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The ``--config`` layers of ``args``, each file read once, after the checks below, and their integer batch
-    limits (integer_batch_limits)."""
+def check_configs(command: str, args: list[str]) -> list[dict[str, Any]]:
+    """The ``--config`` layers of ``args``, each file read once, after the checks below."""
     layers = config_layers(args)
     refuse_optimizer_options(command, layers, args)
     check_plugin_names(layers, args)
     require_class_extras(layers, args)
-    return layers, integer_batch_limits(args, layers)
+    return layers
 
 
 def check_plugin_names(layers: list[dict[str, Any]], args: list[str]) -> None:
@@ -145,37 +143,6 @@ def link_vocab(cfg: Any) -> None:
     cfg.data.vocab_size = resolve_vocab_size(cfg.data.vocab_size, cfg.data.get("tokenizer"))
     if cfg.get("model.model") is not None:
         cfg.model.model.vocab_size = cfg.data.vocab_size
-
-
-# Trainer arguments where Lightning reads an int as a number of batches and a float as a fraction.
-BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
-
-
-def integer_batch_limits(args: list[str], layers: list[dict[str, Any]] | None = None) -> dict[str, int]:
-    """The ``limit_*_batches`` that ``args`` (``--config`` layers, ``--trainer.X`` flags; the last setting wins)
-    give as integers, e.g. ``{"limit_val_batches": 1}`` for ``--trainer.limit_val_batches 1``. ``layers``: the
-    ``--config`` values already read (config_layers), so that no file is read twice."""
-    layers = iter(config_layers(args) if layers is None else layers)
-    found: dict[str, Any] = {}
-    for i, arg in enumerate(args):
-        value = args[i + 1] if i + 1 < len(args) else None
-        if arg.startswith("--config=") or (arg in ("--config", "-c") and value is not None):
-            trainer = next(layers).get("trainer")
-            if isinstance(trainer, dict):
-                found.update({k: v for k, v in trainer.items() if k in BATCH_LIMITS})
-        for key in BATCH_LIMITS:
-            flag = f"--trainer.{key}"
-            if arg == flag and value is not None:
-                found[key] = value
-            elif arg.startswith(flag + "="):
-                found[key] = arg.split("=", 1)[1]
-    ints = {}
-    for key, value in found.items():
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-            value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            ints[key] = value
-    return ints
 
 
 # Lightning 2.6's advertisement for its cloud logger (INFO, rank zero, every run without LitLogger).

@@ -10,34 +10,11 @@ import pytest
 import yaml
 from cli_helpers import TINY, fit_args, read_metrics, run_rlm
 
-from rlm.cli.support import integer_batch_limits
-
-
-def test_integer_batch_limits_are_read_from_flags_and_configs_the_last_one_winning(tmp_path):
-    cfg = tmp_path / "limits.yaml"
-    cfg.write_text(yaml.safe_dump({"trainer": {"limit_val_batches": 1, "limit_test_batches": 1.0}}))
-    text = yaml.safe_dump({"trainer": {"limit_train_batches": 3, "max_steps": 1}})
-    args = ["fit", "--config", text, "--config", str(cfg), "--trainer.limit_test_batches=2"]
-    assert integer_batch_limits(args) == {
-        "limit_train_batches": 3,
-        "limit_val_batches": 1,
-        "limit_test_batches": 2,
-    }
-    later = [*args, "--trainer.limit_val_batches", "1.0", "--trainer.limit_train_batches=0.5"]
-    assert integer_batch_limits(later) == {"limit_test_batches": 2}
-
-
-def test_integer_batch_limits_read_no_config_file_again(tmp_path):
-    """rlm fit reads each --config file once: the limits come from the layers config_layers read."""
-    gone = tmp_path / "gone.yaml"  # read before, deleted since
-    layers = [{"trainer": {"limit_val_batches": 1}}, {}]
-    args = ["--config", str(gone), "--config=x: 1", "--trainer.limit_test_batches=2"]
-    assert integer_batch_limits(args, layers) == {"limit_val_batches": 1, "limit_test_batches": 2}
-
 
 def test_limit_val_batches_1_is_one_batch_and_1_0_the_whole_set(tmp_path, monkeypatch):
-    """jsonargparse reads Lightning's Union[float, int] `1` as 1.0, which Lightning takes for 100% of the batches
-    (issue 24: `--trainer.limit_val_batches 1` validated on the whole set)."""
+    """`1` (flag or YAML) reaches the Trainer and the config.yaml it saves as the int 1, one batch; `1.0` as the
+    float, the whole set: Lightning types limit_*_batches Optional[Union[int, float]], int first, and jsonargparse
+    tries a union's types in order."""
     from rlm.cli.lightning_cli import RLMCLI
     from rlm.data.module import RLMDataModule
     from rlm.train.module import LMModule
@@ -46,17 +23,21 @@ def test_limit_val_batches_1_is_one_batch_and_1_0_the_whole_set(tmp_path, monkey
     monkeypatch.setenv("RLM_CACHE", str(tmp_path / "cache"))
     configs = [a for p in TINY for a in ("--config", str(p))]
 
-    def trainer(*flags: str):
-        cli = RLMCLI(LMModule, RLMDataModule, args=[*configs, *flags], run=False, seed_everything_default=0,
-                     parser_kwargs={"parser_mode": "omegaconf+"})  # fmt: skip
-        return cli.trainer
+    def build(*flags: str) -> RLMCLI:
+        return RLMCLI(LMModule, RLMDataModule, args=[*configs, *flags], run=False, seed_everything_default=0,
+                      parser_kwargs={"parser_mode": "omegaconf+"})  # fmt: skip
 
-    t = trainer("--trainer.limit_val_batches", "1", "--trainer.limit_test_batches=1.0")
-    assert t.limit_val_batches == 1 and isinstance(t.limit_val_batches, int)
-    assert t.limit_test_batches == 1.0 and isinstance(t.limit_test_batches, float)
+    cli = build("--trainer.limit_val_batches", "1", "--trainer.limit_test_batches=1.0")
+    t = cli.trainer
+    # config.yaml as SaveConfigCallback writes it
+    saved = yaml.safe_load(cli.parser.dump(cli.config, skip_none=False))["trainer"]
+    for value in (t.limit_val_batches, saved["limit_val_batches"]):
+        assert value == 1 and isinstance(value, int)
+    for value in (t.limit_test_batches, saved["limit_test_batches"]):
+        assert value == 1.0 and isinstance(value, float)
     cfg = tmp_path / "one.yaml"
     cfg.write_text("trainer:\n  limit_val_batches: 1\n")
-    t = trainer("--config", str(cfg))
+    t = build("--config", str(cfg)).trainer
     assert t.limit_val_batches == 1 and isinstance(t.limit_val_batches, int)
 
 
