@@ -36,6 +36,15 @@ class RLMCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", SaveConfig)
         super().__init__(*args, **kwargs)
 
+    def add_arguments_to_parser(self, parser) -> None:
+        # jsonargparse lists the options of an `X | None` dataclass only two --help levels down (--model.plugins.help
+        # PluginsConfig, then --model.plugins.NAME.help): each subcommand's help lists them, from the registry
+        from rlm.plugin.catalog import options_help
+        from rlm.plugin.registry import plugins_config
+
+        title = "Memory plugins' options (--model.plugins.NAME.OPTION VALUE, or model.plugins.NAME.OPTION in a config)"
+        parser.add_argument_group(title, options_help(plugins_config()))
+
     def before_instantiate_classes(self) -> None:
         from rlm.cli.check import check_fit, lock_fit
         from rlm.cli.support import link_vocab

@@ -208,10 +208,13 @@ def plain_help(text: str) -> str:
 
 
 def help_formatter() -> type:
-    """jsonargparse's help formatter with Lightning's Sphinx markup removed (``rlm fit --help``)."""
+    """jsonargparse's help formatter with Lightning's Sphinx markup removed and descriptions keeping their lines (the
+    plugins' options; ``rlm fit --help``)."""
+    from argparse import RawDescriptionHelpFormatter
+
     from jsonargparse import DefaultHelpFormatter
 
-    class PlainHelpFormatter(DefaultHelpFormatter):
+    class PlainHelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
         def _expand_help(self, action: Any) -> str:
             return plain_help(super()._expand_help(action))
 

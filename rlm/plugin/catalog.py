@@ -1,13 +1,17 @@
-"""What ``rlm plugins`` prints: the plugins one can name, and each one's options with their docstrings. Built-ins
-are read from source (``ast``), so listing them imports no torch; entry points, and built-ins whose source is not
-plain enough (a computed default), are imported.
+"""What ``rlm plugins`` prints: the plugins one can name, and each one's options with their docstrings; and the
+options' list of ``rlm fit --help``. Built-ins are read from source (``ast``), so listing them imports no torch;
+entry points, and built-ins whose source is not plain enough (a computed default), are imported.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.util
+import textwrap
+import types
+import typing
 from typing import Any
 
 from rlm.plugin import registry
@@ -45,6 +49,36 @@ def field_docs(config_cls: type) -> dict[str, str]:
                 if param.description:
                     docs[param.arg_name] = " ".join(param.description.split())
     return docs
+
+
+def _type_text(tp: Any) -> str:
+    """An option's type as ``rlm fit --help`` lists it, a Literal as its choices: ``bool | {auto}``, ``list[int]``."""
+    if typing.get_origin(tp) is typing.Literal:
+        return "{" + ",".join(map(str, typing.get_args(tp))) + "}"
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " | ".join(map(_type_text, typing.get_args(tp)))
+    return "null" if tp is type(None) else tp.__name__ if isinstance(tp, type) else str(tp)
+
+
+@functools.cache
+def options_help(plugins: type) -> str:
+    """Every option of every plugin in ``plugins`` (registry.plugins_config(), the type of model.plugins) with its
+    type, default and docstring, as ``rlm fit --help`` lists them."""
+    lines = []
+    for f in dataclasses.fields(plugins):
+        config = next(a for a in typing.get_args(f.type) if a is not type(None))  # Config | None
+        if not dataclasses.is_dataclass(config):  # a plugin without options (Config = object)
+            continue
+        docs, hints = field_docs(config), typing.get_type_hints(config)
+        for option in dataclasses.fields(config):
+            default = "null" if (d := _default(option)) is None else d
+            lines.append(
+                f"--model.plugins.{f.name}.{option.name} {_type_text(hints[option.name])} (default: {default})"
+            )
+            lines += textwrap.wrap(
+                docs.get(option.name, ""), 96, initial_indent=" " * 4, subsequent_indent=" " * 4
+            )
+    return "\n".join(lines)
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -4,8 +4,10 @@ by plugin and key by key in jsonargparse itself, typed by each plugin's Config; 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import itertools
+import typing
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import yaml
 from cli_helpers import CONFIGS, TINY, fit_args, run_rlm
 
 from rlm.cli import main
+from rlm.plugin.registry import known_plugins, plugins_config
 
 PKM = CONFIGS / "plugins" / "pkm.yaml"
 BASE = [a for p in TINY for a in ("--config", str(p))]
@@ -69,6 +72,25 @@ def test_flags_merge_into_the_files_plugins_typed_by_the_plugin_config():
     assert got["moe"]["capacity_factor"] == 1.5 and got["moe"].get("expert_hidden") is None
     assert set(plugins("--config", str(PKM), "--model.plugins.pkm=null")) == set()
     assert plugins("--model.plugins.pkm.sparse=auto")["pkm"]["sparse"] == "auto"
+
+
+def test_fit_help_lists_every_plugin_option_typed_with_its_choices(tmp_path, monkeypatch, capsys):
+    """jsonargparse alone lists a plugin's options two help levels down (--model.plugins.NAME.help)."""
+    monkeypatch.setenv("RLM_CACHE", str(tmp_path))  # the help built here, not a kept copy
+    assert main(["fit", "--help"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert [f.name for f in dataclasses.fields(plugins_config())] == known_plugins()
+    choices = []
+    for name in known_plugins():
+        hints = typing.get_type_hints(plugins_config().__dataclass_fields__[name].type.__args__[0])
+        for option, tp in hints.items():
+            line = lines[f"--model.plugins.{name}.{option}"]
+            for arm in (tp, *typing.get_args(tp)):
+                if typing.get_origin(arm) is typing.Literal:
+                    choices.append("{" + ",".join(map(str, typing.get_args(arm))) + "}")
+                    assert choices[-1] in line, line
+    # pkm.values, and pkm.sparse's bool | Literal["auto"]
+    assert "{embedding,peer}" in choices and "{auto}" in choices
 
 
 def test_the_command_line_root_reaches_the_configs_interpolations():
