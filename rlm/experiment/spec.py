@@ -4,9 +4,9 @@ them, and building each run's config."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,18 +16,36 @@ from omegaconf import DictConfig, OmegaConf
 
 TOP_KEYS = "name description base common seeds baseline output report_metrics variants launcher".split()
 VARIANT_KEYS = ("description", "configs", "set", "knnlm")
-KNNLM_OPTIONS: dict[str, tuple[type, str]] = {
-    "layer": (str, "'final', 'ffn_input' or 'attn_input'"),
-    "factory": (str, "'auto' or a faiss factory string"),
-    "k": (int, "a positive integer"),
-    "flat_below": (int, "an integer >= 0"),
-    "target_recall": (float, "a number in (0, 1]"),
-    "tune_tokens": (int, "an integer >= 0"),
-    "max_documents": (int, "a positive integer"),
-    "cache": (bool, "true or false"),
-    "keep": (bool, "true or false"),
-    "rule": (str, "'interpolate' (kNN-LM's eq. 2), 'joint' (the token memory's mixture) or 'model' (a "
-             "knn_attention model searching the datastore inside its forward pass; layer attn_input)"),
+TIME_RE = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")  # [D-]A[:B[:C]]
+
+
+def _int(lowest: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and v >= lowest
+
+
+def _is(kind: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, kind)
+
+
+def _one_of(*choices: str) -> Callable[[Any], bool]:
+    return lambda v: v in choices
+
+
+# option -> (whether a value is accepted, what is accepted)
+Options = dict[str, tuple[Callable[[Any], bool], str]]
+KNNLM_OPTIONS: Options = {
+    "layer": (_one_of("final", "ffn_input", "attn_input"), "'final', 'ffn_input' or 'attn_input'"),
+    "factory": (_is(str), "'auto' or a faiss factory string"),
+    "k": (_int(1), "a positive integer"),
+    "flat_below": (_int(0), "an integer >= 0"),
+    "target_recall": (lambda v: type(v) in (int, float) and 0 < v <= 1, "a number in (0, 1]"),
+    "tune_tokens": (_int(0), "an integer >= 0"),
+    "max_documents": (_int(1), "a positive integer"),
+    "cache": (_is(bool), "true or false"),
+    "keep": (_is(bool), "true or false"),
+    "rule": (_one_of("interpolate", "joint", "model"), "'interpolate' (kNN-LM's eq. 2), 'joint' (the token "
+             "memory's mixture) or 'model' (a knn_attention model searching the datastore inside its forward "
+             "pass; layer attn_input)"),
 }  # fmt: skip
 """A variant's ``knnlm`` stage: ``rlm knnlm build``'s options, ``cache`` (``rlm eval --knn-cache``), ``keep``
 (keep the datastore; else only its meta.json stays) and ``rule``, how the test loss mixes the neighbours in."""
@@ -37,29 +55,23 @@ LAUNCHER_DEFAULTS: dict[str, Any] = {"name": "local", "jobs": 1, "requeue": True
 LAUNCHERS = ("local", "slurm", "submitit-local")
 """local: this machine, ``jobs`` at once; slurm: a SLURM job per run through submitit; submitit-local:
 the same jobs on this machine (a dry run of the job path)."""
-LAUNCHER_OPTIONS: dict[str, tuple[type, str]] = {
-    "name": (str, f"one of {list(LAUNCHERS)}"),
-    "jobs": (int, "a positive integer (local: runs at once)"),
-    "partition": (str, "a SLURM partition name"),
-    "gpus_per_job": (int, "an integer >= 0"),
-    "cpus_per_job": (int, "a positive integer"),
-    "mem_gb": (float, "a positive number of GB"),
-    "time": (str, "SLURM's formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 90 or "
-             "'1-12:00:00'"),
-    "requeue": (bool, "true or false"),
-    "signal_delay_s": (int, "an integer >= 10 (seconds before the time limit when rlm fit is stopped)"),
-    "account": (str, "a SLURM account"),
-    "qos": (str, "a SLURM quality of service"),
-    "constraint": (str, "a SLURM node constraint"),
-    "setup": (list, "a list of shell lines run before each job, e.g. ['module load cuda']"),
+LAUNCHER_OPTIONS: Options = {
+    "name": (_one_of(*LAUNCHERS), f"one of {list(LAUNCHERS)}"),
+    "jobs": (_int(1), "a positive integer (local: runs at once)"),
+    "partition": (_is(str), "a SLURM partition name"),
+    "gpus_per_job": (_int(0), "an integer >= 0"),
+    "cpus_per_job": (_int(1), "a positive integer"),
+    "mem_gb": (lambda v: type(v) in (int, float) and v > 0, "a positive number of GB"),
+    "time": (lambda v: time_minutes(v) is not None, "SLURM's formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM "
+             "or D-HH:MM:SS, e.g. 90 or '1-12:00:00'"),
+    "requeue": (_is(bool), "true or false"),
+    "signal_delay_s": (_int(10), "an integer >= 10 (seconds before the time limit when rlm fit is stopped)"),
+    "account": (_is(str), "a SLURM account"),
+    "qos": (_is(str), "a SLURM quality of service"),
+    "constraint": (_is(str), "a SLURM node constraint"),
+    "setup": (lambda v: type(v) is list and all(isinstance(line, str) for line in v),
+              "a list of shell lines run before each job, e.g. ['module load cuda']"),
 }  # fmt: skip
-CHOICES = {
-    "name": LAUNCHERS,
-    "layer": ("final", "ffn_input", "attn_input"),
-    "rule": ("interpolate", "joint", "model"),
-}
-TIME_RE = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")  # [D-]A[:B[:C]]
-LOWEST = {"jobs": 1, "cpus_per_job": 1, "signal_delay_s": 10, "k": 1, "max_documents": 1}  # other integers: 0
 
 
 class ExperimentError(ValueError):
@@ -139,31 +151,13 @@ def time_minutes(value: Any) -> int | None:
     return total if total > 0 else None
 
 
-def _option_ok(key: str, option: Any, kind: type) -> bool:
-    """Whether ``option`` is a value of ``key`` of KNNLM_OPTIONS or LAUNCHER_OPTIONS, of type ``kind``."""
-    number = isinstance(option, (int, float)) and not isinstance(option, bool)
-    if key in CHOICES:
-        return option in CHOICES[key]
-    if key == "time":
-        return time_minutes(option) is not None
-    if kind is int:
-        return number and isinstance(option, int) and option >= LOWEST.get(key, 0)
-    if kind is float:  # target_recall is a fraction
-        return number and 0 < option <= (1 if key == "target_recall" else math.inf)
-    if kind is list:
-        return isinstance(option, list) and all(isinstance(line, str) for line in option)
-    return isinstance(option, kind)
-
-
-def checked_options(
-    value: dict[str, Any], table: dict[str, tuple[type, str]], where: str, problems: list[str]
-) -> dict[str, Any]:
-    """The items of ``value`` that ``table`` (key -> (type, what is accepted)) takes; the others are problems."""
+def checked_options(value: dict[str, Any], table: Options, where: str, problems: list[str]) -> dict[str, Any]:
+    """The items of ``value`` that ``table`` takes; the others are problems."""
     out: dict[str, Any] = {}
     for key, option in value.items():
         if key not in table:
             problems.append(f"{where}: unknown option {key!r}; accepted: {list(table)}")
-        elif not _option_ok(key, option, table[key][0]):
+        elif not table[key][0](option):
             problems.append(f"{where}.{key}: got {option!r}; accepted: {table[key][1]}")
         else:
             out[key] = option
@@ -185,8 +179,6 @@ def resolve_launcher(from_file: dict[str, Any], flags: dict[str, Any]) -> dict[s
     ValueError naming every bad flag or combination."""
     problems: list[str] = []
     given = {k: v for k, v in flags.items() if v is not None}
-    if isinstance(given.get("time"), str) and given["time"].strip().isdigit():
-        given["time"] = int(given["time"])
     checked: dict[str, Any] = {}
     for key, value in given.items():  # each message names the flag: --gpus-per-job: got -1; accepted: ...
         mine: list[str] = []
