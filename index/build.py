@@ -176,9 +176,7 @@ def train_index(index: faiss.Index, train: np.ndarray, factory: str, gpu: bool) 
         return index
     ivf = ivf_of(index)
     pq = getattr(faiss.downcast_index(ivf if ivf is not None else index), "pq", None)
-    need = max(
-        1, ivf.nlist if ivf is not None else 1, pq.ksub if pq is not None else 1
-    )  # lists, PQ centroids
+    need = max(ivf.nlist if ivf is not None else 1, pq.ksub if pq is not None else 1)  # lists, PQ centroids
     if len(train) < need:
         raise ValueError(
             f"too few vectors to train {factory!r}: got {len(train)}, it needs at least {need} "
@@ -243,12 +241,9 @@ def tune_search_params(
     plateau: float | None = None,
     apply: Any = set_search_params,
 ) -> tuple[dict[str, int], float]:
-    """Smallest value of `knob` (tunable_param of the CPU index) whose recall@k on the sample reaches `target`, or
-    the best one with a warning; set on `index` by `apply`.
-
-    exact_ids: the sample's exact top-(k+1); each query's own id is dropped from both, as the neighbour tables drop
-    it. plateau: stop doubling once recall gains less (a product quantiser caps recall).
-    """
+    """Smallest value of `knob` whose recall@k on the sample reaches `target` (else the best, with a warning), set
+    by `apply`; exact_ids: the exact top-(k+1), each query's own id dropped from both as the neighbour tables drop
+    it; plateau: stop doubling once recall gains less (a product quantiser caps recall)."""
     name, top = knob
 
     def recall(value: int) -> float:

@@ -1,6 +1,6 @@
-"""Exact copies of indexed text: which indexed segments hold exactly the given tokens (SegmentHashes), and where in
-the indexed documents a run of tokens occurs (TextRuns), so the retriever filters a query from another text as the
-copied document's own. Every hash hit is checked token by token, so a collision never counts as a copy."""
+"""Exact copies of indexed text: the indexed segments holding exactly given tokens (SegmentHashes), and where
+a run of tokens occurs in the indexed documents (TextRuns), so the retriever treats a query copied from
+another text as that document's own. Every hash hit is checked token by token."""
 
 from __future__ import annotations
 

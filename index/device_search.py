@@ -1,8 +1,7 @@
-"""Searching an index on the device: faiss-gpu when installed, else torch over the index's own data when it fits.
-
-TorchIVFIndex keeps faiss's centroids, inverted lists and nprobe, but decodes the codes once (sa_decode) to float32
-vectors on the device and scores each probed list exactly: faiss's lookup tables compute the same <q, centroid> +
-<q, decoded residual>, so results agree up to float rounding."""
+"""Searching an index on the device: faiss-gpu when installed, else torch over the index's own data when it
+fits. TorchIVFIndex keeps faiss's centroids, lists and nprobe but decodes the codes once (sa_decode) and
+scores each probed list exactly: faiss's lookup tables compute the same <q, centroid> + <q, decoded residual>,
+up to float rounding."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""The narrow embedding: a PCA projection fitted at each rebuild, so the index holds m dims instead of d_model:
-y = normalise(V_m^T x), V_m the top-m eigenvectors of the second moments X^T X of a sample of the vectors. Not
-centred: the search ranks by inner products of unit vectors, and centring drops the shared mean direction's part of
-x . y (benchmarks/narrow_embedding.py compares them); ``Projection.mean`` stays in the format, zero from this fit.
-Stored in the index directory and recorded in its embedder identity, so an index is searched with its own.
-"""
+"""The narrow embedding: a PCA fitted at each rebuild, so the index holds m dims instead of d_model: y =
+normalise(V_m^T x), V_m the top-m eigenvectors of the second moments X^T X of a sample. Not centred: the
+search ranks by inner products of unit vectors, and centring drops the shared mean direction's part of x . y
+(benchmarks/narrow_embedding.py); Projection.mean stays in the format, zero. Stored beside the index and in
+its embedder identity, so an index is searched with its own."""
 
 from __future__ import annotations
 
@@ -120,9 +119,7 @@ def fit_pca(sample: np.ndarray, m: int) -> Projection:
     _, vectors = torch.linalg.eigh(cov)  # ascending eigenvalues
     top = vectors[:, -m:].flip(1).T  # (m, D) largest first
     sign = torch.sign(top.gather(1, top.abs().argmax(1, keepdim=True)))  # (m, 1)
-    return Projection(
-        np.zeros(D, dtype=np.float32), (top * sign).float().numpy()
-    )  # not centred (module docstring)
+    return Projection(np.zeros(D, dtype=np.float32), (top * sign).float().numpy())  # not centred
 
 
 def fit_projection(vectors: np.ndarray, m: int) -> Projection:

@@ -1,10 +1,8 @@
-"""Batched, filtered search of a table of queries: the retriever's neighbour tables.
-
-Filters follow MARGE for causal LMs (Komatsuzaki 2020): the neighbours of segment S_t condition the prediction of
-S_{t+1}, so a query segment never retrieves itself, its target S_{t+1}, or any later segment of its document. Rows
-left with fewer than k allowed results are searched again with twice the fetch size, so the result equals filtering
-the full ranking. Exclusions add row ranges some queries must not find (the retriever's exact-copy filter).
-"""
+"""Batched, filtered search: the retriever's neighbour tables. Filters follow MARGE for causal LMs
+(Komatsuzaki 2020): S_t's neighbours condition the prediction of S_{t+1}, so a query segment never retrieves
+itself, its target or any later segment of its document. Rows left short of k are searched again with twice
+the fetch size, so the result equals filtering the full ranking. Exclusions add row ranges a query must not
+find (the exact-copy filter)."""
 
 from __future__ import annotations
 
@@ -41,9 +39,7 @@ class Neighbours:
 
     ids: np.ndarray  # segment ids, (Q, k) int64; -1 where fewer than k results were allowed
     scores: np.ndarray  # cosine similarities, (Q, k) float32; -inf where ids is -1
-    excluded: np.ndarray | None = (
-        None  # (Q,) results counted exclusions took from each top k (None: none given)
-    )
+    excluded: np.ndarray | None = None  # (Q,) results counted exclusions took from each top k
 
 
 @dataclass

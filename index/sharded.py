@@ -1,9 +1,8 @@
-"""An index sharded across the ranks of a process group, as Atlas's distributed index (Izacard et al. 2022): no rank
-holds every vector and no shared filesystem is needed. Rank r indexes the share shard_range(R, r, world) of the R
-indexed segments and writes it to part_dir. A search is a collective: each part searches every rank's queries with
-search.py's causal filter and the parts' top-k are merged, which holds the global top-k (an exact index gives the
-1-process result; equal scores are ordered by global id). Every rank keeps the whole (S, k) neighbour table.
-"""
+"""An index sharded across the ranks of a process group, as Atlas's distributed index (Izacard et al. 2022):
+rank r indexes shard_range(R, r, world) of the R indexed segments and writes it to part_dir, with no shared
+filesystem. A search is a collective: each part searches every rank's queries with search.py's causal filter
+and the parts' top-k are merged into the global top-k (equal scores ordered by global id). Every rank keeps
+the whole (S, k) neighbour table."""
 
 from __future__ import annotations
 
@@ -88,9 +87,7 @@ class ShardedMemory(RetrievalMemory):
     """This rank's part of a sharded index (rows, index, index_segments, path: the part's) and the whole neighbour
     table; parts lists every rank's directory."""
 
-    indexed: np.ndarray | None = (
-        None  # (S,) bool: the global ids some part holds (other queries are unfiltered)
-    )
+    indexed: np.ndarray | None = None  # (S,) bool: the global ids some part holds (the rest are outside)
     collective: ClassVar[bool] = True
 
     def indexed_mask(self) -> np.ndarray:

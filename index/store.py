@@ -1,14 +1,7 @@
-"""Index directories on disk, written under a temporary sibling name and renamed into place, so a crash mid-write
-never leaves a directory at DIR that loads. DIR holds:
-
-    meta.json           count, dim, factory, search params, corpus fingerprint, embedder identity, and the size and
-                        checksum of every other file; written last
-    index.faiss         the faiss index (absent for the exact 'torch' index)
-    vectors.npy         the L2-normalised vectors
-    segment_doc.npy     (S,) document id of each index row; segment_offset.npy: its token offset in the document
-    rows.npy            (S,) the corpus's global segment id of each index row, when only some are indexed
-    projection.npz      the PCA that narrowed the vectors (index/projection.py), when the index is narrowed
-"""
+"""Index directories, written under a temporary name and renamed into place, so a crash mid-write never leaves
+a directory at DIR that loads. DIR holds meta.json (written last; sizes and checksums of the rest), index.faiss
+(not for 'torch'), vectors.npy, segment_doc.npy and segment_offset.npy ((S,) document and token offset of each
+row), rows.npy ((S,) corpus segment id of each row, if only some are indexed), projection.npz (if narrowed)."""
 
 from __future__ import annotations
 
@@ -66,12 +59,8 @@ class IndexDir:
     meta: dict[str, Any]  # the parsed meta.json
     index: Any  # faiss.Index or TorchExactIndex, search parameters already set
     segments: SegmentTable  # the row -> (document, offset) map
-    vectors: (
-        np.ndarray | None
-    )  # the indexed (narrowed) vectors, memory-mapped, when the directory stores them
-    projection: Projection | None = (
-        None  # what narrowed the vectors (None: full width), applied to the queries
-    )
+    vectors: np.ndarray | None  # the indexed (narrowed) vectors, memory-mapped, when stored
+    projection: Projection | None = None  # what narrowed the vectors and narrows queries (None: full width)
 
     @property
     def rows(self) -> np.ndarray:
