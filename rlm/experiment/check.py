@@ -145,7 +145,7 @@ def check_experiment(
         files = [*exp.base, *variant.configs]
         try:
             cfg = merge(files, exp.common, variant.set, skip_missing=True)
-        except (ValueError, FileNotFoundError) as err:
+        except ValueError as err:
             problems.append(f"variant {name!r}: {err}")
             continue
         plugins = ((cfg.get("model") or {}).get("plugins")) or {}

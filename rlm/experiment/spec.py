@@ -164,16 +164,6 @@ def checked_options(value: dict[str, Any], table: Options, where: str, problems:
     return out
 
 
-def parse_launcher(value: Any, where: str, problems: list[str]) -> dict[str, Any]:
-    """A ``launcher`` mapping checked against LAUNCHER_OPTIONS; every bad key or value is a problem."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        problems.append(f"{where}: expected a mapping of {list(LAUNCHER_OPTIONS)}, got {value!r}")
-        return {}
-    return checked_options(value, LAUNCHER_OPTIONS, where, problems)
-
-
 def resolve_launcher(from_file: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
     """The launcher options a run uses: defaults, the file's mapping, then the flags (None: not given).
     ValueError naming every bad flag or combination."""
@@ -182,7 +172,7 @@ def resolve_launcher(from_file: dict[str, Any], flags: dict[str, Any]) -> dict[s
     checked: dict[str, Any] = {}
     for key, value in given.items():  # each message names the flag: --gpus-per-job: got -1; accepted: ...
         mine: list[str] = []
-        checked.update(parse_launcher({key: value}, "launcher", mine))
+        checked.update(checked_options({key: value}, LAUNCHER_OPTIONS, "launcher", mine))
         flag = "--launcher" if key == "name" else "--" + key.replace("_", "-")
         problems += [flag + p.removeprefix(f"launcher.{key}") for p in mine]
     options = {**LAUNCHER_DEFAULTS, **from_file, **checked}
@@ -203,8 +193,6 @@ def _paths(value: Any, where: str, root: Path, problems: list[str]) -> list[Path
     """A list of config file paths relative to ``root``; missing files are problems."""
     if value is None:
         return []
-    if isinstance(value, str):
-        value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         problems.append(f"{where}: expected a list of config file paths, got {value!r}")
         return []
@@ -255,8 +243,6 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
     """A variant's kNN-LM options: true or {} for the defaults, or a mapping of KNNLM_OPTIONS."""
     if value is True or value is None:
         return {}
-    if value is False:
-        return None
     if not isinstance(value, dict):
         problems.append(f"{where}: expected true or a mapping of {list(KNNLM_OPTIONS)}, got {value!r}")
         return None
@@ -266,8 +252,6 @@ def _knnlm(value: Any, where: str, problems: list[str]) -> dict[str, Any] | None
 def _seeds(value: Any, problems: list[str]) -> list[int]:
     if value is None:
         return [0]
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
     if not (isinstance(value, list) and value and all(type(s) is int for s in value)):
         problems.append(f"seeds: expected a non-empty list of integers such as [0, 1], got {value!r}")
         return [0]
@@ -321,7 +305,9 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
     if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
         problems.append(f"report_metrics: expected a list of patterns such as ['val/*'], got {metrics!r}")
         metrics = list(DEFAULT_METRICS)
-    launcher = parse_launcher(raw.get("launcher"), "launcher", problems)
+    launcher = raw.get("launcher")
+    if launcher is not None and not isinstance(launcher, dict):
+        problems.append(f"launcher: expected a mapping of {list(LAUNCHER_OPTIONS)}, got {launcher!r}")
     exp = Experiment(
         path=path,
         name=name,
@@ -333,7 +319,9 @@ def parse_experiment(path: str | Path) -> tuple[Experiment | None, list[str]]:
         variants={v.name: v for v in variants if v is not None},
         output=(root / output).resolve() if output else None,
         report_metrics=metrics,
-        launcher=launcher,
+        launcher=checked_options(launcher, LAUNCHER_OPTIONS, "launcher", problems)
+        if isinstance(launcher, dict)
+        else {},
     )
     return exp, problems
 
@@ -348,8 +336,6 @@ def load_experiment(path: str | Path) -> Experiment:
 
 def load_config(path: str | Path) -> Any:
     """One YAML config file as an OmegaConf mapping; ValueError naming a file not YAML or not a mapping."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     try:
         cfg = OmegaConf.load(path)
     except yaml.YAMLError as err:
