@@ -156,7 +156,7 @@ def dodge(xs: list[float]) -> list[float]:
 
 def place_labels(
     ax: Any, points: list[tuple[float, float]], labels: list[str], yerr: list[float], shifts: list[float]
-) -> list[Any]:
+) -> None:
     """Annotate each point, at the first of a ring of offsets where the label overlaps no label placed before
     it, no point or error bar, and stays inside the axes (greedy, adjustText-like; far offsets get a leader).
     ``shifts``: each marker's sideways shift in points (dodge), which its box and label follow."""
@@ -173,7 +173,6 @@ def place_labels(
         taken.append(Bbox([[px - pad, low - pad], [px + pad, high + pad]]))
     directions = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
     offsets = [(dx * r, dy * r) for r in (5, 14, 26, 40, 56, 75, 100) for dx, dy in directions]
-    placed = []
     for (x, y), label, shift in zip(points, labels, shifts):
         fallback = None
         for dx, dy in offsets:
@@ -191,8 +190,6 @@ def place_labels(
             ann = _annotate(ax, label, (x, y), fx, fy)
             box = label_box(ann, renderer)
         taken.append(box)
-        placed.append(ann)
-    return placed
 
 
 def label_box(ann: Any, renderer: Any) -> Any:

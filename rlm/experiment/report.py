@@ -219,7 +219,7 @@ def _metrics_table(info: dict[str, Any], variants: list[VariantResult]) -> list[
     if len(chosen) > MAX_METRIC_COLUMNS:
         note = f" The first {MAX_METRIC_COLUMNS} of {len(chosen)} are shown; results.csv has them all."
         chosen = chosen[:MAX_METRIC_COLUMNS]
-    rows = [[v.name] + [_fmt(v.metric(n), 4) for n in chosen] for v in variants]
+    rows = [[v.name] + [_fmt(v.mean(n, "metrics"), 4) for n in chosen] for v in variants]
     return [
         "",
         f"Plugin metrics (last logged value, mean over seeds).{note}",

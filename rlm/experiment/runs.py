@@ -164,17 +164,14 @@ class VariantResult:
     name: str
     runs: list[dict[str, Any]] = field(default_factory=list)
 
-    def mean(self, key: str) -> float | None:
-        values = [r[key] for r in self.runs if r.get(key) is not None]
+    def mean(self, key: str, group: str | None = None) -> float | None:
+        """The mean over seeds of ``key``, or of ``key`` in each summary's ``group`` mapping (``metrics``)."""
+        values = [v for r in self.runs if (v := (r[group] if group else r).get(key)) is not None]
         return statistics.fmean(values) if values else None
 
     def sd(self, key: str) -> float | None:
         values = [r[key] for r in self.runs if r.get(key) is not None]
         return statistics.stdev(values) if len(values) > 1 else None
-
-    def metric(self, name: str) -> float | None:
-        values = [r["metrics"][name] for r in self.runs if r["metrics"].get(name) is not None]
-        return statistics.fmean(values) if values else None
 
 
 def collect(out: Path) -> tuple[dict[str, Any], list[VariantResult]]:
