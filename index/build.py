@@ -97,12 +97,8 @@ def cpu_to_gpu(index: Any) -> Any:
     import torch
     import torch.distributed as dist
 
-    if not (
-        dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() > 1
-        and torch.cuda.is_available()
-    ):
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not (distributed and torch.cuda.is_available()):
         return faiss.index_cpu_to_all_gpus(index)
     device = int(torch.cuda.current_device())
     if device not in _GPU_RESOURCES:

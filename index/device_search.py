@@ -22,9 +22,8 @@ HEADROOM = 0.5  # a torch search may take this share of the device's free memory
 def device_index(index: Any, device: torch.device) -> tuple[Any, str]:
     """(what to search on ``device`` instead of ``index``, a phrase saying which search): faiss-gpu when installed,
     else a torch search over the index's own data when it fits (HEADROOM), else ``index`` itself."""
-    factory = index.factory if isinstance(index, BuiltIndex) else None
     raw = index.index if isinstance(index, BuiltIndex) else index
-    name = factory or type(raw).__name__
+    name = index.factory if isinstance(index, BuiltIndex) else type(raw).__name__
     if _is_gpu(raw):
         return raw, f"faiss-gpu ({name}, already on the GPU)"
     if isinstance(raw, TorchExactIndex) and raw.device == device:

@@ -61,13 +61,10 @@ class Exclusions:
                 f"exclusions of unequal lengths: {len(self.query)}, {len(self.lo)}, {len(self.hi)}"
             )
 
-    def __len__(self) -> int:
-        return len(self.query)
-
     def hits(self, rows: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(R, F) bool each: the candidates of queries `rows` (ascending) in an uncounted, a counted exclusion."""
         out = np.zeros((2, *cand.shape), dtype=bool)
-        if len(self) and len(rows):
+        if len(self.query) and len(rows):
             pos = np.minimum(np.searchsorted(rows, self.query), len(rows) - 1)
             mine = rows[pos] == self.query  # (E,) exclusions of the queries searched now
             pos, lo, hi, counted = pos[mine], self.lo[mine], self.hi[mine], self.counted[mine]

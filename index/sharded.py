@@ -297,14 +297,14 @@ def load_memory_for_search(path: str | Path) -> RetrievalMemory:
 
 
 def fit_projection_across_ranks(
-    shard: np.ndarray, m: int | Callable[[int], int], sample: int = SAMPLE
+    shard: np.ndarray, width_of: Callable[[int], int], sample: int = SAMPLE
 ) -> Projection:
-    """Collective: the PCA of sample / world evenly spaced rows of every rank's (n_r, D) shard, fitted by rank 0
-    and broadcast, so every part projects bit for bit alike. m: the width, or a function of D (known to every rank
-    after the gather, even one with an empty shard)."""
+    """Collective: the PCA to width_of(D) dims of sample / world evenly spaced rows of every rank's (n_r, D) shard,
+    fitted by rank 0 and broadcast, so every part projects bit for bit alike (D is known to every rank after the
+    gather, even one with an empty shard)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
     width = max(int(w[0]) for w in all_gather_rows(np.array([shard.shape[1] if len(shard) else 0])))
-    m = m(width) if callable(m) else m
+    m = width_of(width)
     mine = shard[sample_rows(len(shard), -(-sample // world))] if len(shard) else np.zeros((0, width))
     pooled = np.concatenate(all_gather_rows(np.ascontiguousarray(mine, dtype=np.float32)))  # (<= sample, D)
     packed = torch.zeros(m + 1, width, dtype=torch.float32)  # row 0: the mean; rows 1..m: the components
@@ -319,12 +319,9 @@ def fit_projection_across_ranks(
 
 def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None:
     """Raise unless every rank holds the same neighbour table, or none (lookup 'search'): a checksum all-gather."""
-    if neighbours is None:
-        neighbours = np.zeros(0, dtype=np.int64)
-    checksum = zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
-    sums = trainer.strategy.all_gather(
-        torch.tensor(checksum, dtype=torch.int64, device=trainer.strategy.root_device)
-    )
+    checksum = 0 if neighbours is None else zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
+    device = trainer.strategy.root_device
+    sums = trainer.strategy.all_gather(torch.tensor(checksum, dtype=torch.int64, device=device))
     if not bool((sums == sums[0]).all()):
         raise RuntimeError(
             f"ranks hold different neighbour tables after a rebuild (checksums {sums.tolist()})"
