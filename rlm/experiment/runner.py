@@ -69,7 +69,7 @@ def _forwarding_sigterm() -> Iterator[None]:
     """While inside, a SIGTERM to this process is passed on to every live rlm subprocess, so a scheduler
     that signals only the runner still gets its training saved; off the main thread, which forwards, nothing."""
     try:
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop_children(signum, wait_s=0))
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop_children())
     except ValueError:  # not the main thread
         yield
         return
@@ -79,11 +79,11 @@ def _forwarding_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def stop_children(signum: int = signal.SIGTERM, wait_s: float = 0) -> None:
-    """Send ``signum`` to every live rlm subprocess and wait up to ``wait_s`` seconds for them to exit."""
+def stop_children(wait_s: float = 0) -> None:
+    """SIGTERM to every live rlm subprocess (rlm fit then saves), and wait up to ``wait_s`` s for them to exit."""
     procs = list(_LIVE)
     for proc in procs:
-        proc.send_signal(signum)
+        proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while not all(exited(p) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,10 +1,5 @@
-"""An experiment's runs as submitit jobs: one SLURM job per run (``--launcher slurm``), or the same jobs on this
-machine (``--launcher submitit-local``); each job calls :func:`rlm.experiment.runner.execute`.
-
-Near the time limit SLURM sends USR2 (sbatch ``--signal``); submitit calls :meth:`RunJob.checkpoint`, which sends
-the running ``rlm fit`` SIGTERM (it saves last.ckpt and exits) and requeues the same call, so the requeued job
-resumes the run. Needs the ``slurm`` extra (submitit).
-"""
+"""An experiment's runs as submitit jobs (``--launcher slurm`` or ``submitit-local``), each calling
+:func:`rlm.experiment.runner.execute`; preemption and requeueing: docs/EXPERIMENTS.md."""
 
 from __future__ import annotations
 
