@@ -193,8 +193,8 @@ def cmd_search(dir: str, text: str | None = None, *, segment: int | None = None,
         if row < 0:
             break
         seg = int(rows[row])
-        head = f"#{rank + 1}  score {score:.4f}  segment {seg}  doc {int(idx.segments.doc[row])}  offset {int(idx.segments.offset[row])}"
-        print(head)
+        doc, offset = int(idx.segments.doc[row]), int(idx.segments.offset[row])
+        print(f"#{rank + 1}  score {score:.4f}  segment {seg}  doc {doc}  offset {offset}")
         if data is not None:
             print("    " + data.decode(data.segments.tokens(np.array([seg]))[0]).replace("\n", "\n    "))
     return 0

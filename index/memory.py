@@ -185,7 +185,7 @@ def build_memory(
     index_segments = IndexSegments(segments.doc[rows], segments.start[rows])
     neighbours = None
     if table:
-        found = neighbour_table(built, vectors, k, index_segments, causal=True).ids  # (R, k) row ids
+        found = neighbour_table(built, vectors, k, index_segments).ids  # (R, k) row ids
         neighbours = np.full((len(segments), k), -1, dtype=np.int64)
         neighbours[rows] = np.where(found >= 0, rows[np.maximum(found, 0)], -1)
     memory = RetrievalMemory(

@@ -162,7 +162,7 @@ def search_neighbours(
 
 
 def neighbour_table(
-    index: Any, vectors: np.ndarray, k: int, segments: SegmentTable | None, causal: bool = True, **kwargs
+    index: Any, vectors: np.ndarray, k: int, segments: SegmentTable | None, **kwargs
 ) -> Neighbours:
-    """Every indexed segment's top-k allowed neighbours (query s is segment s, never its own neighbour)."""
-    return search_neighbours(index, vectors, k, None, segments, exclude_self=True, causal=causal, **kwargs)
+    """Every indexed segment's top-k causally allowed neighbours (query s is segment s, never its own neighbour)."""
+    return search_neighbours(index, vectors, k, None, segments, **kwargs)
