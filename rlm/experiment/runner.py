@@ -47,7 +47,7 @@ from rlm.train.checkpoint import PREEMPTED, load_checkpoint_file
 from rlm.train.resume import newest_loadable
 
 KNNLM_JSON = "test_knnlm.json"  # rlm eval --datastore of the last checkpoint on the test split
-DATASTORE = "datastore"  # removed after evaluation unless kept; its meta.json stays as datastore_meta.json
+DATASTORE = "datastore"  # removed after evaluation; its meta.json stays as datastore_meta.json
 # a run's own files, not taken over when an equal run is reused
 NOT_REUSED = (SUMMARY, KNNLM_JSON, DATASTORE, "datastore_meta.json", "knnlm.log", JOB_JSON)
 
@@ -374,9 +374,8 @@ def knnlm_stage(run: Run) -> bool:
     for args in (build, evaluate):
         if not _rlm(run, args, "knnlm.log", "the kNN-LM stage"):
             return False
-    if not options.get("keep"):
-        shutil.copy2(ds / "meta.json", run.dir / "datastore_meta.json")
-        shutil.rmtree(ds)
+    shutil.copy2(ds / "meta.json", run.dir / "datastore_meta.json")
+    shutil.rmtree(ds)
     return True
 
 
@@ -384,8 +383,7 @@ def with_knnlm(summary: dict[str, Any], run: Run) -> dict[str, Any]:
     """The summary of a run with a kNN-LM stage: test_* are the kNN-LM's, lm_test the model's alone, and knnlm
     says how (lam, temperature, k, the datastore's size and build time)."""
     r = json.loads((run.dir / KNNLM_JSON).read_text())
-    meta_path = run.dir / DATASTORE / "meta.json"
-    meta = json.loads((meta_path if meta_path.is_file() else run.dir / "datastore_meta.json").read_text())
+    meta = json.loads((run.dir / "datastore_meta.json").read_text())
     rule = (run.knnlm or {}).get("rule", "interpolate")
     if rule == "joint" and not r.get("joint"):
         raise ValueError(

@@ -42,13 +42,12 @@ KNNLM_OPTIONS: Options = {
     "tune_tokens": (_int(0), "an integer >= 0"),
     "max_documents": (_int(1), "a positive integer"),
     "cache": (_is(bool), "true or false"),
-    "keep": (_is(bool), "true or false"),
     "rule": (_one_of("interpolate", "joint", "model"), "'interpolate' (kNN-LM's eq. 2), 'joint' (the token "
              "memory's mixture) or 'model' (a knn_attention model searching the datastore inside its forward "
              "pass; layer attn_input)"),
 }  # fmt: skip
-"""A variant's ``knnlm`` stage: ``rlm knnlm build``'s options, ``cache`` (``rlm eval --knn-cache``), ``keep``
-(keep the datastore; else only its meta.json stays) and ``rule``, how the test loss mixes the neighbours in."""
+"""A variant's ``knnlm`` stage: ``rlm knnlm build``'s options, ``cache`` (``rlm eval --knn-cache``) and ``rule``,
+how the test loss mixes the neighbours in."""
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # names become directory names
 DEFAULT_METRICS = ["val/*"]
 LAUNCHER_DEFAULTS: dict[str, Any] = {"name": "local", "jobs": 1, "requeue": True, "signal_delay_s": 120}
