@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from rlm.index._faiss import faiss
@@ -20,6 +19,10 @@ ADD_CHUNK = 65536  # keys converted to float32 and added per faiss call
 EXACT = "SQfp16"
 REFINE_FACTOR = 4  # a refined index re-ranks this many times k candidates of its quantised search exactly
 PLATEAU = 0.005  # tuning stops doubling nprobe once recall gains less (a product quantiser's ceiling)
+BLAS_QUERIES = 32  # from this many queries on, an exact index is searched by exact_l2's matrix products
+EXACT_CHUNK = 65536  # keys converted to float32 per matrix product of exact_l2
+CANDIDATES = 2  # exact_l2 re-ranks this many times k candidates of its matrix products by direct distances
+RERANK_QUERIES = 1024  # queries whose candidates exact_l2 re-ranks at once, (1024, 2k, d) float32
 TRAIN_KEYS = 131072  # keys an index is trained on (more where an IVF needs 40 per list)
 TUNE_QUERIES = 256  # keys of the index searched as queries while nprobe is tuned
 
@@ -64,26 +67,56 @@ def bytes_per_key(factory: str, dim: int) -> int:
 
 
 def exact_l2(
-    base: np.ndarray, queries: np.ndarray, k: int, chunk: int = 262144
+    base: np.ndarray,
+    queries: np.ndarray,
+    k: int,
+    exclude: tuple[int, int] | None = None,
+    chunk: int = EXACT_CHUNK,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k (squared L2 distances (Q, k) ascending, ids (Q, k)) of queries over ``base`` (any float
-    dtype, read in chunks): the reference every L2 index is checked against."""
-    q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))  # (Q, d)
-    qn = (q * q).sum(1, keepdim=True)  # (Q, 1)
-    best_d = torch.full((len(q), 0), float("inf"))
-    best_i = torch.zeros((len(q), 0), dtype=torch.int64)
-    for lo in range(0, len(base), chunk):
-        b = torch.from_numpy(np.asarray(base[lo : lo + chunk], dtype=np.float32))  # (C, d)
-        d = qn + (b * b).sum(1)[None, :] - 2.0 * q @ b.T  # (Q, C)
-        kk = min(k, d.shape[1])
-        dv, di = torch.topk(d, kk, dim=1, largest=False)
-        best_d = torch.cat([best_d, dv], 1)
-        best_i = torch.cat([best_i, di + lo], 1)
-        if best_d.shape[1] > k:
-            best_d, order = torch.topk(best_d, k, dim=1, largest=False)
-            best_i = torch.gather(best_i, 1, order)
-    order = torch.argsort(best_d, dim=1)
-    return torch.gather(best_d, 1, order).clamp_min(0).numpy(), torch.gather(best_i, 1, order).numpy()
+    """Exact top-k (squared L2 distances (Q, k) ascending, ties by id; ids (Q, k); inf and -1 past the last key) of
+    queries over ``base`` (N, d) of any float dtype without the ids of ``exclude``, an [lo, hi) range: the reference
+    every L2 index is checked against. Candidates come from matrix products over ``chunk`` keys at a time (faiss.knn),
+    whose |q|^2 + |x|^2 - 2 q.x rounds near ties into either order; their direct distances decide."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    heap = faiss.ResultHeap(len(q), CANDIDATES * k)
+    lo_x, hi_x = exclude or (0, 0)
+    # the keys left of the excluded range, then right of it
+    for start, stop in ((0, lo_x), (hi_x, len(base))):
+        for lo in range(start, min(stop, len(base)), chunk):
+            d, i = faiss.knn(q, np.asarray(base[lo : min(lo + chunk, stop)], dtype=np.float32), heap.k)
+            heap.add_result(d, np.where(i >= 0, i + lo, -1))
+    heap.finalize()
+    cand = heap.I  # (Q, K) candidate ids, -1 past the last key
+    d = np.concatenate([_direct_l2(q[lo : lo + RERANK_QUERIES], base, cand[lo : lo + RERANK_QUERIES])
+                        for lo in range(0, len(q), RERANK_QUERIES)])  # fmt: skip
+    order = np.lexsort((np.where(cand >= 0, cand, np.iinfo(np.int64).max), d), axis=1)[:, :k]
+    return np.take_along_axis(d, order, 1), np.take_along_axis(cand, order, 1)
+
+
+def _direct_l2(q: np.ndarray, base: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Squared L2 distances (B, K) of queries (B, d) to base[ids] (inf where an id is -1), summed as faiss sums them:
+    an exact index's scan finds these very numbers."""
+    rows = np.asarray(base[np.maximum(ids, 0).ravel()], dtype=np.float32)  # (B * K, d)
+    of = np.repeat(np.arange(len(ids)), ids.shape[1])  # (B * K,) the query of each row
+    each, d = np.arange(len(rows)), np.empty(len(rows), np.float32)  # named: swig_ptr keeps no array alive
+    ptr = faiss.swig_ptr
+    faiss.pairwise_indexed_L2sqr(q.shape[1], len(rows), ptr(q), ptr(of), ptr(rows), ptr(each), ptr(d))
+    return np.where(ids >= 0, d.reshape(ids.shape), np.inf)
+
+
+def exact_keys(index: Any) -> np.ndarray | None:
+    """The (N, d) keys of an exact index ('SQfp16' float16, 'Flat' float32), a view of its codes; None for others.
+    Valid while ``index`` lives."""
+    ix = faiss.downcast_index(index)
+    if isinstance(ix, faiss.IndexScalarQuantizer) and ix.sq.qtype == faiss.ScalarQuantizer.QT_fp16:
+        dtype = np.float16
+    elif isinstance(ix, faiss.IndexFlat) and ix.metric_type == faiss.METRIC_L2:
+        dtype = np.float32
+    else:
+        return None
+    if not ix.ntotal:
+        return np.zeros((0, ix.d), dtype)
+    return faiss.rev_swig_ptr(ix.codes.data(), ix.ntotal * ix.code_size).view(dtype).reshape(ix.ntotal, ix.d)
 
 
 def build_l2_index(
@@ -193,6 +226,11 @@ def search_l2(
     """(squared distances (Q, k), ids (Q, k), -1 padded) of float32 queries; ``exclude``: an [lo, hi) id range no
     query may find (its own document), applied inside the search, so the excluded keys never change what is found."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
+    keys = exact_keys(index)
+    if keys is not None and len(q) >= BLAS_QUERIES:
+        # faiss scans every key per query, bound by memory once the keys outgrow the cache; exact_l2 reads each
+        # chunk once for all queries. A few queries (generation) would spend longer converting keys to float32
+        return exact_l2(keys, q, k, exclude)
     params = params or {}
     if exclude is None:
         apply_params(index, params)

@@ -13,7 +13,7 @@ import torch
 from cli_helpers import CONFIGS, run_rlm
 from torch.testing import assert_close
 
-from rlm.index.knn import build_l2_index, exact_l2, search_l2
+from rlm.index.knn import BLAS_QUERIES, build_l2_index, exact_l2, search_l2
 
 TINY = ["--config", CONFIGS / "default.yaml", "--config", CONFIGS / "data" / "tiny.yaml",
         "--config", CONFIGS / "model" / "tiny.yaml"]  # fmt: skip
@@ -46,7 +46,9 @@ def test_interpolation_matches_the_papers_equation_by_hand():
 def test_l2_indices_against_exact_search():
     rng = np.random.default_rng(0)
     keys = rng.normal(size=(6000, 16)).astype(np.float16)
+    keys[3000:3005] = keys[5990:] = keys[99]  # one context seen 16 times: more ties at distance 0 than k
     q = rng.normal(size=(50, 16)).astype(np.float32)
+    q[:2] = keys[[99, 3001]]
     d, ids = exact_l2(keys, q, 8, chunk=1000)
     brute = ((q[:, None, :] - keys.astype(np.float32)[None]) ** 2).sum(-1)  # (Q, N)
     want = np.argsort(brute, axis=1, kind="stable")[:, :8]
@@ -55,14 +57,21 @@ def test_l2_indices_against_exact_search():
         torch.from_numpy(d), torch.from_numpy(np.take_along_axis(brute, want, 1)), rtol=1e-4, atol=1e-3
     )
     exact = build_l2_index(keys, "SQfp16", target_recall=None)
+    # a batch is searched by exact_l2's matrix products, a single query by faiss's scan: the same numbers and ids
+    assert len(q) >= BLAS_QUERIES
+    for excl in (None, (1000, 5000)):
+        scans = [search_l2(exact.index, q[i : i + 1], 8, excl) for i in range(len(q))]
+        fd, fids = search_l2(exact.index, q, 8, excl)
+        assert np.array_equal(fd, np.concatenate([d for d, _ in scans]))
+        assert np.array_equal(fids, np.concatenate([i for _, i in scans]))
     fd, fids = search_l2(exact.index, q, 8)
-    assert (fids == ids).mean() > 0.99
+    assert np.array_equal(fids, ids)  # the index's codes are the keys
     # an excluded range is never found, and the rest is exact search over the complement
     fd, fids = search_l2(exact.index, q, 8, exclude=(1000, 5000))
     assert not ((fids >= 1000) & (fids < 5000)).any()
     rest = np.concatenate([np.arange(1000), np.arange(5000, 6000)])
     _, sub = exact_l2(keys[rest], q, 8)
-    assert (fids == rest[sub]).mean() > 0.99
+    assert np.array_equal(fids, rest[sub])
     ivf = build_l2_index(keys, "IVF16,PQ8", target_recall=0.5, tune_k=8)
     assert ivf.search_params["nprobe"] >= 1 and ivf.tuned_recall >= 0.5
     _, iids = search_l2(ivf.index, q, 8, exclude=(0, 3000), params=ivf.search_params)
