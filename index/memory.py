@@ -99,14 +99,11 @@ class RetrievalMemory:
         """(Q, D) full-width query vectors in the index's width: narrowed by its projection, if it has one."""
         return queries if self.projection is None else self.projection.apply(queries)
 
-    def search(self, queries: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
-        """(Q, k) global neighbour ids of query vectors; query_ids are global ids (-1: outside), filtered causally."""
-        return self.search_scored(queries, query_ids, k).ids
-
     def search_scored(
         self, queries: np.ndarray, query_ids: np.ndarray, k: int, exclusions: Exclusions | None = None
     ) -> Neighbours:
-        """As search, with the scores, excluding the exclusions' ranges of global ids; full-width queries."""
+        """Causally filtered top-k (global ids) of full-width queries with global ids (-1: outside), minus the
+        exclusions' ranges of global ids."""
         rows = np.where(query_ids >= 0, self.row_of[np.maximum(query_ids, 0)], -1)
         index = self.index if self._searched is None else self._searched[1]
         found = search_neighbours(

@@ -10,7 +10,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -23,9 +23,6 @@ from rlm.index.protocol import shard_range
 from rlm.index.search import Exclusions, Neighbours, search_neighbours
 from rlm.index.search import SegmentTable as IndexSegments
 from rlm.index.store import IndexMismatchError, IndexNotFoundError, load_index_dir, read_meta
-
-if TYPE_CHECKING:
-    import pytorch_lightning as pl
 
 TABLE_CHUNK = 4096  # queries a rank adds per round of a table build: bounds the (world * chunk, d) gathered
 
@@ -43,13 +40,17 @@ def _device() -> torch.device:
 
 
 def all_gather_rows(x: np.ndarray) -> list[np.ndarray]:
-    """Every rank's (n_r, ...) array, in rank order; n_r may differ (padded to the largest for the collective)."""
+    """Every rank's (n_r, ...) array, in rank order; n_r may differ (padded to the largest for the collective), and an
+    empty (0, 0) array takes the others' width."""
     world, dev = dist.get_world_size(), _device()
-    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([len(x)], dtype=torch.int64, device=dev))
-    counts = [int(c) for c in counts]
-    padded = torch.zeros((max(1, max(counts)), *x.shape[1:]), dtype=torch.from_numpy(x[:0]).dtype, device=dev)
-    padded[: len(x)] = torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+    shape = torch.tensor(x.shape, dtype=torch.int64, device=dev)
+    shapes = [torch.zeros_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    shapes = torch.stack(shapes).cpu()  # (world, x.ndim)
+    counts, rest = shapes[:, 0].tolist(), shapes[:, 1:].amax(0).tolist()
+    padded = torch.zeros((max(1, max(counts)), *rest), dtype=torch.from_numpy(x[:0]).dtype, device=dev)
+    if len(x):
+        padded[: len(x)] = torch.from_numpy(np.ascontiguousarray(x)).to(dev)
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
     return [p[:c].cpu().numpy() for p, c in zip(parts, counts)]
@@ -303,10 +304,10 @@ def fit_projection_across_ranks(
     fitted by rank 0 and broadcast, so every part projects bit for bit alike (D is known to every rank after the
     gather, even one with an empty shard)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
-    width = max(int(w[0]) for w in all_gather_rows(np.array([shard.shape[1] if len(shard) else 0])))
-    m = width_of(width)
-    mine = shard[sample_rows(len(shard), -(-sample // world))] if len(shard) else np.zeros((0, width))
+    mine = shard[sample_rows(len(shard), -(-sample // world))]
     pooled = np.concatenate(all_gather_rows(np.ascontiguousarray(mine, dtype=np.float32)))  # (<= sample, D)
+    width = pooled.shape[1]
+    m = width_of(width)
     packed = torch.zeros(m + 1, width, dtype=torch.float32)  # row 0: the mean; rows 1..m: the components
     if rank == 0:
         fitted = fit_pca(pooled, m)
@@ -317,25 +318,9 @@ def fit_projection_across_ranks(
     return Projection(packed[0].copy(), packed[1:].copy())
 
 
-def check_same_table(trainer: pl.Trainer, neighbours: np.ndarray | None) -> None:
-    """Raise unless every rank holds the same neighbour table, or none (lookup 'search'): a checksum all-gather."""
+def check_same_table(neighbours: np.ndarray | None) -> None:
+    """Collective: raise unless every rank holds the same neighbour table, or none (lookup 'search')."""
     checksum = 0 if neighbours is None else zlib.crc32(np.ascontiguousarray(neighbours).tobytes())
-    device = trainer.strategy.root_device
-    sums = trainer.strategy.all_gather(torch.tensor(checksum, dtype=torch.int64, device=device))
-    if not bool((sums == sums[0]).all()):
-        raise RuntimeError(
-            f"ranks hold different neighbour tables after a rebuild (checksums {sums.tolist()})"
-        )
-
-
-def gather_shards(trainer: pl.Trainer, shard: np.ndarray, total: int) -> np.ndarray:
-    """All ranks' contiguous shards, in rank order (all_gather through the strategy; shards padded to one size)."""
-    world, dev = trainer.world_size, trainer.strategy.root_device
-    dim = torch.tensor(shard.shape[1] if len(shard) else 0, device=dev)
-    dims = trainer.strategy.all_gather(dim)  # (world,)
-    counts = trainer.strategy.all_gather(torch.tensor(len(shard), device=dev))  # (world,)
-    padded = torch.zeros(-(-total // world) + 1, int(dims.max()), dtype=torch.float32, device=dev)
-    if len(shard):
-        padded[: len(shard)] = torch.from_numpy(shard).to(dev)
-    parts = trainer.strategy.all_gather(padded)  # (world, size, dim)
-    return torch.cat([parts[r, : int(counts[r])] for r in range(world)]).cpu().numpy()
+    sums = [int(c[0]) for c in all_gather_rows(np.array([checksum], dtype=np.int64))]
+    if len(set(sums)) > 1:
+        raise RuntimeError(f"ranks hold different neighbour tables after a rebuild (checksums {sums})")

@@ -23,10 +23,10 @@ from rlm.index.memory import MemoryOwner, RetrievalMemory, build_memory, embed_r
 from rlm.index.projection import Projection, fit_projection, index_width, with_projection
 from rlm.index.rebuild import Schedule, rebuild_stream, shards
 from rlm.index.sharded import (
+    all_gather_rows,
     build_sharded_memory,
     check_same_table,
     fit_projection_across_ranks,
-    gather_shards,
     load_sharded_memory,
 )
 from rlm.index.store import IndexMismatchError, IndexNotFoundError
@@ -126,7 +126,7 @@ class RebuildCallback(pl.Callback):
         if sharded:
             if not trainer.strategy.reduce_boolean_decision(memory is not None, all=True):
                 return False
-            check_same_table(trainer, memory.neighbours)
+            check_same_table(memory.neighbours)
         if memory is None:
             return False
         self._take(memory, "reused")
@@ -209,7 +209,7 @@ class RebuildCallback(pl.Callback):
         shard = embed_rows(embedder, self.segments, self.rows, EMBED_BATCH, rank, world, self.config.progress)
         memory = self._build(trainer, self._narrow(shard, embedder.embedder_identity(), world > 1), step)
         if world > 1:
-            check_same_table(trainer, memory.neighbours)
+            check_same_table(memory.neighbours)
         self.last_seconds = self.blocked_seconds = time.perf_counter() - start
         self._take(memory, "built")
 
@@ -223,7 +223,7 @@ class RebuildCallback(pl.Callback):
             return build_sharded_memory(shard, *args, projection)
         if trainer.world_size == 1:
             return build_memory(shard, *args, projection)
-        vectors = gather_shards(trainer, shard, len(self.rows))  # narrowed first: m wide, not D
+        vectors = np.concatenate(all_gather_rows(shard))  # narrowed first: m wide, not D
         if trainer.global_rank == 0:
             build_memory(vectors, *args, projection)
         trainer.strategy.barrier("retrieval-rebuild")
@@ -292,7 +292,7 @@ class RebuildCallback(pl.Callback):
             memory = self._build(trainer, narrowed, result["step"])
             result["blocked"] = time.perf_counter() - start
         if trainer.world_size > 1:
-            check_same_table(trainer, memory.neighbours)
+            check_same_table(memory.neighbours)
         self.blocked_seconds = result.get("blocked", 0.0)
         self.last_seconds = result["end"] - result["start"]
         self._take(memory, "built")

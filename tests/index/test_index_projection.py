@@ -125,7 +125,8 @@ def test_narrowed_index_keeps_recall_of_the_full_width_exact_search(factory):
         p = fit_projection(vectors, m)
         config = IndexConfig(factory, target_recall=None)
         memory = build_memory(p.apply(vectors), segments, rows, 10, IDENTITY, 3, config, None, False, p)
-        found = memory.search(queries, np.full(len(queries), -1), 10)  # global ids; every segment is a row
+        # global ids; every segment is a row
+        found = memory.search_scored(queries, np.full(len(queries), -1), 10).ids
         recall[m] = recall_at_10(found, rows[truth])
     assert recall[16] >= 0.9, recall
     assert recall[8] < 0.7, recall  # 0.57: fewer directions than the data has
@@ -218,7 +219,7 @@ def test_narrowed_index_is_stored_and_refused_by_another_projection(tmp_path):
     for memory in (again, loaded):
         np.testing.assert_array_equal(memory.projection.components, p.components)
         np.testing.assert_array_equal(
-            memory.search(q, np.full(20, -1), 2), narrow.search(q, np.full(20, -1), 2)
+            memory.search_scored(q, np.full(20, -1), 2).ids, narrow.search_scored(q, np.full(20, -1), 2).ids
         )
 
 
@@ -333,7 +334,13 @@ def _worker(rank: int, port: int, root: str, out: dict) -> None:
         )
         q = low_rank(40, 32, 8, seed=7)[rank * 20 : (rank + 1) * 20]
         q_ids = rows[np.arange(rank, 40, 2)]
-        out[rank] = (p.mean, p.components, memory.neighbours, memory.search(q, q_ids, 3), memory.parts)
+        out[rank] = (
+            p.mean,
+            p.components,
+            memory.neighbours,
+            memory.search_scored(q, q_ids, 3).ids,
+            memory.parts,
+        )
         # the rebuild callback: the vectors narrowed before the gather (unsharded) or the parts' build (sharded)
         trainer = SimpleNamespace(global_rank=rank, world_size=world, strategy=GlooStrategy())
         for sharded in (False, True):
@@ -374,12 +381,16 @@ def test_two_ranks_fit_one_projection_and_search_as_one_process(tmp_path):
     for rank in (0, 1):
         np.testing.assert_array_equal(got[rank][2], whole.neighbours)
         q = low_rank(40, 32, 8, seed=7)[rank * 20 : (rank + 1) * 20]
-        np.testing.assert_array_equal(got[rank][3], whole.search(q, rows[np.arange(rank, 40, 2)], 3))
+        np.testing.assert_array_equal(
+            got[rank][3], whole.search_scored(q, rows[np.arange(rank, 40, 2)], 3).ids
+        )
     assert (whole.neighbours[rows] >= 0).all()
     # outside training: every part, searched as one, narrowed alike
     one = load_memory_for_search(got[0][4][1])
     q = low_rank(40, 32, 8, seed=7)
-    np.testing.assert_array_equal(one.search(q, np.full(40, -1), 3), whole.search(q, np.full(40, -1), 3))
+    np.testing.assert_array_equal(
+        one.search_scored(q, np.full(40, -1), 3).ids, whole.search_scored(q, np.full(40, -1), 3).ids
+    )
     # the callback on 2 ranks, unsharded (gathered narrowed, rank 0 builds) and sharded: one projection, fitted on
     # every rank's vectors (as the 1-process fit), and the 1-process table of the vectors narrowed by it
     cb, _, vectors = callback_for(tmp_path, 200, index_dim=8)

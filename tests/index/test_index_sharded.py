@@ -87,14 +87,14 @@ def _worker(rank: int, world: int, port: int, root: str, out: dict) -> None:
                 vectors[share.start : share.stop], segments, rows, K, IDENTITY, 5, config, step_dir
             )
             q, q_ids = queries(rank, segments, rows)
-            found = memory.search(q, q_ids, K)
+            found = memory.search_scored(q, q_ids, K).ids
             out[(factory, rank, "excluding")] = memory.search_scored(q, q_ids, K, exclusions(rank, rows)).ids
             q2, q2_ids = queries(rank, segments, rows, both=True)  # unequal, non-zero counts on both ranks
             routed = memory.search_scored(q2, q2_ids, K, exclusions(rank, rows))
             out[(factory, rank, "routed")] = (routed.ids, routed.scores, routed.excluded)
             dist.barrier()
             reloaded = load_sharded_memory(memory.parts, segments, rows, IDENTITY, K)
-            again = reloaded.search(q, q_ids, K)
+            again = reloaded.search_scored(q, q_ids, K).ids
             out[(factory, rank)] = (memory.neighbours, found, reloaded.neighbours, again, memory.parts)
             assert memory.path == part_dir(step_dir, rank, world).resolve()
         if rank == 1:  # a part cut short is refused on load (meta.json lists every file's size)
@@ -129,7 +129,7 @@ def test_two_ranks_equal_one_process_for_exact_indices(tmp_path):
         config = IndexConfig(factory=factory, target_recall=None)
         whole = build_memory(vectors, segments, rows, K, IDENTITY, 5, config, None)
         q, q_ids = queries(0, segments, rows)
-        want = whole.search(q, q_ids, K)
+        want = whole.search_scored(q, q_ids, K).ids
         assert (whole.neighbours[rows] >= 0).all()  # a table that is full, so the comparison means something
         for rank in (0, 1):
             table, found, reloaded, again, parts = got[(factory, rank)]
@@ -166,7 +166,7 @@ def test_two_ranks_equal_one_process_for_exact_indices(tmp_path):
     )
     one = load_memory_for_search(parts[1])
     q, q_ids = queries(0, segments, rows)
-    np.testing.assert_array_equal(one.search(q, q_ids, K), whole.search(q, q_ids, K))
+    np.testing.assert_array_equal(one.search_scored(q, q_ids, K).ids, whole.search_scored(q, q_ids, K).ids)
     np.testing.assert_array_equal(one.neighbours, whole.neighbours)
     shutil.rmtree(parts[0])
     with pytest.raises(IndexNotFoundError, match="part 0 of the sharded index"):

@@ -157,7 +157,7 @@ def test_eval_on_a_copy_of_a_training_document_never_retrieves_its_continuation(
     k = plugin.config.k - plugin.config.same_doc_k
     inputs = ctx.extras["retrieval"]
     e = plugin._embed_queries(inputs.query_tokens.reshape(-1, L), inputs.query_mask.reshape(-1, L)).numpy()
-    raw = memory.search(e, np.full(len(e), -1), k).reshape(B, n, k)
+    raw = memory.search_scored(e, np.full(len(e), -1), k).ids.reshape(B, n, k)
     t_of = batch["starts"].numpy()[:, None] // L + np.arange(n) - 1  # (B, n)
     leaks = (CORPUS_SEGMENTS.doc[np.maximum(raw, 0)] == 3) & (raw - first >= t_of[..., None]) & (raw >= 0)
     assert leaks.any()
@@ -186,7 +186,8 @@ def test_generation_from_a_training_prompt_is_causal_and_never_retrieves_its_con
     # the same queries without the evaluation's filters: they find the prompt's continuation
     plugin = model.plugins["retrieval"]
     e = plugin._embed_queries(inputs.query_tokens.reshape(-1, L), inputs.query_mask.reshape(-1, L)).numpy()
-    raw = memory.search(e, np.full(len(e), -1), plugin.config.k - plugin.config.same_doc_k)  # (n, k')
+    k_table = plugin.config.k - plugin.config.same_doc_k
+    raw = memory.search_scored(e, np.full(len(e), -1), k_table).ids  # (n, k')
     target = at + np.arange(len(raw))[:, None] * L
     assert (
         (raw >= 0) & (seg.doc[np.maximum(raw, 0)] == 3) & (seg.offset[np.maximum(raw, 0)] + span > target)
