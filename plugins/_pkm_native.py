@@ -78,8 +78,6 @@ def load() -> ctypes.CDLL | None:
     if _TRIED:
         return _LIB
     _TRIED = True
-    if os.environ.get("RLM_PKM_NATIVE", "1") == "0":
-        return None
     cc = _compiler()
     target = _cache_dir() / f"pkm_native_{cache_key(cc)}.so"
     try:

@@ -25,8 +25,6 @@ class NonFiniteError(ValueError):
 
 def _all_finite(t: Tensor) -> Tensor:
     """Whether every value of ``t`` is finite, as a 0-d bool tensor on its device (no host sync)."""
-    if t.is_sparse:
-        t = t.coalesce().values()
     return torch.isfinite(t).all()
 
 
@@ -152,22 +150,18 @@ class NonFiniteGuard(pl.Callback):
         # fp16 loss scaling: inf gradients are expected now and then, and the scaler skips those steps
         if getattr(trainer.precision_plugin, "scaler", None) is None:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            dense = [g for g in grads if not g.is_sparse]
             # One fused norm pass: a norm is finite iff every value is, barring an overflow of finite values,
             # which the exact per-tensor check at the read sorts out.
             finite = torch.ones((), dtype=torch.bool, device=pl_module.device)
             # FSDP2's sharded gradients apart from plain ones (synced parameters): foreach refuses the mix
             for part in (
-                [g for g in dense if isinstance(g, DTensor)],
-                [g for g in dense if not isinstance(g, DTensor)],
+                [g for g in grads if isinstance(g, DTensor)],
+                [g for g in grads if not isinstance(g, DTensor)],
             ):
                 if part:
                     norms = torch.stack([n.float() for n in torch._foreach_norm(part)])
                     verdict = full_tensor(torch.isfinite(norms).all())  # FSDP2's shards: one verdict for all
                     finite = finite & verdict.to(finite.device)
-            for g in grads:
-                if g.is_sparse:
-                    finite = finite & _all_finite(g).to(finite.device)
             self._mark(pl_module, 1, finite, trainer.global_step)
         if (trainer.global_step + 1) % self.period(trainer, pl_module) == 0:
             self._check(trainer, pl_module)
