@@ -15,14 +15,7 @@ _MODE_ORDER = {Mode.REPLACE: 0, Mode.ADD: 1, Mode.WRAP: 2}
 
 
 def check_conflicts(plugins: dict[str, Plugin], n_layers: int) -> list[tuple[Plugin, Claim]]:
-    """All claims, validated: exclusive slots, declared incompatibilities, absent slots."""
-    for name, plugin in plugins.items():
-        for other in plugin.conflicts_with:
-            clash = [n for n, p in plugins.items() if n != name and (n == other or p.name == other)]
-            if clash:
-                raise ValueError(
-                    f"plugins {name!r} and {clash[0]!r} cannot be used together ({name!r} says so)"
-                )
+    """All claims, validated: exclusive slots, absent slots."""
     claims = [(p, c) for p in plugins.values() for c in p.claims()]
     owner: dict[tuple[Slot, int | None], str] = {}
     for plugin, claim in claims:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor, nn
@@ -71,9 +71,7 @@ class ParamGroup:
     params: list[nn.Parameter]
     lr: float | None = None
     weight_decay: float | None = None
-    betas: tuple[float, float] | None = None
     schedule: bool = True  # whether the warmup + cosine scales this group's learning rate
-    extra: dict[str, Any] = field(default_factory=dict)  # further optimizer options for the group
 
 
 class Plugin(nn.Module):
@@ -87,7 +85,6 @@ class Plugin(nn.Module):
     Config: ClassVar[type] = object
     # plugins are built in ascending (order, name), whatever order configs list them in
     order: ClassVar[int] = 100
-    conflicts_with: ClassVar[tuple[str, ...]] = ()  # names of plugins that cannot be used with this one
 
     def __init__(self, config: Any, model_config: ModelConfig) -> None:
         super().__init__()

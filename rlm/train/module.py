@@ -328,8 +328,8 @@ class LMModule(pl.LightningModule):
                 )
             params = [p for p in g.params if p.requires_grad and id(p) not in taken]
             taken |= {id(p) for p in params}
-            group = {"name": g.name, "params": params, "schedule": g.schedule, **g.extra}
-            for key in ("lr", "weight_decay", "betas"):
+            group = {"name": g.name, "params": params, "schedule": g.schedule}
+            for key in ("lr", "weight_decay"):
                 if getattr(g, key) is not None:
                     group[key] = getattr(g, key)
             groups.append(group)
