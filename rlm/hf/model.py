@@ -92,16 +92,6 @@ class RLMConfig(PretrainedConfig):
         super().__post_init__(**kwargs)
 
 
-def _tied_source(model: Transformer) -> str | None:
-    """The name under which the head's weight is first registered when it is tied to an embedding table."""
-    if not model.config.tie_embeddings:
-        return None
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p is model.head.weight and name != "head.weight":
-            return name
-    return None
-
-
 class WindowCache(KVCache):
     """rlm's KVCache as transformers' generate() carries it between steps (``cache``): one window of the sequence,
     starting at position ``start``."""
@@ -131,8 +121,9 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
         self.model = Transformer(ModelConfig(**config.rlm_model), config.plugins or None)
         if root is not None:
             self.attach_indices(root)
-        source = _tied_source(self.model)
         # transformers loads parameters one by one, which breaks rlm's tie of head and table: declare it
+        params = self.model.named_parameters(remove_duplicate=False)
+        source = next((n for n, p in params if p is self.model.head.weight and n != "head.weight"), None)
         self._tied_weights_keys = {"model.head.weight": f"model.{source}"} if source else None
         if source:  # not in model.safetensors: tied again on load
             self._keys_to_ignore_on_load_missing = [r"^model\.head\.weight$"]

@@ -13,34 +13,22 @@ from typing import Any
 
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 
-SOURCE = "rlm_src"
-
-
-def _local(path: str | os.PathLike[str]) -> str:
-    """The local folder of a model: ``path`` itself, or the downloaded snapshot of a Hub repository."""
-    if os.path.isdir(path):
-        return str(path)
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(str(path))
-
-
-def _rlm_hf(folder: str) -> Any:
-    """rlm.hf.model, from the folder's own source unless rlm is imported already."""
-    source = os.path.join(folder, SOURCE)
-    if "rlm" not in sys.modules and os.path.isdir(source) and source not in sys.path:
-        sys.path.insert(0, source)
-    return importlib.import_module("rlm.hf.model")
-
 
 def _handed_over(name: str) -> classmethod:
-    """A from_pretrained that loads the folder's rlm.hf.model.<name> instead."""
+    """A from_pretrained that loads rlm.hf.model.<name>, from the folder's own source unless rlm is imported."""
 
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any
     ):
-        folder = _local(pretrained_model_name_or_path)
-        return getattr(_rlm_hf(folder), name).from_pretrained(folder, *args, **kwargs)
+        folder = str(pretrained_model_name_or_path)
+        if not os.path.isdir(folder):  # a Hub repository: its downloaded snapshot
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(folder)
+        source = os.path.join(folder, "rlm_src")
+        if "rlm" not in sys.modules and os.path.isdir(source) and source not in sys.path:
+            sys.path.insert(0, source)
+        return getattr(importlib.import_module("rlm.hf.model"), name).from_pretrained(folder, *args, **kwargs)
 
     return classmethod(from_pretrained)
 
