@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rlm.data.module import RLMDataModule
+from rlm.data.module import RLMDataModule, cache_root
 from rlm.data.pretrained import TRAIN
 from rlm.data.store import TokenStore
 
@@ -25,12 +25,6 @@ def data_settings(ckpt: dict[str, Any], path: str | os.PathLike[str]) -> dict[st
     hp.setdefault("test_fraction", 0.0)  # written before the test split existed: its split had none
     hp.setdefault("dedup_threshold", None)  # written before deduplication existed: it removed none
     return hp
-
-
-def _cache_dir(hp: dict[str, Any]) -> Path:
-    return Path(
-        hp.get("cache_dir") or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm"
-    ).expanduser()
 
 
 def _unpack(files: dict[str, bytes], cache: Path) -> Path:
@@ -62,9 +56,9 @@ def tokenizer_file(ckpt: dict[str, Any], path: str | os.PathLike[str], hp: dict[
         # under data.tokenizer's file name: the token cache's key hashes it, so the copy finds the training entry
         spec = hp.get("tokenizer")
         name = Path(spec).name if spec not in (None, TRAIN) else "tokenizer.model"
-        return str(_unpack({name: state["tokenizer_model"]}, _cache_dir(hp)) / name)
+        return str(_unpack({name: state["tokenizer_model"]}, cache_root(hp.get("cache_dir"))) / name)
     if state.get("tokenizer_files"):
-        return str(_unpack(state["tokenizer_files"], _cache_dir(hp)))
+        return str(_unpack(state["tokenizer_files"], cache_root(hp.get("cache_dir"))))
     if hp.get("tokenizer") not in (None, TRAIN) and Path(hp["tokenizer"]).exists():
         return str(hp["tokenizer"])
     # Older checkpoints carry no tokenizer: the cache entry they trained on has it, if it is still there.

@@ -116,9 +116,7 @@ class RLMDataModule(pl.LightningDataModule):
         self.seq_len, self.segment_len = seq_len, segment_len
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed
-        self.cache_dir = Path(
-            cache_dir or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm"
-        ).expanduser()
+        self.cache_dir = cache_root(cache_dir)
         self.num_workers, self.progress = num_workers, progress
         self.tokenizer_model_type, self.max_tokenizer_chars = tokenizer_model_type, max_tokenizer_chars
         self.tokenizer_spec, self.streaming = tokenizer, streaming
@@ -247,9 +245,6 @@ class RLMDataModule(pl.LightningDataModule):
             return {"tokenizer_files": {f.name: f.read_bytes() for f in sorted(Path(tok.path).iterdir())}}
         return {}
 
-    def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
-        """Nothing to restore: the tokenizer comes from the cache entry."""
-
     def windows(self, split: str) -> Windows:
         """The 'train', 'val' or 'test' windows."""
         self._check_setup()
@@ -300,6 +295,11 @@ class RLMDataModule(pl.LightningDataModule):
     def _check_setup(self) -> None:
         if self._store is None:
             raise RuntimeError("RLMDataModule is not set up yet: call prepare_data() and setup() first")
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """Where tokenizers and token arrays are cached: ``cache_dir``, else $RLM_CACHE, else ~/.cache/rlm."""
+    return Path(cache_dir or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm").expanduser()
 
 
 def _positive(**values: int | None) -> None:

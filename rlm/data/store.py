@@ -131,9 +131,7 @@ def new_entry(root: Path) -> Iterator[Path]:
         try:
             os.replace(tmp, root)
         except OSError:
-            if not (
-                root / "meta.json"
-            ).exists():  # not a concurrent builder that won the race: a real failure
+            if not TokenStore.exists(root):  # not a concurrent builder that won the race: a real failure
                 raise
     except (OSError, RuntimeError) as err:
         failure = write_failure(root, err)
@@ -210,9 +208,7 @@ class TokenStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.tokens: np.ndarray = np.load(
-            self.root / "tokens.npy", mmap_mode="r"
-        )  # all documents, concatenated
+        self.tokens: np.ndarray = np.load(self.root / "tokens.npy", mmap_mode="r")  # all documents, in order
         self.doc_offsets: np.ndarray = np.load(self.root / "doc_offsets.npy")  # (n_docs + 1,) int64
         self.train_docs: np.ndarray = np.load(self.root / "train_docs.npy")  # sorted document ids, as below
         self.val_docs: np.ndarray = np.load(self.root / "val_docs.npy")
@@ -273,9 +269,5 @@ class _Names(Sequence[str]):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self.n))]
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        return f"{self.prefix}{i % self.n}"
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        return f"{self.prefix}{range(self.n)[i]}"  # IndexError past either end

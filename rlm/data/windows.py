@@ -64,8 +64,7 @@ def host_copy(batch: dict[str, Any]) -> dict[str, Tensor]:
     host_array reads them without a copy back from the device (on a GPU, a sync that drains the launch queue)."""
     if HOST in batch:
         return batch[HOST]
-    fields = {name: batch.get(name) for name in HOST_FIELDS}
-    return {name: x for name, x in fields.items() if isinstance(x, Tensor) and x.device.type == "cpu"}
+    return {n: x for n in HOST_FIELDS if isinstance(x := batch.get(n), Tensor) and x.device.type == "cpu"}
 
 
 def host_array(batch: dict[str, Any], name: str) -> np.ndarray | None:
@@ -84,13 +83,9 @@ def pinned(batch: dict[str, Any]) -> dict[str, Any]:
 
 def eval_loader(windows: Windows, batch_size: int, num_workers: int = 0, pin: bool = False) -> DataLoader:
     """Validation/test batches in a fixed order (Lightning adds a DistributedSampler under DDP)."""
+    # window numbers; collate turns a list of them into a batch
     return DataLoader(
-        range(len(windows)),  # window numbers; collate turns a list of them into a batch
-        batch_size=batch_size,
-        shuffle=False,
-        collate_fn=windows.collate,
-        num_workers=num_workers,
-        pin_memory=pin,
+        range(len(windows)), batch_size, collate_fn=windows.collate, num_workers=num_workers, pin_memory=pin
     )
 
 
@@ -123,10 +118,7 @@ class TrainLoader:
             )
         self.windows, self.batch_size, self.seed = windows, batch_size, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
-        self.epoch, self.pin = (
-            epoch,
-            pin,
-        )  # the epoch being (or last) drawn from; page-locked batches (for a GPU)
+        self.epoch, self.pin = epoch, pin  # the epoch being (or last) drawn from; page-locked batches (GPU)
         self.position = 0  # batches of `epoch` already handed out
 
     def __len__(self) -> int:
@@ -183,8 +175,7 @@ class TrainLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where `state` left off, on the same data. The process count may change while the global batch
         G = batch_size x world_size does not: global batch i is windows perm[i*G : (i+1)*G] whatever the sharding."""
-        for name in ("seed", "windows"):
-            mine = len(self.windows) if name == "windows" else getattr(self, name)
+        for name, mine in (("seed", self.seed), ("windows", len(self.windows))):
             if state[name] != mine:
                 raise ValueError(
                     f"cannot resume the training loader exactly: checkpoint has {name}={state[name]}, "
