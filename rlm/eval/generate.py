@@ -21,13 +21,9 @@ from rlm.train.module import LMModule
 class CachedDecoder:
     """Logits of the next token after ``ids``, feeding the model only the tokens its cache has not seen."""
 
-    def __init__(self, module: LMModule, window: int | None = None) -> None:
+    def __init__(self, module: LMModule) -> None:
         self.module = module
-        self.window = window or module.model.config.max_seq_len
-        if not 0 < self.window <= module.model.config.max_seq_len:
-            raise ValueError(
-                f"window={window}; accepted: 1..model.max_seq_len={module.model.config.max_seq_len}"
-            )
+        self.window = module.model.config.max_seq_len
         self.cache: KVCache | None = None
         self.start = 0  # position in ids of the cache's first token
 
@@ -62,34 +58,29 @@ def sample_batch(
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
 ) -> list[list[int]]:
-    """Continue each prompt token by token and return each one's new ids: with ``cache`` incrementally, else by a
-    full recompute over the last max_seq_len tokens; ``mixer`` (rlm.eval.knnlm.Mixer) makes the distribution
-    kNN-LM's; ``stop`` (given a sequence's new ids) ends a sequence as ``eos_id`` does, which is kept.
+    """Each prompt's new ids, with ``cache`` or recomputing the last max_seq_len tokens; ``mixer``
+    (rlm.eval.knnlm.Mixer) makes the distribution kNN-LM's; ``stop`` (given the new ids) ends a row as ``eos_id``
+    does, the token kept. Prompts of one length run as one batch, so no position is padding and greedy rows get
+    what they would alone (sampling draws from one generator in batch order); a finished row is still computed
+    (the batch shares its shapes), its tokens dropped."""
+    from rlm.eval.datastore import reading_keys
 
-    Prompts of one length run as one batch, so no position is padding and each sequence gets the tokens it would
-    get alone under greedy decoding (sampling draws from one generator in batch order). A finished row keeps being
-    computed (the batch shares its shapes), its later tokens dropped."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
+    by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
         if not ids:
             raise ValueError(
                 f"prompt_ids is empty (prompt {i}); give at least one token (e.g. the tokenizer's bos id)"
             )
+        by_length.setdefault(len(ids), []).append(i)
     module.eval()
     out: list[list[int]] = [[] for _ in prompts]
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        by_length.setdefault(len(ids), []).append(i)
     window = module.model.config.max_seq_len
-    with contextlib.ExitStack() as stack:
-        hooked = None
-        if mixer is not None:
-            from rlm.eval.datastore import reading_keys
-
-            hooked = stack.enter_context(reading_keys(module, mixer.ds.meta["layer"]))
+    keys = reading_keys(module, mixer.ds.meta["layer"]) if mixer is not None else contextlib.nullcontext()
+    with keys as hooked:
         for rows in by_length.values():
             ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=module.device)  # (B, T)
             prompt_len, decoder = ids.shape[1], CachedDecoder(module) if cache else None
