@@ -285,7 +285,6 @@ def shard_experts(experts: Experts, rank: int, world: int, processes: int | None
         shard = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
         shard.register_hook(functools.partial(torch.mul, other=1.0 / (processes or world)))  # picklable
         setattr(experts, name, shard)
-    experts.shard = (rank, world, n)
 
     def take_slice(module, state_dict, prefix, *args) -> None:
         for name in ("up", "down"):

@@ -194,9 +194,8 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # over-allocate, then take the aligned part
     start = -raw.data_ptr() % HUGE_PAGE
     out = raw[start : start + nbytes].view(dtype).view(shape)  # keeps raw's storage alive
-    if sys.platform.startswith(
-        "linux"
-    ):  # elsewhere, or without libc or THP, the advice is skipped (harmless)
+    # elsewhere, or without libc or THP, the advice is skipped (harmless)
+    if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -119,9 +119,8 @@ class _ProductKeySearch(torch.autograd.Function):
         base = torch.arange(2 * H, device=i.device).view(1, H, 2, 1) * n
         rows = (torch.stack([i, j], dim=2) + base).reshape(N * H * 2, k)
         flat_keys = keys.reshape(2 * H * n, dh)
-        w = (
-            grad.unsqueeze(2).expand(N, H, 2, k).reshape(N * H * 2, k).to(keys.dtype)
-        )  # one score, both halves
+        # each score's gradient, once for each half
+        w = grad.unsqueeze(2).expand(N, H, 2, k).reshape(N * H * 2, k).to(keys.dtype)
         grad_q = grad_keys = None
         if ctx.needs_input_grad[0]:
             grad_q = bag_sum(flat_keys, rows, w).view(N, H, 2, dh)
