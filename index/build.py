@@ -18,6 +18,7 @@ from rlm.index.exact import (
     _is_gpu,
     as_unit_float32,
     exact_search,
+    first_kept,
     flat_vectors,
 )
 
@@ -245,7 +246,10 @@ def tune_search_params(
     def recall(value: int) -> float:
         apply(index, {name: value})
         _, ids = index.search(sample, k + 1)
-        return recall_at_k(_drop_self(ids, sample_ids, k), _drop_self(exact_ids, sample_ids, k), k)
+        return recall_at_k(drop_self(ids), drop_self(exact_ids), k)
+
+    def drop_self(ids: np.ndarray) -> np.ndarray:  # each row's first k ids other than its own, -1 padded
+        return first_kept(ids, np.zeros(ids.shape, np.float32), ids != sample_ids[:, None], k)[0]
 
     # doubling, then bisection between the last failure and the first success: ~2*log2(top) searches
     # efSearch below k is meaningless (faiss searches max(efSearch, k) candidates)
@@ -272,15 +276,6 @@ def tune_search_params(
             lo = mid
     apply(index, {name: hi})
     return {name: hi}, best
-
-
-def _drop_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
-    """Each row's first k ids other than its own (-1 padded)."""
-    keep = ids != self_ids[:, None]
-    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]
-    out = np.take_along_axis(ids, order, 1)
-    out[~np.take_along_axis(keep, order, 1)] = -1
-    return out
 
 
 def build_index(vectors: np.ndarray, config: IndexConfig | None = None, progress: bool = False) -> BuiltIndex:

@@ -14,19 +14,12 @@ _LENGTH = 0xC2B2AE3D27D4EB4F  # mixes a segment's real length into its hash
 _CHUNK = 1 << 16  # rows hashed at a time
 
 
-def _powers(L: int) -> np.ndarray:
-    """(L,) uint64 _BASE^(L-1-i) mod 2^64 (Python ints, so no overflow warning)."""
-    out, p = [], 1
-    for _ in range(L):
-        out.append(p)
-        p = (p * _BASE) % 2**64
-    return np.array(out[::-1], dtype=np.uint64)
-
-
 def row_hashes(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """(N,) uint64 hashes of token rows (N, L) with lengths (N,) real tokens (the rest padding)."""
-    L = tokens.shape[-1]
-    h = (tokens.astype(np.uint64) * _powers(L)).sum(-1, dtype=np.uint64)  # wraps mod 2^64
+    powers = np.full(tokens.shape[-1], _BASE, dtype=np.uint64)
+    powers[:1] = 1
+    powers = np.cumprod(powers)[::-1]  # (L,) _BASE^(L-1-i), wrapping mod 2^64 as the products below
+    h = (tokens.astype(np.uint64) * powers).sum(-1, dtype=np.uint64)
     return h + np.asarray(lengths).astype(np.uint64) * np.uint64(_LENGTH)
 
 
@@ -38,12 +31,17 @@ def _sorted_hashes(n: int, hash_of: Callable[[np.ndarray], np.ndarray]) -> tuple
     return h[order], order
 
 
+def spread(count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For counts (N,): (item, rank) of every element of the ragged ranges 0..count[i]-1, in order."""
+    item = np.repeat(np.arange(len(count)), count)
+    return item, np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+
+
 def _hits(hashes: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(query row, position in hashes) of every entry of sorted `hashes` equal to a query hash h (N,)."""
-    lo, hi = np.searchsorted(hashes, h, "left"), np.searchsorted(hashes, h, "right")
-    count = hi - lo  # (N,) hits of each row
-    row = np.repeat(np.arange(len(h)), count)
-    return row, np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
+    lo = np.searchsorted(hashes, h, "left")
+    row, rank = spread(np.searchsorted(hashes, h, "right") - lo)  # each row's hits
+    return row, lo[row] + rank
 
 
 class SegmentHashes:
@@ -83,9 +81,9 @@ class TextRuns:
         last = segments.first[docs + 1] - 1  # each document's last segment (documents have one at least)
         start = segments.start[segments.first[docs]]  # (D,) first token of each document
         n = np.maximum(segments.start[last] + segments.length[last] - start - run, -1) // stride + 1  # runs
-        doc = np.repeat(docs, n)
-        pos = (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)) * stride  # in the document
-        self.abs = np.repeat(start, n) + pos  # (N,) position of each run in the token array
+        which, rank = spread(n)
+        doc, pos = docs[which], rank * stride  # pos: in the document
+        self.abs = start[which] + pos  # (N,) position of each run in the token array
         self.hashes, order = _sorted_hashes(
             len(doc), lambda p: row_hashes(self._tokens(p), np.full(len(p), run))
         )

@@ -107,6 +107,22 @@ class TorchExactIndex:
         return scores, ids
 
 
+def first_kept(
+    ids: np.ndarray, scores: np.ndarray, keep: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's first k kept (ids, scores), order preserved, padded with (-1, -inf)."""
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]  # kept columns first, in rank order
+    out_ids = np.take_along_axis(ids, order, 1)
+    out_scores = np.take_along_axis(scores, order, 1).astype(np.float32)
+    dropped = ~np.take_along_axis(keep, order, 1)
+    out_ids[dropped], out_scores[dropped] = -1, -np.inf
+    if out_ids.shape[1] < k:
+        pad = k - out_ids.shape[1]
+        out_ids = np.pad(out_ids, ((0, 0), (0, pad)), constant_values=-1)
+        out_scores = np.pad(out_scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return out_ids, out_scores
+
+
 # search_index scores batches of this many queries (inclusive) of a flat faiss index on the CPU with torch: faster
 # than faiss's per-query path, slower than its blocked BLAS search on large batches
 SCAN_QUERIES = (16, 512)

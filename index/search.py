@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from rlm.index.build import as_unit_float32, max_k, search_index
+from rlm.index.exact import first_kept
 
 
 @dataclass
@@ -93,20 +94,6 @@ def allowed(
     return keep
 
 
-def _compact(ids: np.ndarray, scores: np.ndarray, keep: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's first k kept (ids, scores), order preserved, padded with (-1, -inf)."""
-    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]  # kept columns first, in rank order
-    out_ids = np.take_along_axis(ids, order, 1)
-    out_scores = np.take_along_axis(scores, order, 1).astype(np.float32)
-    dropped = ~np.take_along_axis(keep, order, 1)
-    out_ids[dropped], out_scores[dropped] = -1, -np.inf
-    if out_ids.shape[1] < k:
-        pad = k - out_ids.shape[1]
-        out_ids = np.pad(out_ids, ((0, 0), (0, pad)), constant_values=-1)
-        out_scores = np.pad(out_scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-    return out_ids, out_scores
-
-
 def search_neighbours(
     index: Any,
     queries: np.ndarray,
@@ -154,7 +141,7 @@ def search_neighbours(
                 shown = keep & (np.cumsum(keep, 1) <= k)
                 excluded[rows] = (shown & counted).sum(1)
                 keep &= ~counted
-            ids[rows], scores[rows] = _compact(i, s, keep, k)
+            ids[rows], scores[rows] = first_kept(i, s, keep, k)
             # refill rows short of k whose search came back full (the index may hold more allowed ones)
             short = (keep.sum(1) < k) & (i[:, -1] >= 0) & (size < limit)
             rows, size = rows[short], min(2 * size, limit)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from rlm.data.segments import SegmentTable
+from rlm.index.copies import spread
 from rlm.index.memory import RetrievalMemory
 from rlm.index.search import Exclusions
 
@@ -41,12 +42,6 @@ def segment_tensors(seg: Any, ids: np.ndarray, device: Any) -> tuple[Tensor, Ten
     return torch.from_numpy(seg.tokens(ids)).to(device), torch.from_numpy(mask).to(device)
 
 
-def _spread(count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For counts (N,): (item, rank) of every element of the ragged ranges 0..count[i]-1, in order."""
-    item = np.repeat(np.arange(len(count)), count)
-    return item, np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-
-
 def copy_exclusions(
     memory: RetrievalMemory, q_tokens: np.ndarray, q_mask: np.ndarray, continuation: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -62,7 +57,7 @@ def copy_exclusions(
     b, p = b[row], p[row]  # text[p:p + g] of row b is an exact copy of document `doc` at position `at`
     # the copy lies inside the text up to chunk j's S_t (which ends at (j + 1) L) for j >= (p + g) / L - 1
     first = -(-(p + g) // L) - 1
-    m, r = _spread(n - first)
+    m, r = spread(n - first)
     j = first[m] + r
     start = j * L - p[m] + at[m]  # where S_t starts in the copied document, read through the copy
     # allowed: the segments that end by S_t's start (no continuation) or, with it, whose continuation does
@@ -88,16 +83,16 @@ def future_exclusions(
     document in it; seg_ids (B, n) the window's segments, chunk j's target seg_ids[:, j] (-1 past the end)."""
     B, n = seg_ids.shape
     t0 = seg_ids[:, 0]  # chunk 0's target; chunk j's is t0 + j
-    m, r = _spread(np.where(t0 >= 0, own.first[docs + 1] - t0, 0))
+    m, r = spread(np.where(t0 >= 0, own.first[docs + 1] - t0, 0))
     future = t0[m] + r  # (F,) every segment of each row's document from chunk 0's target on
     uniq, inv = np.unique(future, return_inverse=True)
     which, g = memory.segment_copies().find(own.tokens(uniq), own.length[uniq])
     order = np.argsort(which, kind="stable")
     which, g = which[order], g[order]
     lo_at = np.searchsorted(which, inv, "left")
-    e, r = _spread(np.searchsorted(which, inv, "right") - lo_at)
+    e, r = spread(np.searchsorted(which, inv, "right") - lo_at)
     row, f, copy = m[e], future[e], g[lo_at[e] + r]  # future segment f of row `row` is copied by `copy`
-    c, j = _spread(np.minimum(n, f - t0[row] + 1))  # chunks whose target is at or before f
+    c, j = spread(np.minimum(n, f - t0[row] + 1))  # chunks whose target is at or before f
     copy = copy[c]
     seg = memory.segments
     lo = np.where(continuation & (copy > seg.first[seg.doc[copy]]), copy - 1, copy)
