@@ -8,20 +8,13 @@ import sys
 from typing import Any, Literal
 
 
-def default_device() -> str:
-    """What a ``--device`` left out means: the GPU when torch sees one."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def device_arg(value: str | None) -> str:
-    """The device of a ``--device`` value (left out: default_device) when torch can run on it here (torch itself
-    fails late on ``cuda`` without a GPU, and takes ``meta``, which holds no data)."""
+    """The device of a ``--device`` value (left out: the GPU when torch sees one) when torch can run on it here
+    (torch itself fails late on ``cuda`` without a GPU, and takes ``meta``, which holds no data)."""
     import torch
 
     if value is None:
-        return default_device()
+        return "cuda" if torch.cuda.is_available() else "cpu"
     here = ["cpu"]
     if torch.cuda.is_available():
         here += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]

@@ -146,16 +146,16 @@ def test_every_group_help_lists_its_subcommands(capsys):
 
 def test_a_device_left_out_is_the_gpu_when_torch_sees_one(monkeypatch):
     from rlm.cli.commands import cmd_eval, function_parser
-    from rlm.eval.knnlm_cli import cmd_build, default_device
+    from rlm.eval.knnlm_cli import cmd_build, device_arg
 
     assert function_parser("rlm eval", cmd_eval).parse_args(["--ckpt", "x"]).device is None
     assert (
         function_parser("rlm knnlm build", cmd_build).parse_args(["--ckpt", "x", "--out", "y"]).device is None
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert default_device() == "cuda"
+    assert device_arg(None) == "cuda"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert default_device() == "cpu"
+    assert device_arg(None) == "cpu"
 
 
 def test_threads_are_limited_unless_omp_num_threads_is_set(monkeypatch):
