@@ -255,13 +255,6 @@ class AltUpPlugin(Plugin):
             no_decay.append(m.extra.table.weight)
         return [ParamGroup("altup_no_decay", no_decay, weight_decay=0.0)] if no_decay else []
 
-    def added_parameters(self) -> int:
-        """Parameters over the base model."""
-        if self.module is None:
-            return 0
-        block_params = set(self.module.blocks.parameters()) if isinstance(self.module, AltUpStack) else set()
-        return sum(p.numel() for p in self.module.parameters() if p not in block_params)
-
     def inactive_parameters(self) -> int:
         # A token reads one row of the extra table.
         extra = getattr(self.module, "extra", None)

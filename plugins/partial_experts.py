@@ -86,10 +86,6 @@ class PartialExpertsPlugin(Plugin):
         c = self.config
         return c.buckets * self.model_config.d_model * (2 * c.rank if c.rank else 1)
 
-    def router_parameters(self) -> int:
-        """Parameters of one layer's softmax router (d * buckets)."""
-        return self.model_config.d_model * self.config.buckets if self.config.lookup == "softmax" else 0
-
     def inactive_parameters(self) -> int:
         # A token reads top_k of the buckets' entries.
         c = self.config
