@@ -9,7 +9,8 @@ import torch
 from cli_helpers import CONFIGS, DDP_2CPU, column, fit_args, read_metrics, run_rlm
 from torch.testing import assert_close
 
-from rlm.cli import COMMANDS, main
+from rlm.cli import main
+from rlm.cli.commands import COMMANDS
 
 RUN = Path("runs/test/version_0")
 

@@ -231,12 +231,11 @@ def test_unknown_plugin_names_the_known_ones(capsys):
     assert "unknown plugin 'nope'; known plugins: [" in capsys.readouterr().err
 
 
-def test_rlm_cli_names_resolve_lazily():
+def test_rlm_cli_main_is_the_command_tables_main():
     import rlm.cli
-    from rlm.cli import commands, lightning_cli
+    from rlm.cli import commands
 
-    assert rlm.cli.main is commands.main and rlm.cli.COMMANDS is commands.COMMANDS
-    assert rlm.cli.RLMCLI is lightning_cli.RLMCLI
+    assert rlm.cli.main is commands.main
     with pytest.raises(AttributeError):
         rlm.cli.no_such_name  # noqa: B018
 
