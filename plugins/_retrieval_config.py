@@ -1,4 +1,4 @@
-"""The retriever's options; the measurements behind the defaults are in RESULTS.md."""
+"""The retriever's options and its rebuild schedule; the measurements behind the defaults are in RESULTS.md."""
 
 from __future__ import annotations
 
@@ -8,9 +8,56 @@ from typing import Literal
 
 from rlm.index.build import IndexConfig
 from rlm.index.projection import check_index_dim
-from rlm.index.rebuild import Schedule
 from rlm.model.config import ModelConfig
 from rlm.model.memory import Parts, chosen_layers, norm_bytes
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When to rebuild: piecewise intervals [(start, stop, every)], 'every N' is [(0, inf, N)], 'never' is []."""
+
+    pieces: tuple[tuple[int, float, int], ...]
+
+    GRAMMAR = "'never', 'every N', or piecewise 'A-B:N,B-C:M' (every N steps while A <= step < B, ...)"
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        """Parse the schedule grammar; a ValueError names the bad text and the grammar."""
+        if not isinstance(text, str):
+            raise ValueError(f"rebuild schedule must be a string: {cls.GRAMMAR}; got {text!r}")
+        s = text.strip().lower()
+        if s == "never":
+            return cls(())
+        try:
+            if s.startswith("every"):
+                every = int(s[len("every") :].strip())
+                if every <= 0:
+                    raise ValueError
+                return cls(((0, float("inf"), every),))
+            pieces = []
+            for part in s.split(","):
+                span, every = part.split(":")
+                lo, hi = span.split("-")
+                lo, hi, every = int(lo), int(hi), int(every)
+                if lo < 0 or hi <= lo or every <= 0:
+                    raise ValueError
+                pieces.append((lo, hi, every))
+        except ValueError:
+            raise ValueError(f"bad rebuild schedule {text!r}; accepted: {cls.GRAMMAR}") from None
+        pieces.sort()
+        for (_, hi, _), (lo, _, _) in zip(pieces, pieces[1:]):
+            if lo < hi:
+                raise ValueError(f"bad rebuild schedule {text!r}: ranges overlap; accepted: {cls.GRAMMAR}")
+        return cls(tuple(pieces))
+
+    def interval(self, step: int) -> int | None:
+        """The rebuild interval in force at `step`, None where no range covers it."""
+        return next((every for lo, hi, every in self.pieces if lo <= step < hi), None)
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether to rebuild at `step` when the last rebuild was at `last` (robust to resuming anywhere)."""
+        every = self.interval(step)
+        return every is not None and step - last >= every
 
 
 @dataclass

@@ -21,7 +21,6 @@ import torch
 from rlm.index.build import IndexConfig
 from rlm.index.memory import MemoryOwner, RetrievalMemory, build_memory, embed_rows, indexed_rows, load_memory
 from rlm.index.projection import Projection, fit_projection, index_width, with_projection
-from rlm.index.rebuild import Schedule, rebuild_stream, shards
 from rlm.index.sharded import (
     all_gather_rows,
     build_sharded_memory,
@@ -30,11 +29,28 @@ from rlm.index.sharded import (
     load_sharded_memory,
 )
 from rlm.index.store import IndexMismatchError, IndexNotFoundError
-from rlm.plugins._retrieval_config import RetrievalConfig
+from rlm.plugins._retrieval_config import RetrievalConfig, Schedule
 
 EMBED_BATCH = 256  # segments per embedder call: amortises it, keeps a shared embedder's activations small
 Narrowed = tuple[np.ndarray, dict[str, Any], Projection | None]  # vectors, identity, projection
 KEEP = 2  # rebuild directories kept: the one in use, and the one before it that an older checkpoint may name
+
+
+def shards(sharded: bool | str, world: int, rows: int, shard_above: int) -> bool:
+    """Whether a rebuild over `rows` segments on `world` processes keeps a part per rank ('auto': from shard_above)."""
+    if world <= 1:
+        return False
+    return rows >= shard_above if sharded == "auto" else bool(sharded)
+
+
+def rebuild_stream() -> torch.cuda.Stream | None:
+    """A CUDA stream for the background rebuild's embedding (None without CUDA), so it neither queues behind the
+    training step's kernels nor holds up its syncs; it starts after the work queued so far (the weights' copy)."""
+    if not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
 
 
 class RebuildCallback(pl.Callback):

@@ -10,9 +10,8 @@ import pytest
 import torch
 from retrieval_helpers import make_segments
 
-from rlm.index.rebuild import rebuild_stream
 from rlm.plugins._retrieval_config import RetrievalConfig
-from rlm.plugins._retrieval_rebuild import RebuildCallback
+from rlm.plugins._retrieval_rebuild import RebuildCallback, rebuild_stream
 
 N = 64
 

@@ -240,9 +240,9 @@ def test_ddp_fit_with_a_sharded_index_and_resume(tmp_path, rlm_cache, lookup):
 def test_sharded_auto_shards_from_shard_above_with_more_than_one_process():
     """'auto' shards from shard_above indexed segments, and only with more than one process; true and false decide
     alone; anything else is refused by name."""
-    from rlm.index.rebuild import shards
     from rlm.plugin import make_config
     from rlm.plugins._retrieval_config import RetrievalConfig
+    from rlm.plugins._retrieval_rebuild import shards
     from rlm.plugins.retrieval import RetrievalPlugin
 
     assert not shards("auto", 1, 10**9, 2**20) and not shards(True, 1, 10**9, 2**20)  # one process: never

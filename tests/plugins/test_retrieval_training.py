@@ -15,8 +15,8 @@ from retrieval_helpers import attach_memory, make_segments
 
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 from rlm.index.memory import RetrievalMemory
-from rlm.index.rebuild import Schedule
 from rlm.model import ModelConfig
+from rlm.plugins._retrieval_config import Schedule
 from rlm.plugins._retrieval_neighbours import RetrievalInputs
 from rlm.plugins._retrieval_rebuild import RebuildCallback
 from rlm.train.module import LMModule, OptimConfig
