@@ -122,7 +122,7 @@ def _rlm(run: Run, args: list[str], log_name: str, what: str) -> bool:
     with open(run.dir / log_name, "a") as log:
         code = _run_forwarding_sigterm([sys.executable, "-m", "rlm", *args], log, _child_env())
     if code in (PREEMPTED, -signal.SIGTERM):
-        raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; the next run repeats it")
+        raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; the next run resumes it")
     return code == 0
 
 
@@ -218,19 +218,15 @@ def train(run: Run) -> tuple[bool, float]:
     if extra is None:
         return True, before
     start = time.perf_counter()
-    with open(run.dir / "fit.log", "a") as log:
-        code = _run_forwarding_sigterm(
-            [sys.executable, "-m", "rlm", "fit", "--config", str(config_path), *extra], log, _child_env()
-        )
-    wall = before + time.perf_counter() - start
-    write_atomic(wall_file, f"{wall}\n")
-    if code in (PREEMPTED, -signal.SIGTERM):
-        raise Preempted(f"{run.label}: stopped by SIGTERM after {wall:.0f}s; its last.ckpt is kept, and the next "
-                        "`rlm experiment run` resumes it")  # fmt: skip
-    if code == 0 and extra and not (run.dir / LAST_CKPT).is_file():
+    try:
+        ok = _rlm(run, ["fit", "--config", str(config_path), *extra], "fit.log", "training")
+    finally:  # a stopped run's time counts too: its last.ckpt is kept, and the next run resumes it
+        wall = before + time.perf_counter() - start
+        write_atomic(wall_file, f"{wall}\n")
+    if ok and extra and not (run.dir / LAST_CKPT).is_file():
         # it resumed at the end of training (of max_epochs, say), so it trained and saved nothing
         _use_as_last(run, Path(extra[1]))
-    return code == 0, wall
+    return ok, wall
 
 
 def evaluate_test(run: Run) -> bool:
@@ -282,9 +278,8 @@ def write_job(run_dir: Path, **fields: Any) -> None:
 def execute(
     run: Run, out: Path, reuse_equal: bool = True, env: dict[str, str] | None = None, jobs: int = 1
 ) -> dict[str, Any] | None:
-    """One run's whole work: train (or reuse an equal finished run), evaluate on the test split, the kNN-LM
-    stage when the variant has one, then summary.json; the summary, or None if a step failed. ``env`` is added
-    to its subprocesses' environment; ``jobs``: runs training at once here. :class:`Preempted` on SIGTERM."""
+    """Train (or reuse an equal finished run), test, the kNN-LM stage if any, then summary.json; the summary, or
+    None if a step failed. ``env``: added to its subprocesses' environment; ``jobs``: runs training at once."""
     run.check_dir()
     _THREAD.env = env or {}
     try:
@@ -300,14 +295,6 @@ def execute(
         _THREAD.env = {}
 
 
-def _loads(path: Path) -> bool:
-    try:
-        load_checkpoint_file(path)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
 def _failed(run: Run, step: str, log_name: str, what: str) -> None:
     """Record the failed step in job.json and print the end of its log."""
     log = run.dir / log_name
@@ -317,7 +304,10 @@ def _failed(run: Run, step: str, log_name: str, what: str) -> None:
 
 def _execute(run: Run, out: Path, reuse_equal: bool, jobs: int) -> dict[str, Any] | None:
     summary = run.summary()
-    if summary is not None and not _loads(run.dir / LAST_CKPT):
+    try:
+        if summary is not None:
+            load_checkpoint_file(run.dir / LAST_CKPT)
+    except (OSError, ValueError):
         # its results stand, but not the model they were measured on: rebuilt (from a checkpoint of the last step
         # when one loads), then evaluated again
         tqdm.write(f"{run.label}: finished earlier, but its {LAST_CKPT} is missing or damaged; rebuilding it")

@@ -19,7 +19,7 @@ class TrainClock(pl.Callback):
         self._offset = 0.0  # seconds trained before a resume, from the checkpoint
         self._start: float | None = None
         self._paused = 0.0  # validation seconds since _start
-        self._val_start: float | None = None
+        self._val_start = 0.0
 
     def elapsed(self) -> float:
         """Training seconds so far."""
@@ -34,9 +34,8 @@ class TrainClock(pl.Callback):
         self._val_start = time.perf_counter()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._val_start is not None and self._start is not None:
-            self._paused += time.perf_counter() - self._val_start
-        self._val_start = None
+        # the sanity check's validation comes before on_train_start, which zeroes _paused
+        self._paused += time.perf_counter() - self._val_start
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         pl_module.log("time/train_s", self.elapsed())
