@@ -1,7 +1,6 @@
 """Validating an experiment before anything trains, listing every problem at once: the file's structure, each
 variant's plugin specs, its merged config parsed by the ``rlm fit`` parser (one error per parse, so a failing
-variant is parsed again one override at a time), and its model built on the meta device for its parameter counts.
-"""
+variant is parsed again one override at a time), and its model built on the meta device (parameter counts)."""
 
 from __future__ import annotations
 
@@ -92,11 +91,7 @@ def _parse(cfg: dict[str, Any]) -> tuple[Any, str | None]:
 
 def _without(mapping: dict[str, Any], keys: set[str]) -> dict[str, Any]:
     """A nested mapping without the given dotted leaves."""
-    out: dict[str, Any] = {}
-    for key, value in flatten(mapping):
-        if key not in keys:
-            out = merge([], out, unflatten(key, value))
-    return out
+    return merge([], {}, *(unflatten(key, value) for key, value in flatten(mapping) if key not in keys))
 
 
 def _blame(exp: Experiment, name: str) -> tuple[list[str], dict[str, set[str]]]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from rlm.cli.summary import experiment_summary, val_subset
 from rlm.experiment.report import write_report
 from rlm.experiment.runs import JOB_JSON, LAST_CKPT, SUMMARY, log_tail, plan, read_info, read_json
-from rlm.experiment.spec import Experiment, resolve_launcher
+from rlm.experiment.spec import Experiment, parse_experiment, resolve_launcher
 from rlm.extras import MissingExtra
 
 if TYPE_CHECKING:
@@ -54,8 +54,6 @@ def cmd_check(
         set: KEY=VALUE merged into the file's common mapping (VALUE is YAML), e.g. --set trainer.max_steps=100;
             use --out too, so runs of another budget do not mix with the file's
     """
-    from rlm.experiment.spec import parse_experiment
-
     first, _ = parse_experiment(file)  # the structure pass: instant, what the slow part then checks
     if first is not None:
         print(f"rlm experiment check: {len(first.variants)} variants ({', '.join(first.variants)}); parsing each "

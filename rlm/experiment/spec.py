@@ -114,9 +114,7 @@ class Experiment:
 
     def out_dir(self, override: str | Path | None = None) -> Path:
         """Where the runs and the report go."""
-        if override is not None:
-            return Path(override)
-        return self.output if self.output is not None else Path("runs") / "experiments" / self.name
+        return Path(override or self.output or Path("runs") / "experiments" / self.name)
 
     def to_json(self) -> dict[str, Any]:
         """What ``report`` needs to rebuild tables without the original file."""
@@ -367,8 +365,7 @@ def run_config(cfg: dict[str, Any], seed: int, run_dir: Path) -> dict[str, Any]:
     cfg = json.loads(json.dumps(cfg))  # a deep copy of plain containers
     run_dir = Path(run_dir).resolve()
     cfg["seed_everything"] = seed
-    trainer = cfg.setdefault("trainer", {}) or {}
-    cfg["trainer"] = trainer
+    trainer = cfg["trainer"] = cfg.get("trainer") or {}
     trainer["default_root_dir"] = str(run_dir)
     trainer["enable_progress_bar"] = False
     trainer["enable_checkpointing"] = True  # the summary reads the model's hyperparameters from last.ckpt

@@ -51,23 +51,15 @@ def executor(options: dict[str, Any], folder: Path) -> submitit.AutoExecutor:
     )
     gpus = options.get("gpus_per_job", 1 if slurm else 0)
     # submitit's LocalExecutor stops a job after 2 minutes unless told otherwise
-    timeout_min = options.get("time_min") or (7 * 24 * 60)
-    params: dict[str, Any] = {
-        "nodes": 1,
-        "tasks_per_node": 1,
-        "gpus_per_node": gpus,
-        "timeout_min": timeout_min,
-    }
-    for key, name in (("cpus_per_job", "cpus_per_task"), ("mem_gb", "mem_gb")):
-        if key in options:
-            params[name] = options[key]
+    timeout_min = options.get("time_min") or 7 * 24 * 60
+    params: dict[str, Any] = dict(nodes=1, tasks_per_node=1, gpus_per_node=gpus, timeout_min=timeout_min)
+    names = {"cpus_per_job": "cpus_per_task", "mem_gb": "mem_gb"}
     if slurm:
+        names.update({key: f"slurm_{key}" for key in ("partition", "account", "qos", "constraint", "setup")})
         params["slurm_signal_delay_s"] = options["signal_delay_s"]
-        for key in ("partition", "account", "qos", "constraint", "setup"):
-            if key in options:
-                params[f"slurm_{key}"] = options[key]
         if options["requeue"]:
             params["slurm_additional_parameters"] = {"requeue": True}
+    params.update({name: options[key] for key, name in names.items() if key in options})
     ex.update_parameters(**params)
     return ex
 
