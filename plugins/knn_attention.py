@@ -75,10 +75,14 @@ def neighbour_distance(y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Ten
 
 
 def sq_dist_mm(q: Tensor, keys: Tensor) -> Tensor:
-    """||q_i - key_j||^2 - ||q_i||^2 (N, M) in one addmm (a row's order is the squared distance's), in float32: in
-    bfloat16 the cancellation in ||q||^2 - 2 q.k + ||k||^2 reorders the nearest neighbours."""
+    """||q_i - key_j||^2 - ||q_i||^2 ((B,) N, M) of q ((B,) N, d), keys ((B,) M, d) in one addmm or baddbmm (a row's
+    order is the squared distance's), in float32: in bfloat16 the cancellation in ||q||^2 - 2 q.k + ||k||^2 reorders
+    the nearest neighbours."""
+    mm = torch.addmm if q.ndim == 2 else torch.baddbmm
     with torch.autocast(q.device.type, enabled=False):
-        return torch.addmm(keys.square().sum(-1)[None], q, keys.transpose(0, 1).to(q.dtype), beta=1, alpha=-2)
+        return mm(
+            keys.square().sum(-1).unsqueeze(-2), q, keys.transpose(-2, -1).to(q.dtype), beta=1, alpha=-2
+        )
 
 
 def _nearest(d2: Tensor, q: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -316,10 +320,7 @@ class KnnAttentionPlugin(Plugin):
         S = P + T
         with torch.no_grad():
             q = yf.detach()
-            with torch.autocast(q.device.type, enabled=False):  # float32, as sq_dist_mm
-                d2 = torch.baddbmm(
-                    keys.square().sum(-1)[:, None, :], q, keys.transpose(1, 2).to(q.dtype), alpha=-2
-                )  # (B, T, S)
+            d2 = sq_dist_mm(q, keys)  # (B, T, S)
             j = torch.arange(S, device=y.device)
             earlier = j[None, :] < (P + j[:T])[:, None]  # (T, S)
             allowed = earlier[None] & ((nxt >= 0) & real)[:, None, :]
