@@ -23,11 +23,6 @@ def file_sha256(path: Path, chunk: int = 2**24) -> str:
     return h.hexdigest()
 
 
-def verify_default() -> bool:
-    """Whether loads verify checksums: yes unless ``RLM_INDEX_VERIFY=0`` (sizes are checked always)."""
-    return os.environ.get("RLM_INDEX_VERIFY", "1").lower() not in ("0", "false", "no")
-
-
 def meta_digest(meta: dict[str, Any]) -> str:
     """sha256 of a manifest's content without its own checksum (keys sorted, compact)."""
     body = {k: v for k, v in meta.items() if k != META_SHA}
@@ -88,7 +83,9 @@ def check_sealed(
             raise error(f"damaged {what} at {path}: {file} is missing; {remedy}")
         if actual != size:
             raise error(f"damaged {what} at {path}: {file} is {actual} bytes, {name} says {size}; {remedy}")
-    if verify if verify is not None else verify_default():
+    if verify is None:  # sizes are checked always, checksums unless RLM_INDEX_VERIFY=0
+        verify = os.environ.get("RLM_INDEX_VERIFY", "1").lower() not in ("0", "false", "no")
+    if verify:
         for file, digest in (meta.get("sha256") or {}).items():
             if (only is None or file == only) and file_sha256(path / file) != digest:
                 raise error(

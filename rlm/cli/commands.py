@@ -470,16 +470,13 @@ def usage(prog: str = "rlm", group: dict[str, Callable[..., int]] | None = None)
 
 
 def version() -> str:
-    """The installed distribution's version, else the package's own."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
+    """The installed distribution's version, else (a checkout that is not installed) the package's own."""
+    import importlib.metadata
 
     try:
-        return dist_version("rlm")
-    except PackageNotFoundError:
-        from rlm import __version__
-
-        return __version__
+        return importlib.metadata.version("rlm")
+    except importlib.metadata.PackageNotFoundError:
+        return importlib.import_module("rlm").__version__
 
 
 def main(argv: list[str] | None = None) -> int:
