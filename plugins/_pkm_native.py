@@ -45,11 +45,6 @@ _TRIED = False
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("RLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlm")
-    return Path(root) / "native"
-
-
 def _compiler() -> str | None:
     """$CC, else cc, gcc or clang on PATH, else None."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -79,7 +74,8 @@ def load() -> ctypes.CDLL | None:
         return _LIB
     _TRIED = True
     cc = _compiler()
-    target = _cache_dir() / f"pkm_native_{cache_key(cc)}.so"
+    cache = os.environ.get("RLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlm")
+    target = Path(cache) / "native" / f"pkm_native_{cache_key(cc)}.so"
     try:
         if not target.exists():
             if cc is None:

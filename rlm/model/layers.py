@@ -108,9 +108,9 @@ class SelfAttention(nn.Module):
 class FeedForward(nn.Module):
     """Dense FFN: SwiGLU (gated) or GELU MLP (plain)."""
 
-    def __init__(self, config: ModelConfig, hidden: int | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hidden = hidden or config.hidden
+        hidden = config.hidden
         self.gated = config.ffn == "gated"
         self.up = nn.Linear(config.d_model, (2 if self.gated else 1) * hidden, bias=False)
         self.down = nn.Linear(hidden, config.d_model, bias=False)

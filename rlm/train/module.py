@@ -165,6 +165,8 @@ class LMModule(pl.LightningModule):
         if segments is None and batch.get("segment_ids") is not None:
             dm = self._trainer.datamodule if self._trainer is not None else None
             segments = dm.segments if isinstance(dm, SegmentSource) else None
+        # the next batch's maker of rlm.data.TrainLoader (None under another loader)
+        loader = self._trainer.train_dataloader if self._trainer is not None and stage == "train" else None
         ctx = Context(
             tokens=batch["tokens"],
             mask=batch.get("mask"),
@@ -175,17 +177,12 @@ class LMModule(pl.LightningModule):
             variant=variant,
             offset=cache.length if cache is not None else 0,
             cache=cache,
-            upcoming=self._upcoming() if stage == "train" else None,
+            upcoming=getattr(loader, "upcoming", None),
         )
         unshard_root(self.model)  # under FSDP, prepare may run model modules (see rlm.distributed.parallel)
         for plugin in self.model.plugins.values():
             plugin.prepare(ctx, batch)
         return ctx
-
-    def _upcoming(self) -> Any:
-        """The training loader's ``upcoming`` (rlm.data.TrainLoader), or None under another loader."""
-        loader = self._trainer.train_dataloader if self._trainer is not None else None
-        return getattr(loader, "upcoming", None)
 
     def forward(self, tokens: Tensor, ctx: Context | None = None) -> Tensor:
         return self.model(tokens, ctx)
