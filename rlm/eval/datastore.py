@@ -293,15 +293,13 @@ def estimate(n_tokens: int, dim: int, factory: str, shard_tokens: int | None = N
     ivf = re.match(r"IVF(\d+)", factory)
     if ivf:  # the coarse centroids (nlist, d) float32, and a product quantiser's 256-entry codebooks
         index += int(ivf[1]) * dim * 4 + (256 * dim * 4 if ",PQ" in factory else 0)
-    sample = min(n_tokens, TRAIN_KEYS) * dim * 4
-    files = index + n_tokens * 4
-    if shard_tokens is not None:
-        shard = shard_tokens * (bytes_per_key(factory, dim) + 2 * dim)
-        sample = 0 if factory in (EXACT, "Flat", "IndexFlatL2") else sample  # an exact index is not trained
-        return {"disk": files, "memory": shard + sample, "index": index, "keys": 0, "shard": shard,
-                "files": files}  # fmt: skip
-    return {"disk": files + n_tokens * 2 * dim, "memory": index + sample, "index": index,
-            "keys": n_tokens * 2 * dim, "files": files}  # fmt: skip
+    sample = min(n_tokens, TRAIN_KEYS) * dim * 4  # the k-means sample, float32
+    files, keys = index + n_tokens * 4, n_tokens * 2 * dim  # the int32 values; the float16 keys
+    if shard_tokens is None:
+        return {"disk": files + keys, "memory": index + sample, "index": index, "keys": keys, "files": files}
+    shard = shard_tokens * (bytes_per_key(factory, dim) + 2 * dim)
+    sample = 0 if factory in (EXACT, "Flat", "IndexFlatL2") else sample  # an exact index is not trained
+    return {"disk": files, "memory": shard + sample, "index": index, "keys": 0, "files": files}
 
 
 def shard_docs(lengths: np.ndarray, shard_keys: int) -> list[slice]:
@@ -482,12 +480,8 @@ def _build_shards(tmp: Path, module: Any, data: RLMDataModule, store: TokenStore
     start = time.perf_counter()
     index = empty_l2_index(dim, factory)
     if not index.is_trained:
-        size, picked, total = min(n, l2_train_size(index)), [], 0
-        for i in rng.permutation(len(docs)):
-            if total >= size:
-                break
-            picked.append(i)
-            total += int(lengths[i])
+        size, perm = min(n, l2_train_size(index)), rng.permutation(len(docs))
+        picked = perm[: np.searchsorted(np.cumsum(lengths[perm]), size) + 1]  # random documents, size keys
         windows = windows_of(data, store, docs[np.sort(picked)])
         sample = np.concatenate([kv for kv, *_ in entries(module, windows, batch_size, layer, progress,
                                                           "training sample keys")])  # fmt: skip

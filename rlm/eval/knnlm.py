@@ -147,11 +147,8 @@ def attach_datastore(module: Any, datastore: Datastore | None, store: TokenStore
     forward pass; returns the labels of the plugins that took it."""
     if datastore is None or datastore.meta.get("layer") != "attn_input":
         return []
-    taken = []
-    for plugin in getattr(module.model, "plugins", {}).values():
-        if hasattr(plugin, "use_datastore") and plugin.use_datastore(datastore, store, root):
-            taken.append(plugin.label)
-    return taken
+    able = [p for p in module.model.plugins.values() if hasattr(p, "use_datastore")]
+    return [p.label for p in able if p.use_datastore(datastore, store, root)]
 
 
 @torch.no_grad()
@@ -206,11 +203,13 @@ def score(
             bar.update(sum(len(row[0]) for row in rows))
     bar.close()
     kk = max((x.shape[1] for x in dists), default=k)
-    pad = [np.pad(x, ((0, 0), (0, kk - x.shape[1])), constant_values=np.inf) for x in dists]
-    padm = [np.pad(x, ((0, 0), (0, kk - x.shape[1]))) for x in match]
-    padr = [np.pad(x, ((0, 0), (0, kk - x.shape[1]))) for x in rmatch]
-    return Scored(np.concatenate(lm), np.concatenate(pad), np.concatenate(padm), seconds, np.concatenate(logzs),
-                  np.concatenate(padr))  # fmt: skip
+
+    # (N, kk): the rows of windows with fewer neighbours padded
+    def cat(rows: list[np.ndarray], fill: float = 0) -> np.ndarray:
+        return np.concatenate([np.pad(x, ((0, 0), (0, kk - x.shape[1])), constant_values=fill) for x in rows])
+
+    lm_logp, lm_logz = np.concatenate(lm), np.concatenate(logzs)
+    return Scored(lm_logp, cat(dists, np.inf), cat(match), seconds, lm_logz, cat(rmatch))
 
 
 def scored_batch(module: Any, batch: dict[str, Any], hooked: dict[str, torch.Tensor], datastore: Datastore | None,
@@ -336,9 +335,9 @@ def evaluate_knn(
     tuned_joint = (ds.meta.get("tuning") or {}).get("joint")
     if tuned_joint:  # the token memory's rule, with the (temperature, bias) tuned at build
         t, b = tuned_joint["temperature"], tuned_joint["bias"]
-        nll = -float(joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match, t, b).sum())
-        rnll = -float(
-            joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, scored.match_random, t, b).sum()
+        nll, rnll = (
+            -float(joint_log_prob(scored.lm_logp, scored.lm_logz, scored.dists, m, t, b).sum())
+            for m in (scored.match, scored.match_random)
         )
         joint = {**metrics(nll, n, n_bytes), "temperature": t, "bias": b, "trained": trained_memory(module)}
         random["joint"] = metrics(rnll, n, n_bytes)
