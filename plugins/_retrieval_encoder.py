@@ -185,12 +185,7 @@ class FrozenEmbedder:
     @torch.no_grad()
     def embed_segments(self, tokens: Tensor, mask: Tensor) -> Tensor:
         """(S, L) tokens and mask -> (S, D) float32 unit vectors."""
-        enc = self.encoder  # a shared encoder's weights are the LM's embedding
-        device = (
-            enc._parts[0].main.weight.device
-            if isinstance(enc, SharedEncoder)
-            else enc.embed.table.weight.device
-        )
+        device = next(self.encoder.bound()[0].parameters()).device  # a shared encoder's: the LM's embedding's
         with torch.autocast(device.type, enabled=False):
             return self.encoder.pooled(tokens.to(device), mask.to(device)).float()
 
