@@ -65,11 +65,7 @@ def reading_keys(module: Any, layer: str) -> Iterator[dict[str, torch.Tensor]]:
         "attn_input": model.blocks[-1].attn_norm,
     }[layer]
     out: dict[str, torch.Tensor] = {}
-
-    def hook(_mod: Any, _inp: Any, output: torch.Tensor) -> None:
-        out["keys"] = output.detach()
-
-    handle = target.register_forward_hook(hook)
+    handle = target.register_forward_hook(lambda _mod, _inp, output: out.update(keys=output.detach()))
     try:
         yield out
     finally:
@@ -185,7 +181,6 @@ class Datastore:
 
 
 LOG_EVERY = 30.0  # seconds between the plain progress lines printed when stderr is not a terminal
-TRIAL_BATCHES = 3  # batches timed with each thread count before key extraction keeps the faster one
 
 
 class Progress:
@@ -246,7 +241,7 @@ def entries(
     threads = torch.get_num_threads()
     counts = (1, threads) if module.device.type == "cpu" and threads > 1 else (threads,)
     times: dict[int, list[float]] = {n: [] for n in counts}
-    trial = TRIAL_BATCHES * len(counts)  # the batches timed; fewer once one count is clearly faster
+    trial = 3 * len(counts)  # batches timed, 3 per thread count; fewer once one count is clearly faster
     loader = eval_loader(windows, batch_size)
     bar = Progress(desc, window_targets(windows), "keys", progress)
     try:
@@ -318,14 +313,6 @@ def shard_docs(lengths: np.ndarray, shard_keys: int) -> list[slice]:
     return out
 
 
-def available_memory() -> int:
-    """Bytes of physical memory available now (unbounded where the system does not say)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
-
-
 def load_for_knn(
     ckpt_path: str, corpus: list[str] | None, device: str, progress: bool
 ) -> tuple[Any, RLMDataModule, TokenStore]:
@@ -383,7 +370,10 @@ def build_datastore(
     need = estimate(n, dim, resolved, biggest)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
-    mem = available_memory()
+    try:  # physical memory available now
+        mem = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # the system does not say: unbounded
+        mem = 1 << 62
     print(f"rlm knnlm: {n:,} keys of dim {dim} ({len(docs)} documents), index {resolved}: a datastore of about "
           f"{need['files'] / 2**20:,.1f} MiB; {need['disk'] / 2**20:,.0f} MiB of disk while building ({free / 2**20:,.0f} MiB free), "
           f"{need['memory'] / 2**20:,.0f} MiB of memory ({mem / 2**20:,.0f} MiB available)"

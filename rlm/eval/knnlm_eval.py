@@ -25,7 +25,7 @@ class DatastoreEval(pl.Callback):
         super().__init__()
         self.path, self.k, self.lam, self.temperature = datastore, k, lam, temperature
         self.ds: Any = None
-        self._sums: dict[str, list[float]] = {}
+        self._sums: dict[str, np.ndarray] = {}  # name -> (summed NLL, tokens)
 
     def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Open the datastore, at the loop's start: after Lightning restored the checkpoint's weights."""
@@ -37,7 +37,7 @@ class DatastoreEval(pl.Callback):
             )
 
     def _start(self, *_: Any) -> None:
-        self._sums = {"knnlm": [0.0, 0], "joint": [0.0, 0]}
+        self._sums = {"knnlm": np.zeros(2), "joint": np.zeros(2)}
 
     on_validation_epoch_start = on_test_epoch_start = _start
     on_validation_start = on_test_start = _load
@@ -55,14 +55,10 @@ class DatastoreEval(pl.Callback):
         joint = (self.ds.meta.get("tuning") or {}).get("joint")
         for tgt, lm, logz, d, v in rows:
             n, match = len(tgt), v == tgt.numpy()[:, None]
-            self._add("knnlm", -interpolate(lm, d, match, self.lam, self.temperature).sum(), n)
+            self._sums["knnlm"] += (-interpolate(lm, d, match, self.lam, self.temperature).sum(), n)
             if joint:
                 nll = -joint_log_prob(lm, logz, d, match, joint["temperature"], joint["bias"])
-                self._add("joint", nll.sum(), n)
-
-    def _add(self, name: str, nll: float, n: int) -> None:
-        self._sums[name][0] += float(nll)
-        self._sums[name][1] += n
+                self._sums["joint"] += (nll.sum(), n)
 
     on_validation_batch_end = partialmethod(_batch, stage="val")
     on_test_batch_end = partialmethod(_batch, stage="test")
