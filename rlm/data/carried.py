@@ -6,13 +6,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from rlm.data.module import RLMDataModule, cache_root
 from rlm.data.pretrained import TRAIN
-from rlm.data.store import TokenStore
+from rlm.data.store import TokenStore, new_entry
 
 
 def data_settings(ckpt: dict[str, Any], path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -35,16 +34,9 @@ def _unpack(files: dict[str, bytes], cache: Path) -> Path:
         h.update(name.encode() + b"\0" + data + b"\0")
     target = cache / "tokenizers" / h.hexdigest()[:20]
     if not target.is_dir():
-        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process wrote it first
-            shutil.rmtree(tmp)
-            if not target.is_dir():
-                raise
+        with new_entry(target) as tmp:
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
     return target
 
 

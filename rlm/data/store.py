@@ -121,8 +121,9 @@ def write_failure(path: str | os.PathLike[str], err: BaseException) -> OSError |
 
 @contextlib.contextmanager
 def new_entry(root: Path) -> Iterator[Path]:
-    """A temporary folder to fill, renamed to ``root`` at the end of the block (a concurrent builder's entry,
-    published first, is kept); a failed write is named with the free space."""
+    """A temporary folder to fill, renamed to ``root`` at the end of the block (a concurrent builder's folder,
+    published first, is kept: a folder appears at ``root`` only whole); a failed write is named with the free
+    space."""
     tmp = root.parent / f".{root.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -131,7 +132,7 @@ def new_entry(root: Path) -> Iterator[Path]:
         try:
             os.replace(tmp, root)
         except OSError:
-            if not TokenStore.exists(root):  # not a concurrent builder that won the race: a real failure
+            if not root.is_dir():  # not a concurrent builder that won the race: a real failure
                 raise
     except (OSError, RuntimeError) as err:
         failure = write_failure(root, err)

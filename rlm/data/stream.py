@@ -87,14 +87,11 @@ def build_stream_store(
     work = root.parent / f".{root.name}.stream"  # kept until the entry is published: a rerun resumes here
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "tok").is_dir():
-        tmp = work / f"tok.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        train_texts = (
-            d.text for i, d in enumerate(documents()) if not held_out(key.seed, i, key.val_fraction)
-        )
-        make_tokenizer(tmp, key, train_texts, None, tokenizer, progress)
-        os.replace(tmp, work / "tok")
+        with new_entry(work / "tok") as tmp:
+            train_texts = (
+                d.text for i, d in enumerate(documents()) if not held_out(key.seed, i, key.val_fraction)
+            )
+            make_tokenizer(tmp, key, train_texts, None, tokenizer, progress)
     tok = open_cached(work / "tok")
     shards = sorted(work.glob("shard_*.npz"))
     done = sum(len(np.load(s)["lengths"]) for s in shards)

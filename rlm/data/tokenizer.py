@@ -7,6 +7,7 @@ import io
 import os
 import re
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Literal, get_args
 
 import sentencepiece as spm
@@ -99,7 +100,7 @@ class Tokenizer(SpecialIds):
         max_chars: int = 20_000_000,
         seed: int = 0,
     ) -> Tokenizer:
-        """Train on `texts` (at most `max_chars` characters), write the model atomically to `path`."""
+        """Train on `texts` (at most `max_chars` characters), write the model to `path`."""
         if model_type not in MODEL_TYPES:
             raise ValueError(f"tokenizer_model_type={model_type!r}; accepted: {list(MODEL_TYPES)}")
         spm.set_random_generator_seed(seed)
@@ -128,10 +129,7 @@ class Tokenizer(SpecialIds):
             )
         except RuntimeError as err:
             raise _vocab_error(err, vocab_size) from err
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(model.getvalue())
-        os.replace(tmp, path)
+        Path(path).write_bytes(model.getvalue())  # into the cache entry's temporary folder (store.new_entry)
         return cls(path)
 
 
