@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -56,7 +57,6 @@ class RetrievalMemory:
     parts: list[str] | None = None  # a sharded index's part directories, in rank order
     projection: Projection | None = None  # the PCA that narrowed the vectors and narrows every query
     row_of: np.ndarray = field(init=False)  # (S,) index row of each global segment id, -1 when not indexed
-    _copies: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _searched: tuple[torch.device, Any] | None = field(default=None, init=False, repr=False)  # place_search's
     collective: ClassVar[bool] = False  # whether every rank calls search together (a sharded index)
 
@@ -70,20 +70,17 @@ class RetrievalMemory:
         """(S,) bool: which global segment ids the index holds."""
         return self.row_of >= 0
 
+    @cached_property
     def segment_copies(self) -> SegmentHashes:
-        """The indexed segments' hashes, to find exact copies of segments (built on first use)."""
-        if "segments" not in self._copies:
-            self._copies["segments"] = SegmentHashes(self.segments, np.flatnonzero(self.indexed_mask()))
-        return self._copies["segments"]
+        """The indexed segments' hashes, to find exact copies of segments."""
+        return SegmentHashes(self.segments, np.flatnonzero(self.indexed_mask()))
 
+    @cached_property
     def text_copies(self) -> TextRuns:
         """Runs of L // 2 tokens of the indexed documents every L // 2 tokens (L the segment length): any L tokens
-        copied from them hold such a run (built on first use)."""
-        if "text" not in self._copies:
-            half = max(1, self.segments.segment_len // 2)
-            docs = np.unique(self.segments.doc[self.indexed_mask()])
-            self._copies["text"] = TextRuns(self.segments, docs, half, half)
-        return self._copies["text"]
+        copied from them hold such a run."""
+        half = max(1, self.segments.segment_len // 2)
+        return TextRuns(self.segments, np.unique(self.segments.doc[self.indexed_mask()]), half, half)
 
     def place_search(self, device: torch.device) -> None:
         """Search on ``device`` from now on when it is one of SEARCH_DEVICES (device_index), saying how on stderr;

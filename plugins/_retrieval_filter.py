@@ -48,7 +48,7 @@ def copy_exclusions(
     """(query, lo, hi): the memory's ids lo <= id < hi that query b * n + j may not find because its text up to S_t's
     end (q_tokens[b, :j + 1], of the (B, n, L) query segments) copies their document."""
     B, n, L = q_tokens.shape
-    runs = memory.text_copies()
+    runs = memory.text_copies
     g = runs.run
     text, real = q_tokens.reshape(B, n * L), q_mask.reshape(B, n * L)
     grams = np.lib.stride_tricks.sliding_window_view(text, g, axis=1)  # (B, nL - g + 1, g): every run of g
@@ -86,7 +86,7 @@ def future_exclusions(
     m, r = spread(np.where(t0 >= 0, own.first[docs + 1] - t0, 0))
     future = t0[m] + r  # (F,) every segment of each row's document from chunk 0's target on
     uniq, inv = np.unique(future, return_inverse=True)
-    which, g = memory.segment_copies().find(own.tokens(uniq), own.length[uniq])
+    which, g = memory.segment_copies.find(own.tokens(uniq), own.length[uniq])
     order = np.argsort(which, kind="stable")
     which, g = which[order], g[order]
     lo_at = np.searchsorted(which, inv, "left")

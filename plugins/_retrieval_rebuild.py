@@ -1,9 +1,6 @@
 """The retriever's index rebuild callback: the embeddings go stale as the embedder trains, so the index is rebuilt
-on the schedule (Komatsuzaki 2020, sec. 5.4); 'background' embeds a frozen snapshot in a thread and swaps the new
-memory in at a step boundary. Under DDP rank 0 builds from the gathered vectors, or sharded each rank keeps its own
-part (index/sharded.py). Apart from plugins/retrieval.py so that reading the plugin's options does not import
-Lightning.
-"""
+on the schedule (Komatsuzaki 2020, sec. 5.4). Under DDP rank 0 builds from the gathered vectors, or sharded each rank
+keeps its own part (index/sharded.py). Apart from plugins/retrieval.py so that its options do not import Lightning."""
 
 from __future__ import annotations
 
@@ -38,9 +35,7 @@ KEEP = 2  # rebuild directories kept: the one in use, and the one before it that
 
 def shards(sharded: bool | str, world: int, rows: int, shard_above: int) -> bool:
     """Whether a rebuild over `rows` segments on `world` processes keeps a part per rank ('auto': from shard_above)."""
-    if world <= 1:
-        return False
-    return rows >= shard_above if sharded == "auto" else bool(sharded)
+    return world > 1 and (rows >= shard_above if sharded == "auto" else bool(sharded))
 
 
 def rebuild_stream() -> torch.cuda.Stream | None:
