@@ -14,7 +14,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,6 @@ from rlm.data.segments import SegmentTable
 from rlm.data.store import TokenStore
 from rlm.data.windows import IGNORE_INDEX, Windows, eval_loader
 from rlm.train.checkpoint import load_checkpoint_file
-
-SPLITS = ("test", "val", "train")
-
 
 # Data arguments the token cache depends on: given on the command line, they change the entry after this check.
 CACHE_ARGS = ("corpus", "hf_split", "hf_config", "text_field", "extensions", "max_documents", "vocab_size",
@@ -48,10 +45,9 @@ def with_tokenizer(
     try:
         root = RLMDataModule(**{**data, "progress": False}).cache_path()
     except (OSError, ValueError):
-        root = None
-    if root is not None and TokenStore.exists(root):
-        if (root / "tokenizer.model").read_bytes() == Path(model).read_bytes():
-            return data
+        return {**data, "tokenizer": model}
+    if TokenStore.exists(root) and (root / "tokenizer.model").read_bytes() == Path(model).read_bytes():
+        return data
     return {**data, "tokenizer": model}
 
 
@@ -155,14 +151,12 @@ def load_module(ckpt_path: str, device: str, tokenizer: Any) -> Any:
 def evaluate(
     ckpt_path: str,
     corpus: list[str] | None = None,
-    split: str = "test",
+    split: Literal["test", "val", "train"] = "test",
     batch_size: int | None = None,
     device: str = "cpu",
     progress: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint on its own split, or on all of ``corpus``, with its own tokenizer."""
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r}; accepted: {list(SPLITS)}")
     data, store = checkpoint_data(ckpt_path, corpus, progress)
     docs = store.train_docs if corpus else getattr(store, f"{split}_docs")
     if not len(docs):
