@@ -11,10 +11,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def _holds(folder: Path, path: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def _is_own(folder: Path, marker: tuple[str, str] | None) -> bool:
     if marker is None:
         return False
@@ -43,12 +39,12 @@ def claim_out_dir(
     for place, what in ((Path(path.anchor), "the filesystem root"), (home, "your home folder")):
         if path == place:
             raise ValueError(f"{said} is {what}, which is never replaced, even with --force; {new}")
-    if _holds(path, cwd):
+    if cwd.is_relative_to(path):
         where = "is" if path == cwd else "holds"
         raise ValueError(f"{said} {where} the current folder, never replaced, even with --force; {new}")
     for source in reads:
         source = Path(source).expanduser().resolve()
-        if _holds(path, source):
+        if source.is_relative_to(path):
             raise ValueError(f"{said} holds {source}, which this command reads: it is never replaced, even "
                              f"with --force; {new} (a new folder inside it is fine)")  # fmt: skip
     entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []

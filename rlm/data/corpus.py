@@ -317,8 +317,6 @@ def fingerprint(docs: Sequence[Document]) -> str:
     """sha256 over the documents' names and contents, in order."""
     h = hashlib.sha256()
     for doc in docs:
-        h.update(doc.name.encode("utf-8", "surrogatepass"))
-        h.update(b"\0")
-        h.update(doc.text.encode("utf-8", "surrogatepass"))
-        h.update(b"\0")
+        for part in (doc.name, doc.text):
+            h.update(part.encode("utf-8", "surrogatepass") + b"\0")
     return h.hexdigest()
