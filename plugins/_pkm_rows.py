@@ -16,15 +16,13 @@ from rlm.plugins._pkm_ops import gathers, group_slots, row_gradients, scatter_ro
 
 class RowAdam:
     """Lazy (row-wise) Adam for value tables, as torch.optim.SparseAdam: only rows with a gradient are read and
-    written, the bias correction uses the table's step count. Backward records each read's (slots, weights,
-    output gradient); ``step`` groups them by row and runs the fused CPU kernel, else torch's Adam on the gathered
-    rows.
-    """
+    written, bias-corrected by the table's step count. Backward records each read (slots, weights, output gradient);
+    ``step`` groups them by row and runs the fused CPU kernel, else torch's Adam on the gathered rows."""
 
-    def __init__(
-        self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
-    ) -> None:
-        self.lr, self.betas, self.eps = lr, betas, eps
+    betas, eps = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        self.lr = lr
         self.group: Any = None  # a process group: ``step`` then exchanges the reads
         self.sent_bytes = 0  # bytes this rank sent in the last step's row exchanges
         self.tables: dict[str, Tensor] = {}
