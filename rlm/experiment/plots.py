@@ -85,9 +85,7 @@ def curve_figure(info: dict[str, Any], variants: list[VariantResult], index: int
     ax.legend([handles[n] for n in names], [legend_label(n, info["baseline"]) for n in names], fontsize=8)
     ax.set(xlabel=xlabel, ylabel="validation loss")
     spread = f"mean of {seeds} seeds, band ± sd" if seeds > 1 else "one seed"
-    ax.set_title(
-        textwrap.fill(f"{info['name']}: validation loss ({spread})", 70), fontsize=10
-    )  # inside the figure
+    ax.set_title(textwrap.fill(f"{info['name']}: validation loss ({spread})", 70), fontsize=10)
     ax.grid(alpha=0.3)
     return fig
 
@@ -117,10 +115,9 @@ def params_figure(info: dict[str, Any], variants: list[VariantResult]) -> Any:
         bars = ax.errorbar(x, y, yerr=err or None, fmt=s["marker"], ms=s["ms"], mfc=s.get("mfc"), color=s["color"],
                            capsize=3, zorder=s["zorder"])  # fmt: skip
         if shift:  # drawn at (x, y) so the axes' limits hold it, then moved sideways on screen
+            moved = ScaledTranslation(shift / 72, 0, fig.dpi_scale_trans)
             for artist in bars.get_children():
-                artist.set_transform(
-                    artist.get_transform() + ScaledTranslation(shift / 72, 0, fig.dpi_scale_trans)
-                )
+                artist.set_transform(artist.get_transform() + moved)
     xlabel = "added parameters (millions)"
     if base is not None:
         xlabel = f"parameters over the baseline {info['baseline']!r} (millions)"

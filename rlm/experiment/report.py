@@ -66,11 +66,7 @@ def write_csv(out: Path, info: dict[str, Any], variants: list[VariantResult]) ->
 
 def _without_zero_seconds(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
     """The table without columns of durations that all round to 0 s (small runs): they say nothing."""
-    keep = [
-        i
-        for i in range(len(header))
-        if not all(r[i] in ("0s", "—") for r in rows) or not any(r[i] == "0s" for r in rows)
-    ]
+    keep = [i for i, column in enumerate(zip(*rows)) if "0s" not in column or set(column) - {"0s", "—"}]
     return [header[i] for i in keep], [[r[i] for i in keep] for r in rows]
 
 

@@ -188,12 +188,7 @@ def collect(out: Path) -> tuple[dict[str, Any], list[VariantResult]]:
 def val_curves(run: dict[str, Any]) -> tuple[list[float], list[float], list[float]]:
     """Steps, training seconds and validation losses of a run's validations."""
     rows = run_metrics(run["dir"])
-    clock = series(rows, "time/train_s")
-    steps, times, losses = [], [], []
-    for step, loss in series(rows, "val/loss"):
-        # The training time at the last training step before this validation.
-        before = [t for s, t in clock if s <= step]
-        steps.append(step + 1)
-        times.append(before[-1] if before else 0.0)
-        losses.append(loss)
-    return steps, times, losses
+    clock, validations = series(rows, "time/train_s"), series(rows, "val/loss")
+    # the training time at the last training step before each validation
+    times = [next((t for s, t in reversed(clock) if s <= step), 0.0) for step, _ in validations]
+    return [step + 1 for step, _ in validations], times, [loss for _, loss in validations]
