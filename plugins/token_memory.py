@@ -96,9 +96,6 @@ class TokenMemoryPlugin(Plugin):
     def claims(self) -> list[Claim]:
         return []  # no slot: the memory acts on the output (objective)
 
-    def build(self, claim: Claim, layer: int | None, current: nn.Module | None) -> nn.Module:
-        raise AssertionError("token_memory claims no slot")
-
     @property
     def temperature(self) -> float:
         """The current tau."""
