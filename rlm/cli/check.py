@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -173,8 +174,6 @@ def remove_unused_dirs(created: list[Path]) -> list[Path]:
     for d in created:  # deepest first
         if not d.is_dir() or not _startup_only(d):
             continue
-        for p in sorted(d.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            p.rmdir() if p.is_dir() else p.unlink()
-        d.rmdir()
+        shutil.rmtree(d)
         removed.append(d)
     return removed

@@ -253,12 +253,9 @@ def _accepted(expected: str) -> str:
 
 
 def plain_parse_error(message: str) -> str:
-    """jsonargparse's nested report of a bad value in one line: the dotted key and the innermost reason.
-
-    A plugin option's error arrives wrapped twice in "Does not validate against any of the Union subtypes"
-    (``model.plugins`` and each plugin are optional dataclasses); what the user needs is at the bottom, e.g.
-    ``Parser key "n_keys": Expected a <class 'int'>. Got value: abc`` becomes
-    ``model.plugins.pkm.n_keys: must be an integer, got 'abc'``."""
+    """jsonargparse's nested report of a bad value in one line: the dotted key and the innermost reason (a plugin
+    option's error comes wrapped in two Union reports), e.g. ``model.plugins.pkm.n_keys: must be an integer, got
+    'abc'``."""
     lines = [ln.strip() for ln in message.splitlines()]
     keys = [m.group(1) for ln in lines if (m := re.match(r'(?:- )?Parser key "([^"]+)"', ln))]
     reasons = [r for ln in lines if (r := ln.removeprefix("- ")) and not r.startswith(_NOISE)]

@@ -1,11 +1,9 @@
 """Streaming ``hf:`` corpora into the token cache without holding them in memory (``data.streaming: true``).
 
-Two passes over a ``datasets.IterableDataset``: the first trains the tokenizer on the training documents (unless
-``data.tokenizer`` names one), the second encodes every document into shards of about ``SHARD_TOKENS`` tokens,
-each published before the next, so a build that stops resumes after its last complete shard; the shards are then
-copied into rlm/data/store.py's layout. Unlike the in-memory build, the key is the source's description (its
-content is unknown before it is read), the validation split is a seeded hash of each document's index (their count
-is unknown in advance), and near-duplicates are not removed (that needs every document before the split).
+Two passes: one trains the tokenizer on the training documents, one encodes every document into shards of about
+SHARD_TOKENS tokens, each published before the next (a stopped build resumes after the last), then copied into
+store.py's layout. Unlike the in-memory build, the key describes the source (its content is unknown until read),
+a seeded hash of a document's index holds it out (the count is unknown in advance), and nothing is deduplicated.
 """
 
 from __future__ import annotations
