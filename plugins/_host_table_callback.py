@@ -59,12 +59,8 @@ class PKMCallback(HostTableCallback):
     """Resolves sparse/dense at setup, steps the row-wise value optimizer, logs usage and KL at validation."""
 
     def __init__(self, plugin: Any) -> None:
-        super().__init__(plugin.row_optimizer, "pkm.sparse", "")
+        super().__init__(plugin.row_optimizer, "pkm.sparse", f"PKMCallback[{plugin.label}]")
         self.plugin = plugin  # the PKMPlugin (not imported here: plugins/pkm.py imports this module)
-
-    @property
-    def state_key(self) -> str:
-        return f"PKMCallback[{self.plugin.label}]"
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         run = layout(trainer)
