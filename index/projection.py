@@ -79,18 +79,9 @@ def with_projection(identity: dict[str, Any], projection: Projection | None) -> 
     return {**identity, "projection": None if projection is None else projection.identity()}
 
 
-def check_index_dim(setting: int | str | None) -> None:
-    """Raise ValueError unless setting is None, 'auto' or a positive integer."""
-    if setting is None or setting == "auto":
-        return
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ValueError(f"index_dim={setting!r}; accepted: null (full width), 'auto', or a positive integer")
-
-
 def index_width(setting: int | str | None, width: int | None, rows: int, above: int) -> int | None:
     """The width m the index narrows to (None: full width) for index_dim `setting`, vectors `width` wide (None: not
     known yet) and `rows` indexed segments: 'auto' is min(AUTO_DIM, width // 2) from `above` rows, else full width."""
-    check_index_dim(setting)
     if setting is None or (setting == "auto" and rows < above):
         return None
     m = setting if setting != "auto" else (AUTO_DIM if width is None else min(AUTO_DIM, width // 2))

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlm.index.build import IndexConfig
-from rlm.index.projection import check_index_dim
 from rlm.model.config import ModelConfig
 from rlm.model.memory import Parts, chosen_layers, norm_bytes
 
@@ -141,10 +140,11 @@ class RetrievalConfig:
             )
         if not isinstance(self.shard_above, int) or self.shard_above < 1:
             raise ValueError(f"retrieval.shard_above must be a positive integer, got {self.shard_above!r}")
-        try:
-            check_index_dim(self.index_dim)
-        except ValueError as err:
-            raise ValueError(f"retrieval.{err}") from None
+        dim = self.index_dim
+        if dim not in (None, "auto") and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+            raise ValueError(
+                f"retrieval.index_dim={dim!r}; accepted: null (full width), 'auto', or a positive integer"
+            )
         Schedule.parse(self.schedule)  # raises ValueError naming the accepted grammar
         IndexConfig(factory=self.index_factory, target_recall=self.target_recall, flat_below=self.flat_below)
 
