@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from rlm.experiment.spec import (
     Experiment,
@@ -78,15 +75,10 @@ def _parse(cfg: dict[str, Any]) -> tuple[Any, str | None]:
     """A merged run config parsed by the ``rlm fit`` parser: the namespace, or the error."""
     from rlm.cli.support import plain_parse_error
 
-    fd, path = tempfile.mkstemp(prefix="rlm-experiment-", suffix=".yaml")
     try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(cfg, f, sort_keys=False)
-        return _fit_parser().parse_args(["--config", path]), None
+        return _fit_parser().parse_object(cfg), None
     except (argparse.ArgumentError, ValueError, TypeError, KeyError) as err:
         return None, plain_parse_error(str(err))
-    finally:
-        os.unlink(path)
 
 
 def _without(mapping: dict[str, Any], keys: set[str]) -> dict[str, Any]:
