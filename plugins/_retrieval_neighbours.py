@@ -351,17 +351,12 @@ CHUNKED = ("query_tokens", "query_mask", "tokens", "mask", "valid", "same_doc", 
 
 
 def chunk_slice(inp: RetrievalInputs, lo: int, hi: int) -> RetrievalInputs:
-    """Chunks lo..hi-1 of every row."""
-    return RetrievalInputs(**{f: None if (t := getattr(inp, f)) is None else t[:, lo:hi] for f in CHUNKED})
+    """Chunks lo..hi-1 of every row of gather_inputs' output."""
+    return RetrievalInputs(**{f: getattr(inp, f)[:, lo:hi] for f in CHUNKED})
 
 
 def chunk_cat(parts: list[RetrievalInputs]) -> RetrievalInputs:
     """Consecutive chunks side by side, (B, sum of n, ...): the inverse of chunk_slice."""
     if len(parts) == 1:
         return parts[0]
-
-    def cat(name: str) -> Tensor | None:
-        ts = [getattr(p, name) for p in parts]
-        return None if any(t is None for t in ts) else torch.cat(ts, dim=1)
-
-    return RetrievalInputs(**{name: cat(name) for name in CHUNKED})
+    return RetrievalInputs(**{f: torch.cat([getattr(p, f) for p in parts], dim=1) for f in CHUNKED})
