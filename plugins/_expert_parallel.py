@@ -144,13 +144,11 @@ def route_group(
     capacity: int | None,
     chunks: int = 1,
 ) -> GroupRoute:
-    """Plan the group's batch and this rank's part in it, with no loop over positions or ranks.
-
-    ``routed`` (W, S_max, k): every rank's expert ids (N = n_local * W for padding), padded past ``sizes[r]``.
-    Rank r's S_r = seq_len * B_r rows are position-major, and so is the group's batch: global row
+    """Plan the group's batch and this rank's part in it, with no loop over positions or ranks. ``routed``
+    (W, S_max, k): every rank's expert ids (N = n_local * W for padding), padded past ``sizes[r]``. Rank r's
+    S_r = seq_len * B_r rows are position-major, and so is the group's batch: global row
     t * sum(B) + (B_0 + ... + B_{r-1}) + b is rank r's row t * B_r + b, so queue places are one process's.
-    ``chunks`` divides n_local.
-    """
+    ``chunks`` divides n_local."""
     W, S_max, k = routed.shape
     n, device = n_local * W, routed.device
     per_chunk = n_local // chunks
@@ -217,10 +215,8 @@ def parallel_dispatch(
 ) -> tuple[Tensor, Plan]:
     """``dispatch`` (plugins/_experts.py) with this rank's N/W experts: x (S, d) position-major (S = seq_len * B_r),
     index/weight (S, k); ``capacity(tokens)`` for the group's token count. Returns y (S, d) and the group's plan.
-
     Chunk c's experts compute while other chunks' tokens and results are in flight; backward mirrors it. Host
-    syncs: the ranks' row counts, the split sizes and the plan's compaction; none in backward.
-    """
+    syncs: the ranks' row counts, the split sizes and the plan's compaction; none in backward."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     S, k = index.shape
     n_local = experts.up.shape[0]

@@ -29,12 +29,10 @@ def _node_size(trainer: pl.Trainer, world: int) -> int:
 
 class ExpertParallelCallback(ArmedSync):
     """Shards the experts of ``layers()`` (modules with ``experts`` and ``expert_group``) over expert groups of
-    ``group_size`` processes (default a node's) at setup, when several processes run.
-
-    The groups' copies of an expert are kept equal by an all-reduce of each gradient as backward has it
-    (:class:`ReplicaSync`). Clips by the global norm (per-rank factors would split the replicas) and checkpoints
-    full expert tensors, so a checkpoint resumes under any W that divides N.
-    """
+    ``group_size`` processes (default a node's) at setup when several processes run; the groups' copies of an expert
+    are kept equal by an all-reduce of each gradient as backward has it (:class:`ReplicaSync`). Clips by the global
+    norm (per-rank factors would split the replicas); checkpoints hold full expert tensors, so a run resumes under
+    any W that divides N."""
 
     def __init__(self, layers: Callable[[], list[nn.Module]], group_size: int | None = None) -> None:
         self.layers = layers

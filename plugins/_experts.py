@@ -40,10 +40,8 @@ class Plan:
 
 def plan(index: Tensor, valid: Tensor, n: int, capacity: int | None) -> Plan:
     """Group the assignments index (S, k) by expert; padding (valid False) and assignments past capacity drop out.
-
     Queue places are claimed row by row, a row's k choices together, so row s's places depend on rows <= s only
-    (causal when rows are position-major; GShard's first-choices-first order is not).
-    """
+    (causal when rows are position-major; GShard's first-choices-first order is not)."""
     S, k = index.shape
     expert = index.reshape(-1)  # (A0,) with A0 = S * k, token-major: a = s * k + j
     valid = valid.reshape(-1).repeat_interleave(k)  # (A0,)

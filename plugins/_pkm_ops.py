@@ -32,11 +32,9 @@ def _block(t: Tensor) -> int:
 
 
 def grouped_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Exact, sorted top-k over the last dim, reading most of a long row only once (for the amax).
-
-    Every top-k element lies in one of G >= 4k strided groups {j, j+G, ...} whose maximum is among the top-k group
-    maxima, so the top-k of those k groups is the row's. Plain topk when the row is too short to gain.
-    """
+    """Exact, sorted top-k over the last dim, reading most of a long row only once (for the amax): every top-k
+    element lies in one of G >= 4k strided groups {j, j+G, ...} whose maximum is among the top-k group maxima, so
+    the top-k of those k groups is the row's. Plain topk when the row is too short to gain."""
     n = scores.shape[-1]
     g = n // (4 * k)  # elements per group
     if g < 2 or n % g:
@@ -134,12 +132,9 @@ class _ProductKeySearch(torch.autograd.Function):
 # optimizer's side effect), so the query network, norm, softmax and gating around them compile.
 @torch.compiler.disable
 def product_key_topk(q: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys: scores and slot ids i*n+j, (N, H, k).
-
-    q (N, H, 2, dh): the query's halves; keys (H, 2, n, dh): the sub-key sets C, C'. Lample et al. Sec. 3.2: the
-    best pairs come from the top-k of each half. At least float32 whatever autocast says: bf16 scores would
-    reorder close keys.
-    """
+    """Exact top-k of q.cat(c_i, c'_j) over all n^2 product keys: scores and slot ids i*n+j, (N, H, k), for the
+    query's halves q (N, H, 2, dh) and the sub-key sets C, C' (H, 2, n, dh). Lample et al. Sec. 3.2: the best pairs
+    come from the top-k of each half. At least float32 whatever autocast says: bf16 scores would reorder close keys."""
     up = [t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, keys)]
     with torch.autocast(q.device.type, enabled=False):
         scores, i, j = _ProductKeySearch.apply(*up, k)
@@ -204,12 +199,9 @@ def sort_lookups(
     tok: Tensor | None = None,
     grouped: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Group lookups by value row: (distinct rows (U,), offsets (U+1,), source row in grad (E,), weight (E,)).
-
-    slots, weights (N, m): lookup (t, j) reads row slots[t, j] for grad row t; or flat (E,) with grad rows ``tok``.
-    Row rows[u]'s lookups are offsets[u]:offsets[u+1] of the returned (E,) tensors. ``grouped``: group_slots(slots)
-    when the caller has it.
-    """
+    """Group lookups by value row: (distinct rows (U,), offsets (U+1,), source row in grad (E,), weight (E,)); row
+    rows[u]'s lookups are offsets[u]:offsets[u+1] of the (E,) tensors. slots, weights (N, m): lookup (t, j) reads
+    row slots[t, j] for grad row t; or flat (E,) with grad rows ``tok``. ``grouped``: group_slots(slots) if known."""
     if tok is None:
         N, m = slots.shape
         tok = torch.arange(N, device=slots.device).repeat_interleave(m)  # (N * m,)

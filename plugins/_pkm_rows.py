@@ -215,13 +215,11 @@ def _all_gather(out: Tensor, inp: Tensor, group: Any) -> None:
 def exchange_lookups(
     slots: Tensor, weights: Tensor, tok: Tensor, grad: Tensor, group: Any, rows: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
-    """The data-parallel (mean) gradient of a (rows, d) table from each rank's reads, as lookups by row.
-
-    Lookup e reads row slots[e] with weight weights[e] for grad[tok[e]]. Returns (rows (U,), offsets (U+1,),
-    tok, w, grad, bytes sent) as sort_lookups groups them, the same on every rank. The cheaper way by bytes:
-    all-gather the lookups, W x (max E x (2 i + s) + max R x d x s) plus the reduction's reads (bitwise one
-    process's sums for W a power of two), or all-reduce the dense (rows, d + 1) gradient, ~2 x rows x (d + 1) x s.
-    """
+    """The data-parallel (mean) gradient of a (rows, d) table from each rank's reads (lookup e reads row slots[e]
+    with weight weights[e] for grad[tok[e]]): (rows (U,), offsets (U+1,), tok, w, grad, bytes sent) as sort_lookups
+    groups them, the same on every rank. The cheaper way by bytes: all-gather the lookups, W x (max E x (2 i + s) +
+    max R x d x s) plus the reduction's reads (bitwise one process's sums for W a power of two), or all-reduce the
+    dense (rows, d + 1) gradient, ~2 x rows x (d + 1) x s."""
     world = dist.get_world_size(group)
     d, size = grad.shape[1], grad.element_size()
     # (E, R) of this rank, on the device for NCCL

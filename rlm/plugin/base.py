@@ -75,9 +75,8 @@ class ParamGroup:
 
 
 class Plugin(nn.Module):
-    """Base class of every plugin: subclasses set ``name`` and ``Config`` and implement ``claims`` and
-    ``build``. An ``nn.Module`` owned by the model, so state shared across layers lives on it and is checkpointed.
-    """
+    """Base class of every plugin: subclasses set ``name`` and ``Config`` and implement ``claims`` and ``build``.
+    An ``nn.Module`` owned by the model, so state shared across layers lives on it and is checkpointed."""
 
     name: ClassVar[str] = ""  # the short name in configs and the registry
     # the options' dataclass, validating itself in __post_init__; a ``memory`` method (rlm.model.memory.MemoryFormula)
