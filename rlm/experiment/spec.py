@@ -136,13 +136,9 @@ def time_minutes(value: Any) -> int | None:
     if match is None:
         return None
     days, a, b, c = (None if g is None else int(g) for g in match.groups())
-    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
-        h, m, sec = a, b or 0, c or 0
-    elif c is not None:  # HH:MM:SS
-        h, m, sec = a, b, c
-    else:  # MM or MM:SS
-        h, m, sec = 0, a, b or 0
-    if sec >= 60 or (m >= 60 and (days is not None or c is not None)):
+    hours_first = days is not None or c is not None  # D-HH[:MM[:SS]] or HH:MM:SS, not MM[:SS]
+    h, m, sec = (a, b or 0, c or 0) if hours_first else (0, a, b or 0)
+    if sec >= 60 or (hours_first and m >= 60):
         return None
     total = (days or 0) * 1440 + h * 60 + m + (sec > 0)
     return total if total > 0 else None
