@@ -91,14 +91,10 @@ def val_subset(limit: float | None, total: int | None = None) -> str:
 
 def _fit_val_subset(trainer: Any) -> str:
     """val_subset of the fit's last validation: the batches it read against the validation loaders' length."""
-    used = sum(getattr(trainer, "num_val_batches", None) or []) or None
-    loaders = getattr(trainer, "val_dataloaders", None)
+    used = sum(trainer.num_val_batches or []) or None
+    loaders = trainer.val_dataloaders  # RLMDataModule's: a DataLoader, or [] without a validation split
     loaders = loaders if isinstance(loaders, list | tuple) else [] if loaders is None else [loaders]
-    try:
-        total = sum(len(dl) for dl in loaders) or None
-    except TypeError:  # an iterable dataset: no length
-        total = None
-    return val_subset(used, total)
+    return val_subset(used, sum(len(dl) for dl in loaders) or None)
 
 
 def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = None) -> str:

@@ -214,19 +214,15 @@ def hf_dataset(name: str, split: str, config: str | None, streaming: bool = Fals
             raise ValueError(
                 f"hf:{name} is a file datasets cannot read by its ending; accepted: {list(_HF_BUILDERS)}"
             )
-        if _is_blank(name):  # datasets fails on it with StopIteration or "corresponds to no data"
+        with open(name, "rb") as f:  # read in chunks: a data file may be large
+            blank = not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
+        if blank:  # datasets fails on it with StopIteration or "corresponds to no data"
             raise ValueError(f"hf:{name} is empty; accepted: a {builder} data file with at least one row")
         try:
             return datasets.load_dataset(builder, data_files={split: name}, split=split, streaming=streaming)
         except datasets.exceptions.DatasetGenerationError as err:
             raise _data_file_error(name, builder, err) from err
     return datasets.load_dataset(name, config, split=split, streaming=streaming)
-
-
-def _is_blank(path: str) -> bool:
-    """Whether a file holds nothing but whitespace (read in chunks: a data file may be large)."""
-    with open(path, "rb") as f:
-        return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
 
 
 def json_file_problem(path: Path) -> ValueError | None:

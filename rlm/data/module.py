@@ -83,9 +83,12 @@ class RLMDataModule(pl.LightningDataModule):
         tokenizer = TRAIN if tokenizer is None else tokenizer
         # an existing tokenizer is opened now: a missing file or a disagreeing vocab_size fails before any work
         vocab_size = resolve_vocab_size(vocab_size, tokenizer)  # before save_hyperparameters: saved resolved
-        _positive(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size,
-                  max_tokenizer_chars=max_tokenizer_chars, max_documents=max_documents,
-                  val_batch_size=val_batch_size)  # fmt: skip
+        positive = dict(vocab_size=vocab_size, seq_len=seq_len, segment_len=segment_len, batch_size=batch_size,
+                        max_tokenizer_chars=max_tokenizer_chars, max_documents=max_documents,
+                        val_batch_size=val_batch_size)  # fmt: skip
+        for name, value in positive.items():  # None: unset
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value}; accepted: a positive integer")
         specs = [corpus] if isinstance(corpus, str) else list(corpus)
         if streaming and not all(isinstance(c, str) and c.startswith("hf:") for c in specs):
             raise ValueError(
@@ -300,10 +303,3 @@ class RLMDataModule(pl.LightningDataModule):
 def cache_root(cache_dir: str | None) -> Path:
     """Where tokenizers and token arrays are cached: ``cache_dir``, else $RLM_CACHE, else ~/.cache/rlm."""
     return Path(cache_dir or os.environ.get("RLM_CACHE") or Path.home() / ".cache" / "rlm").expanduser()
-
-
-def _positive(**values: int | None) -> None:
-    """Raise ValueError naming the first value that is neither None nor a positive integer."""
-    for name, value in values.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{name}={value}; accepted: a positive integer")
