@@ -66,12 +66,10 @@ def copy_exclusions(
     hi = seg.first[doc[m] + 1]
     keep = lo < hi
     query, lo, hi = b[m][keep] * n + j[keep], lo[keep], hi[keep]
-    # one range per query and document: the widest
+    # one range per query and document (hi): the widest, the first by lo
     order = np.lexsort((lo, hi, query))
     query, lo, hi = query[order], lo[order], hi[order]
-    first_of = (
-        np.r_[True, (query[1:] != query[:-1]) | (hi[1:] != hi[:-1])] if len(query) else np.zeros(0, bool)
-    )
+    _, first_of = np.unique(np.stack([query, hi], 1), axis=0, return_index=True)
     return query[first_of], lo[first_of], hi[first_of]
 
 
