@@ -200,8 +200,7 @@ def _prepare_dir(run: Run) -> list[str] | None:
         shutil.rmtree(run.dir)  # an unfinished run of another config, or one that saved nothing loadable
         if job is not None:
             write_atomic(run.dir / JOB_JSON, job)
-    run.dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(saved, run.fingerprint + "\n")
+    write_atomic(saved, run.fingerprint + "\n")  # makes the directory
     return []
 
 
@@ -264,7 +263,6 @@ def reuse(run: Run, source: Path) -> dict[str, Any]:
     write_atomic(tmp / SUMMARY, json.dumps(summary, indent=2) + "\n")
     if run.dir.exists():
         shutil.rmtree(run.dir)
-    run.dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, run.dir)  # the run appears finished in one step
     return summary
 
