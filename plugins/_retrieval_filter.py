@@ -99,15 +99,11 @@ def future_exclusions(
 
 def as_exclusions(rows: np.ndarray, parts: list[tuple[tuple[np.ndarray, ...], bool]]) -> Exclusions:
     """Exclusions of the searched queries `rows` (ascending among the B * n) from ((query, lo, hi), counted)."""
-    query, lo, hi, counted = [], [], [], []
-    for (q, a, b), count in parts:
-        pos = np.minimum(np.searchsorted(rows, q), max(len(rows) - 1, 0))
-        ok = rows[pos] == q if len(rows) else np.zeros(len(q), bool)
-        query.append(pos[ok])
-        lo.append(a[ok])
-        hi.append(b[ok])
-        counted.append(np.full(int(ok.sum()), count))
-    return Exclusions(*(np.concatenate(x) for x in (query, lo, hi, counted)))
+    query, lo, hi = (np.concatenate(x) for x in zip(*(ranges for ranges, _ in parts)))
+    counted = np.concatenate([np.full(len(q), count) for (q, _, _), count in parts])
+    pos = np.minimum(np.searchsorted(rows, query), max(len(rows) - 1, 0))
+    ok = rows[pos] == query if len(rows) else np.zeros(len(query), bool)
+    return Exclusions(pos[ok], lo[ok], hi[ok], counted[ok])
 
 
 def score_candidates(own: Any, cands: np.ndarray, e_q: Tensor, embed) -> np.ndarray:
