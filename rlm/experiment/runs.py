@@ -137,8 +137,7 @@ def run_metrics(run_dir: Path) -> list[dict[str, float]]:
             )
     rows: list[dict[str, float]] = []
     for i, chunk in enumerate(chunks):
-        later = [r["step"] for c in chunks[i + 1 :] for r in c if "step" in r]
-        cut = min(later, default=math.inf)
+        cut = min((r["step"] for c in chunks[i + 1 :] for r in c if "step" in r), default=math.inf)
         rows += [r for r in chunk if r.get("step", -1) < cut]
     return rows
 
