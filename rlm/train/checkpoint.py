@@ -79,27 +79,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load_checkpoint_file(path, map_location or "cpu", bool(weights_only))
 
 
-def remove_tmp_files(directory: str | Path) -> list[Path]:
-    """Delete the temporary files of interrupted :func:`atomic_save` calls in ``directory``."""
-    directory = Path(directory)
-    removed = []
-    if directory.is_dir():
-        for p in directory.iterdir():
-            if p.is_file() and TMP_PATTERN.match(p.name):
-                p.unlink(missing_ok=True)
-                removed.append(p)
-    return removed
+def remove_tmp_files(directory: str | Path, stale: bool = False) -> list[Path]:
+    """Delete the temporary files of interrupted :func:`atomic_save` calls in ``directory``; with ``stale``, those
+    anywhere under it whose process is gone."""
+    if stale:
+        from rlm.index.store import process_alive
 
-
-def remove_stale_tmp_files(root: str | Path) -> list[Path]:
-    """Delete, anywhere under ``root``, :func:`atomic_save`'s temporary files whose process is gone."""
-    from rlm.index.store import process_alive
-
-    removed = []
-    root = Path(root)
-    for p in root.rglob(".*.tmp-*") if root.is_dir() else []:
-        m = TMP_PATTERN.match(p.name)
-        if not m or not p.is_file() or process_alive(int(p.name.rsplit("-", 1)[1])):
+    directory, removed = Path(directory), []
+    found = directory.rglob(".*.tmp-*") if stale else directory.iterdir()
+    for p in found if directory.is_dir() else []:
+        if not TMP_PATTERN.match(p.name) or not p.is_file():
+            continue
+        if stale and process_alive(int(p.name.rsplit("-", 1)[1])):
             continue
         p.unlink(missing_ok=True)
         removed.append(p)
@@ -184,7 +175,7 @@ class CheckpointHygiene(pl.Callback):
         if not trainer.is_global_zero:
             return
         resumed = trainer.ckpt_path
-        for p in remove_stale_tmp_files(trainer.default_root_dir):
+        for p in remove_tmp_files(trainer.default_root_dir, stale=True):
             print(f"rlm: removed {p}, a partial checkpoint of an interrupted run", file=sys.stderr)
         for cb in trainer.checkpoint_callbacks:
             if not isinstance(cb, ModelCheckpoint) or not cb.dirpath:
