@@ -3,5 +3,3 @@
 from rlm.extras import require
 
 faiss = require("faiss", "gpu", "retrieval indices", alternative="or pip install faiss-cpu, rlm's default")
-
-__all__ = ["faiss"]
