@@ -8,10 +8,14 @@ Lightning are imported inside the commands, so ``--help`` and bad arguments cost
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import importlib
 import inspect
+import io
 import os
 import re
+import shutil
 import sys
 import types
 import typing
@@ -36,10 +40,8 @@ def limit_threads() -> None:
 def _help_file(command: str) -> Path:
     """Where ``rlm COMMAND --help``'s text is kept, keyed by the versions and sources it is built from and the
     terminal's width."""
-    import hashlib
     import importlib.metadata
     import importlib.util
-    import shutil
 
     h = hashlib.sha256(f"{command};{shutil.get_terminal_size().columns};{sys.version}".encode())
     for dist in ("rlm", "pytorch-lightning", "jsonargparse", "torch"):
@@ -68,9 +70,6 @@ def run_lightning(command: str, args: list[str]) -> int:
         if saved.is_file():
             print(saved.read_text(), end="")
             return 0
-        import contextlib
-        import io
-
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
             try:

@@ -23,12 +23,9 @@ def show(path: str | Path | None) -> str:
 def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None]:
     """Where a finished fit wrote its checkpoint, metrics CSV, TensorBoard logs and merged config (``config``, from
     the config callback: ``trainer.log_dir`` is a collective under DDP, and only rank 0 prints)."""
-    cbs = getattr(trainer, "checkpoint_callbacks", [])
-    paths = [getattr(cb, name, "") for cb in cbs for name in ("last_model_path", "best_model_path")]
+    paths = [p for cb in trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path)]
     ckpt = next((Path(p) for p in paths if p and Path(p).is_file()), None)
-    logs = {
-        type(lg).__name__: Path(lg.log_dir) for lg in reversed(getattr(trainer, "loggers", [])) if lg.log_dir
-    }
+    logs = {type(lg).__name__: Path(lg.log_dir) for lg in reversed(trainer.loggers) if lg.log_dir}
     csv, tb = logs.get("CSVLogger"), logs.get("TensorBoardLogger")
     return {
         "checkpoint": ckpt,
@@ -99,7 +96,7 @@ def _fit_val_subset(trainer: Any) -> str:
 
 def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = None) -> str:
     """The block ``rlm fit`` prints when training ended normally."""
-    metrics = dict(getattr(trainer, "callback_metrics", {}) or {})
+    metrics = trainer.callback_metrics
     paths = fit_paths(trainer, config)
     step = int(trainer.global_step)
     losses = [
