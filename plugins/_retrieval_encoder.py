@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, is_dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -166,10 +166,8 @@ def weights_hash(tensors: list[Tensor]) -> str:
 
 
 def config_hash(*configs: object) -> str:
-    """sha256 of dataclass configs (and other values, by their str) as sorted JSON."""
-    payload = json.dumps(
-        [asdict(c) if is_dataclass(c) else str(c) for c in configs], sort_keys=True, default=str
-    )
+    """sha256 of dataclass configs as sorted JSON."""
+    payload = json.dumps([asdict(c) for c in configs], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
