@@ -3,8 +3,7 @@ Komatsuzaki 2020): the tokens of chunk j (segment S_{t+1}) attend to the tokens 
 
     logit(i, j in z) = q_i . k_j / sqrt(h) + beta * cos(e(S_t), e(z))      beta trainable, per layer
 
-The neighbours are encoded once per forward (encode_neighbours) and shared by every cross-attention layer.
-"""
+The neighbours are encoded once per forward (encode_neighbours) and shared by every cross-attention layer."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Segment embedders of the retriever: per-token states (the cross-attention's keys and values) and e(.), the
-L2-normalised mean of a segment's first ``pool_len`` states (causal blocks: e(z) on [z, z+1] is e(z) on z alone).
-"""
+L2-normalised mean of a segment's first ``pool_len`` states (causal blocks: e(z) on [z, z+1] is e(z) on z alone)."""
 
 from __future__ import annotations
 

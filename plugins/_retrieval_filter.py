@@ -2,8 +2,7 @@
 training query by id, an evaluated text is not indexed, so a text copying L / 2 tokens of an indexed document is
 filtered as that document's query would be (copy_exclusions), indexed copies of the evaluated document's future are
 not retrieved (future_exclusions: a leakage filter reads the future, as RETRO's evaluation, Borgeaud et al. 2022),
-and a document the index does not hold gets its own past, scored and merged (score_candidates, merge_by_score).
-"""
+and a document the index does not hold gets its own past, scored and merged (score_candidates, merge_by_score)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A batch's retrieval inputs: each chunk's query segment S_t and its k neighbours, from the last rebuild's table,
 an online search of the index, or the warm start (earlier segments of the query's own document). Causality: no
-neighbour, nor its continuation, is S_{t+1} or a later segment of the same document.
-"""
+neighbour, nor its continuation, is S_{t+1} or a later segment of the same document."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ value v_j = the token after j) and computes
 
 Keys are detached states. Neighbours come from the window's own past (j < t: a continuous cache, Grave et al. 2017,
 with learned weights) and, with k > 0, from a queue of recent training states of other documents, or at evaluation
-a datastore of this model's states (``rlm knnlm build --layer attn_input``) with kNN-LM's causal exclusion.
-"""
+a datastore of this model's states (``rlm knnlm build --layer attn_input``) with kNN-LM's causal exclusion."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """MARGE-style retrieval for causal LMs (Komatsuzaki 2020, sec. 5.4, after Lewis et al. 2020): the tokens of segment
 S_{t+1} cross-attend to the k neighbours of S_t, found by the embedder e over the training set and the document's
 past, with MARGE's relevance bias (_retrieval_attention.py), so the LM loss alone trains e. prepare() finds the
-neighbours (_retrieval_neighbours.py); the callback of _retrieval_rebuild.py rebuilds the index.
-"""
+neighbours (_retrieval_neighbours.py); the callback of _retrieval_rebuild.py rebuilds the index."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ normed state at position j and the token after it. The output mixes the LM head 
 
 with z = W h_t the LM's logits, tau and b learned. Training memory: the window's own past (j < t), the batch's
 other documents (with gradients through their keys) and the last ``memory_batches`` batches' detached states;
-validation uses the own past and the queue only. ``rlm eval --datastore`` scores the mixture over a datastore.
-"""
+validation uses the own past and the queue only. ``rlm eval --datastore`` scores the mixture over a datastore."""
 
 from __future__ import annotations
 
