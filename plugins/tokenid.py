@@ -136,10 +136,9 @@ def with_history(ctx: Context, k: int, pad: int, tokens: Tensor | None = None) -
 
 
 class NGramMemory(nn.Module):
-    """Hashed n-gram tables: the summed rows of every order and hash head, gated by the FFN input if asked.
-
-    With ``ngram_host`` the table and the hash constants stay on the host whatever the model is moved to
-    (``_apply``), and forward reads the rows ``prepare`` fetched."""
+    """Hashed n-gram tables: the summed rows of every order and hash head, gated by the FFN input if asked. With
+    ``ngram_host`` the table and the hash constants stay on the host whatever the model is moved to (``_apply``),
+    and forward reads the rows ``prepare`` fetched."""
 
     def __init__(self, vocab: int, d: int, c: TokenIDConfig) -> None:
         super().__init__()
