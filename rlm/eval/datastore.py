@@ -387,6 +387,7 @@ def build_datastore(
         raise ValueError(f"the index needs about {need['memory'] / 2**20:,.0f} MiB of memory and "
                          f"{mem / 2**20:,.0f} MiB are available; use a product-quantised factory "
                          "(--factory IVF4096,PQ16) or fewer --max-documents")  # fmt: skip
+    tok = Path(store.root) / "tokenizer.model"  # its hash names the token mapping the keys were read under
     start = time.perf_counter()
     with atomic_dir(out) as tmp:
         if parts is not None:
@@ -417,9 +418,7 @@ def build_datastore(
             "format": FORMAT,
             "checkpoint": str(Path(ckpt_path).resolve()),
             "fingerprint": model_fingerprint(module),
-            "tokenizer": hashlib.sha256(Path(store.root / "tokenizer.model").read_bytes()).hexdigest()[:24]
-            if (store.root / "tokenizer.model").is_file()
-            else None,
+            "tokenizer": hashlib.sha256(tok.read_bytes()).hexdigest()[:24] if tok.is_file() else None,
             "store": str(Path(store.root).resolve()),
             "corpus": corpus if corpus else data.corpus,
             "split": "all" if corpus else "train",
