@@ -35,9 +35,7 @@ class L2Index:
     factory: str
     search_params: dict[str, int] = field(default_factory=dict)
     tuned_recall: float | None = None
-    seconds: dict[str, float] = field(
-        default_factory=dict
-    )  # wall-clock seconds of each phase: train, add, tune
+    seconds: dict[str, float] = field(default_factory=dict)  # wall-clock seconds of train, add, tune
 
 
 def choose_l2_factory(n: int, dim: int, flat_below: int = 1_000_000) -> str:
