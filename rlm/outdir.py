@@ -5,19 +5,11 @@ file, a folder holding something the command reads, the current folder or one ab
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-
-
-def _is_own(folder: Path, marker: tuple[str, str] | None) -> bool:
-    if marker is None:
-        return False
-    try:
-        return marker[1] in json.loads((folder / marker[0]).read_text())
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def claim_out_dir(
@@ -48,9 +40,12 @@ def claim_out_dir(
             raise ValueError(f"{said} holds {source}, which this command reads: it is never replaced, even "
                              f"with --force; {new} (a new folder inside it is fine)")  # fmt: skip
     entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    if entries and not force and not _is_own(path, own):
+    mine = False  # an earlier output of this command: own[0] holds a JSON object with the key own[1]
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        mine = own is not None and own[1] in json.loads((path / own[0]).read_text())
+    if entries and not force and not mine:
         shown = ", ".join(map(repr, entries[:3])) + (", ..." if len(entries) > 3 else "")
-        mine = " and is not an earlier output of this command" if own else ""
-        raise ValueError(f"{said} exists and is not empty ({shown}){mine}; {new}, or pass --force to replace "
+        what = " and is not an earlier output of this command" if own else ""
+        raise ValueError(f"{said} exists and is not empty ({shown}){what}; {new}, or pass --force to replace "
                          "it and everything in it")  # fmt: skip
     return path

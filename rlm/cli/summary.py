@@ -86,14 +86,6 @@ def val_subset(limit: float | None, total: int | None = None) -> str:
     return f"{n} of {total} batches" if total else f"{n} batch{'es' * (n != 1)}"
 
 
-def _fit_val_subset(trainer: Any) -> str:
-    """val_subset of the fit's last validation: the batches it read against the validation loaders' length."""
-    used = sum(trainer.num_val_batches or []) or None
-    loaders = trainer.val_dataloaders  # RLMDataModule's: a DataLoader, or [] without a validation split
-    loaders = loaders if isinstance(loaders, list | tuple) else [] if loaders is None else [loaders]
-    return val_subset(used, sum(len(dl) for dl in loaders) or None)
-
-
 def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = None) -> str:
     """The block ``rlm fit`` prints when training ended normally."""
     metrics = trainer.callback_metrics
@@ -102,8 +94,12 @@ def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = 
     losses = [
         f"{k} {float(metrics[k]):.4f}" for k in ("val/loss", "train/loss") if metrics.get(k) is not None
     ]
-    # limit_val_batches: the loss of a subset, not of the whole split that `rlm eval --split val` reads
-    if losses and losses[0].startswith("val/loss") and (subset := _fit_val_subset(trainer)):
+    # limit_val_batches: the loss of a subset (the batches the last validation read against the loaders' length),
+    # not of the whole split that `rlm eval --split val` reads
+    loaders = trainer.val_dataloaders  # RLMDataModule's: a DataLoader, or [] without a validation split
+    loaders = loaders if isinstance(loaders, list | tuple) else [] if loaders is None else [loaders]
+    subset = val_subset(sum(trainer.num_val_batches or []) or None, sum(len(dl) for dl in loaders) or None)
+    if losses and losses[0].startswith("val/loss") and subset:
         losses[0] += f" on {subset}"
     title = f"rlm fit: finished at step {step}" + (f", {', '.join(losses)}" if losses else "")
     facts = [(name, show(path)) for name, path in paths.items() if path is not None]

@@ -127,18 +127,14 @@ class Tokenizer(SpecialIds):
                 num_threads=os.cpu_count() or 1,
                 minloglevel=2,
             )
-        except RuntimeError as err:
-            raise _vocab_error(err, vocab_size) from err
+        except RuntimeError as err:  # 'Vocabulary size too high': name the largest size that works
+            if found := re.search(r"Vocabulary size too high.*?<=\s*(\d+)", str(err)):
+                raise ValueError(
+                    f"vocab_size={vocab_size} is too large for this corpus's training split; "
+                    f"the largest that works is {found.group(1)} (use a smaller vocab_size or a larger corpus)"
+                ) from err
+            raise ValueError(
+                f"sentencepiece could not train a tokenizer with vocab_size={vocab_size}: {err}"
+            ) from err
         Path(path).write_bytes(model.getvalue())  # into the cache entry's temporary folder (store.new_entry)
         return cls(path)
-
-
-def _vocab_error(err: RuntimeError, vocab_size: int) -> Exception:
-    """Turn sentencepiece's 'Vocabulary size too high' into a ValueError naming the largest size that works."""
-    found = re.search(r"Vocabulary size too high.*?<=\s*(\d+)", str(err))
-    if found:
-        return ValueError(
-            f"vocab_size={vocab_size} is too large for this corpus's training split; "
-            f"the largest that works is {found.group(1)} (use a smaller vocab_size or a larger corpus)"
-        )
-    return ValueError(f"sentencepiece could not train a tokenizer with vocab_size={vocab_size}: {err}")
