@@ -74,14 +74,11 @@ def neighbour_distance(y: Tensor, table: Tensor, idx: Tensor, d2: Tensor) -> Ten
 
 
 def sq_dist_mm(q: Tensor, keys: Tensor) -> Tensor:
-    """||q_i - key_j||^2 - ||q_i||^2 ((B,) N, M) of q ((B,) N, d), keys ((B,) M, d) in one addmm or baddbmm (a row's
-    order is the squared distance's), in float32: in bfloat16 the cancellation in ||q||^2 - 2 q.k + ||k||^2 reorders
-    the nearest neighbours."""
+    """||q_i - key_j||^2 - ||q_i||^2 ((B,) N, M) in one addmm or baddbmm (a row's order is the squared distance's),
+    in float32: in bfloat16 the cancellation in ||q||^2 - 2 q.k + ||k||^2 reorders the nearest neighbours."""
     mm = torch.addmm if q.ndim == 2 else torch.baddbmm
     with torch.autocast(q.device.type, enabled=False):
-        return mm(
-            keys.square().sum(-1).unsqueeze(-2), q, keys.transpose(-2, -1).to(q.dtype), beta=1, alpha=-2
-        )
+        return mm(keys.square().sum(-1).unsqueeze(-2), q, keys.transpose(-2, -1).to(q.dtype), alpha=-2)
 
 
 def _nearest(d2: Tensor, q: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
