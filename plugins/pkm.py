@@ -302,15 +302,8 @@ class PKMPlugin(Plugin):
             self.resolve_sparse()
         if self._sparse:
             return []  # updated by self.row_optimizer, see PKMCallback.on_before_optimizer_step
-        return [
-            ParamGroup(
-                name="pkm_values",
-                params=list(self.values.values()),
-                lr=self.config.values_lr,
-                weight_decay=0.0,
-                schedule=False,
-            )
-        ]
+        values = list(self.values.values())
+        return [ParamGroup("pkm_values", values, lr=self.config.values_lr, weight_decay=0.0, schedule=False)]
 
     def callbacks(self) -> list[pl.Callback]:
         from rlm.plugins._host_table_callback import PKMCallback

@@ -145,18 +145,10 @@ def full_tensor(t: Tensor) -> Tensor:
 
 # Per-module hook tables FSDP fills (its unshard / reshard / reduce-scatter hooks): a plain copy starts them empty.
 _HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
 
 
 # Attributes fully_shard sets on a unit: its state (under torch's composable-API keys) and flags for Dynamo.
@@ -170,8 +162,7 @@ def _plain_module(module: nn.Module) -> nn.Module:
 
 
 def _unit_state(unit: nn.Module) -> dict[str, Any]:
-    """What deepcopy would copy of a unit (``Module.__getstate__``, without a ``compile()``-d call) less FSDP's
-    state."""
+    """What deepcopy would copy of a unit (``Module.__getstate__``, without a ``compile()``-d call), less FSDP's state."""
     return {k: v for k, v in unit.__getstate__().items() if not k.startswith(_FSDP_STATE)}
 
 
@@ -182,17 +173,8 @@ def _full_copy(t: DTensor) -> Tensor:
 
 
 # What deepcopy copies as is (and a walk must not enter: a class's or a Python module's __dict__).
-_ATOMIC = (
-    type,
-    types.ModuleType,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    str,
-    bytes,
-    int,
-    float,
-    complex,
-)
+_ATOMIC = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, bytes, int, float,
+           complex)  # fmt: skip
 
 
 def _sharded_parts(obj: Any) -> tuple[list[nn.Module], list[DTensor]]:
