@@ -86,10 +86,15 @@ def run_lightning(command: str, args: list[str]) -> int:
         return code
     if args == ["--help", "--"]:
         args = ["--help"]
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    from rlm.cli.check import release_run_locks
     from rlm.cli.lightning_cli import RLMCLI
     from rlm.cli.support import check_configs, help_formatter, quiet_known_noise
     from rlm.data.module import RLMDataModule
+    from rlm.train.checkpoint import PREEMPTED
     from rlm.train.module import LMModule
+    from rlm.train.strategy import release_process_group
 
     quiet_known_noise()
     limit_threads()
@@ -98,23 +103,15 @@ def run_lightning(command: str, args: list[str]) -> int:
         from rlm.eval.evaluate import checkpoint_layer
 
         args = checkpoint_layer(layers, args)
-    from pytorch_lightning.utilities.exceptions import SIGTERMException
-
-    from rlm.cli.check import release_run_locks
-    from rlm.train.checkpoint import PREEMPTED
-    from rlm.train.strategy import release_process_group
-
     try:
         RLMCLI(
             LMModule,
             RLMDataModule,
             args=[command, *args],
             # omegaconf+: ${trainer.default_root_dir} resolves after every file and flag is merged
-            parser_kwargs={
-                "parser_mode": "omegaconf+",
-                "formatter_class": help_formatter(),
-                "exit_on_error": False,
-            },
+            parser_kwargs=dict(
+                parser_mode="omegaconf+", formatter_class=help_formatter(), exit_on_error=False
+            ),
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
         )
