@@ -73,8 +73,7 @@ def reading_keys(module: Any, layer: str) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def read_datastore_meta(path: str | os.PathLike[str], verify: bool | None = None) -> dict[str, Any]:
-    """The meta.json of the datastore at ``path``, checked against its files (checksums unless ``verify`` is False
-    or RLM_INDEX_VERIFY=0)."""
+    """``path``'s meta.json, checked against its files (checksums unless ``verify`` False or RLM_INDEX_VERIFY=0)."""
     path = Path(path)
     if not (path / META).is_file():
         raise FileNotFoundError(f"no {WHAT} at {path} ({META} missing); build one with "
@@ -184,8 +183,7 @@ LOG_EVERY = 30.0  # seconds between the plain progress lines printed when stderr
 
 
 class Progress:
-    """A tqdm bar on a terminal; elsewhere (a log file) a plain stderr line every ``LOG_EVERY`` seconds and at
-    the end."""
+    """A tqdm bar on a terminal; elsewhere (a log file) a stderr line every ``LOG_EVERY`` seconds and at the end."""
 
     def __init__(self, desc: str, total: int, unit: str, enabled: bool = True) -> None:
         self.desc, self.total, self.unit, self.done = desc, total, unit, 0

@@ -85,8 +85,7 @@ def checkpoint_layer(layers: list[dict[str, Any]], args: list[str]) -> list[str]
 def checkpoint_data(
     ckpt_path: str, corpus: list[str] | None, progress: bool, force: bool = False
 ) -> tuple[RLMDataModule, TokenStore]:
-    """A prepared data module over the checkpoint's own corpus, or all of ``corpus``, read with its tokenizer
-    (``force``: see with_tokenizer), and its token store."""
+    """The checkpoint's corpus, or all of ``corpus`` under its tokenizer, as a prepared data module and its store."""
     ckpt = load_checkpoint_file(ckpt_path)
     hp = {**data_settings(ckpt, ckpt_path), "progress": progress}
     if corpus:  # all of the new text: no document held out

@@ -26,8 +26,7 @@ GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top
 
 @dataclass
 class Scorer:
-    """Scores lm-eval's requests with an rlm model and its tokenizer; ``mixer`` (rlm.eval.knnlm.Mixer) makes every
-    distribution the kNN-LM's."""
+    """Scores lm-eval's requests with an rlm model and its tokenizer; ``mixer`` (knnlm.Mixer) makes them kNN-LM's."""
 
     module: Any
     tokenizer: Any

@@ -283,8 +283,7 @@ def tune_on(module: Any, data: RLMDataModule, store: TokenStore, ds: Datastore, 
 
 def open_datastore(path: str | os.PathLike[str], module: Any, lam: float | None, temperature: float | None,
                    k: int | None) -> tuple[Datastore, float, float, int]:  # fmt: skip
-    """The datastore of ``module``'s own states at ``path``, with lam, temperature and k: those given, else the ones
-    of the build."""
+    """The datastore of ``module``'s own states at ``path``, with lam, temperature and k: given, else the build's."""
     ds = Datastore(path)
     ds.check_model(module)
     tuned = ds.meta.get("tuning") or {}
@@ -313,8 +312,7 @@ def evaluate_knn(
     device: str = "cpu",
     progress: bool = False,
 ) -> dict[str, Any]:
-    """The LM's and the kNN-LM's loss, perplexity and bits per byte on the checkpoint's split or on ``corpus``,
-    in one pass (the same tokens scored both ways)."""
+    """The LM's and the kNN-LM's loss, perplexity and bits per byte, from one pass over the same tokens."""
     from rlm.eval.evaluate import metrics
 
     module, data, store = load_for_knn(ckpt_path, corpus, device, progress)

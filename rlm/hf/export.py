@@ -163,8 +163,7 @@ def export_indices(model: Transformer, dest: Path, say: Callable[[str], None]) -
 
 
 def final_metrics(ckpt_path: Path, step: int) -> tuple[Path | None, dict[str, tuple[int, float]]]:
-    """The run's metrics.csv beside the checkpoint, if any, and each loss column's last (step, value) up to
-    ``step``."""
+    """The run's metrics.csv beside the checkpoint (or None) and each loss column's last (step, value) to ``step``."""
     run = ckpt_path.resolve().parent.parent
     versions = sorted(run.glob("version_*/metrics.csv"), key=lambda p: p.stat().st_mtime, reverse=True)
     candidates = [ckpt_path.resolve().parent / "metrics.csv", run / "metrics.csv", *versions]

@@ -52,8 +52,7 @@ def write_manifest(folder: Path, indices: dict[str, str | None]) -> None:
 
 
 def check_manifest(folder: Path, only: str | None = None) -> None:
-    """Raise OSError naming the file and ``folder`` when a file its manifest lists (``only`` that one) is missing
-    or changed."""
+    """OSError naming the file and ``folder`` if a file its manifest lists (``only`` that one) is gone or changed."""
     meta = read_manifest(folder, MANIFEST, WHAT, OSError)
     check_sealed(folder, meta, MANIFEST, WHAT, "export it again with rlm export", OSError, only=only)
 
@@ -93,8 +92,7 @@ class RLMConfig(PretrainedConfig):
 
 
 class WindowCache(KVCache):
-    """rlm's KVCache as transformers' generate() carries it between steps (``cache``): one window of the sequence,
-    starting at position ``start``."""
+    """rlm's KVCache as generate() carries it between steps: one window of the sequence, from position ``start``."""
 
     is_compileable = False
 
