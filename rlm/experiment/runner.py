@@ -27,15 +27,13 @@ from tqdm import tqdm
 from rlm.cli.summary import val_subset
 from rlm.experiment.check import count_parameters
 from rlm.experiment.runs import (
-    CORE_METRICS,
     FINGERPRINT,
     JOB_JSON,
     LAST_CKPT,
+    METRICS_CSV,
     SUMMARY,
     TEST_JSON,
     Run,
-    _keep_metrics,
-    _last,
     begin,
     log_tail,
     read_json,
@@ -50,6 +48,12 @@ KNNLM_JSON = "test_knnlm.json"  # rlm eval --datastore of the last checkpoint on
 DATASTORE = "datastore"  # removed after evaluation; its meta.json stays as datastore_meta.json
 # a run's own files, not taken over when an equal run is reused
 NOT_REUSED = (SUMMARY, KNNLM_JSON, DATASTORE, "datastore_meta.json", "knnlm.log", JOB_JSON)
+
+# metrics.csv columns that are not plugin metrics
+CORE_METRICS = {
+    "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
+    "val/loss", "val/ppl", "time/train_s", "time/load",
+}  # fmt: skip
 
 
 class Preempted(Exception):
@@ -124,6 +128,19 @@ def _rlm(run: Run, args: list[str], log_name: str, what: str) -> bool:
     if code in (PREEMPTED, -signal.SIGTERM):
         raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; the next run resumes it")
     return code == 0
+
+
+def _last(rows: list[dict[str, float]], name: str) -> float | None:
+    values = series(rows, name)
+    return values[-1][1] if values else None
+
+
+def _keep_metrics(run: Run) -> None:
+    """Move the last attempt's metrics.csv aside before a resume, for :func:`run_metrics` to stitch."""
+    current = run.dir / METRICS_CSV
+    if current.is_file():
+        k = len(list(current.parent.glob("metrics.part-*.csv")))
+        os.replace(current, current.with_name(f"metrics.part-{k}.csv"))
 
 
 def _late_median(rows: list[dict[str, Any]], key: str) -> float | None:

@@ -7,7 +7,6 @@ import csv
 import hashlib
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +22,6 @@ FINGERPRINT = "fingerprint"  # Run.fingerprint, written when training starts
 # Where a run executes and how it went (state: queued, running, done, failed, stopped; pid, host, job id, times,
 # the log to read on failure), for `rlm experiment status`
 JOB_JSON = "job.json"
-# metrics.csv columns that are not plugin metrics
-CORE_METRICS = {
-    "epoch", "step", "train/loss", "train/ppl", "train/total_loss", "train/tokens_per_s",
-    "val/loss", "val/ppl", "time/train_s", "time/load",
-}  # fmt: skip
 
 
 @dataclass
@@ -119,11 +113,6 @@ def series(rows: list[dict[str, float]], name: str) -> list[tuple[float, float]]
     return [(r.get("step", float("nan")), r[name]) for r in rows if name in r]
 
 
-def _last(rows: list[dict[str, float]], name: str) -> float | None:
-    values = series(rows, name)
-    return values[-1][1] if values else None
-
-
 def run_metrics(run_dir: Path) -> list[dict[str, float]]:
     """The run's metrics.csv rows with earlier attempts (``metrics.part-K.csv``, kept at each resume) stitched in
     front; rows of a part at or after the first step of the next one were trained again and are dropped."""
@@ -140,14 +129,6 @@ def run_metrics(run_dir: Path) -> list[dict[str, float]]:
         cut = min((r["step"] for c in chunks[i + 1 :] for r in c if "step" in r), default=math.inf)
         rows += [r for r in chunk if r.get("step", -1) < cut]
     return rows
-
-
-def _keep_metrics(run: Run) -> None:
-    """Move the last attempt's metrics.csv aside before a resume, for :func:`run_metrics` to stitch."""
-    current = run.dir / METRICS_CSV
-    if current.is_file():
-        k = len(list(current.parent.glob("metrics.part-*.csv")))
-        os.replace(current, current.with_name(f"metrics.part-{k}.csv"))
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
