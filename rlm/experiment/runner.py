@@ -126,7 +126,7 @@ def _rlm(run: Run, args: list[str], log_name: str, what: str) -> bool:
     with open(run.dir / log_name, "a") as log:
         code = _run_forwarding_sigterm([sys.executable, "-m", "rlm", *args], log, _child_env())
     if code in (PREEMPTED, -signal.SIGTERM):
-        raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; the next run resumes it")
+        raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; running the experiment again finishes it")
     return code == 0
 
 
