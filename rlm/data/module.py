@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from rlm.data.corpus import Document, fingerprint, read_corpus
 from rlm.data.pretrained import TRAIN, HFTokenizer, resolve_vocab_size, tokenizer_digest
 from rlm.data.segments import SegmentTable
-from rlm.data.store import CacheKey, TokenStore, build_store
+from rlm.data.store import CacheKey, TokenStore, build_store, build_stream_store, stream_documents, stream_key
 from rlm.data.tokenizer import ModelType, Tokenizer
 from rlm.data.windows import TrainLoader, Windows, eval_loader
 
@@ -148,8 +148,6 @@ class RLMDataModule(pl.LightningDataModule):
     def cache_key(self) -> CacheKey:
         """What the cache entry depends on (reads the corpus to fingerprint it)."""
         if self._key is None:
-            from rlm.data.stream import stream_key
-
             self._key = CacheKey(
                 corpus=stream_key(*self._stream_args()) if self.streaming else fingerprint(self.documents()),
                 vocab_size=self.vocab_size_requested,
@@ -176,8 +174,6 @@ class RLMDataModule(pl.LightningDataModule):
             if not self.streaming:
                 build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_spec)
                 return
-            from rlm.data.stream import build_stream_store, stream_documents
-
             prefix = f"{self.specs[0]}/{self.hf_split}/" if len(self.specs) == 1 else "stream/"
             docs = lambda: stream_documents(*self._stream_args())  # noqa: E731
             build_stream_store(root, docs, self.cache_key(), prefix, self.tokenizer_spec, self.progress)

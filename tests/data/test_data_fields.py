@@ -156,7 +156,7 @@ def test_the_fingerprint_follows_the_documents_text_field_included(tmp_path):
 def test_hf_path_of_a_local_data_file_reads_through_datasets(tmp_path, monkeypatch, ext):
     datasets = pytest.importorskip("datasets")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    from rlm.data.stream import stream_documents
+    from rlm.data.store import stream_documents
 
     path = _write(tmp_path / f"a{ext}", ROWS)
     docs = read_corpus(f"hf:{path}", text_field="body", progress=False)
@@ -174,7 +174,7 @@ def test_hf_path_of_a_local_data_file_reads_through_datasets(tmp_path, monkeypat
 def test_malformed_hf_data_files_are_errors_naming_the_file(tmp_path, monkeypatch, rlm_main):
     datasets = pytest.importorskip("datasets")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    from rlm.data.stream import stream_documents
+    from rlm.data.store import stream_documents
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": oops}\n')

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlm.data import stream as stream_mod
+from rlm.data import store as stream_mod
 from rlm.data.module import RLMDataModule
 from rlm.data.pretrained import HFTokenizer, load_tokenizer
 from rlm.data.tokenizer import Tokenizer
