@@ -178,7 +178,7 @@ def quiet_known_noise() -> None:
 
 def canonical_flags(command: str, args: list[str]) -> list[str]:
     """rlm fit/validate/test's arguments in LightningCLI's spelling: ``--ckpt`` is ``--ckpt_path``; validate/test's
-    ``--datastore DIR`` is the kNN-LM callback (rlm.eval.knnlm_eval.DatastoreEval) on that datastore. Only option
+    ``--datastore DIR`` is the kNN-LM callback (rlm.eval.knnlm.DatastoreEval) on that datastore. Only option
     names change, never values; everything after ``--`` is left as it is."""
     end = args.index("--") if "--" in args else len(args)
     out, i = [], 0
@@ -189,7 +189,7 @@ def canonical_flags(command: str, args: list[str]) -> list[str]:
             if not value or value.startswith("--"):
                 raise ValueError("--datastore needs a directory: a datastore built by `rlm knnlm build`")
             out += [
-                "--trainer.callbacks+=rlm.eval.knnlm_eval.DatastoreEval",
+                "--trainer.callbacks+=rlm.eval.knnlm.DatastoreEval",
                 f"--trainer.callbacks.datastore={value}",
             ]
             i += 1 if "=" in arg else 2
