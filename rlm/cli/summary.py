@@ -94,8 +94,7 @@ def fit_summary(trainer: Any, config: Path | None = None, horizon: int | None = 
     losses = [
         f"{k} {float(metrics[k]):.4f}" for k in ("val/loss", "train/loss") if metrics.get(k) is not None
     ]
-    # limit_val_batches: the loss of a subset (the batches the last validation read against the loaders' length),
-    # not of the whole split that `rlm eval --split val` reads
+    # limit_val_batches: the loss of a subset, not of the whole split that `rlm eval --split val` reads
     loaders = trainer.val_dataloaders  # RLMDataModule's: a DataLoader, or [] without a validation split
     loaders = loaders if isinstance(loaders, list | tuple) else [] if loaders is None else [loaders]
     subset = val_subset(sum(trainer.num_val_batches or []) or None, sum(len(dl) for dl in loaders) or None)

@@ -169,8 +169,7 @@ class RLMDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Train the tokenizer and encode the corpus unless the cache already has them (rank 0 only)."""
         root = self.cache_path()
-        if not TokenStore.exists(root):
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if not TokenStore.exists(root):  # both builders create the cache folder
             if not self.streaming:
                 build_store(root, self.documents(), self.cache_key(), self.progress, self.tokenizer_spec)
                 return
