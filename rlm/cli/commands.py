@@ -188,13 +188,12 @@ def cmd_generate(
     from rlm.data.pretrained import load_tokenizer
     from rlm.eval.generate import cut_at, sample_batch, stop_at
     from rlm.eval.knnlm_cli import device_arg
+    from rlm.train.checkpoint import load_checkpoint_file
     from rlm.train.module import LMModule
 
     where = torch.device(device_arg(device))
     if not os.path.isfile(ckpt):
         raise ValueError(f"--ckpt {ckpt!r} does not exist")
-    from rlm.train.checkpoint import load_checkpoint_file
-
     state = load_checkpoint_file(ckpt)  # a damaged file is named, not a traceback
     # the tokenizer the checkpoint carries: generating needs neither the corpus nor its token cache
     tok = load_tokenizer(tokenizer_file(state, ckpt, data_settings(state, ckpt)))

@@ -124,9 +124,8 @@ class RLMCLI(LightningCLI):
             raise ValueError(plain_parse_error(str(err))) from None
 
     def _parse_ckpt_path(self) -> None:
-        # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another
-        # model or plugin config is refused naming the keys that differ (LightningCLI would silently replace
-        # the model config with the checkpoint's).
+        # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another model
+        # or plugin config is refused naming the keys that differ (LightningCLI would silently take the checkpoint's)
         from rlm.train.resume import prepare_ckpt_path
 
         honoured = prepare_ckpt_path(self.config)
