@@ -114,11 +114,10 @@ class RLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: RLMConfig) -> None:
         super().__init__(config)
-        # from_pretrained sets name_or_path before building: the folder that indices are relative to
-        root = config.name_or_path if config.name_or_path and os.path.isdir(config.name_or_path) else None
         self.model = Transformer(ModelConfig(**config.rlm_model), config.plugins or None)
-        if root is not None:
-            self.attach_indices(root)
+        # from_pretrained sets name_or_path before building: the folder that indices are relative to
+        if config.name_or_path and os.path.isdir(config.name_or_path):
+            self.attach_indices(config.name_or_path)
         # transformers loads parameters one by one, which breaks rlm's tie of head and table: declare it
         params = self.model.named_parameters(remove_duplicate=False)
         source = next((n for n, p in params if p is self.model.head.weight and n != "head.weight"), None)
