@@ -268,4 +268,3 @@ def cmd_info(dir: str, *, json: bool = False) -> int:
 
 
 COMMANDS = {"build": cmd_build, "search": cmd_search, "eval": cmd_eval, "info": cmd_info}
-"""``rlm index``'s subcommands (rlm.cli.commands builds their parsers from the signatures)."""
