@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from rlm.cli.support import canonical_flags, check_configs, plain_parse_error, quiet_known_noise
 from rlm.extras import MissingExtra
 
 
@@ -90,7 +91,7 @@ def run_lightning(command: str, args: list[str]) -> int:
 
     from rlm.cli.check import release_run_locks
     from rlm.cli.lightning_cli import RLMCLI
-    from rlm.cli.support import check_configs, help_formatter, quiet_known_noise
+    from rlm.cli.support import help_formatter
     from rlm.data.module import RLMDataModule
     from rlm.train.checkpoint import PREEMPTED
     from rlm.train.module import LMModule
@@ -437,8 +438,6 @@ def function_parser(prog: str, fn: Callable[..., int]) -> Any:
 
 def call(prog: str, fn: Callable[..., int], args: list[str]) -> int:
     """``fn`` on ``args`` parsed by its parser: ``--help`` and bad arguments stop before it runs (ValueError)."""
-    from rlm.cli.support import plain_parse_error
-
     try:
         cfg = function_parser(prog, fn).parse_args(typed_argv(fn, args))
     except argparse.ArgumentError as err:
@@ -491,8 +490,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = command_target(command)
         if target is run_lightning:
-            from rlm.cli.support import canonical_flags
-
             return run_lightning(command, canonical_flags(command, rest))
         if isinstance(target, dict) and rest[:1] and rest[0] in target:  # a subcommand
             prog, target, rest = f"{prog} {rest[0]}", target[rest[0]], rest[1:]

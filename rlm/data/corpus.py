@@ -21,6 +21,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from rlm.extras import require
+
 ACCEPTED = (
     "'stdlib', 'hf:NAME' (a Hugging Face dataset name, a saved dataset's path or a data file's path), a file, "
     "a directory or a glob"
@@ -126,8 +128,6 @@ def _json_texts(path: Path, text_field: str) -> Iterator[Any]:
 
 def _parquet_texts(path: Path, text_field: str) -> Iterator[Any]:
     """The `text_field` column of a parquet file, in row order, read in batches (only that column)."""
-    from rlm.extras import require
-
     pq = require("pyarrow.parquet", "hf", "a .parquet corpus file")
     file = pq.ParquetFile(path)
     if text_field not in file.schema_arrow.names:
@@ -195,8 +195,6 @@ _HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv"
 def hf_dataset(name: str, split: str, config: str | None, streaming: bool = False) -> Any:
     """The ``split`` of an hf: source: a dataset saved with save_to_disk, a local data file, a local folder of
     data files, or a hub name; an IterableDataset when ``streaming``."""
-    from rlm.extras import require
-
     datasets = require("datasets", "hf", "an hf: corpus")  # slow import, only when asked for
     marks = ("dataset_info.json", "dataset_dict.json", "state.json")  # a folder written by save_to_disk
     if os.path.isdir(name) and any(os.path.isfile(os.path.join(name, m)) for m in marks):
