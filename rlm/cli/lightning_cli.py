@@ -8,7 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from jsonargparse import set_parsing_settings
+from pytorch_lightning.callbacks import ProgressBar
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+
+from rlm.cli.check import check_fit, lock_fit, new_dirs, remove_unused_dirs
+from rlm.cli.summary import fit_summary
+from rlm.cli.support import link_vocab, plain_parse_error, pop_print_config
+from rlm.plugin.catalog import options_help
+from rlm.plugin.registry import plugins_config
+from rlm.train.module import LMModule
+from rlm.train.progress import StepProgressBar
+from rlm.train.resume import prepare_ckpt_path
+from rlm.train.strategy import prepare_trainer
 
 
 class SaveConfig(SaveConfigCallback):
@@ -39,17 +50,10 @@ class RLMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # jsonargparse lists the options of an `X | None` dataclass only two --help levels down (--model.plugins.help
         # PluginsConfig, then --model.plugins.NAME.help): each subcommand's help lists them, from the registry
-        from rlm.plugin.catalog import options_help
-        from rlm.plugin.registry import plugins_config
-
         title = "Memory plugins' options (--model.plugins.NAME.OPTION VALUE, or model.plugins.NAME.OPTION in a config)"
         parser.add_argument_group(title, options_help(plugins_config()))
 
     def before_instantiate_classes(self) -> None:
-        from rlm.cli.check import check_fit, lock_fit
-        from rlm.cli.support import link_vocab
-        from rlm.train.strategy import prepare_trainer
-
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if self.subcommand == "fit":  # max_steps 0, unwritable output folders: before anything is built
             check_fit(cfg)
@@ -61,10 +65,6 @@ class RLMCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         # rlm's bar (steps to max_steps) unless the config names a bar or turns it off: Lightning's own prints a
         # negative epoch total under max_steps.
-        from pytorch_lightning.callbacks import ProgressBar
-
-        from rlm.train.progress import StepProgressBar
-
         given = config.get("callbacks")
         given = [*(given if isinstance(given, list) else [given] if given else []), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(
@@ -75,8 +75,6 @@ class RLMCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         # A fit failing before its first step removes the logger folders it created (remove_unused_dirs).
-        from rlm.cli.check import new_dirs, remove_unused_dirs
-
         trainer = self.trainer
         fresh = []
         if subcommand == "fit" and trainer.is_global_zero:
@@ -93,9 +91,6 @@ class RLMCLI(LightningCLI):
     def after_fit(self) -> None:
         # Where the run went and what to run next, once, from the first process.
         if self.trainer.is_global_zero:
-            from rlm.cli.summary import fit_summary
-            from rlm.train.module import LMModule
-
             saved = [cb.path for cb in self.trainer.callbacks if isinstance(cb, SaveConfig)]
             module = self.trainer.lightning_module
             horizon = module.lr_horizon if isinstance(module, LMModule) else None
@@ -104,8 +99,6 @@ class RLMCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # without LightningCLI's warning about args next to sys.argv (run_lightning passes the whole command line);
         # --print_config is printed after the checkpoint and vocabulary are applied (_parse_ckpt_path).
-        from rlm.cli.support import plain_parse_error, pop_print_config
-
         args, self._print_config = pop_print_config(list(args))
         try:
             self.config = parser.parse_args(args)
@@ -114,8 +107,6 @@ class RLMCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         # a plugin Config's own check (__post_init__) fails here, wrapped in jsonargparse's union report
-        from rlm.cli.support import plain_parse_error
-
         try:
             super().instantiate_classes()
         except (ArgumentError, ValueError, TypeError) as err:
@@ -126,16 +117,12 @@ class RLMCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # `last` is looked up across the run's folders; a damaged file is named; resuming `fit` under another model
         # or plugin config is refused naming the keys that differ (LightningCLI would silently take the checkpoint's)
-        from rlm.train.resume import prepare_ckpt_path
-
         honoured = prepare_ckpt_path(self.config)
         super()._parse_ckpt_path()
         # the optim settings a resumed run may change (a new schedule horizon), over the checkpoint's
         for key, value in (honoured or {}).items():
             self.config[self.config["subcommand"]].model.optim[key] = value
         if self._print_config is not None:  # what runs: the checkpoint's model, the data's vocabulary
-            from rlm.cli.support import link_vocab
-
             sub = self.config["subcommand"]
             link_vocab(self.config[sub])
             print(self._parser(sub).dump(self.config[sub], **self._print_config), end="")
