@@ -5,11 +5,15 @@ linked, known third-party noise filtered, and jsonargparse's errors in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import warnings
+from argparse import RawDescriptionHelpFormatter
 from pathlib import Path
 from typing import Any
+
+from rlm.extras import require
 
 REFUSED = ("optimizer", "lr_scheduler")
 PRINT_CONFIG = "--print_config"
@@ -111,8 +115,6 @@ def require_class_extras(layers: list[dict[str, Any]], args: list[str]) -> None:
             return own + [c for v in node.values() for c in class_paths(v)]
         return [c for v in node for c in class_paths(v)] if isinstance(node, list) else []
 
-    from rlm.extras import require
-
     for name in [*class_paths(layers), *(a.rsplit("=", 1)[-1] for a in args)]:
         if name.rsplit(".", 1)[-1] in CLASS_EXTRAS:
             require(*CLASS_EXTRAS[name.rsplit(".", 1)[-1]], name)
@@ -210,8 +212,6 @@ def plain_help(text: str) -> str:
 def help_formatter() -> type:
     """jsonargparse's help formatter with Lightning's Sphinx markup removed and descriptions keeping their lines (the
     plugins' options; ``rlm fit --help``)."""
-    from argparse import RawDescriptionHelpFormatter
-
     from jsonargparse import DefaultHelpFormatter
 
     class PlainHelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
@@ -271,7 +271,5 @@ def plain_parse_error(message: str) -> str:
     elif m := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value:\s?(.*)", reason):
         reason = f"must be one of {m.group(1)}, got {m.group(2)!r}"
     elif (m := re.match(r"Option '(\w+)' is not accepted", reason)) and (cls := _section_class(keys)):
-        import dataclasses
-
         reason = f"unknown key {m.group(1)!r}; accepted: {[f.name for f in dataclasses.fields(cls)]}"
     return f"{'.'.join(keys)}: {reason}" if keys else reason
