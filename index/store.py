@@ -228,7 +228,7 @@ def build_index_dir(
 
 def read_meta(path: str | os.PathLike, verify: bool | None = None) -> dict[str, Any]:
     """The metadata of a complete index directory, after checking every listed file is there, full size, and
-    (``verify``; default rlm.checksums.verify_default) has the checksum meta.json records."""
+    (``verify``; default: unless RLM_INDEX_VERIFY=0) has the checksum meta.json records."""
     path = Path(path)
     recover_swap(path)
     meta = read_manifest(path, META, "index", IndexNotFoundError)
