@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("rlm.__main__", "rlm.cli", "rlm.cli.commands")),
 ]
 
-# None left: index/rebuild.py and index/sharded.py imported each other until the memory moved to index/memory.py.
+# None left.
 KNOWN_CYCLES: list[list[str]] = []
 
 
