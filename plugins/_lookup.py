@@ -36,8 +36,9 @@ class LookupOptions:
     router_jitter: float = 0.01
     """Softmax: multiplicative jitter U(1-eps, 1+eps) on the router input while training (Switch); 0 disables."""
     lsh_slabs: int = 2
-    """lsh: slabs per random direction (2 = one hyperplane through the origin), spaced 1 apart in units of the
-    rms-normalised token's projection (std ~1); entries must be a power of it."""
+    """lsh: slabs per random direction (2 = one hyperplane through the origin); entries must be a power of it."""
+    lsh_width: float = 1.0
+    """lsh: spacing of the parallel hyperplanes, in units of the rms-normalised token's projection (std ~1)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.top_k, int) or self.top_k < 1:
@@ -50,6 +51,8 @@ class LookupOptions:
             raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
         if not isinstance(self.lsh_slabs, int) or self.lsh_slabs < 2:
             raise ValueError(f"lsh_slabs must be an integer >= 2, got {self.lsh_slabs!r}")
+        if self.lsh_width <= 0:
+            raise ValueError(f"lsh_width must be positive, got {self.lsh_width}")
 
 
 @dataclass
@@ -117,7 +120,7 @@ def lsh_directions(d: int, n: int, options: LookupOptions) -> tuple[Tensor, Tens
         )
     g = torch.Generator().manual_seed(SEED)
     directions = F.normalize(torch.randn(d, m, generator=g), dim=0)
-    cuts = torch.arange(s - 1, dtype=torch.float32) - (s - 2) / 2  # symmetric about 0, 1 apart
+    cuts = (torch.arange(s - 1, dtype=torch.float32) - (s - 2) / 2) * options.lsh_width  # symmetric about 0
     return directions, cuts
 
 

@@ -71,7 +71,7 @@ def naive_lsh(x: torch.Tensor, directions: torch.Tensor, cuts: torch.Tensor, sla
 
 @pytest.mark.parametrize("slabs, n", [(2, 16), (3, 9), (4, 64)])
 def test_lsh_cells_match_the_grid_by_hand(slabs, n):
-    opts = LookupOptions(lookup="lsh", lsh_slabs=slabs)
+    opts = LookupOptions(lookup="lsh", lsh_slabs=slabs, lsh_width=0.7)
     lsh = LSHLookup(D, n, opts)
     x = torch.randn(50, D)
     index = lsh(x, torch.zeros(50, dtype=torch.long), True).index.view(-1)
@@ -79,7 +79,7 @@ def test_lsh_cells_match_the_grid_by_hand(slabs, n):
     assert int(index.max()) < n
     # Equispaced parallel cuts, symmetric about the origin.
     if slabs > 2:
-        assert_close(lsh.cuts[1:] - lsh.cuts[:-1], torch.full((slabs - 2,), 1.0))
+        assert_close(lsh.cuts[1:] - lsh.cuts[:-1], torch.full((slabs - 2,), 0.7))
     assert_close(lsh.cuts.mean(), torch.tensor(0.0))
 
 
