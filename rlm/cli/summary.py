@@ -23,7 +23,12 @@ def show(path: str | Path | None) -> str:
 def fit_paths(trainer: Any, config: Path | None = None) -> dict[str, Path | None]:
     """Where a finished fit wrote its checkpoint, metrics CSV, TensorBoard logs and merged config (``config``, from
     the config callback: ``trainer.log_dir`` is a collective under DDP, and only rank 0 prints)."""
-    paths = [p for cb in trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path)]
+    # every Checkpoint callback, not only ModelCheckpoint (OnExceptionCheckpoint has neither path)
+    paths = [
+        getattr(cb, n, "")
+        for cb in trainer.checkpoint_callbacks
+        for n in ("last_model_path", "best_model_path")
+    ]
     ckpt = next((Path(p) for p in paths if p and Path(p).is_file()), None)
     logs = {type(lg).__name__: Path(lg.log_dir) for lg in reversed(trainer.loggers) if lg.log_dir}
     csv, tb = logs.get("CSVLogger"), logs.get("TensorBoardLogger")

@@ -299,3 +299,18 @@ def test_experiment_check_says_what_it_checks_before_importing_lightning():
     said = run.stderr.index("rlm experiment check: 5 variants (baseline, sum, sameup, altup, recycled)")
     assert said < run.stderr.index("LIGHTNING")  # the slow part comes after the first line
     assert "altup" in run.stdout  # the plan, as before
+
+
+def test_fit_paths_reads_every_checkpoint_callback_even_one_without_model_paths(tmp_path):
+    """Lightning's OnExceptionCheckpoint is a Checkpoint without last/best_model_path: the summary skips it."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    from rlm.cli.summary import fit_paths
+
+    saved = ModelCheckpoint(dirpath=tmp_path)
+    saved.last_model_path = str(tmp_path / "last.ckpt")
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    trainer = pl.Trainer(callbacks=[OnExceptionCheckpoint(tmp_path), saved], logger=False, accelerator="cpu")
+    assert [type(cb) for cb in trainer.checkpoint_callbacks] == [OnExceptionCheckpoint, ModelCheckpoint]
+    assert fit_paths(trainer)["checkpoint"] == tmp_path / "last.ckpt"
