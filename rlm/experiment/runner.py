@@ -126,7 +126,7 @@ def _rlm(run: Run, args: list[str], log_name: str, what: str) -> bool:
     with open(run.dir / log_name, "a") as log:
         code = _run_forwarding_sigterm([sys.executable, "-m", "rlm", *args], log, _child_env())
     if code in (PREEMPTED, -signal.SIGTERM):
-        raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; running the experiment again finishes it")
+        raise Preempted(f"{run.label}: {what} was stopped by SIGTERM; the next run repeats it")
     return code == 0
 
 
@@ -235,10 +235,14 @@ def train(run: Run) -> tuple[bool, float]:
         return True, before
     start = time.perf_counter()
     try:
-        ok = _rlm(run, ["fit", "--config", str(config_path), *extra], "fit.log", "training")
-    finally:  # a stopped run's time counts too: its last.ckpt is kept, and the next run resumes it
-        wall = before + time.perf_counter() - start
-        write_atomic(wall_file, f"{wall}\n")
+        ok, stopped = _rlm(run, ["fit", "--config", str(config_path), *extra], "fit.log", "training"), False
+    except Preempted:
+        ok, stopped = False, True
+    wall = before + time.perf_counter() - start  # a stopped run's time counts too: the next run resumes it
+    write_atomic(wall_file, f"{wall}\n")
+    if stopped:
+        raise Preempted(f"{run.label}: stopped by SIGTERM after {wall:.0f}s; its last.ckpt is kept, and the next "
+                        "`rlm experiment run` resumes it")  # fmt: skip
     if ok and extra and not (run.dir / LAST_CKPT).is_file():
         # it resumed at the end of training (of max_epochs, say), so it trained and saved nothing
         _use_as_last(run, Path(extra[1]))
