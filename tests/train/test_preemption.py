@@ -103,7 +103,9 @@ def test_the_runner_maps_a_sigterm_exit_to_preempted(tmp_path, monkeypatch):
     run = Run("base", 0, tmp_path / "base" / "seed0", {"trainer": {"max_steps": 3}})
     for code in (143, -signal.SIGTERM):
         monkeypatch.setattr(runner, "_run_forwarding_sigterm", lambda *a, code=code: code)
-        with pytest.raises(Preempted, match=r"base/seed0: stopped by SIGTERM after \d+s; its last.ckpt is kept"):
+        with pytest.raises(
+            Preempted, match=r"base/seed0: stopped by SIGTERM after \d+s; its last.ckpt is kept"
+        ):
             runner.train(run)
         assert float((run.dir / "wall_s").read_text()) >= 0  # the stopped run's time counts
     monkeypatch.setattr(runner, "_run_forwarding_sigterm", lambda *a: 1)
